@@ -1,0 +1,138 @@
+"""``gpulab env | breakdown MODEL | step MODEL`` (also ``python -m gpulab``).
+
+Each command prints a readable table, or with ``--json`` exactly one JSON object on stdout.
+Bad input gets one line on stderr naming what is valid, and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from typing import Any, Sequence
+
+from .units import format_bytes
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, no usage dump
+        self.exit(2, f"gpulab: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .experiments import OPTIMIZERS
+    from .models import MODELS
+
+    p = _Parser(prog="gpulab", description="Where does GPU memory go? Measure it.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    e = sub.add_parser("env", help="Python/torch versions, GPU facts, the engine lessons will use")
+    e.add_argument("--json", action="store_true")
+    for name, helptext in (("breakdown", "per-layer table: output shapes, params, bytes, FLOPs"),
+                           ("step", "memory of one training step, by category, vs the formulas")):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("model", help=f"one of: {', '.join(MODELS)}")
+        s.add_argument("--batch", type=_positive_int, default=None)
+        s.add_argument("--image-size", type=_positive_int, default=None)
+        s.add_argument("--dtype", default="float32")
+        s.add_argument("--json", action="store_true")
+        if name == "step":
+            s.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS))
+            s.add_argument("--engine", default="auto")
+            s.add_argument("--steps", type=_positive_int, default=1)
+    return p
+
+
+def env_info() -> dict[str, Any]:
+    import torch
+    import torchvision
+
+    from .engines import choose_engine, engine_status
+    from .gpu import device_report
+
+    choice = choose_engine("auto")
+    return {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "torchvision": torchvision.__version__, "cuda_available": torch.cuda.is_available(),
+        "cuda_version": torch.version.cuda, "device": device_report().as_dict(),
+        "engine": choice.name, "engine_reason": choice.reason,
+        "engines": {k: {"available": a, "why": w} for k, (a, w) in engine_status().items()},
+    }
+
+
+def _print_env(info: dict[str, Any]) -> str:
+    lines = [f"python {info['python']}, torch {info['torch']}, torchvision {info['torchvision']}",
+             f"CUDA available: {info['cuda_available']}"]
+    for g in info["device"]["gpus"]:
+        lines.append(f"GPU {g['index']}: {g['name']}, {format_bytes(g['total_bytes'])} total, "
+                     f"{format_bytes(g['used_bytes'])} used, driver {g['driver']}, cc {g['compute_capability']}")
+    if info["device"]["reason"]:
+        lines.append(info["device"]["reason"])
+    lines.append(f"lessons will use the {info['engine']} engine: {info['engine_reason']}")
+    return "\n".join(lines)
+
+
+def _print_breakdown(d: dict[str, Any]) -> str:
+    lines = [f"{d['model']} input {d['input_shape']} {d['dtype']}",
+             f"{'layer':<22}{'type':<18}{'output shape':<22}{'params':>12}{'output':>12}{'GFLOP':>9}"]
+    for r in d["layers"]:
+        lines.append(f"{r['name']:<22}{r['type']:<18}{str(r['output_shape']):<22}{r['params']:>12,}"
+                     f"{format_bytes(r['output_bytes']):>12}{r['flops'] / 1e9:>9.2f}")
+    lines.append(f"total params {d['total_params']:,} ({format_bytes(d['param_bytes'])}), "
+                 f"outputs {format_bytes(d['total_output_bytes'])}, forward {d['forward_flops'] / 1e9:.2f} GFLOP "
+                 f"(formula; 1 multiply-add = 2 FLOPs)")
+    return "\n".join(lines)
+
+
+def _print_step(d: dict[str, Any]) -> str:
+    lines = [f"{d['model']} batch {d['batch']} image {d['image_size']} {d['dtype']} {d['optimizer']}: "
+             f"engine {d['engine']} ({d['engine_reason']})",
+             f"{'category':<17}{'peak (' + d['label'] + ')':>44}{'formula':>14}"]
+    if d["oom"]:
+        lines.append(f"out of memory: {d['error']}")
+    for k, v in d["peak_by_category"].items():
+        pred = d["predicted"].get(k)
+        lines.append(f"{k:<17}{format_bytes(v):>44}{format_bytes(pred) if pred is not None else '—':>14}")
+    lines.append(f"{'total':<17}{format_bytes(d['peak_bytes']):>44}   peak during {d['peak_phase']}")
+    if "allocator" in d:
+        a = d["allocator"]
+        lines.append(f"allocator: max allocated {format_bytes(a['max_memory_allocated'])}, "
+                     f"max reserved {format_bytes(a['max_memory_reserved'])}, nvml used "
+                     f"{format_bytes(a['nvml_used']) if a['nvml_used'] is not None else 'n/a'}")
+        lines.append(f"{d['beyond_tensors']['label']}: {format_bytes(d['beyond_tensors']['bytes'])}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "env":
+            data = env_info()
+            text = _print_env
+        elif args.command == "breakdown":
+            from .experiments import breakdown
+            data = breakdown(args.model, args.batch or 1, args.image_size, args.dtype).as_dict()
+            text = _print_breakdown
+        else:
+            from .experiments import training_step
+            data = training_step(args.model, args.batch, args.image_size, args.optimizer, args.dtype,
+                                 args.engine, steps=args.steps).as_dict()
+            text = _print_step
+    except ValueError as exc:  # bad model, dtype, image size, engine: say what is valid
+        print(f"gpulab: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(data) if args.json else text(data))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

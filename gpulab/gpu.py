@@ -1,0 +1,94 @@
+"""Device facts from NVML (what nvidia-smi reads) and torch.cuda. Never raises: without a
+GPU or without NVML the facts say so in ``reason``."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class GpuFacts:
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+    used_bytes: int          # NVML: device-wide used memory, what nvidia-smi shows
+    driver: str
+    compute_capability: str
+    source: str              # "nvml" or "torch.cuda"
+
+
+@dataclass
+class DeviceReport:
+    cuda_available: bool
+    gpus: list[GpuFacts] = field(default_factory=list)
+    nvml_available: bool = False
+    reason: str = ""         # why there is no GPU / no NVML, in plain words
+
+    def as_dict(self) -> dict:
+        return {"cuda_available": self.cuda_available, "nvml_available": self.nvml_available,
+                "reason": self.reason, "gpus": [asdict(g) for g in self.gpus]}
+
+
+def _nvml():
+    """The pynvml module, initialised, or (None, reason)."""
+    try:
+        import pynvml  # provided by the nvidia-ml-py package
+    except ImportError:
+        return None, "the pynvml module (package nvidia-ml-py) is not installed"
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return None, f"NVML could not start ({exc}): no NVIDIA driver on this machine"
+    return pynvml, ""
+
+
+def nvml_used_bytes(index: int = 0) -> int | None:
+    """Device-wide used memory from NVML (all processes, CUDA context included), or None."""
+    nv, _ = _nvml()
+    if nv is None:
+        return None
+    try:
+        return int(nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(index)).used)
+    except Exception:
+        return None
+
+
+def device_report() -> DeviceReport:
+    cuda = torch.cuda.is_available()
+    nv, nv_reason = _nvml()
+    report = DeviceReport(cuda_available=cuda, nvml_available=nv is not None)
+    if nv is not None:
+        try:
+            driver = nv.nvmlSystemGetDriverVersion()
+            driver = driver.decode() if isinstance(driver, bytes) else str(driver)
+            for i in range(nv.nvmlDeviceGetCount()):
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                mem = nv.nvmlDeviceGetMemoryInfo(h)
+                name = nv.nvmlDeviceGetName(h)
+                name = name.decode() if isinstance(name, bytes) else str(name)
+                major, minor = nv.nvmlDeviceGetCudaComputeCapability(h)
+                report.gpus.append(GpuFacts(i, name, int(mem.total), int(mem.free), int(mem.used),
+                                            driver, f"{major}.{minor}", "nvml"))
+        except Exception as exc:
+            report.reason = f"NVML answered but failed to list devices: {exc}"
+    if not report.gpus and cuda:
+        for i in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(i)
+            major, minor = torch.cuda.get_device_capability(i)
+            report.gpus.append(GpuFacts(i, torch.cuda.get_device_name(i), int(total), int(free),
+                                        int(total - free), "unknown (no NVML)", f"{major}.{minor}",
+                                        "torch.cuda"))
+    if not cuda:
+        report.reason = ("torch.cuda.is_available() is False: no CUDA GPU is visible to this "
+                         "process" + (f"; {nv_reason}" if nv_reason else ""))
+    elif nv is None:
+        report.reason = nv_reason
+    return report
+
+
+def gpu_name(index: int = 0) -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(index)

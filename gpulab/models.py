@@ -1,0 +1,129 @@
+"""The lesson models: torchvision's VGG16, AlexNet and ResNet-18 (random weights) and two
+small models that run in well under a second on a CPU.
+
+Every model takes an image batch (N, 3, S, S) and returns class logits, so one training
+step, one breakdown and one widget serve them all.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+def small_mlp(num_classes: int = 10, image_size: int = 32) -> nn.Module:
+    """Flatten -> 512 -> 256 -> classes: a fully connected net where parameters dominate."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(3 * image_size * image_size, 512), nn.ReLU(),
+        nn.Linear(512, 256), nn.ReLU(),
+        nn.Linear(256, num_classes),
+    )
+
+
+def small_cnn(num_classes: int = 10, image_size: int = 32) -> nn.Module:
+    """Two conv-BN-ReLU-pool blocks and a classifier: a CNN where activations dominate."""
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+        nn.AdaptiveAvgPool2d(4), nn.Flatten(),
+        nn.Linear(64 * 4 * 4, 128), nn.ReLU(),
+        nn.Linear(128, num_classes),
+    )
+
+
+def _torchvision(name: str) -> Callable[..., nn.Module]:
+    def build(num_classes: int = 1000, image_size: int = 224) -> nn.Module:
+        import torchvision.models as tvm
+        return getattr(tvm, name)(weights=None, num_classes=num_classes)
+    build.__name__ = name
+    return build
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    build: Callable[..., nn.Module]
+    default_image_size: int
+    default_batch: int
+    num_classes: int
+    description: str
+
+
+MODELS: dict[str, ModelSpec] = {
+    "vgg16": ModelSpec("vgg16", _torchvision("vgg16"), 224, 1, 1000,
+                       "torchvision VGG16 (138.4 M parameters), random weights"),
+    "alexnet": ModelSpec("alexnet", _torchvision("alexnet"), 224, 1, 1000,
+                         "torchvision AlexNet (61.1 M parameters), random weights"),
+    "resnet18": ModelSpec("resnet18", _torchvision("resnet18"), 224, 1, 1000,
+                          "torchvision ResNet-18 (11.7 M parameters), random weights"),
+    "mlp": ModelSpec("mlp", small_mlp, 32, 32, 10, "small MLP on 32x32 RGB images"),
+    "cnn": ModelSpec("cnn", small_cnn, 32, 32, 10, "small CNN on 32x32 RGB images"),
+}
+
+
+def model_spec(name: str) -> ModelSpec:
+    key = str(name).lower()
+    if key not in MODELS:
+        raise ValueError(f"unknown model {name!r}; valid models: {', '.join(MODELS)}")
+    return MODELS[key]
+
+
+def build_model(name: str, image_size: int | None = None, device: torch.device | str | None = None,
+                dtype: torch.dtype | None = None) -> nn.Module:
+    """A fresh model with random weights, created directly on ``device`` in ``dtype``.
+
+    Creating in place (rather than building in fp32 on the CPU and calling ``.to()``)
+    never holds two copies, is faster on CUDA, and works under FakeTensorMode, where
+    ``.to()`` would have to swap tensors."""
+    spec = model_spec(name)
+    with contextlib.ExitStack() as stack:
+        if device is not None:
+            stack.enter_context(torch.device(device))
+        if dtype is not None and dtype != torch.get_default_dtype():
+            stack.enter_context(_default_dtype(dtype))
+        return spec.build(num_classes=spec.num_classes, image_size=image_size or spec.default_image_size)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    if not dtype.is_floating_point:
+        raise ValueError(f"models are built in a floating-point dtype, not {dtype}")
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def check_image_size(name: str, image_size: int) -> None:
+    """Raise ``ValueError`` if the model cannot take images of this size, naming the
+    smallest size that works. Runs the model on the meta device: shapes only, instant."""
+    if image_size < 1:
+        raise ValueError(f"image size must be a positive integer, got {image_size}")
+    if _meta_forward_ok(name, image_size):
+        return
+    lo, hi = image_size, max(2 * image_size, 8)
+    while not _meta_forward_ok(name, hi):
+        hi *= 2
+        if hi > 4096:
+            raise ValueError(f"model {name} rejects image size {image_size}")
+    while lo + 1 < hi:  # smallest size that works (these models accept every size above it)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _meta_forward_ok(name, mid) else (mid, hi)
+    raise ValueError(f"image size {image_size} is too small for {name}: use --image-size {hi} or more")
+
+
+def _meta_forward_ok(name: str, image_size: int) -> bool:
+    model = build_model(name, image_size, device="meta")
+    x = torch.empty(1, 3, image_size, image_size, device="meta")
+    try:
+        with torch.no_grad():
+            model.eval()(x)
+        return True
+    except RuntimeError:
+        return False

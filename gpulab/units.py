@@ -1,0 +1,144 @@
+"""Dtype sizes and byte formatting.
+
+Bytes are the internal unit everywhere in gpulab. On display we use binary units
+(KiB = 1024 B, MiB = 1024**2 B, GiB = 1024**3 B): these are what nvidia-smi and
+``torch.cuda.memory_summary()`` print (nvidia-smi writes "MiB"). Decimal units
+(KB = 1000 B, MB, GB) appear only where a lesson compares the two, and every
+formatted number carries its unit, so the two can never be confused.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+KB = 1000
+MB = 1000**2
+GB = 1000**3
+
+_BINARY = (("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
+_DECIMAL = (("GB", GB), ("MB", MB), ("KB", KB))
+
+
+@dataclass(frozen=True)
+class DtypeInfo:
+    """One torch dtype and what an element of it costs."""
+
+    name: str          # canonical name without the "torch." prefix, e.g. "float32"
+    dtype: torch.dtype
+    bits: int          # bits per element (bool is stored as one byte: 8 bits)
+    kind: str          # "float", "float8", "complex", "int", "uint", "bool", "quantized", "other"
+
+    @property
+    def bytes(self) -> int:
+        return self.bits // 8
+
+
+def _kind(dtype: torch.dtype, name: str) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if name.startswith("float8") or name.startswith("float4"):
+        return "float8"
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "float"
+    if name.startswith("q"):
+        return "quantized"
+    if name.startswith("uint"):
+        return "uint"
+    if name.startswith("int"):
+        return "int"
+    return "other"
+
+
+def _installed_dtypes() -> dict[str, DtypeInfo]:
+    """Every dtype this torch build defines, keyed by canonical name.
+
+    Sizes come from ``torch.dtype.itemsize`` (the element size torch itself uses for
+    storage), so the table is right for whatever torch is installed, including dtypes
+    added after gpulab was written. Sub-byte packed dtypes (``uint1``...``uint7``,
+    ``int1``...``int7``, ``float4_e2m1fn_x2``, ``bits*``) are skipped: their itemsize
+    describes a packed container, which is not what a lesson on element sizes wants.
+    """
+    table: dict[str, DtypeInfo] = {}
+    for attr in dir(torch):
+        obj = getattr(torch, attr, None)
+        if not isinstance(obj, torch.dtype):
+            continue
+        name = str(obj).removeprefix("torch.")
+        if name in table:
+            continue  # aliases such as torch.float / torch.float32 share one entry
+        if name.startswith("bits") or name.endswith("_x2") or name in {
+            f"{p}{n}" for p in ("uint", "int") for n in range(1, 8)
+        }:
+            continue
+        table[name] = DtypeInfo(name=name, dtype=obj, bits=8 * obj.itemsize, kind=_kind(obj, name))
+    return table
+
+
+DTYPES: dict[str, DtypeInfo] = _installed_dtypes()
+
+# Short names people type, mapped to canonical names.
+_ALIASES = {
+    "fp64": "float64", "double": "float64",
+    "fp32": "float32", "float": "float32",
+    "fp16": "float16", "half": "float16",
+    "bf16": "bfloat16",
+    "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2",
+    "long": "int64", "int": "int32", "short": "int16",
+    "cfloat": "complex64", "cdouble": "complex128",
+}
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    """Turn ``"fp16"``, ``"torch.bfloat16"`` or a ``torch.dtype`` into a ``torch.dtype``.
+
+    Raises ``ValueError`` naming the accepted spellings when the name is unknown.
+    """
+    if isinstance(value, torch.dtype):
+        return value
+    key = str(value).strip().lower().removeprefix("torch.")
+    key = _ALIASES.get(key, key)
+    if key in DTYPES:
+        return DTYPES[key].dtype
+    valid = ", ".join(sorted(set(DTYPES) | set(_ALIASES)))
+    raise ValueError(f"unknown dtype {value!r}; valid dtypes: {valid}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_bytes(dtype: str | torch.dtype) -> int:
+    """Bytes per element of a dtype (bool: 1)."""
+    return parse_dtype(dtype).itemsize
+
+
+def format_bytes(nbytes: float, system: str = "binary", digits: int = 1) -> str:
+    """``format_bytes(3 * 2**20) == '3.0 MiB'``; ``system='decimal'`` gives MB/GB.
+
+    Always labelled; values under one kilo-unit are shown in bytes ("512 B").
+    """
+    if system not in ("binary", "decimal"):
+        raise ValueError(f"system must be 'binary' or 'decimal', not {system!r}")
+    units = _BINARY if system == "binary" else _DECIMAL
+    sign = "-" if nbytes < 0 else ""
+    n = abs(float(nbytes))
+    for label, size in units:
+        if n >= size:
+            return f"{sign}{n / size:.{digits}f} {label}"
+    return f"{sign}{int(round(n))} B"
+
+
+def mib(nbytes: float) -> float:
+    return nbytes / MiB
+
+
+def round_up(n: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= n (0 stays 0)."""
+    return int(math.ceil(n / multiple)) * multiple if n > 0 else 0
