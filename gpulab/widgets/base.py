@@ -1,0 +1,212 @@
+"""The panel pattern every lesson shares.
+
+A ``Panel`` has controls (sliders, dropdowns) that only change parameters, one ``run()``
+that calls a pure ``compute(**params)`` and renders the result into an ``Output``, and
+keeps the latest result as data (``panel.result``), so it is testable without a browser:
+set a control's value, call ``run()`` (or let it run on change), assert on ``panel.result``.
+
+* Cheap experiments (``auto_run=True``) rerun when a control changes; expensive ones wait
+  for the Run button. Sliders use ``continuous_update=False``.
+* While a run is in progress the Run button is disabled and a progress bar shows; clicks
+  and control changes during a run are not lost: one more run follows with the newest
+  values.
+* Every error becomes a readable message in the output (``panel.error``); the kernel never
+  sees an exception from a callback.
+* A guard may veto a run before it starts (e.g. the fake engine predicts more memory than
+  is free) and say why; the panel then shows that message instead of running.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import ipywidgets as W
+from IPython.display import HTML, display
+
+
+@dataclass
+class GuardVerdict:
+    ok: bool
+    message: str = ""        # HTML shown when not ok
+    suggestion: dict[str, Any] | None = None  # control values that would be safe, e.g. {"engine": "fake"}
+
+
+class Panel:
+    """controls -> compute(**params) -> render(result) into an Output."""
+
+    def __init__(self, title: str, controls: dict[str, W.ValueWidget],
+                 compute: Callable[..., Any], render: Callable[[Any], list[Any]], *,
+                 auto_run: bool = False, guard: Callable[[dict[str, Any]], GuardVerdict] | None = None,
+                 description: str = "", run_on_show: bool = True):
+        self.title = title
+        self.controls = controls
+        self._compute = compute
+        self._wants_progress = "progress" in inspect.signature(compute).parameters
+        self._render = render
+        self._guard = guard
+        self.auto_run = auto_run
+        self.result: Any = None
+        self.error: str | None = None
+        self.blocked: GuardVerdict | None = None
+        self.runs = 0
+        self.last_seconds = 0.0
+        self._running = False
+        self._pending = False
+
+        self.output = W.Output()
+        self.output.add_class("gpulab-output")
+        self.run_button = W.Button(description="Run", button_style="primary", icon="play",
+                                   tooltip="run the experiment with these settings")
+        self.run_button.add_class("gpulab-run")
+        self.run_button.on_click(self._on_click)
+        self.progress = W.IntProgress(value=0, min=0, max=100, layout=W.Layout(width="160px", visibility="hidden"))
+        self.status = W.HTML("")
+        self.status.add_class("gpulab-status")
+        self.safe_button = W.Button(description="Use the safe settings", button_style="warning",
+                                    layout=W.Layout(display="none"))
+        self.safe_button.on_click(self._apply_suggestion)
+        for c in controls.values():
+            if hasattr(c, "continuous_update"):
+                c.continuous_update = False
+            c.observe(self._on_change, names="value")
+        header = W.HTML(f"<h4 style='margin:4px 0'>{title}</h4>" + (f"<div>{description}</div>" if description else ""))
+        row = W.HBox([self.run_button, self.progress, self.safe_button, self.status])
+        self.widget = W.VBox([header, W.HBox(list(controls.values()), layout=W.Layout(flex_flow="row wrap")),
+                              row, self.output])
+        self.widget.add_class("gpulab-panel")
+        self._shown = False
+        self._run_on_show = run_on_show
+
+    # ---- parameters ----------------------------------------------------------------------------
+    @property
+    def params(self) -> dict[str, Any]:
+        return {k: c.value for k, c in self.controls.items()}
+
+    def set(self, **values: Any) -> "Panel":
+        """Set several controls at once and run once (tests and notebooks use this)."""
+        auto, self.auto_run = self.auto_run, False
+        try:
+            for k, v in values.items():
+                if k not in self.controls:
+                    raise KeyError(f"no control {k!r}; controls: {', '.join(self.controls)}")
+                self.controls[k].value = v
+        finally:
+            self.auto_run = auto
+        self.run()
+        return self
+
+    # ---- running --------------------------------------------------------------------------------
+    def _on_change(self, change) -> None:
+        if self.auto_run:
+            self.run()
+        else:
+            self.status.value = "<i>settings changed: press Run</i>"
+
+    def _on_click(self, _button) -> None:
+        self.run()
+
+    def _apply_suggestion(self, _button) -> None:
+        if self.blocked and self.blocked.suggestion:
+            self.set(**self.blocked.suggestion)
+
+    def _report_progress(self, fraction: float, text: str = "") -> None:
+        self.progress.value = int(100 * max(0.0, min(1.0, fraction)))
+        if text:
+            self.status.value = text
+
+    def run(self) -> Any:
+        """Run the experiment with the current control values and render it. Returns the
+        result (None if blocked or failed; then ``panel.blocked`` / ``panel.error`` say why)."""
+        if self._running:  # a click or change while running: run again afterwards
+            self._pending = True
+            return None
+        self._running = True
+        try:
+            while True:
+                self._pending = False
+                self._run_once()
+                if not self._pending:
+                    break
+        finally:
+            self._running = False
+        return self.result if self.error is None and self.blocked is None else None
+
+    def _run_once(self) -> None:
+        params = self.params
+        self.run_button.disabled = True
+        self.safe_button.layout.display = "none"
+        self.progress.layout.visibility = "visible"
+        self.progress.value = 5
+        self.status.value = "running…"
+        t0 = time.perf_counter()
+        self.error, self.blocked = None, None
+        try:
+            verdict = self._guard(params) if self._guard else GuardVerdict(True)
+            if not verdict.ok:
+                self.blocked = verdict
+                self._show([HTML(f"<div class='gpulab-blocked'>{verdict.message}</div>")])
+                if verdict.suggestion:
+                    self.safe_button.layout.display = ""
+                self.status.value = "not run (see below)"
+                return
+            if self._wants_progress:
+                result = self._compute(progress=self._report_progress, **params)
+            else:
+                result = self._compute(**params)
+            self.result = result
+            self.runs += 1
+            self._show(self._render(result))
+            self.last_seconds = time.perf_counter() - t0
+            self.status.value = f"done in {self.last_seconds:.2f} s"
+        except Exception as exc:  # every error is shown, never raised into the kernel
+            self.error = f"{type(exc).__name__}: {exc}"
+            tb = traceback.format_exc(limit=3)
+            self._show([HTML(f"<div class='gpulab-error' style='color:#b00'><b>Could not run:</b> "
+                             f"{_escape(self.error)}</div><details><summary>details</summary>"
+                             f"<pre>{_escape(tb)}</pre></details>")])
+            self.status.value = "failed (see below)"
+        finally:
+            self.progress.value = 100
+            self.progress.layout.visibility = "hidden"
+            self.run_button.disabled = False
+
+    def _show(self, items: list[Any]) -> None:
+        from matplotlib.figure import Figure
+        with self.output:
+            self.output.clear_output(wait=True)
+            for item in items:
+                display(item)
+                if isinstance(item, Figure):
+                    item.clf()  # release the figure's memory; the PNG is already sent
+
+    # ---- display -----------------------------------------------------------------------------------
+    def _ipython_display_(self) -> None:
+        display(self.widget)
+        if self._run_on_show and not self._shown:
+            self._shown = True
+            self.run()
+
+
+def _escape(text: str) -> str:
+    import html
+    return html.escape(text)
+
+
+def slider(description: str, value: int, min: int, max: int, step: int = 1, log: bool = False) -> W.Widget:
+    """An integer slider (or a dropdown of powers of two when ``log``) that fires on release."""
+    if log:
+        options = [v for v in (2**i for i in range(0, 16)) if min <= v <= max]
+        return W.SelectionSlider(options=options, value=value, description=description,
+                                 continuous_update=False, style={"description_width": "initial"})
+    return W.IntSlider(value=value, min=min, max=max, step=step, description=description,
+                       continuous_update=False, style={"description_width": "initial"})
+
+
+def dropdown(description: str, options, value=None) -> W.Dropdown:
+    options = list(options)
+    return W.Dropdown(options=options, value=value if value is not None else options[0],
+                      description=description, style={"description_width": "initial"},
+                      layout=W.Layout(width="auto"))

@@ -1,0 +1,47 @@
+"""Training-step panel: model, batch, image size, optimizer, dtype, engine -> per-category
+peak (measured) next to the formulas, and the memory timeline."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..experiments import OPTIMIZERS, StepResult, training_step
+from ..models import MODELS
+from ..plots import comparison_bars, timeline
+from .base import Panel, dropdown, slider
+from .guard import memory_guard
+
+
+def compute_step(model: str, batch: int, image_size: int, optimizer: str, dtype: str, engine: str) -> StepResult:
+    return training_step(model, batch, image_size, optimizer, dtype, engine)
+
+
+def predict_step_peak(params: dict[str, Any]) -> int:
+    p = dict(params, engine="fake")
+    return compute_step(**p).peak_bytes
+
+
+def render_step(result: StepResult) -> list[Any]:
+    m = result.measurement
+    if m.oom:
+        return [result]
+    return [result,
+            comparison_bars(result.predicted, m.peak_by_category, f"peak: {m.label}",
+                            title=f"{result.model}, batch {result.batch}: formula vs {m.label}"),
+            timeline(m.tracking, title=f"one training step, {m.label}")]
+
+
+def step_panel(model: str = "cnn", batch: int = 32, image_size: int | None = None, optimizer: str = "sgd",
+               dtype: str = "float32", engine: str = "auto") -> Panel:
+    size = image_size or MODELS[model].default_image_size
+    controls = {
+        "model": dropdown("model", list(MODELS), model),
+        "batch": slider("batch", batch, 1, 256, log=True),
+        "image_size": slider("image size", size, 16, 512, step=16),
+        "optimizer": dropdown("optimizer", OPTIMIZERS, optimizer),
+        "dtype": dropdown("dtype", ["float32", "bfloat16", "float16"], dtype),
+        "engine": dropdown("engine", ["auto", "cpu", "fake", "cuda"], engine),
+    }
+    return Panel("One training step", controls, compute_step, render_step,
+                 guard=memory_guard(predict_step_peak),
+                 description="Forward, backward and <code>optimizer.step()</code> on a fresh model; "
+                             "peak live memory by category next to the formulas.")
