@@ -111,7 +111,7 @@ _STAT_TYPES = ("all", "small_pool", "large_pool")  # StatType::AGGREGATE, SMALL_
 def round_size(nbytes: int) -> int:
     """Round a request up to a multiple of 512 bytes, at least 512 (``round_size``).
 
-    NB: ``roundup_power2_divisions`` (an opt-in ``PYTORCH_CUDA_ALLOC_CONF`` setting) is not modelled.
+    NB: ``roundup_power2_divisions`` (opt-in via ``PYTORCH_CUDA_ALLOC_CONF``) is not modelled.
     """
     if nbytes < MIN_BLOCK_SIZE:  # if (size < kMinBlockSize) return kMinBlockSize;
         return MIN_BLOCK_SIZE
@@ -124,7 +124,7 @@ def pool_for_size(size: int) -> PoolName:
 
 
 def get_allocation_size(size: int) -> int:
-    """Bytes cudaMalloc'ed for a new segment serving a rounded ``size`` (``get_allocation_size``)."""
+    """Bytes cudaMalloc'ed for a new segment for a rounded ``size`` (``get_allocation_size``)."""
     if size <= SMALL_SIZE:
         return SMALL_BUFFER
     if size < MIN_LARGE_ALLOC:
@@ -278,7 +278,7 @@ class Segment:
 
 @dataclass
 class AllocEvent:
-    """A minimal event for :meth:`CachingAllocator.replay` (any object with these attributes works)."""
+    """A minimal event for :meth:`CachingAllocator.replay` (any object with these fields works)."""
 
     kind: str  # 'alloc' | 'free' | 'resize'
     sid: int
@@ -361,7 +361,7 @@ class _Blk:
 
 class _Pool:
     """``BlockPool``: free mapped blocks ordered by (size, address) -- ``BlockComparatorSize`` --
-    and, for expandable segments, unmapped ranges ordered by address (``BlockComparatorAddress``)."""
+    and, for expandable segments, unmapped ranges by address (``BlockComparatorAddress``)."""
 
     def __init__(self, name: PoolName) -> None:
         self.name = name
@@ -414,7 +414,7 @@ class _Seg:
 
 
 class _Stat:
-    """``struct Stat``: current, peak, allocated (cumulative increase), freed (cumulative decrease)."""
+    """``struct Stat``: current, peak, allocated (total increase), freed (total decrease)."""
 
     __slots__ = ("current", "peak", "allocated", "freed")
 
@@ -465,7 +465,7 @@ class CachingAllocator:
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if max_split_size_mb is not None and max_split_size_mb < LARGE_BUFFER // MiB:
-            # parseMaxSplitSize: "CachingAllocator option max_split_size_mb too small, must be >= 20"
+            # parseMaxSplitSize: "max_split_size_mb too small, must be >= 20" (older: "> 20")
             raise ValueError(
                 f"max_split_size_mb too small, must be >= {LARGE_BUFFER // MiB}, "
                 f"got {max_split_size_mb}"
@@ -552,7 +552,9 @@ class CachingAllocator:
             ValueError: the block was already freed, or was not allocated by this allocator.
         """
         if not isinstance(block, Block):
-            raise TypeError(f"free() expects a Block returned by malloc(), got {type(block).__name__}")
+            raise TypeError(
+                f"free() expects a Block returned by malloc(), got {type(block).__name__}"
+            )
         if block.is_null:
             return
         blk = self._active.get(block.addr)
@@ -799,6 +801,7 @@ class CachingAllocator:
         reserved = [0, 0, 0]
         segments = [0, 0, 0]
         inactive = [0, 0, 0]
+        inactive_n = [0, 0, 0]
         for seg in self._segments.values():
             b = seg.head
             assert b is not None and b.prev is None, f"segment {seg.id}: bad head"
@@ -824,6 +827,7 @@ class CachingAllocator:
                     if not seg.expandable and b.is_split():
                         for i in (0, idx):
                             inactive[i] += b.size
+                            inactive_n[i] += 1
                 else:
                     assert seg.expandable
                     seen_unmapped.add(id(b))
@@ -845,6 +849,7 @@ class CachingAllocator:
             ("allocated_bytes", alloc), ("active_bytes", alloc), ("requested_bytes", requested),
             ("allocation", count), ("active", count), ("reserved_bytes", reserved),
             ("segment", segments), ("inactive_split_bytes", inactive),
+            ("inactive_split", inactive_n),
         ):
             got = [s.current for s in self._stats[name]]
             assert got == want, f"{name}: stats say {got}, blocks add up to {want}"
@@ -863,7 +868,7 @@ class CachingAllocator:
     # ---- internals: finding and carving blocks ------------------------------------------------
 
     def _get_free_block(self, pool: _Pool, size: int) -> _Blk | None:
-        """Best fit: the smallest cached block >= size, lowest address first (``get_free_block``)."""
+        """Best fit: smallest cached block >= size, lowest address first (``get_free_block``)."""
         keys = pool.keys
         i = bisect.bisect_left(keys, (size, -1))  # pool.blocks.lower_bound(&p.search_key)
         if i == len(keys):
@@ -971,7 +976,7 @@ class CachingAllocator:
             self._stats["requested_bytes"][i].decrease(requested)
 
     def _try_merge_blocks(self, dst: _Blk, src: _Blk | None, pool: _Pool) -> int:
-        """Absorb free neighbour ``src`` into ``dst``; return bytes subsumed (``try_merge_blocks``)."""
+        """Absorb free neighbour ``src`` into ``dst``; return its size (``try_merge_blocks``)."""
         if src is None or src.allocated or dst.mapped != src.mapped:
             return 0
         if dst.prev is src:  # [src dst]
@@ -998,13 +1003,16 @@ class CachingAllocator:
     def _alloc_block(
         self, pool: _Pool, size: int, alloc_size: int, *, is_retry: bool
     ) -> _Blk | None:
-        """cudaMalloc a new segment of ``alloc_size``, or grow an expandable one (``alloc_block``)."""
+        """cudaMalloc a segment of ``alloc_size``, or grow an expandable one (``alloc_block``)."""
         if is_retry:
             self._counters["num_alloc_retries"] += 1
         if self.expandable_segments:
             return self._try_allocate_expandable_block(pool, size)
-        if self.capacity_bytes is not None and self._total_reserved + alloc_size > self.capacity_bytes:
-            return None  # cudaErrorMemoryAllocation
+        # cudaMalloc fails (cudaErrorMemoryAllocation) when the capacity would be exceeded; the
+        # same test as set_fraction's `total_allocated_memory + size > allowed_memory_maximum`.
+        cap = self.capacity_bytes
+        if cap is not None and self._total_reserved + alloc_size > cap:
+            return None
         seg = self._new_segment(pool, alloc_size)
         blk = _Blk(seg.base, alloc_size, pool, seg.id)
         seg.head = blk
@@ -1018,7 +1026,7 @@ class CachingAllocator:
         return blk
 
     def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
-        """Free oversize cached blocks, just enough for ``size`` (``release_available_cached_blocks``).
+        """Free oversize cached blocks, enough for ``size`` (``release_available_cached_blocks``).
 
         NB: the source releases the chosen blocks unconditionally; here split or expandable blocks
         are skipped (releasing them would break their segment). With the default
@@ -1146,7 +1154,7 @@ class CachingAllocator:
         return blk
 
     def _map_block(self, to_map: _Blk, size: int) -> bool:
-        """Back the first ``size`` bytes (rounded up to pages) of an unmapped range (``map_block``)."""
+        """Back the first ``size`` bytes (whole pages) of an unmapped range (``map_block``)."""
         seg = self._segments[to_map.seg]
         rel = to_map.addr - seg.base
         begin = rel // seg.page  # segmentLeft
@@ -1283,5 +1291,5 @@ def simulate(
     events: Iterable[Any], *, cuda_only: bool = False, strict: bool = True,
     **allocator_kwargs: Any,
 ) -> ReplayResult:
-    """Replay ``events`` through a fresh :class:`CachingAllocator` built from ``allocator_kwargs``."""
+    """Replay ``events`` through a new :class:`CachingAllocator` built from ``allocator_kwargs``."""
     return CachingAllocator(**allocator_kwargs).replay(events, cuda_only=cuda_only, strict=strict)
