@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.gpulab-installed
 
-.PHONY: lab test venv clean
+.PHONY: lab test venv clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,16 @@ venv: $(STAMP)
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab lessons/
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(PY) -m pytest
+
+# the browser test (tests/test_browser.py) drives Debian's chromium; install it when missing
+chromium:
+	@command -v chromium >/dev/null || test -x /usr/bin/chromium || \
+	  { if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO=sudo; \
+	    else echo "chromium missing and no root/sudo: the browser test will skip"; exit 0; fi; \
+	    $$SUDO apt-get update && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y chromium \
+	    || echo "could not install chromium: the browser test will skip"; }
 
 clean:
 	rm -rf $(VENV)
