@@ -1,0 +1,58 @@
+"""The ``%%memtrack`` cell magic: run a cell and report memory line by line.
+
+    %load_ext gpulab.magic
+
+    %%memtrack --engine cpu
+    x = torch.randn(1024, 1024)
+    y = x @ x
+
+The cell runs in the notebook's namespace (its variables stay defined afterwards) under
+``gpulab.linetrack.track_lines``; the cell's value is the ``LineReport`` (shown as a table).
+The report is also stored as ``_memtrack`` in the namespace (and under ``-o NAME``).
+Options: ``--engine auto|cpu|fake|cuda``, ``--device DEV``, ``--plot`` (live total per
+line), ``--timeline`` (stacked by category), ``-o NAME``.
+"""
+from __future__ import annotations
+
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from .linetrack import LineReport, track_lines
+
+
+@magics_class
+class MemtrackMagics(Magics):
+    last_report: LineReport | None = None
+
+    @magic_arguments()
+    @argument("--engine", "-e", default="auto", choices=["auto", "cpu", "fake", "cuda"],
+              help="cpu: real tensors; fake: shapes only; cuda: the cell's CUDA tensors")
+    @argument("--device", "-d", default=None, help="report this device's tensors (default: busiest)")
+    @argument("--plot", action="store_true", help="also show the live total after each line")
+    @argument("--timeline", action="store_true", help="also show the timeline stacked by category")
+    @argument("-o", "--output", default=None, help="also store the report in this variable")
+    @cell_magic
+    def memtrack(self, line: str, cell: str) -> LineReport:
+        """Run the cell and report memory per executed line (see ``gpulab.magic``)."""
+        args = parse_argstring(self.memtrack, line)
+        report = track_lines(cell, self.shell.user_ns, engine=args.engine, device=args.device)
+        self.last_report = report
+        self.shell.user_ns["_memtrack"] = report
+        if args.output:
+            self.shell.user_ns[args.output] = report
+        if args.plot or args.timeline:
+            from IPython.display import display
+            if args.plot:
+                display(report.plot())
+            if args.timeline:
+                display(report.timeline())
+        return report
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext gpulab.magic``."""
+    ipython.register_magics(MemtrackMagics)
+
+
+def unload_ipython_extension(ipython) -> None:  # nothing to undo: magics stay until restart
+    pass
