@@ -3,3 +3,5 @@ from .base import GuardVerdict, Panel
 from .step import step_panel
 
 __all__ = ["GuardVerdict", "Panel", "step_panel"]
+from .allocator import allocator_panel  # noqa: E402  (lesson 09)
+__all__ += ["allocator_panel"]
