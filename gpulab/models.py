@@ -88,10 +88,16 @@ def build_model(name: str, image_size: int | None = None, device: torch.device |
         return spec.build(num_classes=spec.num_classes, image_size=image_size or spec.default_image_size)
 
 
+_MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
-    if not dtype.is_floating_point:
-        raise ValueError(f"models are built in a floating-point dtype, not {dtype}")
+    # torch.set_default_dtype takes only these; float8 passes is_floating_point but raises
+    # TypeError there ("couldn't find storage object Float8_e4m3fnStorage").
+    if dtype not in _MODEL_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in _MODEL_DTYPES)
+        raise ValueError(f"models are built in a floating-point dtype ({names}), not {dtype}")
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
