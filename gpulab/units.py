@@ -62,8 +62,10 @@ def _installed_dtypes() -> dict[str, DtypeInfo]:
     Sizes come from ``torch.dtype.itemsize`` (the element size torch itself uses for
     storage), so the table is right for whatever torch is installed, including dtypes
     added after gpulab was written. Sub-byte packed dtypes (``uint1``...``uint7``,
-    ``int1``...``int7``, ``float4_e2m1fn_x2``, ``bits*``) are skipped: their itemsize
-    describes a packed container, which is not what a lesson on element sizes wants.
+    ``int1``...``int7``, ``float4_e2m1fn_x2``, ``bits*``, and the packed quantized
+    ``quint4x2`` / ``quint2x4``, whose storage holds 2 or 4 values per byte) are skipped:
+    their itemsize describes a packed container, which is not what a lesson on element
+    sizes wants.
     """
     table: dict[str, DtypeInfo] = {}
     for attr in dir(torch):
@@ -75,7 +77,7 @@ def _installed_dtypes() -> dict[str, DtypeInfo]:
             continue  # aliases such as torch.float / torch.float32 share one entry
         if name.startswith("bits") or name.endswith("_x2") or name in {
             f"{p}{n}" for p in ("uint", "int") for n in range(1, 8)
-        }:
+        } | {"quint4x2", "quint2x4"}:
             continue
         table[name] = DtypeInfo(name=name, dtype=obj, bits=8 * obj.itemsize, kind=_kind(obj, name))
     return table
