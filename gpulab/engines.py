@@ -94,6 +94,7 @@ class Snapshot:
     name: str
     tracked_bytes: int
     allocated_bytes: int | None = None
+    by_category: dict[str, int] = field(default_factory=dict)  # tracked bytes per category
 
 
 class RunContext:
@@ -116,13 +117,16 @@ class RunContext:
         """Record live bytes now (tracker, and the allocator on CUDA)."""
         dev = str(self.device)
         rounded = self.engine == "cuda"
-        tracked = sum(cuda_rounded_bytes(r.nbytes) if rounded else r.nbytes
-                      for r in self.tracker._records.values() if r.alive and r.device.startswith(dev))
+        by_category = {c.value: 0 for c in Category}
+        for r in self.tracker._records.values():
+            if r.alive and r.device.startswith(dev):
+                by_category[r.category.value] += cuda_rounded_bytes(r.nbytes) if rounded else r.nbytes
+        tracked = sum(by_category.values())
         alloc = None
         if self.engine == "cuda":
             torch.cuda.synchronize(self.device)
             alloc = torch.cuda.memory_allocated(self.device) - self._baseline
-        snap = Snapshot(name, tracked, alloc)
+        snap = Snapshot(name, tracked, alloc, by_category)
         self.snapshots.append(snap)
         return snap
 

@@ -201,6 +201,10 @@ class StepResult:
             "peak_bytes": m.peak_bytes, "peak_phase": m.tracking.peak_phase if m.tracking else "",
             "peak_by_category": m.peak_by_category,
             "final_by_category": dict(m.tracking.final_by_category) if m.tracking else {},
+            # live tensors just after the last optimizer step (the "after step" snapshot),
+            # while the model, its gradients and the optimizer state still exist
+            "after_step_by_category": next((dict(s.by_category) for s in m.snapshots
+                                            if s.name == "after step"), {}),
             "predicted": dict(self.predicted), "predicted_label": self.predicted_label,
             "seconds": round(m.seconds, 4), "oom": m.oom, "error": m.error,
         }
