@@ -45,7 +45,7 @@ class AllocatorRun:
 
     ``allocated``/``reserved``: bytes after each event; ``step_ends``: event indices after which
     a training step ended (where ``empty_cache`` ran when asked); ``segments``: the segment map
-    at the moment the reserved memory peaked (``final_segments``: at the end)."""
+    at the moment the allocated memory peaked (``final_segments``: at the end)."""
 
     workload: str
     allocated: list[int]
@@ -128,7 +128,7 @@ def replay_events(events: Sequence[Any], *, expandable_segments: bool = False,
     flush = set(empty_cache_at)
     a_series: list[int] = []
     r_series: list[int] = []
-    peak_res, at_peak = -1, alloc.segment_map()
+    peak_alloc, at_peak = -1, alloc.segment_map()
     for i, ev in enumerate(events):
         get = ev.get if isinstance(ev, dict) else (lambda k, e=ev: getattr(e, k))
         kind, sid, nbytes = get("kind"), get("sid"), int(get("nbytes") or 0)
@@ -145,8 +145,8 @@ def replay_events(events: Sequence[Any], *, expandable_segments: bool = False,
             live[sid] = alloc.malloc(nbytes)
         else:
             raise ValueError(f"event {i}: unknown kind {kind!r}")
-        if alloc.memory_reserved() > peak_res:
-            peak_res, at_peak = alloc.memory_reserved(), alloc.segment_map()
+        if alloc.memory_allocated() > peak_alloc:
+            peak_alloc, at_peak = alloc.memory_allocated(), alloc.segment_map()
         if i in flush:
             alloc.empty_cache()
         a_series.append(alloc.memory_allocated())

@@ -104,3 +104,17 @@ def test_checker_10_leak_per_iteration():
                   + tensor_bytes(()), explain="", unit="bytes")
     assert ex.check(4 * 64 * (256 + 512 + 10) + 4).ok
     assert not ex.check(4 * 64 * 256).ok
+
+
+# ---- GPU: the simulator next to the real allocator (skipped without CUDA) ------------------------
+from conftest import cuda  # noqa: E402
+
+
+@cuda
+def test_cuda_simulated_next_to_real_allocator():
+    run = R.workload("training step", "cnn", 8, engine="cuda")
+    assert run.real is not None and run.real_label.startswith("measured on")
+    assert run.peak_allocated == run.tracked_peak          # simulated vs tracked, 512-rounded
+    assert run.real["allocated_bytes.all.peak"] >= run.tracked_peak  # real adds workspaces, baseline
+    assert run.real["reserved_bytes.all.peak"] >= run.real["allocated_bytes.all.peak"]
+    assert R.beyond_allocator_bytes()["bytes"] is not None

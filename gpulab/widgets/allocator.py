@@ -1,6 +1,6 @@
 """Caching-allocator panel (lesson 09): model / batch / workload / expandable segments /
 empty_cache after each step -> allocated vs reserved over the events (simulated allocator),
-the segment map at the reserved peak, and a table of ``memory_stats()`` keys (next to the
+the segment map at the allocated peak, and a table of ``memory_stats()`` keys (next to the
 real allocator's when the tracked run was on CUDA)."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def compute_allocator(model: str, batch: int, workload_name: str, expandable_seg
 
 def render_allocator(run: AllocatorRun) -> list[Any]:
     return [allocated_vs_reserved(run),
-            segment_map(run.segments, title=f"segment map at the reserved peak ({run.label})"),
+            segment_map(run.segments, title=f"segment map at the allocated peak ({run.label})"),
             run]
 
 
