@@ -336,7 +336,12 @@ class MemoryTracker(TorchDispatchMode):
 
     def _pack(self, t: torch.Tensor):
         self._see(t, op="saved", category=Category.ACTIVATIONS)
-        return t
+        # Keep a detached alias (same storage, so no extra memory), not ``t`` itself: when
+        # an op saves its own output (ReLU, softmax), ``t.grad_fn`` is the node doing the
+        # saving, and holding ``t`` would make a reference cycle that keeps a graph which
+        # never runs backward alive until the garbage collector finds it. The alias shares
+        # ``t``'s version counter, so autograd's in-place checks still fire on unpack.
+        return t.detach()
 
     @staticmethod
     def _unpack(t: torch.Tensor) -> torch.Tensor:
