@@ -339,13 +339,22 @@ class MemoryTracker(TorchDispatchMode):
         # Keep a detached alias (same storage, so no extra memory), not ``t`` itself: when
         # an op saves its own output (ReLU, softmax), ``t.grad_fn`` is the node doing the
         # saving, and holding ``t`` would make a reference cycle that keeps a graph which
-        # never runs backward alive until the garbage collector finds it. The alias shares
-        # ``t``'s version counter, so autograd's in-place checks still fire on unpack.
-        return t.detach()
+        # never runs backward alive until the garbage collector finds it.
+        # Autograd skips its in-place version check for tensors that go through
+        # saved_tensors_hooks, so we record the version here and check it in _unpack: code
+        # that breaks autograd outside the tracker breaks it inside the tracker too.
+        return t.detach(), t._version
 
     @staticmethod
-    def _unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
+    def _unpack(packed) -> torch.Tensor:
+        alias, version = packed
+        if alias._version != version:  # the alias shares the original's version counter
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{alias.dtype} {list(alias.shape)}] is at version {alias._version}; "
+                f"expected version {version} instead. (Reported by gpulab's tracker, which checks "
+                "saved tensors exactly as autograd does.)")
+        return alias
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
