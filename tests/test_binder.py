@@ -1,0 +1,109 @@
+"""binder/ is enough to run every lesson without a GPU.
+
+Builds a fresh virtual environment from binder/requirements.txt, the way repo2docker does
+(``pip install -r binder/requirements.txt`` from the repository root), with one change: PyTorch's
+CPU index (unreachable from CI) is swapped for the regular registry. Then installs an ipykernel
+kernelspec for that venv into a temporary JUPYTER_PATH and executes every lesson headless with
+nbclient in that kernel, asserting no errors.
+
+Slow (downloads torch into a fresh venv; pip's cache makes reruns fast): ``pytest -m slow``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from conftest import LESSONS, ROOT
+
+BINDER = ROOT / "binder"
+LESSONS_DIR = pathlib.Path(os.environ.get("GPULAB_LESSONS_DIR", LESSONS)).resolve()
+NOTEBOOKS = sorted(LESSONS_DIR.glob("[0-9][0-9]_*.ipynb"))
+KERNEL = "gpulab-binder-test"
+PYTORCH_INDEX = re.compile(r"^\s*--(extra-)?index-url\s+\S*download\.pytorch\.org\S*\s*$")
+
+
+def test_binder_files_are_there():
+    req = (BINDER / "requirements.txt").read_text()
+    lines = [ln.split("#")[0].strip() for ln in req.splitlines()]
+    assert any(PYTORCH_INDEX.match(ln) and "/whl/cpu" in ln for ln in lines), \
+        "binder/requirements.txt must take torch from PyTorch's CPU index"
+    assert any(ln.startswith("torch") for ln in lines) and any(ln.startswith("torchvision") for ln in lines)
+    assert any(ln in (".", "-e .") for ln in lines), "binder/requirements.txt must install gpulab itself"
+    post = BINDER / "postBuild"
+    if post.exists():
+        assert os.access(post, os.X_OK), "binder/postBuild must be executable"
+
+
+def _rewrite_requirements(dst) -> None:
+    """binder/requirements.txt without PyTorch's index (and without +cpu local versions)."""
+    out = []
+    for line in (BINDER / "requirements.txt").read_text().splitlines():
+        if PYTORCH_INDEX.match(line.split("#")[0]):
+            continue
+        out.append(re.sub(r"\+cpu\b", "", line))
+    dst.write_text("\n".join(out) + "\n")
+
+
+@pytest.fixture(scope="module")
+def binder_kernel(tmp_path_factory):
+    """A fresh venv built from binder/, registered as a kernel in a temporary JUPYTER_PATH."""
+    tmp = tmp_path_factory.mktemp("binder")
+    req = tmp / "requirements.txt"
+    _rewrite_requirements(req)
+    venv = tmp / "venv"
+    py = venv / "bin" / "python"
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    r = subprocess.run([str(py), "-m", "pip", "install", "-q", "-r", str(req)], cwd=str(ROOT), env=env,
+                       capture_output=True, text=True, timeout=3000)
+    assert r.returncode == 0, f"pip install -r binder/requirements.txt failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    post = BINDER / "postBuild"
+    if post.exists():
+        r = subprocess.run([str(post)], cwd=str(ROOT), capture_output=True, text=True, timeout=600,
+                           env=dict(env, PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}"))
+        assert r.returncode == 0, f"binder/postBuild failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    # ipykernel comes with jupyterlab; register the venv's kernel under a private prefix
+    prefix = tmp / "jupyter-prefix"
+    r = subprocess.run([str(py), "-m", "ipykernel", "install", "--prefix", str(prefix), "--name", KERNEL,
+                        "--display-name", "gpulab (binder test)"], capture_output=True, text=True)
+    assert r.returncode == 0, f"the binder venv has no working ipykernel:\n{r.stderr[-2000:]}"
+    freeze = subprocess.run([str(py), "-m", "pip", "freeze"], capture_output=True, text=True).stdout
+    print(f"binder venv built in {time.perf_counter() - t0:.0f} s; "
+          + ", ".join(ln for ln in freeze.splitlines() if re.match(r"(torch|torchvision|jupyterlab|ipywidgets)==", ln)))
+    return prefix / "share" / "jupyter"
+
+
+@pytest.mark.slow
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_lesson_runs_in_binder_env(path, binder_kernel, monkeypatch):
+    monkeypatch.setenv("JUPYTER_PATH", str(binder_kernel))
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # as on Binder: the kernel's inline backend
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=600, kernel_name=KERNEL, store_widget_state=True,
+                            resources={"metadata": {"path": str(LESSONS_DIR)}})
+    t0 = time.perf_counter()
+    client.execute()
+    errors = []
+    for i, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                errors.append(f"cell {i}: {out.get('ename')}: {out.get('evalue')}")
+            if out.get("output_type") == "stream" and out.get("name") == "stderr" and "Traceback" in out.get("text", ""):
+                errors.append(f"cell {i}: traceback on stderr")
+            if "gpulab-error" in json.dumps(out.get("data", {})):
+                errors.append(f"cell {i}: a panel showed an error")
+    if "gpulab-error" in json.dumps(nb.metadata.get("widgets", {})):
+        errors.append("a panel showed an error (widget state)")
+    assert not errors, f"{path.name} in the binder env: " + "; ".join(errors)
+    print(f"{path.name} ran in the binder env in {time.perf_counter() - t0:.1f} s")

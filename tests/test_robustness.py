@@ -1,0 +1,258 @@
+"""Robustness: what students do to notebooks.
+
+* Run All twice in the same kernel: the second pass shows the same numbers as the first
+  (timings excluded: "done in 0.23 s", numbers with a time unit, table columns headed time/ms/s).
+* Restart the kernel mid-lesson, then run everything again: it works, and the numbers match.
+* Click Run rapidly, or while a run is in progress: the panel runs once more with the newest
+  values (one queued rerun, not one per click), re-enables the button, and shows no error.
+"""
+from __future__ import annotations
+
+import copy
+import html as htmllib
+import json
+import os
+import pathlib
+import re
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.util import run_sync
+
+from conftest import LESSONS
+
+LESSONS_DIR = pathlib.Path(os.environ.get("GPULAB_LESSONS_DIR", LESSONS)).resolve()
+NOTEBOOKS = sorted(LESSONS_DIR.glob("[0-9][0-9]_*.ipynb"))
+
+# ---------------------------------------------------------------------------------------------
+# normalising outputs: keep the numbers a student reads, drop timings and object addresses
+
+TIME_UNIT = r"(?:ns|µs|us|ms|s|sec|secs|seconds?|min|minutes?|it/s|s/it|steps?/s|img/s|images/s)"
+_TIMING = [
+    re.compile(r"done in\s+[\d.]+\s*s", re.I),
+    re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?\s*" + TIME_UNIT + r"(?![A-Za-z])"),
+    re.compile(r"\b0x[0-9a-f]+\b", re.I),
+    re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d(:\d\d(\.\d+)?)?"),  # wall-clock stamps
+]
+_TIME_HEADER = re.compile(r"\b(time|times|ms|seconds?|sec|latency|throughput|speed|slowdown|speedup|"
+                          r"overhead|duration|elapsed|it/s|s/it)\b", re.I)
+_ROW = re.compile(r"<tr[^>]*>(.*?)</tr>", re.S | re.I)
+_CELL = re.compile(r"<t([hd])[^>]*>(.*?)</t[hd]>", re.S | re.I)
+_TAG = re.compile(r"<[^>]+>")
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?%?")
+
+
+def _drop_time_columns(html: str) -> str:
+    """In each HTML table, blank out the columns whose header mentions a time."""
+    def table(m: re.Match) -> str:
+        body = m.group(0)
+        rows = _ROW.findall(body)
+        if not rows:
+            return body
+        header = [_TAG.sub("", c[1]) for c in _CELL.findall(rows[0])]
+        drop = {i for i, h in enumerate(header) if _TIME_HEADER.search(htmllib.unescape(h))}
+        if not drop:
+            return body
+        out = []
+        for r in rows:
+            cells = [_TAG.sub("", c[1]) for c in _CELL.findall(r)]
+            out.append(" | ".join(c for i, c in enumerate(cells) if i not in drop))
+        return "<table>" + "\n".join(out) + "</table>"
+    return re.sub(r"<table.*?</table>", table, html, flags=re.S | re.I)
+
+
+def normalise(text: str, is_html: bool = False) -> str:
+    if is_html:
+        text = _drop_time_columns(text)
+        text = htmllib.unescape(_TAG.sub(" ", re.sub(r"<(style|script)[^>]*>.*?</\1>", "", text, flags=re.S | re.I)))
+    for pat in _TIMING:
+        text = pat.sub("<t>", text)
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def _texts(outputs) -> list[str]:
+    """The readable text of a list of outputs (stream, text/plain, text/html; images skipped)."""
+    texts = []
+    for out in outputs:
+        kind = out.get("output_type")
+        if kind == "stream":
+            texts.append(normalise(out.get("text", "")))
+        elif kind in ("execute_result", "display_data"):
+            data = out.get("data", {})
+            if "text/html" in data:
+                texts.append(normalise(data["text/html"], is_html=True))
+            elif "text/plain" in data and "application/vnd.jupyter.widget-view+json" not in data \
+                    and not any(k.startswith("image/") for k in data):
+                texts.append(normalise(data["text/plain"]))
+        elif kind == "error":
+            texts.append(f"ERROR {out.get('ename')}: {out.get('evalue')}")
+    return [t for t in texts if t]
+
+
+def _widget_texts(state: dict) -> list[str]:
+    """Texts shown inside Output widgets (where panels render), in creation order."""
+    texts = []
+    for model in state.values():
+        st = model.get("state", model) if isinstance(model, dict) else {}
+        if st.get("_model_name") == "OutputModel":
+            texts.append(" || ".join(_texts(st.get("outputs", []))))
+    return texts
+
+
+def _errors(outputs) -> list[str]:
+    errs = []
+    for out in outputs:
+        if out.get("output_type") == "error":
+            errs.append(f"{out.get('ename')}: {out.get('evalue')}")
+        if out.get("output_type") == "stream" and out.get("name") == "stderr" and "Traceback" in out.get("text", ""):
+            errs.append("traceback on stderr")
+        if "gpulab-error" in json.dumps(out.get("data", {})):
+            errs.append("a panel showed an error")
+    return errs
+
+
+def _run_pass(client: NotebookClient, nb, upto: int | None = None) -> dict:
+    """Execute code cells [0, upto) in the client's current kernel; return per-cell texts."""
+    client.widget_state.clear() if hasattr(client, "widget_state") else None
+    texts, errors = {}, []
+    for i, cell in enumerate(nb.cells[:upto]):
+        if cell.cell_type != "code":
+            continue
+        cell.outputs = []
+        client.execute_cell(cell, i)
+        texts[i] = _texts(cell.outputs)
+        errors += [f"cell {i}: {e}" for e in _errors(cell.outputs)]
+    widgets = _widget_texts(copy.deepcopy(getattr(client, "widget_state", {})))
+    errors += [f"panel output {j}: a panel showed an error" for j, w in enumerate(widgets) if "Could not run" in w]
+    return {"cells": texts, "widgets": widgets, "errors": errors}
+
+
+def _diff(a: dict, b: dict, nb) -> list[str]:
+    diffs = []
+    for i, ta in a["cells"].items():
+        tb = b["cells"].get(i)
+        if tb is not None and ta != tb:
+            src = nb.cells[i].source.splitlines()[0][:60] if nb.cells[i].source else ""
+            diffs.append(f"cell {i} ({src!r}):\n  first:  {' / '.join(ta)[:400]}\n  second: {' / '.join(tb)[:400]}")
+    for j, (wa, wb) in enumerate(zip(a["widgets"], b["widgets"])):
+        if wa != wb:
+            diffs.append(f"output widget {j}:\n  first:  {wa[:400]}\n  second: {wb[:400]}")
+    if len(a["widgets"]) != len(b["widgets"]):
+        diffs.append(f"{len(a['widgets'])} output widgets the first time, {len(b['widgets'])} the second")
+    return diffs
+
+
+def test_normalise_drops_timings_keeps_memory():
+    assert normalise("done in 0.23 s; peak 12.5 MiB") == normalise("done in 1.70 s; peak 12.5 MiB")
+    assert normalise("step took 31 ms, 4.0 GiB") == normalise("step took 45 ms, 4.0 GiB")
+    assert normalise("peak 12.5 MiB") != normalise("peak 12.6 MiB")
+    a = "<table><tr><th>segments</th><th>peak</th><th>time (ms)</th></tr><tr><td>2</td><td>3 MiB</td><td>12.1</td></tr></table>"
+    b = a.replace("12.1", "19.7")
+    assert normalise(a, True) == normalise(b, True)
+    assert normalise(a, True) != normalise(a.replace("3 MiB", "4 MiB"), True)
+
+
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_lesson_rerun_and_restart(path, monkeypatch):
+    """Run All, Run All again in the same kernel (same numbers); run half, restart the kernel,
+    Run All again (works, same numbers)."""
+    monkeypatch.delenv("MPLBACKEND", raising=False)
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=600, kernel_name="python3", store_widget_state=True,
+                            resources={"metadata": {"path": str(LESSONS_DIR)}})
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    mid = code[len(code) // 2] if code else 0
+    with client.setup_kernel():
+        first = _run_pass(client, nb)
+        assert not first["errors"], f"{path.name}, first run: " + "; ".join(first["errors"])
+        second = _run_pass(client, nb)
+        assert not second["errors"], f"{path.name}, second Run All in the same kernel: " + "; ".join(second["errors"])
+        rerun_diffs = _diff(first, second, nb)
+
+        _run_pass(client, nb, upto=mid)          # a student is halfway down ...
+        run_sync(client.km.restart_kernel)()      # ... and restarts the kernel
+        run_sync(client.kc.wait_for_ready)(timeout=120)
+        third = _run_pass(client, nb)
+        assert not third["errors"], f"{path.name}, Run All after a restart: " + "; ".join(third["errors"])
+        restart_diffs = _diff(first, third, nb)
+    msg = []
+    if rerun_diffs:
+        msg.append("numbers differ between two Run Alls in the same kernel:\n" + "\n".join(rerun_diffs))
+    if restart_diffs:
+        msg.append("numbers differ after a kernel restart:\n" + "\n".join(restart_diffs))
+    assert not msg, f"{path.name}: " + "\n".join(msg)
+
+
+# ---------------------------------------------------------------------------------------------
+# rapid clicks, in process
+
+def test_rapid_clicks_each_run():
+    from gpulab.widgets import step_panel
+    panel = step_panel(model="cnn", batch=4, engine="fake")
+    for _ in range(3):
+        panel.run_button.click()
+    assert panel.runs == 3
+    assert panel.error is None and panel.blocked is None
+    assert not panel.run_button.disabled
+    assert "done in" in panel.status.value
+    assert panel.result.batch == 4
+
+
+def test_click_during_run_queues_one_rerun_with_newest_values():
+    from gpulab.widgets import step_panel
+    panel = step_panel(model="cnn", batch=4, engine="fake")
+    inner = panel._compute
+    calls = []
+
+    def compute(**params):
+        calls.append(params["batch"])
+        if len(calls) == 1:  # the student moves the slider and clicks three times mid-run
+            assert panel.run_button.disabled, "the Run button must be disabled during a run"
+            panel.controls["batch"].value = 8
+            panel.run_button.click()
+            panel.controls["batch"].value = 16
+            panel.run_button.click()
+            panel.run_button.click()
+            assert calls == [4], "a click during a run must not start a nested run"
+        return inner(**params)
+
+    panel._compute = compute
+    panel.run_button.click()
+    assert calls == [4, 16], f"expected the first run and one rerun with the newest batch, got {calls}"
+    assert panel.runs == 2
+    assert panel.result.batch == 16
+    assert panel.error is None and panel.blocked is None
+    assert not panel.run_button.disabled
+    assert "done in" in panel.status.value
+
+    # afterwards the panel behaves normally again
+    panel.run_button.click()
+    assert calls == [4, 16, 16] and panel.runs == 3
+
+
+def test_error_during_rerun_is_shown_and_panel_recovers():
+    from gpulab.widgets import step_panel
+    panel = step_panel(model="cnn", batch=4, engine="fake")
+    inner = panel._compute
+    state = {"n": 0}
+
+    def compute(**params):
+        state["n"] += 1
+        if state["n"] == 1:
+            panel.run_button.click()        # queue a rerun ...
+            return inner(**params)
+        if state["n"] == 2:
+            raise RuntimeError("boom")       # ... which fails
+        return inner(**params)
+
+    panel._compute = compute
+    panel.run_button.click()
+    assert state["n"] == 2 and panel.error == "RuntimeError: boom"
+    assert not panel.run_button.disabled and "failed" in panel.status.value
+    panel.run_button.click()                 # the next click works again
+    assert panel.error is None and panel.result is not None and "done in" in panel.status.value
