@@ -5,3 +5,6 @@ from .step import step_panel
 __all__ = ["GuardVerdict", "Panel", "step_panel"]
 from .allocator import allocator_panel  # noqa: E402  (lesson 09)
 __all__ += ["allocator_panel"]
+from .env import engine_panel  # noqa: E402  (lesson 00)
+from .tensor_bytes import rounding_panel, tensor_bytes_panel  # noqa: E402  (lesson 01)
+__all__ += ["engine_panel", "rounding_panel", "tensor_bytes_panel"]

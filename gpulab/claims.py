@@ -1,0 +1,83 @@
+"""Claims from the reference articles, put to the test.
+
+A lesson's "what the articles claim, tested" section is a list of ``ClaimCheck``: what the
+article says (paraphrased, with the article it comes from), the evidence we measured or
+computed, each piece carrying its honest label, and a verdict (*holds*, *breaks*, or a
+qualified one such as *holds in MB, breaks in MiB*) with the reason. The verdict is computed
+from the evidence by the function that builds the check, never typed in a notebook.
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+
+try:  # the table style the other views use
+    from .views import _STYLE
+except ImportError:  # pragma: no cover
+    _STYLE = ""
+
+HOLDS = "holds"
+BREAKS = "breaks"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One number behind a verdict, and where it came from (an engine label or "formula")."""
+
+    what: str
+    value: str
+    label: str
+
+
+@dataclass
+class ClaimCheck:
+    claim: str                 # the article's claim, paraphrased
+    source: str                # which reference article says it
+    verdict: str               # "holds", "breaks", or "holds in X, breaks in Y"
+    why: str                   # one or two sentences: why it holds or where it breaks
+    evidence: list[Evidence] = field(default_factory=list)
+
+    @property
+    def holds(self) -> bool:
+        """True only for an unqualified "holds"."""
+        return self.verdict == HOLDS
+
+    def __repr__(self) -> str:
+        return f"ClaimCheck({self.claim!r}: {self.verdict})"
+
+
+@dataclass
+class ClaimReport:
+    """A list of checks with an HTML view (one card per claim)."""
+
+    title: str
+    checks: list[ClaimCheck]
+
+    def __iter__(self):
+        return iter(self.checks)
+
+    def __len__(self) -> int:
+        return len(self.checks)
+
+    def __getitem__(self, i: int) -> ClaimCheck:
+        return self.checks[i]
+
+    def __repr__(self) -> str:
+        return "\n".join([self.title] + [f"- {c.claim} [{c.source}]: {c.verdict}. {c.why}" for c in self.checks])
+
+    def _repr_html_(self) -> str:
+        cards = []
+        for c in self.checks:
+            color = "#2a7" if c.verdict == HOLDS else ("#c33" if c.verdict == BREAKS else "#d80")
+            rows = "".join(
+                f"<tr><td>{html.escape(e.what)}</td><td>{html.escape(e.value)}</td>"
+                f"<td class='gpulab-label'>{html.escape(e.label)}</td></tr>" for e in c.evidence)
+            table = (f"<table class='gpulab-table'><tr><th>evidence</th><th>value</th><th>source</th></tr>"
+                     f"{rows}</table>") if rows else ""
+            cards.append(
+                f"<div class='gpulab-claim' style='border-left:4px solid {color};padding:2px 8px;margin:8px 0'>"
+                f"<div><b>Claim:</b> {html.escape(c.claim)} <span class='gpulab-label'>"
+                f"({html.escape(c.source)})</span></div>"
+                f"<div><b style='color:{color}'>Verdict: {html.escape(c.verdict)}.</b> {html.escape(c.why)}</div>"
+                f"{table}</div>")
+        return f"{_STYLE}<h4 style='margin:4px 0'>{html.escape(self.title)}</h4>" + "".join(cards)

@@ -1,0 +1,432 @@
+"""Lesson 00's library: what this machine is, which engine answers, how to read labels and units.
+
+* ``machine_report()``: Python/torch versions, CPU and RAM, GPU facts from NVML (what
+  nvidia-smi reads) when there is a GPU, and the engine the lessons will use, with the reason.
+* ``label_guide()``: the honest labels every number carries, and which ones this machine can
+  produce.
+* ``units_table(nbytes)`` / ``prefix_gaps()``: the same bytes in binary (MiB) and decimal (MB)
+  units, and how far apart the two systems drift at K, M, G, T.
+* ``engine_demo(size_mib, engine, cpu_limit_mib)``: one float32 tensor, answered by an engine,
+  next to the formula and the simulated allocator.
+* ``unit_claims()``: the reference articles' statements about units, tested.
+"""
+from __future__ import annotations
+
+import html
+import inspect
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import formulas as F
+from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
+from .engines import (DEFAULT_MAX_CPU_BYTES, LABEL_CPU, LABEL_FAKE, LABEL_FORMULA, LABEL_SIMULATED,
+                      RunContext, engine_status, label_cuda, label_recorded, run)
+from .exercises import Exercise
+from .tracking import TrackingResult
+from .units import GB, GiB, KB, KiB, MB, MiB, format_bytes
+from .views import error_percent, fmt_error, html_table
+
+try:  # the caching-allocator simulator (optional here)
+    from .allocator import CachingAllocator
+except ImportError:  # pragma: no cover
+    CachingAllocator = None
+
+
+
+def _both(nbytes: int | None) -> str:
+    """'24,576 MiB = 24.0 GiB = 25.8 GB': nvidia-smi's unit, the binary unit, the decimal one."""
+    if nbytes is None:
+        return "n/a"
+    return f"{nbytes / MiB:,.0f} MiB = {format_bytes(nbytes)} = {format_bytes(nbytes, 'decimal')}"
+
+
+# --- the machine ------------------------------------------------------------------------------------
+
+@dataclass
+class MachineReport:
+    """This machine, as the lessons see it. Every fact names its source."""
+
+    info: dict[str, Any]            # gpulab.cli.env_info()
+    cpu_cores: int
+    ram_total: int | None
+    ram_available: int | None
+
+    @property
+    def engine(self) -> str:
+        return self.info["engine"]
+
+    @property
+    def engine_reason(self) -> str:
+        return self.info["engine_reason"]
+
+    @property
+    def gpus(self) -> list[dict[str, Any]]:
+        return list(self.info["device"]["gpus"])
+
+    def rows(self) -> list[list[str]]:
+        i = self.info
+        rows = [["Python", i["python"], "platform"],
+                ["torch / torchvision", f"{i['torch']} / {i['torchvision']}", "torch.__version__"],
+                ["CPU cores this process may use", str(self.cpu_cores), "os.sched_getaffinity"],
+                ["RAM total / available now",
+                 "n/a" if self.ram_total is None else
+                 f"{format_bytes(self.ram_total)} / {format_bytes(self.ram_available)}", "psutil"],
+                ["CUDA available to torch", str(i["cuda_available"]), "torch.cuda.is_available()"],
+                ["CUDA version torch was built for", str(i["cuda_version"]), "torch.version.cuda"]]
+        for g in self.gpus:
+            src = "NVML (what nvidia-smi reads)" if g["source"] == "nvml" else g["source"]
+            rows += [[f"GPU {g['index']}", g["name"], src],
+                     [f"GPU {g['index']} memory total", _both(g["total_bytes"]), src],
+                     [f"GPU {g['index']} memory used (all processes)", _both(g["used_bytes"]), src],
+                     [f"GPU {g['index']} driver / compute capability",
+                      f"{g['driver']} / {g['compute_capability']}", src]]
+        if i["device"]["reason"]:
+            rows.append(["why no GPU facts" if not self.gpus else "note", i["device"]["reason"],
+                         "gpulab.gpu.device_report()"])
+        rows.append(["engine the lessons use", f"{i['engine']}: {i['engine_reason']}",
+                     "gpulab.engines.choose_engine('auto')"])
+        return rows
+
+    def __repr__(self) -> str:
+        return "\n".join(f"{a}: {b}  [{c}]" for a, b, c in self.rows())
+
+    def _repr_html_(self) -> str:
+        engines = [[name, "yes" if d["available"] else "no", d["why"]]
+                   for name, d in self.info["engines"].items()]
+        return (html_table(["fact", "value", "source"], self.rows(), "this machine")
+                + html_table(["engine", "available here", "why"], engines,
+                             f"the lessons will use: {self.engine}"))
+
+
+def machine_report() -> MachineReport:
+    from .cli import env_info
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cores = os.cpu_count() or 1
+    try:
+        import psutil
+        vm = psutil.virtual_memory()
+        total, avail = int(vm.total), int(vm.available)
+    except ImportError:  # pragma: no cover
+        total = avail = None
+    return MachineReport(env_info(), cores, total, avail)
+
+
+# --- labels -----------------------------------------------------------------------------------------
+
+@dataclass
+class LabelGuide:
+    rows: list[tuple[str, str, bool]]   # (label, what it means, can this machine produce it)
+
+    def __repr__(self) -> str:
+        return "\n".join(f"{'*' if ok else ' '} {lab}: {what}" for lab, what, ok in self.rows)
+
+    def _repr_html_(self) -> str:
+        return html_table(["label on a number", "what it means", "on this machine"],
+                          [[lab, what, "yes" if ok else "no"] for lab, what, ok in self.rows],
+                          "every number in the lessons carries one of these labels")
+
+
+def label_guide() -> LabelGuide:
+    status = engine_status()
+    gpu = torch.cuda.get_device_name(0) if status["cuda"][0] else "<GPU name>"
+    return LabelGuide([
+        (LABEL_FORMULA, "computed from shapes, dtypes and counts by a function in gpulab.formulas; "
+                        "nothing ran", True),
+        (LABEL_CPU, "the code ran on the CPU with real data; a tracker counted every tensor storage "
+                    "it created and freed", status["cpu"][0]),
+        (LABEL_FAKE, "the code ran on fake tensors (shapes and dtypes, no data, no compute); the "
+                     "same tracker counted the storages they would need", status["fake"][0]),
+        (LABEL_SIMULATED, "a model of PyTorch's CUDA caching allocator replayed those storages: what "
+                          "memory_allocated / memory_reserved would say on a GPU", CachingAllocator is not None),
+        (label_cuda(gpu), "the code ran on that GPU; the numbers come from the caching allocator's "
+                          "counters and NVML", status["cuda"][0]),
+        (label_recorded("<GPU name>", "<date>", "<version>"),
+         "a GPU measurement shipped with gpulab: real, but not from this machine", True),
+    ])
+
+
+# --- units ------------------------------------------------------------------------------------------
+
+@dataclass
+class UnitsTable:
+    nbytes: int
+    what: str
+
+    def rows(self) -> list[list[str]]:
+        n = self.nbytes
+        return [["bytes", f"{n:,} B", "exact"],
+                ["binary (what nvidia-smi and PyTorch print)",
+                 f"{n / KiB:,.2f} KiB = {n / MiB:,.3f} MiB = {n / GiB:,.4f} GiB", "1 KiB = 1024 B"],
+                ["decimal (SI)", f"{n / KB:,.2f} KB = {n / MB:,.3f} MB = {n / GB:,.4f} GB", "1 KB = 1000 B"]]
+
+    def __repr__(self) -> str:
+        return f"{self.what}: " + "; ".join(r[1] for r in self.rows())
+
+    def _repr_html_(self) -> str:
+        return html_table(["system", "value", "rule"], self.rows(), f"{self.what} ({LABEL_FORMULA})")
+
+
+def units_table(nbytes: int, what: str = "") -> UnitsTable:
+    return UnitsTable(int(nbytes), what or f"{int(nbytes):,} bytes")
+
+
+@dataclass(frozen=True)
+class PrefixGap:
+    prefix: str
+    binary: int        # 1024**k
+    decimal: int       # 1000**k
+
+    @property
+    def gap_percent(self) -> float:
+        """How much bigger the binary unit is than the decimal one, in %."""
+        return 100.0 * (self.binary - self.decimal) / self.decimal
+
+
+def prefix_gaps() -> list[PrefixGap]:
+    return [PrefixGap(p, 1024**k, 1000**k) for k, p in enumerate("KMGT", start=1)]
+
+
+# --- which engine answers ---------------------------------------------------------------------------
+
+@dataclass
+class EngineDemo:
+    """One float32 tensor of ``size_bytes``, answered by an engine."""
+
+    size_bytes: int
+    requested: str
+    engine: str
+    reason: str
+    label: str
+    cpu_limit_bytes: int
+    formula_bytes: int
+    measured_bytes: int
+    seconds: float
+    simulated_allocated: int | None
+    simulated_reserved: int | None
+    cuda_allocated: int | None = None
+    cuda_reserved: int | None = None
+    nvml_used: int | None = None
+    formula_label: str = LABEL_FORMULA
+    simulated_label: str = LABEL_SIMULATED
+
+    @property
+    def error(self) -> float | None:
+        return error_percent(self.formula_bytes, self.measured_bytes)
+
+    def bars(self) -> list[tuple[str, int, str]]:
+        """(what, bytes, label) for each number, in display order."""
+        out = [("numel × 4 B", self.formula_bytes, self.formula_label),
+               ("storage bytes", self.measured_bytes, self.label)]
+        if self.simulated_allocated is not None:
+            out += [("memory_allocated", self.simulated_allocated, self.simulated_label),
+                    ("memory_reserved", self.simulated_reserved, self.simulated_label)]
+        if self.cuda_allocated is not None:
+            out.append(("memory_allocated", self.cuda_allocated, self.label))
+        if self.cuda_reserved is not None:
+            out.append(("max_memory_reserved", self.cuda_reserved, self.label))
+        return out
+
+    def __repr__(self) -> str:
+        return (f"EngineDemo({format_bytes(self.size_bytes)}: engine {self.engine} ({self.reason}), "
+                f"measured {self.measured_bytes:,} B [{self.label}])")
+
+    def _repr_html_(self) -> str:
+        head = (f"<div><code>torch.empty({self.size_bytes // 4:,}, dtype=torch.float32)</code>, "
+                f"{format_bytes(self.size_bytes)} = {format_bytes(self.size_bytes, 'decimal')}. "
+                f"Asked for <b>{html.escape(self.requested)}</b>; answered by the <b>{self.engine}</b> engine: "
+                f"{html.escape(self.reason)}.</div>")
+        rows = [[what, f"{b:,} B", format_bytes(b), format_bytes(b, "decimal"), lab]
+                for what, b, lab in self.bars()]
+        table = html_table(["number", "bytes", "binary", "decimal", "label (where it came from)"], rows,
+                           f"formula error vs measured: {fmt_error(self.error)}; took {self.seconds:.2f} s; "
+                           f"cpu engine limit for 'auto': {format_bytes(self.cpu_limit_bytes)}")
+        return head + table
+
+
+SIZE_OPTIONS_MIB = (1, 4, 16, 256, 1024, 4096, 65536)
+
+
+def engine_demo(size_mib: int = 4, engine: str = "auto",
+                cpu_limit_mib: int = DEFAULT_MAX_CPU_BYTES // MiB) -> EngineDemo:
+    """Allocate one float32 tensor of ``size_mib`` MiB on the engine ``choose_engine`` picks."""
+    if not isinstance(size_mib, int) or size_mib < 1:
+        raise ValueError(f"size must be a positive whole number of MiB, got {size_mib!r}")
+    if not isinstance(cpu_limit_mib, int) or cpu_limit_mib < 1:
+        raise ValueError(f"the cpu limit must be a positive whole number of MiB, got {cpu_limit_mib!r}")
+    nbytes = size_mib * MiB
+    limit = cpu_limit_mib * MiB
+    n = nbytes // 4
+
+    def experiment(ctx: RunContext) -> int | None:
+        t = torch.empty(n, dtype=torch.float32, device=ctx.device)
+        return ctx.snapshot("tensor").allocated_bytes
+
+    m = run(experiment, engine, predicted_bytes=nbytes, max_cpu_bytes=limit)
+    if m.oom:
+        raise MemoryError(f"out of memory on the {m.engine} engine ({m.error}); choose the fake engine")
+    raw = TrackingResult.build(m.tracking.records, m.tracking.events, device=m.tracking.device, rounded=False)
+    sim_a = sim_r = None
+    if CachingAllocator is not None:
+        sim = CachingAllocator()
+        sim.malloc(nbytes)
+        sim_a, sim_r = sim.memory_allocated(), sim.memory_reserved()
+    demo = EngineDemo(nbytes, engine, m.engine, m.reason, m.label, limit, F.tensor_bytes((n,), "float32"),
+                      raw.peak_bytes, m.seconds, sim_a, sim_r)
+    if m.engine == "cuda" and m.allocator:
+        demo.cuda_allocated = m.value
+        demo.cuda_reserved = m.allocator["max_memory_reserved"]
+        demo.nvml_used = m.allocator.get("nvml_used")
+    return demo
+
+
+# --- predict-first exercises --------------------------------------------------------------------------
+
+def exercise_image_mib() -> Exercise:
+    return Exercise(
+        question="The articles' 500×500 RGB image in float32: how many MiB?",
+        expected=lambda: F.tensor_bytes((500, 500, 3), "float32") / MiB,
+        explain="500 × 500 × 3 × 4 B = 3,000,000 B, and 1 MiB = 1024 × 1024 = 1,048,576 B.",
+        unit="MiB", rel_tol=0.01,
+        hint="Count the bytes first, then divide by 1024 × 1024 (not by 1000 × 1000).")
+
+
+def exercise_smi_gb(mib: int = 24576) -> Exercise:
+    return Exercise(
+        question=f"nvidia-smi says a card has {mib}MiB. How many GB (10⁹ bytes) is that?",
+        expected=lambda: mib * MiB / GB,
+        explain=f"{mib:,} MiB × 1,048,576 B = {mib * MiB:,} B; ÷ 1,000,000,000 B per GB.",
+        unit="GB", rel_tol=0.01,
+        hint="Go through bytes: MiB × 1024², then ÷ 1000³.")
+
+
+# --- the articles' claims about units ----------------------------------------------------------------
+
+def _torch_summary_units() -> tuple[bool, str]:
+    """Does the installed torch format memory_summary() in 1024-based units? Read from its source."""
+    try:
+        src = inspect.getsource(torch.cuda.memory.memory_summary)
+    except (OSError, TypeError, AttributeError):
+        return False, "source not available"
+    found = [u for u in ("KiB", "MiB", "GiB") if u in src]
+    return bool(found), ", ".join(found) if found else "no KiB/MiB/GiB found"
+
+
+def _nvidia_smi_used_mib() -> int | None:
+    """memory.used of GPU 0 as nvidia-smi prints it (MiB), or None without nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=10)
+        return int(out.stdout.strip().splitlines()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+GAP_TOLERANCE = 5.0   # % a rough estimate may be off and still count as "no need to distinguish"
+
+
+def unit_claims(engine: str = "auto") -> ClaimReport:
+    """The articles' statements about units, with the evidence on this machine."""
+    report = machine_report()
+    gpu = report.gpus[0] if report.gpus else None
+    checks = []
+
+    # 1. article 003: "1 G = 1000 MB, 1 M = 1000 KB, 1 K = 1000 Byte"
+    binary_torch, found = _torch_summary_units()
+    ev = [Evidence("1 GiB vs 1 GB", f"{GiB:,} B vs {GB:,} B", LABEL_FORMULA),
+          Evidence("units in torch.cuda.memory_summary()", found, f"read from torch {torch.__version__} source")]
+    if gpu:
+        ev.append(Evidence(f"{gpu['name']} total memory", _both(gpu["total_bytes"]), "NVML (what nvidia-smi reads)"))
+    else:
+        ev.append(Evidence("nvidia-smi's memory column", "prints MiB; no GPU here to read it from",
+                           "not measurable on this machine"))
+    checks.append(ClaimCheck(
+        "1 G = 1000 MB, 1 M = 1000 KB, 1 K = 1000 bytes.", "article 003",
+        "holds for GB/MB/KB, breaks for the numbers PyTorch and nvidia-smi print" if binary_torch else HOLDS,
+        "As SI prefixes this is right, but PyTorch's memory reports and nvidia-smi count in 1024-based "
+        "MiB/GiB: reading their numbers with 1 G = 1000 M is off by 4.9% per M and 7.4% per G."
+        if binary_torch else "The installed torch does not print binary units.", ev))
+
+    # 2. article 001: K/M/G (1024) vs KB/MB/GB (1000): no need to tell them apart when estimating
+    gaps = prefix_gaps()
+    ev = [Evidence(f"1 {g.prefix}iB / 1 {g.prefix}B", f"{g.binary / g.decimal:.4f} (+{g.gap_percent:.1f}%)",
+                   LABEL_FORMULA) for g in gaps]
+    card = gpu["total_bytes"] if gpu else 24 * GiB
+    card_label = f"NVML on {gpu['name']}" if gpu else f"{LABEL_FORMULA} (a 24 GiB card; no GPU here)"
+    ev.append(Evidence("a card's memory in GiB and in GB",
+                       f"{card / GiB:,.2f} GiB = {card / GB:,.2f} GB ({card / GB - card / GiB:,.2f} G apart)",
+                       card_label))
+    small = [g.prefix for g in gaps if g.gap_percent < GAP_TOLERANCE]
+    large = [g.prefix for g in gaps if g.gap_percent >= GAP_TOLERANCE]
+    verdict = (HOLDS if not large else BREAKS if not small else
+               f"holds for {'/'.join(small)} (< {GAP_TOLERANCE:g}%), breaks for {'/'.join(large)}")
+    checks.append(ClaimCheck(
+        "K, M, G, T are 1024-based and KB, MB, GB, TB 1000-based, but for estimating memory the two "
+        "need not be told apart.", "article 001", verdict,
+        f"The gap grows with each prefix: +{gaps[1].gap_percent:.1f}% at M, +{gaps[2].gap_percent:.1f}% at G. "
+        f"On a {card / GiB:,.0f} GiB card the two readings differ by {(card / GB) - (card / GiB):,.2f} G: "
+        f"near the limit, enough to decide whether a batch fits.", ev))
+
+    # 3. article 003's line tracker: NVML bytes / 1024**2 printed as "Mb", tensor sizes / 1000**2 as "M"
+    shape = (30, 3, 512, 512)
+
+    def experiment(ctx: RunContext) -> int:
+        return torch.empty(shape, dtype=torch.float32, device=ctx.device).untyped_storage().nbytes()
+
+    nbytes = F.tensor_bytes(shape, "float32")
+    m = run(experiment, engine, predicted_bytes=nbytes, max_cpu_bytes=256 * MiB)
+    measured = TrackingResult.build(m.tracking.records, m.tracking.events, device=m.tracking.device,
+                                    rounded=False).peak_bytes
+    ev = [Evidence(f"storage bytes of torch.empty({shape}, dtype=torch.float32)", f"{measured:,} B", m.label),
+          Evidence("÷ 1000² (the article's comment: 94.37M)", f"{measured / MB:,.2f} MB", LABEL_FORMULA),
+          Evidence("÷ 1024² (how its tracker divides NVML's bytes, printed as 'Mb')",
+                   f"{measured / MiB:,.2f} MiB", LABEL_FORMULA)]
+    diff = error_percent(measured / MB, measured / MiB)
+    checks.append(ClaimCheck(
+        "The tracker's 'Mb' (NVML used ÷ 1024²) and the tensor sizes in the comments "
+        "(÷ 1000 ÷ 1000, 'M') can be added and subtracted as one unit.", "article 003",
+        BREAKS if abs(diff) > 1 else HOLDS,
+        f"They are different units: the same {measured:,}-byte tensor is {measured / MB:,.2f} in one and "
+        f"{measured / MiB:,.2f} in the other; in MB it reads {diff:.1f}% higher. Differences of such mixed "
+        f"numbers, like the article's 'extra ~400 MB', inherit that error.", ev))
+
+    # 4. article 001: nvidia-smi is built on NVML (so NVML gives the numbers nvidia-smi shows)
+    checks.append(_smi_claim(gpu, report))
+    return ClaimReport("What the reference articles claim about units, tested", checks)
+
+
+def _smi_claim(gpu: dict[str, Any] | None, report: MachineReport) -> ClaimCheck:
+    """Article 001: nvidia-smi is built on NVML. On a GPU: nvidia-smi's memory.used vs NVML's."""
+    claim, source = "nvidia-smi is built on NVML: its memory figures are NVML's.", "article 001"
+    smi = _nvidia_smi_used_mib() if gpu else None
+    if gpu and smi is not None:
+        try:
+            from .gpu import nvml_used_bytes
+            nv = nvml_used_bytes(int(gpu["index"]))
+            total_mib = gpu["total_bytes"] / MiB
+            ok = nv is not None and abs(nv / MiB - smi) <= 0.01 * total_mib
+            ev = [Evidence("nvidia-smi memory.used", f"{smi:,} MiB", f"nvidia-smi on {gpu['name']}"),
+                  Evidence("NVML nvmlDeviceGetMemoryInfo().used",
+                           "n/a" if nv is None else f"{nv / MiB:,.0f} MiB", f"NVML on {gpu['name']}")]
+            why = ("Both read the same device-wide counter (all processes and CUDA contexts included) and "
+                   "print it in MiB; they agree within 1% of the card's memory." if ok else
+                   "They differ by more than 1% of the card's memory here. Recent drivers may leave memory "
+                   "the driver reserves out of nvidia-smi's 'used', while NVML's v1 query includes it.")
+            return ClaimCheck(claim, source, HOLDS if ok else BREAKS, why, ev)
+        except Exception as exc:  # never let a driver quirk break the lesson
+            return ClaimCheck(claim, source, "not tested here", f"reading NVML failed: {exc}", [])
+    return ClaimCheck(claim, source, "not tested here (no GPU)",
+                      "Without an NVIDIA GPU and driver there is neither nvidia-smi nor NVML to compare; "
+                      "on a GPU machine this check reads both.",
+                      [Evidence("NVML", report.info["device"]["reason"] or "not available",
+                                "gpulab.gpu.device_report()")])

@@ -1,0 +1,79 @@
+"""Tensor-bytes panels (lesson 01).
+
+* ``tensor_bytes_panel``: shape x dtype x operation x engine -> x's storage, what the operation
+  allocated, the peak, what y keeps alive after ``del x``: formula vs measured, and the figure.
+* ``rounding_panel``: small tensors on CUDA: the 512-byte blocks, by formula, by the simulated
+  allocator, and measured when there is a GPU.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import ipywidgets as W
+
+from ..tensor_bytes import (DEFAULT_SHAPE, OPERATIONS, TENSOR_CPU_LIMIT, RoundingResult, TensorBytesResult,
+                            is_quantized, dtype_names, measure, predict, rounding_curve)
+from ..tensor_plots import rounding_figure, tensor_bytes_figure, to_png
+from ..units import DTYPES, parse_dtype
+from .base import GuardVerdict, Panel, dropdown
+from .env import engine_guard
+
+ENGINE_OPTIONS = ["auto", "cpu", "fake", "cuda"]
+
+
+def compute_tensor_bytes(shape: str, dtype: str, operation: str, engine: str) -> TensorBytesResult:
+    return measure(shape, dtype, operation, engine)
+
+
+def predict_tensor_bytes_peak(params: dict[str, Any]) -> int:
+    """The guard's prediction: the same experiment on fake tensors (no memory used)."""
+    return compute_tensor_bytes(**dict(params, engine="fake")).peak_bytes
+
+
+def _guard(params: dict[str, Any]):
+    if is_quantized(parse_dtype(params["dtype"])):
+        return GuardVerdict(True)  # quantized dtypes run on cpu only, and fake tensors cannot hold them
+    return engine_guard(predict_tensor_bytes_peak, lambda p: TENSOR_CPU_LIMIT,
+                        lambda p: predict(p["shape"], p["dtype"], p["operation"]).peak_bytes)(params)
+
+
+def render_tensor_bytes(result: TensorBytesResult) -> list[Any]:
+    return [result, to_png(tensor_bytes_figure(result))]
+
+
+def tensor_bytes_panel(shape: str = DEFAULT_SHAPE, dtype: str = "float32", operation: str = "slice",
+                       engine: str = "auto") -> Panel:
+    controls = {
+        "shape": W.Text(value=shape, description="shape", placeholder="e.g. 256,3,100,100",
+                        continuous_update=False, style={"description_width": "initial"},
+                        layout=W.Layout(width="220px")),
+        "dtype": dropdown("dtype", dtype_names(), dtype),
+        "operation": dropdown("operation", list(OPERATIONS), operation),
+        "engine": dropdown("engine", ENGINE_OPTIONS, engine),
+    }
+    return Panel("Tensor bytes: views, slices and copies", controls, compute_tensor_bytes,
+                 render_tensor_bytes, auto_run=True, guard=_guard,
+                 description="<code>x = torch.empty(shape, dtype)</code>, then the operation makes "
+                             "<code>y</code>, then <code>del x</code>. Which bytes were allocated, "
+                             "and which stay alive?")
+
+
+def compute_rounding(dtype: str, max_elements: int, engine: str) -> RoundingResult:
+    return rounding_curve(dtype, max_elements, engine)
+
+
+def render_rounding(result: RoundingResult) -> list[Any]:
+    return [result, to_png(rounding_figure(result))]
+
+
+def rounding_panel(dtype: str = "float32", max_elements: int = 300, engine: str = "auto") -> Panel:
+    plain = [d for d in dtype_names() if DTYPES[d].kind != "quantized"]
+    controls = {
+        "dtype": dropdown("dtype", plain, dtype),
+        "max_elements": W.IntSlider(value=max_elements, min=16, max=2048, step=16, description="up to elements",
+                                    continuous_update=False, style={"description_width": "initial"}),
+        "engine": dropdown("engine", ENGINE_OPTIONS, engine),
+    }
+    return Panel("512-byte blocks on CUDA", controls, compute_rounding, render_rounding, auto_run=True,
+                 description="Tensors of 0, 1, 2, … elements: the bytes they request, and what the CUDA "
+                             "caching allocator counts for them.")
