@@ -223,14 +223,16 @@ class StepResult:
 
 
 def predict_step(model: str, batch: int, image_size: int | None = None, optimizer: str = "sgd",
-                 dtype: str | torch.dtype = "float32", count_step_counters: bool = True) -> dict[str, int | None]:
+                 dtype: str | torch.dtype = "float32", count_step_counters: bool = True, *,
+                 bd: Breakdown | None = None) -> dict[str, int | None]:
     """The formulas' view of a training step, per category (bytes).
 
     parameters / buffers / gradients / optimizer_state / inputs are exact formulas;
     activations is the reference articles' view (every layer's output kept for backward:
     the sum of leaf outputs), which lesson 03 puts to the test; temporaries has no formula
-    (None)."""
-    bd = breakdown(model, batch, image_size, dtype)
+    (None). ``bd``: this model's breakdown at this batch, size and dtype, if already made."""
+    if bd is None:
+        bd = breakdown(model, batch, image_size, dtype)
     n_tensors = bd.param_tensors
     return {
         Category.PARAMETERS.value: bd.param_bytes,
@@ -284,12 +286,12 @@ def training_step(model: str, batch: int | None = None, image_size: int | None =
         raise ValueError(f"steps must be at least 1, got {steps}")
     dt = parse_dtype(dtype)
     bd = breakdown(spec.name, batch, size, dt)
-    predicted = predict_step(spec.name, batch, size, opt_key, dt)
+    predicted = predict_step(spec.name, batch, size, opt_key, dt, bd=bd)
     known = sum(v for v in predicted.values() if v)
     m = run(step_experiment(spec.name, batch, size, opt_key, dt, steps), engine,
             predicted_bytes=known, predicted_flops=3 * bd.forward_flops * steps, **engine_limits)
     if m.engine == "cuda":  # CUDA keeps Adam-style step counters on the CPU
-        predicted = predict_step(spec.name, batch, size, opt_key, dt, count_step_counters=False)
+        predicted = predict_step(spec.name, batch, size, opt_key, dt, count_step_counters=False, bd=bd)
     return StepResult(spec.name, batch, size, opt_key, dtype_name(dt), steps, m, predicted)
 
 

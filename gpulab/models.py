@@ -7,6 +7,7 @@ step, one breakdown and one widget serve them all.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -124,7 +125,10 @@ def check_image_size(name: str, image_size: int) -> None:
     raise ValueError(f"image size {image_size} is too small for {name}: use --image-size {hi} or more")
 
 
+@functools.lru_cache(maxsize=512)
 def _meta_forward_ok(name: str, image_size: int) -> bool:
+    # cached: a model's shape rules never change, and every training_step / breakdown /
+    # sweep point asks again (a VGG16 meta forward costs ~20 ms)
     model = build_model(name, image_size, device="meta")
     x = torch.empty(1, 3, image_size, image_size, device="meta")
     try:
