@@ -3,6 +3,7 @@ without pyplot's global state (so widgets can redraw safely); the caller display
 Axis labels carry units and the figure title carries the source label."""
 from __future__ import annotations
 
+import io
 from typing import Sequence
 
 from matplotlib.figure import Figure
@@ -18,9 +19,29 @@ CATEGORY_COLORS = {
 }
 
 
+class LessonFigure(Figure):
+    """A Figure that shows itself as a PNG in any notebook front end (``_repr_png_``),
+    without pyplot or ``%matplotlib inline`` having registered a formatter."""
+
+    def _repr_png_(self) -> bytes:
+        return figure_png_bytes(self)
+
+
+def figure_png_bytes(fig: Figure, dpi: int = 100) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
+
+
+def as_image(fig: Figure):
+    """The figure as an ``IPython.display.Image`` (PNG), which displays everywhere:
+    JupyterLab, Output widgets, nbclient, nbconvert."""
+    from IPython.display import Image
+    return Image(data=figure_png_bytes(fig), format="png")
+
+
 def _fig(width: float = 7.0, height: float = 3.6) -> Figure:
-    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
-    return fig
+    return LessonFigure(figsize=(width, height), dpi=100, layout="constrained")
 
 
 def timeline(result, title: str | None = None, unit: int = MiB, unit_name: str = "MiB") -> Figure:

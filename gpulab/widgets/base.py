@@ -175,12 +175,17 @@ class Panel:
 
     def _show(self, items: list[Any]) -> None:
         from matplotlib.figure import Figure
+
+        from ..plots import as_image
         with self.output:
             self.output.clear_output(wait=True)
             for item in items:
-                display(item)
                 if isinstance(item, Figure):
+                    # a bare Figure shows as text unless pyplot registered a formatter: send a PNG
+                    display(as_image(item))
                     item.clf()  # release the figure's memory; the PNG is already sent
+                else:
+                    display(item)
 
     # ---- display -----------------------------------------------------------------------------------
     def _ipython_display_(self) -> None:
