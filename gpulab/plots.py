@@ -53,13 +53,13 @@ def timeline(result, title: str | None = None, unit: int = MiB, unit_name: str =
     stacks = [[s[c.value] / unit for s in result.series] for c in CATEGORIES]
     ax.stackplot(xs, stacks, labels=[c.value for c in CATEGORIES],
                  colors=[CATEGORY_COLORS[c.value] for c in CATEGORIES], step="post", alpha=0.9)
-    # phase bands along the bottom
+    # phases as light background bands, named along the top edge
     start = 0
     for i in range(1, len(result.events) + 1):
         if i == len(result.events) or result.events[i].phase != result.events[start].phase:
-            ax.axvspan(start, i, ymin=0, ymax=0.03, color=_PHASE_COLORS.get(result.events[start].phase, "#999"))
-            mid = (start + i) / 2
-            ax.text(mid, 0, result.events[start].phase, fontsize=7, ha="center", va="bottom",
+            phase = result.events[start].phase
+            ax.axvspan(start, i, color=_PHASE_COLORS.get(phase, "#999999"), alpha=0.08, lw=0)
+            ax.text((start + i) / 2, 1.01, phase, fontsize=7, ha="center", va="bottom",
                     transform=ax.get_xaxis_transform())
             start = i
     if result.peak_index >= 0:
@@ -69,8 +69,8 @@ def timeline(result, title: str | None = None, unit: int = MiB, unit_name: str =
     ax.set_xlabel("allocation / free event")
     ax.set_ylabel(f"live tensors ({unit_name})")
     ax.set_xlim(0, max(1, len(xs)))
-    ax.legend(loc="upper left", fontsize=7, ncols=2)
-    ax.set_title(title or f"memory over time on {result.device}", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
+    ax.set_title(title or f"memory over time on {result.device}", fontsize=10, pad=14)
     return fig
 
 
