@@ -129,11 +129,19 @@ def format_bytes(nbytes: float, system: str = "binary", digits: int = 1) -> str:
     if system not in ("binary", "decimal"):
         raise ValueError(f"system must be 'binary' or 'decimal', not {system!r}")
     units = _BINARY if system == "binary" else _DECIMAL
+    base = units[-1][1]  # 1024 or 1000: one step up the ladder
     sign = "-" if nbytes < 0 else ""
     n = abs(float(nbytes))
-    for label, size in units:
+    # Pick the largest unit the value reaches, then step up once more if rounding to
+    # ``digits`` would print a full step of it (1048575 B is "1.0 MiB", not "1024.0 KiB").
+    for i, (label, size) in enumerate(units):
         if n >= size:
+            if i > 0 and round(n / size, digits) >= base:
+                label, size = units[i - 1]
             return f"{sign}{n / size:.{digits}f} {label}"
+    if round(n) >= base:
+        label, size = units[-1]
+        return f"{sign}{n / size:.{digits}f} {label}"
     return f"{sign}{int(round(n))} B"
 
 

@@ -122,6 +122,20 @@ def test_format_bytes_binary_and_decimal(nbytes, binary, decimal):
     assert format_bytes(nbytes, system="decimal") == decimal
 
 
+@pytest.mark.parametrize("nbytes,binary,decimal", [
+    (2**20 - 1, "1.0 MiB", "1.0 MB"),            # not "1024.0 KiB"
+    (2**30 - 1, "1.0 GiB", "1.1 GB"),
+    (999_999, "976.6 KiB", "1.0 MB"),            # not "1000.0 KB"
+    (999_999_999, "953.7 MiB", "1.0 GB"),
+    (1023 * 1024, "1023.0 KiB", "1.0 MB"),
+    (3 * 2**40, "3072.0 GiB", "3298.5 GB"),       # GiB / GB are the largest units
+])
+def test_format_bytes_never_prints_a_full_step_of_a_unit(nbytes, binary, decimal):
+    assert format_bytes(nbytes) == binary
+    assert format_bytes(nbytes, "decimal") == decimal
+    assert format_bytes(2**20 - 1, digits=3) == "1023.999 KiB"
+
+
 def test_format_bytes_digits_and_errors():
     assert format_bytes(3_000_000, digits=3) == "2.861 MiB"
     assert format_bytes(3_000_000, "decimal", digits=0) == "3 MB"
