@@ -275,6 +275,14 @@ def test_training_multipliers_match_the_articles():
 
 # --- the batch-size model ----------------------------------------------------------------------
 
+def test_fit_memory_model_exact_on_exact_data():
+    # batch sizes with an exactly representable mean and integer bytes: no rounding anywhere
+    batches = [1, 2, 4, 8, 16, 32]
+    fit = F.fit_memory_model(batches, [1_000_000 + 250_000 * b for b in batches])
+    assert (fit.fixed_bytes, fit.per_sample_bytes, fit.r2) == (1_000_000, 250_000, 1.0)
+    assert fit.max_batch(1_000_000 + 250_000 * 77) == 77
+
+
 @pytest.mark.parametrize("fixed,per", [(1_000_000, 250_000), (123_456_789.5, 3_141_592.25), (0, 1)])
 def test_fit_memory_model_recovers_line(fixed, per):
     batches = [1, 2, 4, 8, 16, 32]
