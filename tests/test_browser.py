@@ -287,11 +287,27 @@ def _nudge_control(page, panel) -> str | None:
     return None
 
 
-def _save_panel_png(panel, path: pathlib.Path) -> None:
+def _panel_screenshot(page, panel, path) -> None:
+    """Screenshot one panel whole: a panel taller than the window would be clipped by the
+    notebook's scroll area, so grow the window to fit it for the shot."""
+    size = page.viewport_size
+    box = panel.bounding_box()
+    need = int(box["height"]) + 250 if box else size["height"]
+    if need > size["height"]:
+        page.set_viewport_size({"width": size["width"], "height": min(need, 6000)})
+        page.wait_for_timeout(300)
+    try:
+        panel.scroll_into_view_if_needed()
+        panel.screenshot(path=str(path))
+    finally:
+        page.set_viewport_size(size)
+
+
+def _save_panel_png(page, panel, path: pathlib.Path) -> None:
     """A small PNG of one panel for the README: crop, downscale if wide, 8-bit palette."""
     from PIL import Image
     raw = path.with_suffix(".raw.png")
-    panel.screenshot(path=str(raw))
+    _panel_screenshot(page, panel, raw)
     img = Image.open(raw).convert("RGB")
     if img.width > 1000:
         img = img.resize((1000, round(img.height * 1000 / img.width)), Image.LANCZOS)
@@ -319,15 +335,20 @@ def test_lesson_in_browser(path, lab, browser):
     t0 = time.perf_counter()
     report: list[str] = []
     try:
-        page.goto(f"{lab.url}/lab/tree/{path.name}?token={lab.token}", wait_until="domcontentloaded")
-        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+        # a workspace of its own, reset, so only this lesson's tab is open (JupyterLab would
+        # otherwise restore the previous lesson's tab next to it)
+        page.goto(f"{lab.url}/lab/workspaces/{path.stem}/tree/{path.name}?reset&token={lab.token}",
+                  wait_until="domcontentloaded")
+        page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell", timeout=90_000)
         page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget "
                                "&& window.jupyterapp.shell.currentWidget.sessionContext", timeout=60_000)
         _dismiss_dialogs(page)
         # the kernel must be up before Run All, or the first cells wait on a dialog-less start
         page.wait_for_function("""() => { const s = window.jupyterapp.shell.currentWidget.sessionContext;
             return s.session && s.session.kernel && s.session.kernel.status === 'idle'; }""", timeout=120_000)
-        page.locator(".jp-Notebook").first.click(position={"x": 5, "y": 5})
+        open_tabs = page.locator(".jp-NotebookPanel").count()
+        assert open_tabs == 1, f"{open_tabs} notebooks open, expected only {path.name}"
+        page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook").first.click(position={"x": 5, "y": 5})
         _run_all(page)
         page.wait_for_timeout(1000)
         _wait_kernel_idle(page, LESSON_TIMEOUT_S)
@@ -348,7 +369,7 @@ def test_lesson_in_browser(path, lab, browser):
             panel.scroll_into_view_if_needed()
             _wait_panel_idle(page, panel)
             before = _output_text(panel)
-            panel.screenshot(path=str(ARTIFACTS / f"{path.stem}_panel{i}_before.png"))
+            _panel_screenshot(page, panel, ARTIFACTS / f"{path.stem}_panel{i}_before.png")
             moved = _nudge_control(page, panel)
             _wait_panel_idle(page, panel)          # auto-run panels rerun on the change
             btn = panel.locator("button.gpulab-run").first
@@ -357,7 +378,7 @@ def test_lesson_in_browser(path, lab, browser):
                 _wait_panel_idle(page, panel)
             after = _output_text(panel)
             status = _status_text(panel)
-            panel.screenshot(path=str(ARTIFACTS / f"{path.stem}_panel{i}.png"))
+            _panel_screenshot(page, panel, ARTIFACTS / f"{path.stem}_panel{i}.png")
             errors = _page_errors(page)
             assert not errors, f"{path.name} panel {i} after {moved}:\n" + "\n".join(errors)
             assert btn.count() == 0 or btn.is_enabled(), f"{path.name} panel {i}: Run button still disabled"
@@ -377,7 +398,7 @@ def test_lesson_in_browser(path, lab, browser):
             if (os.environ.get("GPULAB_UPDATE_SCREENSHOT") == "1" and i == 0
                     and path.name[:2] == _screenshot_lesson()):
                 PANEL_PNG.parent.mkdir(parents=True, exist_ok=True)
-                _save_panel_png(panel, PANEL_PNG)
+                _save_panel_png(page, panel, PANEL_PNG)
                 report.append(f"wrote {PANEL_PNG} ({PANEL_PNG.stat().st_size} bytes)")
         page.screenshot(path=str(ARTIFACTS / f"{path.stem}_after_panels.png"))
         assert not console_errors, f"{path.name}: JavaScript errors: {console_errors[:5]}"
