@@ -8,3 +8,8 @@ __all__ += ["allocator_panel"]
 from .env import engine_panel  # noqa: E402  (lesson 00)
 from .tensor_bytes import rounding_panel, tensor_bytes_panel  # noqa: E402  (lesson 01)
 __all__ += ["engine_panel", "rounding_panel", "tensor_bytes_panel"]
+from .sweep import sweep_panel  # noqa: E402  (lesson 04)
+from .largest_batch import largest_batch_panel  # noqa: E402  (lesson 04)
+from .optimizers import optimizer_panel  # noqa: E402  (lesson 05)
+from .optimizer_impl import implementation_panel  # noqa: E402  (lesson 05)
+__all__ += ["implementation_panel", "largest_batch_panel", "optimizer_panel", "sweep_panel"]

@@ -1,0 +1,95 @@
+"""Lesson 03 panels on activations: the per-layer forward table (cs231n), inference vs
+training, and the articles' ``modelsize()`` estimate against what autograd saves."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..activations import (ACT_DTYPES, ForwardTable, InferenceVsTraining, ModelsizeComparison,
+                           forward_table, forward_table_figure, inference_training_figure,
+                           inference_vs_training, modelsize_figure, modelsize_vs_saved,
+                           predicted_forward_bytes)
+from ..models import MODELS
+from .base import Panel, dropdown, slider
+from .guard import memory_guard
+
+ENGINES = ["auto", "cpu", "fake", "cuda"]
+
+
+def _guard_bytes(params: dict[str, Any]) -> int:
+    """Formula (weights + every layer output), cheap; enough to refuse a run that cannot fit."""
+    return predicted_forward_bytes(params["model"], params["batch"], params["image_size"], params["dtype"])
+
+
+def _controls(model: str, batch: int, image_size: int | None, dtype: str, engine: str) -> dict[str, Any]:
+    size = image_size or MODELS[model].default_image_size
+    return {
+        "model": dropdown("model", list(MODELS), model),
+        "batch": slider("batch", batch, 1, 256, log=True),
+        "image_size": slider("image size", size, 32, 512, step=16),
+        "dtype": dropdown("dtype", ACT_DTYPES, dtype),
+        "engine": dropdown("engine", ENGINES, engine),
+    }
+
+
+# --- the forward table ----------------------------------------------------------------------------
+
+def compute_table(model: str, batch: int, image_size: int, dtype: str, engine: str) -> ForwardTable:
+    return forward_table(model, batch, image_size, dtype, engine)
+
+
+def render_table(result: ForwardTable) -> list[Any]:
+    return [result, forward_table_figure(result)]
+
+
+def forward_table_panel(model: str = "vgg16", batch: int = 1, image_size: int | None = None,
+                        dtype: str = "float32", engine: str = "auto") -> Panel:
+    return Panel("Layer by layer: the tensors a forward pass creates",
+                 _controls(model, batch, image_size, dtype, engine),
+                 compute_table, render_table, auto_run=True, guard=memory_guard(_guard_bytes),
+                 description="One eval-mode forward under <code>torch.no_grad()</code>; one row per tensor "
+                             "it allocates (a ReLU with <code>inplace=True</code> writes into its input and "
+                             "shares the row), with the parameters of the layers in that row.")
+
+
+# --- inference vs training ------------------------------------------------------------------------
+
+def compute_inference(model: str, batch: int, image_size: int, dtype: str, engine: str) -> InferenceVsTraining:
+    return inference_vs_training(model, batch, image_size, dtype, engine)
+
+
+def render_inference(result: InferenceVsTraining) -> list[Any]:
+    return [result, inference_training_figure(result)]
+
+
+def inference_panel(model: str = "vgg16", batch: int = 1, image_size: int | None = None,
+                    dtype: str = "float32", engine: str = "auto") -> Panel:
+    return Panel("Inference vs training: what stays alive", _controls(model, batch, image_size, dtype, engine),
+                 compute_inference, render_inference, auto_run=True, guard=memory_guard(_guard_bytes),
+                 description="The same forward twice: eval under <code>torch.no_grad()</code>, then train "
+                             "with grad. Live memory (not parameters) after every layer, tracked.")
+
+
+# --- modelsize() vs saved ----------------------------------------------------------------------------
+
+def compute_modelsize(batch: int, dtype: str, engine: str) -> ModelsizeComparison:
+    return modelsize_vs_saved(tuple(MODELS), batch, dtype, engine)
+
+
+def render_modelsize(result: ModelsizeComparison) -> list[Any]:
+    return [result, modelsize_figure(result)]
+
+
+def _modelsize_guard_bytes(params: dict[str, Any]) -> int:
+    return max(predicted_forward_bytes(m, params["batch"], None, params["dtype"]) for m in MODELS)
+
+
+def modelsize_panel(batch: int = 1, dtype: str = "float32", engine: str = "auto") -> Panel:
+    controls = {
+        "batch": slider("batch", batch, 1, 256, log=True),
+        "dtype": dropdown("dtype", ACT_DTYPES, dtype),
+        "engine": dropdown("engine", ENGINES, engine),
+    }
+    return Panel("The articles' modelsize() vs what autograd saves", controls, compute_modelsize,
+                 render_modelsize, auto_run=True, guard=memory_guard(_modelsize_guard_bytes),
+                 description="Every lesson model at its default image size: the estimate (every layer's "
+                             "output, in-place ReLUs skipped, ×2) next to a tracked forward with grad.")

@@ -1,0 +1,73 @@
+"""Lesson 03 panels on compute: where the parameters and the FLOPs are (AlexNet), and a
+depthwise-separable block against a standard convolution."""
+from __future__ import annotations
+
+from typing import Any
+
+import ipywidgets as W
+
+from ..activations import (ACT_DTYPES, DepthwiseResult, ParamsFlops, depthwise_figure, depthwise_vs_standard,
+                           params_flops_figure, params_vs_flops)
+from ..models import MODELS
+from .base import Panel, dropdown, slider
+from .guard import memory_guard
+
+ENGINES = ["auto", "cpu", "fake", "cuda"]
+
+
+# --- params vs FLOPs ------------------------------------------------------------------------------
+
+def compute_flops(model: str, batch: int, image_size: int) -> ParamsFlops:
+    return params_vs_flops(model, batch, image_size)
+
+
+def render_flops(result: ParamsFlops) -> list[Any]:
+    return [result, params_flops_figure(result)]
+
+
+def flops_panel(model: str = "alexnet", batch: int = 1, image_size: int | None = None) -> Panel:
+    size = image_size or MODELS[model].default_image_size
+    controls = {
+        "model": dropdown("model", list(MODELS), model),
+        "batch": slider("batch", batch, 1, 256, log=True),
+        "image_size": slider("image size", size, 32, 512, step=16),
+    }
+    return Panel("Where the parameters are, where the FLOPs are", controls, compute_flops, render_flops,
+                 auto_run=True,
+                 description="Per layer with weights: its share of the parameters (numel) and of the "
+                             "forward FLOPs (formula, checked against <code>FlopCounterMode</code>).")
+
+
+# --- depthwise-separable vs standard ------------------------------------------------------------------
+
+def compute_depthwise(in_channels: int, out_channels: int, image_size: int, batch: int, bn_relu: bool,
+                      dtype: str, engine: str) -> DepthwiseResult:
+    return depthwise_vs_standard(in_channels, out_channels, image_size, batch, bn_relu, dtype, engine)
+
+
+def render_depthwise(result: DepthwiseResult) -> list[Any]:
+    return [result, depthwise_figure(result)]
+
+
+def _depthwise_bytes(params: dict[str, Any]) -> int:
+    from ..units import dtype_bytes
+    plane = params["batch"] * params["image_size"] ** 2 * dtype_bytes(params["dtype"])
+    return 8 * (params["in_channels"] + params["out_channels"]) * plane  # formula, generous
+
+
+def depthwise_panel(in_channels: int = 64, out_channels: int = 128, image_size: int = 56, batch: int = 8,
+                    bn_relu: bool = True, dtype: str = "float32", engine: str = "auto") -> Panel:
+    controls = {
+        "in_channels": slider("in channels", in_channels, 8, 1024, step=8),
+        "out_channels": slider("out channels", out_channels, 8, 1024, step=8),
+        "image_size": slider("feature map", image_size, 4, 224, step=4),
+        "batch": slider("batch", batch, 1, 256, log=True),
+        "bn_relu": W.Checkbox(value=bn_relu, description="BatchNorm + ReLU after each conv", indent=False),
+        "dtype": dropdown("dtype", ACT_DTYPES, dtype),
+        "engine": dropdown("engine", ENGINES, engine),
+    }
+    return Panel("Depthwise-separable vs standard convolution", controls, compute_depthwise, render_depthwise,
+                 auto_run=True, guard=memory_guard(_depthwise_bytes),
+                 description="A standard 3×3 conv and a MobileNet block (3×3 depthwise, then 1×1 pointwise) "
+                             "with the same channels, on the same input: parameters, FLOPs, and the "
+                             "bytes autograd saves for backward.")

@@ -1,0 +1,91 @@
+"""Lesson 02 panels: one layer's parameters and buffers (``layer_panel``) and a whole
+model layer by layer (``parameters_panel``), formula next to what the engine built."""
+from __future__ import annotations
+
+from typing import Any
+
+import ipywidgets as W
+
+from ..models import MODELS, build_model
+from ..parameters import (LAYER_KINDS, MODEL_DTYPES, LayerParams, ModelParams, buffer_bytes_by_formula,
+                          dtype_figure, layer_figure, layer_params, make_layer, model_layers_figure,
+                          model_params)
+from ..units import parse_dtype
+from .base import Panel, dropdown
+from .guard import memory_guard
+
+ENGINES = ["auto", "cpu", "fake", "cuda"]
+
+
+def _int_box(description: str, value: int, max_value: int) -> W.BoundedIntText:
+    return W.BoundedIntText(value=value, min=1, max=max_value, description=description,
+                            style={"description_width": "initial"}, layout=W.Layout(width="150px"))
+
+
+# --- one layer ----------------------------------------------------------------------------------
+
+def compute_layer(kind: str, in_size: int, out_size: int, kernel: int, groups: int, bias: bool,
+                  dtype: str, engine: str) -> LayerParams:
+    return layer_params(kind, in_size, out_size, kernel, groups, bias, dtype, engine)
+
+
+def _layer_bytes(params: dict[str, Any]) -> int:
+    """Formula bytes of the layer (built on the meta device: no memory)."""
+    dt = parse_dtype(params["dtype"])
+    layer = make_layer(params["kind"], params["in_size"], params["out_size"], params["kernel"],
+                       params["groups"], params["bias"], device="meta", dtype=dt)
+    return sum(p.numel() for p in layer.parameters()) * dt.itemsize + buffer_bytes_by_formula(layer)
+
+
+def render_layer(result: LayerParams) -> list[Any]:
+    return [result, layer_figure(result)]
+
+
+def layer_panel(kind: str = "Conv2d", in_size: int = 64, out_size: int = 128, kernel: int = 3,
+                groups: int = 1, bias: bool = True, dtype: str = "float32", engine: str = "auto") -> Panel:
+    controls = {
+        "kind": dropdown("layer", LAYER_KINDS, kind),
+        "in_size": _int_box("in", in_size, 1_000_000),
+        "out_size": _int_box("out", out_size, 100_000),
+        "kernel": W.IntSlider(value=kernel, min=1, max=11, description="kernel", continuous_update=False,
+                              style={"description_width": "initial"}),
+        "groups": _int_box("groups", groups, 100_000),
+        "bias": W.Checkbox(value=bias, description="bias", indent=False, layout=W.Layout(width="80px")),
+        "dtype": dropdown("dtype", MODEL_DTYPES, dtype),
+        "engine": dropdown("engine", ENGINES, engine),
+    }
+    return Panel("One layer: formula vs the real module", controls, compute_layer, render_layer,
+                 auto_run=True, guard=memory_guard(_layer_bytes),
+                 description="Conv2d uses in, out, kernel, groups, bias; Linear uses in, out, bias; "
+                             "BatchNorm2d and LayerNorm use <i>out</i> as the number of features; "
+                             "Embedding uses <i>in</i> as the vocabulary size and <i>out</i> as the "
+                             "embedding dimension.")
+
+
+# --- a whole model ------------------------------------------------------------------------------
+
+def compute_model(model: str, dtype: str, engine: str) -> ModelParams:
+    return model_params(model, dtype, engine)
+
+
+def _model_bytes(params: dict[str, Any]) -> int:
+    dt = parse_dtype(params["dtype"])
+    net = build_model(params["model"], device="meta", dtype=dt)
+    return sum(p.numel() for p in net.parameters()) * dt.itemsize
+
+
+def render_model(result: ModelParams) -> list[Any]:
+    return [result, model_layers_figure(result), dtype_figure(result)]
+
+
+def parameters_panel(model: str = "vgg16", dtype: str = "float32", engine: str = "auto") -> Panel:
+    controls = {
+        "model": dropdown("model", list(MODELS), model),
+        "dtype": dropdown("dtype", MODEL_DTYPES, dtype),
+        "engine": dropdown("engine", ENGINES, engine),
+    }
+    return Panel("A model layer by layer: formula vs numel()", controls, compute_model, render_model,
+                 auto_run=True, guard=memory_guard(_model_bytes),
+                 description="Every leaf layer's parameter formula next to <code>numel()</code> of the "
+                             "built layer; parameter and buffer memory measured by the tracker; "
+                             "the weight memory in every dtype.")

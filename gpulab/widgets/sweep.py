@@ -1,0 +1,45 @@
+"""Batch-sweep panel: training steps at four batch sizes on one engine, the fitted line
+``fixed + batch x per-sample`` next to the formulas' line."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..experiments import OPTIMIZERS, training_step
+from ..models import MODELS
+from ..sweeps import SweepResult, batch_sweep
+from .base import Panel, dropdown, slider
+from .guard import memory_guard
+
+
+def sweep_batches(largest: int) -> tuple[int, ...]:
+    """Four batch sizes ending at ``largest``: largest/8, /4, /2, largest (at least 1 each)."""
+    return tuple(sorted({max(1, largest // d) for d in (8, 4, 2, 1)}))
+
+
+def compute_sweep(model: str, optimizer: str, largest: int, engine: str, progress=None) -> SweepResult:
+    return batch_sweep(model, sweep_batches(int(largest)), optimizer=optimizer, engine=engine, steps=2,
+                       progress=progress)
+
+
+def predict_sweep_peak(params: dict[str, Any]) -> int:
+    """The fake engine's peak at the largest batch of the sweep (for the memory guard)."""
+    return training_step(params["model"], int(params["largest"]), optimizer=params["optimizer"], engine="fake",
+                         steps=2).peak_bytes
+
+
+def render_sweep(result: SweepResult) -> list[Any]:
+    return [result, result.plot()]
+
+
+def sweep_panel(model: str = "cnn", optimizer: str = "sgd", largest: int = 32, engine: str = "auto") -> Panel:
+    controls = {
+        "model": dropdown("model", list(MODELS), model),
+        "optimizer": dropdown("optimizer", OPTIMIZERS, optimizer),
+        "largest": slider("largest batch", largest, 4, 256, log=True),
+        "engine": dropdown("engine", ["auto", "cpu", "fake", "cuda"], engine),
+    }
+    return Panel("Batch-size sweep: memory = fixed + batch × per-sample", controls, compute_sweep, render_sweep,
+                 guard=memory_guard(predict_sweep_peak),
+                 description="Two training steps at each of four batch sizes (the second step is the steady "
+                             "state, with the optimizer state alive); the peak of each, a least-squares line "
+                             "through them, and the formulas' line.")
