@@ -13,3 +13,8 @@ from .largest_batch import largest_batch_panel  # noqa: E402  (lesson 04)
 from .optimizers import optimizer_panel  # noqa: E402  (lesson 05)
 from .optimizer_impl import implementation_panel  # noqa: E402  (lesson 05)
 __all__ += ["implementation_panel", "largest_batch_panel", "optimizer_panel", "sweep_panel"]
+from .parameters import layer_panel, parameters_panel  # noqa: E402  (lesson 02)
+from .activations import forward_table_panel, inference_panel, modelsize_panel  # noqa: E402  (lesson 03)
+from .flops import depthwise_panel, flops_panel  # noqa: E402  (lesson 03)
+__all__ += ["depthwise_panel", "flops_panel", "forward_table_panel", "inference_panel", "layer_panel",
+            "modelsize_panel", "parameters_panel"]
