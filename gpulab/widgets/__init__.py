@@ -18,3 +18,9 @@ from .activations import forward_table_panel, inference_panel, modelsize_panel  
 from .flops import depthwise_panel, flops_panel  # noqa: E402  (lesson 03)
 __all__ += ["depthwise_panel", "flops_panel", "forward_table_panel", "inference_panel", "layer_panel",
             "modelsize_panel", "parameters_panel"]
+from .inplace import inplace_panel  # noqa: E402  (lesson 06)
+from .inference_modes import grad_modes_panel  # noqa: E402  (lesson 06)
+from .lifetimes import lifetimes_panel  # noqa: E402  (lesson 06)
+from .checkpoint import checkpoint_panel  # noqa: E402  (lesson 07)
+from .precision import precision_panel  # noqa: E402  (lesson 08)
+__all__ += ["checkpoint_panel", "grad_modes_panel", "inplace_panel", "lifetimes_panel", "precision_panel"]

@@ -1,0 +1,532 @@
+"""Lesson 07: activation checkpointing, memory against recompute time.
+
+A deep stack of N identical blocks (Linear + ReLU, each block saves one activation map for
+backward) is trained for one step with ``torch.utils.checkpoint.checkpoint_sequential``
+(``use_reentrant=False``) over a sweep of segment counts k. For each k:
+
+* memory: the peak of live tensors under the tracker (activations + temporaries at the
+  peak, the "activation side"), next to two formulas: Chen et al. 2016's ``N/k + k`` and the
+  exact segment layout of ``checkpoint_sequential``;
+* time: the step timed without the tracker, after a warm-up, repeated; median and spread.
+
+``time_fn`` is the timing helper: warm-up, synchronize on CUDA, repeat, keep every sample.
+"""
+from __future__ import annotations
+
+import contextlib
+import html
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+from . import formulas as F
+from .engines import LABEL_FORMULA, RunContext, choose_engine, run
+from .inplace import validate_positive
+from .units import format_bytes
+from .views import error_percent, fmt_error, html_table
+
+SEGMENT_CHOICES = ("every k from 1 to N", "divisors of N")
+LABEL_CHEN = "formula: Chen et al. 2016, N/k + k"
+LABEL_SEQUENTIAL = "formula: checkpoint_sequential's segments"
+
+
+# --- timing -----------------------------------------------------------------------------------------
+
+@dataclass
+class Timing:
+    """Wall-clock samples of one callable (seconds), after ``warmup`` untimed calls."""
+    samples: list[float]
+    warmup: int
+    device: str
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def min(self) -> float:
+        """The fastest sample: the run least disturbed by other work on a shared machine."""
+        return min(self.samples)
+
+    @property
+    def low(self) -> float:
+        """25th percentile (the minimum when there are fewer than 4 samples)."""
+        return _quantile(self.samples, 0.25)
+
+    @property
+    def high(self) -> float:
+        """75th percentile (the maximum when there are fewer than 4 samples)."""
+        return _quantile(self.samples, 0.75)
+
+    def __repr__(self) -> str:
+        return (f"Timing(median={self.median * 1e3:.1f} ms, IQR {self.low * 1e3:.1f}–{self.high * 1e3:.1f} ms, "
+                f"n={len(self.samples)}, on {self.device})")
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if len(s) < 4:
+        return s[0] if q < 0.5 else s[-1]
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
+
+
+def time_fn(fn: Callable[[], Any], warmup: int = 1, repeats: int = 5,
+            device: torch.device | str = "cpu") -> Timing:
+    """Call ``fn`` ``warmup`` times untimed, then ``repeats`` times timed; on CUDA each call
+    is bracketed by ``torch.cuda.synchronize`` so the kernels' time is counted (as nanoGPT's
+    bench.py does)."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError("repeats must be >= 1 and warmup >= 0")
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - t0)
+    return Timing(samples, warmup, str(dev) if dev.type != "cpu" else "this CPU")
+
+
+# --- the model and the formulas -----------------------------------------------------------------------
+
+def block_stack(n_blocks: int = 16, width: int = 128) -> nn.Sequential:
+    """N identical blocks, each ``Sequential(Linear(width, width), ReLU())``. Each block
+    saves one (batch, width) map for backward: ReLU's result, which is also the next Linear's
+    saved input."""
+    validate_positive(n_blocks=n_blocks, width=width)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(n_blocks)])
+
+
+def chen_maps(n_blocks: int, segments: int) -> float:
+    """Chen et al. 2016 (arXiv:1604.06174, section 4.1): split N layers into k segments and keep
+    only each segment's input; backward recomputes one segment at a time. Memory is
+    O(N/k) for the segment being recomputed plus O(k) for the kept inputs, in units of one
+    block's saved activations: ``N/k + k``, smallest at ``k = sqrt(N)`` (2 sqrt(N)).
+    NB: an asymptotic cost model: it ignores the gradients in flight and how a real
+    implementation cuts the segments (``checkpoint_sequential_maps``)."""
+    validate_positive(n_blocks=n_blocks, segments=segments)
+    return n_blocks / segments + segments
+
+
+def segment_sizes(n_blocks: int, segments: int) -> list[int]:
+    """How ``torch.utils.checkpoint.checkpoint_sequential`` cuts N modules into k segments:
+    ``N // k`` modules per segment, the last segment takes the rest (torch/utils/checkpoint.py)."""
+    validate_positive(n_blocks=n_blocks, segments=segments)
+    k = min(segments, n_blocks)
+    size = n_blocks // k
+    return [size] * (k - 1) + [n_blocks - size * (k - 1)]
+
+
+def checkpoint_sequential_maps(n_blocks: int, segments: int) -> int:
+    """Saved maps at the peak for ``checkpoint_sequential(blocks, k)`` on one-map blocks:
+    the k-1 segment boundaries it keeps, plus the largest segment held at once (the last
+    segment runs without checkpointing, so its maps are saved in the forward; each earlier
+    segment's maps exist again while backward recomputes it).
+    NB: the gradient in flight and the recompute's own temporaries move the measured peak by
+    about one map either way, depending on which segment the peak falls in."""
+    sizes = segment_sizes(n_blocks, segments)
+    return (len(sizes) - 1) + max(sizes)
+
+
+def best_segments(n_blocks: int) -> int:
+    """The k that minimises ``checkpoint_sequential_maps`` (the smallest such k)."""
+    return min(range(1, n_blocks + 1), key=lambda k: (checkpoint_sequential_maps(n_blocks, k), k))
+
+
+def _sizes_text(sizes: list[int]) -> str:
+    """"4 + 4 + 4 + 4", or "8×1 + 8" when there are many equal segments."""
+    if len(sizes) <= 8:
+        return " + ".join(map(str, sizes))
+    return f"{len(sizes) - 1}×{sizes[0]} + {sizes[-1]}"
+
+
+@dataclass
+class SegmentFormulas:
+    """Both formulas for every k, in maps (one block's saved activation)."""
+    n_blocks: int
+
+    @property
+    def rows(self) -> list[tuple[int, list[int], float, int]]:
+        return [(k, segment_sizes(self.n_blocks, k), chen_maps(self.n_blocks, k),
+                 checkpoint_sequential_maps(self.n_blocks, k)) for k in range(1, self.n_blocks + 1)]
+
+    def _repr_html_(self) -> str:
+        body = [[k, _sizes_text(sizes), f"{chen:.2f}", seq] for k, sizes, chen, seq in self.rows]
+        return html_table(["k", "segment sizes (checkpoint_sequential)", "Chen: N/k + k", "kept boundaries + "
+                           "largest segment"], body, f"N = {self.n_blocks}; {LABEL_FORMULA}, in maps")
+
+    def __repr__(self) -> str:
+        return f"SegmentFormulas(N={self.n_blocks}, best k={best_segments(self.n_blocks)})"
+
+
+# --- the experiment ------------------------------------------------------------------------------------
+
+@dataclass
+class SegmentPoint:
+    segments: int                     # k (1 = no checkpointing: one plain segment)
+    peak_bytes: int                   # whole step, every category
+    activation_side: int              # activations + temporaries at the peak
+    peak_by_category: dict[str, int]
+    chen_bytes: float                 # formula, Chen et al.
+    sequential_bytes: int             # formula, checkpoint_sequential's segments
+    timing: Timing | None             # None on the fake engine
+
+    @property
+    def error_percent(self) -> float | None:
+        return error_percent(self.sequential_bytes, self.activation_side)
+
+
+@dataclass
+class CheckpointResult:
+    n_blocks: int
+    width: int
+    batch: int
+    map_bytes: int
+    points: list[SegmentPoint]
+    label: str
+    engine: str
+    timing_label: str
+    predicted_label: str = LABEL_FORMULA
+
+    def point(self, segments: int) -> SegmentPoint:
+        for p in self.points:
+            if p.segments == segments:
+                return p
+        raise KeyError(f"no point for k={segments}; have {[p.segments for p in self.points]}")
+
+    @property
+    def baseline(self) -> SegmentPoint:
+        return self.point(1)
+
+    @property
+    def best(self) -> SegmentPoint:
+        """The measured point with the lowest peak (smallest k on ties)."""
+        return min(self.points, key=lambda p: (p.peak_bytes, p.segments))
+
+    @property
+    def sqrt_n(self) -> float:
+        return math.sqrt(self.n_blocks)
+
+    def recompute_overhead(self, p: SegmentPoint) -> float | None:
+        """Predicted time relative to k=1: one extra forward of the checkpointed blocks. With
+        backward costing about twice the forward (two matmuls per Linear, see
+        ``formulas.backward_flops``), a forward is ~1/3 of a step."""
+        sizes = segment_sizes(self.n_blocks, p.segments)
+        recomputed = sum(sizes[:-1]) / self.n_blocks
+        return 1.0 + recomputed / 3.0
+
+    def figure(self):
+        from .plots_tradeoffs import checkpoint_figure
+        return checkpoint_figure(self)
+
+    def slowdown(self, p: SegmentPoint, stat: str = "median") -> float | None:
+        """Measured step time relative to k = 1, by ``stat`` ("median" or "min"); None when
+        not timed."""
+        if p.timing is None or self.baseline.timing is None:
+            return None
+        if stat not in ("median", "min"):
+            raise ValueError(f"stat must be 'median' or 'min', got {stat!r}")
+        return getattr(p.timing, stat) / getattr(self.baseline.timing, stat)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"n_blocks": self.n_blocks, "width": self.width, "batch": self.batch, "map_bytes": self.map_bytes,
+                "engine": self.engine, "label": self.label, "timing_label": self.timing_label,
+                "best_segments": self.best.segments,
+                "points": [{"segments": p.segments, "peak_bytes": p.peak_bytes,
+                            "activation_side": p.activation_side, "chen_bytes": p.chen_bytes,
+                            "sequential_bytes": p.sequential_bytes,
+                            "median_s": p.timing.median if p.timing else None,
+                            "iqr_s": [p.timing.low, p.timing.high] if p.timing else None} for p in self.points]}
+
+    def __repr__(self) -> str:
+        b = self.best
+        return (f"CheckpointResult(N={self.n_blocks}, best k={b.segments}: {b.peak_bytes:,} B vs "
+                f"{self.baseline.peak_bytes:,} B without checkpointing)")
+
+    def _repr_html_(self) -> str:
+        base = self.baseline
+        rows = []
+        for p in self.points:
+            t = p.timing
+            slow = (f"×{self.slowdown(p):.2f} (min ×{self.slowdown(p, 'min'):.2f})" if t and base.timing else "—")
+            pred = f"×{self.recompute_overhead(p):.2f}"
+            rows.append([p.segments, _sizes_text(segment_sizes(self.n_blocks, p.segments)),
+                         format_bytes(p.peak_bytes), format_bytes(p.activation_side),
+                         format_bytes(p.sequential_bytes), fmt_error(p.error_percent), format_bytes(p.chen_bytes),
+                         f"{t.median * 1e3:.1f} ({t.low * 1e3:.1f}–{t.high * 1e3:.1f})" if t else "—",
+                         slow, pred])
+        b = self.best
+        head = (f"{self.n_blocks} blocks of Linear({self.width}, {self.width}) + ReLU, batch {self.batch}; "
+                f"one map = {format_bytes(self.map_bytes)}. Memory: {html.escape(self.label)}. "
+                f"Time: {html.escape(self.timing_label)}.<br>Lowest measured peak at <b>k = {b.segments}</b> "
+                f"({format_bytes(b.peak_bytes)}, vs {format_bytes(base.peak_bytes)} without checkpointing); "
+                f"√N = {self.sqrt_n:.1f}.")
+        return head + html_table(
+            ["k", "segment sizes", "peak", "activations + temporaries at peak", "formula (segments)",
+             "formula error", "formula (Chen N/k + k)", "step ms: median (IQR)", "time vs k=1: median (fastest)",
+             "formula: time vs k=1"], rows,
+            "k = 1 is no checkpointing; formulas count one map per saved block output; binary units")
+
+
+def _step(net: nn.Sequential, x: torch.Tensor, segments: int) -> torch.Tensor:
+    if segments <= 1:
+        out = net(x)
+    else:
+        out = checkpoint_sequential(net, segments, x, use_reentrant=False)
+    loss = out.sum()
+    loss.backward()
+    return loss
+
+
+def _memory_experiment(n_blocks: int, width: int, batch: int, segments: int):
+    def experiment(ctx: RunContext) -> None:
+        with ctx.phase("setup"), torch.device(ctx.device):
+            torch.manual_seed(0)
+            net = block_stack(n_blocks, width)
+            ctx.tracker.register(net)
+            x = ctx.label(torch.randn(batch, width))
+        with ctx.phase("forward"):
+            out = net(x) if segments <= 1 else checkpoint_sequential(net, segments, x, use_reentrant=False)
+            loss = out.sum()
+        del out
+        with ctx.phase("backward"):
+            loss.backward()
+        return None
+    return experiment
+
+
+def _time_round_robin(n_blocks: int, width: int, batch: int, ks: list[int], device: torch.device,
+                      warmup: int, repeats: int, progress: Callable[[int], None] | None) -> dict[int, Timing]:
+    """One model, one batch; ``warmup`` untimed steps per k, then ``repeats`` rounds that time
+    one step of every k in turn, so slow spells of a shared machine fall on all k alike."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        net = block_stack(n_blocks, width)
+        x = torch.randn(batch, width)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def step(k: int) -> float:
+        net.zero_grad(set_to_none=True)
+        sync()
+        t0 = time.perf_counter()
+        _step(net, x, k)
+        sync()
+        return time.perf_counter() - t0
+
+    for k in ks:
+        for _ in range(warmup):
+            step(k)
+    samples: dict[int, list[float]] = {k: [] for k in ks}
+    for j in range(repeats):
+        if progress:
+            progress(j)
+        for k in ks:
+            samples[k].append(step(k))
+    where = str(device) if device.type != "cpu" else "this CPU"
+    return {k: Timing(v, warmup, where) for k, v in samples.items()}
+
+
+def segment_counts(n_blocks: int, which: str = SEGMENT_CHOICES[0]) -> list[int]:
+    if which not in SEGMENT_CHOICES:
+        raise ValueError(f"unknown choice {which!r}; valid: {', '.join(SEGMENT_CHOICES)}")
+    if which == "divisors of N":
+        return [k for k in range(1, n_blocks + 1) if n_blocks % k == 0]
+    return list(range(1, n_blocks + 1))
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int | None):
+    """Run the body with ``torch.set_num_threads(n)`` (None: leave it), then restore.
+
+    One thread is the default for the checkpoint sweep on the CPU: its steps are a few
+    milliseconds of small matmuls, and on a shared machine (CI, Binder, a classroom server) a
+    second OpenMP thread that gets descheduled makes every op wait, turning 6 ms steps into
+    100 ms ones. One thread measures the ratio that matters (recompute vs no recompute)
+    steadily; the label says so."""
+    old = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def checkpoint_sweep(n_blocks: int = 16, width: int = 128, batch: int = 512,
+                     segments: str | list[int] = SEGMENT_CHOICES[0], engine: str = "auto",
+                     repeats: int = 7, warmup: int = 1, time_steps: bool = True,
+                     progress: Callable[[float, str], None] | None = None,
+                     threads: int | None = 1) -> CheckpointResult:
+    """Peak memory (tracked) and step time (untracked) for each segment count k.
+
+    ``threads``: CPU threads for the sweep (see ``cpu_threads``; ignored on CUDA)."""
+    validate_positive(n_blocks=n_blocks, width=width, batch=batch, repeats=repeats)
+    if n_blocks > 64:
+        raise ValueError(f"at most 64 blocks here (the sweep runs one step per k), got {n_blocks}")
+    ks = segment_counts(n_blocks, segments) if isinstance(segments, str) else sorted(set(segments))
+    if not ks or any(not isinstance(k, int) or k < 1 or k > n_blocks for k in ks):
+        raise ValueError(f"segment counts must be integers from 1 to N={n_blocks}, got {ks}")
+    if 1 not in ks:
+        ks = [1] + ks  # the baseline is always measured
+    map_bytes = F.tensor_bytes((batch, width))
+    flops = 3 * F.linear_flops(batch, width, width) * n_blocks * 2
+    choice = choose_engine(engine, predicted_bytes=(n_blocks + 4) * map_bytes, predicted_flops=flops)
+    device = torch.device("cuda") if choice.name == "cuda" else torch.device("cpu")
+    with cpu_threads(threads if choice.name == "cpu" else None):
+        return _sweep(n_blocks, width, batch, ks, map_bytes, choice, device, repeats, warmup, time_steps,
+                      progress, threads if choice.name == "cpu" else None)
+
+
+def _sweep(n_blocks, width, batch, ks, map_bytes, choice, device, repeats, warmup, time_steps, progress,
+           threads) -> CheckpointResult:
+    timed = choice.name != "fake" and time_steps
+    n_tasks = len(ks) + (repeats + 1 if timed else 0)
+    measurements = {}
+    for i, k in enumerate(ks):
+        if progress:
+            progress(i / n_tasks, f"memory, k = {k} ({i + 1}/{len(ks)})")
+        m = run(_memory_experiment(n_blocks, width, batch, k), choice.name)
+        if m.oom:
+            raise MemoryError(m.error)
+        measurements[k] = m
+    timings: dict[int, Timing | None] = {k: None for k in ks}
+    if timed:
+        timings = _time_round_robin(n_blocks, width, batch, ks, device, warmup, repeats,
+                                    lambda j: progress((len(ks) + j) / n_tasks, f"timing, round {j}/{repeats}")
+                                    if progress else None)
+    points: list[SegmentPoint] = []
+    for k in ks:
+        m = measurements[k]
+        pc = m.peak_by_category
+        points.append(SegmentPoint(k, m.peak_bytes, pc.get("activations", 0) + pc.get("temporaries", 0), pc,
+                                   chen_maps(n_blocks, k) * map_bytes,
+                                   checkpoint_sequential_maps(n_blocks, k) * map_bytes, timings[k]))
+    label = measurements[ks[0]].label
+    if choice.name == "fake":
+        timing_label = "not timed: fake tensors do no compute"
+    elif not time_steps:
+        timing_label = "not timed"
+    elif choice.name == "cuda":
+        timing_label = (f"timed on {torch.cuda.get_device_name(device)} (untracked; {warmup} warm-up step per k, "
+                        f"then {repeats} rounds over every k in turn, synchronized)")
+    else:
+        nt = f"{threads} thread{'s' if threads != 1 else ''}" if threads else f"{torch.get_num_threads()} threads"
+        timing_label = (f"timed on this CPU, {nt} (untracked; {warmup} warm-up step per k, then {repeats} rounds "
+                        f"over every k in turn; shared CPUs are noisy, and a GPU's balance of compute and "
+                        f"overhead differs)")
+    if progress:
+        progress(1.0, "done")
+    return CheckpointResult(n_blocks, width, batch, map_bytes, points, label, choice.name, timing_label)
+
+
+# --- checkpoint by hand (the articles' two halves) ----------------------------------------------------
+
+def checkpoint_halves(net: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """The articles' manual form: ``checkpoint`` each half of a Sequential as a function
+    (``use_reentrant=False``: the input need not require grad)."""
+    n = len(net)
+    first, second = net[: n // 2], net[n // 2:]
+    y = checkpoint(first, x, use_reentrant=False)
+    return checkpoint(second, y, use_reentrant=False)
+
+
+# --- the exercise and the articles' claims ---------------------------------------------------------
+
+def exercise_checkpoint_maps(n_blocks: int = 16, segments: int = 4):
+    """Predict-first: saved maps at the peak with ``checkpoint_sequential(N blocks, k)``."""
+    from .inplace import counting_exercise
+    return counting_exercise(
+        question=(f"A stack of N = {n_blocks} blocks, each saving one activation map for backward, is trained with "
+                  f"checkpoint_sequential(blocks, {segments}, x, use_reentrant=False). Without checkpointing the "
+                  f"peak holds {n_blocks} maps. How many maps does it hold at its peak now (count the kept segment "
+                  f"inputs and the largest segment alive at once; ignore gradients)?"),
+        expected=lambda: checkpoint_sequential_maps(n_blocks, segments),
+        explain=(f"Segments of {segment_sizes(n_blocks, segments)} blocks: the {segments - 1} inputs of the "
+                 f"segments after the first are kept, and at most {max(segment_sizes(n_blocks, segments))} maps of "
+                 f"one segment exist at once (the last segment is not checkpointed, the others are recomputed one "
+                 f"at a time in backward). Chen et al.'s N/k + k gives {chen_maps(n_blocks, segments):g} "
+                 f"({LABEL_FORMULA})."),
+        unit="maps", rel_tol=0.0,
+        hint="Count two things: the inputs checkpoint keeps at segment boundaries, and the most maps of one "
+             "segment that exist at the same time.")
+
+
+def checkpoint_claims(result: CheckpointResult, deeper: CheckpointResult | None = None):
+    """The articles' checkpointing claims, with verdicts computed from a sweep (and, for "the
+    deeper, the more it saves", a second sweep of a deeper stack)."""
+    from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
+    checks = []
+    base, best = result.baseline, result.best
+    saved = base.peak_bytes - best.peak_bytes
+    slow = result.slowdown(best, "min")
+    lab = result.label
+    ev = [Evidence("peak without checkpointing", format_bytes(base.peak_bytes), lab),
+          Evidence(f"peak at k = {best.segments}", format_bytes(best.peak_bytes), lab)]
+    if slow is not None:
+        ev.append(Evidence(f"step time at k = {best.segments} vs k = 1 (fastest runs)", f"×{slow:.2f}",
+                           result.timing_label))
+    checks.append(ClaimCheck(
+        "checkpoint keeps only part of what backward needs and recomputes the rest: less memory, more compute.",
+        "article 003", HOLDS if saved > 0 and (slow is None or slow > 1.0) else BREAKS,
+        (f"The lowest peak (k = {best.segments}) is {format_bytes(saved)} below no checkpointing "
+         f"({100 * saved / base.peak_bytes:.0f}% of the step's peak)"
+         + (f", and the step takes ×{slow:.2f} as long (fastest runs compared)." if slow is not None
+            else "; not timed on this engine.")),
+        ev))
+    root = result.sqrt_n
+    best_maps = best.activation_side / result.map_bytes
+    # O(√N): the best peak is near Chen's minimum 2√N maps (+1.5 for the gradient in flight), at a k
+    # of the order of √N (within a factor of two)
+    near = best_maps <= 2 * root + 1.5 and root / 2 <= best.segments <= 2 * root
+    checks.append(ClaimCheck(
+        "Keep one activation every √N layers (Chen et al. 2016): memory falls from O(N) to O(√N).",
+        "article 003", HOLDS if near else BREAKS,
+        (f"The measured minimum is at k = {best.segments} segments (√N = {root:.1f}), holding {best_maps:.0f} maps "
+         f"against {base.activation_side / result.map_bytes:.0f} without checkpointing; Chen's minimum is "
+         f"2√N = {2 * root:.1f}. With checkpoint_sequential, k that does not "
+         f"divide N wastes memory, and any k above N/2 saves nothing: its segments have N // k = 1 block and the "
+         f"un-checkpointed last segment takes all the rest.")
+        if near else (f"The measured minimum is at k = {best.segments} with {best_maps:.0f} maps, far from √N = "
+                      f"{root:.1f} and 2√N = {2 * root:.1f} maps."),
+        [Evidence("best k (measured)", str(best.segments), lab), Evidence("√N", f"{root:.2f}", LABEL_FORMULA),
+         Evidence("best k (checkpoint_sequential formula)", str(best_segments(result.n_blocks)), LABEL_FORMULA)]))
+    if slow is not None or deeper is not None:
+        ev, parts, verdicts = [], [], []
+        if deeper is not None:
+            f1 = 1 - best.activation_side / base.activation_side
+            d_best, d_base = deeper.best, deeper.baseline
+            f2 = 1 - d_best.activation_side / d_base.activation_side
+            verdicts.append("holds for memory" if f2 > f1 else "breaks for memory")
+            parts.append(f"Activation memory saved at the best k: {100 * f1:.0f}% for N = {result.n_blocks}, "
+                         f"{100 * f2:.0f}% for N = {deeper.n_blocks} (the √N rule: 1 − 2√N/N grows with N).")
+            ev += [Evidence(f"activation side saved, N = {result.n_blocks}", f"{100 * f1:.0f}%", lab),
+                   Evidence(f"activation side saved, N = {deeper.n_blocks}", f"{100 * f2:.0f}%", deeper.label)]
+        if slow is not None:
+            pred = result.recompute_overhead(best)
+            verdicts.append("the slowdown is modest" if slow <= 1.5 else "breaks for speed on this CPU")
+            med = result.slowdown(best)
+            parts.append(f"At k = {best.segments} one step took ×{slow:.2f} as long comparing the fastest runs "
+                         f"(×{med:.2f} comparing medians), against ×{pred:.2f} predicted for one extra forward of "
+                         f"the checkpointed blocks; the rest is checkpoint's own Python overhead and this shared "
+                         f"CPU's noise. A GPU's ratio differs: measure there.")
+            ev += [Evidence(f"measured time at k = {best.segments} vs k = 1, fastest runs", f"×{slow:.2f}",
+                            result.timing_label),
+                   Evidence(f"measured time at k = {best.segments} vs k = 1, medians", f"×{med:.2f}",
+                            result.timing_label),
+                   Evidence("formula: one extra forward of the checkpointed blocks", f"×{pred:.2f}", LABEL_FORMULA)]
+        checks.append(ClaimCheck(
+            "The deeper the model, the more it saves, and it is not noticeably slower.", "article 003",
+            "; ".join(verdicts), " ".join(parts), ev))
+    return ClaimReport("What the reference articles claim about checkpointing, tested", checks)

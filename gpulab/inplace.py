@@ -1,0 +1,534 @@
+"""Lesson 06, part 1: in-place operations and what autograd saves.
+
+* ``saved_tensors(output)`` walks the autograd graph behind a tensor and lists every tensor
+  a backward node keeps (``grad_fn._saved_*``), one row per storage, so a lesson can show
+  *which* tensors a layer saves rather than assume it.
+* ``inplace_experiment(...)`` runs a conv-ReLU (or conv-BN-ReLU) stack twice, with
+  ``ReLU(inplace=False)`` and ``ReLU(inplace=True)``, under the same engine, and reports the
+  peak, the forward-phase peak, the allocation traffic and what autograd saved, next to the
+  formula for what autograd saves and the reference articles' claim.
+* ``inplace_break(case)`` modifies a tensor in place after autograd saved it, catches the
+  ``RuntimeError`` and returns the version-counter story as data.
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import formulas as F
+from .engines import LABEL_FORMULA, Measurement, RunContext, run
+from .units import format_bytes
+from .views import error_percent, fmt_error, html_table
+
+BLOCKS = ("conv-relu", "conv-bn-relu")
+MODES = ("train step", "no_grad forward")
+
+LABEL_ARTICLES = "reference articles' claim"
+
+
+# --- what autograd saves ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One storage that one or more backward nodes keep for backward."""
+    saved_by: tuple[str, ...]  # "ReluBackward0._saved_result", ... every node that keeps it
+    shape: tuple[int, ...]     # shape of the first tensor seen on it
+    dtype: str
+    nbytes: int                # bytes of the whole storage
+    by_reference: bool         # a parameter, buffer or input that exists anyway: no new memory
+    key: int                   # storage identity (two views of one storage share it)
+
+    @property
+    def node(self) -> str:
+        return self.saved_by[0].split(".")[0]
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def saved_tensors(output: torch.Tensor, params: Any = ()) -> list[SavedTensor]:
+    """Every tensor the autograd graph behind ``output`` keeps for backward, one row per
+    storage, naming every node that keeps it. ``params``: parameters, buffers and inputs,
+    marked ``by_reference`` (they exist anyway; saving them costs nothing extra).
+
+    Reads ``grad_fn._saved_<name>`` for each node (the attributes autograd generates from
+    tools/autograd/derivatives.yaml). Call it after the forward and before ``backward()``:
+    backward frees what was saved."""
+    if output.grad_fn is None:
+        return []
+    param_keys = {_storage_key(p) for p in params}
+    rows: dict[int, SavedTensor] = {}
+    seen, stack = set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for attr in sorted(a for a in dir(node) if a.startswith("_saved_")):
+            try:
+                value = getattr(node, attr)
+            except RuntimeError:  # freed already, or modified in place
+                continue
+            for t in (value if isinstance(value, (tuple, list)) else (value,)):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                key = _storage_key(t)
+                who = f"{node.name()}.{attr}"
+                if key in rows:
+                    old = rows[key]
+                    rows[key] = SavedTensor(old.saved_by + (who,), old.shape, old.dtype, old.nbytes,
+                                            old.by_reference, key)
+                else:
+                    rows[key] = SavedTensor((who,), tuple(t.shape), str(t.dtype).removeprefix("torch."),
+                                            t.untyped_storage().nbytes(), key in param_keys, key)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return list(rows.values())
+
+
+def saved_activation_bytes(rows: list[SavedTensor]) -> int:
+    """Bytes of the saved storages that are not parameters, buffers or inputs."""
+    return sum(r.nbytes for r in rows if not r.by_reference)
+
+
+@dataclass
+class SavedReport:
+    """What autograd kept for one forward, as data with an HTML table view."""
+    title: str
+    rows: list[SavedTensor]
+    label: str
+
+    @property
+    def total_bytes(self) -> int:
+        return saved_activation_bytes(self.rows)
+
+    def __repr__(self) -> str:
+        return f"SavedReport({self.title!r}, {len(self.rows)} storages, {self.total_bytes:,} B new)"
+
+    def _repr_html_(self) -> str:
+        return f"<b>{html.escape(self.title)}</b>" + saved_table_html(self.rows, self.label)
+
+
+def saved_table_html(rows: list[SavedTensor], caption: str = "") -> str:
+    """The saved storages as a table, largest first; by-reference ones marked."""
+    body = [[", ".join(r.saved_by), "×".join(map(str, r.shape)) or "scalar", r.dtype,
+             format_bytes(r.nbytes) + (" (exists anyway)" if r.by_reference else "")]
+            for r in sorted(rows, key=lambda r: (r.by_reference, -r.nbytes))]
+    body.append(["total new memory", "", "", format_bytes(saved_activation_bytes(rows))])
+    return html_table(["saved by (grad_fn._saved_*)", "shape", "dtype", "bytes"], body, caption)
+
+
+# --- the conv-ReLU stack ----------------------------------------------------------------------
+
+def conv_stack(depth: int = 4, channels: int = 16, inplace: bool = False, block: str = "conv-relu",
+               in_channels: int = 3) -> nn.Sequential:
+    """``depth`` blocks of 3x3 conv (padding 1, same size) [+ BatchNorm] + ReLU."""
+    if block not in BLOCKS:
+        raise ValueError(f"unknown block {block!r}; valid blocks: {', '.join(BLOCKS)}")
+    layers: list[nn.Module] = []
+    c = in_channels
+    for _ in range(depth):
+        layers.append(nn.Conv2d(c, channels, 3, padding=1))
+        if block == "conv-bn-relu":
+            layers.append(nn.BatchNorm2d(channels))
+        layers.append(nn.ReLU(inplace=inplace))
+        c = channels
+    return nn.Sequential(*layers)
+
+
+def feature_map_bytes(batch: int, channels: int, image_size: int, dtype="float32") -> int:
+    """One block's output: batch x channels x size x size elements."""
+    return F.tensor_bytes((batch, channels, image_size, image_size), dtype)
+
+
+def predict_saved_bytes(block: str, depth: int, channels: int, batch: int, image_size: int) -> int:
+    """What autograd saves in a training forward of ``conv_stack`` (activations only: the
+    input, weights and BN's running buffers are saved by reference).
+
+    Read off tools/autograd/derivatives.yaml: a convolution saves its *input* and weight;
+    ReLU (``threshold``) saves its *result*; batch norm saves its input and two per-channel
+    statistics (save_mean, save_invstd). In a conv-ReLU stack the next conv's saved input is
+    the ReLU result already counted, so each block adds one feature map, whether or not the
+    ReLU works in place. With batch norm a block adds two maps (the conv output that BN saves
+    and the ReLU result) plus 2 x channels floats.
+    NB: independent of ``inplace``: an in-place ReLU writes over a tensor nobody saved."""
+    fmap = feature_map_bytes(batch, channels, image_size)
+    if block == "conv-relu":
+        return depth * fmap
+    if block == "conv-bn-relu":
+        return depth * (2 * fmap + 2 * F.tensor_bytes([channels]))
+    raise ValueError(f"unknown block {block!r}; valid blocks: {', '.join(BLOCKS)}")
+
+
+def articles_inplace_saving(depth: int, fmap_bytes: int) -> int:
+    """The reference articles' view: an in-place ReLU stores its output over its input, so
+    each ReLU saves one feature map (their ``modelsize()`` simply skips in-place ReLUs)."""
+    return depth * fmap_bytes
+
+
+@dataclass
+class InplaceRun:
+    inplace: bool
+    measurement: Measurement
+    forward_peak: int          # highest live total while the forward ran
+    allocated_bytes: int       # every storage created during forward and backward, summed
+    allocations: int           # how many storages that was
+    saved: list[SavedTensor] | None  # None for no_grad runs
+    grads: list[torch.Tensor] | None = None  # parameter gradients (real engines, train step)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.measurement.peak_bytes
+
+    @property
+    def saved_bytes(self) -> int | None:
+        return None if self.saved is None else saved_activation_bytes(self.saved)
+
+
+@dataclass
+class InplaceResult:
+    block: str
+    depth: int
+    channels: int
+    batch: int
+    image_size: int
+    mode: str
+    runs: dict[bool, InplaceRun]
+    fmap_bytes: int
+    predicted_saved_bytes: int
+    articles_saving_bytes: int
+    predicted_label: str = LABEL_FORMULA
+
+    @property
+    def label(self) -> str:
+        return self.runs[False].measurement.label
+
+    @property
+    def engine(self) -> str:
+        return self.runs[False].measurement.engine
+
+    @property
+    def peak_saving(self) -> int:
+        return self.runs[False].peak_bytes - self.runs[True].peak_bytes
+
+    @property
+    def forward_peak_saving(self) -> int:
+        return self.runs[False].forward_peak - self.runs[True].forward_peak
+
+    @property
+    def allocation_saving(self) -> int:
+        return self.runs[False].allocated_bytes - self.runs[True].allocated_bytes
+
+    def figure(self):
+        from .plots_tradeoffs import inplace_figure
+        return inplace_figure(self)
+
+    @property
+    def grads_match(self) -> bool | None:
+        """Did both variants compute the same parameter gradients? (None: not compared, e.g.
+        fake tensors carry no values, or a no_grad run)."""
+        a, b = self.runs[False].grads, self.runs[True].grads
+        if a is None or b is None:
+            return None
+        return all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "block": self.block, "depth": self.depth, "channels": self.channels, "batch": self.batch,
+            "image_size": self.image_size, "mode": self.mode, "engine": self.engine, "label": self.label,
+            "fmap_bytes": self.fmap_bytes, "predicted_saved_bytes": self.predicted_saved_bytes,
+            "articles_saving_bytes": self.articles_saving_bytes,
+            "runs": {str(k): {"peak_bytes": r.peak_bytes, "forward_peak": r.forward_peak,
+                              "allocated_bytes": r.allocated_bytes, "saved_bytes": r.saved_bytes,
+                              "peak_by_category": r.measurement.peak_by_category}
+                     for k, r in self.runs.items()},
+            "peak_saving": self.peak_saving, "forward_peak_saving": self.forward_peak_saving,
+            "allocation_saving": self.allocation_saving,
+        }
+
+    def __repr__(self) -> str:
+        return (f"InplaceResult({self.block} x{self.depth}, {self.mode}, peak saving "
+                f"{self.peak_saving:,} B, allocation saving {self.allocation_saving:,} B)")
+
+    def _repr_html_(self) -> str:
+        f, t = self.runs[False], self.runs[True]
+        rows = []
+
+        def row(name, a, b, formula=None, formula_label=""):
+            save = None if a is None or b is None else a - b
+            rows.append([name, "—" if a is None else format_bytes(a), "—" if b is None else format_bytes(b),
+                         "—" if save is None else format_bytes(save),
+                         formula_label + (format_bytes(formula) if formula is not None else "")])
+
+        row("peak (live tensors)", f.peak_bytes, t.peak_bytes)
+        row("peak while the forward ran", f.forward_peak, t.forward_peak)
+        row("activations at the peak", f.measurement.peak_by_category.get("activations", 0),
+            t.measurement.peak_by_category.get("activations", 0))
+        row("temporaries at the peak", f.measurement.peak_by_category.get("temporaries", 0),
+            t.measurement.peak_by_category.get("temporaries", 0))
+        row("saved by autograd (grad_fn._saved_*)", f.saved_bytes, t.saved_bytes,
+            self.predicted_saved_bytes if self.mode == "train step" else None,
+            "formula: " if self.mode == "train step" else "")
+        row("allocated in total (traffic)", f.allocated_bytes, t.allocated_bytes)
+        err = (error_percent(self.predicted_saved_bytes, f.saved_bytes)
+               if f.saved_bytes is not None else None)
+        head = (f"<b>{self.block}</b> ×{self.depth}, {self.channels} channels, batch {self.batch}, "
+                f"{self.image_size}×{self.image_size}, {html.escape(self.mode)} — "
+                f"{html.escape(self.label)}")
+        table = html_table(["", "inplace=False", "inplace=True", "saved by inplace", "formula"], rows,
+                           "binary units (1 MiB = 1024² B); measured columns: " + self.label)
+        claim = (f"<div>{LABEL_ARTICLES}: one feature map per ReLU = "
+                 f"<b>{format_bytes(self.articles_saving_bytes)}</b>. Measured: peak "
+                 f"<b>{format_bytes(self.peak_saving)}</b>, allocation traffic "
+                 f"<b>{format_bytes(self.allocation_saving)}</b>."
+                 + (f" Formula for the saved tensors vs measured: {fmt_error(err)}." if err is not None else "")
+                 + "</div>")
+        return head + table + claim
+
+
+def _stack_experiment(block: str, depth: int, channels: int, batch: int, image_size: int,
+                      mode: str, inplace: bool):
+    def experiment(ctx: RunContext) -> dict[str, Any]:
+        with ctx.phase("setup"):
+            torch.manual_seed(0)
+            with torch.device(ctx.device):
+                net = conv_stack(depth, channels, inplace, block)
+            ctx.tracker.register(net)
+            x = ctx.label(torch.randn(batch, 3, image_size, image_size, device=ctx.device))
+        if mode == "no_grad forward":
+            with torch.no_grad(), ctx.phase("forward"):
+                out = net(x)
+            del out
+            return {"saved": None}
+        with ctx.phase("forward"):
+            out = net(x)
+            loss = out.sum()
+        saved = saved_tensors(loss, list(net.parameters()) + list(net.buffers()) + [x])
+        with ctx.phase("backward"):
+            loss.backward()
+        del loss, out
+        grads = None
+        if ctx.engine != "fake":
+            grads = [p.grad.detach().to("cpu", copy=True) for p in net.parameters()]
+        return {"saved": saved, "grads": grads}
+    return experiment
+
+
+def _phase_peak(m: Measurement, phase: str) -> int:
+    return m.tracking.by_phase_peak().get(phase, 0) if m.tracking else 0
+
+
+def _allocated(m: Measurement) -> tuple[int, int]:
+    recs = [r for r in m.tracking.records.values() if not r.preexisting and r.phase in ("forward", "backward")]
+    return sum(r.nbytes for r in recs), len(recs)
+
+
+def validate_positive(**values: int) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+def inplace_experiment(block: str = "conv-relu", depth: int = 4, channels: int = 16, batch: int = 8,
+                       image_size: int = 32, mode: str = "train step", engine: str = "auto") -> InplaceResult:
+    """The same stack with ``ReLU(inplace=False)`` and ``ReLU(inplace=True)``, tracked."""
+    validate_positive(depth=depth, channels=channels, batch=batch, image_size=image_size)
+    if block not in BLOCKS:
+        raise ValueError(f"unknown block {block!r}; valid blocks: {', '.join(BLOCKS)}")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
+    fmap = feature_map_bytes(batch, channels, image_size)
+    flops = F.conv2d_flops(batch, channels, channels, (image_size, image_size), 3) * depth
+    runs = {}
+    for inplace in (False, True):
+        m = run(_stack_experiment(block, depth, channels, batch, image_size, mode, inplace), engine,
+                predicted_bytes=3 * depth * fmap, predicted_flops=3 * flops)
+        if m.oom:
+            raise MemoryError(m.error)
+        total, count = _allocated(m)
+        v = m.value or {}
+        runs[inplace] = InplaceRun(inplace, m, _phase_peak(m, "forward"), total, count, v.get("saved"),
+                                   v.get("grads"))
+    return InplaceResult(block, depth, channels, batch, image_size, mode, runs, fmap,
+                         predict_saved_bytes(block, depth, channels, batch, image_size),
+                         articles_inplace_saving(depth, fmap))
+
+
+# --- when in place breaks autograd ----------------------------------------------------------------
+
+BREAK_CASES = {
+    "sigmoid then mul_": "y = sigmoid(x) saves y (its backward is y·(1−y)); then y.mul_(2) overwrites it",
+    "exp then add_": "y = exp(x) saves y (its backward is y); then y.add_(1) overwrites it",
+    "linear then relu_": "y = linear(x) saves x and the weight, not y; then y.relu_() overwrites y",
+}
+
+
+@dataclass
+class InplaceBreak:
+    case: str
+    story: str
+    saved_by_first_op: list[str]          # attributes of the first op's grad_fn that hold tensors
+    saves_output: bool                    # does the first op keep its own output?
+    version_before: int
+    version_after: int
+    error: str | None                     # the RuntimeError backward raised, or None
+    grad_ok: bool                         # backward ran and produced a gradient
+
+    def _repr_html_(self) -> str:
+        verdict = (f"<b style='color:#b00'>backward failed</b>: <code>{html.escape(self.error)}</code>"
+                   if self.error else "<b style='color:#2a7'>backward worked</b>")
+        return (f"<div><b>{html.escape(self.case)}</b>: {html.escape(self.story)}.<br>"
+                f"first op saves: <code>{html.escape(', '.join(self.saved_by_first_op) or 'nothing')}</code>"
+                f" (its own output: {'yes' if self.saves_output else 'no'}); y._version "
+                f"{self.version_before} → {self.version_after}; {verdict}</div>")
+
+    def __repr__(self) -> str:
+        return (f"InplaceBreak({self.case!r}, version {self.version_before}->{self.version_after}, "
+                f"error={self.error!r})")
+
+
+def inplace_break(case: str = "sigmoid then mul_") -> InplaceBreak:
+    """Run one of ``BREAK_CASES`` on a tiny CPU tensor and report what happened.
+
+    Autograd gives every tensor a version counter, bumped by each in-place op; a saved tensor
+    remembers the version it was saved at, and backward refuses to use it if the counter has
+    moved (torch/csrc/autograd/saved_variable.cpp)."""
+    if case not in BREAK_CASES:
+        raise ValueError(f"unknown case {case!r}; valid cases: {', '.join(BREAK_CASES)}")
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, requires_grad=True)
+    if case == "sigmoid then mul_":
+        y = torch.sigmoid(x)
+    elif case == "exp then add_":
+        y = torch.exp(x)
+    else:
+        w = torch.randn(3, 3, requires_grad=True)
+        y = nn.functional.linear(x, w)
+    node = y.grad_fn
+    attrs = []
+    saves_output = False
+    for a in sorted(a for a in dir(node) if a.startswith("_saved_")):
+        v = getattr(node, a)
+        if isinstance(v, torch.Tensor):
+            attrs.append(a)
+            if _storage_key(v) == _storage_key(y):
+                saves_output = True
+    before = y._version
+    if case == "sigmoid then mul_":
+        y.mul_(2)
+    elif case == "exp then add_":
+        y.add_(1)
+    else:
+        y.relu_()
+    after = y._version
+    error = None
+    try:
+        y.sum().backward()
+    except RuntimeError as exc:
+        error = str(exc).split(" Hint:")[0]
+    return InplaceBreak(case, BREAK_CASES[case], attrs, saves_output, before, after, error,
+                        error is None and x.grad is not None)
+
+
+# --- the exercise and the articles' claims ---------------------------------------------------------
+
+def counting_exercise(**kwargs):
+    """An ``Exercise`` whose likely wrong answers come from counting tensors twice, not from
+    dtypes: the base checker's "×2: check the bytes per element" hint would mislead there, so
+    this one shows the exercise's own hint instead."""
+    from .exercises import CheckResult, Exercise
+
+    class CountingExercise(Exercise):
+        def check(self, answer: Any) -> CheckResult:
+            res = super().check(answer)
+            if not res.ok and "bytes per element" in res.message:
+                shown = f"{answer:,}" if isinstance(answer, (int, float)) else repr(answer)
+                res = CheckResult(False, answer, res.expected,
+                                  f"You said {shown}{self._unit()}, off by a whole factor. {self.hint} "
+                                  f"Try again.")
+            return res
+
+    return CountingExercise(**kwargs)
+
+
+def exercise_saved_bytes(depth: int = 4, channels: int = 16, batch: int = 8, image_size: int = 32):
+    """Predict-first: bytes autograd saves in a conv-ReLU stack with ``ReLU(inplace=True)``."""
+    fmap = feature_map_bytes(batch, channels, image_size)
+    return counting_exercise(
+        question=(f"A stack of {depth} blocks Conv2d({channels}→{channels}, 3×3, padding 1) + ReLU(inplace=True) "
+                  f"runs a training forward on a float32 batch of {batch}×{channels}×{image_size}×{image_size} "
+                  f"feature maps ({format_bytes(fmap)} each). How many bytes does autograd keep for backward, "
+                  f"not counting the input batch and the weights?"),
+        expected=lambda: predict_saved_bytes("conv-relu", depth, channels, batch, image_size),
+        explain=(f"{depth} feature maps: each ReLU keeps its result, which is also what the next conv keeps as "
+                 f"its input (one storage). The conv's own output is not saved by anyone, which is why ReLU may "
+                 f"overwrite it, and also why inplace=False would save exactly the same bytes ({LABEL_FORMULA}, "
+                 f"tools/autograd/derivatives.yaml)."),
+        unit="bytes", rel_tol=0.0,
+        hint="Which tensor does a conv keep for its backward, and which does ReLU keep? Count storages: a tensor "
+             "two nodes keep is stored once.")
+
+
+def inplace_claims(result: InplaceResult, broken: InplaceBreak | None = None):
+    """The articles' in-place claims, with verdicts computed from ``result`` (a train-step
+    ``inplace_experiment``) and optionally an ``inplace_break`` run."""
+    from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
+    checks = []
+    lab = result.label
+    fmap = result.fmap_bytes
+    peak_ok = result.peak_saving >= 0.5 * result.articles_saving_bytes
+    fwd_ok = result.forward_peak_saving >= 0.5 * fmap
+    alloc_ok = result.allocation_saving == result.articles_saving_bytes
+    if peak_ok:
+        verdict = HOLDS
+    elif alloc_ok or fwd_ok:
+        verdict = "holds for allocations, breaks for the peak"
+    else:
+        verdict = BREAKS
+    checks.append(ClaimCheck(
+        "ReLU(inplace=True) writes its output over its input, so it saves memory: one feature map per ReLU.",
+        "articles 000, 003", verdict,
+        (f"Inplace allocates {format_bytes(result.allocation_saving)} less in total (the articles' number: one map "
+         f"per ReLU) and lowers the forward's peak by {format_bytes(result.forward_peak_saving)}, but the "
+         f"{result.mode}'s peak moves by {format_bytes(result.peak_saving)}: a non-inplace ReLU's input is freed as "
+         f"soon as the next layer runs, and autograd keeps the same tensors either way.")
+        if not peak_ok else f"The peak drops by {format_bytes(result.peak_saving)}.",
+        [Evidence("articles' saving", format_bytes(result.articles_saving_bytes), "reference articles' claim"),
+         Evidence("allocated in total: saved", format_bytes(result.allocation_saving), lab),
+         Evidence("forward peak: saved", format_bytes(result.forward_peak_saving), lab),
+         Evidence("peak of the step: saved", format_bytes(result.peak_saving), lab),
+         Evidence("saved for backward (inplace False / True)",
+                  f"{format_bytes(result.runs[False].saved_bytes or 0)} / "
+                  f"{format_bytes(result.runs[True].saved_bytes or 0)}",
+                  lab)]))
+    relu_rows = [r for r in (result.runs[True].saved or []) if any(w.startswith("ReluBackward") for w in r.saved_by)]
+    keeps_result = bool(relu_rows) and all(any(w.endswith("_saved_result") for w in r.saved_by
+                                               if w.startswith("ReluBackward")) for r in relu_rows)
+    match = result.grads_match
+    ok = keeps_result and match is not False
+    checks.append(ClaimCheck(
+        "Backward still works after an in-place ReLU: the gradient only needs to know where the output is "
+        "positive (dx = dy where y > 0).", "article 000", HOLDS if ok else BREAKS,
+        ("ReLU's backward node keeps its result (grad_fn._saved_result), whose sign equals the input's, so "
+         "overwriting the input loses nothing it needs"
+         + ("; the gradients of both variants are equal." if match else
+            "; gradients not compared here (no values on this engine).")) if ok else
+        "The measurement disagrees: see the evidence.",
+        [Evidence("ReLU keeps", ", ".join(sorted({w for r in relu_rows for w in r.saved_by if "Relu" in w})) or "—",
+                  lab),
+         Evidence("gradients equal (inplace False vs True)", {True: "yes", False: "no", None: "not compared"}[match],
+                  lab)]))
+    if broken is not None:
+        checks.append(ClaimCheck(
+            "Use in-place operations wherever possible (ReLU(inplace=True) is the example).", "article 003",
+            BREAKS if broken.error else HOLDS,
+            (f"{broken.case}: the first op saved its own output, the in-place op moved its version counter from "
+             f"{broken.version_before} to {broken.version_after}, and backward refused: {broken.error}")
+            if broken.error else f"{broken.case}: backward worked.",
+            [Evidence("y._version before / after", f"{broken.version_before} / {broken.version_after}",
+                      "measured on CPU (tiny tensors)")]))
+    return ClaimReport("What the reference articles claim about in-place ReLU, tested", checks)

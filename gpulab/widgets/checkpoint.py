@@ -1,0 +1,44 @@
+"""Checkpointing panel (lesson 07): N blocks, a sweep over the segment count k of
+checkpoint_sequential -> activation memory at the peak (measured, Chen et al.'s N/k + k,
+checkpoint_sequential's own segments) and step time (median, IQR)."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..checkpointing import SEGMENT_CHOICES, CheckpointResult, checkpoint_sweep
+from .base import Panel, dropdown, slider
+from .guard import memory_guard
+
+ENGINES = ["auto", "cpu", "fake", "cuda"]
+
+
+def compute_checkpoint(n_blocks: int, width: int, batch: int, segments: str, repeats: int, engine: str,
+                       progress=None) -> CheckpointResult:
+    return checkpoint_sweep(int(n_blocks), int(width), int(batch), segments, engine, repeats=int(repeats),
+                            progress=progress)
+
+
+def predict_checkpoint_peak(params: dict[str, Any]) -> int:
+    """The fake engine's peak without checkpointing (k = 1), the largest of the sweep."""
+    r = checkpoint_sweep(int(params["n_blocks"]), int(params["width"]), int(params["batch"]), [1], "fake")
+    return r.baseline.peak_bytes
+
+
+def render_checkpoint(result: CheckpointResult) -> list[Any]:
+    return [result, result.figure()]
+
+
+def checkpoint_panel(n_blocks: int = 16, width: int = 128, batch: int = 512,
+                     segments: str = SEGMENT_CHOICES[0], repeats: int = 7, engine: str = "auto") -> Panel:
+    controls = {
+        "n_blocks": slider("blocks N", n_blocks, 2, 64),
+        "width": slider("width", width, 8, 2048, log=True),
+        "batch": slider("batch", batch, 1, 4096, log=True),
+        "segments": dropdown("segments k", SEGMENT_CHOICES, segments),
+        "repeats": slider("timed rounds", repeats, 1, 21),
+        "engine": dropdown("engine", ENGINES, engine),
+    }
+    return Panel("Checkpointing: memory against recompute time", controls, compute_checkpoint, render_checkpoint,
+                 guard=memory_guard(predict_checkpoint_peak),
+                 description="<code>checkpoint_sequential(blocks, k, x, use_reentrant=False)</code> for each k: "
+                             "the peak under the tracker, then the step timed without it.")

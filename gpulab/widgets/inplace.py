@@ -1,0 +1,51 @@
+"""In-place ReLU panel (lesson 06): the same conv stack with ReLU(inplace=False) and
+ReLU(inplace=True) -> peak, forward peak, allocation traffic and saved-for-backward bytes,
+next to the formula and the reference articles' claim."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..inplace import BLOCKS, MODES, InplaceResult, inplace_experiment, saved_table_html
+from .base import Panel, dropdown, slider
+from .guard import memory_guard
+
+ENGINES = ["auto", "cpu", "fake", "cuda"]
+
+
+def compute_inplace(block: str, depth: int, channels: int, batch: int, image_size: int, mode: str,
+                    engine: str) -> InplaceResult:
+    return inplace_experiment(block, int(depth), int(channels), int(batch), int(image_size), mode, engine)
+
+
+def predict_inplace_peak(params: dict[str, Any]) -> int:
+    """The guard's prediction: the larger of the two peaks on fake tensors."""
+    r = compute_inplace(**dict(params, engine="fake"))
+    return max(run.peak_bytes for run in r.runs.values())
+
+
+def render_inplace(result: InplaceResult) -> list[Any]:
+    from IPython.display import HTML
+    items: list[Any] = [result]
+    saved = result.runs[True].saved
+    if saved:
+        items.append(HTML(saved_table_html(saved, "what autograd keeps with ReLU(inplace=True), read from "
+                                                  "grad_fn._saved_* — " + result.label)))
+    items.append(result.figure())
+    return items
+
+
+def inplace_panel(block: str = "conv-relu", depth: int = 4, channels: int = 16, batch: int = 8,
+                  image_size: int = 32, mode: str = "train step", engine: str = "auto") -> Panel:
+    controls = {
+        "block": dropdown("block", BLOCKS, block),
+        "depth": slider("blocks", depth, 1, 12),
+        "channels": slider("channels", channels, 1, 256, log=True),
+        "batch": slider("batch", batch, 1, 256, log=True),
+        "image_size": slider("image size", image_size, 8, 256, step=8),
+        "mode": dropdown("mode", MODES, mode),
+        "engine": dropdown("engine", ENGINES, engine),
+    }
+    return Panel("ReLU(inplace=True): what it saves, and what it does not", controls, compute_inplace,
+                 render_inplace, guard=memory_guard(predict_inplace_peak),
+                 description="Two runs of the same stack, one with <code>ReLU(inplace=False)</code> and one with "
+                             "<code>ReLU(inplace=True)</code>, each tracked tensor by tensor.")

@@ -1,0 +1,40 @@
+"""del-in-forward panel (lesson 06): TinyUNet written with a name per intermediate vs one
+reused name and del -> forward peak and whole-run peak, with and without autograd."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..inference import GRAD_MODES, LifetimesResult, forward_lifetimes
+from .base import Panel, dropdown, slider
+from .guard import memory_guard
+
+ENGINES = ["auto", "cpu", "fake", "cuda"]
+
+
+def compute_lifetimes(grad_mode: str, batch: int, channels: int, image_size: int, engine: str) -> LifetimesResult:
+    return forward_lifetimes(grad_mode, int(batch), int(channels), int(image_size), engine)
+
+
+def predict_lifetimes_peak(params: dict[str, Any]) -> int:
+    r = compute_lifetimes(**dict(params, engine="fake"))
+    return max(run.peak_bytes for run in r.runs.values())
+
+
+def render_lifetimes(result: LifetimesResult) -> list[Any]:
+    return [result, result.figure()]
+
+
+def lifetimes_panel(grad_mode: str = "no_grad forward", batch: int = 8, channels: int = 16, image_size: int = 64,
+                    engine: str = "auto") -> Panel:
+    controls = {
+        "grad_mode": dropdown("mode", GRAD_MODES, grad_mode),
+        "batch": slider("batch", batch, 1, 128, log=True),
+        "channels": slider("channels", channels, 1, 128, log=True),
+        "image_size": slider("image size", image_size, 16, 256, step=16),
+        "engine": dropdown("engine", ENGINES, engine),
+    }
+    return Panel("del and name reuse inside forward", controls, compute_lifetimes, render_lifetimes,
+                 guard=memory_guard(predict_lifetimes_peak),
+                 description="A small U-Net whose <code>forward</code> is written two ways: every intermediate "
+                             "under its own name, or one reused name with <code>del</code> after each skip "
+                             "tensor's last use.")
