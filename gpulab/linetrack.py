@@ -184,15 +184,6 @@ class _LocatingTracker(MemoryTracker):
             self.where[rec.sid] = self._locate()
         return rec
 
-    def _pack(self, t: torch.Tensor):
-        # NB: the base tracker's pack hook returns ``t`` itself; when ``t`` is the output of the
-        # op that saves it (ReLU saves its result), that makes a reference cycle (tensor ->
-        # grad_fn -> packed tensor) that keeps the whole graph alive until ``gc.collect()``,
-        # which would look exactly like the leak lesson 10 is about. A detached alias shares
-        # the storage and the version counter (in-place checks still work) but not grad_fn.
-        self._see(t, op="saved", category=Category.ACTIVATIONS)
-        return t.detach()
-
     def _locate(self) -> str:
         f = sys._getframe(2)
         while f is not None:
