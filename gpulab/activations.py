@@ -465,7 +465,8 @@ class InferenceVsTraining:
                          f"training keeps {self.ratio:,.1f}× the non-parameter memory of inference at the peak")
         dt = html_table(["saved tensors by dtype", "bytes"],
                         [[k, format_bytes(v, digits=2)] for k, v in sorted(t.saved_by_dtype.items())],
-                        "int64: max-pool indices; bool: dropout masks; the rest: float activations")
+                        "int64: max-pool indices. Dropout's mask is a float tensor on CPU and fake tensors "
+                        "(input × noise), a bool tensor with CUDA's fused kernel")
         return head + cats + cmp + dt
 
     def __repr__(self) -> str:
