@@ -122,7 +122,7 @@ def check_image_size(name: str, image_size: int) -> None:
     while lo + 1 < hi:  # smallest size that works (these models accept every size above it)
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if _meta_forward_ok(name, mid) else (mid, hi)
-    raise ValueError(f"image size {image_size} is too small for {name}: use --image-size {hi} or more")
+    raise ValueError(f"image size {image_size} is too small for {name}: use {hi} or more (--image-size {hi})")
 
 
 @functools.lru_cache(maxsize=512)
