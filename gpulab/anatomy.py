@@ -17,6 +17,7 @@ import torch
 from .experiments import StepResult, training_step
 from .tracking import CATEGORIES, TrackingResult
 from .units import format_bytes
+from .plots import to_png as as_png
 from .views import html_table
 
 
@@ -132,19 +133,6 @@ class StepAnatomy:
     def plot(self):
         """``figure()`` as a PNG image (what a notebook cell shows)."""
         return as_png(self.figure())
-
-
-def as_png(fig):
-    """A figure as a PNG image for display. A bare ``Figure`` shows as an image only where a
-    matplotlib inline backend has registered its formatter; a PNG shows everywhere (notebooks,
-    widget outputs, stored widget state). The figure is cleared afterwards."""
-    import io
-
-    from IPython.display import Image
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    fig.clf()
-    return Image(data=buf.getvalue(), format="png")
 
 
 def legend_outside(fig, width: float = 8.8):

@@ -22,7 +22,8 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from . import formulas as F
-from .anatomy import as_png, legend_outside
+from .anatomy import legend_outside
+from .plots import to_png as as_png
 from .engines import LABEL_FORMULA, Measurement, RunContext, run
 from .experiments import OPTIMIZERS, predict_step, validate_batch
 from .models import build_model, check_image_size, model_spec

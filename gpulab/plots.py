@@ -40,6 +40,13 @@ def as_image(fig: Figure):
     return Image(data=figure_png_bytes(fig), format="png")
 
 
+def to_png(fig: Figure):
+    """``as_image(fig)``, then the figure is cleared to release its memory."""
+    image = as_image(fig)
+    fig.clf()
+    return image
+
+
 def _fig(width: float = 7.0, height: float = 3.6) -> Figure:
     return LessonFigure(figsize=(width, height), dpi=100, layout="constrained")
 

@@ -188,7 +188,7 @@ class SweepResult:
 
     def plot(self):
         """``figure()`` as a PNG image (what a notebook cell shows)."""
-        from .anatomy import as_png
+        from .plots import to_png as as_png
         return as_png(self.figure())
 
 
@@ -363,7 +363,7 @@ class LargestBatch:
 
     def plot(self):
         """``figure()`` as a PNG image (what a notebook cell shows)."""
-        from .anatomy import as_png
+        from .plots import to_png as as_png
         return as_png(self.figure())
 
     def figure(self):

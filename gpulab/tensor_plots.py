@@ -5,10 +5,10 @@ every series, and titles name where the measured numbers came from.
 """
 from __future__ import annotations
 
-import io
 
 from matplotlib.figure import Figure
 
+from .plots import to_png  # noqa: F401  (re-exported for the lesson panels)
 from .units import GiB, KiB, MiB
 
 FORMULA_COLOR = "#999999"
@@ -16,20 +16,6 @@ MEASURED_COLOR = "#4C72B0"
 SIMULATED_COLOR = "#DD8452"
 CUDA_COLOR = "#55A868"
 NAIVE_COLOR = "#C44E52"
-
-
-def to_png(fig: Figure):
-    """The figure as an ``IPython.display.Image`` (PNG bytes), then the figure is cleared.
-
-    A bare ``Figure`` only displays as an image once a matplotlib inline backend has registered
-    its formatter (``%matplotlib inline`` or importing pyplot); a PNG displays everywhere:
-    notebooks, Output widgets, nbclient, nbconvert."""
-    from IPython.display import Image
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    fig.clf()
-    return Image(data=buf.getvalue(), format="png")
 
 
 def pick_unit(max_bytes: float) -> tuple[int, str]:
