@@ -116,6 +116,7 @@ class MemoryTracker(TorchDispatchMode):
         self._t0 = time.perf_counter()
         self._module_names: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
         self._module_stack: list[str] = []
+        self._node_modules: dict[int, str] = {}  # autograd node sequence nr -> module that made it
         self._phase_override: list[str] = []
         self._auto_phase = "setup"
         self._in_optimizer = 0
@@ -178,7 +179,28 @@ class MemoryTracker(TorchDispatchMode):
         return self._auto_phase
 
     def _module(self) -> str:
-        return self._module_stack[-1] if self._module_stack else ""
+        if self._module_stack:
+            return self._module_stack[-1]
+        # in backward: the module whose forward created the autograd node now running
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return self._node_modules.get(node._sequence_nr(), "")
+        return ""
+
+    def _map_backward_nodes(self, output, name: str) -> None:
+        """Remember which module's forward created each new autograd node behind
+        ``output``, so that allocations in backward can name their module. Walks back from
+        the output's grad_fn and stops at nodes already mapped (an inner module's, mapped
+        first because inner forward hooks fire first)."""
+        todo = [t.grad_fn for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            seq = node._sequence_nr()
+            if seq in self._node_modules or "AccumulateGrad" in node.name():
+                continue
+            self._node_modules[seq] = name
+            todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
 
     def _storage(self, t: torch.Tensor):
         try:
@@ -322,7 +344,9 @@ class MemoryTracker(TorchDispatchMode):
 
     def _on_forward_post(self, module, args, output):
         if self._module_stack:
-            self._module_stack.pop()
+            name = self._module_stack.pop()
+            if torch.is_grad_enabled():
+                self._map_backward_nodes(output, name)
 
     def _on_step_pre(self, optimizer, args, kwargs):
         self._in_optimizer += 1
