@@ -330,3 +330,19 @@ def test_result_views():
     assert r.as_dict()["peak_bytes"] == 4000
     assert "peak_bytes=4000" in repr(r)
     del x
+
+
+def test_backward_allocations_name_their_module():
+    """Each weight gradient is computed by the backward node that the layer's forward made,
+    so its record names that layer (independent of the tracker: the grads' owners)."""
+    torch.manual_seed(0)
+    with MemoryTracker() as tracker:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        x = tracker.label(torch.randn(5, 8), "inputs")
+        model(x).sum().backward()
+        result = tracker.result()
+        grads = {r.module for r in result.records.values()
+                 if r.category.value == "gradients" and r.shape in {(16, 8), (4, 16)}}
+    assert grads == {"Sequential.0", "Sequential.2"}
+    backward_modules = {e.module for e in result.events if e.phase == "backward" and e.kind == "alloc"}
+    assert {"Sequential.0", "Sequential.1", "Sequential.2"} <= backward_modules
