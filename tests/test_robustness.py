@@ -34,6 +34,9 @@ _TIMING = [
     re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?\s*" + TIME_UNIT + r"(?![A-Za-z])"),
     re.compile(r"\b0x[0-9a-f]+\b", re.I),
     re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d(:\d\d(\.\d+)?)?"),  # wall-clock stamps
+    re.compile(r"[×x]\s*[\d.]+\s+as long", re.I),  # time ratios ("takes ×1.37 as long")
+    # the machine's free RAM right now (not a lesson's measurement; other processes move it)
+    re.compile(r"available now\s+[\d.,]+\s*[KMGT]i?B\s*/\s*[\d.,]+\s*[KMGT]i?B", re.I),
 ]
 _TIME_HEADER = re.compile(r"\b(time|times|ms|seconds?|sec|latency|throughput|speed|slowdown|speedup|"
                           r"overhead|duration|elapsed|it/s|s/it)\b", re.I)
@@ -52,11 +55,12 @@ def _drop_time_columns(html: str) -> str:
             return body
         header = [_TAG.sub("", c[1]) for c in _CELL.findall(rows[0])]
         drop = {i for i, h in enumerate(header) if _TIME_HEADER.search(htmllib.unescape(h))}
-        if not drop:
-            return body
         out = []
         for r in rows:
             cells = [_TAG.sub("", c[1]) for c in _CELL.findall(r)]
+            if cells and _TIME_HEADER.search(htmllib.unescape(cells[0])):
+                # a row about a time (e.g. "step time at k = 4 vs k = 1": ×1.37): keep its label only
+                cells = [cells[0]]
             out.append(" | ".join(c for i, c in enumerate(cells) if i not in drop))
         return "<table>" + "\n".join(out) + "</table>"
     return re.sub(r"<table.*?</table>", table, html, flags=re.S | re.I)
