@@ -34,9 +34,9 @@ _TIMING = [
     re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?\s*" + TIME_UNIT + r"(?![A-Za-z])"),
     re.compile(r"\b0x[0-9a-f]+\b", re.I),
     re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d(:\d\d(\.\d+)?)?"),  # wall-clock stamps
-    re.compile(r"[×x]\s*[\d.]+\s+as long", re.I),  # time ratios ("takes ×1.37 as long")
+    re.compile(r"[×x]\s*[\d.]+\s+(as long|comparing)", re.I),  # time ratios ("takes ×1.37 as long")
     # the machine's free RAM right now (not a lesson's measurement; other processes move it)
-    re.compile(r"available now\s+[\d.,]+\s*[KMGT]i?B\s*/\s*[\d.,]+\s*[KMGT]i?B", re.I),
+    re.compile(r"available now[\s|]+[\d.,]+\s*[KMGT]i?B\s*/\s*[\d.,]+\s*[KMGT]i?B", re.I),
 ]
 _TIME_HEADER = re.compile(r"\b(time|times|ms|seconds?|sec|latency|throughput|speed|slowdown|speedup|"
                           r"overhead|duration|elapsed|it/s|s/it)\b", re.I)
@@ -132,16 +132,25 @@ def _run_pass(client: NotebookClient, nb, upto: int | None = None) -> dict:
     return {"cells": texts, "widgets": widgets, "errors": errors}
 
 
+def _around_first_difference(a: str, b: str, width: int = 200) -> tuple[str, str]:
+    """The two texts from a little before the first character where they differ."""
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    start = max(0, i - width // 2)
+    return a[start:start + 2 * width], b[start:start + 2 * width]
+
+
 def _diff(a: dict, b: dict, nb) -> list[str]:
     diffs = []
     for i, ta in a["cells"].items():
         tb = b["cells"].get(i)
         if tb is not None and ta != tb:
             src = nb.cells[i].source.splitlines()[0][:60] if nb.cells[i].source else ""
-            diffs.append(f"cell {i} ({src!r}):\n  first:  {' / '.join(ta)[:400]}\n  second: {' / '.join(tb)[:400]}")
+            fa, fb = _around_first_difference(" / ".join(ta), " / ".join(tb))
+            diffs.append(f"cell {i} ({src!r}):\n  first:  …{fa}\n  second: …{fb}")
     for j, (wa, wb) in enumerate(zip(a["widgets"], b["widgets"])):
         if wa != wb:
-            diffs.append(f"output widget {j}:\n  first:  {wa[:400]}\n  second: {wb[:400]}")
+            fa, fb = _around_first_difference(wa, wb)
+            diffs.append(f"output widget {j}:\n  first:  …{fa}\n  second: …{fb}")
     if len(a["widgets"]) != len(b["widgets"]):
         diffs.append(f"{len(a['widgets'])} output widgets the first time, {len(b['widgets'])} the second")
     return diffs
