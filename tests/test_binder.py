@@ -10,7 +10,6 @@ Slow (downloads torch into a fresh venv; pip's cache makes reruns fast): ``pytes
 """
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -22,7 +21,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from conftest import LESSONS, ROOT
+from conftest import LESSONS, ROOT, notebook_errors
 
 BINDER = ROOT / "binder"
 LESSONS_DIR = pathlib.Path(os.environ.get("GPULAB_LESSONS_DIR", LESSONS)).resolve()
@@ -94,16 +93,6 @@ def test_lesson_runs_in_binder_env(path, binder_kernel, monkeypatch):
                             resources={"metadata": {"path": str(LESSONS_DIR)}})
     t0 = time.perf_counter()
     client.execute()
-    errors = []
-    for i, cell in enumerate(nb.cells):
-        for out in cell.get("outputs", []):
-            if out.get("output_type") == "error":
-                errors.append(f"cell {i}: {out.get('ename')}: {out.get('evalue')}")
-            if out.get("output_type") == "stream" and out.get("name") == "stderr" and "Traceback" in out.get("text", ""):
-                errors.append(f"cell {i}: traceback on stderr")
-            if "gpulab-error" in json.dumps(out.get("data", {})):
-                errors.append(f"cell {i}: a panel showed an error")
-    if "gpulab-error" in json.dumps(nb.metadata.get("widgets", {})):
-        errors.append("a panel showed an error (widget state)")
+    errors = notebook_errors(nb)
     assert not errors, f"{path.name} in the binder env: " + "; ".join(errors)
     print(f"{path.name} ran in the binder env in {time.perf_counter() - t0:.1f} s")

@@ -1,13 +1,12 @@
 """Every lesson executes headless, top to bottom, with no error output; and every lesson is
 stored clean (no outputs, no execution counts)."""
-import json
 import time
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from conftest import LESSONS
+from conftest import LESSONS, notebook_errors
 
 NOTEBOOKS = sorted(LESSONS.glob("[0-9][0-9]_*.ipynb"))
 
@@ -34,20 +33,6 @@ def test_lesson_executes(path, tmp_path):
     t0 = time.perf_counter()
     client.execute()
     seconds = time.perf_counter() - t0
-    errors = []
-    for i, cell in enumerate(nb.cells):
-        for out in cell.get("outputs", []):
-            if out.get("output_type") == "error":
-                errors.append(f"cell {i}: {out.get('ename')}: {out.get('evalue')}")
-            if out.get("output_type") == "stream" and out.get("name") == "stderr" and "Traceback" in out.get("text", ""):
-                errors.append(f"cell {i}: traceback on stderr")
-            html = out.get("data", {}).get("text/html", "") if "data" in out else ""
-            if "gpulab-error" in html:
-                errors.append(f"cell {i}: a panel showed an error: {html[:300]}")
-    # panels render into Output widgets, whose contents live in the stored widget state
-    state = json.dumps(nb.metadata.get("widgets", {}))
-    if "gpulab-error" in state:
-        i = state.index("gpulab-error")
-        errors.append(f"a panel showed an error: {state[i:i + 300]}")
+    errors = notebook_errors(nb)
     assert not errors, f"{path.name}: " + "; ".join(errors)
     print(f"{path.name} executed in {seconds:.1f} s")
