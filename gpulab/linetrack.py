@@ -118,7 +118,7 @@ class LineReport:
                 f"final={self.final_bytes:,} B, label={self.label!r})")
 
     def _repr_html_(self, max_tensors: int = 6) -> str:
-        from .views import _STYLE
+        from .tables import STYLE
         rows = []
         for s in self.steps:
             tens = []
@@ -135,7 +135,7 @@ class LineReport:
         cap = (f"line-by-line memory: {self.label}; live tensors on {self.device}"
                + (", each rounded up to 512 B" if self.rounded else "")
                + f"; peak {format_bytes(self.peak_bytes)}")
-        return (f"{_STYLE}<table class='gpulab-table gpulab-linereport'><caption class='gpulab-label'>"
+        return (f"{STYLE}<table class='gpulab-table gpulab-linereport'><caption class='gpulab-label'>"
                 f"{html.escape(cap)}</caption><tr><th>line</th><th>source</th><th>live after</th>"
                 f"<th>change</th><th>peak in line</th><th>tensors added (+) / removed (−)</th></tr>"
                 + "".join(rows) + "</table>")

@@ -517,8 +517,13 @@ class TrackingResult:
         return f"TrackingResult(device={self.device!r}, peak_bytes={self.peak_bytes}, storages={len(self.records)})"
 
     def _repr_html_(self) -> str:
-        from .views import category_table_html
-        return category_table_html(self)
+        from .tables import html_table
+        from .units import format_bytes
+        rows = [[c.value, format_bytes(self.peak_by_category.get(c.value, 0)),
+                 format_bytes(self.final_by_category.get(c.value, 0))] for c in CATEGORIES]
+        rows.append(["total", format_bytes(self.peak_bytes), format_bytes(self.final_bytes)])
+        return html_table(["category", "at peak", "at end"], rows,
+                          f"live tensors on {self.device}, peak during {self.peak_phase}")
 
 
 def _busiest_device(events: list[Event]) -> str:

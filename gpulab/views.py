@@ -3,15 +3,10 @@ unit and the label of where it came from."""
 from __future__ import annotations
 
 import html
-from typing import Iterable, Sequence
 
+from .tables import html_table  # noqa: F401  (re-exported: views are where callers look for it)
 from .tracking import CATEGORIES
 from .units import format_bytes
-
-_STYLE = ("<style>.gpulab-table{border-collapse:collapse;font-size:0.9em}"
-          ".gpulab-table td,.gpulab-table th{padding:2px 8px;border-bottom:1px solid #ddd;text-align:right}"
-          ".gpulab-table td:first-child,.gpulab-table th:first-child{text-align:left}"
-          ".gpulab-label{color:#555;font-size:0.85em}</style>")
 
 
 def error_percent(predicted: float | None, measured: float | None) -> float | None:
@@ -25,13 +20,6 @@ def fmt_error(err: float | None) -> str:
     return "—" if err is None else f"{err:+.1f}%"
 
 
-def html_table(header: Sequence[str], rows: Iterable[Sequence[object]], caption: str = "") -> str:
-    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
-    cap = f"<caption class='gpulab-label'>{html.escape(caption)}</caption>" if caption else ""
-    return f"{_STYLE}<table class='gpulab-table'>{cap}<tr>{head}</tr>{body}</table>"
-
-
 def comparison_rows(predicted: dict[str, int | None], measured: dict[str, int]) -> list[list[str]]:
     rows = []
     for c in CATEGORIES:
@@ -41,19 +29,11 @@ def comparison_rows(predicted: dict[str, int | None], measured: dict[str, int]) 
     return rows
 
 
-def category_table_html(result) -> str:
-    rows = [[c.value, format_bytes(result.peak_by_category.get(c.value, 0)),
-             format_bytes(result.final_by_category.get(c.value, 0))] for c in CATEGORIES]
-    rows.append(["total", format_bytes(result.peak_bytes), format_bytes(result.final_bytes)])
-    return html_table(["category", "at peak", "at end"], rows,
-                      f"live tensors on {result.device}, peak during {result.peak_phase}")
-
-
 def measurement_html(m) -> str:
     if m.oom:
         return (f"<b>Out of memory</b> ({html.escape(m.label)}): {html.escape(str(m.error))}"
                 "<br>Memory was released; try a smaller batch or the fake engine.")
-    out = category_table_html(m.tracking) + f"<div class='gpulab-label'>{html.escape(m.label)}</div>"
+    out = m.tracking._repr_html_() + f"<div class='gpulab-label'>{html.escape(m.label)}</div>"
     if m.allocator:
         a = m.allocator
         out += html_table(["allocator counter", "bytes"], [

@@ -1,4 +1,4 @@
-"""gpulab.optimizers against independent references: the tensors a real torch.optim optimizer
+"""gpulab.course.optimizers against independent references: the tensors a real torch.optim optimizer
 keeps in ``optimizer.state`` (read directly, without the tracker), parameter sizes from
 ``numel()``, and the CLI's ``step`` command against the multipliers."""
 import json
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from gpulab import formulas as F
-from gpulab import optimizers as O
+from gpulab.course import optimizers as O
 from gpulab.experiments import OPTIMIZERS
 from gpulab.models import build_model
 
-# Our own table of constructors, so the reference does not go through gpulab.optimizers.
+# Our own table of constructors, so the reference does not go through gpulab.course.optimizers.
 TORCH_OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.01),
     "momentum": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import gpulab.widgets.env as env_widget
-from gpulab import start as S
-from gpulab import tensor_bytes as T
+from gpulab.course import start as S
+from gpulab.course import tensor_bytes as T
 from gpulab.engines import LABEL_CPU, LABEL_FAKE, LABEL_FORMULA, LABEL_SIMULATED
-from gpulab.tensor_plots import dtype_figure, engine_demo_figure, rounding_figure, tensor_bytes_figure
+from gpulab.course.tensor_plots import dtype_figure, engine_demo_figure, rounding_figure, tensor_bytes_figure
 from gpulab.units import DTYPES
 from gpulab.widgets import engine_panel, rounding_panel, tensor_bytes_panel
 
@@ -32,7 +32,7 @@ def swap_first_last(x):
     return x.permute(perm)
 
 
-# Written out again here, independently of gpulab.tensor_bytes.OPERATIONS.
+# Written out again here, independently of gpulab.course.tensor_bytes.OPERATIONS.
 REFERENCE_OPS = {
     "tensor": lambda x: x,
     "view": lambda x: x.reshape(-1),

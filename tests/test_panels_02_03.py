@@ -16,8 +16,8 @@ from matplotlib.figure import Figure
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from gpulab import activations as A
-from gpulab import parameters as P
+from gpulab.course import activations as A
+from gpulab.course import parameters as P
 from gpulab.engines import LABEL_CPU, LABEL_FAKE
 from gpulab.models import small_cnn
 from gpulab.widgets import (depthwise_panel, flops_panel, forward_table_panel, inference_panel, layer_panel,

@@ -8,8 +8,8 @@ from IPython.display import Image
 from matplotlib.figure import Figure
 
 from gpulab.models import build_model
-from gpulab.sweeps import CONTEXT_OVERHEAD_ASSUMED, LargestBatch, SweepResult
-from gpulab.optimizers import ImplementationComparison, OptimizerComparison
+from gpulab.course.sweeps import CONTEXT_OVERHEAD_ASSUMED, LargestBatch, SweepResult
+from gpulab.course.optimizers import ImplementationComparison, OptimizerComparison
 from gpulab.units import GiB, MiB
 from gpulab.widgets import implementation_panel, largest_batch_panel, optimizer_panel, sweep_panel
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from gpulab import checkpointing as C
-from gpulab import inference as I
-from gpulab import inplace as P
-from gpulab import precision as M
+from gpulab.course import checkpointing as C
+from gpulab.course import inference as I
+from gpulab.course import inplace as P
+from gpulab.course import precision as M
 from gpulab.engines import LABEL_CPU, LABEL_FAKE
 from gpulab.widgets.checkpoint import checkpoint_panel
 from gpulab.widgets.inference_modes import grad_modes_panel
@@ -138,7 +138,7 @@ def test_inplace_exercise_and_claims(inplace):
 # --- lesson 06: no_grad / eval / inference_mode -------------------------------------------------------
 
 def reference_saved(batch, ch, size, training):
-    """Written out from derivatives.yaml, independently of gpulab.inference."""
+    """Written out from derivatives.yaml, independently of gpulab.course.inference."""
     full = fmap(batch, ch, size, size)
     half = batch * ch * (size // 2) ** 2
     total = full + full + half * I64 + half * F32   # BN input, ReLU result, pool indices, Linear input

@@ -4,7 +4,7 @@ import pytest
 from gpulab import replay as R
 from gpulab.allocator import MiB, simulate
 from gpulab.engines import LABEL_SIMULATED
-from gpulab.exercises import Exercise
+from gpulab.course.exercises import Exercise
 from gpulab.formulas import tensor_bytes
 from gpulab.tracking import TrackingResult
 from gpulab.widgets import allocator_panel

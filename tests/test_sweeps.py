@@ -1,4 +1,4 @@
-"""gpulab.sweeps and gpulab.anatomy (lesson 04) against independent references: a least-squares
+"""gpulab.course.sweeps and gpulab.course.anatomy (lesson 04) against independent references: a least-squares
 line from the standard library, parameter and output sizes from torch itself, fake runs at the
 answered batch sizes, and the optimizer state read from a real ``optimizer.state``."""
 import statistics
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import cuda
-from gpulab import sweeps as S
-from gpulab.anatomy import step_anatomy
+from gpulab.course import sweeps as S
+from gpulab.course.anatomy import step_anatomy
 from gpulab.models import build_model
 from gpulab.units import GiB
 from gpulab.experiments import training_step

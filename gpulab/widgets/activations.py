@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..activations import (ACT_DTYPES, ForwardTable, InferenceVsTraining, ModelsizeComparison,
+from ..course.activations import (ACT_DTYPES, ForwardTable, InferenceVsTraining, ModelsizeComparison,
                            forward_table, forward_table_figure, inference_training_figure,
                            inference_vs_training, modelsize_figure, modelsize_vs_saved,
                            predicted_forward_bytes)

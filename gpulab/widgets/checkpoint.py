@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..checkpointing import SEGMENT_CHOICES, CheckpointResult, checkpoint_sweep
+from ..course.checkpointing import SEGMENT_CHOICES, CheckpointResult, checkpoint_sweep
 from .base import Panel, dropdown, slider
 from .guard import memory_guard
 

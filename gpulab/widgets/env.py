@@ -11,8 +11,8 @@ from typing import Any, Callable
 import ipywidgets as W
 
 from ..engines import DEFAULT_MAX_CPU_BYTES, choose_engine
-from ..start import SIZE_OPTIONS_MIB, EngineDemo, engine_demo
-from ..tensor_plots import engine_demo_figure, to_png
+from ..course.start import SIZE_OPTIONS_MIB, EngineDemo, engine_demo
+from ..course.tensor_plots import engine_demo_figure, to_png
 from ..units import MiB, format_bytes
 from .base import GuardVerdict, Panel, dropdown
 from .guard import free_memory

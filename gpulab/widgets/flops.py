@@ -6,7 +6,7 @@ from typing import Any
 
 import ipywidgets as W
 
-from ..activations import (ACT_DTYPES, DepthwiseResult, ParamsFlops, depthwise_figure, depthwise_vs_standard,
+from ..course.activations import (ACT_DTYPES, DepthwiseResult, ParamsFlops, depthwise_figure, depthwise_vs_standard,
                            params_flops_figure, params_vs_flops)
 from ..models import MODELS
 from .base import Panel, dropdown, slider

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..inference import ModesResult, inference_modes
+from ..course.inference import ModesResult, inference_modes
 from .base import Panel, dropdown, slider
 from .guard import memory_guard
 

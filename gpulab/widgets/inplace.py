@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..inplace import BLOCKS, MODES, InplaceResult, inplace_experiment, saved_table_html
+from ..course.inplace import BLOCKS, MODES, InplaceResult, inplace_experiment, saved_table_html
 from .base import Panel, dropdown, slider
 from .guard import memory_guard
 

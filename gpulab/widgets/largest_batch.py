@@ -9,7 +9,7 @@ import ipywidgets as W
 
 from ..experiments import OPTIMIZERS
 from ..models import MODELS
-from ..sweeps import CARDS_GIB, CONTEXT_OVERHEAD_ASSUMED, LargestBatch, largest_batch
+from ..course.sweeps import CARDS_GIB, CONTEXT_OVERHEAD_ASSUMED, LargestBatch, largest_batch
 from ..units import MiB
 from .base import Panel, dropdown
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..inference import GRAD_MODES, LifetimesResult, forward_lifetimes
+from ..course.inference import GRAD_MODES, LifetimesResult, forward_lifetimes
 from .base import Panel, dropdown, slider
 from .guard import memory_guard
 

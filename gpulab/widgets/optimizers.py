@@ -6,7 +6,7 @@ from typing import Any
 
 from ..experiments import OPTIMIZERS
 from ..models import MODELS
-from ..optimizers import OptimizerComparison, compare_optimizers, optimizer_run
+from ..course.optimizers import OptimizerComparison, compare_optimizers, optimizer_run
 from .base import Panel, dropdown, slider
 from .guard import memory_guard
 

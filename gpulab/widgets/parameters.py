@@ -7,7 +7,7 @@ from typing import Any
 import ipywidgets as W
 
 from ..models import MODELS, build_model
-from ..parameters import (LAYER_KINDS, MODEL_DTYPES, LayerParams, ModelParams, buffer_bytes_by_formula,
+from ..course.parameters import (LAYER_KINDS, MODEL_DTYPES, LayerParams, ModelParams, buffer_bytes_by_formula,
                           dtype_figure, layer_figure, layer_params, make_layer, model_layers_figure,
                           model_params)
 from ..units import parse_dtype

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..experiments import OPTIMIZERS
 from ..models import MODELS
-from ..precision import LOW_DTYPES, PrecisionResult, precision_step
+from ..course.precision import LOW_DTYPES, PrecisionResult, precision_step
 from .base import Panel, dropdown, slider
 from .guard import memory_guard
 

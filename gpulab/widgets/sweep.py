@@ -6,7 +6,7 @@ from typing import Any
 
 from ..experiments import OPTIMIZERS, training_step
 from ..models import MODELS
-from ..sweeps import SweepResult, batch_sweep
+from ..course.sweeps import SweepResult, batch_sweep
 from .base import Panel, dropdown, slider
 from .guard import memory_guard
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import ipywidgets as W
 
-from ..tensor_bytes import (DEFAULT_SHAPE, OPERATIONS, TENSOR_CPU_LIMIT, RoundingResult, TensorBytesResult,
+from ..course.tensor_bytes import (DEFAULT_SHAPE, OPERATIONS, TENSOR_CPU_LIMIT, RoundingResult, TensorBytesResult,
                             is_quantized, dtype_names, measure, predict, rounding_curve)
-from ..tensor_plots import rounding_figure, tensor_bytes_figure, to_png
+from ..course.tensor_plots import rounding_figure, tensor_bytes_figure, to_png
 from ..units import DTYPES, parse_dtype
 from .base import GuardVerdict, Panel, dropdown
 from .env import engine_guard

@@ -23,16 +23,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import formulas as F
+from .. import formulas as F
 from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
-from .engines import LABEL_FORMULA, LABEL_SIMULATED, RunContext, choose_engine, run
+from ..engines import LABEL_FORMULA, LABEL_SIMULATED, RunContext, choose_engine, run
 from .exercises import Exercise
-from .tracking import TrackingResult
-from .units import DTYPES, KB, MB, KiB, MiB, dtype_name, format_bytes, parse_dtype
-from .views import error_percent, fmt_error, html_table
+from ..tracking import TrackingResult
+from ..units import DTYPES, KB, MB, KiB, MiB, dtype_name, format_bytes, parse_dtype
+from ..views import error_percent, fmt_error, html_table
 
 try:  # the caching-allocator simulator (another module; optional here)
-    from .allocator import CachingAllocator
+    from ..allocator import CachingAllocator
 except ImportError:  # pragma: no cover - only while the simulator is absent
     CachingAllocator = None
 

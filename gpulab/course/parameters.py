@@ -21,14 +21,14 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from torch import nn
 
-from . import formulas as F
-from .engines import LABEL_FORMULA, Measurement, RunContext, run
-from .experiments import params_by_formula
-from .models import build_model, model_spec
-from .plots import LessonFigure
-from .tracking import Category
-from .units import GB, GiB, MiB, dtype_bytes, dtype_name, format_bytes, parse_dtype
-from .views import error_percent, fmt_error, html_table
+from .. import formulas as F
+from ..engines import LABEL_FORMULA, Measurement, RunContext, run
+from ..experiments import params_by_formula
+from ..models import build_model, model_spec
+from ..plots import LessonFigure
+from ..tracking import Category
+from ..units import GB, GiB, MiB, dtype_bytes, dtype_name, format_bytes, parse_dtype
+from ..views import error_percent, fmt_error, html_table
 
 LAYER_KINDS = ("Conv2d", "Linear", "BatchNorm2d", "LayerNorm", "Embedding")
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "float64")

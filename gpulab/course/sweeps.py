@@ -23,14 +23,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from .allocator import CachingAllocator
-from .engines import LABEL_FAKE, LABEL_FORMULA, LABEL_SIMULATED, choose_engine, label_cuda
-from .experiments import OPTIMIZERS, StepResult, breakdown, predict_step, training_step, validate_batch
-from .formulas import MemoryFit, fit_memory_model, max_batch
-from .models import check_image_size, model_spec
-from .tracking import Category
-from .units import GiB, MiB, dtype_name, format_bytes, parse_dtype
-from .views import error_percent, fmt_error, html_table
+from ..allocator import CachingAllocator
+from ..engines import LABEL_FAKE, LABEL_FORMULA, LABEL_SIMULATED, choose_engine, label_cuda
+from ..experiments import OPTIMIZERS, StepResult, breakdown, predict_step, training_step, validate_batch
+from ..formulas import MemoryFit, fit_memory_model, max_batch
+from ..models import check_image_size, model_spec
+from ..tracking import Category
+from ..units import GiB, MiB, dtype_name, format_bytes, parse_dtype
+from ..views import error_percent, fmt_error, html_table
 
 # Card sizes a student can pick (GiB, as the vendors' "16 GB" cards hold 16 GiB).
 CARDS_GIB = (8, 12, 16, 24, 40, 80)
@@ -188,7 +188,7 @@ class SweepResult:
 
     def plot(self):
         """``figure()`` as a PNG image (what a notebook cell shows)."""
-        from .plots import to_png as as_png
+        from ..plots import to_png as as_png
         return as_png(self.figure())
 
 
@@ -363,7 +363,7 @@ class LargestBatch:
 
     def plot(self):
         """``figure()`` as a PNG image (what a notebook cell shows)."""
-        from .plots import to_png as as_png
+        from ..plots import to_png as as_png
         return as_png(self.figure())
 
     def figure(self):
@@ -528,7 +528,7 @@ def _boundary(guess: int, fits: Callable[[int], bool], upper: int | None = None)
 def _gpu_check(model: str, size: int, optimizer: str, dt: torch.dtype, card: int,
                batch: int) -> tuple[list[GpuCheck], str]:
     """Run ``batch`` and ``batch + 1`` on the GPU with the allocator capped at ``card`` bytes."""
-    from .gpu import nvml_used_bytes
+    from ..gpu import nvml_used_bytes
     dev = torch.cuda.current_device()
     total = torch.cuda.get_device_properties(dev).total_memory
     name = torch.cuda.get_device_name(dev)
@@ -576,8 +576,8 @@ def exercise_largest_batch(model: str = "vgg16", card_gib: float = 16, optimizer
 def exercise_steady_state_extra(model: str = "cnn", optimizer: str = "adam"):
     """Predict-first: how much higher is the second step's peak than the first's?"""
     from .exercises import Exercise
-    from .experiments import breakdown as _bd
-    from .formulas import optimizer_state_bytes
+    from ..experiments import breakdown as _bd
+    from ..formulas import optimizer_state_bytes
     bd = _bd(model)
     return Exercise(
         question=f"{bd.model} with {optimizer}: the peak of the first training step happens in backward. By how "

@@ -22,17 +22,17 @@ from typing import Any
 
 import torch
 
-from . import formulas as F
+from .. import formulas as F
 from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
-from .engines import (DEFAULT_MAX_CPU_BYTES, LABEL_CPU, LABEL_FAKE, LABEL_FORMULA, LABEL_SIMULATED,
+from ..engines import (DEFAULT_MAX_CPU_BYTES, LABEL_CPU, LABEL_FAKE, LABEL_FORMULA, LABEL_SIMULATED,
                       RunContext, engine_status, label_cuda, label_recorded, run)
 from .exercises import Exercise
-from .tracking import TrackingResult
-from .units import GB, GiB, KB, KiB, MB, MiB, format_bytes
-from .views import error_percent, fmt_error, html_table
+from ..tracking import TrackingResult
+from ..units import GB, GiB, KB, KiB, MB, MiB, format_bytes
+from ..views import error_percent, fmt_error, html_table
 
 try:  # the caching-allocator simulator (optional here)
-    from .allocator import CachingAllocator
+    from ..allocator import CachingAllocator
 except ImportError:  # pragma: no cover
     CachingAllocator = None
 
@@ -104,7 +104,7 @@ class MachineReport:
 
 
 def machine_report() -> MachineReport:
-    from .cli import env_info
+    from ..cli import env_info
 
     try:
         cores = len(os.sched_getaffinity(0))
@@ -411,7 +411,7 @@ def _smi_claim(gpu: dict[str, Any] | None, report: MachineReport) -> ClaimCheck:
     smi = _nvidia_smi_used_mib() if gpu else None
     if gpu and smi is not None:
         try:
-            from .gpu import nvml_used_bytes
+            from ..gpu import nvml_used_bytes
             nv = nvml_used_bytes(int(gpu["index"]))
             total_mib = gpu["total_bytes"] / MiB
             ok = nv is not None and abs(nv / MiB - smi) <= 0.01 * total_mib

@@ -21,16 +21,16 @@ import torch
 from matplotlib.figure import Figure
 from torch import nn
 
-from . import formulas as F
+from .. import formulas as F
 from .anatomy import legend_outside
-from .plots import to_png as as_png
-from .engines import LABEL_FORMULA, Measurement, RunContext, run
-from .experiments import OPTIMIZERS, predict_step, validate_batch
-from .models import build_model, check_image_size, model_spec
-from .plots import CATEGORY_COLORS
-from .tracking import CATEGORIES, Category
-from .units import MiB, dtype_name, format_bytes, parse_dtype
-from .views import error_percent, fmt_error, html_table
+from ..plots import to_png as as_png
+from ..engines import LABEL_FORMULA, Measurement, RunContext, run
+from ..experiments import OPTIMIZERS, predict_step, validate_batch
+from ..models import build_model, check_image_size, model_spec
+from ..plots import CATEGORY_COLORS
+from ..tracking import CATEGORIES, Category
+from ..units import MiB, dtype_name, format_bytes, parse_dtype
+from ..views import error_percent, fmt_error, html_table
 
 # --- building optimizers -----------------------------------------------------------------------
 
@@ -271,7 +271,7 @@ class OptimizerRun:
 
     def figure(self, title: str | None = None) -> Figure:
         """The run's timeline by category (``gpulab.plots.timeline``)."""
-        from .plots import timeline
+        from ..plots import timeline
         return legend_outside(timeline(self.measurement.tracking, title=title or self.title()))
 
     def plot(self):
@@ -386,7 +386,7 @@ def optimizer_run(model: str = "mlp", optimizer: str = "adam", implementation: s
 
 
 def _forward_flops(model: str, batch: int, size: int, dt: torch.dtype) -> int:
-    from .experiments import breakdown
+    from ..experiments import breakdown
     return breakdown(model, batch, size, dt).forward_flops
 
 
@@ -667,7 +667,7 @@ def mixed_precision_states(model: str = "mlp", batch: int | None = 8, engine: st
     spec, batch, size = _prepare(model, batch, None)
     pred = predict_step(spec.name, batch, size, "adam", torch.float32)
     flops = 3 * _forward_flops(spec.name, batch, size, torch.float32)
-    from .engines import choose_engine
+    from ..engines import choose_engine
     eng = choose_engine(engine, sum(v for v in pred.values() if v), flops).name
     ac = parse_dtype(autocast_dtype) if autocast_dtype else (torch.float16 if eng == "cuda" else torch.bfloat16)
     out: dict[str, Any] = {}
@@ -687,7 +687,7 @@ def mixed_precision_states(model: str = "mlp", batch: int | None = 8, engine: st
 def exercise_state_after_first_step(model: str = "mlp", optimizer: str = "adam"):
     """Predict-first: optimizer state bytes right after the first ``step()``."""
     from .exercises import Exercise
-    from .experiments import breakdown
+    from ..experiments import breakdown
     bd = breakdown(model)
     key = _check_optimizer(optimizer)
     return Exercise(

@@ -25,11 +25,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from . import formulas as F
-from .engines import LABEL_FORMULA, RunContext, choose_engine, run
+from .. import formulas as F
+from ..engines import LABEL_FORMULA, RunContext, choose_engine, run
 from .inplace import validate_positive
-from .units import format_bytes
-from .views import error_percent, fmt_error, html_table
+from ..units import format_bytes
+from ..views import error_percent, fmt_error, html_table
 
 SEGMENT_CHOICES = ("every k from 1 to N", "divisors of N")
 LABEL_CHEN = "formula: Chen et al. 2016, N/k + k"

@@ -11,8 +11,8 @@ import math
 
 from matplotlib.figure import Figure
 
-from .plots import CATEGORY_COLORS
-from .units import MiB
+from ..plots import CATEGORY_COLORS
+from ..units import MiB
 
 _FALSE, _TRUE = "#C44E52", "#4C72B0"     # inplace=False / names kept, inplace=True / del
 _FORMULA = "#555555"

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import formulas as F
-from .engines import LABEL_FORMULA, Measurement, RunContext, run
-from .units import format_bytes
-from .views import error_percent, fmt_error, html_table
+from .. import formulas as F
+from ..engines import LABEL_FORMULA, Measurement, RunContext, run
+from ..units import format_bytes
+from ..views import error_percent, fmt_error, html_table
 
 BLOCKS = ("conv-relu", "conv-bn-relu")
 MODES = ("train step", "no_grad forward")

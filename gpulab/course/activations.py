@@ -22,16 +22,16 @@ import torch
 from matplotlib.figure import Figure
 from torch import nn
 
-from . import formulas as F
+from .. import formulas as F
 from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
-from .engines import LABEL_FORMULA, Measurement, RunContext, run
-from .experiments import breakdown, flops_by_formula, validate_batch
-from .models import MODELS, build_model, check_image_size, model_spec
+from ..engines import LABEL_FORMULA, Measurement, RunContext, run
+from ..experiments import breakdown, flops_by_formula, validate_batch
+from ..models import MODELS, build_model, check_image_size, model_spec
 from .parameters import NUMEL_LABEL, lesson_engine_limits
-from .plots import CATEGORY_COLORS, LessonFigure
-from .tracking import CATEGORIES, Category
-from .units import MiB, dtype_name, format_bytes, parse_dtype
-from .views import error_percent, fmt_error, html_table
+from ..plots import CATEGORY_COLORS, LessonFigure
+from ..tracking import CATEGORIES, Category
+from ..units import MiB, dtype_name, format_bytes, parse_dtype
+from ..views import error_percent, fmt_error, html_table
 
 ACT_DTYPES = ("float32", "bfloat16", "float16")
 LABEL_FLOP_COUNTER = "counted by torch.utils.flop_counter (meta tensors, no compute)"

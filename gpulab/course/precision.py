@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import formulas as F
-from .engines import LABEL_FORMULA, Measurement, RunContext, choose_engine, run
-from .experiments import OPTIMIZERS, make_optimizer, validate_batch
-from .models import build_model, check_image_size, model_spec
-from .tracking import CATEGORIES, Category
-from .units import dtype_bytes, dtype_name, format_bytes, parse_dtype
-from .views import error_percent, fmt_error, html_table
+from .. import formulas as F
+from ..engines import LABEL_FORMULA, Measurement, RunContext, choose_engine, run
+from ..experiments import OPTIMIZERS, make_optimizer, validate_batch
+from ..models import build_model, check_image_size, model_spec
+from ..tracking import CATEGORIES, Category
+from ..units import dtype_bytes, dtype_name, format_bytes, parse_dtype
+from ..views import error_percent, fmt_error, html_table
 
 LOW_DTYPES = ("bfloat16", "float16")
 
@@ -93,7 +93,7 @@ def autocast_saved(low: str = "bfloat16", batch: int = 64, features: int = 256):
     """What autograd keeps for ``Linear -> ReLU -> Linear`` on a batch that requires grad,
     in float32 and under ``torch.autocast(dtype=low)`` (CPU, real tensors): two ``SavedReport``.
     Under autocast the matmuls save 16-bit copies of their inputs *and of the weights*."""
-    from .engines import LABEL_CPU
+    from ..engines import LABEL_CPU
     from .inplace import SavedReport, saved_tensors
     low = dtype_name(parse_dtype(low))
     torch.manual_seed(0)
@@ -332,7 +332,7 @@ def precision_step(model: str = "cnn", batch: int = 32, image_size: int | None =
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     all_modes = modes(low)
     chosen = all_modes if include is None else tuple(m for m in all_modes if m in include or m == "fp32")
-    from .experiments import breakdown
+    from ..experiments import breakdown
     bd = breakdown(spec.name, batch, size)
     low = dtype_name(parse_dtype(low))
     slow = CPU_FP16_SLOWDOWN if low == "float16" else 1

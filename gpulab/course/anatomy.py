@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .experiments import StepResult, training_step
-from .tracking import CATEGORIES, TrackingResult
-from .units import format_bytes
-from .plots import to_png as as_png
-from .views import html_table
+from ..experiments import StepResult, training_step
+from ..tracking import CATEGORIES, TrackingResult
+from ..units import format_bytes
+from ..plots import to_png as as_png
+from ..views import html_table
 
 
 @dataclass
@@ -124,7 +124,7 @@ class StepAnatomy:
         return head + t1 + t2
 
     def figure(self, title: str | None = None):
-        from .plots import timeline
+        from ..plots import timeline
         r = self.step
         fig = timeline(self.tracking, title=title or f"{r.model}, batch {r.batch}, {r.optimizer}, "
                                                      f"{r.steps} step(s): {self.label}")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
-from .plots import to_png  # noqa: F401  (re-exported for the lesson panels)
-from .units import GiB, KiB, MiB
+from ..plots import to_png  # noqa: F401  (re-exported for the lesson panels)
+from ..units import GiB, KiB, MiB
 
 FORMULA_COLOR = "#999999"
 MEASURED_COLOR = "#4C72B0"

@@ -11,10 +11,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-try:  # the table style the other views use
-    from .views import _STYLE
-except ImportError:  # pragma: no cover
-    _STYLE = ""
+from ..tables import STYLE
 
 HOLDS = "holds"
 BREAKS = "breaks"
@@ -80,4 +77,4 @@ class ClaimReport:
                 f"({html.escape(c.source)})</span></div>"
                 f"<div><b style='color:{color}'>Verdict: {html.escape(c.verdict)}.</b> {html.escape(c.why)}</div>"
                 f"{table}</div>")
-        return f"{_STYLE}<h4 style='margin:4px 0'>{html.escape(self.title)}</h4>" + "".join(cards)
+        return f"{STYLE}<h4 style='margin:4px 0'>{html.escape(self.title)}</h4>" + "".join(cards)

@@ -20,11 +20,11 @@ import torch
 from torch import nn
 from torch.nn import functional as Fn
 
-from . import formulas as F
-from .engines import LABEL_FORMULA, Measurement, RunContext, run
+from .. import formulas as F
+from ..engines import LABEL_FORMULA, Measurement, RunContext, run
 from .inplace import SavedTensor, saved_activation_bytes, saved_tensors, validate_positive
-from .units import format_bytes
-from .views import error_percent, fmt_error, html_table
+from ..units import format_bytes
+from ..views import error_percent, fmt_error, html_table
 
 MODES = ("train() + grad", "eval() + grad", "train() + no_grad", "eval() + no_grad",
          "eval() + inference_mode")
