@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from typing import Any, Sequence
@@ -118,19 +119,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "env":
             data = env_info()
             text = _print_env
-        elif args.command == "breakdown":
-            from .experiments import breakdown
-            data = breakdown(args.model, args.batch or 1, args.image_size, args.dtype).as_dict()
-            text = _print_breakdown
         else:
-            from .experiments import training_step
-            data = training_step(args.model, args.batch, args.image_size, args.optimizer, args.dtype,
-                                 args.engine, steps=args.steps).as_dict()
-            text = _print_step
+            from .models import resolve_model
+            spec = resolve_model(args.model)  # the one registry look-up of this call
+            if args.command == "breakdown":
+                from .experiments import breakdown
+                data = breakdown(spec, args.batch or 1, args.image_size, args.dtype).as_dict()
+                text = _print_breakdown
+            else:
+                from .experiments import training_step
+                data = training_step(spec, args.batch, args.image_size, args.optimizer, args.dtype,
+                                     args.engine, steps=args.steps).as_dict()
+                text = _print_step
     except ValueError as exc:  # bad model, dtype, image size, engine: say what is valid
         print(f"gpulab: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(data) if args.json else text(data))
+    return _emit(json.dumps(data) if args.json else text(data))
+
+
+def _emit(text: str) -> int:
+    """Print the answer; a reader that closed the pipe early (``gpulab ... | head``) is not an
+    error worth a traceback. As the Python docs advise, stdout is pointed at devnull so the
+    interpreter's final flush does not fail again."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     return 0
 
 

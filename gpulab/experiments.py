@@ -15,7 +15,7 @@ from torch import nn
 
 from . import formulas as F
 from .engines import LABEL_FORMULA, Measurement, RunContext, run
-from .models import build_model, check_image_size, model_spec
+from .models import ModelSpec, build_model, check_image_size, resolve_model
 from .tracking import CATEGORIES, Category
 from .units import dtype_name, parse_dtype
 
@@ -103,18 +103,18 @@ class Breakdown:
                 f"params={self.total_params:,}, layers={len(self.layers)})")
 
 
-def breakdown(model: str, batch: int = 1, image_size: int | None = None,
+def breakdown(model: str | ModelSpec, batch: int = 1, image_size: int | None = None,
               dtype: str | torch.dtype = "float32") -> Breakdown:
     """Leaf modules in execution order, with output shape, params and FLOPs.
 
     Runs on the meta device (shapes only). A module used twice appears twice. ResNet's
     residual additions happen outside leaf modules and are not rows."""
-    spec = model_spec(model)
+    spec = resolve_model(model)
     validate_batch(batch)
     dt = parse_dtype(dtype)
     size = image_size or spec.default_image_size
-    check_image_size(spec.name, size)
-    net = build_model(spec.name, size, device="meta", dtype=dt)
+    check_image_size(spec, size)
+    net = build_model(spec, size, device="meta", dtype=dt)
     x = torch.empty(batch, 3, size, size, dtype=dt, device="meta")
     names = {m: n for n, m in net.named_modules()}
     rows: list[LayerRow] = []
@@ -222,7 +222,7 @@ class StepResult:
                 f"peak={self.peak_bytes:,} B)")
 
 
-def predict_step(model: str, batch: int, image_size: int | None = None, optimizer: str = "sgd",
+def predict_step(model: str | ModelSpec, batch: int, image_size: int | None = None, optimizer: str = "sgd",
                  dtype: str | torch.dtype = "float32", count_step_counters: bool = True, *,
                  bd: Breakdown | None = None) -> dict[str, int | None]:
     """The formulas' view of a training step, per category (bytes).
@@ -246,14 +246,14 @@ def predict_step(model: str, batch: int, image_size: int | None = None, optimize
     }
 
 
-def step_experiment(model: str, batch: int, image_size: int, optimizer: str, dtype: torch.dtype,
+def step_experiment(spec: ModelSpec, batch: int, image_size: int, optimizer: str, dtype: torch.dtype,
                     steps: int = 1):
     """The experiment function ``run`` calls: fresh model, ``steps`` training steps."""
     def experiment(ctx: RunContext) -> dict[str, Any]:
         with ctx.phase("setup"):
-            net = build_model(model, image_size, device=ctx.device, dtype=dtype)
+            net = build_model(spec, image_size, device=ctx.device, dtype=dtype)
             opt = make_optimizer(optimizer, net.parameters())
-            n_classes = model_spec(model).num_classes
+            n_classes = spec.num_classes
             x = ctx.label(torch.randn(batch, 3, image_size, image_size, device=ctx.device, dtype=dtype))
             y = ctx.label(torch.randint(0, n_classes, (batch,), device=ctx.device))
         for i in range(steps):
@@ -271,27 +271,27 @@ def step_experiment(model: str, batch: int, image_size: int, optimizer: str, dty
     return experiment
 
 
-def training_step(model: str, batch: int | None = None, image_size: int | None = None,
+def training_step(model: str | ModelSpec, batch: int | None = None, image_size: int | None = None,
                   optimizer: str = "sgd", dtype: str | torch.dtype = "float32",
                   engine: str = "auto", steps: int = 1, **engine_limits) -> StepResult:
     """Track ``steps`` training steps of a fresh ``model`` (forward, backward, step)."""
-    spec = model_spec(model)
+    spec = resolve_model(model)
     batch = validate_batch(spec.default_batch if batch is None else batch)
     size = image_size or spec.default_image_size
-    check_image_size(spec.name, size)
+    check_image_size(spec, size, batch)
     opt_key = str(optimizer).lower()
     if opt_key not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     dt = parse_dtype(dtype)
-    bd = breakdown(spec.name, batch, size, dt)
-    predicted = predict_step(spec.name, batch, size, opt_key, dt, bd=bd)
+    bd = breakdown(spec, batch, size, dt)
+    predicted = predict_step(spec, batch, size, opt_key, dt, bd=bd)
     known = sum(v for v in predicted.values() if v)
-    m = run(step_experiment(spec.name, batch, size, opt_key, dt, steps), engine,
+    m = run(step_experiment(spec, batch, size, opt_key, dt, steps), engine,
             predicted_bytes=known, predicted_flops=3 * bd.forward_flops * steps, **engine_limits)
     if m.engine == "cuda":  # CUDA keeps Adam-style step counters on the CPU
-        predicted = predict_step(spec.name, batch, size, opt_key, dt, count_step_counters=False, bd=bd)
+        predicted = predict_step(spec, batch, size, opt_key, dt, count_step_counters=False, bd=bd)
     return StepResult(spec.name, batch, size, opt_key, dtype_name(dt), steps, m, predicted)
 
 

@@ -66,21 +66,30 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
-def model_spec(name: str) -> ModelSpec:
-    key = str(name).lower()
+def resolve_model(model: "str | ModelSpec") -> ModelSpec:
+    """Look a model up in the registry, once, at the edge (API, CLI, panel); pass the spec
+    down from there. A ``ModelSpec`` is returned as it is. An unknown name raises a
+    ``ValueError`` that lists the close matches and every valid name."""
+    if isinstance(model, ModelSpec):
+        return model
+    key = str(model).lower()
     if key not in MODELS:
-        raise ValueError(f"unknown model {name!r}; valid models: {', '.join(MODELS)}")
+        import difflib
+        close = difflib.get_close_matches(key, list(MODELS), n=3, cutoff=0.5)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ValueError(f"unknown model {model!r}{hint}; valid models: {', '.join(MODELS)}")
     return MODELS[key]
 
 
-def build_model(name: str, image_size: int | None = None, device: torch.device | str | None = None,
+def build_model(spec: ModelSpec, image_size: int | None = None, device: torch.device | str | None = None,
                 dtype: torch.dtype | None = None) -> nn.Module:
     """A fresh model with random weights, created directly on ``device`` in ``dtype``.
 
     Creating in place (rather than building in fp32 on the CPU and calling ``.to()``)
     never holds two copies, is faster on CUDA, and works under FakeTensorMode, where
     ``.to()`` would have to swap tensors."""
-    spec = model_spec(name)
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"build_model takes a ModelSpec (resolve_model({spec!r}) first), not {type(spec).__name__}")
     with contextlib.ExitStack() as stack:
         if device is not None:
             stack.enter_context(torch.device(device))
@@ -107,33 +116,47 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def check_image_size(name: str, image_size: int) -> None:
+def check_image_size(spec: ModelSpec, image_size: int, batch: int | None = None) -> None:
     """Raise ``ValueError`` if the model cannot take images of this size, naming the
-    smallest size that works. Runs the model on the meta device: shapes only, instant."""
+    smallest size that works. With ``batch``, also check a *training* forward at that batch:
+    batch norm in training needs more than one value per channel, so a small image at
+    batch 1 can pass inference and fail training. Runs on the meta device: shapes only."""
     if image_size < 1:
         raise ValueError(f"image size must be a positive integer, got {image_size}")
-    if _meta_forward_ok(name, image_size):
-        return
-    lo, hi = image_size, max(2 * image_size, 8)
-    while not _meta_forward_ok(name, hi):
+    if not _meta_forward_ok(spec, image_size):
+        hi = _smallest_size(spec, image_size, 1, False)
+        raise ValueError(f"image size {image_size} is too small for {spec.name}: use {hi} or more (--image-size {hi})")
+    if batch is not None and not _meta_forward_ok(spec, image_size, batch, True):
+        hi = _smallest_size(spec, image_size, batch, True)
+        raise ValueError(
+            f"image size {image_size} is too small for training {spec.name} at batch {batch}: its last "
+            f"feature maps shrink to one value per channel, and batch norm needs more than one in "
+            f"training; use an image size of {hi} or more (--image-size {hi}), or a larger batch")
+
+
+def _smallest_size(spec: ModelSpec, too_small: int, batch: int, train: bool) -> int:
+    """The smallest image size above ``too_small`` that works (these models accept every
+    size above it), by doubling then bisection."""
+    lo, hi = too_small, max(2 * too_small, 8)
+    while not _meta_forward_ok(spec, hi, batch, train):
         hi *= 2
         if hi > 4096:
-            raise ValueError(f"model {name} rejects image size {image_size}")
-    while lo + 1 < hi:  # smallest size that works (these models accept every size above it)
+            raise ValueError(f"model {spec.name} rejects image size {too_small}")
+    while lo + 1 < hi:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _meta_forward_ok(name, mid) else (mid, hi)
-    raise ValueError(f"image size {image_size} is too small for {name}: use {hi} or more (--image-size {hi})")
+        lo, hi = (lo, mid) if _meta_forward_ok(spec, mid, batch, train) else (mid, hi)
+    return hi
 
 
 @functools.lru_cache(maxsize=512)
-def _meta_forward_ok(name: str, image_size: int) -> bool:
+def _meta_forward_ok(spec: ModelSpec, image_size: int, batch: int = 1, train: bool = False) -> bool:
     # cached: a model's shape rules never change, and every training_step / breakdown /
     # sweep point asks again (a VGG16 meta forward costs ~20 ms)
-    model = build_model(name, image_size, device="meta")
-    x = torch.empty(1, 3, image_size, image_size, device="meta")
+    model = build_model(spec, image_size, device="meta")
+    x = torch.empty(batch, 3, image_size, image_size, device="meta")
     try:
         with torch.no_grad():
-            model.eval()(x)
+            model.train(train)(x)
         return True
-    except RuntimeError:
+    except (RuntimeError, ValueError):  # shape errors; batch norm's "more than 1 value per channel"
         return False

@@ -24,7 +24,7 @@ from torch import nn
 from .allocator import MiB, CachingAllocator, Segment
 from .engines import LABEL_SIMULATED, RunContext, run
 from .experiments import make_optimizer
-from .models import build_model, model_spec
+from .models import ModelSpec, build_model, resolve_model
 
 WORKLOADS = ("training step", "fragmentation", "growing batches")
 
@@ -158,13 +158,12 @@ def replay_events(events: Sequence[Any], *, expandable_segments: bool = False,
 
 # ---- workloads ------------------------------------------------------------------------------------
 
-def _steps_experiment(model: str, batches: Sequence[int], optimizer: str = "sgd"):
+def _steps_experiment(spec: ModelSpec, batches: Sequence[int], optimizer: str = "sgd"):
     """One model, one training step per batch size in ``batches`` (all under one tracker)."""
     def experiment(ctx: RunContext) -> None:
-        spec = model_spec(model)
         size = spec.default_image_size
         with ctx.phase("setup"):
-            net = build_model(model, size, device=ctx.device)
+            net = build_model(spec, size, device=ctx.device)
             opt = make_optimizer(optimizer, net.parameters())
         for b in batches:
             with ctx.phase("setup"):
@@ -183,7 +182,7 @@ def _steps_experiment(model: str, batches: Sequence[int], optimizer: str = "sgd"
 
 def tracked_steps(model: str = "cnn", batches: Sequence[int] = (32,), engine: str = "auto"):
     """Run training steps under the tracker; returns the ``Measurement``."""
-    return run(_steps_experiment(model, list(batches)), engine)
+    return run(_steps_experiment(resolve_model(model), list(batches)), engine)
 
 
 def tracked_events(measurement) -> list:

@@ -33,6 +33,17 @@ COMMANDS = {
 }
 
 
+def test_output_into_a_closed_pipe_is_not_a_traceback():
+    """``gpulab breakdown vgg16 | head -1``: the reader closes the pipe before gpulab writes
+    (here at once, while gpulab still imports torch), so the write fails with EPIPE."""
+    gl = subprocess.Popen([sys.executable, "-m", "gpulab", "breakdown", "vgg16", "--batch", "1"],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    gl.stdout.close()  # what head does after its lines
+    _, err = gl.communicate(timeout=300)
+    assert "Traceback" not in err.decode() and "BrokenPipeError" not in err.decode(), err.decode()
+    assert gl.returncode in (0, 1)
+
+
 def _gpulab(args):
     return subprocess.run([sys.executable, "-m", "gpulab", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
@@ -184,6 +195,10 @@ def test_step_optimizer_state_is_multiple_of_params(optimizer, steps, mult, step
     (["breakdown", "vgg16", "--dtype", "float8_e4m3fn"], ["float32", "bfloat16"]),
     (["breakdown", "alexnet", "--image-size", "32"], ["too small for alexnet", "--image-size 63"]),
     (["step", "vgg16", "--image-size", "16", "--engine", "fake"], ["too small for vgg16", "--image-size 32"]),
+    # passes inference at 16 px but not training at batch 1: batch norm sees one value per channel
+    (["step", "resnet18", "--image-size", "16", "--batch", "1", "--engine", "fake"],
+     ["too small for training resnet18 at batch 1", "batch norm", "--image-size 33", "larger batch"]),
+    (["step", "resnet19"], ["unknown model", "did you mean resnet18"]),
     (["step", "mlp", "--engine", "tpu"], ["unknown engine", "auto", "cuda", "cpu", "fake"]),
     (["step", "mlp", "--optimizer", "lion"], ["--optimizer", "sgd", "momentum", "adam", "adamw"]),
     (["launch"], ["invalid choice", "env", "breakdown", "step"]),

@@ -9,7 +9,7 @@ import torch
 from gpulab import formulas as F
 from gpulab.course import optimizers as O
 from gpulab.experiments import OPTIMIZERS
-from gpulab.models import build_model
+from gpulab.models import build_model, resolve_model
 
 # Our own table of constructors, so the reference does not go through gpulab.course.optimizers.
 TORCH_OPTIMIZERS = {
@@ -26,7 +26,7 @@ def _reference(model: str, optimizer: str, batch: int = 4):
     """One real step on the CPU, no tracker: (state bytes before step, after step, step-counter
     bytes, param bytes, n tensors, largest tensor bytes)."""
     torch.manual_seed(0)
-    net = build_model(model)
+    net = build_model(resolve_model(model))
     opt = TORCH_OPTIMIZERS[optimizer](net.parameters())
 
     def state_bytes(only=None):  # numel x element size of every state tensor (none share storage)
@@ -156,7 +156,7 @@ def test_cli_step_optimizer_state_is_multiplier_times_parameters(name, capsys):
     d = json.loads(capsys.readouterr().out)
     params = d["after_step_by_category"]["parameters"]
     state = d["after_step_by_category"]["optimizer_state"]
-    n_tensors = sum(1 for _ in build_model("mlp").parameters())
+    n_tensors = sum(1 for _ in build_model(resolve_model("mlp")).parameters())
     counters = 4 * n_tensors if name in ("adam", "adamw") else 0
     assert state == F.optimizer_state_multiplier(name) * params + counters
 

@@ -7,7 +7,7 @@ import torch
 from IPython.display import Image
 from matplotlib.figure import Figure
 
-from gpulab.models import build_model
+from gpulab.models import build_model, resolve_model
 from gpulab.course.sweeps import CONTEXT_OVERHEAD_ASSUMED, LargestBatch, SweepResult
 from gpulab.course.optimizers import ImplementationComparison, OptimizerComparison
 from gpulab.units import GiB, MiB
@@ -17,7 +17,7 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU
 
 
 def _params(model):
-    ps = list(build_model(model, device="meta").parameters())
+    ps = list(build_model(resolve_model(model), device="meta").parameters())
     return sum(p.numel() * 4 for p in ps), len(ps)
 
 

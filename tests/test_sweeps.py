@@ -9,19 +9,19 @@ import torch
 from conftest import cuda
 from gpulab.course import sweeps as S
 from gpulab.course.anatomy import step_anatomy
-from gpulab.models import build_model
+from gpulab.models import build_model, resolve_model
 from gpulab.units import GiB
 from gpulab.experiments import training_step
 
 
 def _param_bytes(model):
-    net = build_model(model, device="meta")
+    net = build_model(resolve_model(model), device="meta")
     return sum(p.numel() * p.element_size() for p in net.parameters()), sum(1 for _ in net.parameters())
 
 
 def _outputs_per_image(model, size=32):
     """Sum of every leaf module's output bytes for one image, by our own forward hooks."""
-    net = build_model(model, size, device="meta")
+    net = build_model(resolve_model(model), size, device="meta")
     total = [0]
 
     def hook(mod, args, out):
@@ -55,7 +55,7 @@ def test_each_point_is_a_training_step_peak(cnn_sweep):
 
 def test_formula_line_from_torch_sizes():
     pb, n = _param_bytes("cnn")
-    net = build_model("cnn", device="meta")
+    net = build_model(resolve_model("cnn"), device="meta")
     buffers = sum(b.numel() * b.element_size() for b in net.buffers())
     line = S.formula_line("cnn", optimizer="adam")
     assert line.fixed_bytes == pb + buffers + pb + 2 * pb + 4 * n

@@ -26,7 +26,7 @@ from .. import formulas as F
 from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
 from ..engines import LABEL_FORMULA, Measurement, RunContext, run
 from ..experiments import breakdown, flops_by_formula, validate_batch
-from ..models import MODELS, build_model, check_image_size, model_spec
+from ..models import MODELS, ModelSpec, build_model, check_image_size, resolve_model
 from .parameters import NUMEL_LABEL, lesson_engine_limits
 from ..plots import CATEGORY_COLORS, LessonFigure
 from ..tracking import CATEGORIES, Category
@@ -55,24 +55,25 @@ def _check_dtype(dtype) -> torch.dtype:
     return dt
 
 
-def _setup(model: str, batch: int, image_size: int | None, dtype) -> tuple[str, int, int, torch.dtype]:
-    spec = model_spec(model)
+def _setup(model: str | ModelSpec, batch: int, image_size: int | None, dtype) -> tuple[ModelSpec, int, int, torch.dtype]:
+    """Resolve the model once and check the settings: (spec, batch, image size, dtype)."""
+    spec = resolve_model(model)
     validate_batch(batch)
     size = image_size or spec.default_image_size
-    check_image_size(spec.name, size)
-    return spec.name, batch, size, _check_dtype(dtype)
+    check_image_size(spec, size)
+    return spec, batch, size, _check_dtype(dtype)
 
 
-def _predicted(name: str, batch: int, size: int, dt: torch.dtype) -> dict[str, int]:
+def _predicted(spec: ModelSpec, batch: int, size: int, dt: torch.dtype) -> dict[str, int]:
     """What ``run`` needs to choose an engine: bytes of weights + every output, forward FLOPs."""
-    bd = breakdown(name, batch, size, dt)
+    bd = breakdown(spec, batch, size, dt)
     return {"predicted_bytes": bd.param_bytes + bd.total_output_bytes, "predicted_flops": bd.forward_flops}
 
 
 def predicted_forward_bytes(model: str, batch: int, image_size: int | None, dtype) -> int:
     """A cheap upper-end estimate for the memory guard (formula: weights + every layer output)."""
-    name, batch, size, dt = _setup(model, batch, image_size, dtype)
-    return _predicted(name, batch, size, dt)["predicted_bytes"]
+    spec, batch, size, dt = _setup(model, batch, image_size, dtype)
+    return _predicted(spec, batch, size, dt)["predicted_bytes"]
 
 
 def _live(ctx: RunContext) -> dict[str, int]:
@@ -294,10 +295,10 @@ class ForwardTable:
 def forward_table(model: str = "vgg16", batch: int = 1, image_size: int | None = None,
                   dtype: str | torch.dtype = "float32", engine: str = "auto") -> ForwardTable:
     """One eval-mode forward under ``no_grad``, traced layer by layer on an engine."""
-    name, batch, size, dt = _setup(model, batch, image_size, dtype)
+    spec, batch, size, dt = _setup(model, batch, image_size, dtype)
 
     def experiment(ctx: RunContext) -> dict[str, Any]:
-        net = build_model(name, size, device=ctx.device, dtype=dt).eval()
+        net = build_model(spec, size, device=ctx.device, dtype=dt).eval()
         x = ctx.label(torch.randn(batch, 3, size, size, device=ctx.device, dtype=dt))
         rows: list[LayerOut] = []
         handles = _trace(net, x, rows)
@@ -309,10 +310,10 @@ def forward_table(model: str = "vgg16", batch: int = 1, image_size: int | None =
         return {"rows": rows, "params": sum(p.numel() for p in net.parameters()),
                 "input_bytes": x.untyped_storage().nbytes()}
 
-    m = run(experiment, engine, **_predicted(name, batch, size, dt), **lesson_engine_limits())
+    m = run(experiment, engine, **_predicted(spec, batch, size, dt), **lesson_engine_limits())
     allocated = sum(e.nbytes for e in m.tracking.events if e.kind == "alloc" and e.phase == "forward")
     v = m.value
-    return ForwardTable(name, batch, size, dtype_name(dt), [batch, 3, size, size], v["input_bytes"], v["rows"],
+    return ForwardTable(spec.name, batch, size, dtype_name(dt), [batch, 3, size, size], v["input_bytes"], v["rows"],
                         m, allocated, v["params"])
 
 
@@ -474,14 +475,14 @@ class InferenceVsTraining:
                 f"{self.inference.peak_non_param:,} B, grad peak={self.training.peak_non_param:,} B)")
 
 
-def _forward_run(name: str, batch: int, size: int, dt: torch.dtype, grad: bool, engine: str,
+def _forward_run(spec: ModelSpec, batch: int, size: int, dt: torch.dtype, grad: bool, engine: str,
                  predicted: dict[str, int], backward: bool = False) -> ForwardRun:
     """A traced forward (train mode with grad, or eval mode under no_grad); with ``backward``
     also ``out.sum().backward()``, recording the peak of the non-weight memory during it."""
     def experiment(ctx: RunContext) -> dict[str, Any]:
         dev = str(ctx.device)
         with ctx.phase("setup"):
-            net = build_model(name, size, device=ctx.device, dtype=dt)
+            net = build_model(spec, size, device=ctx.device, dtype=dt)
             net.train(grad)
             x = ctx.label(torch.randn(batch, 3, size, size, device=ctx.device, dtype=dt))
             ctx.tracker.register(model=net)
@@ -516,14 +517,14 @@ def inference_vs_training(model: str = "vgg16", batch: int = 1, image_size: int 
                           dtype: str | torch.dtype = "float32", engine: str = "auto") -> InferenceVsTraining:
     """The same forward twice: eval under ``no_grad`` (each layer's input can be freed as soon
     as the next layer has run) and train with grad (autograd keeps what backward needs)."""
-    name, batch, size, dt = _setup(model, batch, image_size, dtype)
-    predicted = _predicted(name, batch, size, dt)
-    inf = _forward_run(name, batch, size, dt, False, engine, predicted)
-    tr = _forward_run(name, batch, size, dt, True, engine, predicted)
+    spec, batch, size, dt = _setup(model, batch, image_size, dtype)
+    predicted = _predicted(spec, batch, size, dt)
+    inf = _forward_run(spec, batch, size, dt, False, engine, predicted)
+    tr = _forward_run(spec, batch, size, dt, True, engine, predicted)
     input_bytes = batch * 3 * size * size * dt.itemsize
     nb, where = neighbour_peak_formula(inf.rows, input_bytes)
     every = input_bytes + sum(r.out_bytes for r in tr.rows)
-    return InferenceVsTraining(name, batch, size, dtype_name(dt), input_bytes, inf, tr, nb, where, every)
+    return InferenceVsTraining(spec.name, batch, size, dtype_name(dt), input_bytes, inf, tr, nb, where, every)
 
 
 def inference_training_figure(r: InferenceVsTraining) -> Figure:
@@ -610,9 +611,9 @@ def params_vs_flops(model: str = "alexnet", batch: int = 1, image_size: int | No
     """Per layer with parameters: params (numel) and forward FLOPs (formula, and counted by
     FlopCounterMode on the meta device)."""
     from torch.utils.flop_counter import FlopCounterMode
-    name, batch, size, dt = _setup(model, batch, image_size, "float32")
-    bd = breakdown(name, batch, size)
-    net = build_model(name, size, device="meta").eval()
+    spec, batch, size, dt = _setup(model, batch, image_size, "float32")
+    bd = breakdown(spec, batch, size)
+    net = build_model(spec, size, device="meta").eval()
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         net(torch.empty(batch, 3, size, size, device="meta"))
     per_module = counter.get_flop_counts()
@@ -623,7 +624,7 @@ def params_vs_flops(model: str = "alexnet", batch: int = 1, image_size: int | No
             continue
         counted = sum(per_module.get(f"{root}.{r.name}", {}).values())
         rows.append(FlopRow(r.name, r.type, r.params, r.flops, counted))
-    return ParamsFlops(name, batch, size, rows, counter.get_total_flops())
+    return ParamsFlops(spec.name, batch, size, rows, counter.get_total_flops())
 
 
 def params_flops_figure(r: ParamsFlops) -> Figure:
@@ -905,12 +906,12 @@ def depthwise_figure(r: DepthwiseResult) -> Figure:
 
 # --- 5. the articles' modelsize() vs what autograd saves ------------------------------------------
 
-def modelsize_output_shapes(model: str, batch: int = 1, image_size: int | None = None) -> list[list[int]]:
+def modelsize_output_shapes(model: str | ModelSpec, batch: int = 1, image_size: int | None = None) -> list[list[int]]:
     """The output shape of every leaf module in execution order, skipping ``ReLU(inplace=True)``:
     what the articles' ``modelsize()`` collects (meta device, shapes only)."""
-    spec = model_spec(model)
+    spec = resolve_model(model)
     size = image_size or spec.default_image_size
-    net = build_model(spec.name, size, device="meta")
+    net = build_model(spec, size, device="meta")
     x = torch.empty(batch, 3, size, size, device="meta")
     rows: list[LayerOut] = []
     handles = _trace(net, x, rows)
@@ -978,14 +979,14 @@ def modelsize_vs_saved(models: Sequence[str] = tuple(MODELS), batch: int = 1,
     validate_batch(batch)
     rows = []
     for model in models:
-        name, _, size, _ = _setup(model, batch, None, dt)
-        shapes = modelsize_output_shapes(name, batch, size)
+        spec, _, size, _ = _setup(model, batch, None, dt)
+        shapes = modelsize_output_shapes(spec, batch, size)
         est = F.modelsize_activation_bytes(shapes, dt)
-        predicted = _predicted(name, batch, size, dt)
-        tr = _forward_run(name, batch, size, dt, True, engine, predicted, backward=True)
-        inf = _forward_run(name, batch, size, dt, False, engine, predicted)
+        predicted = _predicted(spec, batch, size, dt)
+        tr = _forward_run(spec, batch, size, dt, True, engine, predicted, backward=True)
+        inf = _forward_run(spec, batch, size, dt, False, engine, predicted)
         input_bytes = batch * 3 * size * size * dt.itemsize
-        rows.append(ModelsizeRow(name, size, tr.measurement.engine, tr.measurement.label, est, tr.saved_bytes,
+        rows.append(ModelsizeRow(spec.name, size, tr.measurement.engine, tr.measurement.label, est, tr.saved_bytes,
                                  tr.saved_bytes + input_bytes, tr.saved_by_dtype, inf.peak_non_param,
                                  tr.peak_non_param, tr.backward_peak, est // 2))
     return ModelsizeComparison(batch, dtype_name(dt), rows)

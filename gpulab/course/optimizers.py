@@ -26,7 +26,7 @@ from .anatomy import legend_outside
 from ..plots import to_png as as_png
 from ..engines import LABEL_FORMULA, Measurement, RunContext, run
 from ..experiments import OPTIMIZERS, predict_step, validate_batch
-from ..models import build_model, check_image_size, model_spec
+from ..models import ModelSpec, build_model, check_image_size, resolve_model
 from ..plots import CATEGORY_COLORS
 from ..tracking import CATEGORIES, Category
 from ..units import MiB, dtype_name, format_bytes, parse_dtype
@@ -297,7 +297,7 @@ def _moments(marks: dict[str, int], m: Measurement) -> dict[str, Moment]:
             for name, n in marks.items()}
 
 
-def _run_experiment(model: str, optimizer: str, implementation: str, batch: int, image_size: int,
+def _run_experiment(spec: ModelSpec, optimizer: str, implementation: str, batch: int, image_size: int,
                     dtype: torch.dtype, steps: int, set_to_none: bool, autocast: torch.dtype | None,
                     out: dict[str, Any]) -> Callable[[RunContext], None]:
     """The experiment ``run`` calls. Fills ``out`` with the moments and what optimizer.state
@@ -310,9 +310,9 @@ def _run_experiment(model: str, optimizer: str, implementation: str, batch: int,
             marks[name] = _event_count(ctx, device)
 
         with ctx.phase("setup"):
-            net = build_model(model, image_size, device=ctx.device, dtype=dtype)
+            net = build_model(spec, image_size, device=ctx.device, dtype=dtype)
             opt = build_optimizer(optimizer, net.parameters(), implementation)
-            n_classes = model_spec(model).num_classes
+            n_classes = spec.num_classes
             x = ctx.label(torch.randn(batch, 3, image_size, image_size, device=ctx.device, dtype=dtype))
             y = ctx.label(torch.randint(0, n_classes, (batch,), device=ctx.device))
         mark("after setup")
@@ -344,11 +344,12 @@ def _run_experiment(model: str, optimizer: str, implementation: str, batch: int,
     return experiment
 
 
-def _prepare(model: str, batch: int | None, image_size: int | None):
-    spec = model_spec(model)
+def _prepare(model: str | ModelSpec, batch: int | None, image_size: int | None):
+    """Resolve the model once and check the settings: (spec, batch, image size)."""
+    spec = resolve_model(model)
     batch = validate_batch(spec.default_batch if batch is None else batch)
     size = image_size or spec.default_image_size
-    check_image_size(spec.name, size)
+    check_image_size(spec, size, batch)
     return spec, batch, size
 
 
@@ -368,10 +369,10 @@ def optimizer_run(model: str = "mlp", optimizer: str = "adam", implementation: s
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     dt = parse_dtype(dtype)
     _constructor(opt_key, impl)  # refuse an implementation this torch lacks before running anything
-    pred = predict_step(spec.name, batch, size, opt_key, dt)
-    flops = 3 * _forward_flops(spec.name, batch, size, dt) * steps
+    pred = predict_step(spec, batch, size, opt_key, dt)
+    flops = 3 * _forward_flops(spec, batch, size, dt) * steps
     out: dict[str, Any] = {}
-    m = run(_run_experiment(spec.name, opt_key, impl, batch, size, dt, steps, set_to_none, None, out),
+    m = run(_run_experiment(spec, opt_key, impl, batch, size, dt, steps, set_to_none, None, out),
             engine, predicted_bytes=sum(v for v in pred.values() if v), predicted_flops=flops)
     if m.oom:
         raise MemoryError(f"{spec.name} batch {batch} ran out of memory on the {m.engine} engine: {m.error}")
@@ -385,7 +386,7 @@ def optimizer_run(model: str = "mlp", optimizer: str = "adam", implementation: s
         multiplier=F.optimizer_state_multiplier(opt_key))
 
 
-def _forward_flops(model: str, batch: int, size: int, dt: torch.dtype) -> int:
+def _forward_flops(model: str | ModelSpec, batch: int, size: int, dt: torch.dtype) -> int:
     from ..experiments import breakdown
     return breakdown(model, batch, size, dt).forward_flops
 
@@ -544,9 +545,9 @@ class ImplementationComparison:
         return as_png(self.figure())
 
 
-def largest_param_bytes(model: str, image_size: int | None = None, dtype: str | torch.dtype = "float32") -> int:
+def largest_param_bytes(model: str | ModelSpec, image_size: int | None = None, dtype: str | torch.dtype = "float32") -> int:
     """Bytes of the model's largest parameter tensor (meta device, shapes only)."""
-    net = build_model(model, image_size, device="meta", dtype=parse_dtype(dtype))
+    net = build_model(resolve_model(model), image_size, device="meta", dtype=parse_dtype(dtype))
     return max(p.numel() * p.element_size() for p in net.parameters())
 
 
@@ -556,12 +557,13 @@ def compare_implementations(model: str = "mlp", optimizer: str = "adam",
                             engine: str = "auto", progress: Progress = None) -> ImplementationComparison:
     """``optimizer_run`` (2 steps) with each implementation; one that torch does not support
     here becomes a row saying why, instead of an error."""
+    spec = resolve_model(model)
     rows = []
     for i, impl in enumerate(implementations):
         if progress:
             progress(i / len(implementations), f"{impl} ({i + 1}/{len(implementations)})")
         try:
-            rows.append(ImplementationRow(impl, optimizer_run(model, optimizer, impl, batch, image_size, dtype,
+            rows.append(ImplementationRow(impl, optimizer_run(spec, optimizer, impl, batch, image_size, dtype,
                                                               engine, steps=2)))
         except UnsupportedImplementation as exc:
             rows.append(ImplementationRow(impl, None, str(exc)))
@@ -569,7 +571,6 @@ def compare_implementations(model: str = "mlp", optimizer: str = "adam",
             rows.append(ImplementationRow(impl, None, f"failed while stepping: {type(exc).__name__}: {exc}"))
     if progress:
         progress(1.0, "done")
-    spec = model_spec(model)
     return ImplementationComparison(spec.name, _check_optimizer(optimizer), rows)
 
 
@@ -665,13 +666,13 @@ def mixed_precision_states(model: str = "mlp", batch: int | None = 8, engine: st
     """One Adam step with the forward under ``torch.autocast`` (bfloat16 on the CPU, float16 on
     CUDA unless given): the weights, their gradients and Adam's state stay float32."""
     spec, batch, size = _prepare(model, batch, None)
-    pred = predict_step(spec.name, batch, size, "adam", torch.float32)
-    flops = 3 * _forward_flops(spec.name, batch, size, torch.float32)
+    pred = predict_step(spec, batch, size, "adam", torch.float32)
+    flops = 3 * _forward_flops(spec, batch, size, torch.float32)
     from ..engines import choose_engine
     eng = choose_engine(engine, sum(v for v in pred.values() if v), flops).name
     ac = parse_dtype(autocast_dtype) if autocast_dtype else (torch.float16 if eng == "cuda" else torch.bfloat16)
     out: dict[str, Any] = {}
-    m = run(_run_experiment(spec.name, "adam", "default", batch, size, torch.float32, 1, True, ac, out), eng)
+    m = run(_run_experiment(spec, "adam", "default", batch, size, torch.float32, 1, True, ac, out), eng)
     if m.oom:
         raise MemoryError(f"out of memory on the {m.engine} engine: {m.error}")
     r = OptimizerRun(spec.name, "adam", "default", batch, size, "float32", 1, True, m, out["n_params"],

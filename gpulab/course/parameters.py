@@ -24,7 +24,7 @@ from torch import nn
 from .. import formulas as F
 from ..engines import LABEL_FORMULA, Measurement, RunContext, run
 from ..experiments import params_by_formula
-from ..models import build_model, model_spec
+from ..models import ModelSpec, build_model, resolve_model
 from ..plots import LessonFigure
 from ..tracking import Category
 from ..units import GB, GiB, MiB, dtype_bytes, dtype_name, format_bytes, parse_dtype
@@ -420,19 +420,19 @@ class ModelParams:
                 f"engine={self.measurement.engine})")
 
 
-def model_params(model: str = "vgg16", dtype: str | torch.dtype = "float32",
+def model_params(model: str | ModelSpec = "vgg16", dtype: str | torch.dtype = "float32",
                  engine: str = "auto") -> ModelParams:
     """Build ``model`` on an engine; per leaf layer: formula vs numel(), buffers; totals
     measured by the tracker (parameters and buffers categories)."""
-    spec = model_spec(model)
+    spec = resolve_model(model)
     dt = parse_dtype(dtype)
     if dtype_name(dt) not in MODEL_DTYPES:
         raise ValueError(f"models are built in one of {', '.join(MODEL_DTYPES)}, not {dtype_name(dt)}")
-    meta = build_model(spec.name, device="meta", dtype=dt)
+    meta = build_model(spec, device="meta", dtype=dt)
     predicted = sum(p.numel() for p in meta.parameters()) * dt.itemsize
 
     def experiment(ctx: RunContext) -> list[ParamRow]:
-        net = build_model(spec.name, device=ctx.device, dtype=dt)
+        net = build_model(spec, device=ctx.device, dtype=dt)
         ctx.tracker.register(model=net)
         rows = []
         for name, mod in net.named_modules():
@@ -460,13 +460,14 @@ def _live_by_category(ctx: RunContext) -> dict[str, int]:
     return dict(ctx.tracker.result(device=str(ctx.device)).final_by_category)
 
 
-def layer_param_count(model: str, layer: str) -> int:
+def layer_param_count(model: str | ModelSpec, layer: str) -> int:
     """numel() of one named layer's own parameters (meta device: no memory, no compute).
     The lessons' exercises use it to compute expected answers."""
-    net = build_model(model, device="meta")
+    spec = resolve_model(model)
+    net = build_model(spec, device="meta")
     mods = dict(net.named_modules())
     if layer not in mods:
-        raise ValueError(f"{model} has no layer {layer!r}")
+        raise ValueError(f"{spec.name} has no layer {layer!r}")
     return sum(p.numel() for p in mods[layer].parameters(recurse=False))
 
 
@@ -541,7 +542,7 @@ def exercise(name: str):
     """
     from .exercises import Exercise
     if name == "vgg16_conv":
-        layer = dict(build_model("vgg16", device="meta").named_modules())["features.10"]
+        layer = dict(build_model(resolve_model("vgg16"), device="meta").named_modules())["features.10"]
         return Exercise(
             question=f"How many parameters does VGG16's features.10, {_config(layer)}, have?",
             expected=lambda: layer_param_count("vgg16", "features.10"),
@@ -600,19 +601,19 @@ class BuffersDemo:
                 f"engine={self.measurement.engine})")
 
 
-def params_vs_buffers(model: str = "cnn", batch: int = 8, engine: str = "auto") -> BuffersDemo:
+def params_vs_buffers(model: str | ModelSpec = "cnn", batch: int = 8, engine: str = "auto") -> BuffersDemo:
     """Forward and backward once in train mode: parameters get gradients, buffers (BatchNorm's
     running statistics) get none but are updated by the forward itself."""
-    spec = model_spec(model)
+    spec = resolve_model(model)
     size = spec.default_image_size
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch size must be a positive integer, got {batch!r}")
-    meta = build_model(spec.name, device="meta")
+    meta = build_model(spec, device="meta")
     predicted = 2 * sum(p.numel() for p in meta.parameters()) * 4
 
     def experiment(ctx: RunContext) -> dict[str, Any]:
         with ctx.phase("setup"):
-            net = build_model(spec.name, device=ctx.device).train()
+            net = build_model(spec, device=ctx.device).train()
             ctx.tracker.register(model=net)
             x = ctx.label(torch.randn(batch, 3, size, size, device=ctx.device))
         before = None if ctx.engine == "fake" else {n: b.clone() for n, b in net.named_buffers()}

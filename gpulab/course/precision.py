@@ -25,7 +25,7 @@ from torch import nn
 from .. import formulas as F
 from ..engines import LABEL_FORMULA, Measurement, RunContext, choose_engine, run
 from ..experiments import OPTIMIZERS, make_optimizer, validate_batch
-from ..models import build_model, check_image_size, model_spec
+from ..models import ModelSpec, build_model, check_image_size, resolve_model
 from ..tracking import CATEGORIES, Category
 from ..units import dtype_bytes, dtype_name, format_bytes, parse_dtype
 from ..views import error_percent, fmt_error, html_table
@@ -256,7 +256,7 @@ def _persistent(net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
             "optimizer_state": sum(nb(t) for t in state)}
 
 
-def _precision_experiment(model: str, batch: int, image_size: int, optimizer: str, mode: str, steps: int = 2):
+def _precision_experiment(spec: ModelSpec, batch: int, image_size: int, optimizer: str, mode: str, steps: int = 2):
     low = parse_dtype(mode.split()[-1]) if mode != "fp32" else torch.float32
     pure = mode.startswith("pure")
     amp = mode.startswith("autocast")
@@ -266,10 +266,10 @@ def _precision_experiment(model: str, batch: int, image_size: int, optimizer: st
         model_dtype = low if pure else torch.float32
         with ctx.phase("setup"):
             torch.manual_seed(0)
-            net = build_model(model, image_size, device=ctx.device, dtype=model_dtype)
+            net = build_model(spec, image_size, device=ctx.device, dtype=model_dtype)
             ctx.tracker.register(net)
             opt = make_optimizer(optimizer, net.parameters())
-            n_classes = model_spec(model).num_classes
+            n_classes = spec.num_classes
             x = ctx.label(torch.randn(batch, 3, image_size, image_size, device=ctx.device, dtype=model_dtype))
             y = ctx.label(torch.randint(0, n_classes, (batch,), device=ctx.device))
             scaler = torch.amp.GradScaler(device_type, enabled=amp and low == torch.float16)
@@ -313,7 +313,7 @@ def _saved_by_dtype(m: Measurement) -> dict[str, int]:
     return out
 
 
-def precision_step(model: str = "cnn", batch: int = 32, image_size: int | None = None, optimizer: str = "adam",
+def precision_step(model: str | ModelSpec = "cnn", batch: int = 32, image_size: int | None = None, optimizer: str = "adam",
                    low: str = "bfloat16", engine: str = "auto",
                    include: tuple[str, ...] | None = None, steps: int = 2) -> PrecisionResult:
     """Track ``steps`` training steps in fp32, with autocast, and in pure low precision.
@@ -321,10 +321,10 @@ def precision_step(model: str = "cnn", batch: int = 32, image_size: int | None =
     Two steps by default: optimizers such as Adam create their state in the first
     ``step()``, so only from the second step on does a forward/backward run next to it (the
     steady state of a training loop); the peak over both steps is the steady-state peak."""
-    spec = model_spec(model)
+    spec = resolve_model(model)
     validate_batch(batch)
     size = image_size or spec.default_image_size
-    check_image_size(spec.name, size)
+    check_image_size(spec, size, batch)
     opt = str(optimizer).lower()
     if opt not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
@@ -333,7 +333,7 @@ def precision_step(model: str = "cnn", batch: int = 32, image_size: int | None =
     all_modes = modes(low)
     chosen = all_modes if include is None else tuple(m for m in all_modes if m in include or m == "fp32")
     from ..experiments import breakdown
-    bd = breakdown(spec.name, batch, size)
+    bd = breakdown(spec, batch, size)
     low = dtype_name(parse_dtype(low))
     slow = CPU_FP16_SLOWDOWN if low == "float16" else 1
     known = 4 * bd.param_bytes + 2 * bd.total_output_bytes
@@ -344,7 +344,7 @@ def precision_step(model: str = "cnn", batch: int = 32, image_size: int | None =
         raise ValueError(f"this torch cannot autocast to {low} on {device_type}")
     runs = {}
     for mode in chosen:
-        m = run(_precision_experiment(spec.name, batch, size, opt, mode, steps), choice.name)
+        m = run(_precision_experiment(spec, batch, size, opt, mode, steps), choice.name)
         if m.oom:
             raise MemoryError(m.error)
         v = m.value

@@ -27,7 +27,7 @@ from ..allocator import CachingAllocator
 from ..engines import LABEL_FAKE, LABEL_FORMULA, LABEL_SIMULATED, choose_engine, label_cuda
 from ..experiments import OPTIMIZERS, StepResult, breakdown, predict_step, training_step, validate_batch
 from ..formulas import MemoryFit, fit_memory_model, max_batch
-from ..models import check_image_size, model_spec
+from ..models import ModelSpec, check_image_size, resolve_model
 from ..tracking import Category
 from ..units import GiB, MiB, dtype_name, format_bytes, parse_dtype
 from ..views import error_percent, fmt_error, html_table
@@ -92,14 +92,14 @@ class FormulaLine:
                           f"{self.model}, {self.image_size}×{self.image_size}, {self.dtype}: {self.label}")
 
 
-def formula_line(model: str, image_size: int | None = None, optimizer: str = "sgd",
+def formula_line(model: str | ModelSpec, image_size: int | None = None, optimizer: str = "sgd",
                  dtype: str | torch.dtype = "float32", count_step_counters: bool = True) -> FormulaLine:
     """The formulas' fixed and per-sample bytes (``gpulab.experiments.predict_step`` at batch 1)."""
-    spec = model_spec(model)
+    spec = resolve_model(model)
     size = image_size or spec.default_image_size
     opt = _check_optimizer(optimizer)
     dt = parse_dtype(dtype)
-    p = predict_step(spec.name, 1, size, opt, dt, count_step_counters)
+    p = predict_step(spec, 1, size, opt, dt, count_step_counters)
     return FormulaLine(spec.name, size, opt, dtype_name(dt), p["parameters"], p["buffers"], p["gradients"],
                        p["optimizer_state"], p["activations"], p["inputs"])
 
@@ -192,14 +192,14 @@ class SweepResult:
         return as_png(self.figure())
 
 
-def _resolve_engine(engine: str, model: str, batch: int, size: int, optimizer: str, dt: torch.dtype,
+def _resolve_engine(engine: str, model: ModelSpec, batch: int, size: int, optimizer: str, dt: torch.dtype,
                     steps: int):
     pred = predict_step(model, batch, size, optimizer, dt)
     flops = 3 * breakdown(model, batch, size, dt).forward_flops * steps
     return choose_engine(engine, sum(v for v in pred.values() if v), flops)
 
 
-def batch_sweep(model: str = "cnn", batches: Sequence[int] = (4, 8, 16, 32), image_size: int | None = None,
+def batch_sweep(model: str | ModelSpec = "cnn", batches: Sequence[int] = (4, 8, 16, 32), image_size: int | None = None,
                 optimizer: str = "sgd", dtype: str | torch.dtype = "float32", engine: str = "auto",
                 steps: int = 2, progress: Progress = None) -> SweepResult:
     """Track ``steps`` training steps at each batch size (one engine for all: the one ``auto``
@@ -207,20 +207,20 @@ def batch_sweep(model: str = "cnn", batches: Sequence[int] = (4, 8, 16, 32), ima
 
     ``steps=2`` (the default) measures the steady state: from the second step on, the
     optimizer state exists while activations are alive."""
-    spec = model_spec(model)
+    spec = resolve_model(model)
     bs = sorted({validate_batch(b) for b in batches})
     if len(bs) < 2:
         raise ValueError(f"a sweep needs at least two different batch sizes, got {list(batches)!r}")
     size = image_size or spec.default_image_size
-    check_image_size(spec.name, size)
+    check_image_size(spec, size, bs[0])
     opt = _check_optimizer(optimizer)
     dt = parse_dtype(dtype)
-    choice = _resolve_engine(engine, spec.name, bs[-1], size, opt, dt, steps)
+    choice = _resolve_engine(engine, spec, bs[-1], size, opt, dt, steps)
     points, results = [], []
     for i, b in enumerate(bs):
         if progress:
             progress(i / len(bs), f"batch {b} ({i + 1}/{len(bs)}) on {choice.name}")
-        r = training_step(spec.name, b, size, opt, dt, choice.name, steps=steps)
+        r = training_step(spec, b, size, opt, dt, choice.name, steps=steps)
         m = r.measurement
         points.append(SweepPoint(b, m.peak_bytes, m.tracking.peak_phase if m.tracking else "",
                                  m.peak_by_category, m.seconds, m.oom, m.error))
@@ -236,7 +236,7 @@ def batch_sweep(model: str = "cnn", batches: Sequence[int] = (4, 8, 16, 32), ima
                            [p.peak_by_category.get(Category.ACTIVATIONS.value, 0) for p in good])
     label = results[0].measurement.label
     return SweepResult(spec.name, size, opt, dtype_name(dt), steps, choice.name, choice.reason, label, points,
-                       fit, formula_line(spec.name, size, opt, dt, count_step_counters=choice.name != "cuda"),
+                       fit, formula_line(spec, size, opt, dt, count_step_counters=choice.name != "cuda"),
                        act, results)
 
 
@@ -403,7 +403,7 @@ def _replay(step: StepResult, capacity: int | None) -> tuple[int, bool]:
     return res.peak_reserved, bool(res.oom_events)
 
 
-def largest_batch(model: str = "vgg16", card_gib: float = 16, image_size: int | None = None,
+def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_size: int | None = None,
                   optimizer: str = "sgd", dtype: str | torch.dtype = "float32",
                   context_overhead_bytes: int = CONTEXT_OVERHEAD_ASSUMED,
                   sweep_batches: Sequence[int] = (8, 16, 32, 64), check_on_gpu: bool = True,
@@ -422,7 +422,7 @@ def largest_batch(model: str = "vgg16", card_gib: float = 16, image_size: int | 
     if context_overhead_bytes < 0 or context_overhead_bytes >= card:
         raise ValueError(f"the context overhead must be between 0 and the card size, got "
                          f"{format_bytes(context_overhead_bytes)}")
-    spec = model_spec(model)
+    spec = resolve_model(model)
     size = image_size or spec.default_image_size
     opt = _check_optimizer(optimizer)
     dt = parse_dtype(dtype)
@@ -440,13 +440,13 @@ def largest_batch(model: str = "vgg16", card_gib: float = 16, image_size: int | 
                                    f"is too far from the measured peaks")
             budget["left"] -= 1
             note(0.5 + 0.4 * (max_runs - budget["left"]) / max_runs, f"verifying batch {batch} (fake)")
-            runs[batch] = training_step(spec.name, batch, size, opt, dt, "fake", steps=2)
+            runs[batch] = training_step(spec, batch, size, opt, dt, "fake", steps=2)
         return runs[batch]
 
     def sweep_progress(frac: float, text: str) -> None:
         note(0.5 * frac, text)
 
-    sweep = batch_sweep(spec.name, sweep_batches, size, opt, dt, "fake", steps=2, progress=sweep_progress)
+    sweep = batch_sweep(spec, sweep_batches, size, opt, dt, "fake", steps=2, progress=sweep_progress)
     for r in sweep.steps_results:
         runs[r.batch] = r
 
@@ -474,7 +474,7 @@ def largest_batch(model: str = "vgg16", card_gib: float = 16, image_size: int | 
     gpu_checks: list[GpuCheck] = []
     if torch.cuda.is_available() and check_on_gpu:
         note(0.92, "checking on the GPU")
-        gpu_checks, gpu_note = _gpu_check(spec.name, size, opt, dt, card, answers[0].allocator_batch)
+        gpu_checks, gpu_note = _gpu_check(spec, size, opt, dt, card, answers[0].allocator_batch)
     elif torch.cuda.is_available():
         gpu_note = "A GPU is present, but the GPU check was switched off: prediction only."
     else:
@@ -525,7 +525,7 @@ def _boundary(guess: int, fits: Callable[[int], bool], upper: int | None = None)
     return lo
 
 
-def _gpu_check(model: str, size: int, optimizer: str, dt: torch.dtype, card: int,
+def _gpu_check(model: ModelSpec, size: int, optimizer: str, dt: torch.dtype, card: int,
                batch: int) -> tuple[list[GpuCheck], str]:
     """Run ``batch`` and ``batch + 1`` on the GPU with the allocator capped at ``card`` bytes."""
     from ..gpu import nvml_used_bytes

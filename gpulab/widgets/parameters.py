@@ -6,7 +6,7 @@ from typing import Any
 
 import ipywidgets as W
 
-from ..models import MODELS, build_model
+from ..models import MODELS, build_model, resolve_model
 from ..course.parameters import (LAYER_KINDS, MODEL_DTYPES, LayerParams, ModelParams, buffer_bytes_by_formula,
                           dtype_figure, layer_figure, layer_params, make_layer, model_layers_figure,
                           model_params)
@@ -70,7 +70,7 @@ def compute_model(model: str, dtype: str, engine: str) -> ModelParams:
 
 def _model_bytes(params: dict[str, Any]) -> int:
     dt = parse_dtype(params["dtype"])
-    net = build_model(params["model"], device="meta", dtype=dt)
+    net = build_model(resolve_model(params["model"]), device="meta", dtype=dt)
     return sum(p.numel() for p in net.parameters()) * dt.itemsize
 
 
