@@ -164,6 +164,30 @@ class Measurement:
         return measurement_html(self)
 
 
+class Measured:
+    """The shared shape of every result that holds one ``measurement`` (a field, or a property
+    naming the run that speaks for a comparison): where its numbers came from, and its peak.
+
+    A mixin of properties only; a dataclass using it must not declare fields of these names."""
+    measurement: Measurement
+
+    @property
+    def label(self) -> str:
+        return self.measurement.label
+
+    @property
+    def engine(self) -> str:
+        return self.measurement.engine
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.measurement.peak_bytes
+
+    @property
+    def peak_by_category(self) -> dict[str, int]:
+        return self.measurement.peak_by_category
+
+
 def _is_oom(exc: BaseException) -> bool:
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         return True

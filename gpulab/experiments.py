@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from . import formulas as F
-from .engines import LABEL_FORMULA, Measurement, RunContext, run
+from .engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
 from .models import ModelSpec, build_model, check_image_size, resolve_model
 from .tracking import CATEGORIES, Category
 from .units import dtype_name, parse_dtype
@@ -168,7 +168,7 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 
 
 @dataclass
-class StepResult:
+class StepResult(Measured):
     """A tracked training step next to the formulas' view of it."""
     model: str
     batch: int
@@ -179,18 +179,6 @@ class StepResult:
     measurement: Measurement
     predicted: dict[str, int | None]
     predicted_label: str = LABEL_FORMULA
-
-    @property
-    def engine(self) -> str:
-        return self.measurement.engine
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.measurement.peak_bytes
-
-    @property
-    def peak_by_category(self) -> dict[str, int]:
-        return self.measurement.peak_by_category
 
     def as_dict(self) -> dict[str, Any]:
         m = self.measurement

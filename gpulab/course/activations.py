@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import formulas as F
 from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
-from ..engines import LABEL_FORMULA, Measurement, RunContext, run
+from ..engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
 from ..experiments import breakdown, flops_by_formula, validate_batch
 from ..models import MODELS, ModelSpec, build_model, check_image_size, resolve_model
 from .parameters import NUMEL_LABEL, lesson_engine_limits
@@ -185,7 +185,7 @@ class GroupRow:
 
 
 @dataclass
-class ForwardTable:
+class ForwardTable(Measured):
     model: str
     batch: int
     image_size: int
@@ -196,14 +196,6 @@ class ForwardTable:
     measurement: Measurement
     allocated_in_forward: int        # tracker: bytes allocated during the forward
     total_params: int
-
-    @property
-    def label(self) -> str:
-        return self.measurement.label
-
-    @property
-    def engine(self) -> str:
-        return self.measurement.engine
 
     def groups(self) -> list[GroupRow]:
         """The cs231n view: the input, then one row per storage the forward created, with
@@ -683,7 +675,7 @@ class BlockMeasure:
 
 
 @dataclass
-class DepthwiseResult:
+class DepthwiseResult(Measured):
     in_channels: int
     out_channels: int
     image_size: int
@@ -694,10 +686,6 @@ class DepthwiseResult:
     separable: BlockMeasure
     measurement: Measurement
     saved_formula: dict[str, int]
-
-    @property
-    def label(self) -> str:
-        return self.measurement.label
 
     @property
     def flops_ratio(self) -> float:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as Fn
 
 from .. import formulas as F
-from ..engines import LABEL_FORMULA, Measurement, RunContext, run
+from ..engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
 from .inplace import SavedTensor, saved_activation_bytes, saved_tensors, validate_positive
 from ..units import format_bytes
 from ..views import error_percent, fmt_error, html_table
@@ -91,7 +91,7 @@ class ModeRun:
 
 
 @dataclass
-class ModesResult:
+class ModesResult(Measured):
     batch: int
     channels: int
     image_size: int
@@ -100,12 +100,9 @@ class ModesResult:
     predicted_label: str = LABEL_FORMULA
 
     @property
-    def label(self) -> str:
-        return next(iter(self.runs.values())).measurement.label
-
-    @property
-    def engine(self) -> str:
-        return next(iter(self.runs.values())).measurement.engine
+    def measurement(self) -> Measurement:
+        """The run whose engine and label speak for the comparison: the first mode's run."""
+        return next(iter(self.runs.values())).measurement
 
     def figure(self):
         from .plots_tradeoffs import modes_figure
@@ -331,7 +328,7 @@ class LifetimeRun:
 
 
 @dataclass
-class LifetimesResult:
+class LifetimesResult(Measured):
     grad_mode: str
     batch: int
     channels: int
@@ -341,12 +338,9 @@ class LifetimesResult:
     predicted_label: str = LABEL_FORMULA
 
     @property
-    def label(self) -> str:
-        return self.runs[STYLES[0]].measurement.label
-
-    @property
-    def engine(self) -> str:
-        return self.runs[STYLES[0]].measurement.engine
+    def measurement(self) -> Measurement:
+        """The run whose engine and label speak for the comparison: the first style's run."""
+        return self.runs[STYLES[0]].measurement
 
     @property
     def forward_saving(self) -> int:

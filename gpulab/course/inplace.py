@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .. import formulas as F
-from ..engines import LABEL_FORMULA, Measurement, RunContext, run
+from ..engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
 from ..units import format_bytes
 from ..views import error_percent, fmt_error, html_table
 
@@ -190,7 +190,7 @@ class InplaceRun:
 
 
 @dataclass
-class InplaceResult:
+class InplaceResult(Measured):
     block: str
     depth: int
     channels: int
@@ -204,12 +204,9 @@ class InplaceResult:
     predicted_label: str = LABEL_FORMULA
 
     @property
-    def label(self) -> str:
-        return self.runs[False].measurement.label
-
-    @property
-    def engine(self) -> str:
-        return self.runs[False].measurement.engine
+    def measurement(self) -> Measurement:
+        """The run whose engine and label speak for the comparison: the run without inplace."""
+        return self.runs[False].measurement
 
     @property
     def peak_saving(self) -> int:

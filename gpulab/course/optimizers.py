@@ -24,7 +24,7 @@ from torch import nn
 from .. import formulas as F
 from .anatomy import legend_outside
 from ..plots import to_png as as_png
-from ..engines import LABEL_FORMULA, Measurement, RunContext, run
+from ..engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
 from ..experiments import OPTIMIZERS, predict_step, validate_batch
 from ..models import ModelSpec, build_model, check_image_size, resolve_model
 from ..plots import CATEGORY_COLORS
@@ -137,7 +137,7 @@ class Moment:
 
 
 @dataclass
-class OptimizerRun:
+class OptimizerRun(Measured):
     """A short training run of one optimizer, tracked; see ``optimizer_run``."""
     model: str
     optimizer: str
@@ -158,14 +158,6 @@ class OptimizerRun:
     formula_label: str = LABEL_FORMULA
 
     # ---- derived numbers -----------------------------------------------------------------------
-    @property
-    def label(self) -> str:
-        return self.measurement.label
-
-    @property
-    def engine(self) -> str:
-        return self.measurement.engine
-
     def _cat(self, moment: str, cat: Category | str) -> int:
         return self.moments[moment].by_category.get(Category(cat).value, 0)
 

@@ -22,7 +22,7 @@ from matplotlib.patches import Patch
 from torch import nn
 
 from .. import formulas as F
-from ..engines import LABEL_FORMULA, Measurement, RunContext, run
+from ..engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
 from ..experiments import params_by_formula
 from ..models import ModelSpec, build_model, resolve_model
 from ..plots import LessonFigure
@@ -176,7 +176,7 @@ class TensorRow:
 
 
 @dataclass
-class LayerParams:
+class LayerParams(Measured):
     """One layer: its tensors as built, next to the formulas."""
     kind: str
     config: str
@@ -192,10 +192,6 @@ class LayerParams:
     measurement: Measurement
     formula_label: str = LABEL_FORMULA
     live: dict[str, int] = field(default_factory=dict)  # tracker: live bytes by category, once built
-
-    @property
-    def label(self) -> str:
-        return self.measurement.label
 
 
     @property
@@ -319,7 +315,7 @@ class ParamRow:
 
 
 @dataclass
-class ModelParams:
+class ModelParams(Measured):
     """Every leaf layer of a model, formula vs numel(), and the model's weight memory."""
     model: str
     dtype: str
@@ -330,10 +326,6 @@ class ModelParams:
     live: dict[str, int] = field(default_factory=dict)  # tracker: live bytes by category, once built
 
     # ---- totals ----
-    @property
-    def label(self) -> str:
-        return self.measurement.label
-
     @property
     def total_numel(self) -> int:
         return sum(r.params_numel for r in self.rows)
@@ -564,7 +556,7 @@ def exercise(name: str):
 # --- parameters vs buffers ------------------------------------------------------------------------
 
 @dataclass
-class BuffersDemo:
+class BuffersDemo(Measured):
     """One training step of a model with BatchNorm: what parameters and buffers each get."""
     model: str
     batch: int
@@ -575,10 +567,6 @@ class BuffersDemo:
     buffers_requiring_grad: int
     buffers_changed: list[str] | None     # None on the fake engine (no values to compare)
     live: dict[str, int]                  # tracker: live bytes by category after the step
-
-    @property
-    def label(self) -> str:
-        return self.measurement.label
 
     def _repr_html_(self) -> str:
         m = self.measurement

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .. import formulas as F
-from ..engines import LABEL_FORMULA, Measurement, RunContext, choose_engine, run
+from ..engines import LABEL_FORMULA, Measured, Measurement, RunContext, choose_engine, run
 from ..experiments import OPTIMIZERS, make_optimizer, validate_batch
 from ..models import ModelSpec, build_model, check_image_size, resolve_model
 from ..tracking import CATEGORIES, Category
@@ -128,21 +128,13 @@ def expected_ratio(category: str, mode: str) -> float | None:
 
 
 @dataclass
-class PrecisionRun:
+class PrecisionRun(Measured):
     mode: str
     measurement: Measurement
     n_params: int
     persistent: dict[str, int]               # after the step: parameters, gradients, optimizer_state
     saved_by_dtype: dict[str, int]            # activations alive at the peak, by dtype
     scaler: dict[str, Any] | None = None      # GradScaler facts (fp16 autocast only)
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.measurement.peak_bytes
-
-    @property
-    def peak_by_category(self) -> dict[str, int]:
-        return self.measurement.peak_by_category
 
     @property
     def bytes_per_param(self) -> float:

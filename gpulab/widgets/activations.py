@@ -9,10 +9,9 @@ from ..course.activations import (ACT_DTYPES, ForwardTable, InferenceVsTraining,
                            inference_vs_training, modelsize_figure, modelsize_vs_saved,
                            predicted_forward_bytes)
 from ..models import MODELS
-from .base import Panel, dropdown, slider
+from .base import Panel, dropdown, slider, ENGINES, model_controls
 from .guard import memory_guard
 
-ENGINES = ["auto", "cpu", "fake", "cuda"]
 
 
 def _guard_bytes(params: dict[str, Any]) -> int:
@@ -21,14 +20,8 @@ def _guard_bytes(params: dict[str, Any]) -> int:
 
 
 def _controls(model: str, batch: int, image_size: int | None, dtype: str, engine: str) -> dict[str, Any]:
-    size = image_size or MODELS[model].default_image_size
-    return {
-        "model": dropdown("model", list(MODELS), model),
-        "batch": slider("batch", batch, 1, 256, log=True),
-        "image_size": slider("image size", size, 32, 512, step=16),
-        "dtype": dropdown("dtype", ACT_DTYPES, dtype),
-        "engine": dropdown("engine", ENGINES, engine),
-    }
+    return model_controls(model, batch=batch, image_size=image_size, image_min=32, engine=engine,
+                          extra={"dtype": dropdown("dtype", ACT_DTYPES, dtype)})
 
 
 # --- the forward table ----------------------------------------------------------------------------

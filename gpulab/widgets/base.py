@@ -215,3 +215,31 @@ def dropdown(description: str, options, value=None) -> W.Dropdown:
     return W.Dropdown(options=options, value=value if value is not None else options[0],
                       description=description, style={"description_width": "initial"},
                       layout=W.Layout(width="auto"))
+
+
+ENGINES = ("auto", "cpu", "fake", "cuda")
+
+
+def model_controls(model: str, *, batch: int | None = None, batch_max: int = 256, batch_min: int = 1,
+                   batch_key: str = "batch", batch_label: str = "batch",
+                   image_size: int | None | bool = False, image_min: int = 16,
+                   optimizer: str | None = None, extra: dict[str, W.ValueWidget] | None = None,
+                   engine: str | None = "auto") -> dict[str, W.ValueWidget]:
+    """The controls the model panels share, always in this order: model, batch, image size,
+    optimizer, the panel's own ``extra`` controls, engine. A control is left out when its
+    argument is None (``image_size=False`` leaves the image size out; ``None`` starts it at
+    the model's default size)."""
+    from ..experiments import OPTIMIZERS
+    from ..models import MODELS, resolve_model
+    controls: dict[str, W.ValueWidget] = {"model": dropdown("model", list(MODELS), model)}
+    if batch is not None:
+        controls[batch_key] = slider(batch_label, batch, batch_min, batch_max, log=True)
+    if image_size is not False:
+        size = image_size or resolve_model(model).default_image_size
+        controls["image_size"] = slider("image size", size, image_min, 512, step=16)
+    if optimizer is not None:
+        controls["optimizer"] = dropdown("optimizer", OPTIMIZERS, optimizer)
+    controls.update(extra or {})
+    if engine is not None:
+        controls["engine"] = dropdown("engine", ENGINES, engine)
+    return controls

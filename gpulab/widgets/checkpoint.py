@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..course.checkpointing import SEGMENT_CHOICES, CheckpointResult, checkpoint_sweep
-from .base import Panel, dropdown, slider
+from .base import Panel, dropdown, slider, ENGINES
 from .guard import memory_guard
 
-ENGINES = ["auto", "cpu", "fake", "cuda"]
 
 
 def compute_checkpoint(n_blocks: int, width: int, batch: int, segments: str, repeats: int, engine: str,

@@ -14,7 +14,7 @@ from ..engines import DEFAULT_MAX_CPU_BYTES, choose_engine
 from ..course.start import SIZE_OPTIONS_MIB, EngineDemo, engine_demo
 from ..course.tensor_plots import engine_demo_figure, to_png
 from ..units import MiB, format_bytes
-from .base import GuardVerdict, Panel, dropdown
+from .base import GuardVerdict, Panel, dropdown, ENGINES
 from .guard import free_memory
 
 CPU_LIMIT_OPTIONS_MIB = (64, 256, 1024, DEFAULT_MAX_CPU_BYTES // MiB, 8192)
@@ -76,7 +76,7 @@ def engine_panel(size_mib: int = 4, engine: str = "auto",
                  cpu_limit_mib: int = DEFAULT_MAX_CPU_BYTES // MiB) -> Panel:
     controls = {
         "size_mib": _mib_slider("tensor size", SIZE_OPTIONS_MIB, size_mib),
-        "engine": dropdown("engine", ["auto", "cpu", "fake", "cuda"], engine),
+        "engine": dropdown("engine", ENGINES, engine),
         "cpu_limit_mib": _mib_slider("auto: cpu engine up to", CPU_LIMIT_OPTIONS_MIB, cpu_limit_mib),
     }
     return Panel("Which engine answers?", controls, compute_engine_demo, render_engine_demo,

@@ -8,11 +8,9 @@ import ipywidgets as W
 
 from ..course.activations import (ACT_DTYPES, DepthwiseResult, ParamsFlops, depthwise_figure, depthwise_vs_standard,
                            params_flops_figure, params_vs_flops)
-from ..models import MODELS
-from .base import Panel, dropdown, slider
+from .base import Panel, dropdown, slider, ENGINES, model_controls
 from .guard import memory_guard
 
-ENGINES = ["auto", "cpu", "fake", "cuda"]
 
 
 # --- params vs FLOPs ------------------------------------------------------------------------------
@@ -26,12 +24,7 @@ def render_flops(result: ParamsFlops) -> list[Any]:
 
 
 def flops_panel(model: str = "alexnet", batch: int = 1, image_size: int | None = None) -> Panel:
-    size = image_size or MODELS[model].default_image_size
-    controls = {
-        "model": dropdown("model", list(MODELS), model),
-        "batch": slider("batch", batch, 1, 256, log=True),
-        "image_size": slider("image size", size, 32, 512, step=16),
-    }
+    controls = model_controls(model, batch=batch, image_size=image_size, image_min=32, engine=None)
     return Panel("Where the parameters are, where the FLOPs are", controls, compute_flops, render_flops,
                  auto_run=True,
                  description="Per layer with weights: its share of the parameters (numel) and of the "

@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..course.inference import ModesResult, inference_modes
-from .base import Panel, dropdown, slider
+from .base import Panel, dropdown, slider, ENGINES
 from .guard import memory_guard
 
-ENGINES = ["auto", "cpu", "fake", "cuda"]
 
 
 def compute_modes(batch: int, channels: int, image_size: int, engine: str) -> ModesResult:

@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..course.inplace import BLOCKS, MODES, InplaceResult, inplace_experiment, saved_table_html
-from .base import Panel, dropdown, slider
+from .base import Panel, dropdown, slider, ENGINES
 from .guard import memory_guard
 
-ENGINES = ["auto", "cpu", "fake", "cuda"]
 
 
 def compute_inplace(block: str, depth: int, channels: int, batch: int, image_size: int, mode: str,

@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..course.inference import GRAD_MODES, LifetimesResult, forward_lifetimes
-from .base import Panel, dropdown, slider
+from .base import Panel, dropdown, slider, ENGINES
 from .guard import memory_guard
 
-ENGINES = ["auto", "cpu", "fake", "cuda"]
 
 
 def compute_lifetimes(grad_mode: str, batch: int, channels: int, image_size: int, engine: str) -> LifetimesResult:

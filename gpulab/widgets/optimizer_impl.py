@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..experiments import OPTIMIZERS
-from ..models import MODELS
 from ..course.optimizers import IMPLEMENTATIONS, ImplementationComparison, compare_implementations, optimizer_run
-from .base import Panel, dropdown, slider
+from .base import Panel, model_controls
 from .guard import memory_guard
 
 
@@ -26,12 +24,7 @@ def render_implementations(result: ImplementationComparison) -> list[Any]:
 
 
 def implementation_panel(model: str = "mlp", optimizer: str = "adam", batch: int = 8, engine: str = "auto") -> Panel:
-    controls = {
-        "model": dropdown("model", list(MODELS), model),
-        "optimizer": dropdown("optimizer", OPTIMIZERS, optimizer),
-        "batch": slider("batch", batch, 1, 256, log=True),
-        "engine": dropdown("engine", ["auto", "cpu", "fake", "cuda"], engine),
-    }
+    controls = model_controls(model, batch=batch, optimizer=optimizer, engine=engine)
     return Panel("for-loop vs foreach vs fused", controls, compute_implementations, render_implementations,
                  guard=memory_guard(predict_implementations_peak),
                  description="Two steps with each implementation of the optimizer; how many bytes of "

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..experiments import OPTIMIZERS
-from ..models import MODELS
 from ..course.optimizers import OptimizerComparison, compare_optimizers, optimizer_run
-from .base import Panel, dropdown, slider
+from .base import Panel, model_controls
 from .guard import memory_guard
 
 
@@ -26,11 +25,7 @@ def render_optimizers(result: OptimizerComparison) -> list[Any]:
 
 
 def optimizer_panel(model: str = "mlp", batch: int = 8, engine: str = "auto") -> Panel:
-    controls = {
-        "model": dropdown("model", list(MODELS), model),
-        "batch": slider("batch", batch, 1, 256, log=True),
-        "engine": dropdown("engine", ["auto", "cpu", "fake", "cuda"], engine),
-    }
+    controls = model_controls(model, batch=batch, engine=engine)
     return Panel("Optimizer state, measured", controls, compute_optimizers, render_optimizers,
                  guard=memory_guard(predict_optimizers_peak),
                  description="One training step per optimizer on a fresh model; the tracker's optimizer-state "

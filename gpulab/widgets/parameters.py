@@ -11,10 +11,9 @@ from ..course.parameters import (LAYER_KINDS, MODEL_DTYPES, LayerParams, ModelPa
                           dtype_figure, layer_figure, layer_params, make_layer, model_layers_figure,
                           model_params)
 from ..units import parse_dtype
-from .base import Panel, dropdown
+from .base import Panel, dropdown, ENGINES
 from .guard import memory_guard
 
-ENGINES = ["auto", "cpu", "fake", "cuda"]
 
 
 def _int_box(description: str, value: int, max_value: int) -> W.BoundedIntText:

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..experiments import OPTIMIZERS
-from ..models import MODELS
 from ..course.precision import LOW_DTYPES, PrecisionResult, precision_step
-from .base import Panel, dropdown, slider
+from .base import Panel, dropdown, model_controls
 from .guard import memory_guard
 
-ENGINES = ["auto", "cpu", "fake", "cuda"]
 
 
 def compute_precision(model: str, batch: int, image_size: int, optimizer: str, low: str,
@@ -30,15 +27,8 @@ def render_precision(result: PrecisionResult) -> list[Any]:
 
 def precision_panel(model: str = "cnn", batch: int = 32, image_size: int | None = None, optimizer: str = "adam",
                     low: str = "bfloat16", engine: str = "auto") -> Panel:
-    size = image_size or MODELS[model].default_image_size
-    controls = {
-        "model": dropdown("model", list(MODELS), model),
-        "batch": slider("batch", batch, 1, 256, log=True),
-        "image_size": slider("image size", size, 16, 512, step=16),
-        "optimizer": dropdown("optimizer", OPTIMIZERS, optimizer),
-        "low": dropdown("16-bit dtype", LOW_DTYPES, low),
-        "engine": dropdown("engine", ENGINES, engine),
-    }
+    controls = model_controls(model, batch=batch, image_size=image_size, optimizer=optimizer, engine=engine,
+                              extra={"low": dropdown("16-bit dtype", LOW_DTYPES, low)})
     return Panel("Mixed precision: which tensors shrink", controls, compute_precision, render_precision,
                  guard=memory_guard(predict_precision_peak),
                  description="Two training steps each in float32, under <code>torch.autocast</code> (fp16 adds "

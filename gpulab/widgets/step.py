@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..experiments import OPTIMIZERS, StepResult, training_step
-from ..models import MODELS
+from ..experiments import StepResult, training_step
 from ..plots import comparison_bars, timeline
-from .base import Panel, dropdown, slider
+from .base import Panel, dropdown, model_controls
 from .guard import memory_guard
 
 
@@ -32,15 +31,8 @@ def render_step(result: StepResult) -> list[Any]:
 
 def step_panel(model: str = "cnn", batch: int = 32, image_size: int | None = None, optimizer: str = "sgd",
                dtype: str = "float32", engine: str = "auto") -> Panel:
-    size = image_size or MODELS[model].default_image_size
-    controls = {
-        "model": dropdown("model", list(MODELS), model),
-        "batch": slider("batch", batch, 1, 256, log=True),
-        "image_size": slider("image size", size, 16, 512, step=16),
-        "optimizer": dropdown("optimizer", OPTIMIZERS, optimizer),
-        "dtype": dropdown("dtype", ["float32", "bfloat16", "float16"], dtype),
-        "engine": dropdown("engine", ["auto", "cpu", "fake", "cuda"], engine),
-    }
+    controls = model_controls(model, batch=batch, image_size=image_size, optimizer=optimizer, engine=engine,
+                              extra={"dtype": dropdown("dtype", ["float32", "bfloat16", "float16"], dtype)})
     return Panel("One training step", controls, compute_step, render_step,
                  guard=memory_guard(predict_step_peak),
                  description="Forward, backward and <code>optimizer.step()</code> on a fresh model; "

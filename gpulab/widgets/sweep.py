@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..experiments import OPTIMIZERS, training_step
-from ..models import MODELS
+from ..experiments import training_step
 from ..course.sweeps import SweepResult, batch_sweep
-from .base import Panel, dropdown, slider
+from .base import Panel, model_controls
 from .guard import memory_guard
 
 
@@ -32,12 +31,8 @@ def render_sweep(result: SweepResult) -> list[Any]:
 
 
 def sweep_panel(model: str = "cnn", optimizer: str = "sgd", largest: int = 32, engine: str = "auto") -> Panel:
-    controls = {
-        "model": dropdown("model", list(MODELS), model),
-        "optimizer": dropdown("optimizer", OPTIMIZERS, optimizer),
-        "largest": slider("largest batch", largest, 4, 256, log=True),
-        "engine": dropdown("engine", ["auto", "cpu", "fake", "cuda"], engine),
-    }
+    controls = model_controls(model, batch=largest, batch_min=4, batch_key="largest", batch_label="largest batch",
+                              optimizer=optimizer, engine=engine)
     return Panel("Batch-size sweep: memory = fixed + batch × per-sample", controls, compute_sweep, render_sweep,
                  guard=memory_guard(predict_sweep_peak),
                  description="Two training steps at each of four batch sizes (the second step is the steady "
