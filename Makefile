@@ -1,12 +1,19 @@
 # Two commands for a newcomer (see README):
 #   make lab    create/update .venv, install gpulab, open the lessons in JupyterLab
 #   make test   create/update .venv, install gpulab with test extras, run the whole test suite
+# and one for developers:
+#   make quick  unit and panel tests only (no lesson execution, browser or Binder): a few minutes
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.gpulab-installed
 
-.PHONY: lab test venv clean chromium
+# Independent tests run in parallel, one worker per core (pytest-xdist). --dist loadgroup keeps
+# each xdist_group (the Binder environment, the JupyterLab server) on one worker, so its
+# module-scoped fixture is built once. The slowest tests are listed at the end.
+PYTEST_PAR := -n auto --dist loadgroup --durations=20
+
+.PHONY: lab test quick venv clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +27,10 @@ lab: $(STAMP)
 	$(VENV)/bin/jupyter lab lessons/
 
 test: $(STAMP) chromium
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_PAR)
+
+quick: $(STAMP)
+	$(PY) -m pytest $(PYTEST_PAR) -m "not notebook and not slow and not browser"
 
 # the browser test (tests/test_browser.py) drives Debian's chromium; install it when missing
 chromium:

@@ -19,14 +19,14 @@ import time
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
-from conftest import LESSONS, ROOT, notebook_errors
+from conftest import LESSONS, ROOT, notebook_client, notebook_errors
 
 BINDER = ROOT / "binder"
 LESSONS_DIR = pathlib.Path(os.environ.get("GPULAB_LESSONS_DIR", LESSONS)).resolve()
 NOTEBOOKS = sorted(LESSONS_DIR.glob("[0-9][0-9]_*.ipynb"))
 KERNEL = "gpulab-binder-test"
+BUILD_TIMEOUT_S = 1800  # pip install of torch into a fresh venv; pip's cache makes it minutes
 PYTORCH_INDEX = re.compile(r"^\s*--(extra-)?index-url\s+\S*download\.pytorch\.org\S*\s*$")
 
 
@@ -54,8 +54,26 @@ def _rewrite_requirements(dst) -> None:
 
 @pytest.fixture(scope="module")
 def binder_kernel(tmp_path_factory):
-    """A fresh venv built from binder/, registered as a kernel in a temporary JUPYTER_PATH."""
-    tmp = tmp_path_factory.mktemp("binder")
+    """A fresh venv built from binder/, registered as a kernel in a temporary JUPYTER_PATH.
+
+    Built once per test session even when pytest-xdist spreads the lessons over several
+    workers: the first worker to get here builds it under a file lock in the session's shared
+    temporary folder; the others wait, then reuse it."""
+    from filelock import FileLock
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # this session's folder, the same for every xdist worker
+    tmp = shared / "binder"
+    done = tmp / "built.txt"
+    with FileLock(str(shared / "binder.lock"), timeout=BUILD_TIMEOUT_S):
+        if not done.exists():
+            tmp.mkdir(exist_ok=True)
+            _build_binder_env(tmp)
+            done.write_text("ok")
+    return tmp / "jupyter-prefix" / "share" / "jupyter"
+
+
+def _build_binder_env(tmp: pathlib.Path) -> None:
     req = tmp / "requirements.txt"
     _rewrite_requirements(req)
     venv = tmp / "venv"
@@ -64,7 +82,7 @@ def binder_kernel(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
     r = subprocess.run([str(py), "-m", "pip", "install", "-q", "-r", str(req)], cwd=str(ROOT), env=env,
-                       capture_output=True, text=True, timeout=3000)
+                       capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     assert r.returncode == 0, f"pip install -r binder/requirements.txt failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     post = BINDER / "postBuild"
     if post.exists():
@@ -79,17 +97,17 @@ def binder_kernel(tmp_path_factory):
     freeze = subprocess.run([str(py), "-m", "pip", "freeze"], capture_output=True, text=True).stdout
     print(f"binder venv built in {time.perf_counter() - t0:.0f} s; "
           + ", ".join(ln for ln in freeze.splitlines() if re.match(r"(torch|torchvision|jupyterlab|ipywidgets)==", ln)))
-    return prefix / "share" / "jupyter"
 
 
 @pytest.mark.slow
 @pytest.mark.notebook
+@pytest.mark.timeout(BUILD_TIMEOUT_S + 600)  # the first one may wait for the build
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_lesson_runs_in_binder_env(path, binder_kernel, monkeypatch):
     monkeypatch.setenv("JUPYTER_PATH", str(binder_kernel))
     monkeypatch.delenv("MPLBACKEND", raising=False)  # as on Binder: the kernel's inline backend
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=600, kernel_name=KERNEL, store_widget_state=True,
+    client = notebook_client(nb, timeout=300, kernel_name=KERNEL, store_widget_state=True,
                             resources={"metadata": {"path": str(LESSONS_DIR)}})
     t0 = time.perf_counter()
     client.execute()

@@ -325,6 +325,7 @@ def test_there_are_lessons_for_the_browser():
 
 
 @pytest.mark.slow
+@pytest.mark.browser
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_lesson_in_browser(path, lab, browser):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
