@@ -153,6 +153,21 @@ def test_claims_on_a_clean_sweep(cnn_sweep):
         assert "breaks" in report[2].verdict
 
 
+@pytest.mark.parametrize("model,card_gib", [("cnn", 1), ("vgg16", 16)])
+def test_largest_batch_converges_within_the_bound(model, card_gib):
+    """cnn on a 1 GiB card used to give up ("needed more than 24 fake runs"): the simulated
+    allocator's answer is ~90 images below the live-tensor one, and the search crept towards
+    it one doubling step at a time, twice. Bracketed bisection needs logarithmically many runs."""
+    lb = S.largest_batch(model, card_gib, check_on_gpu=False)
+    for a in lb.answers:
+        assert 0 < a.allocator_batch <= a.live_batch
+        # the boundaries really are boundaries: B fits, B + 1 does not
+        checks = {c.batch: c for c in a.checks}
+        assert checks[a.live_batch].peak_bytes <= a.capacity_bytes < checks[a.live_batch + 1].peak_bytes
+        assert not checks[a.allocator_batch].simulated_oom and checks[a.allocator_batch + 1].simulated_oom
+    assert lb.verification_runs <= S.search_run_bound(lb.answers[0].live_batch)
+
+
 @cuda
 def test_largest_batch_runs_on_the_gpu():
     lb = S.largest_batch("cnn", 1, check_on_gpu=True)

@@ -18,6 +18,7 @@ no CUDA context or library workspaces. The simulator adds the first three (label
 from __future__ import annotations
 
 import html
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -318,6 +319,7 @@ class LargestBatch:
     answers: list[CapacityAnswer]
     gpu_checks: list[GpuCheck]
     gpu_note: str
+    verification_runs: int = 0      # fake runs beyond the sweep that the search needed
 
     @property
     def recommended(self) -> CapacityAnswer:
@@ -407,13 +409,17 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
                   optimizer: str = "sgd", dtype: str | torch.dtype = "float32",
                   context_overhead_bytes: int = CONTEXT_OVERHEAD_ASSUMED,
                   sweep_batches: Sequence[int] = (8, 16, 32, 64), check_on_gpu: bool = True,
-                  progress: Progress = None, max_runs: int = 24) -> LargestBatch:
+                  progress: Progress = None, max_runs: int | None = None) -> LargestBatch:
     """The largest batch whose steady-state training step fits a ``card_gib`` GiB card.
 
     Two usable capacities are answered: the whole card, and the card minus an *assumed*
     CUDA context (``context_overhead_bytes``). For each: the formula's and the fit's answer,
     the batch verified by fake runs (peak at B fits, at B + 1 does not), and the batch the
-    simulated caching allocator can serve. With a GPU and ``check_on_gpu``, the allocator-
+    simulated caching allocator can serve. Each search starts from a close guess (the sweep's
+    line; for the allocator, the live answer scaled by the simulator's overhead) and then
+    gallops and bisects, so it needs about 2·log2(distance from the guess) + 2 fake runs:
+    logarithmic in the batch for any card size. ``max_runs`` (default: ``search_run_bound``
+    of the sweep's answer) is a safety bound that turns a runaway search into an error. With a GPU and ``check_on_gpu``, the allocator-
     simulated answer for the whole card and the batch after it run for real, with
     ``torch.cuda.set_per_process_memory_fraction`` limiting the allocator to the card."""
     if not card_gib or card_gib <= 0:
@@ -427,7 +433,7 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
     opt = _check_optimizer(optimizer)
     dt = parse_dtype(dtype)
     runs: dict[int, StepResult] = {}
-    budget = {"left": max_runs}
+    budget = {"left": max_runs or 0}
 
     def note(frac: float, text: str) -> None:
         if progress:
@@ -449,6 +455,9 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
     sweep = batch_sweep(spec, sweep_batches, size, opt, dt, "fake", steps=2, progress=sweep_progress)
     for r in sweep.steps_results:
         runs[r.batch] = r
+    if max_runs is None:
+        max_runs = search_run_bound(max(sweep.fit.max_batch(card), sweep.formula.max_batch(card), 1))
+        budget["left"] = max_runs
 
     answers = []
     for name, cap, cap_label in (
@@ -466,8 +475,13 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
         fit_b = sweep.fit.max_batch(cap)
         live_b = _boundary(fit_b, lambda b: examine(b).peak_bytes <= cap)
         # the simulator reserves at least the live bytes, so it never serves more than live_b;
-        # its rounding and caching usually cost a few images: search down from there
-        alloc_b = _boundary(live_b, lambda b: not examine(b).simulated_oom, upper=live_b + 1) if live_b else 0
+        # its rounding and caching cost some images: start from live_b scaled by the overhead
+        # the simulator shows at live_b without a capacity limit (reserved / live), then search
+        alloc_b = 0
+        if live_b:
+            reserved_unlimited, _ = _replay(fake(live_b), None)
+            guess = min(live_b, int(live_b * cap / max(reserved_unlimited, 1)))
+            alloc_b = _boundary(guess, lambda b: not examine(b).simulated_oom, upper=live_b + 1)
         answers.append(CapacityAnswer(name, cap, sweep.formula.max_batch(cap), fit_b, live_b, alloc_b,
                                       [examined[b] for b in sorted(examined)], cap_label))
 
@@ -482,19 +496,31 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
                     "allocator simulator; the CUDA context is an assumption.")
     note(1.0, "done")
     return LargestBatch(spec.name, size, opt, dtype_name(dt), card, int(context_overhead_bytes), sweep, answers,
-                        gpu_checks, gpu_note)
+                        gpu_checks, gpu_note, verification_runs=max_runs - budget["left"])
+
+
+def search_run_bound(batch: int) -> int:
+    """The most fake runs ``largest_batch`` may need when the answers are at most ``batch``:
+    two capacities × two searches (live tensors, simulated allocator), each a gallop from its
+    guess and a bisection, ``2·ceil(log2(2·batch + 2)) + 2`` runs at most."""
+    return 4 * (2 * math.ceil(math.log2(2 * batch + 2)) + 2)
 
 
 def _boundary(guess: int, fits: Callable[[int], bool], upper: int | None = None) -> int:
     """Largest b >= 0 with fits(b), for a monotone ``fits`` (true up to some batch, false after;
     fits(0) is taken as true), starting from ``guess``; ``upper`` is a batch known not to fit.
-    Two calls when the guess is right; otherwise it gallops away from the guess, then bisects."""
+    Two calls when the guess is right; otherwise it gallops away from the guess (bisecting
+    straight away when the guess fits and ``upper`` bounds the answer), then bisects: at most
+    about 2·log2(|answer − guess|) + 2 calls."""
     guess = max(1, int(guess))
     if upper is not None:
         guess = min(guess, upper - 1)
         if guess < 1:
             return 0
-    if fits(guess):
+    guess_fits = fits(guess)
+    if guess_fits and upper is not None:
+        lo, hi = guess, upper        # bracketed: bisect straight away
+    elif guess_fits:
         lo, step = guess, 1
         while True:
             cand = lo + step
