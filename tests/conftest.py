@@ -77,6 +77,7 @@ def notebook_client(nb, **kwargs):
     """An nbclient ``NotebookClient`` whose shell and iopub waits cannot miss a message (see
     ``_sliced``); use it for every notebook the tests execute."""
     from nbclient import NotebookClient
+    from nbclient.util import run_sync
 
     class SlicedPollClient(NotebookClient):
         async def async_start_new_kernel_client(self):
@@ -84,5 +85,8 @@ def notebook_client(nb, **kwargs):
             for channel in (kc.shell_channel, kc.iopub_channel):
                 channel.get_msg = _sliced(channel.get_msg)
             return kc
+
+        # nbclient binds the sync twin to the base class's coroutine: bind it to ours
+        start_new_kernel_client = run_sync(async_start_new_kernel_client)
 
     return SlicedPollClient(nb, **kwargs)
