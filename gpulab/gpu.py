@@ -44,15 +44,39 @@ def _nvml():
     return pynvml, ""
 
 
-def nvml_used_bytes(index: int = 0) -> int | None:
-    """Device-wide used memory from NVML (all processes, CUDA context included), or None."""
+def nvml_used_bytes(cuda_index: int = 0) -> int | None:
+    """Device-wide used memory from NVML (all processes, CUDA context included: what
+    nvidia-smi shows) of CUDA device ``cuda_index``, or None.
+
+    NVML numbers devices in PCI bus order; CUDA numbers them fastest first by default
+    (CUDA_DEVICE_ORDER) and only those CUDA_VISIBLE_DEVICES lets through. The two numberings
+    need not agree, so the CUDA device is found in NVML by its PCI bus id, never by index."""
     nv, _ = _nvml()
     if nv is None:
         return None
     try:
-        return int(nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(index)).used)
+        handle = nv.nvmlDeviceGetHandleByPciBusId(pci_bus_id(cuda_index))
+        return int(nv.nvmlDeviceGetMemoryInfo(handle).used)
     except Exception:
         return None
+
+
+def nvml_used_bytes_at(nvml_index: int) -> int | None:
+    """Used memory of NVML's device ``nvml_index`` (nvidia-smi's ``-i`` numbering), or None."""
+    nv, _ = _nvml()
+    if nv is None:
+        return None
+    try:
+        return int(nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(nvml_index)).used)
+    except Exception:
+        return None
+
+
+def pci_bus_id(cuda_index: int) -> str:
+    """The PCI bus id of a CUDA device in NVML's form, ``domain:bus:device.function``
+    (e.g. ``00000000:65:00.0``), from ``torch.cuda.get_device_properties``."""
+    p = torch.cuda.get_device_properties(cuda_index)
+    return f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0"
 
 
 def device_report() -> DeviceReport:

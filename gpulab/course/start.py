@@ -411,8 +411,8 @@ def _smi_claim(gpu: dict[str, Any] | None, report: MachineReport) -> ClaimCheck:
     smi = _nvidia_smi_used_mib() if gpu else None
     if gpu and smi is not None:
         try:
-            from ..gpu import nvml_used_bytes
-            nv = nvml_used_bytes(int(gpu["index"]))
+            from ..gpu import nvml_used_bytes_at  # the same numbering as nvidia-smi's -i
+            nv = nvml_used_bytes_at(int(gpu["index"]))
             total_mib = gpu["total_bytes"] / MiB
             ok = nv is not None and abs(nv / MiB - smi) <= 0.01 * total_mib
             ev = [Evidence("nvidia-smi memory.used", f"{smi:,} MiB", f"nvidia-smi on {gpu['name']}"),
