@@ -16,10 +16,12 @@ import json
 import os
 import pathlib
 import re
+import sys
 import time
 
 import nbformat
 import pytest
+import torch
 from nbclient import NotebookClient
 from nbclient.util import run_sync
 
@@ -41,6 +43,13 @@ _TIMING = [
     # the machine's free RAM right now (not a lesson's measurement; other processes move it)
     re.compile(r"available now[\s|]+[\d.,]+\s*[KMGT]i?B\s*/\s*[\d.,]+\s*[KMGT]i?B", re.I),
 ]
+# On a GPU, figures that another process or the allocator's caching history moves between two
+# runs of the same cell (NVML's device-wide "used", reserved memory and what is derived from them)
+# are not the lesson's measurements: blanked there, like timings. On the CPU they are simulated,
+# hence deterministic, and compared.
+ON_GPU = torch.cuda.is_available()
+_GPU_VOLATILE = re.compile(r"(nvml|nvidia-smi|reserved|beyond the allocator|cuda context)", re.I)
+_GPU_VOLATILE_TEXT = re.compile(r"(?i)\b(nvml|nvidia-smi|reserved)\b([^.|<]{0,60}?)[-+]?\d[\d,]*(?:\.\d+)?\s*[KMGT]i?B")
 _TIME_HEADER = re.compile(r"\b(time|times|ms|seconds?|sec|latency|throughput|speed|slowdown|speedup|"
                           r"overhead|duration|elapsed|it/s|s/it)\b", re.I)
 _ROW = re.compile(r"<tr[^>]*>(.*?)</tr>", re.S | re.I)
@@ -57,16 +66,22 @@ def _drop_time_columns(html: str) -> str:
         if not rows:
             return body
         header = [_TAG.sub("", c[1]) for c in _CELL.findall(rows[0])]
-        drop = {i for i, h in enumerate(header) if _TIME_HEADER.search(htmllib.unescape(h))}
+        drop = {i for i, h in enumerate(header) if _volatile_label(htmllib.unescape(h))}
         out = []
         for r in rows:
             cells = [_TAG.sub("", c[1]) for c in _CELL.findall(r)]
-            if cells and _TIME_HEADER.search(htmllib.unescape(cells[0])):
+            if cells and _volatile_label(htmllib.unescape(cells[0])):
                 # a row about a time (e.g. "step time at k = 4 vs k = 1": ×1.37): keep its label only
                 cells = [cells[0]]
             out.append(" | ".join(c for i, c in enumerate(cells) if i not in drop))
         return "<table>" + "\n".join(out) + "</table>"
     return re.sub(r"<table.*?</table>", table, html, flags=re.S | re.I)
+
+
+def _volatile_label(label: str) -> bool:
+    """A column header or row label whose numbers change from run to run: a time, and on a GPU
+    a device-wide or reserved figure."""
+    return bool(_TIME_HEADER.search(label) or (ON_GPU and _GPU_VOLATILE.search(label)))
 
 
 def normalise(text: str, is_html: bool = False) -> str:
@@ -75,13 +90,26 @@ def normalise(text: str, is_html: bool = False) -> str:
         text = htmllib.unescape(_TAG.sub(" ", re.sub(r"<(style|script)[^>]*>.*?</\1>", "", text, flags=re.S | re.I)))
     for pat in _TIMING:
         text = pat.sub("<t>", text)
+    if ON_GPU:
+        text = _GPU_VOLATILE_TEXT.sub(lambda m: f"{m.group(1)}{m.group(2)}<gpu>", text)
     return re.sub(r"\s+", " ", text).strip()
 
 
 def _texts(outputs) -> list[str]:
-    """The readable text of a list of outputs (stream, text/plain, text/html; images skipped)."""
+    """The readable text of a list of outputs (stream, text/plain, text/html; images skipped).
+
+    Consecutive stream outputs are one text: how a kernel cuts what a cell prints into stream
+    messages depends on when its output thread flushes (under load, more often), not on what
+    the lesson printed."""
     texts = []
+    merged: list[dict] = []
     for out in outputs:
+        if (out.get("output_type") == "stream" and merged and merged[-1].get("output_type") == "stream"
+                and merged[-1].get("name") == out.get("name")):
+            merged[-1] = dict(merged[-1], text=merged[-1].get("text", "") + out.get("text", ""))
+        else:
+            merged.append(out)
+    for out in merged:
         kind = out.get("output_type")
         if kind == "stream":
             texts.append(normalise(out.get("text", "")))
@@ -157,6 +185,26 @@ def _diff(a: dict, b: dict, nb) -> list[str]:
     if len(a["widgets"]) != len(b["widgets"]):
         diffs.append(f"{len(a['widgets'])} output widgets the first time, {len(b['widgets'])} the second")
     return diffs
+
+
+def test_on_a_gpu_reserved_and_nvml_figures_are_not_compared(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ON_GPU", True)
+    a = ("<table><tr><th>counter</th><th>bytes</th></tr><tr><td>max_memory_allocated</td><td>3 MiB</td></tr>"
+         "<tr><td>max_memory_reserved</td><td>20 MiB</td></tr><tr><td>NVML used (nvidia-smi)</td><td>900 MiB</td></tr></table>")
+    b = a.replace("20 MiB", "22 MiB").replace("900 MiB", "1,013 MiB")
+    assert normalise(a, True) == normalise(b, True)
+    assert normalise(a, True) != normalise(a.replace("3 MiB", "4 MiB"), True)   # allocated still compared
+    assert normalise("NVML used 900.0 MiB; peak 3 MiB") == normalise("NVML used 913.5 MiB; peak 3 MiB")
+    monkeypatch.setattr(sys.modules[__name__], "ON_GPU", False)                 # on the CPU: simulated, compared
+    assert normalise(a, True) != normalise(b, True)
+
+
+def test_a_print_cut_into_several_stream_messages_reads_as_one():
+    one = [{"output_type": "stream", "name": "stdout", "text": "alexnet 61,100,840\nresnet18 11,689,512\n"}]
+    two = [{"output_type": "stream", "name": "stdout", "text": "alexnet 61,100,840\n"},
+           {"output_type": "stream", "name": "stdout", "text": "resnet18 11,689,512\n"}]
+    assert _texts(one) == _texts(two)
+    assert _texts(one) != _texts([dict(one[0], text="alexnet 61,100,841\nresnet18 11,689,512\n")])
 
 
 def test_normalise_drops_timings_keeps_memory():
