@@ -15,10 +15,12 @@ PYTEST_PAR := -n auto --dist loadgroup --durations=20
 
 .PHONY: lab test quick venv clean chromium
 
+# uv installs (it keeps every wheel it downloads in its cache, which the Binder test's rebuild
+# then reuses); pip only installs uv itself.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install --upgrade pip uv
+	$(VENV)/bin/uv pip install --python $(PY) -e '.[test]'
 	touch $(STAMP)
 
 venv: $(STAMP)

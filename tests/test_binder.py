@@ -43,13 +43,28 @@ def test_binder_files_are_there():
 
 
 def _rewrite_requirements(dst) -> None:
-    """binder/requirements.txt without PyTorch's index (and without +cpu local versions)."""
+    """binder/requirements.txt without PyTorch's index (and without +cpu local versions); the
+    repository itself (``.`` / ``-e .``, relative to the root, where repo2docker runs pip) as an
+    absolute path, since the copy lies elsewhere."""
     out = []
     for line in (BINDER / "requirements.txt").read_text().splitlines():
         if PYTORCH_INDEX.match(line.split("#")[0]):
             continue
+        line = re.sub(r"^(\s*(?:-e\s+)?)\.(\s*(?:#.*)?)$", lambda m: f"{m.group(1)}{ROOT}{m.group(2)}", line)
         out.append(re.sub(r"\+cpu\b", "", line))
     dst.write_text("\n".join(out) + "\n")
+
+
+def _install_command(py: pathlib.Path, req: pathlib.Path) -> list[str]:
+    """pip, as repo2docker runs it; or, when the project's venv has it (``make`` installs it),
+    uv's ``pip install``, which reads the same requirements file and keeps every wheel it ever
+    downloaded in its cache: torch and its CUDA libraries, already fetched for the project's own
+    venv, are then linked from the cache instead of downloaded again. (pip's own cache does not
+    help here: this registry's responses carry no caching headers, so pip stores nothing.)"""
+    uv = pathlib.Path(sys.executable).with_name("uv")
+    if uv.exists():
+        return [str(uv), "pip", "install", "--quiet", "--python", str(py), "-r", str(req)]
+    return [str(py), "-m", "pip", "install", "-q", "-r", str(req)]
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +96,9 @@ def _build_binder_env(tmp: pathlib.Path) -> None:
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
-    r = subprocess.run([str(py), "-m", "pip", "install", "-q", "-r", str(req)], cwd=str(ROOT), env=env,
+    r = subprocess.run(_install_command(py, req), cwd=str(ROOT), env=env,
                        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-    assert r.returncode == 0, f"pip install -r binder/requirements.txt failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, f"installing binder/requirements.txt failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     post = BINDER / "postBuild"
     if post.exists():
         r = subprocess.run([str(post)], cwd=str(ROOT), capture_output=True, text=True, timeout=600,
@@ -101,6 +116,7 @@ def _build_binder_env(tmp: pathlib.Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.notebook
+@pytest.mark.xdist_group("binder")  # one worker builds the venv and runs these; the others go on
 @pytest.mark.timeout(BUILD_TIMEOUT_S + 600)  # the first one may wait for the build
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_lesson_runs_in_binder_env(path, binder_kernel, monkeypatch):

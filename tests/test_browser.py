@@ -326,6 +326,7 @@ def test_there_are_lessons_for_the_browser():
 
 @pytest.mark.slow
 @pytest.mark.browser
+@pytest.mark.xdist_group("browser")  # one JupyterLab server and browser for all lessons
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_lesson_in_browser(path, lab, browser):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
