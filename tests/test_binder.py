@@ -119,7 +119,11 @@ def _build_binder_env(tmp: pathlib.Path) -> None:
 @pytest.mark.xdist_group("binder")  # one worker builds the venv and runs these; the others go on
 @pytest.mark.timeout(BUILD_TIMEOUT_S + 600)  # the first one may wait for the build
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_lesson_runs_in_binder_env(path, binder_kernel, monkeypatch):
+def test_lesson_runs_in_binder_env(path, request, binder_kernel, monkeypatch):
+    if getattr(request.config.option, "loadgroup", False):  # make test: pytest-xdist --dist loadgroup
+        assert request.node.nodeid.endswith("@binder"), (
+            "pytest-xdist did not tag this test with its xdist_group, so the Binder lessons are "
+            "spread over every worker (and each waits for the build): pytest too new for xdist?")
     monkeypatch.setenv("JUPYTER_PATH", str(binder_kernel))
     monkeypatch.delenv("MPLBACKEND", raising=False)  # as on Binder: the kernel's inline backend
     nb = nbformat.read(path, as_version=4)
