@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS))
             s.add_argument("--engine", default="auto")
             s.add_argument("--steps", type=_positive_int, default=1)
+            s.add_argument("--fake-target", default="cuda", choices=["cuda", "cpu"],
+                           help="fake engine: follow CUDA's kernels (default: a GPU's answer) or this CPU's")
     return p
 
 
@@ -100,16 +102,22 @@ def _print_step(d: dict[str, Any]) -> str:
              f"{'category':<17}{'peak (' + d['label'] + ')':>44}{'formula':>14}"]
     if d["oom"]:
         lines.append(f"out of memory: {d['error']}")
-    for k, v in d["peak_by_category"].items():
+    for k, v in d.get("peak_tensor_bytes_by_category", d["peak_by_category"]).items():  # vs formulas: unrounded
         pred = d["predicted"].get(k)
         lines.append(f"{k:<17}{format_bytes(v):>44}{format_bytes(pred) if pred is not None else '—':>14}")
     lines.append(f"{'total':<17}{format_bytes(d['peak_bytes']):>44}   peak during {d['peak_phase']}")
     if "allocator" in d:
         a = d["allocator"]
-        lines.append(f"allocator: max allocated {format_bytes(a['max_memory_allocated'])}, "
-                     f"max reserved {format_bytes(a['max_memory_reserved'])}, nvml used "
+        if "allocator_blocks" in d:
+            lines.append(f"{'peak':<17}{format_bytes(d['allocator_blocks']['peak_bytes']):>44}   "
+                         f"{d['allocator_blocks']['label']}")
+        lines.append(f"allocator, this run (from a baseline of {format_bytes(a['baseline_allocated'])} allocated): "
+                     f"peak allocated +{format_bytes(a['peak_allocated_delta'])}, "
+                     f"peak reserved +{format_bytes(a['peak_reserved_delta'])}; nvml used (whole device) "
                      f"{format_bytes(a['nvml_used']) if a['nvml_used'] is not None else 'n/a'}")
-        lines.append(f"{d['beyond_tensors']['label']}: {format_bytes(d['beyond_tensors']['bytes'])}")
+        b = d["beyond_tensors"]
+        lines.append(f"{b['label']}: {format_bytes(b['bytes'])}")
+        lines.append(f"{b['kept_label']}: {format_bytes(b['kept_after_run'])}")
     return "\n".join(lines)
 
 
@@ -129,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 from .experiments import training_step
                 data = training_step(spec, args.batch, args.image_size, args.optimizer, args.dtype,
-                                     args.engine, steps=args.steps).as_dict()
+                                     args.engine, steps=args.steps, fake_target=args.fake_target).as_dict()
                 text = _print_step
     except ValueError as exc:  # bad model, dtype, image size, engine: say what is valid
         print(f"gpulab: error: {exc}", file=sys.stderr)

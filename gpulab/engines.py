@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from .allocator import CachingAllocator
 from .formulas import cuda_rounded_bytes
 from .tracking import Category, MemoryTracker, TrackingResult
 
@@ -28,8 +30,19 @@ DEFAULT_MAX_CPU_FLOPS = 40 * 10**9         # ~ a second or two of fp32 work on a
 
 LABEL_FORMULA = "formula"
 LABEL_CPU = "measured on CPU (live tensors)"
-LABEL_FAKE = "fake tensors (no compute)"
+LABEL_FAKE = "fake tensors (no compute)"  # the family; a measurement says whose kernels it followed
+LABEL_FAKE_CPU = "fake tensors, CPU kernels (no compute)"
+LABEL_FAKE_CUDA = "fake tensors, CUDA kernels' allocations (no compute)"
+
+# Whose kernels a fake run follows: "cuda" answers for a GPU (foreach optimizers, bool dropout
+# masks, 512-byte blocks, step counters in host memory: gpulab.fake_cuda), "cpu" mimics this
+# CPU's kernels, so that a fake run equals a cpu-engine run storage for storage.
+FAKE_TARGETS = ("cuda", "cpu")
 LABEL_SIMULATED = "simulated allocator"
+# The two ways the cuda engine counts its live tensors (see ``allocator_blocks``).
+LABEL_TENSOR_BYTES = "tensor bytes (live tensors, each storage rounded up to 512 B)"
+LABEL_BLOCKS = ("allocator blocks (live tensors replayed through the simulated allocator: a large "
+                "block is not split when 1 MiB or less would remain)")
 
 
 def label_cuda(gpu_name: str) -> str:
@@ -38,6 +51,13 @@ def label_cuda(gpu_name: str) -> str:
 
 def label_recorded(gpu_name: str, date: str, torch_version: str) -> str:
     return f"recorded on {gpu_name}, {date}, torch {torch_version}"
+
+
+def validate_fake_target(target: str) -> str:
+    key = str(target).lower()
+    if key not in FAKE_TARGETS:
+        raise ValueError(f"unknown fake target {target!r}; valid targets: {', '.join(FAKE_TARGETS)}")
+    return key
 
 
 class EngineUnavailable(ValueError):
@@ -95,14 +115,44 @@ class Snapshot:
     tracked_bytes: int
     allocated_bytes: int | None = None
     by_category: dict[str, int] = field(default_factory=dict)  # tracked bytes per category
+    blocks_bytes: int | None = None   # cuda: the live tensors' blocks (``allocator_blocks``), to
+                                      # compare with ``allocated_bytes`` like with like
+
+
+@dataclass(frozen=True)
+class AllocatorBlocks:
+    """What ``torch.cuda.memory_allocated`` counts for a run's live tensors: its blocks.
+
+    The caching allocator rounds each request up to 512 B, and it does not split a free large
+    block when 1 MiB or less would remain (``should_split``: ``remaining > kSmallSize`` in the
+    large pool), so a block can be bigger than its rounded tensor; ``allocated_bytes`` grows by
+    the whole ``block->size`` (``alloc_found_block``), c10/cuda/CUDACachingAllocator.cpp."""
+    peak_bytes: int
+    final_bytes: int
+    label: str = LABEL_BLOCKS
+    tensor_label: str = LABEL_TENSOR_BYTES   # the line it stands next to: the tracker's own peak
+
+
+def allocator_blocks(events) -> AllocatorBlocks:
+    """Replay tracker events (one CUDA device's) through gpulab's simulated caching allocator,
+    starting from an empty cache, as ``_run_cuda`` leaves it after ``empty_cache``.
+    NB: free room in segments that blocks allocated before the run still occupy is not modelled."""
+    sim = CachingAllocator()
+    r = sim.replay(events, strict=False)
+    return AllocatorBlocks(r.peak_allocated, sim.memory_allocated())
 
 
 class RunContext:
     """What an experiment receives: where to put tensors, and how to label them."""
 
-    def __init__(self, engine: str, device: torch.device, tracker: MemoryTracker, baseline: int = 0):
+    def __init__(self, engine: str, device: torch.device, tracker: MemoryTracker, baseline: int = 0,
+                 kernels: str | None = None, on_host=None):
         self.engine = engine
         self.device = device
+        self._on_host = on_host  # records a CUDA run keeps in host memory (fake CUDA target)
+        # whose kernels the run follows: "cuda" on the cuda engine and for the fake engine's
+        # CUDA target (tensors still on ``device``), else "cpu"
+        self.kernels = kernels or ("cuda" if engine == "cuda" else "cpu")
         self.tracker = tracker
         self.snapshots: list[Snapshot] = []
         self._baseline = baseline
@@ -115,18 +165,20 @@ class RunContext:
 
     def snapshot(self, name: str) -> Snapshot:
         """Record live bytes now (tracker, and the allocator on CUDA)."""
-        dev = str(self.device)
-        rounded = self.engine == "cuda"
+        # the fake CUDA target records its CPU fake tensors as cuda:0 (MemoryTracker device_alias)
+        dev = "cuda:0" if self.kernels == "cuda" and self.engine != "cuda" else str(self.device)
+        rounded = self.kernels == "cuda"
         by_category = {c.value: 0 for c in Category}
         for r in self.tracker._records.values():
-            if r.alive and r.device.startswith(dev):
+            if r.alive and r.device.startswith(dev) and not (self._on_host and self._on_host(r)):
                 by_category[r.category.value] += cuda_rounded_bytes(r.nbytes) if rounded else r.nbytes
         tracked = sum(by_category.values())
-        alloc = None
+        alloc = blocks = None
         if self.engine == "cuda":
             torch.cuda.synchronize(self.device)
             alloc = torch.cuda.memory_allocated(self.device) - self._baseline
-        snap = Snapshot(name, tracked, alloc, by_category)
+            blocks = allocator_blocks([e for e in self.tracker._events if e.device.startswith(dev)]).final_bytes
+        snap = Snapshot(name, tracked, alloc, by_category, blocks)
         self.snapshots.append(snap)
         return snap
 
@@ -142,10 +194,16 @@ class Measurement:
     value: Any = None
     seconds: float = 0.0
     snapshots: list[Snapshot] = field(default_factory=list)
-    allocator: dict[str, int] | None = None    # cuda only: the caching allocator's counters
-    beyond_tensors: dict[str, Any] | None = None  # cuda only: allocator peak - tracked peak
+    allocator: dict[str, int] | None = None    # cuda only: the caching allocator's counters, this run
+    beyond_tensors: dict[str, Any] | None = None  # cuda only: allocator peak - the tensors' blocks' peak
+    blocks: AllocatorBlocks | None = None      # cuda only: the live tensors' allocator blocks
     oom: bool = False
     error: str | None = None
+    kernels: str = ""  # whose kernels the numbers follow: "cuda" or "cpu" (filled in if not given)
+
+    def __post_init__(self) -> None:
+        if not self.kernels:
+            self.kernels = "cuda" if self.engine == "cuda" else "cpu"
 
     @property
     def peak_bytes(self) -> int:
@@ -198,27 +256,55 @@ def _is_oom(exc: BaseException) -> bool:
 def run(experiment: Callable[[RunContext], Any], engine: str = "auto", *,
         predicted_bytes: int | None = None, predicted_flops: int | None = None,
         max_cpu_bytes: int = DEFAULT_MAX_CPU_BYTES, max_cpu_flops: int = DEFAULT_MAX_CPU_FLOPS,
-        cuda_device: int = 0) -> Measurement:
+        cuda_device: int = 0, fake_target: str = "cpu") -> Measurement:
     """Run ``experiment`` on the chosen engine under a tracker.
+
+    ``fake_target`` (fake engine only): "cpu" follows this CPU's kernels, so a fake run equals
+    a cpu-engine run storage for storage; "cuda" answers for a GPU with CUDA's kernel choices
+    (``gpulab.fake_cuda``) and 512-byte blocks. Questions about a GPU's capacity pass "cuda".
 
     An out-of-memory error is caught and returned as ``Measurement(oom=True, error=...)``,
     after freeing what the experiment allocated (gc, and ``empty_cache`` on CUDA)."""
+    target = validate_fake_target(fake_target)
     choice = choose_engine(engine, predicted_bytes, predicted_flops, max_cpu_bytes, max_cpu_flops)
     if choice.name == "cuda":
         return _run_cuda(experiment, choice, torch.device("cuda", cuda_device))
     if choice.name == "fake":
         from torch._subclasses.fake_tensor import FakeTensorMode
-        return _run_host(experiment, choice, LABEL_FAKE, FakeTensorMode())
+        if target == "cuda":
+            return _run_fake_cuda(experiment, choice, FakeTensorMode)
+        return _run_host(experiment, choice, LABEL_FAKE_CPU, FakeTensorMode())
     return _run_host(experiment, choice, LABEL_CPU, contextlib.nullcontext())
 
 
-def _run_host(experiment, choice: EngineChoice, label: str, mode) -> Measurement:
+def _run_fake_cuda(experiment, choice: EngineChoice, fake_mode) -> Measurement:
+    """The fake engine's CUDA target: fake CPU tensors (fake cuda tensors cannot run backward
+    without a GPU), CUDA's kernel choices made explicitly, storages recorded as ``cuda:0``
+    with 512-byte blocks, and what CUDA keeps in host memory counted on the CPU."""
+    from .fake_cuda import cuda_kernels
+    return _run_host(experiment, choice, LABEL_FAKE_CUDA, _stacked(fake_mode(), cuda_kernels()),
+                     tracker=MemoryTracker(device_alias={"cpu": "cuda:0"}), kernels="cuda")
+
+
+@contextlib.contextmanager
+def _stacked(*modes):
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield
+
+
+def _run_host(experiment, choice: EngineChoice, label: str, mode, tracker: MemoryTracker | None = None,
+              kernels: str = "cpu") -> Measurement:
     device = torch.device("cpu")
-    tracker = MemoryTracker()
+    tracker = tracker or MemoryTracker()
     value, err, oom = None, None, False
     t0 = time.perf_counter()
+    on_host = None
+    if kernels == "cuda":
+        from .fake_cuda import on_host_under_cuda as on_host
     with mode:
-        ctx = RunContext(choice.name, device, tracker)
+        ctx = RunContext(choice.name, device, tracker, kernels=kernels, on_host=on_host)
         try:
             with tracker:
                 value = experiment(ctx)
@@ -232,19 +318,79 @@ def _run_host(experiment, choice: EngineChoice, label: str, mode) -> Measurement
     # only pay it when a tracked storage is still alive: otherwise it changes nothing.
     if any(r.alive for r in tracker._records.values()):
         gc.collect()
-    dev_name = "cpu" if choice.name == "cpu" else "cpu (fake tensors)"
-    return Measurement(choice.name, choice.reason, dev_name, label, tracker.result(device="cpu"),
-                       value, seconds, ctx.snapshots, oom=oom, error=err)
+    if kernels == "cuda":
+        dev_name = "cuda:0 (fake tensors, CUDA kernels emulated on the CPU)"
+        tracking = tracker.result(device="cuda:0", round_to_cuda_blocks=True, on_host=on_host)
+    else:
+        dev_name = "cpu" if choice.name == "cpu" else "cpu (fake tensors)"
+        tracking = tracker.result(device="cpu")
+    return Measurement(choice.name, choice.reason, dev_name, label, tracking,
+                       value, seconds, ctx.snapshots, oom=oom, error=err, kernels=kernels)
+
+
+def release_cuda_memory(device: torch.device | int | None = None) -> None:
+    """Give back what earlier code left: collect garbage (reference cycles holding tensors), wait
+    for the GPU, and return the allocator's free cached segments to the driver (``empty_cache``)."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+
+
+def _cuda_counters(device: torch.device) -> dict[str, int]:
+    """The allocator's current counters; ``num_*`` count since the process started."""
+    stats = torch.cuda.memory_stats(device)
+    return {"allocated": int(torch.cuda.memory_allocated(device)),
+            "reserved": int(torch.cuda.memory_reserved(device)),
+            "num_alloc_retries": int(stats.get("num_alloc_retries", 0)),
+            "num_ooms": int(stats.get("num_ooms", 0))}
+
+
+def cuda_run_counters(before: dict[str, int], after: dict[str, int], max_allocated: int,
+                      max_reserved: int, nvml_used: int | None) -> dict[str, Any]:
+    """One run's allocator numbers: peaks and deltas from the run's own baseline. Counters the
+    allocator keeps for the whole process are given as this run's difference, and separately
+    under names that say ``since_process_start``."""
+    return {
+        "baseline_allocated": before["allocated"], "baseline_reserved": before["reserved"],
+        "memory_allocated": after["allocated"], "memory_reserved": after["reserved"],
+        "max_memory_allocated": int(max_allocated), "max_memory_reserved": int(max_reserved),
+        "peak_allocated_delta": int(max_allocated) - before["allocated"],
+        "peak_reserved_delta": int(max_reserved) - before["reserved"],
+        "allocated_delta": after["allocated"] - before["allocated"],
+        "num_alloc_retries_this_run": after["num_alloc_retries"] - before["num_alloc_retries"],
+        "num_ooms_this_run": after["num_ooms"] - before["num_ooms"],
+        "num_alloc_retries_since_process_start": after["num_alloc_retries"],
+        "num_ooms_since_process_start": after["num_ooms"],
+        "nvml_used": nvml_used,   # device-wide, all processes: not a per-run number
+    }
+
+
+def beyond_tensors(allocator: dict[str, Any], blocks: AllocatorBlocks) -> dict[str, Any]:
+    """What the allocator held during the run beyond the live tensors' own blocks (cuBLAS/cuDNN
+    workspaces, internal buffers of ops), and how much of it is still held after the run: that
+    part lives on with the process (cuBLAS keeps the workspace its first matmul of the process
+    allocated), so it is not a cost of every run."""
+    peak = allocator["peak_allocated_delta"]
+    gap = peak - blocks.peak_bytes
+    kept = allocator["allocated_delta"] - blocks.final_bytes
+    return {"bytes": int(gap),
+            "label": "allocator peak of this run beyond the live tensors' blocks (workspaces, internal buffers)",
+            "fraction_of_peak": gap / max(1, peak),
+            "kept_after_run": int(kept),
+            "kept_label": "still allocated after the run beyond live tensors: workspaces this run created, "
+                          "kept until the process ends (cuBLAS's first matmul of the process)"}
 
 
 def _run_cuda(experiment, choice: EngineChoice, device: torch.device) -> Measurement:
+    """Measure one run, not the process's history: free what earlier code left (gc, synchronize,
+    ``empty_cache``), reset the peaks, record the baseline; report peaks and deltas from it.
+    Memory is released again after any error; an error that is not an out-of-memory is re-raised."""
     from .gpu import nvml_used_bytes
-    gc.collect()
-    torch.cuda.synchronize(device)
+    release_cuda_memory(device)
     torch.cuda.reset_peak_memory_stats(device)
-    base_alloc = torch.cuda.memory_allocated(device)
+    before = _cuda_counters(device)
     tracker = MemoryTracker()
-    ctx = RunContext("cuda", device, tracker, baseline=base_alloc)
+    ctx = RunContext("cuda", device, tracker, baseline=before["allocated"])
     value, err, oom = None, None, False
     t0 = time.perf_counter()
     try:
@@ -252,29 +398,23 @@ def _run_cuda(experiment, choice: EngineChoice, device: torch.device) -> Measure
             value = experiment(ctx)
         torch.cuda.synchronize(device)
     except Exception as exc:
+        # the traceback's frames hold the experiment's tensors: drop their locals, then free
+        traceback.clear_frames(exc.__traceback__)
         if not _is_oom(exc):
+            release_cuda_memory(device)
             raise
         oom, err = True, f"{type(exc).__name__}: {exc}"
     seconds = time.perf_counter() - t0
-    stats = torch.cuda.memory_stats(device)
-    allocator = {
-        "baseline_allocated": int(base_alloc),
-        "memory_allocated": int(torch.cuda.memory_allocated(device)),
-        "max_memory_allocated": int(torch.cuda.max_memory_allocated(device)),
-        "memory_reserved": int(torch.cuda.memory_reserved(device)),
-        "max_memory_reserved": int(torch.cuda.max_memory_reserved(device)),
-        "num_alloc_retries": int(stats.get("num_alloc_retries", 0)),
-        "num_ooms": int(stats.get("num_ooms", 0)),
-        "nvml_used": nvml_used_bytes(device.index or 0),
-    }
+    max_alloc = torch.cuda.max_memory_allocated(device)
+    max_res = torch.cuda.max_memory_reserved(device)
     result = tracker.result(device=str(device))
-    gap = allocator["max_memory_allocated"] - base_alloc - result.peak_bytes
-    beyond = {"bytes": int(gap),
-              "label": "allocator peak beyond live tensors (workspaces, internal buffers)",
-              "fraction_of_peak": gap / max(1, allocator["max_memory_allocated"] - base_alloc)}
+    blocks = allocator_blocks(result.events)
+    allocator = cuda_run_counters(before, _cuda_counters(device), max_alloc, max_res,
+                                  nvml_used_bytes(device.index or 0))
+    beyond = beyond_tensors(allocator, blocks)
     if oom:
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_cuda_memory(device)
     name = torch.cuda.get_device_name(device)
     return Measurement("cuda", choice.reason, str(device), label_cuda(name), result, value, seconds,
-                       ctx.snapshots, allocator=allocator, beyond_tensors=beyond, oom=oom, error=err)
+                       ctx.snapshots, allocator=allocator, beyond_tensors=beyond, oom=oom, error=err,
+                       blocks=blocks)

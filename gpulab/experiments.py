@@ -180,14 +180,29 @@ class StepResult(Measured):
     predicted: dict[str, int | None]
     predicted_label: str = LABEL_FORMULA
 
+    @property
+    def tensor_bytes_by_category(self) -> dict[str, int]:
+        """Peak live bytes per category, unrounded: what the formulas count (numel × element
+        size). On cuda the tracker's peak rounds each storage up to 512 B, as the allocator does;
+        a formula is compared with these bytes, like with like (BatchNorm's six small buffers are
+        784 B of tensors but 3,072 B of 512-byte blocks)."""
+        t = self.measurement.tracking
+        if t is None:
+            return {}
+        if not t.rounded:
+            return dict(t.peak_by_category)
+        return dict(type(t).build(t.records, t.events, t.device, rounded=False).peak_by_category)
+
     def as_dict(self) -> dict[str, Any]:
         m = self.measurement
         d: dict[str, Any] = {
             "model": self.model, "batch": self.batch, "image_size": self.image_size,
             "optimizer": self.optimizer, "dtype": self.dtype, "steps": self.steps,
             "engine": m.engine, "engine_reason": m.reason, "device": m.device, "label": m.label,
+            "kernels": m.kernels,
             "peak_bytes": m.peak_bytes, "peak_phase": m.tracking.peak_phase if m.tracking else "",
             "peak_by_category": m.peak_by_category,
+            "peak_tensor_bytes_by_category": self.tensor_bytes_by_category,   # unrounded, vs formulas
             "final_by_category": dict(m.tracking.final_by_category) if m.tracking else {},
             # live tensors just after the last optimizer step (the "after step" snapshot),
             # while the model, its gradients and the optimizer state still exist
@@ -199,6 +214,9 @@ class StepResult(Measured):
         if m.allocator is not None:
             d["allocator"] = dict(m.allocator)
             d["beyond_tensors"] = dict(m.beyond_tensors or {})
+        if m.blocks is not None:   # the live tensors as the allocator counts them (cuda)
+            d["allocator_blocks"] = {"peak_bytes": m.blocks.peak_bytes, "final_bytes": m.blocks.final_bytes,
+                                     "label": m.blocks.label}
         return d
 
     def _repr_html_(self) -> str:
@@ -261,8 +279,13 @@ def step_experiment(spec: ModelSpec, batch: int, image_size: int, optimizer: str
 
 def training_step(model: str | ModelSpec, batch: int | None = None, image_size: int | None = None,
                   optimizer: str = "sgd", dtype: str | torch.dtype = "float32",
-                  engine: str = "auto", steps: int = 1, **engine_limits) -> StepResult:
-    """Track ``steps`` training steps of a fresh ``model`` (forward, backward, step)."""
+                  engine: str = "auto", steps: int = 1, fake_target: str = "cuda",
+                  **engine_limits) -> StepResult:
+    """Track ``steps`` training steps of a fresh ``model`` (forward, backward, step).
+
+    ``fake_target``: on the fake engine, whose kernels to follow. "cuda" (the default: a
+    step's memory is a GPU-capacity question) makes CUDA's choices (foreach optimizers, bool
+    dropout masks, 512-byte blocks, step counters on the host); "cpu" equals the cpu engine."""
     spec = resolve_model(model)
     batch = validate_batch(spec.default_batch if batch is None else batch)
     size = image_size or spec.default_image_size
@@ -277,8 +300,9 @@ def training_step(model: str | ModelSpec, batch: int | None = None, image_size: 
     predicted = predict_step(spec, batch, size, opt_key, dt, bd=bd)
     known = sum(v for v in predicted.values() if v)
     m = run(step_experiment(spec, batch, size, opt_key, dt, steps), engine,
-            predicted_bytes=known, predicted_flops=3 * bd.forward_flops * steps, **engine_limits)
-    if m.engine == "cuda":  # CUDA keeps Adam-style step counters on the CPU
+            predicted_bytes=known, predicted_flops=3 * bd.forward_flops * steps, fake_target=fake_target,
+            **engine_limits)
+    if m.kernels == "cuda":  # CUDA keeps Adam-style step counters on the CPU
         predicted = predict_step(spec, batch, size, opt_key, dt, count_step_counters=False, bd=bd)
     return StepResult(spec.name, batch, size, opt_key, dtype_name(dt), steps, m, predicted)
 

@@ -36,11 +36,14 @@ def tensor_bytes(shape: Iterable[int], dtype="float32") -> int:
 
 
 def cuda_rounded_bytes(nbytes: int) -> int:
-    """What ``torch.cuda.memory_allocated`` counts for one storage of ``nbytes`` bytes.
+    """One storage of ``nbytes`` bytes rounded as the CUDA caching allocator rounds a request:
+    up to a multiple of 512 bytes (``kMinBlockSize = 512``, ``round_size()`` in
+    c10/cuda/CUDACachingAllocator.cpp). A zero-byte storage takes no block.
 
-    The CUDA caching allocator rounds each request up to a multiple of 512 bytes
-    (``kMinBlockSize = 512``, ``round_size()`` in c10/cuda/CUDACachingAllocator.cpp).
-    A zero-byte storage takes no block.
+    NB: a lower bound of what ``torch.cuda.memory_allocated`` counts for it, not always equal:
+    the allocator does not split a free large block when 1 MiB or less would remain
+    (``should_split``), and counts the whole block (``alloc_found_block``), so a tensor can take
+    up to 1 MiB more. ``engines.allocator_blocks`` replays a run through the simulator for that.
     """
     return 0 if nbytes <= 0 else ((nbytes + 511) // 512) * 512
 

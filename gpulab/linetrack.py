@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .engines import LABEL_CPU, LABEL_FAKE, label_cuda
+from .engines import LABEL_CPU, LABEL_FAKE_CPU, label_cuda
 from .tracking import Category, MemoryTracker, TrackingResult
 from .units import format_bytes
 
@@ -249,7 +249,7 @@ def track_lines(code: str, namespace: dict[str, Any] | None = None, engine: str 
             end_alloc = torch.cuda.memory_allocated() if on_cuda else None
     n_events = len(tracker._events)
     result = tracker.result(device=device)
-    label = {"cpu": LABEL_CPU, "fake": LABEL_FAKE}.get(eng) or label_cuda(torch.cuda.get_device_name())
+    label = {"cpu": LABEL_CPU, "fake": LABEL_FAKE_CPU}.get(eng) or label_cuda(torch.cuda.get_device_name())
     steps = _build_steps(result, tracker.where, marks, n_events, end_alloc, src_lines)
     return LineReport(steps, eng, label, result.device, result.rounded, result, filename)
 

@@ -242,7 +242,7 @@ def workload(name: str = "training step", model: str = "cnn", batch: int = 32, *
         type(m.tracking).build(m.tracking.records, m.tracking.events, m.tracking.device, True).peak_bytes
     if m.engine == "cuda" and m.allocator is not None:
         out.real = real_allocator_stats()
-        out.real_label = m.label
+        out.real_label = REAL_STATS_LABEL.format(label=m.label)
     return out
 
 
@@ -268,8 +268,16 @@ def empty_cache_cost(model: str = "cnn", batch: int = 32, steps: int = 4,
 
 # ---- the real allocator (CUDA only) ----------------------------------------------------------------
 
+# memory_stats() is the process's: its counters (num_*, segment allocs) count since the process
+# started, its current values include what the process held before the run; only the peaks were
+# reset when the cuda engine started the run. Its column says so.
+REAL_STATS_LABEL = ("{label}: counters and current values since the process started, "
+                    "peaks since this run began")
+
+
 def real_allocator_stats(device: int = 0) -> dict[str, int] | None:
-    """``torch.cuda.memory_stats()`` restricted to ``STATS_KEYS``; None without CUDA."""
+    """``torch.cuda.memory_stats()`` restricted to ``STATS_KEYS``; None without CUDA. These are
+    the process's numbers (label them with ``REAL_STATS_LABEL``), not one run's."""
     if not torch.cuda.is_available():
         return None
     s = torch.cuda.memory_stats(device)

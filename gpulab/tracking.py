@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Iterable, Iterator
 
@@ -71,6 +71,7 @@ class StorageRecord:
     created: int             # index of its alloc event
     freed: int | None = None  # index of its free event, None while alive
     preexisting: bool = False  # created before the tracker saw it
+    state_key: str = ""        # the optimizer.state key it was found under ("exp_avg", "step", ...)
 
     @property
     def alive(self) -> bool:
@@ -106,8 +107,12 @@ class MemoryTracker(TorchDispatchMode):
     >>> tracker.result().peak_bytes  # doctest: +SKIP
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device_alias: dict[str, str] | None = None) -> None:
+        """``device_alias``: record storages of one device under another name, e.g.
+        ``{"cpu": "cuda:0"}`` when CPU fake tensors stand in for a GPU's (the fake engine's
+        CUDA target)."""
         super().__init__()
+        self._device_alias = dict(device_alias or {})
         self._records: dict[int, StorageRecord] = {}
         self._live: dict[int, int] = {}          # id(storage object) -> sid
         self._refs: dict[int, weakref.ref] = {}  # sid -> weakref (kept so callbacks fire)
@@ -226,7 +231,7 @@ class MemoryTracker(TorchDispatchMode):
         sid = self._next_sid
         self._next_sid += 1
         rec = StorageRecord(
-            sid=sid, nbytes=st.nbytes(), device=_device_str(t.device),
+            sid=sid, nbytes=st.nbytes(), device=self._device_alias.get(_device_str(t.device), _device_str(t.device)),
             dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape),
             category=category, module=self._module(), phase=self._phase(), op=op,
             created=len(self._events), preexisting=preexisting,
@@ -330,9 +335,11 @@ class MemoryTracker(TorchDispatchMode):
                 if p.grad is not None:
                     self._see(p.grad, op="existing", category=Category.GRADIENTS, preexisting=True)
         for state in optimizer.state.values():
-            for v in state.values():
+            for key, v in state.items():
                 if isinstance(v, torch.Tensor):
-                    self._see(v, op="existing", category=Category.OPTIMIZER_STATE, preexisting=True)
+                    rec = self._see(v, op="existing", category=Category.OPTIMIZER_STATE, preexisting=True)
+                    if rec is not None and not rec.state_key:
+                        rec.state_key = str(key)
 
     # ---- hooks ------------------------------------------------------------------------------
     def _on_forward_pre(self, module, args):
@@ -392,15 +399,23 @@ class MemoryTracker(TorchDispatchMode):
                 self._auto_phase = name
 
     # ---- results ----------------------------------------------------------------------------
-    def result(self, device: str | None = None, round_to_cuda_blocks: bool | None = None) -> "TrackingResult":
+    def result(self, device: str | None = None, round_to_cuda_blocks: bool | None = None,
+               on_host=None) -> "TrackingResult":
         """A snapshot of what has been recorded so far (the tracker may still be running).
 
         ``device``: keep only storages on this device ("cpu", "cuda:0", "meta" for fake
         tensors created on meta). By default the device holding the most bytes at its peak.
         ``round_to_cuda_blocks``: count each storage as the 512-byte multiple the CUDA
-        caching allocator gives it (default: True for CUDA devices)."""
+        caching allocator gives it (default: True for CUDA devices).
+        ``on_host``: a predicate on records; those it picks are counted on "cpu" (what a GPU
+        run keeps in host memory, when CPU fake tensors stand in for the GPU's)."""
         records = {sid: _copy_record(r) for sid, r in self._records.items()}
         events = list(self._events)
+        if on_host is not None:  # ``on_host(record)``: count this storage on the "cpu" instead
+            moved = {sid for sid, r in records.items() if on_host(r)}
+            for sid in moved:
+                records[sid].device = "cpu"
+            events = [replace(e, device="cpu") if e.sid in moved else e for e in events]
         return TrackingResult.build(records, events, device=device, rounded=round_to_cuda_blocks)
 
 

@@ -35,13 +35,25 @@ def measurement_html(m) -> str:
                 "<br>Memory was released; try a smaller batch or the fake engine.")
     out = m.tracking._repr_html_() + f"<div class='gpulab-label'>{html.escape(m.label)}</div>"
     if m.allocator:
-        a = m.allocator
-        out += html_table(["allocator counter", "bytes"], [
-            ["max_memory_allocated", format_bytes(a["max_memory_allocated"])],
-            ["max_memory_reserved", format_bytes(a["max_memory_reserved"])],
-            ["NVML used (nvidia-smi)", format_bytes(a["nvml_used"]) if a["nvml_used"] is not None else "n/a"],
-            [m.beyond_tensors["label"], format_bytes(m.beyond_tensors["bytes"])],
-        ], m.label)
+        a, b = m.allocator, m.beyond_tensors
+        rows = []
+        if m.blocks is not None:   # two lines: the tensors' bytes, and the blocks they take
+            rows += [[f"peak: {m.blocks.tensor_label}", format_bytes(m.peak_bytes)],
+                     [f"peak: {m.blocks.label}", format_bytes(m.blocks.peak_bytes)]]
+        rows += [
+            ["max_memory_allocated − baseline (this run)", format_bytes(a["peak_allocated_delta"])],
+            ["max_memory_reserved − baseline (this run)", format_bytes(a["peak_reserved_delta"])],
+            ["baseline before the run: allocated / reserved",
+             f"{format_bytes(a['baseline_allocated'])} / {format_bytes(a['baseline_reserved'])}"],
+            [b["label"], format_bytes(b["bytes"])],
+            [b["kept_label"], format_bytes(b["kept_after_run"])],
+            ["OOMs / allocation retries in this run (since the process started)",
+             f"{a['num_ooms_this_run']} / {a['num_alloc_retries_this_run']} "
+             f"({a['num_ooms_since_process_start']} / {a['num_alloc_retries_since_process_start']})"],
+            ["NVML used (nvidia-smi; the whole device, all processes)",
+             format_bytes(a["nvml_used"]) if a["nvml_used"] is not None else "n/a"],
+        ]
+        out += html_table(["allocator counter", "bytes"], rows, m.label)
     return out
 
 
@@ -52,9 +64,12 @@ def step_html(step) -> str:
              f"({html.escape(m.reason)})")
     if m.oom:
         return title + "<br>" + measurement_html(m)
-    table = html_table(["category", f"formula", f"peak: {m.label}", "formula error"],
-                       comparison_rows(step.predicted, m.peak_by_category)
-                       + [["total", "", format_bytes(m.peak_bytes), ""]],
+    rounded = m.tracking.rounded   # cuda: compare the formulas with unrounded tensor bytes
+    table = html_table(["category", f"formula", f"peak{' tensor bytes (unrounded)' if rounded else ''}: {m.label}",
+                        "formula error"],
+                       comparison_rows(step.predicted, step.tensor_bytes_by_category)
+                       + [["total" + (" (each storage rounded up to 512 B)" if rounded else ""), "",
+                           format_bytes(m.peak_bytes), ""]],
                        f"peak during {m.tracking.peak_phase}; binary units (1 MiB = 1024² B)")
     extra = measurement_html(m) if m.allocator else ""
     return title + table + extra

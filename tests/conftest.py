@@ -90,3 +90,15 @@ def notebook_client(nb, **kwargs):
         start_new_kernel_client = run_sync(async_start_new_kernel_client)
 
     return SlicedPollClient(nb, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# A stand-in GPU (tests/cuda_standin.py): the cuda engine's code on every run, without CUDA
+
+@pytest.fixture
+def standin_gpu(monkeypatch):
+    """torch.cuda answered by a stand-in: tensors on meta, counters from gpulab's simulator.
+    Yields the ``StandInGPU`` (its ``sim``, ``calls`` and ``order`` for assertions)."""
+    from cuda_standin import standin_gpu as install
+    with install(monkeypatch) as gpu:
+        yield gpu

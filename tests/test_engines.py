@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gpulab import engines
-from gpulab.engines import (LABEL_CPU, LABEL_FAKE, EngineUnavailable, Measurement, choose_engine,
+from gpulab.engines import (LABEL_CPU, LABEL_FAKE_CPU, EngineUnavailable, Measurement, choose_engine,
                             engine_status, run)
 from gpulab.experiments import training_step
 from gpulab.tracking import CATEGORIES
@@ -23,7 +23,9 @@ def _after_step(res):
 ])
 def test_fake_and_cpu_engines_agree_exactly(model, optimizer, steps):
     cpu = training_step(model, batch=8, optimizer=optimizer, engine="cpu", steps=steps)
-    fake = training_step(model, batch=8, optimizer=optimizer, engine="fake", steps=steps)
+    # like with like: the fake engine's CPU target follows the CPU's kernels (the default CUDA
+    # target follows CUDA's: tests/test_fake_cuda.py)
+    fake = training_step(model, batch=8, optimizer=optimizer, engine="fake", steps=steps, fake_target="cpu")
     assert (cpu.engine, fake.engine) == ("cpu", "fake")
     assert cpu.peak_bytes > 0
     assert fake.peak_bytes == cpu.peak_bytes
@@ -52,13 +54,13 @@ def test_after_step_snapshot_holds_params_grads_state(optimizer, mult):
 
 
 def test_fake_engine_answers_vgg16_at_batch_64():
-    res = training_step("vgg16", batch=64, optimizer="momentum", engine="fake")
+    res = training_step("vgg16", batch=64, optimizer="momentum", engine="fake", fake_target="cpu")
     params = 138_357_544 * 4
     after = _after_step(res).by_category
     assert after["parameters"] == after["gradients"] == after["optimizer_state"] == params
     assert res.peak_by_category["parameters"] == params
     assert res.peak_bytes > 5 * 2**30          # far more than this test could allocate for real
-    assert res.measurement.label == LABEL_FAKE and res.measurement.device == "cpu (fake tensors)"
+    assert res.measurement.label == LABEL_FAKE_CPU and res.measurement.device == "cpu (fake tensors)"
 
 
 # --- choosing an engine --------------------------------------------------------------------------
@@ -130,7 +132,7 @@ def test_training_step_auto_engine_without_gpu(no_gpu):
 
 # --- run(): values, labels, snapshots -----------------------------------------------------------
 
-@pytest.mark.parametrize("engine,label", [("cpu", LABEL_CPU), ("fake", LABEL_FAKE)])
+@pytest.mark.parametrize("engine,label", [("cpu", LABEL_CPU), ("fake", LABEL_FAKE_CPU)])
 def test_run_returns_value_label_and_tracking(engine, label):
     def experiment(ctx):
         x = ctx.label(torch.ones(1000, device=ctx.device))

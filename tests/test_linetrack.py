@@ -56,7 +56,7 @@ def test_namespace_keeps_variables_and_functions_are_followed():
 
 def test_fake_engine_reports_without_data():
     r = track_lines("w = torch.empty(4096, 4096)\n", ns(), engine="fake")
-    assert r.final_bytes == 4096 * 4096 * 4 and r.label == "fake tensors (no compute)"
+    assert r.final_bytes == 4096 * 4096 * 4 and r.label == "fake tensors, CPU kernels (no compute)"
 
 
 def test_unknown_engine_is_refused():

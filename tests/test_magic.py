@@ -28,7 +28,7 @@ def test_magic_through_run_cell_with_fake_engine(shell):
     assert res.success
     r = res.result
     assert isinstance(r, LineReport) and r.final_bytes == 2048 * 2048 * 4
-    assert r.label == "fake tensors (no compute)"
+    assert r.label == "fake tensors, CPU kernels (no compute)"
 
 
 def test_magic_errors_propagate(shell):

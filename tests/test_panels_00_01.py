@@ -10,7 +10,7 @@ import torch
 import gpulab.widgets.env as env_widget
 from gpulab.course import start as S
 from gpulab.course import tensor_bytes as T
-from gpulab.engines import LABEL_CPU, LABEL_FAKE, LABEL_FORMULA, LABEL_SIMULATED
+from gpulab.engines import LABEL_CPU, LABEL_FAKE_CPU, LABEL_FAKE_CUDA, LABEL_FORMULA, LABEL_SIMULATED
 from gpulab.course.tensor_plots import dtype_figure, engine_demo_figure, rounding_figure, tensor_bytes_figure
 from gpulab.units import DTYPES
 from gpulab.widgets import engine_panel, rounding_panel, tensor_bytes_panel
@@ -115,7 +115,7 @@ def test_dtype_control(tb_panel, dtype):
 def test_fake_engine_control(tb_panel):
     tb_panel.set(shape="256,3,100,100", dtype="float32", operation="transpose + contiguous", engine="fake")
     r = tb_panel.result
-    assert r.engine == "fake" and r.label == LABEL_FAKE
+    assert r.engine == "fake" and r.label == LABEL_FAKE_CPU
     assert (r.x_bytes, r.new_bytes, r.peak_bytes, r.kept_bytes) == reference(
         (256, 3, 100, 100), torch.float32, "transpose + contiguous")
 
@@ -125,7 +125,7 @@ def test_large_shape_on_auto_switches_to_fake_and_says_so(tb_panel):
     tb_panel.set(shape="100000,100000", dtype="float32", operation="slice", engine="auto")
     assert tb_panel.error is None and tb_panel.blocked is None
     r = tb_panel.result
-    assert r.engine == "fake" and r.label == LABEL_FAKE
+    assert r.engine == "fake" and r.label == LABEL_FAKE_CPU
     assert "limit" in r.reason
     assert r.kept_bytes == 100000 * 100000 * 4
 
@@ -215,7 +215,7 @@ def test_dtype_table_every_dtype_against_torch():
 
 def test_dtype_table_on_fake_marks_quantized_unmeasurable():
     t = T.dtype_table(100, "fake")
-    assert t.label == LABEL_FAKE
+    assert t.label == LABEL_FAKE_CPU
     assert t.row("qint8").measured_bytes is None and t.row("qint8").note
     assert t.row("float16").measured_bytes == 200
 
@@ -262,7 +262,7 @@ def test_engine_panel_default_and_controls(monkeypatch):
         p.set(size_mib=256, cpu_limit_mib=64)
         assert p.result.engine == "fake"
     p.set(size_mib=1, engine="fake", cpu_limit_mib=2048)
-    assert p.result.label == LABEL_FAKE and p.result.measured_bytes == 2**20
+    assert p.result.label == LABEL_FAKE_CPU and p.result.measured_bytes == 2**20
     assert p.result.simulated_reserved == 2 * 2**20
     # an explicit cpu run bigger than free memory is refused, with the fake engine offered
     monkeypatch.setattr(env_widget, "free_memory", lambda engine: (1024, "test memory"))
@@ -281,7 +281,7 @@ def test_machine_report_and_labels():
     if NO_CUDA:
         assert m.gpus == [] and "no CUDA GPU" in repr(m)
     labels = [lab for lab, _, _ in S.label_guide().rows]
-    assert LABEL_FORMULA in labels and LABEL_CPU in labels and LABEL_FAKE in labels and LABEL_SIMULATED in labels
+    assert LABEL_FORMULA in labels and LABEL_CPU in labels and LABEL_FAKE_CPU in labels and LABEL_FAKE_CUDA in labels and LABEL_SIMULATED in labels
 
 
 def test_units_and_prefix_gaps():

@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gpulab.course import activations as A
 from gpulab.course import parameters as P
-from gpulab.engines import LABEL_CPU, LABEL_FAKE
+from gpulab.engines import LABEL_CPU, LABEL_FAKE_CPU
 from gpulab.models import small_cnn
 from gpulab.widgets import (depthwise_panel, flops_panel, forward_table_panel, inference_panel, layer_panel,
                             modelsize_panel, parameters_panel)
@@ -111,7 +111,7 @@ def test_layer_panel_batchnorm_buffers_dtype_and_engine():
     assert p.result.param_bytes_measured == _param_bytes(ref16) == 1024
     assert p.result.buffer_bytes_measured == _buffer_bytes(ref16) == 256 * 2 * 2 + 8  # the counter stays int64
     p.set(engine="fake")
-    assert p.result.label == LABEL_FAKE and p.result.buffer_bytes_measured == _buffer_bytes(ref16)
+    assert p.result.label == LABEL_FAKE_CPU and p.result.buffer_bytes_measured == _buffer_bytes(ref16)
 
 
 def test_layer_panel_bad_input_is_a_readable_error():
@@ -156,7 +156,7 @@ def test_parameters_panel_controls_resnet_buffers_dtype_engine():
     p.set(model="cnn", dtype="float32", engine="fake")
     fake = p.result
     p.set(engine="cpu")
-    assert fake.label == LABEL_FAKE and p.result.label == LABEL_CPU
+    assert fake.label == LABEL_FAKE_CPU and p.result.label == LABEL_CPU
     assert fake.param_bytes_measured == p.result.param_bytes_measured == _param_bytes(small_cnn())
     if NO_CUDA:
         p.set(engine="cuda")
@@ -216,7 +216,7 @@ def test_forward_table_panel_reproduces_cs231n():
     p = forward_table_panel(engine=AUTO_FAKE)
     p.run()
     t = p.result
-    assert p.error is None and t.label == LABEL_FAKE
+    assert p.error is None and t.label == LABEL_FAKE_CPU
     assert t.values_cs231n_layers == _cs231n_values() == 15_237_608
     assert t.values_created == _cs231n_values() + 512 * 7 * 7      # + torchvision's AdaptiveAvgPool2d copy
     assert t.total_params == _numel(torchvision.models.vgg16(weights=None))
@@ -280,7 +280,7 @@ def test_inference_panel_saved_bytes_match_saved_tensors_hooks():
     assert r.label == LABEL_CPU
     cpu = r
     p.set(engine="fake")
-    assert p.result.label == LABEL_FAKE
+    assert p.result.label == LABEL_FAKE_CPU
     assert p.result.training.saved_bytes == cpu.training.saved_bytes
     assert p.result.inference.peak_non_param == cpu.inference.peak_non_param
     p.set(batch=64)
@@ -367,7 +367,7 @@ def test_depthwise_panel_each_control(change):
     assert r.separable.saved_bytes == _ref_saved(sep.to(dt), shape, dt)
     assert r.saved_formula == {"standard": r.standard.saved_bytes, "separable": r.separable.saved_bytes}
     assert r.separable.saved_bytes > r.standard.saved_bytes
-    assert r.label == (LABEL_FAKE if change.get("engine") == "fake" else LABEL_CPU)
+    assert r.label == (LABEL_FAKE_CPU if change.get("engine") == "fake" else LABEL_CPU)
 
 
 def test_depthwise_claims_depend_on_shape():
@@ -409,7 +409,7 @@ def test_modelsize_panel():
     ref = small_cnn().train()
     x = torch.randn(1, 3, 32, 32)
     assert rows["cnn"].saved_with_input == _saved_reference(ref, x) + x.numel() * 4
-    assert rows["cnn"].label == (LABEL_CPU if NO_CUDA else LABEL_FAKE) and rows["vgg16"].label == LABEL_FAKE
+    assert rows["cnn"].label == (LABEL_CPU if NO_CUDA else LABEL_FAKE_CPU) and rows["vgg16"].label == LABEL_FAKE_CPU
     assert all(r.error_percent > 20 for r in c.rows)          # modelsize() x2 overestimates every model
     assert all(r.saved_with_input <= r.backward_peak < 1.5 * r.saved_with_input for r in c.rows)
     assert [x.verdict for x in A.modelsize_claims(c)] == ["breaks", "breaks"]

@@ -40,7 +40,7 @@ def test_sweep_panel_controls_change_the_experiment():
     assert panel.result.model == "mlp" and panel.result.optimizer == "adam"
     panel.set(model="vgg16", engine="fake", largest=16)
     r = panel.result
-    assert r.engine == "fake" and r.label == "fake tensors (no compute)"
+    assert r.engine == "fake" and r.label == "fake tensors, CUDA kernels' allocations (no compute)"  # a GPU's answer
     assert [p.batch for p in r.points] == [2, 4, 8, 16]
 
 
@@ -89,7 +89,7 @@ def test_optimizer_panel_state_against_parameter_sizes():
     assert {run.optimizer: run.state_after_bytes for run in panel.result.runs} == want
     panel.set(engine="fake")
     assert {run.optimizer: run.state_after_bytes for run in panel.result.runs} == want
-    assert panel.result.label == "fake tensors (no compute)"
+    assert panel.result.label == "fake tensors, CPU kernels (no compute)"  # compared with the cpu engine
 
 
 @no_gpu

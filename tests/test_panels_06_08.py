@@ -14,7 +14,7 @@ from gpulab.course import checkpointing as C
 from gpulab.course import inference as I
 from gpulab.course import inplace as P
 from gpulab.course import precision as M
-from gpulab.engines import LABEL_CPU, LABEL_FAKE
+from gpulab.engines import LABEL_CPU, LABEL_FAKE_CPU
 from gpulab.widgets.checkpoint import checkpoint_panel
 from gpulab.widgets.inference_modes import grad_modes_panel
 from gpulab.widgets.inplace import inplace_panel
@@ -298,7 +298,7 @@ def test_checkpoint_panel_divisors_and_fake(ckpt):
     ckpt.set(segments="divisors of N", engine="fake")
     r = ckpt.result
     assert [p.segments for p in r.points] == [1, 2, 4, 8]
-    assert r.label == LABEL_FAKE and all(p.timing is None for p in r.points)
+    assert r.label == LABEL_FAKE_CPU and all(p.timing is None for p in r.points)
     assert "not timed" in r.timing_label
     assert png_bytes(r.figure()) > 5_000
     ckpt.set(segments=C.SEGMENT_CHOICES[0], engine="cpu")
@@ -384,7 +384,7 @@ def test_precision_panel_fp16_scaler(precision):
     assert amp.scaler is not None and amp.scaler["scale"] == 2.0 ** 16  # no inf: the scale is unchanged
     assert amp.persistent == r.runs["fp32"].persistent
     precision.set(engine="fake")
-    assert precision.error is None and precision.result.label == LABEL_FAKE
+    assert precision.error is None and precision.result.label == LABEL_FAKE_CPU
     assert precision.result.runs["autocast float16"].scaler["scale"] is None  # fake tensors hold no value
     precision.set(model="cnn", low="bfloat16", batch=4, engine="cpu")
 

@@ -14,11 +14,32 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engines import LABEL_FAKE_CUDA
 from ..experiments import StepResult, training_step
+from ..fake_cuda import STILL_DIFFERS
 from ..tracking import CATEGORIES, TrackingResult
 from ..units import format_bytes
 from ..plots import to_png as as_png
 from ..views import html_table
+
+
+@dataclass(frozen=True)
+class FakeCudaDifferences:
+    """What a fake-engine step answering for a GPU (*fake tensors, CUDA kernels' allocations*)
+    still cannot match on a real one: ``gpulab.fake_cuda.STILL_DIFFERS``, for lesson 04."""
+    rows: tuple[tuple[str, str], ...] = STILL_DIFFERS
+    label: str = LABEL_FAKE_CUDA
+
+    def __repr__(self) -> str:
+        return "\n".join([f"not in '{self.label}':"] + [f"- {name}: {why}" for name, why in self.rows])
+
+    def _repr_html_(self) -> str:
+        return html_table(["not predicted", "why"], self.rows,
+                          f"what '{self.label}' still cannot match on a real GPU")
+
+
+def fake_cuda_differences() -> FakeCudaDifferences:
+    return FakeCudaDifferences()
 
 
 @dataclass

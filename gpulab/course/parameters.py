@@ -447,9 +447,11 @@ def model_params(model: str | ModelSpec = "vgg16", dtype: str | torch.dtype = "f
 
 
 def _live_by_category(ctx: RunContext) -> dict[str, int]:
-    """Live bytes per category right now, as the tracker counts them on the run's device
-    (rounded up to 512 B per storage on CUDA, like ``memory_allocated``)."""
-    return dict(ctx.tracker.result(device=str(ctx.device)).final_by_category)
+    """Live tensor bytes per category right now on the run's device, unrounded (numel × element
+    size), on every engine: what ``count × 4 B`` predicts. On CUDA each storage also takes a
+    512-byte multiple of the allocator; comparing the formula with that would flip the verdict
+    for small tensors, so the comparison is of like with like."""
+    return dict(ctx.tracker.result(device=str(ctx.device), round_to_cuda_blocks=False).final_by_category)
 
 
 def layer_param_count(model: str | ModelSpec, layer: str) -> int:

@@ -24,7 +24,7 @@ import torch
 
 from .. import formulas as F
 from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
-from ..engines import (DEFAULT_MAX_CPU_BYTES, LABEL_CPU, LABEL_FAKE, LABEL_FORMULA, LABEL_SIMULATED,
+from ..engines import (DEFAULT_MAX_CPU_BYTES, LABEL_CPU, LABEL_FAKE_CPU, LABEL_FAKE_CUDA, LABEL_FORMULA, LABEL_SIMULATED,
                       RunContext, engine_status, label_cuda, label_recorded, run)
 from .exercises import Exercise
 from ..tracking import TrackingResult
@@ -142,8 +142,11 @@ def label_guide() -> LabelGuide:
                         "nothing ran", True),
         (LABEL_CPU, "the code ran on the CPU with real data; a tracker counted every tensor storage "
                     "it created and freed", status["cpu"][0]),
-        (LABEL_FAKE, "the code ran on fake tensors (shapes and dtypes, no data, no compute); the "
-                     "same tracker counted the storages they would need", status["fake"][0]),
+        (LABEL_FAKE_CPU, "the code ran on fake tensors (shapes and dtypes, no data, no compute) with this "
+                         "CPU's kernels; the same tracker counted the storages they would need", status["fake"][0]),
+        (LABEL_FAKE_CUDA, "fake tensors again, answering for a GPU: CUDA's kernel choices (foreach optimizers, "
+                          "bool dropout masks, step counters in host memory), storages in 512-byte blocks; "
+                          "no CUDA context or workspaces (see gpulab.fake_cuda.STILL_DIFFERS)", status["fake"][0]),
         (LABEL_SIMULATED, "a model of PyTorch's CUDA caching allocator replayed those storages: what "
                           "memory_allocated / memory_reserved would say on a GPU", CachingAllocator is not None),
         (label_cuda(gpu), "the code ran on that GPU; the numbers come from the caching allocator's "
@@ -229,9 +232,9 @@ class EngineDemo:
             out += [("memory_allocated", self.simulated_allocated, self.simulated_label),
                     ("memory_reserved", self.simulated_reserved, self.simulated_label)]
         if self.cuda_allocated is not None:
-            out.append(("memory_allocated", self.cuda_allocated, self.label))
+            out.append(("memory_allocated − baseline (this run)", self.cuda_allocated, self.label))
         if self.cuda_reserved is not None:
-            out.append(("max_memory_reserved", self.cuda_reserved, self.label))
+            out.append(("max_memory_reserved − baseline (this run)", self.cuda_reserved, self.label))
         return out
 
     def __repr__(self) -> str:
@@ -282,7 +285,7 @@ def engine_demo(size_mib: int = 4, engine: str = "auto",
                       raw.peak_bytes, m.seconds, sim_a, sim_r)
     if m.engine == "cuda" and m.allocator:
         demo.cuda_allocated = m.value
-        demo.cuda_reserved = m.allocator["max_memory_reserved"]
+        demo.cuda_reserved = m.allocator["peak_reserved_delta"]   # this run's, not the process's
         demo.nvml_used = m.allocator.get("nvml_used")
     return demo
 

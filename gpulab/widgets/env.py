@@ -47,7 +47,8 @@ def engine_guard(predict_fake_peak: Callable[[dict[str, Any]], int],
         return GuardVerdict(
             False,
             f"<b>Not run:</b> the fake engine predicts a peak of <b>{format_bytes(peak)}</b> (fake tensors, "
-            f"no compute), more than the {format_bytes(free)} of {what} on the <b>{choice.name}</b> engine. "
+            f"no compute), more than the {format_bytes(free)} a run may use on the <b>{choice.name}</b> engine "
+            f"({what}). "
             f"Switch to the <b>fake</b> engine, which answers the same question without allocating anything.",
             suggestion={engine_key: "fake"})
     return guard

@@ -11,13 +11,26 @@ from ..units import format_bytes
 from .base import GuardVerdict
 
 RAM_MARGIN = 0.7   # use at most 70% of the RAM that is available right now
+GPU_MARGIN = 0.10  # keep 10% of what a GPU run could use in reserve (kernels' workspaces, rounding)
+
+
+def cuda_free_for_run(free: int, reserved: int, allocated: int, margin: float = GPU_MARGIN) -> tuple[int, str]:
+    """(bytes a cuda run may use, the sum that gave it). What the allocator can give a run is the
+    device's free memory plus what it has cached but not allocated (reserved − allocated: free
+    blocks it reuses before asking the driver), less a safety margin."""
+    cached = max(0, reserved - allocated)
+    usable = int((free + cached) * (1 - margin))
+    return usable, (f"{format_bytes(free)} free on the GPU (cudaMemGetInfo) + {format_bytes(cached)} cached by "
+                    f"PyTorch's allocator (reserved {format_bytes(reserved)} − allocated {format_bytes(allocated)}) "
+                    f"− a {int(round(100 * margin))}% safety margin = {format_bytes(usable)}")
 
 
 def free_memory(engine: str) -> tuple[int, str]:
-    """(bytes free for an experiment, what that number is) on the engine's device."""
+    """(bytes free for an experiment, what that number is, with the numbers it used) on the
+    engine's device."""
     if engine == "cuda":
         free, _total = torch.cuda.mem_get_info()
-        return int(free), "free GPU memory (cudaMemGetInfo)"
+        return cuda_free_for_run(int(free), int(torch.cuda.memory_reserved()), int(torch.cuda.memory_allocated()))
     import psutil
     avail = psutil.virtual_memory().available
     return int(avail * RAM_MARGIN), f"{int(RAM_MARGIN * 100)}% of the RAM available now"
@@ -36,8 +49,8 @@ def memory_guard(predict_peak: Callable[[dict[str, Any]], int], engine_key: str 
             return GuardVerdict(True)
         return GuardVerdict(False,
                             f"<b>Not run:</b> the fake engine predicts a peak of <b>{format_bytes(peak)}</b> "
-                            f"(fake tensors, no compute), more than the {format_bytes(free)} of {what} on the "
-                            f"<b>{engine}</b> engine. Running it would run out of memory. Choose a smaller "
+                            f"(fake tensors, no compute), more than the {format_bytes(free)} a run may use on the "
+                            f"<b>{engine}</b> engine ({what}). Running it would run out of memory. Choose a smaller "
                             f"batch or image, or switch to the <b>fake</b> engine, which answers the same "
                             f"question without allocating anything.",
                             suggestion={engine_key: "fake"} if engine_key in params else None)

@@ -24,7 +24,7 @@ def render_step(result: StepResult) -> list[Any]:
     if m.oom:
         return [result]
     return [result,
-            comparison_bars(result.predicted, m.peak_by_category, f"peak: {m.label}",
+            comparison_bars(result.predicted, result.tensor_bytes_by_category, f"peak tensor bytes: {m.label}",
                             title=f"{result.model}, batch {result.batch}: formula vs {m.label}"),
             timeline(m.tracking, title=f"one training step, {m.label}")]
 

@@ -1,0 +1,134 @@
+"""What CUDA would run, on fake tensors, on a machine without a GPU.
+
+The fake engine answers "would it fit on a GPU?" without one. Fake tensors *on a cuda
+device* get surprisingly far: ``FakeTensorMode`` builds them, and a forward pass dispatches
+the CUDA paths (``dropout`` becomes ``native_dropout`` with a bool mask, batch norm becomes
+``cudnn_batch_norm``). But backward does not run: autograd's engine asks the CUDA runtime
+for the device's primary context, and with no GPU it fails (``RuntimeError: hasPrimaryContext
+expects a valid device index``). Autocast on a fake cuda tensor is switched off with a
+warning ("CUDA is not available"). So a training step cannot run on fake cuda tensors here.
+
+Instead the fake engine runs the experiment on fake *CPU* tensors and makes CUDA's
+choices explicitly (``cuda_kernels()``), each one checked against PyTorch's source:
+
+* **optimizers**: ``torch/optim/optimizer.py`` ``_default_to_fused_or_foreach`` picks the
+  foreach implementation when every parameter is a CUDA tensor (and never fused unless
+  asked). On the CPU, and for ``FakeTensor`` parameters anywhere (their type is not in
+  ``_foreach_supported_types``), it picks the for-loop. Inside ``cuda_kernels()`` it answers
+  as it would for CUDA tensors. An explicit ``foreach=`` / ``fused=`` is left alone.
+* **step counters**: ``torch/optim/adam.py`` ``_init_group`` (and adamw, rmsprop,
+  adagrad) keeps ``state["step"]`` as a CPU tensor unless the group is fused or capturable,
+  so on a GPU it is host memory. ``on_host_under_cuda`` picks those storages so the engine
+  counts them on the CPU, not on the GPU. NB: a fused or capturable optimizer keeps its step
+  on the GPU (one 512-byte block per parameter tensor); the emulation counts it as host.
+* **dropout**: ``aten/src/ATen/native/Dropout.cpp`` ``dropout`` uses the fused kernel
+  (``native_dropout``: the output and a **bool** mask, saved for backward) when the input
+  is on CUDA, in training, with 0 < p < 1; the CPU path multiplies by a float noise
+  tensor it keeps. Inside ``cuda_kernels()``, ``F.dropout`` / ``torch.dropout`` call
+  ``torch.native_dropout``, which allocates exactly what the fused CUDA kernel does.
+  ``dropout_`` (``inplace=True``), ``Dropout1d/2d/3d`` and alpha dropout take the same
+  non-fused path on both devices and are left alone.
+* **512-byte blocks**: the engine reports the run on ``cuda:0`` with every storage rounded
+  up to the caching allocator's 512-byte block (``c10/cuda/CUDACachingAllocator.cpp``
+  ``kMinBlockSize``), as the tracker does for a real CUDA run.
+* **batch norm**: nothing to change: ``cudnn_batch_norm`` saves the same input, weight,
+  running stats and per-channel mean / inverse std as the CPU kernel; its extra ``reserve``
+  tensor is empty on fake tensors (its real size comes from cuDNN at run time).
+
+``STILL_DIFFERS`` lists, as data, what a fake CUDA-target run still cannot match on a real
+GPU; the README and lesson 04 show it.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+STILL_DIFFERS: tuple[tuple[str, str], ...] = (
+    ("CUDA context", "the driver's and PyTorch's own memory on the card (hundreds of MiB): not a tensor, "
+                     "so never counted; lesson 04 adds an assumed figure"),
+    ("cuBLAS / cuDNN workspaces", "matmul and convolution workspaces the libraries allocate through the "
+                                  "caching allocator; they depend on the algorithm cuDNN picks at run time"),
+    ("cuDNN batch norm reserve", "cudnn_batch_norm's reserve tensor is empty on fake tensors; its real size "
+                                 "comes from cuDNN"),
+    ("caching allocator", "live tensors only: reserved memory, fragmentation and cached blocks come from "
+                          "the allocator simulator, not from the fake run"),
+    ("autocast op lists", "autocast is off on fake cuda tensors, so torch.autocast runs with the CPU's op "
+                          "lists (CUDA's lists keep losses, softmax, layer norm and sums in float32)"),
+    ("kernel-internal buffers", "memory a CUDA kernel allocates inside itself (cuDNN conv algorithms, "
+                                "NCCL, flash attention's scratch) is invisible to fake tensors"),
+    ("fused / capturable optimizers", "their step counters live on the GPU but are counted as host memory "
+                                      "(one 512-byte block per parameter tensor)"),
+)
+
+
+def _optimizer_modules() -> list:
+    return [m for name, m in list(sys.modules.items())
+            if m is not None and (name == "torch.optim" or name.startswith("torch.optim."))]
+
+
+def _cuda_default_to_fused_or_foreach(params, differentiable: bool, use_fused: bool = False):
+    """CUDA's answer of ``torch/optim/optimizer.py`` ``_default_to_fused_or_foreach``: every
+    parameter counts as a CUDA tensor (``cuda`` is in both supported-device lists)."""
+    if torch.jit.is_scripting() or differentiable:
+        return False, False
+    fused = use_fused and all(p is None or torch.is_floating_point(p) for p in params)
+    return fused, not fused
+
+
+@contextlib.contextmanager
+def _cuda_optimizer_defaults() -> Iterator[None]:
+    """Swap torch.optim's default-implementation choice for CUDA's, in every torch.optim
+    module that imported it, for the duration (restored on exit)."""
+    original = sys.modules["torch.optim.optimizer"]._default_to_fused_or_foreach
+    patched = [m for m in _optimizer_modules() if getattr(m, "_default_to_fused_or_foreach", None) is original]
+    for m in patched:
+        m._default_to_fused_or_foreach = _cuda_default_to_fused_or_foreach
+    try:
+        yield
+    finally:
+        for m in patched:
+            m._default_to_fused_or_foreach = original
+
+
+def _dropout_args(func, args, kwargs):
+    """(input, p, training, inplace) of an ``F.dropout`` or ``torch.dropout`` call."""
+    if func is torch.nn.functional.dropout:
+        names, defaults = ("input", "p", "training", "inplace"), (None, 0.5, True, False)
+    else:  # torch.dropout(input, p, train)
+        names, defaults = ("input", "p", "train"), (None, 0.5, True)
+    bound = dict(zip(names, defaults))
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound["input"], float(bound["p"]), bool(bound.get("training", bound.get("train"))), \
+        bool(bound.get("inplace", False))
+
+
+class _CudaDropout(TorchFunctionMode):
+    """``dropout`` as ``aten/src/ATen/native/Dropout.cpp`` runs it on CUDA: the fused
+    ``native_dropout`` (output + bool mask) when training with 0 < p < 1 and a non-empty
+    input; anything else goes through unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.dropout or func is torch.dropout:
+            x, p, training, inplace = _dropout_args(func, args, kwargs)
+            if training and not inplace and 0.0 < p < 1.0 and x.numel() > 0:
+                return torch.native_dropout(x, p, True)[0]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_kernels() -> Iterator[None]:
+    """Run the code inside with CUDA's kernel choices (see the module docstring)."""
+    with _cuda_optimizer_defaults(), _CudaDropout():
+        yield
+
+
+def on_host_under_cuda(record) -> bool:
+    """A tracked storage that CUDA would keep in host memory: an optimizer's 0-dim
+    ``state["step"]`` counter (``torch/optim/adam.py`` ``_init_group``)."""
+    return record.state_key == "step" and tuple(record.shape) == ()

@@ -1,0 +1,266 @@
+"""A stand-in for one CUDA GPU, so that CI runs the cuda engine's code on every run without one.
+
+What it replaces, and only that:
+
+* **device memory**: tensors asked for on ``cuda`` live on the ``meta`` device (shapes, dtypes and
+  storage sizes, no data, no compute). A ``TorchFunctionMode`` rewrites ``device="cuda"`` (also
+  under ``with torch.device("cuda")``, ``.to("cuda")`` and ``.cuda()``) to ``meta``, and marks what
+  it creates as GPU storages; a ``TorchDispatchMode`` marks every storage an op makes from GPU
+  storages (forward, backward, optimizer) the same way.
+* **the caching allocator**: each GPU storage gets a block from gpulab's own simulator
+  (``gpulab.allocator.CachingAllocator``, rules from ``c10/cuda/CUDACachingAllocator.cpp``) when it
+  is created, and gives it back when it dies, so ``torch.cuda.memory_allocated``/``_reserved``,
+  their peaks, ``memory_stats``, ``empty_cache`` and ``reset_peak_memory_stats`` are one consistent
+  set of counters. An allocation the simulated device cannot hold raises ``torch.OutOfMemoryError``
+  as the real allocator does. The first matrix product of the "process" (the stand-in's lifetime)
+  takes a cuBLAS-like workspace that stays allocated, as cuBLAS's does.
+* **device facts**: ``torch.cuda.is_available`` and friends, ``mem_get_info`` (total minus a CUDA
+  context, other processes and the reserved pool), NVML's used memory. The device's name is
+  ``STANDIN_NAME``, so no number from it can be mistaken for a measurement.
+
+The tracker sees meta tensors; in the stand-in it names their device ``cuda:0`` (every meta tensor
+a tracker sees during a stand-in test counts as the GPU's). Values are not computed: ``.item()``,
+``bool()``, ``.tolist()`` and ``.cpu()`` of a GPU tensor give zeros.
+NB: meta tensors are not CUDA tensors to PyTorch's own choices: optimizers take their for-loop
+implementation, and CUDA autocast does not cast them. The counters follow what did run.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+import weakref
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from gpulab.allocator import MiB, CachingAllocator, SimulatedOutOfMemoryError
+
+STANDIN_NAME = "stand-in GPU (no CUDA)"
+GiB = 1024 * MiB
+
+# cuBLAS's default workspace config ":4096:2:16:8" (2 x 4096 KiB + 8 x 16 KiB), allocated through
+# the caching allocator by the first matmul on a handle/stream and kept for the process's lifetime
+# (aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize / getNewWorkspace).
+CUBLAS_WORKSPACE = 2 * 4096 * 1024 + 8 * 16 * 1024
+MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv"}
+
+
+def _is_cuda(dev: Any) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.split(":")[0] == "cuda"
+    return False
+
+
+def _zeros_like_host(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(t.shape, dtype=t.dtype)
+
+
+class StandInGPU:
+    """The stand-in's state: the simulated allocator, the GPU storages, and a log of the
+    ``torch.cuda`` calls made (``calls``: name -> count, ``order``: names in call order)."""
+
+    def __init__(self, total_bytes: int = 16 * GiB, context_bytes: int = 500 * MiB,
+                 other_process_bytes: int = 0, workspace_bytes: int = CUBLAS_WORKSPACE) -> None:
+        self.total_bytes = total_bytes
+        self.context_bytes = context_bytes
+        self.other_process_bytes = other_process_bytes
+        self.workspace_bytes = workspace_bytes
+        self.sim = CachingAllocator(capacity_bytes=total_bytes - context_bytes - other_process_bytes)
+        self.calls: Counter[str] = Counter()
+        self.order: list[str] = []
+        self._blocks: dict[int, Any] = {}       # id(storage) -> simulated block
+        self._refs: dict[int, weakref.ref] = {}
+        self._workspace = None
+        self._creating = 0                       # > 0 while a cuda-device call runs
+
+    # ---- storages ------------------------------------------------------------------------------
+    def is_gpu(self, t: Any) -> bool:
+        if not isinstance(t, torch.Tensor) or t.device.type != "meta":
+            return False
+        try:
+            return id(t.untyped_storage()) in self._blocks
+        except (RuntimeError, NotImplementedError, TypeError):
+            return False
+
+    def _see(self, t: torch.Tensor) -> None:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        key = id(st)
+        old = self._blocks.get(key)
+        if old is not None:
+            if old.size and st.nbytes() != old.requested:     # resized: a new buffer
+                self.sim.free(old)
+                self._blocks[key] = self._malloc(st.nbytes())
+            return
+        self._blocks[key] = self._malloc(st.nbytes())
+        self._refs[key] = weakref.ref(st, self._make_free(key))
+
+    def _malloc(self, nbytes: int):
+        try:
+            return self.sim.malloc(nbytes)
+        except SimulatedOutOfMemoryError as exc:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory ({STANDIN_NAME}). Tried to allocate {nbytes / MiB:.2f} MiB. "
+                f"{self.sim.memory_allocated() / MiB:.2f} MiB is allocated by PyTorch, and "
+                f"{(self.sim.memory_reserved() - self.sim.memory_allocated()) / MiB:.2f} MiB is reserved "
+                f"by PyTorch but unallocated. ({exc})") from None
+
+    def _make_free(self, key: int):
+        me = weakref.ref(self)
+
+        def on_free(_ref) -> None:
+            gpu = me()
+            if gpu is None:
+                return
+            blk = gpu._blocks.pop(key, None)
+            gpu._refs.pop(key, None)
+            if blk is not None:
+                gpu.sim.free(blk)
+        return on_free
+
+    def _matmul(self) -> None:
+        if self._workspace is None and self.workspace_bytes:
+            self._workspace = self._malloc(self.workspace_bytes)
+
+    # ---- torch.cuda ----------------------------------------------------------------------------
+    def _log(self, name: str) -> None:
+        self.calls[name] += 1
+        self.order.append(name)
+
+    def free_bytes(self) -> int:
+        """What cudaMemGetInfo would say is free: total - context - other processes - reserved."""
+        return self.total_bytes - self.context_bytes - self.other_process_bytes - self.sim.memory_reserved()
+
+    def nvml_used(self) -> int:
+        return self.total_bytes - self.free_bytes()
+
+    def functions(self) -> dict[str, Any]:
+        """The ``torch.cuda`` functions the stand-in answers, by name."""
+        props = types.SimpleNamespace(name=STANDIN_NAME, total_memory=self.total_bytes, major=0, minor=0,
+                                      multi_processor_count=1)
+
+        def logged(name, fn):
+            def wrapper(*args, **kwargs):
+                self._log(name)
+                return fn(*args, **kwargs)
+            wrapper.__name__ = name
+            return wrapper
+
+        sim = self.sim
+        return {
+            "is_available": lambda: True,
+            "device_count": lambda: 1,
+            "current_device": lambda: 0,
+            "set_device": lambda device=None: None,
+            "is_initialized": lambda: True,
+            "init": lambda: None,
+            "get_device_name": lambda device=None: STANDIN_NAME,
+            "get_device_capability": lambda device=None: (0, 0),
+            "get_device_properties": lambda device=None: props,
+            "is_bf16_supported": lambda *a, **k: True,
+            "synchronize": logged("synchronize", lambda device=None: None),
+            "empty_cache": logged("empty_cache", lambda: sim.empty_cache()),
+            "reset_peak_memory_stats": logged("reset_peak_memory_stats", lambda device=None: sim.reset_peak_stats()),
+            "reset_max_memory_allocated": logged("reset_peak_memory_stats", lambda device=None: sim.reset_peak_stats()),
+            "memory_allocated": logged("memory_allocated", lambda device=None: sim.memory_allocated()),
+            "max_memory_allocated": logged("max_memory_allocated", lambda device=None: sim.max_memory_allocated()),
+            "memory_reserved": logged("memory_reserved", lambda device=None: sim.memory_reserved()),
+            "max_memory_reserved": logged("max_memory_reserved", lambda device=None: sim.max_memory_reserved()),
+            "memory_stats": logged("memory_stats", lambda device=None: sim.stats()),
+            "mem_get_info": logged("mem_get_info", lambda device=None: (self.free_bytes(), self.total_bytes)),
+        }
+
+
+class _Redirect(TorchFunctionMode):
+    """``device="cuda"`` -> ``meta``; a GPU tensor's value -> zeros on the host."""
+
+    def __init__(self, gpu: StandInGPU) -> None:
+        super().__init__()
+        self.gpu = gpu
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        gpu = self.gpu
+        name = getattr(func, "__name__", "")
+        first = args[0] if args else None
+        if gpu.is_gpu(first):
+            if name in ("item", "__bool__", "__float__", "__int__", "__index__"):
+                return func(_zeros_like_host(first), *args[1:], **kwargs)
+            if name in ("tolist", "cpu", "numpy"):
+                return func(_zeros_like_host(first), *args[1:], **kwargs)
+            if name == "to" and any(isinstance(a, (str, torch.device)) and not _is_cuda(a)
+                                    and torch.device(a).type == "cpu" for a in (*args[1:], kwargs.get("device"))
+                                    if a is not None):
+                return func(_zeros_like_host(first), *args[1:], **kwargs)
+        redirect = False
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"], redirect = torch.device("meta"), True
+        if name == "cuda":                      # t.cuda(...) -> t.to("meta")
+            func, args, kwargs, redirect = torch.Tensor.to, (args[0], torch.device("meta")), {}, True
+        elif name == "to" or name.startswith("new_"):
+            new_args = []
+            for a in args:
+                if _is_cuda(a):
+                    a, redirect = torch.device("meta"), True
+                new_args.append(a)
+            args = tuple(new_args)
+        if not redirect:
+            return func(*args, **kwargs)
+        gpu._creating += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            gpu._creating -= 1
+
+
+class _Observer(TorchDispatchMode):
+    """Gives every storage an op makes on the GPU (from GPU inputs, or inside a redirected
+    call) a block of the simulated allocator."""
+
+    def __init__(self, gpu: StandInGPU) -> None:
+        super().__init__()
+        self.gpu = gpu
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        gpu = self.gpu
+        flat_in = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
+        on_gpu = gpu._creating > 0 or any(gpu.is_gpu(t) for t in flat_in)
+        if on_gpu and func.overloadpacket.__name__ in MATMUL_OPS:
+            gpu._matmul()
+        out = func(*args, **(kwargs or {}))
+        if on_gpu:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                    gpu._see(t)
+        return out
+
+
+@contextlib.contextmanager
+def standin_gpu(monkeypatch, **kwargs: Any):
+    """Install the stand-in for the duration of the block; yields the ``StandInGPU``."""
+    import gpulab.gpu
+    import gpulab.tracking
+
+    gpu = StandInGPU(**kwargs)
+    for name, fn in gpu.functions().items():
+        monkeypatch.setattr(torch.cuda, name, fn, raising=False)
+        if hasattr(torch.cuda.memory, name):
+            monkeypatch.setattr(torch.cuda.memory, name, fn)
+    stream = types.SimpleNamespace(is_capturing=lambda: False, synchronize=lambda: None, device_index=0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(gpulab.gpu, "_nvml", lambda: (None, f"{STANDIN_NAME}: no NVML"), raising=False)
+    monkeypatch.setattr(gpulab.gpu, "nvml_used_bytes", lambda index=0: gpu.nvml_used(), raising=False)
+    real_device_str = gpulab.tracking._device_str
+    monkeypatch.setattr(gpulab.tracking, "_device_str",
+                        lambda d: "cuda:0" if d.type == "meta" else real_device_str(d))
+    with _Redirect(gpu), _Observer(gpu):
+        yield gpu

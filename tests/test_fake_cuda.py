@@ -1,0 +1,156 @@
+"""The fake engine's CUDA target: what CUDA would run, predicted without a GPU.
+
+References are independent of the emulation: a real CPU run with ``foreach=True`` (the
+implementation CUDA picks by default), and a forward on fake tensors placed on a cuda
+device, which dispatches CUDA's own kernels (it cannot run backward without a GPU)."""
+import contextlib
+import io
+import json
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from gpulab import cli
+from gpulab import experiments as E
+from gpulab.engines import LABEL_FAKE_CPU, LABEL_FAKE_CUDA, run
+from gpulab.experiments import training_step
+from gpulab.fake_cuda import STILL_DIFFERS
+from gpulab.formulas import cuda_rounded_bytes
+from gpulab.tracking import Category, TrackingResult
+
+NO_CUDA = not torch.cuda.is_available()
+optim_module = sys.modules["torch.optim.optimizer"]
+
+
+def _mlp_params():
+    net = E.build_model(E.resolve_model("mlp"), 32, device="meta")
+    return [p for p in net.parameters()]
+
+
+def test_mlp_adam_fake_step_follows_cudas_foreach():
+    cuda = training_step("mlp", 8, optimizer="adam", engine="fake")                       # default: CUDA
+    cpu = training_step("mlp", 8, optimizer="adam", engine="fake", fake_target="cpu")   # the CPU for-loop
+    assert cuda.label == LABEL_FAKE_CUDA and cuda.measurement.kernels == "cuda"
+    assert cpu.label == LABEL_FAKE_CPU and cpu.measurement.kernels == "cpu"
+    # the for-loop keeps two param-sized temporaries of one tensor at a time; foreach makes one
+    # temporary per parameter (the sqrt of exp_avg_sq): lower peak, as on a GPU
+    assert cpu.peak_bytes == 39_997_688
+    assert cuda.peak_bytes == 34_246_656 < cpu.peak_bytes
+    assert cuda.measurement.tracking.peak_phase == "optimizer"
+
+
+def test_cuda_target_equals_a_cpu_foreach_run_in_512_byte_blocks(monkeypatch):
+    """Storage for storage, the CUDA target is a real CPU run with foreach=True, each storage
+    rounded to 512 B, minus the step counters CUDA keeps in host memory."""
+    monkeypatch.setattr(E, "make_optimizer", lambda name, params: torch.optim.Adam(params, lr=1e-3, foreach=True))
+    ref = training_step("mlp", 8, optimizer="adam", engine="cpu").measurement.tracking
+    monkeypatch.undo()   # the fake run picks foreach by itself
+    fake = training_step("mlp", 8, optimizer="adam", engine="fake")
+    rounded = TrackingResult.build(ref.records, ref.events, device="cpu", rounded=True)
+    n_tensors = len(_mlp_params())
+    expected = dict(rounded.peak_by_category)
+    expected["optimizer_state"] -= n_tensors * cuda_rounded_bytes(4)   # 0-dim float32 steps, on the host
+    assert fake.peak_by_category == expected
+    assert fake.peak_bytes == rounded.peak_bytes - n_tensors * 512
+
+
+def test_step_counters_live_on_the_host():
+    r = training_step("mlp", 8, optimizer="adam", engine="fake")
+    param_bytes = sum(cuda_rounded_bytes(p.numel() * 4) for p in _mlp_params())
+    after = r.as_dict()["after_step_by_category"]
+    assert after["parameters"] == after["gradients"] == param_bytes
+    assert after["optimizer_state"] == 2 * param_bytes          # exp_avg, exp_avg_sq; no steps
+    steps = [rec for rec in r.measurement.tracking.records.values() if rec.state_key == "step"]
+    assert steps == []                                          # not on cuda:0
+    # the formulas leave them out too, as they do for a real CUDA run
+    assert r.predicted["optimizer_state"] == 2 * sum(p.numel() * 4 for p in _mlp_params())
+
+
+def test_explicit_for_loop_is_respected_and_defaults_are_restored(monkeypatch):
+    before = {m: m._default_to_fused_or_foreach for m in (sys.modules["torch.optim.adam"],
+                                                          sys.modules["torch.optim.sgd"])}
+    monkeypatch.setattr(E, "make_optimizer", lambda name, params: torch.optim.Adam(params, lr=1e-3, foreach=False))
+    r = training_step("mlp", 8, optimizer="adam", engine="fake")
+    # the for-loop's two param-sized temporaries of the largest tensor, in 512-byte blocks
+    assert r.peak_by_category["temporaries"] == 2 * cuda_rounded_bytes(3 * 32 * 32 * 512 * 4)
+    for m, f in before.items():
+        assert m._default_to_fused_or_foreach is f is optim_module._default_to_fused_or_foreach
+
+
+def _dropout_experiment(ctx):
+    x = ctx.label(torch.randn(64, 256, requires_grad=True))
+    y = nn.Dropout(0.5)(x)
+    y.sum().backward()
+
+
+def _saved_dtypes(m):
+    return sorted(r.dtype for r in m.tracking.records.values() if r.category == Category.ACTIVATIONS)
+
+
+def test_dropout_saves_a_bool_mask_under_the_cuda_target():
+    cuda = run(_dropout_experiment, "fake", fake_target="cuda")
+    cpu = run(_dropout_experiment, "fake", fake_target="cpu")
+    assert _saved_dtypes(cuda) == ["bool"]      # native_dropout's mask, 1 byte per element
+    assert _saved_dtypes(cpu) == ["float32"]    # the CPU's float noise tensor, 4 bytes per element
+    assert cuda.peak_by_category["activations"] == cuda_rounded_bytes(64 * 256)
+    assert cpu.peak_by_category["activations"] == 64 * 256 * 4
+
+
+def test_fake_cuda_tensors_dispatch_the_same_dropout():
+    """The independent reference: fake tensors on a cuda device run CUDA's dispatch (forward
+    only), and dropout becomes native_dropout saving a bool mask."""
+    with FakeTensorMode():
+        x = torch.randn(64, 256, device="cuda", requires_grad=True)
+        y = nn.functional.dropout(x, 0.5, True)
+        assert type(y.grad_fn).__name__ == "NativeDropoutBackward0"
+        assert y.grad_fn._saved_result1.dtype == torch.bool
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="on a GPU machine fake cuda tensors can run backward")
+def test_fake_cuda_tensors_cannot_run_backward_without_a_gpu():
+    """Why the CUDA target emulates on CPU fake tensors instead (gpulab.fake_cuda)."""
+    with FakeTensorMode():
+        x = torch.randn(4, device="cuda", requires_grad=True)
+        with pytest.raises(RuntimeError, match="hasPrimaryContext"):
+            (x * 2).sum().backward()
+
+
+def test_inplace_and_eval_dropout_are_left_alone():
+    def experiment(ctx):
+        x = ctx.label(torch.randn(8, 16, requires_grad=True))
+        with torch.no_grad():
+            nn.Dropout(0.5).eval()(x)
+        nn.Dropout(0.5, inplace=True)(x * 1).sum().backward()
+    a = run(experiment, "fake", fake_target="cuda")
+    b = run(experiment, "fake", fake_target="cpu")
+    assert _saved_dtypes(a) == _saved_dtypes(b)
+
+
+def test_cli_step_reports_the_foreach_peak_and_a_cuda_label():
+    def main(argv):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli.main(argv) == 0
+        return json.loads(out.getvalue())
+    d = main(["step", "mlp", "--engine", "fake", "--optimizer", "adam", "--batch", "8", "--json"])
+    assert d["peak_bytes"] == 34_246_656 and "CUDA kernels" in d["label"] and d["kernels"] == "cuda"
+    d = main(["step", "mlp", "--engine", "fake", "--optimizer", "adam", "--batch", "8", "--json",
+              "--fake-target", "cpu"])
+    assert d["peak_bytes"] == 39_997_688 and d["label"] == LABEL_FAKE_CPU and d["kernels"] == "cpu"
+
+
+def test_bad_target_and_the_list_of_differences():
+    with pytest.raises(ValueError, match="valid targets: cuda, cpu"):
+        run(lambda ctx: None, "fake", fake_target="tpu")
+    names = [n for n, _ in STILL_DIFFERS]
+    assert "CUDA context" in names and "cuBLAS / cuDNN workspaces" in names and "autocast op lists" in names
+
+
+def test_lesson_04_can_show_the_differences():
+    from gpulab.course.anatomy import fake_cuda_differences
+    d = fake_cuda_differences()
+    assert d.rows == STILL_DIFFERS and d.label == LABEL_FAKE_CUDA
+    assert "cuBLAS / cuDNN workspaces" in d._repr_html_() and "CUDA context" in repr(d)
