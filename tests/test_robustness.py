@@ -40,6 +40,8 @@ _TIMING = [
     re.compile(r"\b0x[0-9a-f]+\b", re.I),
     re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d(:\d\d(\.\d+)?)?"),  # wall-clock stamps
     re.compile(r"[×x]\s*[\d.]+\s+(as long|comparing)", re.I),  # time ratios ("takes ×1.37 as long")
+    # a verdict made from a time ratio (lesson 07: checkpointing's slowdown on this shared CPU)
+    re.compile(r"the slowdown is modest|breaks for speed on this CPU", re.I),
     # the machine's free RAM right now (not a lesson's measurement; other processes move it)
     re.compile(r"available now[\s|]+[\d.,]+\s*[KMGT]i?B\s*/\s*[\d.,]+\s*[KMGT]i?B", re.I),
 ]
