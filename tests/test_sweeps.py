@@ -1,6 +1,7 @@
 """gpulab.course.sweeps and gpulab.course.anatomy (lesson 04) against independent references: a least-squares
 line from the standard library, parameter and output sizes from torch itself, fake runs at the
 answered batch sizes, and the optimizer state read from a real ``optimizer.state``."""
+import html as html_lib
 import statistics
 
 import pytest
@@ -106,8 +107,9 @@ def test_largest_batch_is_verified_by_fake_runs(vgg_16gib):
 
 def test_largest_batch_is_honest_about_what_it_measured(vgg_16gib):
     html = vgg_16gib._repr_html_()
-    for label in ("fake tensors (no compute)", "simulated allocator", "assumption", "formula"):
-        assert label in html
+    for label in ("fake tensors, CUDA kernels' allocations (no compute)", "simulated allocator", "assumption",
+                  "formula"):
+        assert html_lib.escape(label) in html
     if not torch.cuda.is_available():
         assert "No GPU here: prediction only" in html
         assert vgg_16gib.gpu_checks == []

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..allocator import CachingAllocator
-from ..engines import LABEL_FAKE, LABEL_FORMULA, LABEL_SIMULATED, choose_engine, label_cuda
+from ..engines import LABEL_FORMULA, LABEL_SIMULATED, choose_engine, label_cuda
 from ..experiments import OPTIMIZERS, StepResult, breakdown, predict_step, training_step, validate_batch
 from ..formulas import MemoryFit, fit_memory_model, max_batch
 from ..models import ModelSpec, check_image_size, resolve_model
@@ -340,8 +340,9 @@ class LargestBatch:
         for a in self.answers:
             rows.append([a.name, format_bytes(a.capacity_bytes), a.capacity_label, a.formula_batch, a.fit_batch,
                          a.live_batch, a.allocator_batch])
-        t = html_table(["usable memory", "bytes", "source", f"{LABEL_FORMULA}", f"fit to {LABEL_FAKE}",
-                        f"verified: {LABEL_FAKE}", f"verified: {LABEL_SIMULATED}"], rows,
+        fake = self.sweep.label  # the fake runs' own label: whose kernels they followed
+        t = html_table(["usable memory", "bytes", "source", f"{LABEL_FORMULA}", f"fit to {fake}",
+                        f"verified: {fake}", f"verified: {LABEL_SIMULATED}"], rows,
                        "largest batch; 'verified' = peak at that batch fits and at batch + 1 does not")
         checks = []
         for a in self.answers:
@@ -349,7 +350,7 @@ class LargestBatch:
                 checks.append([a.name, c.batch, format_bytes(c.peak_bytes, digits=3),
                                format_bytes(c.simulated_reserved, digits=3),
                                "OOM" if c.simulated_oom else "fits"])
-        t2 = html_table(["usable memory", "batch", f"peak ({LABEL_FAKE})", f"reserved ({LABEL_SIMULATED})",
+        t2 = html_table(["usable memory", "batch", f"peak ({self.sweep.label})", f"reserved ({LABEL_SIMULATED})",
                          f"{LABEL_SIMULATED}"], checks, "the verification runs")
         if self.gpu_checks:
             g = [[c.batch, "OOM" if c.oom else "fits", format_bytes(c.max_allocated or 0),
@@ -384,7 +385,7 @@ class LargestBatch:
         ver = sorted({(c.batch, c.peak_bytes) for a in self.answers for c in a.checks if c.batch not in sweep_batches})
         if ver:
             ax.plot([b for b, _ in ver], [p / unit for _, p in ver], "x", color="#C44E52", ms=7, zorder=4,
-                    label=f"verification runs, {LABEL_FAKE}")
+                    label=f"verification runs, {self.sweep.label}")
             ax.legend(fontsize=7.5, loc="upper left")
         a0 = self.answers[0]
         ax.axvline(a0.live_batch, color="#55A868", lw=1)
@@ -678,7 +679,7 @@ def sweep_claims(sweep: SweepResult, largest: LargestBatch | None = None):
         a = largest.answers[0]
         c = next((c for c in a.checks if c.batch == a.allocator_batch), None) or a.checks[0]
         extra = c.simulated_reserved - c.peak_bytes
-        ev = [Evidence(f"live tensors at batch {c.batch}", format_bytes(c.peak_bytes), LABEL_FAKE),
+        ev = [Evidence(f"live tensors at batch {c.batch}", format_bytes(c.peak_bytes), largest.sweep.label),
               Evidence(f"reserved at batch {c.batch}", format_bytes(c.simulated_reserved), LABEL_SIMULATED),
               Evidence("CUDA context", format_bytes(largest.context_overhead_bytes), LABEL_ASSUMPTION)]
         if largest.gpu_checks and largest.gpu_checks[0].outside_allocator is not None:
