@@ -7,8 +7,11 @@ simulator (``gpulab.allocator``), and on a GPU the real allocator next to it.
 * ``workload(name, ...)``: the lesson's three workloads as one ``AllocatorRun``: a tracked
   training step, a fragmentation scenario, growing batches.
 * ``real_allocator_stats()``: the real ``torch.cuda.memory_stats()`` keys we compare with, and
-  ``beyond_allocator_bytes()``: NVML used - ``memory_reserved`` (CUDA context, cuBLAS workspace,
-  other processes), only on CUDA.
+  ``beyond_allocator_bytes()``: NVML used - ``memory_reserved`` (the CUDA context, other
+  processes, memory not allocated through PyTorch), only on CUDA. The cuBLAS and cuDNN workspaces
+  are *not* in it: PyTorch allocates them through the caching allocator (``getNewWorkspace()`` in
+  ``aten/src/ATen/cuda/CublasHandlePool.cpp``), so they count in ``memory_allocated`` and
+  ``memory_reserved``, and ``empty_cache()`` does not free them.
 
 Every number from the simulator is labelled ``LABEL_SIMULATED`` ("simulated allocator"); the
 tracked timelines it replays carry their own engine label (cpu/fake/cuda).
@@ -71,8 +74,9 @@ class AllocatorRun:
         return self.stats["reserved_bytes.all.peak"]
 
     @property
-    def num_cuda_malloc(self) -> int:
-        """cudaMalloc calls (segment allocations): the cost proxy for empty_cache."""
+    def num_device_alloc(self) -> int:
+        """``num_device_alloc``: segment allocations (one ``cudaMalloc`` each) with the default
+        allocator; with ``expandable_segments``, page mappings (``cuMemCreate`` + ``cuMemMap``)."""
         return self.stats["num_device_alloc"]
 
     def stats_rows(self) -> list[list[str]]:
@@ -100,7 +104,7 @@ class AllocatorRun:
 
     def __repr__(self) -> str:
         return (f"AllocatorRun({self.workload!r}, peak_allocated={self.peak_allocated:,} B, "
-                f"peak_reserved={self.peak_reserved:,} B, cudaMalloc calls={self.num_cuda_malloc}; "
+                f"peak_reserved={self.peak_reserved:,} B, num_device_alloc={self.num_device_alloc}; "
                 f"{self.label})")
 
 
@@ -248,8 +252,9 @@ def workload(name: str = "training step", model: str = "cnn", batch: int = 32, *
 
 def empty_cache_cost(model: str = "cnn", batch: int = 32, steps: int = 4,
                      engine: str = "auto") -> dict[str, dict[str, int]]:
-    """The claim "empty_cache slows training", as a count: simulated cudaMalloc calls (segment
-    allocations) over ``steps`` steps without and with ``empty_cache()`` after every step. NB:
+    """The claim "empty_cache slows training", as a count: simulated cudaMalloc/cudaFree calls
+    (segment allocations and frees; the default allocator, so ``num_device_alloc`` counts
+    exactly those) over ``steps`` steps without and with ``empty_cache()`` after every step. NB:
     a proxy for time, not a time: each cudaMalloc/cudaFree costs microseconds to milliseconds
     and may synchronize the device; the simulator counts them, it does not time them."""
     m = tracked_steps(model, [batch] * steps, engine)
@@ -285,8 +290,9 @@ def real_allocator_stats(device: int = 0) -> dict[str, int] | None:
 
 
 def beyond_allocator_bytes(device: int = 0) -> dict[str, Any]:
-    """NVML's used memory minus the allocator's reserved memory: the CUDA context, cuBLAS/cuDNN
-    workspaces outside the allocator, other processes. On CPU: not measurable, and said so."""
+    """NVML's used memory minus the allocator's reserved memory: the CUDA context, other
+    processes and memory not allocated through PyTorch (the cuBLAS/cuDNN workspaces are inside
+    reserved: see the module docstring). On CPU: not measurable, and said so."""
     if not torch.cuda.is_available():
         return {"bytes": None, "label": "not measurable here (no CUDA GPU): needs NVML and a CUDA "
                 "context; it depends on the GPU, the driver and CUDA lazy loading"}

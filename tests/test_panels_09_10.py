@@ -46,7 +46,7 @@ def test_panel_default_and_controls():
     assert frag.peak_allocated == (4 * 6 + 4 * 12) * MiB
     # 6 MiB requests share 20 MiB segments (3 per segment, 8 -> 3 segments); 12 MiB ones get their own
     assert frag.peak_reserved == 3 * 20 * MiB + 4 * 12 * MiB
-    assert frag.num_cuda_malloc == 7
+    assert frag.num_device_alloc == 7
 
     p.set(expandable_segments=True)
     assert p.result.expandable_segments and p.result.peak_reserved < frag.peak_reserved

@@ -445,22 +445,52 @@ def checkpoint_halves(net: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
 # --- the exercise and the articles' claims ---------------------------------------------------------
 
 def exercise_checkpoint_maps(n_blocks: int = 16, segments: int = 4):
-    """Predict-first: saved maps at the peak with ``checkpoint_sequential(N blocks, k)``."""
+    """Predict-first: saved activation maps at the peak with ``checkpoint_sequential(N blocks, k)``.
+
+    The expected value is ``checkpoint_sequential_maps``: (k - 1) kept boundaries + the largest
+    segment. Chen et al.'s N/k + k counts one more map when k divides N: the first segment's
+    input, which is the model's input x. x exists whether or not you checkpoint, and the tracker
+    files it under *inputs*, not activations, so the measured activation side follows (k-1) + N/k.
+    An answer equal to Chen's count gets that explanation instead of a bare "wrong"."""
+    from .exercises import CheckResult
     from .inplace import counting_exercise
-    return counting_exercise(
+    sizes = segment_sizes(n_blocks, segments)
+    chen = chen_maps(n_blocks, segments)
+    ex = counting_exercise(
         question=(f"A stack of N = {n_blocks} blocks, each saving one activation map for backward, is trained with "
                   f"checkpoint_sequential(blocks, {segments}, x, use_reentrant=False). Without checkpointing the "
-                  f"peak holds {n_blocks} maps. How many maps does it hold at its peak now (count the kept segment "
-                  f"inputs and the largest segment alive at once; ignore gradients)?"),
+                  f"peak holds {n_blocks} activation maps. How many activation maps does it hold at its peak now? "
+                  f"Count the segment inputs checkpoint keeps and the largest segment alive at once; do not count "
+                  f"the model's input x (it is an input, alive with or without checkpointing) or gradients."),
         expected=lambda: checkpoint_sequential_maps(n_blocks, segments),
-        explain=(f"Segments of {segment_sizes(n_blocks, segments)} blocks: the {segments - 1} inputs of the "
-                 f"segments after the first are kept, and at most {max(segment_sizes(n_blocks, segments))} maps of "
-                 f"one segment exist at once (the last segment is not checkpointed, the others are recomputed one "
-                 f"at a time in backward). Chen et al.'s N/k + k gives {chen_maps(n_blocks, segments):g} "
-                 f"({LABEL_FORMULA})."),
+        explain=(f"Segments of {sizes} blocks: the {len(sizes) - 1} inputs of the segments after the first are "
+                 f"kept (the first segment's input is x itself), and at most {max(sizes)} maps of one segment "
+                 f"exist at once (the last segment is not checkpointed, the others are recomputed one at a time "
+                 f"in backward): (k - 1) + largest segment. Chen et al.'s N/k + k = {chen:g} counts x as one of "
+                 f"the k kept inputs, so when k divides N it is exactly one map more ({LABEL_FORMULA}). The "
+                 f"panel below measures the activation side within about one map of this (the gradient in "
+                 f"flight)."),
         unit="maps", rel_tol=0.0,
-        hint="Count two things: the inputs checkpoint keeps at segment boundaries, and the most maps of one "
-             "segment that exist at the same time.")
+        hint="Count two things: the inputs checkpoint keeps at segment boundaries (the first segment's input is "
+             "x, the model input), and the most maps of one segment that exist at the same time.")
+    plain_check = ex.check
+
+    def check(answer):
+        res = plain_check(answer)
+        try:
+            said = float(answer)
+        except (TypeError, ValueError):
+            return res
+        if not res.ok and chen != res.expected and said == chen:
+            return CheckResult(False, answer, res.expected,
+                               f"You said {chen:g} maps: that is Chen et al.'s N/k + k, which counts the k kept "
+                               f"segment inputs including the first one. The first segment's input is the model's "
+                               f"input x, not an activation: the tracker counts it under inputs, with or without "
+                               f"checkpointing. Leave it out and count again.")
+        return res
+
+    ex.check = check
+    return ex
 
 
 def checkpoint_claims(result: CheckpointResult, deeper: CheckpointResult | None = None):
@@ -530,3 +560,33 @@ def checkpoint_claims(result: CheckpointResult, deeper: CheckpointResult | None 
             "The deeper the model, the more it saves, and it is not noticeably slower.", "article 003",
             "; ".join(verdicts), " ".join(parts), ev))
     return ClaimReport("What the reference articles claim about checkpointing, tested", checks)
+
+
+def exercise_many_segments(n_blocks: int = 16, segments: int = 12):
+    """Predict-first (qualitative): more segments than N/2 with ``checkpoint_sequential``.
+    The answer comes from ``checkpoint_sequential_maps`` (the segment layout of
+    torch/utils/checkpoint.py), which the panel's measurement follows."""
+    from .exercises import ChoiceExercise
+    validate_positive(n_blocks=n_blocks, segments=segments)
+    base = checkpoint_sequential_maps(n_blocks, 1)
+
+    def expected() -> str:
+        many, best = checkpoint_sequential_maps(n_blocks, segments), checkpoint_sequential_maps(n_blocks, 4)
+        if many <= best:
+            return "a"
+        return "c" if many >= base else "b"
+
+    sizes = segment_sizes(n_blocks, segments)
+    return ChoiceExercise(
+        question=(f"Same stack of N = {n_blocks} blocks. Someone reasons \"more checkpoints, less memory\" and "
+                  f"calls checkpoint_sequential(blocks, {segments}, x, use_reentrant=False). Compared with k = 4 "
+                  f"and with no checkpointing (k = 1), what does k = {segments} hold at its peak?"),
+        options={"a": "fewer activation maps than k = 4",
+                 "b": "more than k = 4 but fewer than k = 1",
+                 "c": "as many as no checkpointing at all"},
+        expected=expected,
+        explain=(f"checkpoint_sequential cuts {n_blocks} blocks into segments of {n_blocks} // {segments} = "
+                 f"{sizes[0]} block(s) and gives the last, un-checkpointed segment the rest: {sizes}. It keeps "
+                 f"{len(sizes) - 1} boundaries and holds the last segment's {sizes[-1]} maps: "
+                 f"{checkpoint_sequential_maps(n_blocks, segments)} maps, against {base} without checkpointing "
+                 f"({LABEL_FORMULA}; the panel's k = {segments} point measures it)."))

@@ -9,6 +9,7 @@ from the evidence by the function that builds the check, never typed in a notebo
 from __future__ import annotations
 
 import html
+import re
 from dataclasses import dataclass, field
 
 from ..tables import STYLE
@@ -43,6 +44,19 @@ class ClaimCheck:
         return f"ClaimCheck({self.claim!r}: {self.verdict})"
 
 
+# Where docs/references.md lies, seen from a lesson in lessons/ (its anchors are ref-000 ... ref-003).
+REFERENCES_URL = "../docs/references.md"
+_ARTICLE = re.compile(r"\b[Aa]rticles?\s+(?=\d{3}\b)")
+_NUMBER = re.compile(r"\b(00\d)\b")
+
+
+def source_html(source: str) -> str:
+    """A claim's source as HTML, with each reference article ("article 003", "articles 000 and
+    003") turned into a link to its entry in docs/references.md ("ref 003")."""
+    text = html.escape(_ARTICLE.sub("", source))
+    return _NUMBER.sub(lambda m: f"<a href='{REFERENCES_URL}#ref-{m[1]}' target='_blank'>ref {m[1]}</a>", text)
+
+
 @dataclass
 class ClaimReport:
     """A list of checks with an HTML view (one card per claim)."""
@@ -74,7 +88,7 @@ class ClaimReport:
             cards.append(
                 f"<div class='gpulab-claim' style='border-left:4px solid {color};padding:2px 8px;margin:8px 0'>"
                 f"<div><b>Claim:</b> {html.escape(c.claim)} <span class='gpulab-label'>"
-                f"({html.escape(c.source)})</span></div>"
+                f"({source_html(c.source)})</span></div>"
                 f"<div><b style='color:{color}'>Verdict: {html.escape(c.verdict)}.</b> {html.escape(c.why)}</div>"
                 f"{table}</div>")
         return f"{STYLE}<h4 style='margin:4px 0'>{html.escape(self.title)}</h4>" + "".join(cards)

@@ -77,3 +77,119 @@ class Exercise:
 
 def _num(v: float) -> str:
     return f"{int(v):,}" if float(v).is_integer() else f"{v:,.4g}"
+
+
+@dataclass
+class ChoiceExercise:
+    """A qualitative predict-first question: ``ChoiceExercise(question, options, expected, explain)``.
+
+    ``options`` maps a short key ("a", "b", ...) to the text of each choice; ``expected`` is a
+    callable that works out the right key when the checker runs (from a formula or a
+    measurement), never a key typed into the lesson. ``ex.check("b")``."""
+    question: str
+    options: dict[str, str]
+    expected: Callable[[], str]
+    explain: str | Callable[[], str]
+
+    def _explain(self) -> str:
+        return self.explain() if callable(self.explain) else self.explain
+
+    def check(self, answer: Any) -> CheckResult:
+        keys = ", ".join(f'"{k}"' for k in self.options)
+        if answer is None or answer is Ellipsis:
+            return CheckResult(False, answer, None, f"Replace the ... with one of {keys} and run the cell again.")
+        key = str(answer).strip().lower().strip("()\"' ")
+        if key not in self.options:
+            return CheckResult(False, answer, None, f"Answer with one of {keys}; got {answer!r}.")
+        exp = self.expected()
+        if key == exp:
+            return CheckResult(True, answer, exp, f"({exp}) {self.options[exp]}. {self._explain()}")
+        return CheckResult(False, answer, exp, f"Not ({key}): {self.options[key]} is not what happens. "
+                                               f"Look again at what is alive at that moment, then try again.")
+
+    def reveal(self) -> CheckResult:
+        exp = self.expected()
+        return CheckResult(True, exp, exp, f"The answer: ({exp}) {self.options[exp]}. {self._explain()}")
+
+    def _repr_html_(self) -> str:
+        items = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in self.options.items())
+        return f"<div class='gpulab-question'>{html.escape(self.question)}<ul>{items}</ul></div>"
+
+
+# --- lessons 09 and 10 need no course module of their own: their checkers live here -------------------
+
+def exercise_empty_cache_partial(mib: int = 6) -> ChoiceExercise:
+    """Lesson 09, predict-first (qualitative): two tensors share one segment; one is freed and
+    ``empty_cache()`` is called. The answer is worked out by the allocator simulator, without and
+    with expandable segments (whose free pages can be unmapped from a segment still in use)."""
+    from ..allocator import MiB, CachingAllocator
+
+    def reserved_drop(expandable: bool) -> int:
+        a = CachingAllocator(expandable_segments=expandable)
+        x = a.malloc(mib * MiB)
+        a.malloc(mib * MiB)
+        before = a.memory_reserved()
+        a.free(x)
+        a.empty_cache()
+        return before - a.memory_reserved()
+
+    def expected() -> str:
+        drop = reserved_drop(False)
+        return "a" if drop == 0 else ("b" if drop <= mib * MiB else "c")
+
+    def explain() -> str:
+        off, on = reserved_drop(False), reserved_drop(True)
+        exp_text = (f"it drops by {on / MiB:g} MiB: empty_cache() unmaps the free pages of a segment still in use"
+                    if on else
+                    "it drops by 0 MiB here too: empty_cache() can unmap free pages of a segment still in use, but "
+                    "pages are 20 MiB in the large pool, and the freed block shares its page with the live one")
+        return (f"Simulated allocator: reserved drops by {off / MiB:g} MiB with the default allocator, because "
+                f"empty_cache() returns only whole free segments and this one still holds a live block. With "
+                f"expandable_segments {exp_text}.")
+
+    return ChoiceExercise(
+        question=(f"A fresh allocator (default settings). Two float32 tensors of {mib} MiB each land in the same "
+                  f"20 MiB segment. You delete one and call torch.cuda.empty_cache(). What happens to "
+                  f"memory_reserved()?"),
+        options={"a": "nothing: it stays the same",
+                 "b": f"it drops by the freed {mib} MiB",
+                 "c": "it drops to the remaining tensor's size"},
+        expected=expected, explain=explain)
+
+
+def exercise_detach_keeps(iterations: int = 4) -> ChoiceExercise:
+    """Lesson 10, predict-first (qualitative): what an evaluation loop keeps per iteration when it
+    appends ``loss.detach()``. Measured by the live-tensor tracker when the checker runs."""
+    import torch
+    from torch import nn
+
+    from ..tracking import MemoryTracker
+
+    def growth() -> int:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+        losses = []
+        with MemoryTracker() as t:
+            for _ in range(iterations):
+                x = torch.randn(64, 256)
+                loss = model(x).pow(2).mean()
+                losses.append(loss.detach())
+            del x, loss
+        kept = sum(r.nbytes for r in t.result().alive() if not r.preexisting)
+        return kept // iterations
+
+    def expected() -> str:
+        g = growth()
+        return "a" if g == 0 else ("b" if g <= 64 else "c")
+
+    def explain() -> str:
+        return (f"Measured on CPU (live tensors): {growth()} bytes kept per iteration, the 4-byte scalar loss "
+                f"itself. detach() returns a tensor that shares the loss's storage but has no grad_fn, so the "
+                f"graph, and the activations it saved, die when loss is rebound. Unlike loss.item() it does not "
+                f"copy the value to the CPU, so on a GPU it does not wait for the kernels to finish.")
+
+    return ChoiceExercise(
+        question=(f"The same leaky evaluation loop, fixed with losses.append(loss.detach()). How much does each "
+                  f"iteration keep alive once the loop has moved on?"),
+        options={"a": "nothing at all", "b": "a few bytes: the scalar loss", "c": "the graph's saved activations"},
+        expected=expected, explain=explain)

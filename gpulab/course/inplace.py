@@ -361,6 +361,8 @@ BREAK_CASES = {
     "sigmoid then mul_": "y = sigmoid(x) saves y (its backward is y·(1−y)); then y.mul_(2) overwrites it",
     "exp then add_": "y = exp(x) saves y (its backward is y); then y.add_(1) overwrites it",
     "linear then relu_": "y = linear(x) saves x and the weight, not y; then y.relu_() overwrites y",
+    "sigmoid then .data.mul_": ("y = sigmoid(x) saves y; then y.data.mul_(2) overwrites it through .data, which "
+                                "has a version counter of its own, so y's counter does not move"),
 }
 
 
@@ -374,10 +376,25 @@ class InplaceBreak:
     version_after: int
     error: str | None                     # the RuntimeError backward raised, or None
     grad_ok: bool                         # backward ran and produced a gradient
+    # backward ran: does x.grad equal the gradient of the same computation written out of place?
+    grad_matches: bool | None = None
+    grad_max_error: float | None = None   # the largest |difference| between the two (when it ran)
+
+    @property
+    def silently_wrong(self) -> bool:
+        """Backward raised nothing, yet the gradient differs from the out-of-place computation's."""
+        return self.error is None and self.grad_matches is False
 
     def _repr_html_(self) -> str:
-        verdict = (f"<b style='color:#b00'>backward failed</b>: <code>{html.escape(self.error)}</code>"
-                   if self.error else "<b style='color:#2a7'>backward worked</b>")
+        if self.error:
+            verdict = f"<b style='color:#b00'>backward failed</b>: <code>{html.escape(self.error)}</code>"
+        elif self.silently_wrong:
+            verdict = (f"<b style='color:#b00'>backward ran without an error, and the gradient is wrong</b>: "
+                       f"it differs from the out-of-place computation's by up to {self.grad_max_error:.3g} "
+                       f"(measured on CPU (live tensors))")
+        else:
+            verdict = ("<b style='color:#2a7'>backward worked</b>, and the gradient equals the out-of-place "
+                       "computation's")
         return (f"<div><b>{html.escape(self.case)}</b>: {html.escape(self.story)}.<br>"
                 f"first op saves: <code>{html.escape(', '.join(self.saved_by_first_op) or 'nothing')}</code>"
                 f" (its own output: {'yes' if self.saves_output else 'no'}); y._version "
@@ -398,7 +415,7 @@ def inplace_break(case: str = "sigmoid then mul_") -> InplaceBreak:
         raise ValueError(f"unknown case {case!r}; valid cases: {', '.join(BREAK_CASES)}")
     torch.manual_seed(0)
     x = torch.randn(4, 3, requires_grad=True)
-    if case == "sigmoid then mul_":
+    if case in ("sigmoid then mul_", "sigmoid then .data.mul_"):
         y = torch.sigmoid(x)
     elif case == "exp then add_":
         y = torch.exp(x)
@@ -417,6 +434,8 @@ def inplace_break(case: str = "sigmoid then mul_") -> InplaceBreak:
     before = y._version
     if case == "sigmoid then mul_":
         y.mul_(2)
+    elif case == "sigmoid then .data.mul_":
+        y.data.mul_(2)  # the point of this case: .data bypasses the version counter
     elif case == "exp then add_":
         y.add_(1)
     else:
@@ -427,8 +446,21 @@ def inplace_break(case: str = "sigmoid then mul_") -> InplaceBreak:
         y.sum().backward()
     except RuntimeError as exc:
         error = str(exc).split(" Hint:")[0]
+    matches = max_err = None
+    if error is None and x.grad is not None:
+        # the same computation written out of place: the gradient the user meant to get
+        x2 = x.detach().clone().requires_grad_(True)
+        if case in ("sigmoid then mul_", "sigmoid then .data.mul_"):
+            ref = torch.sigmoid(x2) * 2
+        elif case == "exp then add_":
+            ref = torch.exp(x2) + 1
+        else:
+            ref = torch.relu(nn.functional.linear(x2, w.detach()))
+        ref.sum().backward()
+        max_err = float((x.grad - x2.grad).abs().max())
+        matches = bool(torch.allclose(x.grad, x2.grad))
     return InplaceBreak(case, BREAK_CASES[case], attrs, saves_output, before, after, error,
-                        error is None and x.grad is not None)
+                        error is None and x.grad is not None, matches, max_err)
 
 
 # --- the exercise and the articles' claims ---------------------------------------------------------
@@ -529,3 +561,43 @@ def inplace_claims(result: InplaceResult, broken: InplaceBreak | None = None):
             [Evidence("y._version before / after", f"{broken.version_before} / {broken.version_after}",
                       "measured on CPU (tiny tensors)")]))
     return ClaimReport("What the reference articles claim about in-place ReLU, tested", checks)
+
+
+def exercise_inplace_step_peak(depth: int = 4, channels: int = 16, batch: int = 8, image_size: int = 32):
+    """Predict-first (qualitative): does ``ReLU(inplace=True)`` lower the peak of a training
+    step of the conv-ReLU stack? The answer is measured when the checker runs: both variants
+    run under the live-tensor tracker (``inplace_experiment``) and their step peaks are compared."""
+    from .exercises import ChoiceExercise
+    fmap = feature_map_bytes(batch, channels, image_size)
+    cache: dict[str, Any] = {}
+
+    def result() -> InplaceResult:
+        if "r" not in cache:
+            cache["r"] = inplace_experiment("conv-relu", depth, channels, batch, image_size, engine="cpu")
+        return cache["r"]
+
+    def expected() -> str:
+        r = result()
+        drop = r.runs[False].peak_bytes - r.runs[True].peak_bytes
+        if drop >= (depth - 0.5) * fmap:
+            return "a"
+        if drop >= 0.5 * fmap:
+            return "b"
+        return "c"
+
+    def explain() -> str:
+        r = result()
+        off, on = r.runs[False], r.runs[True]
+        return (f"Step peak {format_bytes(off.peak_bytes)} without and {format_bytes(on.peak_bytes)} with "
+                f"inplace ({off.measurement.label}); one feature map is {format_bytes(fmap)} ({LABEL_FORMULA}). "
+                f"The step's peak is in backward, where the saved tensors are the same either way; in place only "
+                f"removes a ReLU input that was already freed when the next layer ran.")
+
+    return ChoiceExercise(
+        question=(f"A stack of {depth} Conv2d({channels}→{channels}, 3×3) + ReLU blocks, batch {batch}×{channels}×"
+                  f"{image_size}×{image_size}, float32, runs one training step (forward + backward). You switch "
+                  f"every ReLU to inplace=True. What happens to the peak of the whole step?"),
+        options={"a": f"it drops by about {depth} feature maps, one per ReLU",
+                 "b": "it drops by about one feature map",
+                 "c": "it does not move"},
+        expected=expected, explain=explain)

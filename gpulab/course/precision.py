@@ -372,8 +372,9 @@ def exercise_autocast_bytes_per_param(optimizer: str = "adam", low: str = "bfloa
     states = F.optimizer_state_multiplier(optimizer)
     return Exercise(
         question=(f"A float32 model trains with torch.autocast(dtype=torch.{dtype_name(parse_dtype(low))}) and "
-                  f"{optimizer}. Between two steps, how many bytes per parameter do the parameters, their gradients "
-                  f"and the optimizer state take together (ignore the 4-byte step counters)?"),
+                  f"{optimizer}, zero_grad() at the top of the loop. Right after optimizer.step() (gradients still "
+                  f"alive), how many bytes per parameter do the parameters, their gradients and the optimizer state "
+                  f"take together (ignore the 4-byte step counters)?"),
         expected=lambda: persistent_bytes_per_param(optimizer, mode),
         explain=(f"autocast casts copies for each matmul/conv; the parameters themselves stay float32 (4 B), so their "
                  f"gradients are float32 (4 B) and {optimizer} keeps {states} float32 state tensor(s) per parameter "
@@ -441,3 +442,56 @@ def precision_claims(results: list[PrecisionResult], claimed_saving: float = 20.
                   ", ".join(f"{d}: {format_bytes(b)}" for d, b in r.runs[amp(r)].saved_by_dtype.items()) or "—",
                   r.label)]))
     return ClaimReport("What the reference articles claim about mixed precision, tested", checks)
+
+
+def autocast_grad_dtypes(low: str = "bfloat16", batch: int = 8, features: int = 32) -> dict[str, str]:
+    """Run ``Linear -> ReLU -> Linear`` under CPU autocast and read the dtypes backward produces:
+    the gradient flowing into the first Linear's output (an activation gradient) and the
+    weight's ``.grad``. Backward ops run in the dtype autocast chose for the matching forward op
+    (torch/amp/autocast_mode.py, the ``autocast`` docstring), so activation gradients are 16-bit,
+    while a parameter's gradient is accumulated in the parameter's own dtype (float32)."""
+    dt = parse_dtype(low)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(features, features), nn.ReLU(), nn.Linear(features, 4))
+    x = torch.randn(batch, features, requires_grad=True)
+    seen: dict[str, torch.dtype] = {}
+    with torch.autocast("cpu", dtype=dt):
+        h = net[0](x)
+        h.register_hook(lambda g: seen.update(activation=g.dtype))  # returns None: g is left as it is
+        out = net[2](net[1](h))
+    out.float().sum().backward()
+    return {"activation gradient (into the first Linear's output)": dtype_name(seen["activation"]),
+            "first Linear's weight.grad": dtype_name(net[0].weight.grad.dtype),
+            "input x.grad": dtype_name(x.grad.dtype),
+            "label": "measured on CPU: dtypes read from the gradients, torch.autocast('cpu')"}
+
+
+def exercise_autocast_grad_dtypes(low: str = "bfloat16"):
+    """Predict-first (qualitative): the dtypes of gradients under autocast, measured by
+    ``autocast_grad_dtypes`` when the checker runs."""
+    from .exercises import ChoiceExercise
+    name = dtype_name(parse_dtype(low))
+
+    def expected() -> str:
+        d = autocast_grad_dtypes(low)
+        act, w = d["activation gradient (into the first Linear's output)"], d["first Linear's weight.grad"]
+        if act == name and w == name:
+            return "a"
+        if act == "float32" and w == "float32":
+            return "b"
+        return "c" if act == name and w == "float32" else "d"
+
+    def explain() -> str:
+        d = autocast_grad_dtypes(low)
+        facts = "; ".join(f"{k}: {v}" for k, v in d.items() if k != "label")
+        return (f"{facts} ({d['label']}). Backward ops run in the dtype autocast picked for the matching forward "
+                f"op, so the gradients flowing between layers are {name}; a parameter's .grad takes the "
+                f"parameter's dtype, float32, because the gradient of the cast copy is cast back.")
+
+    return ChoiceExercise(
+        question=(f"A float32 model runs its forward under torch.autocast(dtype=torch.{name}); backward runs "
+                  f"outside the autocast region. In which dtype are (1) the gradients flowing backward between "
+                  f"layers and (2) the parameters' .grad?"),
+        options={"a": f"both {name}", "b": "both float32",
+                 "c": f"(1) {name}, (2) float32", "d": f"(1) float32, (2) {name}"},
+        expected=expected, explain=explain)
