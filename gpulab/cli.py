@@ -1,4 +1,4 @@
-"""``gpulab env | breakdown MODEL | step MODEL`` (also ``python -m gpulab``).
+"""``gpulab env | breakdown MODEL | step MODEL | record`` (also ``python -m gpulab``).
 
 Each command prints a readable table, or with ``--json`` exactly one JSON object on stdout.
 Bad input gets one line on stderr naming what is valid, and exit code 2.
@@ -52,7 +52,28 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--steps", type=_positive_int, default=1)
             s.add_argument("--fake-target", default="cuda", choices=["cuda", "cpu"],
                            help="fake engine: follow CUDA's kernels (default: a GPU's answer) or this CPU's")
+    r = sub.add_parser("record", help="on a GPU: measure the lessons' record set, write <out>/<gpu>.json")
+    r.add_argument("--out", default=".", help="folder for the JSON file (default: the current folder)")
+    r.add_argument("--quick", action="store_true", help="a small subset: checks the command, not for shipping")
+    r.add_argument("--json", action="store_true")
     return p
+
+
+def _record(args) -> int:
+    """``gpulab record``: needs a GPU; without one, one line on stderr and exit 2."""
+    import torch
+    if not torch.cuda.is_available():
+        print("gpulab: error: gpulab record needs a CUDA GPU (torch.cuda.is_available() is False); "
+              "nothing was recorded", file=sys.stderr)
+        return 2
+    from .record import record, write_record
+    data = record(quick=args.quick, command=["gpulab", *(sys.argv[1:] if args.argv is None else args.argv)])
+    path = write_record(data, args.out)
+    summary = {"path": str(path), "gpu": data["provenance"]["gpu_name"], "experiments": len(data["experiments"]),
+               "quick": data["quick"], "stand_in": data["provenance"]["stand_in"]}
+    text = (f"recorded {summary['experiments']} experiments on {summary['gpu']} -> {path}"
+            + (" (a stand-in GPU: this file must not ship)" if summary["stand_in"] else ""))
+    return _emit(json.dumps(summary) if args.json else text)
 
 
 def env_info() -> dict[str, Any]:
@@ -123,6 +144,9 @@ def _print_step(d: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "record":
+        args.argv = None if argv is None else list(argv)
+        return _record(args)
     try:
         if args.command == "env":
             data = env_info()

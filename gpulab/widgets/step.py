@@ -1,11 +1,19 @@
 """Training-step panel: model, batch, image size, optimizer, dtype, engine -> per-category
-peak (measured) next to the formulas, and the memory timeline."""
+peak (measured) next to the formulas, and the memory timeline. When the live engine is not cuda,
+the recorded GPU run with the same settings is shown beside it, labelled with its provenance
+(``gpulab.record.find_record``), or a one-line note says that no recorded run matches."""
 from __future__ import annotations
 
+import html
 from typing import Any
+
+from IPython.display import HTML
 
 from ..experiments import StepResult, training_step
 from ..plots import comparison_bars, timeline
+from ..record import RecordLookup, find_record
+from ..tables import html_table
+from ..units import format_bytes
 from .base import Panel, dropdown, model_controls
 from .guard import memory_guard
 
@@ -19,11 +27,40 @@ def predict_step_peak(params: dict[str, Any]) -> int:
     return compute_step(**p).peak_bytes
 
 
+def recorded_step(result: StepResult) -> RecordLookup:
+    """The recorded GPU run with this result's settings (``gpulab/recorded/``, or the folder
+    $GPULAB_RECORDED_DIR names), or why there is none."""
+    return find_record("step", model=result.model, batch=result.batch, image_size=result.image_size,
+                       optimizer=result.optimizer, dtype=result.dtype)
+
+
+def recorded_step_html(lookup: RecordLookup) -> str:
+    """The recorded figures with their provenance label, or a one-line note saying why none."""
+    if not lookup:
+        prefix = "no record for these settings"
+        why = lookup.reason[len(prefix):].lstrip(" :") if lookup.reason.startswith(prefix) else lookup.reason
+        return (f"<div class='gpulab-recorded gpulab-label'>On a real GPU: no recorded GPU run matches these "
+                f"settings {'' if why.startswith('(') else '— '}{html.escape(why)}.</div>")
+    r = lookup.result
+    a = r.get("allocator", {})
+    rows = [["peak live tensors (tracker, 512 B blocks)", format_bytes(r["peak_bytes"])]]
+    for key, name in (("peak_allocated_delta", "max_memory_allocated − baseline"),
+                      ("peak_reserved_delta", "max_memory_reserved − baseline"),
+                      ("baseline_allocated", "memory_allocated before the run (baseline)"),
+                      ("nvml_used", "NVML used (whole device)")):
+        if a.get(key) is not None:
+            rows.append([name, format_bytes(a[key])])
+    rows += [[f"peak: {k}", format_bytes(v)] for k, v in r.get("peak_by_category", {}).items() if v]
+    return ("<div class='gpulab-recorded'><b>The same settings on a real GPU</b>"
+            + html_table(["recorded figure", "bytes"], rows, lookup.label) + "</div>")
+
+
 def render_step(result: StepResult) -> list[Any]:
     m = result.measurement
+    recorded = [] if m.engine == "cuda" else [HTML(recorded_step_html(recorded_step(result)))]
     if m.oom:
-        return [result]
-    return [result,
+        return [result, *recorded]
+    return [result, *recorded,
             comparison_bars(result.predicted, result.tensor_bytes_by_category, f"peak tensor bytes: {m.label}",
                             title=f"{result.model}, batch {result.batch}: formula vs {m.label}"),
             timeline(m.tracking, title=f"one training step, {m.label}")]
