@@ -47,3 +47,38 @@ def test_allocator_and_tracking_questions():
 def test_claim_sources_link_to_references():
     html = source_html("cs231n notes, quoted in articles 000 and 003")
     assert "references.md#ref-000" in html and "references.md#ref-003" in html and "article" not in html
+
+
+def _right_and_wrong(ex, right, wrong):
+    ok = ex.check(right)
+    assert ok.ok and ok.expected == right and len(ok.message) > 40
+    bad = ex.check(wrong)
+    assert not bad.ok and bad.expected == right and f"Not ({wrong})" in bad.message
+
+
+def test_lessons_00_to_02_qualitative_questions():
+    from gpulab.course.parameters import conv_linear_params, exercise_conv_or_linear
+    from gpulab.course.start import exercise_mb_vs_mib
+    from gpulab.course.tensor_bytes import exercise_which_frees
+    _right_and_wrong(exercise_mb_vs_mib(3_000_000), "a", "b")
+    assert "MiB" in exercise_mb_vs_mib().reveal().message
+    frees = exercise_which_frees((4, 3, 10, 10), "float32")
+    _right_and_wrong(frees, "d", "a")
+    assert "clone" in frees.options["d"]
+    counts = conv_linear_params("vgg16")
+    assert counts == {"Conv2d": 14_714_688, "Linear": 123_642_856}
+    _right_and_wrong(exercise_conv_or_linear("vgg16"), "b", "a")
+
+
+def test_lessons_03_to_05_qualitative_questions():
+    from gpulab.course.activations import exercise_where_activations, first_block_vs_classifier
+    from gpulab.course.anatomy import exercise_peak_category, fake_cuda_differences
+    from gpulab.course.optimizers import exercise_sgd_state
+    d = first_block_vs_classifier("vgg16")
+    assert d["first block"] > 100 * d["classifier"]
+    _right_and_wrong(exercise_where_activations("vgg16"), "a", "b")
+    peak = exercise_peak_category("cnn", batch=32, optimizer="adam")
+    _right_and_wrong(peak, "d", "c")
+    assert "backward 2" in peak.reveal().message
+    _right_and_wrong(exercise_sgd_state("mlp"), "a", "b")
+    assert "cuBLAS" in repr(fake_cuda_differences())

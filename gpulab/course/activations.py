@@ -1038,6 +1038,42 @@ def exercise(name: str):
     raise ValueError(f"unknown exercise {name!r}; valid: first_conv_values, no_grad_peak_mib")
 
 
+def first_block_vs_classifier(model: str = "vgg16") -> dict[str, int]:
+    """Output bytes (one 224×224 float32 image) of the first conv block (up to and including the
+    first MaxPool2d) and of the classifier (layers named ``classifier.*``), from ``breakdown``."""
+    layers = breakdown(model).layers
+    first_pool = next(i for i, r in enumerate(layers) if r.type == "MaxPool2d")
+    return {"first block": sum(r.output_bytes for r in layers[:first_pool + 1]),
+            "classifier": sum(r.output_bytes for r in layers if r.name.startswith("classifier."))}
+
+
+def exercise_where_activations(model: str = "vgg16"):
+    """Predict-first (qualitative): where do a forward's outputs take the most memory, in the first
+    conv block or in the classifier? Read from the layer-by-layer forward (``breakdown``) when checked."""
+    from .exercises import ChoiceExercise
+
+    def expected() -> str:
+        d = first_block_vs_classifier(model)
+        if abs(d["first block"] - d["classifier"]) <= 0.1 * max(d.values()):
+            return "c"
+        return "a" if d["first block"] > d["classifier"] else "b"
+
+    def explain() -> str:
+        d = first_block_vs_classifier(model)
+        return (f"Layer outputs for one 224×224 float32 image: the first block {format_bytes(d['first block'])}, the "
+                f"classifier {format_bytes(d['classifier'])} ({d['first block'] / max(1, d['classifier']):,.0f}×; "
+                f"shapes from a forward of the real model). An output holds channels × H × W values: the first "
+                f"block has only 64 channels, but at the full 224×224, while a Linear layer outputs 4096 values per "
+                f"image. The parameters sit the other way round (lesson 02): activations are early, weights late.")
+
+    return ChoiceExercise(
+        question=(f"{model.upper()} runs a forward on one 224×224 image. Which part's layer outputs take more memory: "
+                  f"the first block (two Conv2d(…, 64, 3, padding=1) + ReLU, then a max-pool) or the classifier "
+                  f"(three Linear layers with their ReLUs and dropouts)?"),
+        options={"a": "the first conv block", "b": "the classifier", "c": "about the same"},
+        expected=expected, explain=explain)
+
+
 def modelsize_claims(c: ModelsizeComparison) -> ClaimReport:
     """Articles 000 and 003: intermediate memory = every layer's output, doubled by backward."""
     errs = [r.error_percent or 0.0 for r in c.rows]

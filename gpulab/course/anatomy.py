@@ -42,6 +42,43 @@ def fake_cuda_differences() -> FakeCudaDifferences:
     return FakeCudaDifferences()
 
 
+_OPT_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "momentum": "SGD with momentum"}
+_PEAK_OPTIONS = {"a": "parameters", "b": "gradients", "c": "optimizer_state", "d": "activations"}
+
+
+def exercise_peak_category(model: str = "cnn", batch: int = 32, optimizer: str = "adam", engine: str = "fake"):
+    """Predict-first (qualitative): at the peak of the steady-state (second) training step, which
+    category is largest? Read from ``step_anatomy`` (fake engine by default: fast) when checked."""
+    from .exercises import ChoiceExercise
+    cache: dict[str, StepAnatomy] = {}
+
+    def anatomy() -> StepAnatomy:
+        if "a" not in cache:
+            cache["a"] = step_anatomy(model, batch=batch, optimizer=optimizer, engine=engine)
+        return cache["a"]
+
+    def expected() -> str:
+        cats = anatomy().step_peak(2).by_category
+        return max(_PEAK_OPTIONS, key=lambda k: cats.get(_PEAK_OPTIONS[k], 0))
+
+    def explain() -> str:
+        a = anatomy()
+        seg = a.step_peak(2)
+        sizes = ", ".join(f"{cat.replace('_', ' ')} {format_bytes(seg.by_category.get(cat, 0))}"
+                          for cat in _PEAK_OPTIONS.values())
+        return (f"The second step peaks in {seg.name}: {sizes} ({a.label}). Parameters, gradients and "
+                f"{_OPT_NAMES.get(optimizer, optimizer)}'s state depend only on the model; the tensors autograd saved for backward grow with "
+                f"the batch, and for a CNN with {batch} images they outweigh the rest. Lower the batch or use an "
+                f"MLP and the answer can change.")
+
+    return ChoiceExercise(
+        question=(f"The small {model.upper()} trained with {_OPT_NAMES.get(optimizer, optimizer)}, batch {batch}. At the peak of the second "
+                  f"training step (the steady state), which category holds the most memory?"),
+        options={"a": "the parameters", "b": "the gradients", "c": "the optimizer state",
+                 "d": "the activations autograd saved for backward"},
+        expected=expected, explain=explain)
+
+
 @dataclass
 class Segment:
     """One phase of one step on the timeline: events [start, end)."""

@@ -705,6 +705,36 @@ def exercise_state_before_first_step(model: str = "mlp", optimizer: str = "adam"
         unit="bytes", rel_tol=0.0)
 
 
+def exercise_sgd_state(model: str = "mlp", batch: int = 8):
+    """Predict-first (qualitative): how much state does plain SGD (no momentum) hold after its first
+    ``step()``? Measured by ``optimizer_run`` (live-tensor tracker) when the checker runs."""
+    from .exercises import ChoiceExercise
+    cache: dict[str, OptimizerRun] = {}
+
+    def result() -> OptimizerRun:
+        if "r" not in cache:
+            cache["r"] = optimizer_run(model, "sgd", batch=batch, steps=1)
+        return cache["r"]
+
+    def expected() -> str:
+        r = result()
+        copies = r.state_after_bytes / r.param_bytes
+        return "a" if copies < 0.5 else ("b" if copies < 1.5 else "c")
+
+    def explain() -> str:
+        r = result()
+        return (f"Measured: {format_bytes(r.state_after_bytes)} of optimizer state after the first step(), for "
+                f"{format_bytes(r.param_bytes)} of parameters ({r.label}). torch.optim.SGD with momentum=0 keeps "
+                f"no buffer (its momentum_buffer stays None): the update p -= lr × grad needs only the gradient. "
+                f"Momentum adds one copy of the parameters, Adam two.")
+
+    return ChoiceExercise(
+        question=(f"Plain SGD (torch.optim.SGD(model.parameters(), lr=0.01), no momentum) trains the {model.upper()} "
+                  f"for one step. How much optimizer state does it hold right after that step()?"),
+        options={"a": "none", "b": "one copy of the parameters", "c": "two copies of the parameters"},
+        expected=expected, explain=explain)
+
+
 def _close(measured: float, claimed: float, tol: float = 0.01) -> bool:
     return abs(measured - claimed) <= tol * abs(claimed)
 

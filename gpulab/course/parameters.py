@@ -555,6 +555,45 @@ def exercise(name: str):
     raise ValueError(f"unknown exercise {name!r}; valid: vgg16_conv, batchnorm_bytes")
 
 
+def conv_linear_params(model: str | ModelSpec = "vgg16") -> dict[str, int]:
+    """Parameters of the model's Conv2d layers and of its Linear layers (counted on the meta device)."""
+    net = build_model(resolve_model(model), device="meta")
+    out = {"Conv2d": 0, "Linear": 0}
+    for m in net.modules():
+        for kind, cls in (("Conv2d", nn.Conv2d), ("Linear", nn.Linear)):
+            if isinstance(m, cls):
+                out[kind] += sum(p.numel() for p in m.parameters(recurse=False))
+    return out
+
+
+def exercise_conv_or_linear(model: str = "vgg16"):
+    """Predict-first (qualitative): which layers hold more of the model's parameters, the conv layers
+    or the fully connected ones? Counted on the real model (meta device) when the checker runs."""
+    from .exercises import ChoiceExercise
+
+    def expected() -> str:
+        c = conv_linear_params(model)
+        if abs(c["Conv2d"] - c["Linear"]) <= 0.1 * max(c.values()):
+            return "c"
+        return "a" if c["Conv2d"] > c["Linear"] else "b"
+
+    def explain() -> str:
+        c = conv_linear_params(model)
+        net = build_model(resolve_model(model), device="meta")
+        first = next(m for m in net.modules() if isinstance(m, nn.Linear))
+        n_first = sum(p.numel() for p in first.parameters())
+        return (f"Conv2d layers: {c['Conv2d']:,} parameters; Linear layers: {c['Linear']:,} (counted on the real "
+                f"model, {NUMEL_LABEL}). A conv's weights do not depend on the image size, only on channels × "
+                f"kernel, so thirteen convs hold {c['Conv2d'] / 1e6:.1f} M. The first Linear, {_config(first)}, "
+                f"connects every value of the flattened 512×7×7 map to every output: {n_first:,} parameters, "
+                f"{n_first / sum(c.values()):.0%} of the model on its own.")
+
+    return ChoiceExercise(
+        question=f"In {model.upper()}, which layers hold more parameters: the 13 conv layers or the 3 fully connected ones?",
+        options={"a": "the conv layers", "b": "the fully connected (Linear) layers", "c": "about the same"},
+        expected=expected, explain=explain)
+
+
 # --- parameters vs buffers ------------------------------------------------------------------------
 
 @dataclass

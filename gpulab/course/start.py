@@ -26,7 +26,7 @@ from .. import formulas as F
 from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
 from ..engines import (DEFAULT_MAX_CPU_BYTES, LABEL_CPU, LABEL_FAKE_CPU, LABEL_FAKE_CUDA, LABEL_FORMULA, LABEL_SIMULATED,
                       RunContext, engine_status, label_cuda, label_recorded, run)
-from .exercises import Exercise
+from .exercises import ChoiceExercise, Exercise
 from ..tracking import TrackingResult
 from ..units import GB, GiB, KB, KiB, MB, MiB, format_bytes
 from ..views import error_percent, fmt_error, html_table
@@ -308,6 +308,26 @@ def exercise_smi_gb(mib: int = 24576) -> Exercise:
         explain=f"{mib:,} MiB × 1,048,576 B = {mib * MiB:,} B; ÷ 1,000,000,000 B per GB.",
         unit="GB", rel_tol=0.01,
         hint="Go through bytes: MiB × 1024², then ÷ 1000³.")
+
+
+def exercise_mb_vs_mib(nbytes: int = 3_000_000) -> ChoiceExercise:
+    """Predict-first (qualitative): the same bytes written in MB and in MiB; which number is bigger?
+    Worked out from the unit definitions (``gpulab.units``) when the checker runs."""
+    def expected() -> str:
+        in_mb, in_mib = nbytes / MB, nbytes / MiB
+        return "a" if in_mb > in_mib else ("b" if in_mib > in_mb else "c")
+
+    def explain() -> str:
+        return (f"{nbytes:,} B = {nbytes / MB:,.4g} MB = {nbytes / MiB:,.4g} MiB ({LABEL_FORMULA}). 1 MiB = 1024 × 1024 "
+                f"= {MiB:,} B is bigger than 1 MB = {MB:,} B, so fewer MiB fit in the same memory: the MB number is "
+                f"{(MiB / MB - 1) * 100:.1f}% bigger. The gap grows to {(GiB / GB - 1) * 100:.1f}% for GB vs GiB: a card "
+                f"sold as 24 GB holds only {24 * GB / GiB:.1f} GiB.")
+
+    return ChoiceExercise(
+        question=(f"The same {nbytes:,} bytes are written once in MB (10⁶ bytes) and once in MiB (2²⁰ bytes). "
+                  f"Which number is bigger?"),
+        options={"a": "the number in MB", "b": "the number in MiB", "c": "they are the same number"},
+        expected=expected, explain=explain)
 
 
 # --- the articles' claims about units ----------------------------------------------------------------

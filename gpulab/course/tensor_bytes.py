@@ -26,7 +26,7 @@ import torch
 from .. import formulas as F
 from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
 from ..engines import LABEL_FORMULA, LABEL_SIMULATED, RunContext, choose_engine, run
-from .exercises import Exercise
+from .exercises import ChoiceExercise, Exercise
 from ..tracking import TrackingResult
 from ..units import DTYPES, KB, MB, KiB, MiB, dtype_name, format_bytes, parse_dtype
 from ..views import error_percent, fmt_error, html_table
@@ -656,6 +656,38 @@ def exercise_cuda_rounding(n: int = 1000, dtype: str = "float32") -> Exercise:
         explain=(f"{n:,} × {dt.itemsize} B = {F.tensor_bytes((n,), dt):,} B, rounded up to a multiple "
                  f"of 512 B by the caching allocator (kMinBlockSize)."),
         unit="bytes", hint="The caching allocator hands out blocks in multiples of 512 bytes.")
+
+
+_WHICH_COPIES = {"a": "slice", "b": "strided slice", "c": "transpose", "d": "slice + clone"}
+
+
+def exercise_which_frees(shape: Sequence[int] = (256, 3, 100, 100), dtype: str = "float32") -> ChoiceExercise:
+    """Predict-first (qualitative): four ways to make ``y`` from ``x``; after ``del x``, which one lets
+    x's storage go? Each is measured (``measure``, live-tensor accounting) when the checker runs."""
+    cache: dict[str, TensorBytesResult] = {}
+
+    def results() -> dict[str, TensorBytesResult]:
+        if not cache:
+            cache.update({k: measure(shape, dtype, op) for k, op in _WHICH_COPIES.items()})
+        return cache
+
+    def expected() -> str:
+        return min(results(), key=lambda k: results()[k].kept_bytes)
+
+    def explain() -> str:
+        r = results()
+        kept = "; ".join(f"{operation(op).code}: {format_bytes(r[k].kept_bytes)} kept"
+                         for k, op in _WHICH_COPIES.items())
+        return (f"After del x ({r['a'].label}): {kept}. A slice, a strided slice and a transpose are views: "
+                f"they only change the offset, shape and strides, and point into x's storage, so the whole "
+                f"storage lives as long as y does. clone() copies the slice into a storage of its own, and x's "
+                f"storage is freed with x.")
+
+    codes = {k: operation(op).code for k, op in _WHICH_COPIES.items()}
+    return ChoiceExercise(
+        question=(f"x = torch.empty({tuple(shape)}, dtype=torch.{dtype}), then one of four lines makes y, then "
+                  f"del x. After which line is x's big storage freed?"),
+        options=codes, expected=expected, explain=explain)
 
 
 # --- the articles' claims ----------------------------------------------------------------------------
