@@ -344,12 +344,12 @@ def cs231n_claims(t: ForwardTable) -> ClaimReport:
     values_ok = abs(rows_sum - claimed) < 0.1 * claimed
     mb_ok = abs(rows_sum * 4 - 93e6) < 0.1 * 93e6
     return ClaimReport(f"The cs231n VGG16 table ({t.model}, {t.image_size}×{t.image_size})", [
-        ClaimCheck("VGG16 has about 138M parameters", "cs231n notes, quoted in articles 000 and 003",
+        ClaimCheck("VGG16 has about 138M parameters", "cs231n notes, quoted in refs 000 and 003",
                    _verdict(params_ok),
                    "the count does not depend on the image size; the biases add only 13,416 to the weights",
                    [Evidence("parameters, numel()", f"{t.total_params:,}", t.label)]),
         ClaimCheck("a forward pass holds about 24M activation values per image",
-                   "cs231n notes, quoted in articles 000 and 003", _verdict(values_ok),
+                   "cs231n notes, quoted in refs 000 and 003", _verdict(values_ok),
                    f"the table's own rows add up to {rows_sum / 1e6:.2f} M, not 24 M (the total line does not "
                    f"match its rows: {CS231N_ISSUE}, open since 2016). Counting conv and ReLU outputs as separate "
                    f"tensors overshoots to {t.values_every_output / 1e6:.1f} M; no natural count gives 24 M",
@@ -368,15 +368,15 @@ def cs231n_claims(t: ForwardTable) -> ClaimReport:
 
 
 def flops_claims(r: "ParamsFlops") -> ClaimReport:
-    """Article 001 on AlexNet: the FC layers hold most parameters, the conv layers do most FLOPs."""
+    """Ref 001 (docs/references.md) on AlexNet: the FC layers hold most parameters, the conv layers do most FLOPs."""
     cp, cf = r.share(("Conv2d",))
     lp, lf = r.share(("Linear",))
     return ClaimReport(f"Parameters and FLOPs ({r.model}, {r.image_size}×{r.image_size})", [
-        ClaimCheck("the fully connected layers hold most of the parameters", "article 001 (AlexNet)",
+        ClaimCheck("the fully connected layers hold most of the parameters", "ref 001 (AlexNet)",
                    _verdict(lp > 50), "the first FC layer alone multiplies the flattened feature map by 4096",
                    [Evidence("FC share of parameters", f"{lp:.1f}%", NUMEL_LABEL),
                     Evidence("conv share of parameters", f"{cp:.1f}%", NUMEL_LABEL)]),
-        ClaimCheck("the convolution layers do most of the computation", "article 001 (AlexNet)",
+        ClaimCheck("the convolution layers do most of the computation", "ref 001 (AlexNet)",
                    _verdict(cf > 50), "each conv weight is reused at every output position; an FC weight once "
                    "per image",
                    [Evidence("conv share of forward FLOPs", f"{cf:.1f}%", LABEL_FORMULA),
@@ -711,11 +711,11 @@ class DepthwiseResult(Measured):
             total_verdict = "holds for saved activations, breaks for the whole step at this size"
         return ClaimReport(f"Depthwise-separable vs standard ({self.in_channels}→{self.out_channels} channels, "
                            f"{self.image_size}×{self.image_size}, batch {self.batch})", [
-            ClaimCheck("a depthwise-separable convolution needs much less computation", "article 001 (MobileNet)",
+            ClaimCheck("a depthwise-separable convolution needs much less computation", "ref 001 (MobileNet)",
                        _verdict(self.flops_ratio < 1), f"formula ratio 1/C_out + 1/9 = "
                        f"{1 / self.out_channels + 1 / 9:.3f}",
                        [Evidence("separable / standard FLOPs", f"×{self.flops_ratio:.3f}", LABEL_FLOP_COUNTER)]),
-            ClaimCheck("…but it uses more memory, because every step's output must be saved", "article 001",
+            ClaimCheck("…but it uses more memory, because every step's output must be saved", "ref 001",
                        _verdict(more_saved),
                        "the separable block also saves its C_in×H×W intermediate"
                        + (" (twice: the depthwise output for BatchNorm and the ReLU output for the 1×1 conv)"
@@ -724,7 +724,7 @@ class DepthwiseResult(Measured):
                         Evidence("saved for backward, separable", format_bytes(d.saved_bytes), self.label),
                         Evidence("the same by formula", f"{format_bytes(self.saved_formula['standard'])} vs "
                                  f"{format_bytes(self.saved_formula['separable'])}", LABEL_FORMULA)]),
-            ClaimCheck("…so a separable block costs more memory in training", "article 001 (implied)", total_verdict,
+            ClaimCheck("…so a separable block costs more memory in training", "ref 001 (implied)", total_verdict,
                        "with the weights and their gradients counted, the answer depends on the shape: a large "
                        "feature map makes the saved activations dominate (separable costs more); many channels "
                        "on a small map make the weights dominate (separable costs much less)",
@@ -1075,13 +1075,13 @@ def exercise_where_activations(model: str = "vgg16"):
 
 
 def modelsize_claims(c: ModelsizeComparison) -> ClaimReport:
-    """Articles 000 and 003: intermediate memory = every layer's output, doubled by backward."""
+    """Refs 000 and 003 (docs/references.md): intermediate memory = every layer's output, doubled by backward."""
     errs = [r.error_percent or 0.0 for r in c.rows]
     bw = [r.backward_error_percent or 0.0 for r in c.rows]
     ratio = [r.backward_peak / max(1, r.saved_with_input) for r in c.rows]
     return ClaimReport(f"modelsize() and 'backward doubles the intermediates' (batch {c.batch}, {c.dtype})", [
         ClaimCheck("modelsize(): the intermediate memory of training is every layer's output × 2",
-                   "article 003", _verdict(max(abs(e) for e in errs) < 10),
+                   "ref 003", _verdict(max(abs(e) for e in errs) < 10),
                    f"it overestimates what autograd keeps by {min(errs):+.0f}% to {max(errs):+.0f}%: it counts "
                    "outputs nobody saves (a conv output consumed by an in-place ReLU is saved once, a pooling "
                    "output only as the next conv's input) and misses what it cannot see (int64 max-pool indices, "
@@ -1089,7 +1089,7 @@ def modelsize_claims(c: ModelsizeComparison) -> ClaimReport:
                    [Evidence(f"{r.model}: modelsize() ×2 vs saved", f"{format_bytes(r.modelsize_x2)} vs "
                              f"{format_bytes(r.saved_with_input)} ({fmt_error(r.error_percent)})", r.label)
                     for r in c.rows]),
-        ClaimCheck("backward doubles the intermediates", "articles 000 and 003",
+        ClaimCheck("backward doubles the intermediates", "refs 000 and 003",
                    _verdict(all(1.8 <= q <= 2.2 for q in ratio)),
                    f"the activation-side peak during backward is ×{min(ratio):.2f} to ×{max(ratio):.2f} of what "
                    "the forward saved: backward frees each saved tensor once its layer is done, while it makes "

@@ -46,15 +46,22 @@ class ClaimCheck:
 
 # Where docs/references.md lies, seen from a lesson in lessons/ (its anchors are ref-000 ... ref-003).
 REFERENCES_URL = "../docs/references.md"
-_ARTICLE = re.compile(r"\b[Aa]rticles?\s+(?=\d{3}\b)")
+REFERENCES_FILE = "docs/references.md"
+_ARTICLE = re.compile(r"\b(?:[Aa]rticles?|[Rr]efs?)\s+(?=\d{3}\b)")
 _NUMBER = re.compile(r"\b(00\d)\b")
 
 
 def source_html(source: str) -> str:
-    """A claim's source as HTML, with each reference article ("article 003", "articles 000 and
-    003") turned into a link to its entry in docs/references.md ("ref 003")."""
+    """A claim's source as HTML, with each reference ("ref 003", "refs 000 and 003"; the older
+    "article 003" is read too) turned into a link to its entry in docs/references.md ("ref 003")."""
     text = html.escape(_ARTICLE.sub("", source))
     return _NUMBER.sub(lambda m: f"<a href='{REFERENCES_URL}#ref-{m[1]}' target='_blank'>ref {m[1]}</a>", text)
+
+
+def source_text(source: str) -> str:
+    """A claim's source as plain text: "ref 003" gains where the reference is listed
+    ("ref 003, docs/references.md"), so a student reading a repr can look it up."""
+    return f"{source}, {REFERENCES_FILE}" if _NUMBER.search(source) else source
 
 
 @dataclass
@@ -74,7 +81,8 @@ class ClaimReport:
         return self.checks[i]
 
     def __repr__(self) -> str:
-        return "\n".join([self.title] + [f"- {c.claim} [{c.source}]: {c.verdict}. {c.why}" for c in self.checks])
+        return "\n".join([self.title] + [f"- {c.claim} [{source_text(c.source)}]: {c.verdict}. {c.why}"
+                                          for c in self.checks])
 
     def _repr_html_(self) -> str:
         cards = []

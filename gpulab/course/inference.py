@@ -436,7 +436,7 @@ def inference_claims(modes_result: ModesResult, no_grad: LifetimesResult | None 
               and tg.dropout_active)
         checks.append(ClaimCheck(
             "model.eval() is not torch.no_grad(): eval() switches dropout and batch norm to inference behaviour, "
-            "no_grad() switches off autograd, which is what saves memory.", "article 003",
+            "no_grad() switches off autograd, which is what saves memory.", "ref 003",
             HOLDS if ok else BREAKS,
             (f"eval() alone still builds the graph and keeps {format_bytes(eg.saved_bytes)} for backward "
              f"(out.grad_fn = {eg.grad_fn}); eval() + no_grad keeps {format_bytes(en.saved_bytes)}. "
@@ -451,8 +451,8 @@ def inference_claims(modes_result: ModesResult, no_grad: LifetimesResult | None 
         en, im = r["eval() + no_grad"], r["eval() + inference_mode"]
         same = en.peak_bytes == im.peak_bytes
         checks.append(ClaimCheck(
-            "no_grad() is the way to run inference with less memory (the articles predate inference_mode).",
-            "article 003", HOLDS if same else "holds; inference_mode differs",
+            "no_grad() is the way to run inference with less memory (ref 003 predates inference_mode).",
+            "ref 003", HOLDS if same else "holds; inference_mode differs",
             (f"inference_mode() has the same peak here ({format_bytes(im.peak_bytes)}): both save nothing. What it "
              f"adds is skipping the version counter and view tracking (its outputs cannot enter autograd later), "
              f"a CPU-time saving, not a memory one.") if same else
@@ -479,5 +479,5 @@ def inference_claims(modes_result: ModesResult, no_grad: LifetimesResult | None 
                 verdict = "holds, most without autograd"
         checks.append(ClaimCheck(
             "In forward, reuse one variable name and del intermediates (the U-Net example): it saves GPU memory.",
-            "article 003", verdict, why, ev))
-    return ClaimReport("What the reference articles claim about eval(), no_grad() and del, tested", checks)
+            "ref 003", verdict, why, ev))
+    return ClaimReport("What ref 003 (docs/references.md) claims about eval(), no_grad() and del, tested", checks)

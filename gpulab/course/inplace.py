@@ -27,7 +27,7 @@ from ..views import error_percent, fmt_error, html_table
 BLOCKS = ("conv-relu", "conv-bn-relu")
 MODES = ("train step", "no_grad forward")
 
-LABEL_ARTICLES = "reference articles' claim"
+LABEL_ARTICLES = "claim of refs 000 and 003 (docs/references.md)"
 
 
 # --- what autograd saves ------------------------------------------------------------------------
@@ -520,13 +520,13 @@ def inplace_claims(result: InplaceResult, broken: InplaceBreak | None = None):
         verdict = BREAKS
     checks.append(ClaimCheck(
         "ReLU(inplace=True) writes its output over its input, so it saves memory: one feature map per ReLU.",
-        "articles 000, 003", verdict,
-        (f"Inplace allocates {format_bytes(result.allocation_saving)} less in total (the articles' number: one map "
+        "refs 000, 003", verdict,
+        (f"Inplace allocates {format_bytes(result.allocation_saving)} less in total (the number refs 000 and 003 give: one map "
          f"per ReLU) and lowers the forward's peak by {format_bytes(result.forward_peak_saving)}, but the "
          f"{result.mode}'s peak moves by {format_bytes(result.peak_saving)}: a non-inplace ReLU's input is freed as "
          f"soon as the next layer runs, and autograd keeps the same tensors either way.")
         if not peak_ok else f"The peak drops by {format_bytes(result.peak_saving)}.",
-        [Evidence("articles' saving", format_bytes(result.articles_saving_bytes), "reference articles' claim"),
+        [Evidence("saving claimed by refs 000 and 003", format_bytes(result.articles_saving_bytes), LABEL_ARTICLES),
          Evidence("allocated in total: saved", format_bytes(result.allocation_saving), lab),
          Evidence("forward peak: saved", format_bytes(result.forward_peak_saving), lab),
          Evidence("peak of the step: saved", format_bytes(result.peak_saving), lab),
@@ -541,7 +541,7 @@ def inplace_claims(result: InplaceResult, broken: InplaceBreak | None = None):
     ok = keeps_result and match is not False
     checks.append(ClaimCheck(
         "Backward still works after an in-place ReLU: the gradient only needs to know where the output is "
-        "positive (dx = dy where y > 0).", "article 000", HOLDS if ok else BREAKS,
+        "positive (dx = dy where y > 0).", "ref 000", HOLDS if ok else BREAKS,
         ("ReLU's backward node keeps its result (grad_fn._saved_result), whose sign equals the input's, so "
          "overwriting the input loses nothing it needs"
          + ("; the gradients of both variants are equal." if match else
@@ -553,14 +553,14 @@ def inplace_claims(result: InplaceResult, broken: InplaceBreak | None = None):
                   lab)]))
     if broken is not None:
         checks.append(ClaimCheck(
-            "Use in-place operations wherever possible (ReLU(inplace=True) is the example).", "article 003",
+            "Use in-place operations wherever possible (ReLU(inplace=True) is the example).", "ref 003",
             BREAKS if broken.error else HOLDS,
             (f"{broken.case}: the first op saved its own output, the in-place op moved its version counter from "
              f"{broken.version_before} to {broken.version_after}, and backward refused: {broken.error}")
             if broken.error else f"{broken.case}: backward worked.",
             [Evidence("y._version before / after", f"{broken.version_before} / {broken.version_after}",
                       "measured on CPU (tiny tensors)")]))
-    return ClaimReport("What the reference articles claim about in-place ReLU, tested", checks)
+    return ClaimReport("What refs 000 and 003 (docs/references.md) claim about in-place ReLU, tested", checks)
 
 
 def exercise_inplace_step_peak(depth: int = 4, channels: int = 16, batch: int = 8, image_size: int = 32):

@@ -745,9 +745,9 @@ def optimizer_claims(cmp: OptimizerComparison, impl: ImplementationComparison | 
     measurements."""
     from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
     checks = []
-    text = {"sgd": ("SGD: parameters + gradients, so the parameter memory doubles (×2).", "articles 001, 002, 003"),
-            "momentum": ("SGD with momentum adds a momentum buffer: ×3.", "articles 001, 002"),
-            "adam": ("Adam keeps two moments: ×4.", "articles 001, 002")}
+    text = {"sgd": ("SGD: parameters + gradients, so the parameter memory doubles (×2).", "refs 001, 002, 003"),
+            "momentum": ("SGD with momentum adds a momentum buffer: ×3.", "refs 001, 002"),
+            "adam": ("Adam keeps two moments: ×4.", "refs 001, 002")}
     for name, (claim, src) in text.items():
         try:
             r = cmp.row(name)
@@ -782,7 +782,7 @@ def optimizer_claims(cmp: OptimizerComparison, impl: ImplementationComparison | 
         zero = sum(MixedPrecisionStates.ZERO_LAYOUT.values())
         checks.append(ClaimCheck(
             "Training with Adam in mixed precision takes 16 bytes per parameter (8.3 B parameters → 133 GB).",
-            "article 002", HOLDS if _close(total, 16) else BREAKS,
+            "ref 002", HOLDS if _close(total, 16) else BREAKS,
             (f"Measured {total:.3f} bytes per parameter with torch.autocast: the weights and their gradients stay "
              f"float32 ({per['parameters']:.0f} + {per['gradients']:.0f}) and Adam adds {per['optimizer_state']:.0f}. "
              f"The ZeRO paper's layout (fp16 weights and grads, fp32 master copy and moments) also gives {zero}, "
@@ -796,11 +796,11 @@ def optimizer_claims(cmp: OptimizerComparison, impl: ImplementationComparison | 
         ok = _close(meas_state, 16) or _close(opt_part, 16)
         checks.append(ClaimCheck(
             "The optimizer state alone is 16 × the parameter count in bytes (1.37 B parameters → 21.9 GB).",
-            "article 002", HOLDS if ok else BREAKS,
+            "ref 002", HOLDS if ok else BREAKS,
             f"The 16 bytes are all the model states, not the optimizer's share: Adam's own state is "
             f"{meas_state:.0f} bytes per parameter under autocast (measured), {opt_part} in the ZeRO layout "
             f"(fp32 master weights + two moments). 1.37 B × 16 B = 21.9 GB is the total for weights, gradients "
             f"and optimizer together." if not ok else "Measured as claimed.",
             [Evidence("Adam state per parameter under autocast", f"{meas_state:.3f} B", mixed.run.label),
              Evidence("optimizer share in the ZeRO layout", f"{opt_part} B", LABEL_FORMULA)]))
-    return ClaimReport(f"What the articles claim about optimizers, tested ({cmp.label})", checks)
+    return ClaimReport(f"What refs 001, 002 and 003 (docs/references.md) claim about optimizers, tested ({cmp.label})", checks)

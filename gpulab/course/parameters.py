@@ -210,7 +210,7 @@ class LayerParams(Measured):
             ["quantity", "formula", f"{NUMEL_LABEL} / {m.label}", "formula error"],
             [["parameters (count)", f"{self.formula} = {self.params_formula:,}", f"{self.params_numel:,}",
               fmt_error(error_percent(self.params_formula, self.params_numel))],
-             ["the articles' formula (no bias)",
+             ["formula of refs 000, 001, 003 (no bias)",
               "—" if self.article_formula is None else f"{self.article_formula:,}", f"{self.params_numel:,}",
               fmt_error(error_percent(self.article_formula, self.params_numel))],
              ["parameter memory", format_bytes(self.param_bytes_formula, digits=2),
@@ -383,7 +383,7 @@ class ModelParams(Measured):
             ["quantity", "formula", f"{NUMEL_LABEL} / {m.label}", "formula error"],
             [["parameters (count)", f"{self.total_formula:,}", f"{self.total_numel:,}",
               fmt_error(error_percent(self.total_formula, self.total_numel))],
-             ["the articles' formulas (no bias)", f"{self.total_article:,}", f"{self.total_numel:,}",
+             ["formulas of refs 000, 001, 003 (no bias)", f"{self.total_article:,}", f"{self.total_numel:,}",
               fmt_error(error_percent(self.total_article, self.total_numel))],
              ["parameter memory", format_bytes(self.param_bytes_formula, digits=2),
               format_bytes(self.param_bytes_measured, digits=2),
@@ -392,7 +392,7 @@ class ModelParams(Measured):
               format_bytes(self.buffer_bytes_measured, digits=2),
               fmt_error(error_percent(self.buffer_bytes_formula, self.buffer_bytes_measured))]],
             f"{len(self.rows)} leaf layers; {len(self.mismatches)} disagree with their formula; "
-            f"the articles' bias-free formulas miss {bias_gap:,} parameters; binary units")
+            f"the bias-free formulas of refs 000, 001, 003 (docs/references.md) miss {bias_gap:,} parameters; binary units")
         rows = [[r.name, r.config, r.formula or "(no formula)",
                  "—" if r.params_formula is None else f"{r.params_formula:,}", f"{r.params_numel:,}",
                  "✓" if r.agrees else "✗", format_bytes(r.buffer_bytes) if r.buffer_bytes else ""]
@@ -681,7 +681,7 @@ def parameter_claims(engine: str = "auto"):
     free = [x for r in (vgg, alex) for x in r.rows if x.type in ("ReLU", "MaxPool2d", "Dropout", "AdaptiveAvgPool2d")]
     n = vgg.total_numel
     mb, mib = n * 4 / 1e6, n * 4 / MiB
-    src = "articles 000, 001 and 003"
+    src = "refs 000, 001 and 003"
     return ClaimReport("Parameter formulas and weight memory", [
         ClaimCheck("Conv2d(Cin, Cout, K) has Cin × Cout × K × K parameters", src,
                    "holds for plain convs without bias, breaks for grouped convs",
@@ -698,7 +698,7 @@ def parameter_claims(engine: str = "auto"):
                              f"{fc_a:,} vs {fc_n:,} ({fmt_error(error_percent(fc_a, fc_n))})", vgg.label)]),
         ClaimCheck("BatchNorm(N) has 2N parameters", src, HOLDS if bn_a == bn_n else BREAKS,
                    "γ and β, one each per channel. But BatchNorm holds as much again in buffers "
-                   "(running_mean and running_var, plus an int64 counter) that no formula in the articles counts",
+                   "(running_mean and running_var, plus an int64 counter) that no formula in refs 000, 001 and 003 counts",
                    [Evidence("ResNet-18 BatchNorm layers: 2N vs numel()", f"{bn_a:,} vs {bn_n:,}", res.label),
                     Evidence("ResNet-18 buffers (running statistics)",
                              format_bytes(res.buffer_bytes_measured, digits=2), res.label)]),
@@ -712,13 +712,13 @@ def parameter_claims(engine: str = "auto"):
                    [Evidence("such layers in VGG16 and AlexNet", f"{len(free)} layers, "
                              f"{sum(x.params_numel for x in free)} parameters", vgg.label)]),
         ClaimCheck("parameter memory = parameter count × 4 B in float32 (× 2 in float16, × 8 in double)",
-                   "articles 001 and 003",
+                   "refs 001 and 003",
                    HOLDS if (vgg.param_bytes_measured == 4 * n and vgg16h.param_bytes_measured == 2 * n) else BREAKS,
                    "every parameter is one element of its dtype; nothing else is stored with it",
                    [Evidence("VGG16 float32, measured", format_bytes(vgg.param_bytes_measured, digits=2), vgg.label),
                     Evidence("VGG16 float16, measured", format_bytes(vgg16h.param_bytes_measured, digits=2),
                              vgg16h.label)]),
-        ClaimCheck("1 G = 1000 MB, and MB vs MiB need not be told apart in estimates", "articles 001 and 003",
+        ClaimCheck("1 G = 1000 MB, and MB vs MiB need not be told apart in estimates", "refs 001 and 003",
                    "holds in MB, breaks in MiB",
                    f"VGG16's weights are {mb:,.1f} MB but {mib:,.1f} MiB, and nvidia-smi and PyTorch show MiB: "
                    f"a {100 * (mb / mib - 1):.1f}% gap at this size, {100 * (GiB / GB - 1):.1f}% at GiB scale",

@@ -83,7 +83,7 @@ def inplace_figure(result) -> Figure:
     right.set_xticks(list(xs), names, fontsize=8)
     right.set_ylabel("MiB")
     right.legend(fontsize=7, loc="upper left")
-    right.set_title(f"inplace saves (MiB, above each pair); articles' claim: "
+    right.set_title(f"inplace saves (MiB, above each pair); claim of refs 000/003: "
                     f"{result.articles_saving_bytes / MiB:.2f} MiB", fontsize=9)
     return fig
 
@@ -213,7 +213,7 @@ def precision_figure(result) -> Figure:
         bottoms = [b + v for b, v in zip(bottoms, vals)]
     for x, b in enumerate(bottoms):
         right.text(x, b, f"{b:.1f}", ha="center", va="bottom", fontsize=8)
-    right.axhline(16, color="#C44E52", ls="--", lw=1, label="articles: 16 B/param (Adam, mixed precision)")
+    right.axhline(16, color="#C44E52", ls="--", lw=1, label="ref 002: 16 B/param (Adam, mixed precision)")
     right.set_xticks(range(len(modes)), modes, fontsize=8)
     right.set_ylabel("bytes per parameter between steps")
     right.set_ylim(0, max(max(bottoms), 16) * 1.45)

@@ -401,7 +401,7 @@ def precision_claims(results: list[PrecisionResult], claimed_saving: float = 20.
         phase = r.runs[amp(r)].measurement.tracking.peak_phase
         why_peak.append(f"{r.model} {saving_text(pct)} (peak in {phase})")
     checks.append(ClaimCheck(
-        f"Mixed precision saves about {claimed_saving:.0f}% of memory.", "article 003", verdict,
+        f"Mixed precision saves about {claimed_saving:.0f}% of memory.", "ref 003", verdict,
         ("Peak against float32 with autocast, by model: " + "; ".join(why_peak) + f" (\"about "
          f"{claimed_saving:.0f}%\" counted as within ±10 points). Autocast shrinks the activations it "
          "computes in 16 bits, so the saving depends on how much of the peak is activations: nothing when the peak "
@@ -422,10 +422,10 @@ def precision_claims(results: list[PrecisionResult], claimed_saving: float = 20.
         if pure:
             ev.append(Evidence(f"{r.model}, {pure}", f"{r.runs[pure].bytes_per_param:.3f} B", r.label))
         checks.append(ClaimCheck(
-            "Training with Adam in mixed precision takes 16 bytes per parameter.", "article 002",
+            "Training with Adam in mixed precision takes 16 bytes per parameter.", "ref 002",
             HOLDS if ok else BREAKS,
-            (f"Measured {bpp:.2f} B/param with torch.autocast, but not for the article's reason: autocast keeps "
-             f"float32 weights (4) and gradients (4) and Adam's two float32 moments (8); the article's layout "
+            (f"Measured {bpp:.2f} B/param with torch.autocast, but not for ref 002's reason: autocast keeps "
+             f"float32 weights (4) and gradients (4) and Adam's two float32 moments (8); ref 002's layout "
              f"(apex, ZeRO) keeps fp16 weights and gradients (2 + 2) plus an fp32 master copy and moments "
              f"(4 + 4 + 4). Same total, different tensors; activations and autocast's 16-bit weight copies come "
              f"on top.") if ok else f"Measured {bpp:.2f} B/param, not 16.", ev))
@@ -433,7 +433,7 @@ def precision_claims(results: list[PrecisionResult], claimed_saving: float = 20.
     dts = r.param_dtypes(amp(r))
     checks.append(ClaimCheck(
         "Mixed precision computes in half precision but keeps the parameters in float32 (to keep accuracy).",
-        "article 002", HOLDS if dts == "float32" else BREAKS,
+        "ref 002", HOLDS if dts == "float32" else BREAKS,
         (f"Under {amp(r)} the parameters stay {dts}; what autograd saves is mostly "
          f"{max(r.runs[amp(r)].saved_by_dtype, key=r.runs[amp(r)].saved_by_dtype.get, default='—')}. (Accuracy "
          f"itself is not measured here.)"),
@@ -441,7 +441,7 @@ def precision_claims(results: list[PrecisionResult], claimed_saving: float = 20.
          Evidence("activations at the peak by dtype",
                   ", ".join(f"{d}: {format_bytes(b)}" for d, b in r.runs[amp(r)].saved_by_dtype.items()) or "—",
                   r.label)]))
-    return ClaimReport("What the reference articles claim about mixed precision, tested", checks)
+    return ClaimReport("What refs 002 and 003 (docs/references.md) claim about mixed precision, tested", checks)
 
 
 def autocast_grad_dtypes(low: str = "bfloat16", batch: int = 8, features: int = 32) -> dict[str, str]:

@@ -37,8 +37,8 @@ from ..views import error_percent, fmt_error, html_table
 CARDS_GIB = (8, 12, 16, 24, 40, 80)
 
 # NB: an assumption, not a measurement: what a CUDA process holds outside the caching
-# allocator (the CUDA context with its kernels, cuBLAS/cuDNN handles). Reference article 003
-# reports an unexplained ~400 MB beyond the tensors; recent CUDA versions with lazy module
+# allocator (the CUDA context with its kernels, cuBLAS/cuDNN handles). Ref 003
+# (docs/references.md) reports an unexplained ~400 MB beyond the tensors; recent CUDA versions with lazy module
 # loading sit in the few-hundred-MiB range too. A GPU run replaces it with a measurement.
 CONTEXT_OVERHEAD_ASSUMED = 512 * MiB
 LABEL_ASSUMPTION = "assumption"
@@ -628,7 +628,7 @@ def sweep_claims(sweep: SweepResult, largest: LargestBatch | None = None):
     good = [p for p in sweep.points if not p.oom]
     resid = max(abs(p.peak_bytes - sweep.fit.predict(p.batch)) / p.peak_bytes for p in good)
     lin = ClaimCheck(
-        "GPU memory = model memory + batch_size × memory per sample.", "articles 000, 001",
+        "GPU memory = model memory + batch_size × memory per sample.", "refs 000, 001",
         HOLDS if sweep.fit.r2 >= 0.999 and resid <= 0.02 else BREAKS,
         (f"A straight line fits the measured peaks with R² = {sweep.fit.r2:.5f}; no point is more than "
          f"{_pct(resid)} off it.") if sweep.fit.r2 >= 0.999 and resid <= 0.02 else
@@ -641,7 +641,7 @@ def sweep_claims(sweep: SweepResult, largest: LargestBatch | None = None):
     share = sweep.fit.fixed_bytes / small.peak_bytes
     prop = ClaimCheck(
         "Memory is not simply proportional to batch size: the model's own part stays when the batch shrinks.",
-        "article 001",
+        "ref 001",
         HOLDS if share > 0.01 else BREAKS,
         f"At batch {small.batch} the fixed part is {100 * share:.0f}% of the peak; halving the batch does not halve "
         f"the memory." if share > 0.01 else
@@ -670,7 +670,7 @@ def sweep_claims(sweep: SweepResult, largest: LargestBatch | None = None):
                f"than the accounts do.")
     per = ClaimCheck(
         "The per-sample part is the feature maps: every layer's output is kept for the backward pass.",
-        "articles 001, 003", verdict, why,
+        "refs 001, 003", verdict, why,
         [Evidence("layer outputs per sample", format_bytes(f.activations_per_sample), LABEL_FORMULA),
          Evidence("saved activations per sample", format_bytes(saved), fit_label(sweep.label)),
          Evidence("slope (all per-sample memory)", format_bytes(sweep.fit.per_sample_bytes), sweep.fit_label)])
@@ -691,7 +691,7 @@ def sweep_claims(sweep: SweepResult, largest: LargestBatch | None = None):
                        f"({format_bytes(largest.context_overhead_bytes)}), not a measurement.")
         checks.append(ClaimCheck(
             "Real usage is somewhat larger than the computed tensors, because of framework overhead.",
-            "articles 000, 003", HOLDS if extra >= 0 else BREAKS,
+            "refs 000, 003", HOLDS if extra >= 0 else BREAKS,
             f"The caching allocator (simulated) reserves {format_bytes(extra)} more than the live tensors at "
             f"batch {c.batch}, {ctx_txt}", ev))
-    return ClaimReport(f"What the articles claim about batch size, tested on {sweep.model} ({sweep.label})", checks)
+    return ClaimReport(f"What refs 000, 001 and 003 (docs/references.md) claim about batch size, tested on {sweep.model} ({sweep.label})", checks)

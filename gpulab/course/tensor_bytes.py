@@ -698,15 +698,15 @@ _ARTICLE_EXAMPLES = (
     # (key, shape, dtype, claimed value, claimed unit letter, claim text, source)
     ("image", (500, 500, 3), "float32", 3, "M",
      "A 500×500 RGB image in float32 takes 500 × 500 × 3 × 4 B = 3M.",
-     "articles 000 and 003"),
+     "refs 000 and 003"),
     ("batch", (256, 3, 100, 100), "float32", 31, "M",
      "A (256, 3, 100, 100) FloatTensor takes 256 × 3 × 100 × 100 × 4 B = 31M.",
-     "articles 000 and 003"),
+     "refs 000 and 003"),
     ("array", (2, 3, 256, 256), "float32", 24, "M",
-     "A 2×3×256×256 (B×C×H×W) array takes 24M.", "article 001"),
+     "A 2×3×256×256 (B×C×H×W) array takes 24M.", "ref 001"),
     ("vgg_input", (224, 224, 3), "uint8", 150, "K",
      "A 224×224×3 input image is 150K when counted at 8 bits per value (×4 at 32 bits).",
-     "article 000, on the cs231n VGG16 figure"),
+     "ref 000, on the cs231n VGG16 figure"),
 )
 
 
@@ -766,4 +766,4 @@ def tensor_claims(engine: str = "auto") -> ClaimReport:
                                m.label))
             why += f"; ×4 for float32 holds exactly ({measured[-1]:,} B = 4 × {nbytes:,} B)"
         checks.append(ClaimCheck(text, source, verdict, why, ev))
-    return ClaimReport(f"What the reference articles claim about tensor sizes, tested ({m.label})", checks)
+    return ClaimReport(f"What refs 000, 001 and 003 (docs/references.md) claim about tensor sizes, tested ({m.label})", checks)
