@@ -9,6 +9,8 @@
 * ``engine_demo(size_mib, engine, cpu_limit_mib)``: one float32 tensor, answered by an engine,
   next to the formula and the simulated allocator.
 * ``unit_claims()``: the reference articles' statements about units, tested.
+* ``oom_story(...)``: the motivating story: a model that "should fit" by its parameter count,
+  one training step's peak by category (fake engine, CUDA's kernels), and the verdict for a card.
 """
 from __future__ import annotations
 
@@ -327,6 +329,175 @@ def exercise_mb_vs_mib(nbytes: int = 3_000_000) -> ChoiceExercise:
         question=(f"The same {nbytes:,} bytes are written once in MB (10⁶ bytes) and once in MiB (2²⁰ bytes). "
                   f"Which number is bigger?"),
         options={"a": "the number in MB", "b": "the number in MiB", "c": "they are the same number"},
+        expected=expected, explain=explain)
+
+
+# --- the story: "it should fit" ---------------------------------------------------------------------
+
+# where each category of a training step's memory is explained in the course
+CATEGORY_LESSONS: dict[str, list[tuple[str, str]]] = {
+    "parameters": [("02 · parameters", "02_parameters.ipynb")],
+    "buffers": [("02 · parameters", "02_parameters.ipynb")],
+    "inputs": [("01 · tensor bytes", "01_tensor_bytes.ipynb"), ("04 · a training step", "04_training_step.ipynb")],
+    "gradients": [("04 · a training step", "04_training_step.ipynb")],
+    "optimizer_state": [("05 · optimizers", "05_optimizers.ipynb")],
+    "activations": [("03 · activations and FLOPs", "03_activations_and_flops.ipynb"),
+                    ("06 · inplace and inference", "06_inplace_and_inference.ipynb"),
+                    ("07 · checkpointing", "07_checkpointing.ipynb"), ("08 · mixed precision", "08_mixed_precision.ipynb")],
+    "temporaries": [("06 · inplace and inference", "06_inplace_and_inference.ipynb"),
+                    ("10 · tracking memory", "10_tracking_memory.ipynb")],
+}
+BEYOND_TENSORS_LESSON = ("09 · the caching allocator", "09_caching_allocator.ipynb")
+
+
+@dataclass
+class OomStory:
+    """A model that fits by its parameter count, one training step's peak, and a card."""
+    model: str
+    batch: int
+    optimizer: str
+    card_bytes: int
+    param_bytes: int          # formula: parameters × 4 B (float32)
+    step: Any                 # experiments.StepResult (steady state: the second step)
+
+    @property
+    def n_params(self) -> int:
+        return self.param_bytes // 4
+
+    @property
+    def adam_bytes(self) -> int:
+        """Formula: parameters, gradients and Adam's two states, 4 × params × 4 B."""
+        return 4 * self.param_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.step.peak_bytes
+
+    @property
+    def peak_by_category(self) -> dict[str, int]:
+        return {c: b for c, b in self.step.peak_by_category.items() if b}
+
+    @property
+    def label(self) -> str:
+        return self.step.label
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.card_bytes
+
+    @property
+    def margin_bytes(self) -> int:
+        """Card minus peak: negative when the step does not fit."""
+        return self.card_bytes - self.peak_bytes
+
+    @property
+    def largest(self) -> str:
+        return max(self.peak_by_category, key=self.peak_by_category.get)
+
+    @property
+    def verdict(self) -> str:
+        if self.fits:
+            return (f"fits: the peak {format_bytes(self.peak_bytes)} is {format_bytes(self.margin_bytes)} under the "
+                    f"{format_bytes(self.card_bytes)} card")
+        return (f"does not fit: the peak {format_bytes(self.peak_bytes)} is {format_bytes(-self.margin_bytes)} over the "
+                f"{format_bytes(self.card_bytes)} card ({self.peak_bytes / self.card_bytes:.2f}× the card)")
+
+    def rows(self) -> list[list[str]]:
+        rows = []
+        for c, b in sorted(self.peak_by_category.items(), key=lambda kv: -kv[1]):
+            rows.append([c, format_bytes(b), f"{100 * b / self.peak_bytes:.0f}%",
+                         ", ".join(name for name, _ in CATEGORY_LESSONS.get(c, []))])
+        return rows
+
+    def _repr_html_(self) -> str:
+        links = lambda c: ", ".join(f"<a href='{f}'>{html.escape(n)}</a>" for n, f in CATEGORY_LESSONS.get(c, []))
+        body = "".join(
+            f"<tr><td>{html.escape(c)}</td><td>{format_bytes(b)}</td><td>{100 * b / self.peak_bytes:.0f}%</td>"
+            f"<td>{links(c)}</td></tr>"
+            for c, b in sorted(self.peak_by_category.items(), key=lambda kv: -kv[1]))
+        n, f = BEYOND_TENSORS_LESSON
+        head = (f"<p><b>{html.escape(self.model)}</b>, batch {self.batch}, {html.escape(self.optimizer)}, float32, "
+                f"second training step (the optimizer state exists by then).<br>"
+                f"Parameters: {self.n_params / 1e6:.1f} M × 4 B = <b>{format_bytes(self.param_bytes)}</b> "
+                f"({LABEL_FORMULA}); with gradients and Adam's two states, 4 × that = "
+                f"{format_bytes(self.adam_bytes)} ({LABEL_FORMULA}).<br>"
+                f"The step's peak: <b>{format_bytes(self.peak_bytes)}</b> ({html.escape(self.label)}), in the "
+                f"{html.escape(self.step.measurement.tracking.peak_phase)} phase.<br>"
+                f"Card: {format_bytes(self.card_bytes)}. Verdict: <b>{html.escape(self.verdict)}</b>.</p>")
+        table = html_table(["category at the peak", "bytes", "share of the peak", "explained in"], [], "")
+        table = table.replace("</table>", body + "</table>")
+        return (head + table + f"<p class='gpulab-label'>{html.escape(self.label)}; binary units. What the "
+                f"allocator holds beyond these tensors (the CUDA context, cached blocks) comes on top: "
+                f"<a href='{f}'>{html.escape(n)}</a>.</p>")
+
+    def __repr__(self) -> str:
+        return (f"OomStory({self.model}, batch={self.batch}, {self.optimizer}, peak={format_bytes(self.peak_bytes)}, "
+                f"card={format_bytes(self.card_bytes)}, {'fits' if self.fits else 'does not fit'}, label={self.label!r})")
+
+    def figure(self):
+        """One horizontal bar: the peak stacked by category, the parameters' formula and the card as lines."""
+        from ..plots import CATEGORY_COLORS, LessonFigure
+        fig = LessonFigure(figsize=(7.5, 2.6), dpi=100, layout="constrained")
+        ax = fig.add_subplot()
+        left = 0.0
+        for c, b in sorted(self.peak_by_category.items(), key=lambda kv: -kv[1]):
+            ax.barh([0], [b / GiB], left=left, color=CATEGORY_COLORS.get(c, "#999999"), label=c.replace("_", " "))
+            left += b / GiB
+        ax.axvline(self.card_bytes / GiB, color="#C44E52", lw=2)
+        ax.text(self.card_bytes / GiB, 0.45, f" card {format_bytes(self.card_bytes)}", color="#C44E52", fontsize=8)
+        ax.axvline(self.param_bytes / GiB, color="#333333", ls="--", lw=1)
+        ax.text(self.param_bytes / GiB, -0.52, f" params × 4 B ({LABEL_FORMULA})", fontsize=7)
+        ax.set_yticks([])
+        ax.set_ylim(-0.6, 0.6)
+        ax.set_xlabel("GiB")
+        ax.set_title(f"{self.model}, batch {self.batch}, {self.optimizer}: the step's peak by category "
+                     f"({self.label})", fontsize=8)
+        fig.legend(fontsize=7, ncol=6, loc="outside lower center")
+        return fig
+
+
+def oom_story(model: str = "vgg16", batch: int = 128, optimizer: str = "adam", card_gib: float = 8,
+              engine: str = "fake") -> OomStory:
+    """The motivating story of lesson 00: ``model`` at ``batch`` with ``optimizer`` on a
+    ``card_gib`` GiB card. Two training steps run on ``engine`` (the fake engine by default,
+    following CUDA's kernels: a GPU question answered instantly, without a GPU); the second step
+    is the steady state, with the optimizer state alive."""
+    from ..experiments import training_step
+    if not card_gib or card_gib <= 0:
+        raise ValueError(f"card size must be a positive number of GiB, got {card_gib!r}")
+    step = training_step(model, batch=batch, optimizer=optimizer, engine=engine, steps=2)
+    param_bytes = step.predicted["parameters"]
+    return OomStory(step.model, batch, optimizer, int(card_gib * GiB), param_bytes, step)
+
+
+def exercise_where_memory_went(story: OomStory | None = None) -> ChoiceExercise:
+    """Predict-first (qualitative): which category is largest at the step's peak. The answer is
+    read from the story's measurement."""
+    cache: dict[str, OomStory] = {}
+
+    def get() -> OomStory:
+        if "s" not in cache:
+            cache["s"] = story if story is not None else oom_story()
+        return cache["s"]
+
+    keys = {"a": "parameters", "b": "optimizer_state", "c": "activations", "d": "gradients"}
+
+    def expected() -> str:
+        largest = get().largest
+        return next((k for k, c in keys.items() if c == largest), "c")
+
+    def explain() -> str:
+        st = get()
+        parts = ", ".join(f"{c} {format_bytes(st.peak_by_category.get(c, 0))}" for c in keys.values())
+        return (f"At the peak ({st.label}): {parts}. Activations, the outputs each layer keeps for backward, grow "
+                f"with the batch; parameters, gradients and optimizer state do not. Lesson 03 counts them layer by "
+                f"layer, and lessons 06–08 shrink them.")
+
+    return ChoiceExercise(
+        question=("Before you look at the table: at the peak of that training step, which category takes the most "
+                  "memory?"),
+        options={"a": "the parameters", "b": "Adam's optimizer state", "c": "the activations saved for backward",
+                 "d": "the gradients"},
         expected=expected, explain=explain)
 
 
