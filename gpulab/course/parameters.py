@@ -175,8 +175,21 @@ class TensorRow:
     nbytes: int          # storage bytes the tracker saw
 
 
+class _LiveBytes:
+    """Parameter and buffer bytes the tracker saw alive once the model was built (``live``)."""
+    live: dict[str, int]
+
+    @property
+    def param_bytes_measured(self) -> int:
+        return self.live.get(Category.PARAMETERS.value, 0)
+
+    @property
+    def buffer_bytes_measured(self) -> int:
+        return self.live.get(Category.BUFFERS.value, 0)
+
+
 @dataclass
-class LayerParams(Measured):
+class LayerParams(_LiveBytes, Measured):
     """One layer: its tensors as built, next to the formulas."""
     kind: str
     config: str
@@ -192,15 +205,6 @@ class LayerParams(Measured):
     measurement: Measurement
     formula_label: str = LABEL_FORMULA
     live: dict[str, int] = field(default_factory=dict)  # tracker: live bytes by category, once built
-
-
-    @property
-    def param_bytes_measured(self) -> int:
-        return self.live.get(Category.PARAMETERS.value, 0)
-
-    @property
-    def buffer_bytes_measured(self) -> int:
-        return self.live.get(Category.BUFFERS.value, 0)
 
     def _repr_html_(self) -> str:
         m = self.measurement
@@ -315,7 +319,7 @@ class ParamRow:
 
 
 @dataclass
-class ModelParams(Measured):
+class ModelParams(_LiveBytes, Measured):
     """Every leaf layer of a model, formula vs numel(), and the model's weight memory."""
     model: str
     dtype: str
@@ -345,15 +349,6 @@ class ModelParams(Measured):
     @property
     def buffer_bytes_formula(self) -> int:
         return sum(r.buffer_bytes_formula for r in self.rows)
-
-
-    @property
-    def param_bytes_measured(self) -> int:
-        return self.live.get(Category.PARAMETERS.value, 0)
-
-    @property
-    def buffer_bytes_measured(self) -> int:
-        return self.live.get(Category.BUFFERS.value, 0)
 
     @property
     def mismatches(self) -> list[ParamRow]:
