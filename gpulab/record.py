@@ -300,17 +300,21 @@ def load_records(directory: str | os.PathLike | None = None) -> list[Record]:
 
 @dataclass
 class RecordLookup:
-    """``find_record``'s answer: the recorded result and its label, or None and why."""
+    """``find_record``'s answer: the recorded result and its label, or None and why. When records
+    exist but none has these settings, ``mismatch`` says what was recorded instead (the part of
+    ``reason`` after ``NO_MATCH``), for views that word the sentence their own way."""
     result: dict[str, Any] | None
     label: str = ""
     reason: str = ""
     provenance: dict[str, Any] | None = None
+    mismatch: str = ""
 
     def __bool__(self) -> bool:
         return self.result is not None
 
 
 NO_RECORDS = "no GPU recordings ship with this version of gpulab yet"
+NO_MATCH = "no record for these settings"
 _PLURALS = {"batch": "batch sizes", "image_size": "image sizes"}
 
 
@@ -328,16 +332,22 @@ def find_record(kind: str, directory: str | os.PathLike | None = None, **params:
         return RecordLookup(None, reason=NO_RECORDS)
     entries = [(r, e) for r in records for e in r.data["experiments"] if e["kind"] == kind]
     if not entries:
-        return RecordLookup(None, reason=f"no record for these settings: no {kind} experiment was recorded")
+        return _no_match(f"no {kind} experiment was recorded")
     matched: list[str] = []
     for key, want in params.items():
         left = [(r, e) for r, e in entries if e["params"].get(key) == want]
         if not left:
             where = f" for {', '.join(matched)}" if matched else ""
             name = _PLURALS.get(key, key.replace("_", " ") + "s")
-            return RecordLookup(None, reason=f"no record for these settings ({key} {want}): recorded "
-                                             f"{name}{where} are {_values((e for _, e in entries), key)}")
+            return _no_match(f"({key} {want}): recorded {name}{where} are "
+                             f"{_values((e for _, e in entries), key)}")
         entries = left
         matched.append(f"{key} {want}")
     rec, entry = entries[0]
     return RecordLookup(entry["result"], rec.label, "", rec.provenance)
+
+
+def _no_match(what: str) -> RecordLookup:
+    """No record has these settings; ``what`` says what was recorded instead."""
+    sep = " " if what.startswith("(") else ": "
+    return RecordLookup(None, reason=f"{NO_MATCH}{sep}{what}", mismatch=what)

@@ -37,8 +37,7 @@ def recorded_step(result: StepResult) -> RecordLookup:
 def recorded_step_html(lookup: RecordLookup) -> str:
     """The recorded figures with their provenance label, or a one-line note saying why none."""
     if not lookup:
-        prefix = "no record for these settings"
-        why = lookup.reason[len(prefix):].lstrip(" :") if lookup.reason.startswith(prefix) else lookup.reason
+        why = lookup.mismatch or lookup.reason
         return (f"<div class='gpulab-recorded gpulab-label'>On a real GPU: no recorded GPU run matches these "
                 f"settings {'' if why.startswith('(') else '— '}{html.escape(why)}.</div>")
     r = lookup.result
