@@ -53,6 +53,11 @@ def label_recorded(gpu_name: str, date: str, torch_version: str) -> str:
     return f"recorded on {gpu_name}, {date}, torch {torch_version}"
 
 
+# the device the fake engine's CUDA target records its CPU fake tensors on (MemoryTracker's
+# device_alias), so its storages are counted as the GPU's
+FAKE_CUDA_DEVICE = "cuda:0"
+
+
 def validate_fake_target(target: str) -> str:
     key = str(target).lower()
     if key not in FAKE_TARGETS:
@@ -166,7 +171,7 @@ class RunContext:
     def snapshot(self, name: str) -> Snapshot:
         """Record live bytes now (tracker, and the allocator on CUDA)."""
         # the fake CUDA target records its CPU fake tensors as cuda:0 (MemoryTracker device_alias)
-        dev = "cuda:0" if self.kernels == "cuda" and self.engine != "cuda" else str(self.device)
+        dev = FAKE_CUDA_DEVICE if self.kernels == "cuda" and self.engine != "cuda" else str(self.device)
         rounded = self.kernels == "cuda"
         by_category = {c.value: 0 for c in Category}
         for r in self.tracker._records.values():
@@ -283,7 +288,7 @@ def _run_fake_cuda(experiment, choice: EngineChoice, fake_mode) -> Measurement:
     with 512-byte blocks, and what CUDA keeps in host memory counted on the CPU."""
     from .fake_cuda import cuda_kernels
     return _run_host(experiment, choice, LABEL_FAKE_CUDA, _stacked(fake_mode(), cuda_kernels()),
-                     tracker=MemoryTracker(device_alias={"cpu": "cuda:0"}), kernels="cuda")
+                     tracker=MemoryTracker(device_alias={"cpu": FAKE_CUDA_DEVICE}), kernels="cuda")
 
 
 @contextlib.contextmanager
@@ -319,8 +324,8 @@ def _run_host(experiment, choice: EngineChoice, label: str, mode, tracker: Memor
     if any(r.alive for r in tracker._records.values()):
         gc.collect()
     if kernels == "cuda":
-        dev_name = "cuda:0 (fake tensors, CUDA kernels emulated on the CPU)"
-        tracking = tracker.result(device="cuda:0", round_to_cuda_blocks=True, on_host=on_host)
+        dev_name = f"{FAKE_CUDA_DEVICE} (fake tensors, CUDA kernels emulated on the CPU)"
+        tracking = tracker.result(device=FAKE_CUDA_DEVICE, round_to_cuda_blocks=True, on_host=on_host)
     else:
         dev_name = "cpu" if choice.name == "cpu" else "cpu (fake tensors)"
         tracking = tracker.result(device="cpu")
