@@ -433,32 +433,28 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
     size = image_size or spec.default_image_size
     opt = _check_optimizer(optimizer)
     dt = parse_dtype(dtype)
-    runs: dict[int, StepResult] = {}
-    budget = {"left": max_runs or 0}
-
     def note(frac: float, text: str) -> None:
         if progress:
             progress(frac, text)
-
-    def fake(batch: int) -> StepResult:
-        if batch not in runs:
-            if budget["left"] <= 0:
-                raise RuntimeError(f"the verification needed more than {max_runs} fake runs; the sweep's line "
-                                   f"is too far from the measured peaks")
-            budget["left"] -= 1
-            note(0.5 + 0.4 * (max_runs - budget["left"]) / max_runs, f"verifying batch {batch} (fake)")
-            runs[batch] = training_step(spec, batch, size, opt, dt, "fake", steps=2)
-        return runs[batch]
 
     def sweep_progress(frac: float, text: str) -> None:
         note(0.5 * frac, text)
 
     sweep = batch_sweep(spec, sweep_batches, size, opt, dt, "fake", steps=2, progress=sweep_progress)
-    for r in sweep.steps_results:
-        runs[r.batch] = r
+    runs: dict[int, StepResult] = {r.batch: r for r in sweep.steps_results}
+    swept = len(runs)
     if max_runs is None:
         max_runs = search_run_bound(max(sweep.fit.max_batch(card), sweep.formula.max_batch(card), 1))
-        budget["left"] = max_runs
+
+    def fake(batch: int) -> StepResult:
+        if batch not in runs:
+            done = len(runs) - swept   # fake runs the verification has made so far
+            if done >= max_runs:
+                raise RuntimeError(f"the verification needed more than {max_runs} fake runs; the sweep's line "
+                                   f"is too far from the measured peaks")
+            note(0.5 + 0.4 * (done + 1) / max_runs, f"verifying batch {batch} (fake)")
+            runs[batch] = training_step(spec, batch, size, opt, dt, "fake", steps=2)
+        return runs[batch]
 
     answers = []
     for name, cap, cap_label in (
@@ -497,7 +493,7 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
                     "allocator simulator; the CUDA context is an assumption.")
     note(1.0, "done")
     return LargestBatch(spec.name, size, opt, dtype_name(dt), card, int(context_overhead_bytes), sweep, answers,
-                        gpu_checks, gpu_note, verification_runs=max_runs - budget["left"])
+                        gpu_checks, gpu_note, verification_runs=len(runs) - swept)
 
 
 def search_run_bound(batch: int) -> int:
