@@ -8,8 +8,8 @@ each one against an independent reference (``numel()`` of a real layer, FlopCoun
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from .units import dtype_bytes
 
@@ -250,3 +250,123 @@ def max_batch(capacity_bytes: float, fixed_bytes: float, per_sample_bytes: float
     if per_sample_bytes <= 0:
         raise ValueError("per-sample bytes must be positive")
     return max(0, int((capacity_bytes - fixed_bytes) // per_sample_bytes))
+
+
+# --- levers that make training fit -------------------------------------------------------
+# Each lever trades something (communication, recompute, precision) for memory. These are
+# counts on paper; the byte sizes are parameters so a lesson can vary them.
+
+def zero_bytes_per_device(n_params: int, world_size: int, stage: int, param_bytes: int = 2,
+                          grad_bytes: int = 2, optimizer_bytes_per_param: int = 12) -> int:
+    """Model-state bytes on each of ``world_size`` data-parallel devices under ZeRO stage 0-3.
+
+    Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+    Models" (2019, arXiv 1910.02054), section 5 and figure 1, with Psi parameters, N devices
+    and K bytes of optimizer state per parameter (K = 12 for mixed-precision Adam: an fp32
+    copy of the weights, momentum and variance, 4 B each):
+
+    * stage 0 (plain data parallelism): (2 + 2 + K) * Psi
+    * stage 1 (P_os, optimizer state sharded): 2Psi + 2Psi + K*Psi/N
+    * stage 2 (P_os+g, gradients sharded too): 2Psi + (2 + K)*Psi/N
+    * stage 3 (P_os+g+p, parameters sharded too): (2 + 2 + K)*Psi/N
+
+    with the 2s replaced by ``param_bytes`` and ``grad_bytes``. Figure 1 (Psi = 7.5B,
+    N = 64, K = 12) gives 120 GB, 31.4 GB, 16.6 GB and 1.9 GB (GB = 10**9 B).
+
+    NB: a sharded tensor is counted as ceil(Psi / N) elements per device (the last shard is
+    padded), so the result is a whole number of bytes. Activations, temporary buffers and
+    fragmentation (the paper's "residual states") are not included.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, not {stage!r}")
+    if world_size < 1:
+        raise ValueError("world_size must be at least 1")
+    if n_params < 0:
+        raise ValueError("n_params must not be negative")
+    shard = -(-n_params // world_size)  # ceil
+    p, g, k = param_bytes, grad_bytes, optimizer_bytes_per_param
+    if stage == 0:
+        return (p + g + k) * n_params
+    if stage == 1:
+        return (p + g) * n_params + k * shard
+    if stage == 2:
+        return p * n_params + (g + k) * shard
+    return (p + g + k) * shard
+
+
+def eight_bit_optimizer_state_bytes(n_params: int, states: int = 2, block_size: int = 256) -> int:
+    """Optimizer state of a bitsandbytes 8-bit blockwise optimizer for one parameter tensor:
+    per state, one byte per element plus one fp32 absmax per block of ``block_size`` elements
+    (``states`` = 2 for Adam/AdamW, 1 for momentum SGD, RMSprop, Adagrad, Lion).
+
+    Source: bitsandbytes/optim/optimizer.py, ``Optimizer2State.init_state`` and
+    ``Optimizer1State.init_state``: each state is a uint8 tensor of the parameter's shape,
+    and ``absmax1`` / ``absmax2`` are float32 tensors of ceil(n / blocksize) elements with
+    ``blocksize = 256``. The 256 dates from bitsandbytes 0.44.0 (PR #1365, "Change 8bit
+    optimizer blocksize 2048->256"); earlier releases, and the paper (Dettmers et al.,
+    "8-bit Optimizers via Block-wise Quantization", 2021, arXiv 2110.02861), used 2048.
+
+    NB: blocks do not span tensors, so call this per parameter tensor and sum. A tensor with
+    fewer than ``min_8bit_size`` elements (4096 by default) keeps 32-bit state (4 B per
+    element per state) instead; the shared 256-entry quantization maps are not counted.
+    """
+    if n_params < 0 or states < 0 or block_size < 1:
+        raise ValueError("n_params and states must be >= 0 and block_size >= 1")
+    blocks = -(-n_params // block_size)  # ceil
+    return states * (n_params + 4 * blocks)
+
+
+def lora_params(in_features: int, out_features: int, rank: int) -> int:
+    """Trainable parameters LoRA adds to one linear layer: A (rank x in) and B (out x rank),
+    so rank * (in + out). Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models"
+    (2021, arXiv 2106.09685), section 4.1: W0 + BA with B in R^{d x r}, A in R^{r x k}.
+    E.g. rank 8 on a 4096 x 4096 q_proj: 8 * 8192 = 65,536."""
+    if min(in_features, out_features, rank) < 0:
+        raise ValueError("features and rank must not be negative")
+    return rank * (in_features + out_features)
+
+
+def lora_trainable_params(linear_shapes: Iterable[Sequence[int]], rank: int) -> int:
+    """``lora_params`` summed over the adapted layers, given as (in_features, out_features)."""
+    return sum(lora_params(int(i), int(o), rank) for i, o in linear_shapes)
+
+
+def nf4_weight_bytes(n_params: int, block_size: int = 64, double_quant: bool = True) -> float:
+    """Bytes of weights stored as QLoRA's 4-bit NormalFloat (NF4), with their quantization
+    constants: 0.5 B per weight plus
+
+    * without double quantization: one fp32 absmax per ``block_size`` weights,
+      32/64 = 0.5 bits per parameter at block size 64;
+    * with double quantization: those absmaxes quantized to 8 bits, with one fp32 constant
+      per 256 of them, 8/64 + 32/(64*256) = 0.127 bits per parameter.
+
+    Source: Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs" (2023,
+    arXiv 2305.14314), section 3, "Double Quantization" (0.5 -> 0.127 bits per parameter).
+    bitsandbytes implements it in ``functional.quantize_4bit``: default ``blocksize=64``,
+    and with ``compress_statistics`` the absmaxes go through ``quantize_blockwise`` with
+    ``blocksize=256``.
+
+    NB: an average over whole blocks (a float); the extra fp32 offset and the 256-entry code
+    table bitsandbytes keeps per tensor are left out.
+    """
+    if n_params < 0 or block_size < 1:
+        raise ValueError("n_params must be >= 0 and block_size >= 1")
+    constant_bits = 8 / block_size + 32 / (block_size * 256) if double_quant else 32 / block_size
+    return n_params * (4 + constant_bits) / 8
+
+
+def checkpointed_activation_bytes(per_layer_bytes: float, n_layers: int,
+                                  boundary_bytes: float) -> float:
+    """Activation memory with every layer checkpointed: each layer's input is kept
+    (``boundary_bytes`` per layer) and, during the backward pass, one layer's activations
+    are recomputed at a time: n_layers * boundary_bytes + per_layer_bytes.
+
+    Without checkpointing it is n_layers * per_layer_bytes. Chen et al., "Training Deep Nets
+    with Sublinear Memory Cost" (2016, arXiv 1604.06174) analyse this trade; checkpointing
+    every sqrt(n) layers instead of every layer is their O(sqrt(n)) variant.
+
+    NB: ignores the gradient buffers of the layer being recomputed and allocator effects.
+    """
+    if n_layers < 0:
+        raise ValueError("n_layers must not be negative")
+    return n_layers * boundary_bytes + (per_layer_bytes if n_layers else 0)

@@ -1,0 +1,107 @@
+"""gpulab.cards: the card table and the ``--gpu`` parser, against hand-checked numbers."""
+import pytest
+
+from gpulab.cards import CARDS, Card, card_names, parse_gpu
+from gpulab.course.sweeps import CARDS_GIB
+from gpulab.units import GB, GiB, KiB, MiB
+
+
+def _variants(spelling: str) -> set[str]:
+    """The same spelling as a student might type it: other case, other separators, none."""
+    joined = spelling.replace("-", "").replace(" ", "")
+    return {spelling, spelling.lower(), spelling.upper(), joined, joined.lower(),
+            spelling.replace("-", " "), spelling.replace(" ", "-")}
+
+
+@pytest.mark.parametrize("card", CARDS, ids=lambda c: c.name)
+def test_every_name_and_alias_parses_to_its_card(card):
+    for spelling in (card.name, *card.aliases):
+        for typed in _variants(spelling):
+            assert parse_gpu(typed) is card, typed
+
+
+def test_table_convention_vendor_gb_is_gib():
+    sizes = {c.name: c.memory_bytes for c in CARDS}
+    assert sizes["H100"] == 80 * GiB
+    assert sizes["H200"] == 141 * GiB
+    assert sizes["A100-40GB"] == 40 * GiB and sizes["A100-80GB"] == 80 * GiB
+    assert sizes["L4"] == sizes["A10"] == sizes["A10G"] == 24 * GiB
+    assert sizes["L40S"] == 48 * GiB
+    assert sizes["T4"] == sizes["V100-16GB"] == 16 * GiB and sizes["V100-32GB"] == 32 * GiB
+    assert sizes["RTX 3090"] == sizes["RTX 4090"] == 24 * GiB
+    assert sizes["RTX 4080"] == 16 * GiB
+    assert sizes["RTX 4070"] == sizes["RTX 3060"] == 12 * GiB
+    assert sizes["RTX 5090"] == 32 * GiB
+    assert sizes["MI300X"] == 192 * GiB
+    assert len(sizes) == len(CARDS) == 18  # names are unique
+    for c in CARDS:
+        assert isinstance(c, Card) and c.memory_bytes % GiB == 0
+        assert f"counted here as {c.memory_bytes // GiB} GiB" in c.note
+    # the sweep's card sizes are all card sizes of this table (8 GiB: the small RTX 3060)
+    assert {s for s in CARDS_GIB if s != 8} <= {c.memory_bytes // GiB for c in CARDS}
+
+
+def test_card_names_in_table_order():
+    names = card_names()
+    assert names == [c.name for c in CARDS]
+    assert names[:3] == ["H100", "H200", "A100-40GB"]
+
+
+@pytest.mark.parametrize("typed, name", [
+    ("H100", "H100"), ("h100-80gb", "H100"), ("NVIDIA H100 80GB HBM3", "H100"),
+    ("A100-40GB", "A100-40GB"), ("a100 40gb", "A100-40GB"), ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+    ("RTX4090", "RTX 4090"), ("4090", "RTX 4090"), ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+    ("Tesla T4", "T4"), ("  l40s ", "L40S"), ("AMD Instinct MI300X", "MI300X"),
+])
+def test_spellings_from_the_brief_and_from_device_names(typed, name):
+    assert parse_gpu(typed).name == name
+
+
+@pytest.mark.parametrize("typed, nbytes, name", [
+    ("24GiB", 24 * GiB, "24 GiB"), ("24 GiB", 24 * GiB, "24 GiB"), ("80gib", 80 * GiB, "80 GiB"),
+    ("1.5TiB", 3 * 2**39, "1.5 TiB"), ("512MiB", 512 * MiB, "512 MiB"),
+    ("64KiB", 64 * KiB, "64 KiB"), ("16G", 16 * GiB, "16 GiB"), ("16g", 16 * GiB, "16 GiB"),
+    ("512M", 512 * MiB, "512 MiB"), ("24GB", 24 * GB, "24 GB"), ("24 gb", 24_000_000_000, "24 GB"),
+    ("500MB", 500_000_000, "500 MB"), ("2TB", 2 * 10**12, "2 TB"), ("8KB", 8000, "8 KB"),
+    ("0.5GiB", 512 * MiB, "0.5 GiB"),
+])
+def test_sizes_with_each_unit(typed, nbytes, name):
+    card = parse_gpu(typed)
+    assert card.memory_bytes == nbytes
+    assert card.name == name
+    assert card.aliases == ()
+    assert f"{nbytes:,} bytes" in card.note
+
+
+def test_decimal_gb_is_stated_in_the_note():
+    card = parse_gpu("24GB")
+    assert card.memory_bytes == 24_000_000_000
+    assert "24 GB = 24,000,000,000 bytes (decimal)" in card.note
+    assert "22.4 GiB" in card.note
+
+
+def test_bare_g_is_binary_and_says_so():
+    assert "a bare G is read as GiB" in parse_gpu("16G").note
+    assert "(binary)" in parse_gpu("24GiB").note
+
+
+@pytest.mark.parametrize("bad", ["", "fast", "24", "-3GiB", "H1000", "0GiB", "24 parsecs",
+                                 "A100", "v100", "3.5", "GiB"])
+def test_bad_inputs_give_one_line_message_with_the_accepted_forms(bad):
+    with pytest.raises(ValueError) as info:
+        parse_gpu(bad)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"cannot read --gpu {bad!r}:")
+    assert "give a size such as 24GiB, 80GB or 512MiB" in msg
+    assert "or a card: " + ", ".join(card_names()) in msg
+
+
+def test_bad_inputs_say_what_is_wrong():
+    assert "needs a unit" in str(pytest.raises(ValueError, parse_gpu, "24").value)
+    assert "at least 1 byte" in str(pytest.raises(ValueError, parse_gpu, "-3GiB").value)
+    assert "at least 1 byte" in str(pytest.raises(ValueError, parse_gpu, "0GiB").value)
+    assert "(did you mean H100?)" in str(pytest.raises(ValueError, parse_gpu, "H1000").value)
+    msg = str(pytest.raises(ValueError, parse_gpu, "A100").value)
+    assert "did you mean A100-40GB or A100-80GB?" in msg
+    assert "unknown unit 'parsecs'" in str(pytest.raises(ValueError, parse_gpu, "24 parsecs").value)
