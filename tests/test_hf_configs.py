@@ -1,0 +1,163 @@
+"""The built-in transformer configs: exact published parameter counts (built on the meta device),
+name lookup, and tiny configs that train on a CPU."""
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from gpulab.hf_configs import (
+    HF_CONFIGS,
+    TINY_SOURCE,
+    HFConfigEntry,
+    build_causal_lm,
+    config_summary,
+    hf_entry,
+    hf_names,
+    is_config,
+    make_config,
+)
+
+PUBLISHED = [name for name, e in HF_CONFIGS.items() if e.published_params is not None]
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # a tied embedding counts once
+
+
+def test_the_table():
+    assert {"gpt2", "gpt2-medium", "llama-3-8b", "llama-2-7b", "mistral-7b", "qwen2.5-0.5b",
+            "tiny-gpt2", "tiny-llama"} <= set(hf_names())
+    assert hf_names() == list(HF_CONFIGS)
+    for name, e in HF_CONFIGS.items():
+        assert name == e.name == name.lower()
+        assert hasattr(transformers, e.config_class)
+        if e.tiny:
+            assert e.published_params is None and e.source == TINY_SOURCE and "gpulab" in e.description
+        else:
+            assert e.source.startswith("https://huggingface.co/") and e.source.endswith("/blob/main/config.json")
+            assert e.published_params is not None
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_published_parameter_counts(name):
+    entry = hf_entry(name)
+    with torch.device("meta"):
+        model = build_causal_lm(make_config(entry))
+    assert n_params(model) == entry.published_params
+
+
+def test_tiny_parameter_counts_by_hand():
+    # tiny-llama: untied 1000x64 embedding and head; per layer q,o 64x64, k,v 64x32 (2 KV heads
+    # of 16), MLP 3 x 64x172, two norms of 64; then the final norm.
+    llama = 2 * 1000 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 172 + 2 * 64) + 64
+    # tiny-gpt2: tied 1000x64 embedding, 256x64 positions; per layer two LayerNorms, c_attn
+    # 64x192+192, c_proj 64x64+64, c_fc 64x256+256, MLP c_proj 256x64+64; then ln_f.
+    gpt2 = 1000 * 64 + 256 * 64 + 2 * (2 * 128 + 64 * 192 + 192 + 64 * 64 + 64 + 64 * 256 + 256 + 256 * 64 + 64) + 128
+    with torch.device("meta"):
+        assert n_params(build_causal_lm("tiny-llama")) == llama == 218_944
+        assert n_params(build_causal_lm("tiny-gpt2")) == gpt2 == 180_480
+
+
+@pytest.mark.parametrize("name", hf_names())
+def test_config_keeps_every_field(name):
+    """Every field of the table reaches the config under its own name, so a renamed or dropped
+    field in a later transformers release shows here rather than as a wrong model."""
+    entry = hf_entry(name)
+    config = make_config(entry)
+    assert type(config).__name__ == entry.config_class
+    assert config.use_cache is False
+    for key, value in entry.kwargs.items():
+        if key == "rope_theta":  # transformers 5.x keeps it in rope_parameters
+            assert config.rope_parameters["rope_theta"] == value
+        elif key == "sliding_window" and entry.kwargs.get("use_sliding_window") is False:
+            assert config.sliding_window is None  # Qwen2Config drops an unused window
+        else:
+            assert getattr(config, key) == value, key
+
+
+def test_make_config_is_fresh():
+    a, b = make_config("gpt2"), make_config(hf_entry("gpt2"))
+    assert a is not b and a.to_dict() == b.to_dict()
+    a.n_layer = 1
+    assert make_config("gpt2").n_layer == 12 and HF_CONFIGS["gpt2"].kwargs["n_layer"] == 12
+
+
+def test_names_and_prefix():
+    assert hf_entry("llama-3-8b") is hf_entry("hf:llama-3-8b") is hf_entry("HF:Llama-3-8B")
+    assert isinstance(hf_entry("gpt2"), HFConfigEntry)
+
+
+def test_unknown_name():
+    with pytest.raises(ValueError) as err:
+        hf_entry("llama3")
+    msg = str(err.value)
+    assert msg.startswith("unknown transformer config 'llama3'  (did you mean llama-3-8b")
+    assert "built-in configs: " + ", ".join(hf_names()) in msg
+    assert msg.endswith("or pass a transformers.PretrainedConfig object")
+    with pytest.raises(ValueError, match=r"unknown transformer config 'zzzz'; built-in configs"):
+        hf_entry("zzzz")
+    with pytest.raises(ValueError, match="did you mean"):
+        make_config("hf:gpt-2")
+
+
+def test_is_config():
+    assert is_config(make_config("tiny-llama"))
+    assert is_config(transformers.GPT2Config())
+    assert not is_config(hf_entry("tiny-llama"))
+    assert not is_config("tiny-llama")
+    assert not is_config({"hidden_size": 64})
+
+
+def test_import_does_not_import_transformers():
+    code = ("import sys, gpulab.hf_configs as h; assert not h.is_config(object()); "
+            "assert len(h.hf_names()) >= 8; assert 'transformers' not in sys.modules, 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_tiny_trains_on_cpu(name):
+    torch.manual_seed(0)
+    model = build_causal_lm(name)
+    assert next(model.parameters()).device.type == "cpu"
+    ids = torch.randint(0, 1000, (2, 16))
+    out = model(input_ids=ids, labels=ids)
+    loss = out.loss
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert 5.0 < loss.item() < 9.0  # about ln(1000) = 6.9 for random weights
+    assert model.loss_type == "ForCausalLM"  # GPT2LMHeadModel's is None in transformers 5.x
+    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "gpt2"])
+def test_build_on_meta_and_under_fake_tensors(name):
+    with torch.device("meta"):
+        meta = build_causal_lm(name, dtype=torch.bfloat16)
+    assert {(p.device.type, p.dtype) for p in meta.parameters()} == {("meta", torch.bfloat16)}
+    with FakeTensorMode():
+        fake = build_causal_lm(make_config(name))
+        assert all(isinstance(p, FakeTensor) for p in fake.parameters())
+    assert n_params(fake) == n_params(meta)
+
+
+def test_dtype_defaults_to_float32():
+    with torch.device("meta"):
+        model = build_causal_lm("tiny-llama")
+    assert next(model.parameters()).dtype == torch.float32
+
+
+def test_config_summary():
+    assert config_summary("gpt2") == {
+        "model_type": "gpt2", "hidden_size": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 12,
+        "intermediate_size": 3072, "vocab_size": 50257, "max_positions": 1024, "tie_word_embeddings": True}
+    assert config_summary(make_config("llama-3-8b")) == {
+        "model_type": "llama", "hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8,
+        "intermediate_size": 14336, "vocab_size": 128256, "max_positions": 8192, "tie_word_embeddings": False}
+    s = config_summary(hf_entry("qwen2.5-0.5b"))
+    assert (s["model_type"], s["num_kv_heads"], s["tie_word_embeddings"]) == ("qwen2", 2, True)
+    assert config_summary("llama-2-7b")["num_kv_heads"] == 32
