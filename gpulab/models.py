@@ -1,5 +1,7 @@
-"""The lesson models: torchvision's VGG16, AlexNet and ResNet-18 (random weights) and two
-small models that run in well under a second on a CPU.
+"""Image-classification models by name: the lesson models (torchvision's VGG16, AlexNet and
+ResNet-18 with random weights, and two small models that run in well under a second on a
+CPU) and every other torchvision classification model (``resnet50`` or
+``torchvision:resnet50``), never with downloaded weights.
 
 Every model takes an image batch (N, 3, S, S) and returns class logits, so one training
 step, one breakdown and one widget serve them all.
@@ -36,10 +38,15 @@ def small_cnn(num_classes: int = 10, image_size: int = 32) -> nn.Module:
     )
 
 
+# GoogLeNet and Inception v3 warn that their default initialisation will change unless it is
+# chosen; gpulab chooses torchvision's current one (truncated normal), so nothing is printed
+_CHOOSE_INIT = {"googlenet": {"init_weights": True}, "inception_v3": {"init_weights": True}}
+
+
 def _torchvision(name: str) -> Callable[..., nn.Module]:
     def build(num_classes: int = 1000, image_size: int = 224) -> nn.Module:
         import torchvision.models as tvm
-        return getattr(tvm, name)(weights=None, num_classes=num_classes)
+        return tvm.get_model(name, weights=None, num_classes=num_classes, **_CHOOSE_INIT.get(name, {}))
     build.__name__ = name
     return build
 
@@ -54,6 +61,7 @@ class ModelSpec:
     description: str
 
 
+# The lesson models: the names the lessons' panels offer.
 MODELS: dict[str, ModelSpec] = {
     "vgg16": ModelSpec("vgg16", _torchvision("vgg16"), 224, 1, 1000,
                        "torchvision VGG16 (138.4 M parameters), random weights"),
@@ -66,19 +74,63 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
+TORCHVISION_PREFIX = "torchvision:"
+
+
+@functools.lru_cache(maxsize=1)
+def torchvision_names() -> tuple[str, ...]:
+    """Every torchvision classification model (``list_models(module=torchvision.models)``)."""
+    import torchvision.models as tvm
+    return tuple(tvm.list_models(module=tvm))
+
+
+def is_model_name(name: str) -> bool:
+    """Whether ``name`` is a lesson model or a torchvision classification model."""
+    key = str(name).lower().removeprefix(TORCHVISION_PREFIX)
+    return key in MODELS or key in torchvision_names()
+
+
+def close_model_names(name: str, n: int = 3) -> list[str]:
+    """The registered names closest to ``name`` (for "did you mean ...?")."""
+    import difflib
+    key = str(name).lower().removeprefix(TORCHVISION_PREFIX)
+    return difflib.get_close_matches(key, [*MODELS, *torchvision_names()], n=n, cutoff=0.6)
+
+
 def resolve_model(model: "str | ModelSpec") -> ModelSpec:
     """Look a model up in the registry, once, at the edge (API, CLI, panel); pass the spec
-    down from there. A ``ModelSpec`` is returned as it is. An unknown name raises a
-    ``ValueError`` that lists the close matches and every valid name."""
+    down from there. A ``ModelSpec`` is returned as it is. Names are the lesson models and
+    every torchvision classification model, with or without the ``torchvision:`` prefix. An
+    unknown name raises a ``ValueError`` that lists the close matches."""
     if isinstance(model, ModelSpec):
         return model
-    key = str(model).lower()
-    if key not in MODELS:
-        import difflib
-        close = difflib.get_close_matches(key, list(MODELS), n=3, cutoff=0.5)
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        raise ValueError(f"unknown model {model!r}{hint}; valid models: {', '.join(MODELS)}")
-    return MODELS[key]
+    key = str(model).lower().removeprefix(TORCHVISION_PREFIX)
+    if key in MODELS:
+        return MODELS[key]
+    if key in torchvision_names():
+        return _torchvision_spec(key)
+    close = close_model_names(key)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise ValueError(f"unknown model {model!r}{hint}; valid models: the lesson models ({', '.join(MODELS)}) and "
+                     f"every torchvision classification model (gpulab.models.torchvision_names())")
+
+
+@functools.lru_cache(maxsize=None)
+def _torchvision_spec(name: str) -> ModelSpec:
+    """A torchvision classification model with random weights, at the image size its first
+    published weights were evaluated at (``weights.transforms`` crop size: 299 for Inception
+    v3, 384 for EfficientNet-V2-S ...), or 224 where the model built without weights is fixed
+    to 224 (ViT-H/14's published weights use 518, its constructor's default is 224)."""
+    import torchvision.models as tvm
+    weights = list(tvm.get_model_weights(name))
+    crop = getattr(weights[0].transforms, "keywords", {}).get("crop_size", 224) if weights else 224
+    build = _torchvision(name)
+    spec = ModelSpec(name, build, int(crop), 1, 1000, f"torchvision {name}, random weights")
+    if crop != 224 and not _meta_forward_ok(spec, int(crop)):
+        spec = ModelSpec(name, build, 224, 1, 1000, spec.description)
+    n = sum(p.numel() for p in build_model(spec, device="meta").parameters())
+    return ModelSpec(name, build, spec.default_image_size, 1, 1000,
+                     f"torchvision {name} ({n / 1e6:.1f} M parameters), random weights")
 
 
 def build_model(spec: ModelSpec, image_size: int | None = None, device: torch.device | str | None = None,
@@ -90,12 +142,84 @@ def build_model(spec: ModelSpec, image_size: int | None = None, device: torch.de
     ``.to()`` would have to swap tensors."""
     if not isinstance(spec, ModelSpec):
         raise TypeError(f"build_model takes a ModelSpec (resolve_model({spec!r}) first), not {type(spec).__name__}")
+    size = image_size or spec.default_image_size
+    return build_in_place(lambda: spec.build(num_classes=spec.num_classes, image_size=size), device, dtype)
+
+
+def build_in_place(build: Callable[[], nn.Module], device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> nn.Module:
+    """``build()`` with ``device`` as the default device and ``dtype`` as the default dtype.
+
+    Shapes only (``device="meta"``, or inside a ``FakeTensorMode``): a builder that computes
+    with tensors while it builds (torchvision's RegNet turns a tensor of widths into a list
+    with ``.tolist()``) cannot run there; it is built again as a *skeleton*, its small
+    computations on the CPU and every parameter and buffer moved to the meta device as it is
+    registered, and then given empty storages on the target (fake tensors under a fake mode)."""
+    try:
+        with _defaults(device, dtype):
+            return build()
+    except Exception:
+        fake = active_fake_mode()
+        if not (fake is not None or (device is not None and torch.device(device).type == "meta")):
+            raise
+    skeleton = build_skeleton(build, dtype)
+    if fake is None:
+        return skeleton
+    return materialize(skeleton, device or "cpu")
+
+
+@contextlib.contextmanager
+def _defaults(device, dtype):
     with contextlib.ExitStack() as stack:
         if device is not None:
             stack.enter_context(torch.device(device))
         if dtype is not None and dtype != torch.get_default_dtype():
             stack.enter_context(_default_dtype(dtype))
-        return spec.build(num_classes=spec.num_classes, image_size=image_size or spec.default_image_size)
+        yield
+
+
+def active_fake_mode():
+    """The ``FakeTensorMode`` in force, or None."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+
+def build_skeleton(build: Callable[[], nn.Module], dtype: torch.dtype | None = None) -> nn.Module:
+    """The module ``build()`` makes, with every parameter and buffer on the meta device: built
+    outside any fake mode with the CPU as default device, each tensor moved to meta when it is
+    registered (before initialisers touch it), so it costs no memory at any size."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily(), _registered_on_meta(), _defaults(None, dtype):
+        return build()
+
+
+@contextlib.contextmanager
+def _registered_on_meta():
+    register_parameter, register_buffer = nn.Module.register_parameter, nn.Module.register_buffer
+
+    def on_meta_parameter(self, name, param):
+        register_parameter(self, name, param)
+        p = self._parameters.get(name)
+        if p is not None and p.device.type != "meta":
+            self._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    def on_meta_buffer(self, name, tensor, persistent=True):
+        register_buffer(self, name, tensor, persistent)
+        b = self._buffers.get(name)
+        if b is not None and b.device.type != "meta":
+            self._buffers[name] = b.to("meta")
+
+    nn.Module.register_parameter, nn.Module.register_buffer = on_meta_parameter, on_meta_buffer
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter, nn.Module.register_buffer = register_parameter, register_buffer
+
+
+def materialize(module: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+    """Give every parameter and buffer of ``module`` an empty storage on ``device`` (in place,
+    same shapes, dtypes and ``requires_grad``): under a ``FakeTensorMode`` these are fake
+    tensors. The values are uninitialised: for memory questions, not for training quality."""
+    return module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 _MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -158,5 +282,6 @@ def _meta_forward_ok(spec: ModelSpec, image_size: int, batch: int = 1, train: bo
         with torch.no_grad():
             model.train(train)(x)
         return True
-    except (RuntimeError, ValueError):  # shape errors; batch norm's "more than 1 value per channel"
+    except (RuntimeError, ValueError, AssertionError):  # shape errors; batch norm's "more than 1 value per
+        # channel"; ViT's torch._assert("Wrong image height!")
         return False
