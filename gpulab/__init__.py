@@ -6,7 +6,9 @@ __version__ = "0.1.0"
 
 from .engines import run
 from .experiments import breakdown, training_step
+from .fit import fit
 from .tracking import Category, MemoryTracker
+from .trainstep import step
 from .units import format_bytes
 
-__all__ = ["Category", "MemoryTracker", "breakdown", "format_bytes", "run", "training_step"]
+__all__ = ["Category", "MemoryTracker", "breakdown", "fit", "format_bytes", "run", "step", "training_step"]

@@ -168,6 +168,11 @@ class RunContext:
     def phase(self, name: str):
         return self.tracker.phase(name)
 
+    def mark(self) -> int:
+        """The number of events recorded so far: a position on the run's timeline (the events
+        after it have ``index >= mark``), e.g. where a training step starts."""
+        return len(self.tracker._events)
+
     def snapshot(self, name: str) -> Snapshot:
         """Record live bytes now (tracker, and the allocator on CUDA)."""
         # the fake CUDA target records its CPU fake tensors as cuda:0 (MemoryTracker device_alias)

@@ -7,15 +7,16 @@
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from . import formulas as F
 from .engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
-from .models import ModelSpec, build_model, check_image_size, resolve_model
+from .models import ModelSpec, check_image_size, resolve_model
 from .tracking import CATEGORIES, Category
 from .units import dtype_name, parse_dtype
 
@@ -88,6 +89,8 @@ class Breakdown:
     total_output_bytes: int
     layers: list[LayerRow] = field(default_factory=list)
     label: str = "formula (shapes from a meta-device forward pass)"
+    trainable_param_bytes: int | None = None   # parameters with requires_grad (None: all of them)
+    trainable_param_tensors: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -103,19 +106,48 @@ class Breakdown:
                 f"params={self.total_params:,}, layers={len(self.layers)})")
 
 
-def breakdown(model: str | ModelSpec, batch: int = 1, image_size: int | None = None,
-              dtype: str | torch.dtype = "float32") -> Breakdown:
+def breakdown(model: Any, batch: int = 1, image_size: int | None = None,
+              dtype: str | torch.dtype = "float32", *, inputs: Any = None, input_shape: tuple[int, ...] | None = None,
+              seq_len: int | None = None) -> Breakdown:
     """Leaf modules in execution order, with output shape, params and FLOPs.
 
-    Runs on the meta device (shapes only). A module used twice appears twice. ResNet's
-    residual additions happen outside leaf modules and are not rows."""
-    spec = resolve_model(model)
+    ``model``: anything ``gpulab.step`` takes (a name, ``hf:NAME``, a transformers config, an
+    ``nn.Module``, a function that builds one). Runs on the meta device (shapes only), or on
+    fake tensors where a model computes with data on the way. A module used twice appears
+    twice. ResNet's residual additions happen outside leaf modules and are not rows."""
+    from .workload import forward, resolve_workload
     validate_batch(batch)
     dt = parse_dtype(dtype)
-    size = image_size or spec.default_image_size
-    check_image_size(spec, size)
-    net = build_model(spec, size, device="meta", dtype=dt)
-    x = torch.empty(batch, 3, size, size, dtype=dt, device="meta")
+    w = resolve_workload(model, inputs, batch=None, input_shape=input_shape, seq_len=seq_len, image_size=image_size)
+    try:
+        net, data = _shapes_only(w, batch, dt, "meta")
+        rows = _leaf_rows(net, lambda: forward(net, data))
+    except Exception:   # a model that looks at values on the way (a mask's .all(), .item()): fake tensors
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode():
+            net, data = _shapes_only(w, batch, dt, "cpu")
+            rows = _leaf_rows(net, lambda: forward(net, data))
+    first = next((t for t in [*data[0], *data[1].values()] if isinstance(t, torch.Tensor)), None)
+    return Breakdown(
+        model=w.name, input_shape=list(first.shape) if first is not None else [], dtype=dtype_name(dt),
+        total_params=sum(p.numel() for p in net.parameters()),
+        param_tensors=sum(1 for _ in net.parameters()),
+        param_bytes=sum(p.numel() * p.element_size() for p in net.parameters()),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in net.buffers()),
+        forward_flops=sum(r.flops for r in rows),
+        total_output_bytes=sum(r.output_bytes for r in rows), layers=rows,
+        trainable_param_bytes=sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad),
+        trainable_param_tensors=sum(1 for p in net.parameters() if p.requires_grad))
+
+
+def _shapes_only(w, batch: int, dt: torch.dtype, device: str):
+    net = w.build(device, dt)
+    with torch.device(device):
+        data = w.inputs(batch, dt)
+    return net, data
+
+
+def _leaf_rows(net: nn.Module, call) -> list[LayerRow]:
     names = {m: n for n, m in net.named_modules()}
     rows: list[LayerRow] = []
 
@@ -134,18 +166,12 @@ def breakdown(model: str | ModelSpec, batch: int = 1, image_size: int | None = N
     handles = [m.register_forward_hook(hook) for m in net.modules()]
     try:
         with torch.no_grad():
-            net.eval()(x)
+            net.eval()
+            call()
     finally:
         for h in handles:
             h.remove()
-    return Breakdown(
-        model=spec.name, input_shape=list(x.shape), dtype=dtype_name(dt),
-        total_params=sum(p.numel() for p in net.parameters()),
-        param_tensors=sum(1 for _ in net.parameters()),
-        param_bytes=sum(p.numel() * p.element_size() for p in net.parameters()),
-        buffer_bytes=sum(b.numel() * b.element_size() for b in net.buffers()),
-        forward_flops=sum(r.flops for r in rows),
-        total_output_bytes=sum(r.output_bytes for r in rows), layers=rows)
+    return rows
 
 
 # --- a training step -----------------------------------------------------------------------------
@@ -179,6 +205,22 @@ class StepResult(Measured):
     measurement: Measurement
     predicted: dict[str, int | None]
     predicted_label: str = LABEL_FORMULA
+    step_peaks: list[int] = field(default_factory=list)   # each step's own peak (live bytes), in order
+    kind: str = "image"            # the workload's kind: image, tokens, module
+    input_text: str = ""           # what one batch was ("token ids (8, 512) int64 ...")
+    seq_len: int | None = None
+    amp: str | None = None
+
+    @property
+    def first_step_peak_bytes(self) -> int:
+        """The first step's peak: before it, no optimizer state exists."""
+        return self.step_peaks[0] if self.step_peaks else self.peak_bytes
+
+    @property
+    def steady_peak_bytes(self) -> int:
+        """The last step's peak: every step from the second on holds the optimizer state (the
+        steady state a training run lives in)."""
+        return self.step_peaks[-1] if self.step_peaks else self.peak_bytes
 
     @property
     def tensor_bytes_by_category(self) -> dict[str, int]:
@@ -210,6 +252,9 @@ class StepResult(Measured):
                                             if s.name == "after step"), {}),
             "predicted": dict(self.predicted), "predicted_label": self.predicted_label,
             "seconds": round(m.seconds, 4), "oom": m.oom, "error": m.error,
+            "kind": self.kind, "input": self.input_text, "seq_len": self.seq_len, "amp": self.amp,
+            "step_peaks": list(self.step_peaks), "first_step_peak_bytes": self.first_step_peak_bytes,
+            "steady_peak_bytes": self.steady_peak_bytes,
         }
         if m.allocator is not None:
             d["allocator"] = dict(m.allocator)
@@ -230,23 +275,28 @@ class StepResult(Measured):
 
 def predict_step(model: str | ModelSpec, batch: int, image_size: int | None = None, optimizer: str = "sgd",
                  dtype: str | torch.dtype = "float32", count_step_counters: bool = True, *,
-                 bd: Breakdown | None = None) -> dict[str, int | None]:
+                 bd: Breakdown | None = None, input_bytes: int | None = None) -> dict[str, int | None]:
     """The formulas' view of a training step, per category (bytes).
 
     parameters / buffers / gradients / optimizer_state / inputs are exact formulas;
     activations is the reference articles' view (every layer's output kept for backward:
     the sum of leaf outputs), which lesson 03 puts to the test; temporaries has no formula
-    (None). ``bd``: this model's breakdown at this batch, size and dtype, if already made."""
+    (None). ``bd``: this model's breakdown at this batch, size and dtype, if already made.
+    ``input_bytes``: the batch's bytes, when it is not an image batch with labels. Gradients
+    and optimizer state count the trainable parameters only (``requires_grad``)."""
     if bd is None:
         bd = breakdown(model, batch, image_size, dtype)
-    n_tensors = bd.param_tensors
+    trained = bd.param_bytes if bd.trainable_param_bytes is None else bd.trainable_param_bytes
+    n_tensors = bd.param_tensors if bd.trainable_param_tensors is None else bd.trainable_param_tensors
+    if input_bytes is None:   # an image batch and its int64 labels
+        input_bytes = F.tensor_bytes(bd.input_shape, bd.dtype) + F.tensor_bytes([batch], "int64")
     return {
         Category.PARAMETERS.value: bd.param_bytes,
         Category.BUFFERS.value: bd.buffer_bytes,
-        Category.INPUTS.value: F.tensor_bytes(bd.input_shape, bd.dtype) + F.tensor_bytes([batch], "int64"),
-        Category.OPTIMIZER_STATE.value: F.optimizer_state_bytes(bd.param_bytes, n_tensors, optimizer,
+        Category.INPUTS.value: input_bytes,
+        Category.OPTIMIZER_STATE.value: F.optimizer_state_bytes(trained, n_tensors, optimizer,
                                                                 count_step_counters),
-        Category.GRADIENTS.value: bd.param_bytes,
+        Category.GRADIENTS.value: trained,
         Category.ACTIVATIONS.value: bd.total_output_bytes,
         Category.TEMPORARIES.value: None,
     }
@@ -255,26 +305,66 @@ def predict_step(model: str | ModelSpec, batch: int, image_size: int | None = No
 def step_experiment(spec: ModelSpec, batch: int, image_size: int, optimizer: str, dtype: torch.dtype,
                     steps: int = 1):
     """The experiment function ``run`` calls: fresh model, ``steps`` training steps."""
+    from .workload import image_workload
+    return train_experiment(image_workload(spec, image_size), [batch] * steps, optimizer, dtype)
+
+
+AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def train_experiment(w, batches: Sequence[int], optimizer: str, dtype: torch.dtype | None, amp: str | None = None):
+    """Fresh model from the workload ``w``, then one training step per entry of ``batches``
+    (forward, backward, optimizer step; from the second step on the gradients are set to None
+    first). ``amp``: run forward under ``torch.autocast`` in fp16 or bf16. The value returned
+    holds ``step_marks``: the tracker's event count at the start of each step and at the end,
+    so each step's own peak can be read off the timeline."""
+    from .workload import forward
+
     def experiment(ctx: RunContext) -> dict[str, Any]:
         with ctx.phase("setup"):
-            net = build_model(spec, image_size, device=ctx.device, dtype=dtype)
-            opt = make_optimizer(optimizer, net.parameters())
-            n_classes = spec.num_classes
-            x = ctx.label(torch.randn(batch, 3, image_size, image_size, device=ctx.device, dtype=dtype))
-            y = ctx.label(torch.randint(0, n_classes, (batch,), device=ctx.device))
-        for i in range(steps):
+            net = w.build(ctx.device, dtype)
+            opt = make_optimizer(optimizer, [p for p in net.parameters() if p.requires_grad])
+        data, data_batch, marks = None, None, []
+        for i, b in enumerate(batches):
+            if b != data_batch:
+                data = None
+                with ctx.phase("setup"), torch.device(ctx.device):
+                    data = w.inputs(b, dtype)
+                    for t in [*data[0], *data[1].values()]:
+                        if isinstance(t, torch.Tensor):
+                            ctx.label(t)
+                data_batch = b
+            marks.append(ctx.mark())
             if i:
                 opt.zero_grad(set_to_none=True)
-            with ctx.phase("forward"):
-                loss = nn.functional.cross_entropy(net(x), y)
+            with ctx.phase("forward"), _autocast(ctx.device, amp):
+                output = forward(net, data)
+                loss = w.loss(output, data)
+                del output
             with ctx.phase("backward"):
                 loss.backward()
             del loss
             with ctx.phase("optimizer"):
                 opt.step()
+        marks.append(ctx.mark())
         ctx.snapshot("after step")
-        return {"n_param_tensors": sum(1 for _ in net.parameters())}
+        return {"n_param_tensors": sum(1 for _ in net.parameters()), "step_marks": marks}
     return experiment
+
+
+def _autocast(device: torch.device, amp: str | None):
+    if amp is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=AMP_DTYPES[amp])
+
+
+def validate_amp(amp: str | None) -> str | None:
+    if amp is None or str(amp).lower() in ("", "none", "off", "no"):
+        return None
+    key = str(amp).lower()
+    if key not in AMP_DTYPES:
+        raise ValueError(f"unknown --amp {amp!r}; valid: {', '.join(AMP_DTYPES)} (or leave it out for no autocast)")
+    return key
 
 
 def training_step(model: str | ModelSpec, batch: int | None = None, image_size: int | None = None,
@@ -304,7 +394,16 @@ def training_step(model: str | ModelSpec, batch: int | None = None, image_size: 
             **engine_limits)
     if m.kernels == "cuda":  # CUDA keeps Adam-style step counters on the CPU
         predicted = predict_step(spec, batch, size, opt_key, dt, count_step_counters=False, bd=bd)
-    return StepResult(spec.name, batch, size, opt_key, dtype_name(dt), steps, m, predicted)
+    return StepResult(spec.name, batch, size, opt_key, dtype_name(dt), steps, m, predicted,
+                      step_peaks=step_peaks(m), input_text=f"images ({batch}, 3, {size}, {size}) and labels")
+
+
+def step_peaks(m: Measurement) -> list[int]:
+    """Each training step's own peak, from the step marks the experiment returned."""
+    marks = (m.value or {}).get("step_marks") if isinstance(m.value, dict) else None
+    if not marks or m.tracking is None or m.oom:
+        return []
+    return [m.tracking.peak_between(a, b)[0] for a, b in zip(marks, marks[1:])]
 
 
 def category_names() -> list[str]:

@@ -469,6 +469,27 @@ class TrackingResult:
                    peak_by_category=peak_split, final_bytes=total, final_by_category=dict(current))
 
     # ---- queries -------------------------------------------------------------------------------
+    def peak_between(self, start: int, end: int | None = None) -> tuple[int, dict[str, int], int]:
+        """The peak of live bytes within the events whose tracker index is in [start, end) (a
+        window between two ``RunContext.mark()`` calls, e.g. one training step): (bytes, bytes
+        per category at that moment, index into ``events``; -1 when the window is empty, with
+        the live bytes at its start)."""
+        best, best_i = -1, -1
+        before = -1
+        for i, e in enumerate(self.events):
+            if e.index < start:
+                before = i
+                continue
+            if end is not None and e.index >= end:
+                break
+            total = sum(self.series[i].values())
+            if total > best:
+                best, best_i = total, i
+        if best_i < 0:
+            split = dict(self.series[before]) if before >= 0 else {c.value: 0 for c in CATEGORIES}
+            return sum(split.values()), split, -1
+        return best, dict(self.series[best_i]), best_i
+
     def storage_bytes(self, rec: StorageRecord) -> int:
         return cuda_rounded_bytes(rec.nbytes) if self.rounded else rec.nbytes
 

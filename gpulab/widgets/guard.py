@@ -1,39 +1,14 @@
-"""The memory guard: before a cpu or cuda run, the fake engine predicts the peak; if it
-would not fit in free memory, the panel does not run and says why, offering the fake engine."""
+"""The panels' memory guard: before a cpu or cuda run, the fake engine predicts the peak; if it
+would not fit in free memory (``gpulab.guard``, shared with the API and the CLI), the panel does
+not run and says why, offering the fake engine."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
-
 from ..engines import choose_engine
+from ..guard import GPU_MARGIN, RAM_MARGIN, cuda_free_for_run, free_memory  # noqa: F401 (the panels' names)
 from ..units import format_bytes
 from .base import GuardVerdict
-
-RAM_MARGIN = 0.7   # use at most 70% of the RAM that is available right now
-GPU_MARGIN = 0.10  # keep 10% of what a GPU run could use in reserve (kernels' workspaces, rounding)
-
-
-def cuda_free_for_run(free: int, reserved: int, allocated: int, margin: float = GPU_MARGIN) -> tuple[int, str]:
-    """(bytes a cuda run may use, the sum that gave it). What the allocator can give a run is the
-    device's free memory plus what it has cached but not allocated (reserved − allocated: free
-    blocks it reuses before asking the driver), less a safety margin."""
-    cached = max(0, reserved - allocated)
-    usable = int((free + cached) * (1 - margin))
-    return usable, (f"{format_bytes(free)} free on the GPU (cudaMemGetInfo) + {format_bytes(cached)} cached by "
-                    f"PyTorch's allocator (reserved {format_bytes(reserved)} − allocated {format_bytes(allocated)}) "
-                    f"− a {int(round(100 * margin))}% safety margin = {format_bytes(usable)}")
-
-
-def free_memory(engine: str) -> tuple[int, str]:
-    """(bytes free for an experiment, what that number is, with the numbers it used) on the
-    engine's device."""
-    if engine == "cuda":
-        free, _total = torch.cuda.mem_get_info()
-        return cuda_free_for_run(int(free), int(torch.cuda.memory_reserved()), int(torch.cuda.memory_allocated()))
-    import psutil
-    avail = psutil.virtual_memory().available
-    return int(avail * RAM_MARGIN), f"{int(RAM_MARGIN * 100)}% of the RAM available now"
 
 
 def memory_guard(predict_peak: Callable[[dict[str, Any]], int], engine_key: str = "engine") -> Callable:
