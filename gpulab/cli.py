@@ -1,4 +1,7 @@
-"""``gpulab env | breakdown MODEL | step MODEL | record`` (also ``python -m gpulab``).
+"""``gpulab env | breakdown MODEL | step MODEL | fit MODEL --gpu CARD | record`` (also ``python -m gpulab``).
+
+MODEL is a lesson model, any torchvision classification model (``resnet50``,
+``torchvision:resnet50``) or a built-in transformer config (``hf:gpt2``, ``hf:llama-3-8b`` ...).
 
 Each command prints a readable table, or with ``--json`` exactly one JSON object on stdout.
 Bad input gets one line on stderr naming what is valid, and exit code 2.
@@ -30,28 +33,45 @@ def _positive_int(text: str) -> int:
     return v
 
 
+MODEL_HELP = ("a lesson model (vgg16, alexnet, resnet18, mlp, cnn), any torchvision classification model "
+              "(resnet50, torchvision:vit_b_16 ...), or a built-in transformer config (hf:gpt2, hf:llama-3-8b ...)")
+
+
+def _model_options(s: argparse.ArgumentParser) -> None:
+    s.add_argument("model", help=MODEL_HELP)
+    s.add_argument("--image-size", type=_positive_int, default=None, help="image models: the image side in pixels")
+    s.add_argument("--seq-len", type=_positive_int, default=None, help="transformers: tokens per sequence")
+    s.add_argument("--dtype", default=None, help="the model's dtype: float32 (default), bf16, fp16")
+    s.add_argument("--json", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from .experiments import OPTIMIZERS
-    from .models import MODELS
+    from .experiments import AMP_DTYPES, OPTIMIZERS
 
     p = _Parser(prog="gpulab", description="Where does GPU memory go? Measure it.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     e = sub.add_parser("env", help="Python/torch versions, GPU facts, the engine lessons will use")
     e.add_argument("--json", action="store_true")
-    for name, helptext in (("breakdown", "per-layer table: output shapes, params, bytes, FLOPs"),
-                           ("step", "memory of one training step, by category, vs the formulas")):
-        s = sub.add_parser(name, help=helptext)
-        s.add_argument("model", help=f"one of: {', '.join(MODELS)}")
-        s.add_argument("--batch", type=_positive_int, default=None)
-        s.add_argument("--image-size", type=_positive_int, default=None)
-        s.add_argument("--dtype", default="float32")
-        s.add_argument("--json", action="store_true")
-        if name == "step":
-            s.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS))
-            s.add_argument("--engine", default="auto")
-            s.add_argument("--steps", type=_positive_int, default=1)
-            s.add_argument("--fake-target", default="cuda", choices=["cuda", "cpu"],
-                           help="fake engine: follow CUDA's kernels (default: a GPU's answer) or this CPU's")
+    b = sub.add_parser("breakdown", help="per-layer table: output shapes, params, bytes, FLOPs")
+    _model_options(b)
+    b.add_argument("--batch", type=_positive_int, default=None)
+    s = sub.add_parser("step", help="memory of training steps (steady state: 2 steps), by category, vs the formulas")
+    _model_options(s)
+    s.add_argument("--batch", type=_positive_int, default=None)
+    s.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS))
+    s.add_argument("--amp", default=None, choices=list(AMP_DTYPES), help="run the forward under torch.autocast")
+    s.add_argument("--engine", default="auto")
+    s.add_argument("--steps", type=_positive_int, default=2,
+                   help="training steps (default 2: the optimizer state exists from the first step on)")
+    s.add_argument("--fake-target", default="cuda", choices=["cuda", "cpu"],
+                   help="fake engine: follow CUDA's kernels (default: a GPU's answer) or this CPU's")
+    f = sub.add_parser("fit", help="the largest batch whose training step fits a GPU (fake engine + allocator simulator)")
+    _model_options(f)
+    f.add_argument("--gpu", required=True, help="a card (H100, A100-40GB, RTX4090, T4 ...) or a size (24GiB, 80GB)")
+    f.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS))
+    f.add_argument("--amp", default=None, choices=list(AMP_DTYPES), help="run the forward under torch.autocast")
+    f.add_argument("--context", default=None,
+                   help="memory the CUDA context takes outside PyTorch's allocator (default: an assumed 512MiB)")
     r = sub.add_parser("record", help="on a GPU: measure the lessons' record set, write <out>/<gpu>.json")
     r.add_argument("--out", default=".", help="folder for the JSON file (default: the current folder)")
     r.add_argument("--quick", action="store_true", help="a small subset: checks the command, not for shipping")
@@ -106,10 +126,12 @@ def _print_env(info: dict[str, Any]) -> str:
 
 
 def _print_breakdown(d: dict[str, Any]) -> str:
+    nw = max([22, *(len(r["name"]) + 2 for r in d["layers"])])
+    tw = max([18, *(len(r["type"]) + 2 for r in d["layers"])])
     lines = [f"{d['model']} input {d['input_shape']} {d['dtype']}",
-             f"{'layer':<22}{'type':<18}{'output shape':<22}{'params':>12}{'output':>12}{'GFLOP':>9}"]
+             f"{'layer':<{nw}}{'type':<{tw}}{'output shape':<22}{'params':>12}{'output':>12}{'GFLOP':>9}"]
     for r in d["layers"]:
-        lines.append(f"{r['name']:<22}{r['type']:<18}{str(r['output_shape']):<22}{r['params']:>12,}"
+        lines.append(f"{r['name']:<{nw}}{r['type']:<{tw}}{str(r['output_shape']):<22}{r['params']:>12,}"
                      f"{format_bytes(r['output_bytes']):>12}{r['flops'] / 1e9:>9.2f}")
     lines.append(f"total params {d['total_params']:,} ({format_bytes(d['param_bytes'])}), "
                  f"outputs {format_bytes(d['total_output_bytes'])}, forward {d['forward_flops'] / 1e9:.2f} GFLOP "
@@ -118,8 +140,9 @@ def _print_breakdown(d: dict[str, Any]) -> str:
 
 
 def _print_step(d: dict[str, Any]) -> str:
-    lines = [f"{d['model']} batch {d['batch']} image {d['image_size']} {d['dtype']} {d['optimizer']}: "
-             f"engine {d['engine']} ({d['engine_reason']})",
+    lines = [f"{d['model']} batch {d['batch']} {d['dtype']} {d['optimizer']}"
+             + (f" autocast {d['amp']}" if d.get("amp") else "") + f": engine {d['engine']} ({d['engine_reason']})",
+             f"input: {d['input']}",
              f"{'category':<17}{'peak (' + d['label'] + ')':>44}{'formula':>14}"]
     if d["oom"]:
         lines.append(f"out of memory: {d['error']}")
@@ -127,6 +150,10 @@ def _print_step(d: dict[str, Any]) -> str:
         pred = d["predicted"].get(k)
         lines.append(f"{k:<17}{format_bytes(v):>44}{format_bytes(pred) if pred is not None else '—':>14}")
     lines.append(f"{'total':<17}{format_bytes(d['peak_bytes']):>44}   peak during {d['peak_phase']}")
+    if len(d.get("step_peaks", [])) > 1:
+        lines.append(f"{'steps':<17}" + ", ".join(f"step {i + 1}: {format_bytes(p)}" for i, p in enumerate(d["step_peaks"]))
+                     + f"  (from step 2 on the optimizer state is held: the steady state is "
+                       f"{format_bytes(d['steady_peak_bytes'])})")
     if "allocator" in d:
         a = d["allocator"]
         if "allocator_blocks" in d:
@@ -149,24 +176,59 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _record(args)
     try:
         if args.command == "env":
-            data = env_info()
-            text = _print_env
+            data, text = env_info(), _print_env
+        elif args.command == "breakdown":
+            from .experiments import breakdown
+            data = breakdown(args.model, args.batch or 1, args.image_size, args.dtype or "float32",
+                             seq_len=args.seq_len).as_dict()
+            text = _print_breakdown
+        elif args.command == "step":
+            from .trainstep import step
+            data = step(args.model, batch=args.batch, optimizer=args.optimizer, steps=args.steps, engine=args.engine,
+                        dtype=args.dtype, amp=args.amp, seq_len=args.seq_len, image_size=args.image_size,
+                        fake_target=args.fake_target).as_dict()
+            text = _print_step
         else:
-            from .models import resolve_model
-            spec = resolve_model(args.model)  # the one registry look-up of this call
-            if args.command == "breakdown":
-                from .experiments import breakdown
-                data = breakdown(spec, args.batch or 1, args.image_size, args.dtype).as_dict()
-                text = _print_breakdown
-            else:
-                from .experiments import training_step
-                data = training_step(spec, args.batch, args.image_size, args.optimizer, args.dtype,
-                                     args.engine, steps=args.steps, fake_target=args.fake_target).as_dict()
-                text = _print_step
-    except ValueError as exc:  # bad model, dtype, image size, engine: say what is valid
-        print(f"gpulab: error: {exc}", file=sys.stderr)
+            from .fit import fit
+            data = fit(args.model, args.gpu, optimizer=args.optimizer, dtype=args.dtype, amp=args.amp,
+                       seq_len=args.seq_len, image_size=args.image_size,
+                       **({"context_bytes": _size(args.context)} if args.context else {})).as_dict()
+            text = _print_fit
+    except ValueError as exc:  # bad model, dtype, image size, engine, card: say what is valid
+        print(f"gpulab: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     return _emit(json.dumps(data) if args.json else text(data))
+
+
+def _size(text: str) -> int:
+    """A size such as 512MiB (the same forms as --gpu's sizes)."""
+    from .cards import parse_gpu
+    return parse_gpu(text).memory_bytes
+
+
+def _print_fit(d: dict[str, Any]) -> str:
+    lines = [f"{d['model']} on {d['card']} ({format_bytes(d['capacity_bytes'])}), {d['optimizer']}, {d['dtype']}"
+             + (f", autocast {d['amp']}" if d["amp"] else "") + f": {d['input_text']}"]
+    if d["largest_batch"]:
+        lines.append(f"largest batch that fits: {d['largest_batch']}"
+                     + (f" (live tensors alone would allow {d['largest_batch_live']})"
+                        if d.get("largest_batch_live") and d["largest_batch_live"] != d["largest_batch"] else ""))
+    else:
+        lines.append(f"batch 1 does not fit: short by {format_bytes(-d['margin_bytes'])}")
+    lines.append(f"{'at batch ' + str(max(1, d['largest_batch'])):<26}{'bytes':>12}")
+    for k, v in d["peak_by_category"].items():
+        if v:
+            lines.append(f"  {k:<24}{format_bytes(v):>12}")
+    lines += [f"  {'live tensors (peak)':<24}{format_bytes(d['peak_bytes']):>12}   {d['label'].split(' + ')[0]}",
+              f"  {'allocator overhead':<24}{format_bytes(d['allocator_overhead_bytes']):>12}   {d['allocator_label']}",
+              f"  {'CUDA context':<24}{format_bytes(d['context_bytes']):>12}   {d['context_label']}",
+              f"  {'needed':<24}{format_bytes(d['needed_bytes']):>12}",
+              f"  {'margin':<24}{format_bytes(d['margin_bytes']):>12}   of {format_bytes(d['capacity_bytes'])}"]
+    for lever in d["levers"]:
+        lines.append(f"  if {lever['name']}: {format_bytes(lever['peak_bytes'])} at batch 1 "
+                     f"({'fits' if lever['fits'] else 'still too big'}) [{lever['label']}: {lever['formula']}]")
+    lines.append(f"how: {d['method']}; {d['runs']} fake runs, {d['seconds']:.1f} s")
+    return "\n".join(lines)
 
 
 def _emit(text: str) -> int:

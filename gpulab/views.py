@@ -59,9 +59,10 @@ def measurement_html(m) -> str:
 
 def step_html(step) -> str:
     m = step.measurement
-    title = (f"<b>{html.escape(step.model)}</b>, batch {step.batch}, {step.image_size}×{step.image_size}, "
-             f"{html.escape(step.dtype)}, {html.escape(step.optimizer)} — engine <b>{m.engine}</b> "
-             f"({html.escape(m.reason)})")
+    shape = f"{step.image_size}×{step.image_size}" if step.kind == "image" else html.escape(step.input_text)
+    title = (f"<b>{html.escape(step.model)}</b>, batch {step.batch}, {shape}, "
+             f"{html.escape(step.dtype)}{', autocast ' + step.amp if step.amp else ''}, {html.escape(step.optimizer)} "
+             f"— engine <b>{m.engine}</b> ({html.escape(m.reason)})")
     if m.oom:
         return title + "<br>" + measurement_html(m)
     rounded = m.tracking.rounded   # cuda: compare the formulas with unrounded tensor bytes
@@ -72,7 +73,35 @@ def step_html(step) -> str:
                            format_bytes(m.peak_bytes), ""]],
                        f"peak during {m.tracking.peak_phase}; binary units (1 MiB = 1024² B)")
     extra = measurement_html(m) if m.allocator else ""
-    return title + table + extra
+    steps = ""
+    if len(step.step_peaks) > 1:
+        steps = ("<p>Each step's peak: " + ", ".join(f"step {i + 1}: <b>{format_bytes(p)}</b>"
+                                                     for i, p in enumerate(step.step_peaks))
+                 + ". From the second step on, the optimizer state exists: that is the steady state every later "
+                   "step lives in.</p>")
+    return title + table + steps + extra
+
+
+def fit_html(r) -> str:
+    """``gpulab.fit``'s answer: the batch, the peak by category, the allocator, the context, the margin."""
+    head = (f"<b>{html.escape(r.model)}</b> on <b>{html.escape(r.card)}</b> ({format_bytes(r.capacity_bytes)}), "
+            f"{html.escape(r.optimizer)}, {html.escape(r.dtype)}{', autocast ' + r.amp if r.amp else ''}: "
+            + (f"largest batch <b>{r.largest_batch}</b>" if r.largest_batch else
+               f"<b>batch 1 does not fit</b>: short by {format_bytes(-r.margin_bytes)}"))
+    rows = [[k, format_bytes(v), ""] for k, v in r.peak_by_category.items() if v]
+    rows += [["live tensors (peak)", format_bytes(r.peak_bytes), "fake tensors, CUDA kernels' allocations"],
+             ["allocator overhead", format_bytes(r.allocator_overhead_bytes), "simulated allocator"],
+             ["CUDA context", format_bytes(r.context_bytes), "assumption"],
+             ["needed", format_bytes(r.needed_bytes), ""],
+             ["margin", format_bytes(r.margin_bytes), f"of {format_bytes(r.capacity_bytes)}"]]
+    table = html_table(["at batch " + str(max(1, r.largest_batch)), "bytes", "source"], rows,
+                       f"{html.escape(r.input_text)}; {html.escape(r.method)}; {r.runs} fake runs, {r.seconds:.1f} s")
+    levers = ""
+    if r.levers:
+        levers = html_table(["lever", "batch 1 would need", "fits?", "formula"],
+                            [[html.escape(lv.name), format_bytes(lv.peak_bytes), "yes" if lv.fits else "no",
+                              html.escape(lv.formula)] for lv in r.levers], r.levers[0].label)
+    return head + table + levers
 
 
 def breakdown_html(bd, max_rows: int = 60) -> str:

@@ -143,7 +143,8 @@ def check_step_fields(d: dict) -> None:
 def test_step_json_fields(procs):
     d = one_json(procs["step"])
     check_step_fields(d)
-    assert (d["optimizer"], d["steps"]) == ("adam", 1)
+    assert (d["optimizer"], d["steps"]) == ("adam", 2)   # steady state by default: two steps
+    assert len(d["step_peaks"]) == 2 and d["steady_peak_bytes"] == d["step_peaks"][1]
     after = d["after_step_by_category"]
     assert after["optimizer_state"] == 2 * after["parameters"] + 4 * MLP_TENSORS
 

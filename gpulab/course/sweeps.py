@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..allocator import CachingAllocator
+from ..cards import CUDA_CONTEXT_ASSUMED
 from ..engines import LABEL_FORMULA, LABEL_SIMULATED, choose_engine, label_cuda
 from ..experiments import OPTIMIZERS, StepResult, breakdown, predict_step, training_step, validate_batch
 from ..formulas import MemoryFit, fit_memory_model, max_batch
@@ -36,11 +37,8 @@ from ..views import error_percent, fmt_error, html_table
 # Card sizes a student can pick (GiB, as the vendors' "16 GB" cards hold 16 GiB).
 CARDS_GIB = (8, 12, 16, 24, 40, 80)
 
-# NB: an assumption, not a measurement: what a CUDA process holds outside the caching
-# allocator (the CUDA context with its kernels, cuBLAS/cuDNN handles). Ref 003
-# (docs/references.md) reports an unexplained ~400 MB beyond the tensors; recent CUDA versions with lazy module
-# loading sit in the few-hundred-MiB range too. A GPU run replaces it with a measurement.
-CONTEXT_OVERHEAD_ASSUMED = 512 * MiB
+# the assumed CUDA context (``gpulab.cards.CUDA_CONTEXT_ASSUMED``, shared with ``gpulab fit``)
+CONTEXT_OVERHEAD_ASSUMED = CUDA_CONTEXT_ASSUMED
 LABEL_ASSUMPTION = "assumption"
 
 Progress = Callable[[float, str], None] | None

@@ -1,0 +1,117 @@
+"""gpulab.fit / `gpulab fit`: the largest batch that fits a card, checked against fake runs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import gpulab
+from gpulab import cli
+from gpulab.cards import parse_gpu
+from gpulab.fit import _check, _Extrapolation, _run
+from gpulab.units import MiB
+from gpulab.workload import resolve_workload
+
+
+def test_extrapolation_equals_a_fake_run_event_for_event():
+    """Every storage is a + b·c in the batch: batches 2 and 3 give batch 7 without running it."""
+    w = resolve_workload("hf:tiny-llama", seq_len=32)
+    two, three, seven = (_run(w, b, "adam", torch.float32, None).tracking for b in (2, 3, 7))
+    line = _Extrapolation.make(two, three, 2)
+    assert line is not None
+    at7 = line.at(7)
+    assert [e.nbytes for e in at7.events] == [e.nbytes for e in seven.events]
+    assert at7.peak_bytes == seven.peak_bytes and at7.peak_by_category == seven.peak_by_category
+
+
+def test_batch_one_is_not_a_base():
+    """transformers' shifted labels are contiguous at batch 1 (a size-1 dimension), a copy from batch 2
+    on: the timelines of batches 1 and 2 do not pair up, which is why the search starts at 2."""
+    w = resolve_workload("hf:tiny-llama", seq_len=32)
+    one, two = (_run(w, b, "adam", torch.float32, None).tracking for b in (1, 2))
+    assert _Extrapolation.make(one, two, 1) is None
+
+
+@pytest.mark.parametrize("model, gpu, kw", [("mlp", "1GiB", {}),
+                                            ("hf:tiny-llama", "1GiB", {"seq_len": 64})])
+def test_the_answer_fits_and_the_next_batch_does_not(model, gpu, kw):
+    r = gpulab.fit(model, gpu, **kw)
+    usable = r.capacity_bytes - r.context_bytes
+    w = resolve_workload(model, **kw)
+    at = _check(_run(w, r.largest_batch, "adam", torch.float32, None).tracking, usable, r.largest_batch, "run")
+    after = _check(_run(w, r.largest_batch + 1, "adam", torch.float32, None).tracking, usable,
+                   r.largest_batch + 1, "run")
+    assert at.fits and not after.fits
+    assert r.peak_bytes == at.peak_bytes and r.runs == 3     # batches 2, 3 and the answer
+    assert r.largest_batch <= r.largest_batch_live
+    assert r.needed_bytes == r.reserved_bytes + r.context_bytes <= r.capacity_bytes
+    assert r.margin_bytes == r.capacity_bytes - r.needed_bytes >= 0
+    assert "largest batch" in r._repr_html_()
+
+
+def test_batch_one_does_not_fit_levers_as_formulas():
+    r = gpulab.fit("hf:tiny-llama", "3MiB", context_bytes=0, seq_len=64)
+    assert r.largest_batch == 0 and r.margin_bytes < 0 and r.runs == 2    # batches 2 and 1
+    names = " ".join(lv.name for lv in r.levers)
+    for word in ("bf16", "8-bit", "checkpointing", "LoRA", "QLoRA", "sharding"):
+        assert word in names, word
+    assert all(lv.label.startswith("formula") and lv.peak_bytes <= r.peak_bytes for lv in r.levers)
+    assert sum(lv.peak_bytes < r.peak_bytes for lv in r.levers) >= 4
+    assert r.levers[0].peak_bytes == r.peak_bytes // 2       # bf16: every fp32 tensor halves
+
+
+def test_context_allowance_must_leave_room():
+    with pytest.raises(ValueError, match="CUDA context allowance"):
+        gpulab.fit("mlp", "256MiB", context_bytes=300 * MiB)
+
+
+def run_main(argv, capsys):
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_fit_json_fields(capsys):
+    code, out, err = run_main(["fit", "mlp", "--gpu", "T4", "--json"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    for key in ("model", "capacity_bytes", "largest_batch", "peak_bytes", "peak_by_category", "engine", "label",
+                "reserved_bytes", "allocator_overhead_bytes", "context_bytes", "margin_bytes", "checks"):
+        assert key in d, key
+    assert d["capacity_bytes"] == parse_gpu("T4").memory_bytes and d["engine"] == "fake"
+    code, out, _ = run_main(["fit", "mlp", "--gpu", "T4"], capsys)
+    assert code == 0 and "largest batch that fits" in out and "margin" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["fit", "mlp", "--gpu", "H1000"], ["cannot read --gpu", "24GiB", "H100"]),
+    (["fit", "mlp"], ["--gpu"]),
+    (["fit", "hf:llama3", "--gpu", "H100"], ["unknown transformer config", "llama-3-8b"]),
+    (["step", "hf:tiny-gpt2", "--seq-len", "100000"], ["longer than"]),
+    (["step", "mlp", "--amp", "fp8"], ["--amp", "fp16", "bf16"]),
+])
+def test_cli_errors_are_one_line_exit_2(argv, words, capsys):
+    code, out, err = run_main(argv, capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert all(w in err for w in words), err
+
+
+def test_cli_step_any_model_and_breakdown(capsys):
+    code, out, err = run_main(["step", "hf:tiny-gpt2", "--engine", "fake", "--seq-len", "16", "--batch", "2",
+                               "--json"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["kind"] == "tokens" and len(d["step_peaks"]) == 2 and d["steps"] == 2
+    code, out, _ = run_main(["breakdown", "torchvision:resnet50"], capsys)
+    assert code == 0 and "total params 25,557,032" in out
+
+
+@pytest.mark.slow
+def test_llama_3_8b_on_a_24_gib_card_needs_a_lever():
+    r = gpulab.fit("hf:llama-3-8b", "RTX4090", dtype="bf16", optimizer="adamw", seq_len=2048)
+    assert r.largest_batch == 0 and r.peak_by_category["parameters"] >= 8_030_261_248 * 2
+    assert any(lv.fits for lv in r.levers)
