@@ -36,6 +36,7 @@ from .allocator import CachingAllocator
 from .cards import CUDA_CONTEXT_ASSUMED, Card, parse_gpu
 from .engines import LABEL_SIMULATED, Measurement, run
 from .experiments import OPTIMIZERS, train_experiment, validate_amp
+from .search import largest_fitting
 from .tracking import Category, TrackingResult
 from .units import dtype_name, format_bytes, parse_dtype
 from .workload import Workload, resolve_workload
@@ -169,8 +170,8 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
     checks.append(_check(three, usable, 3, "run"))
     line = _Extrapolation.make(two, three, 2)
     if line is not None and checks[-1].fits:
-        best = _largest(lambda b: line.check(b, usable).fits, 3)
-        live = _largest(lambda b: line.at(b).peak_bytes <= usable, best)
+        best = largest_fitting(3, lambda b: line.check(b, usable).fits, limit=MAX_BATCH)
+        live = largest_fitting(best, lambda b: line.at(b).peak_bytes <= usable, limit=MAX_BATCH)
         checks += [line.check(b, usable) for b in (best, best + 1)]
         real = fake_run(best)
         predicted = line.at(best)
@@ -194,7 +195,7 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         c = _check(fake_run(b), usable, b, "run")
         checks.append(c)
         return c.fits
-    best = _largest(fits, 3 if checks[1].fits else 2)
+    best = largest_fitting(3 if checks[1].fits else 2, fits, limit=MAX_BATCH)
     return _result(w, card, context_bytes, opt, dt, amp_key, best, fake_run(best), checks, len(runs), t0, [],
                    "bisection over fake runs (the batch-2 and batch-3 timelines did not extrapolate)")
 
@@ -244,27 +245,6 @@ class _Extrapolation:
 
     def check(self, batch: int, usable: int) -> BatchCheck:
         return _check(self.at(batch), usable, batch, "extrapolated")
-
-
-def _largest(fits: Callable[[int], bool], known_fit: int) -> int:
-    """The largest b >= known_fit with fits(b), for a monotone ``fits``: gallop, then bisect."""
-    lo, hi = known_fit, None
-    step = 1
-    while hi is None:
-        cand = lo + step
-        if cand > MAX_BATCH:
-            return lo
-        if fits(cand):
-            lo, step = cand, step * 2
-        else:
-            hi = cand
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def _result(w, card, context_bytes, opt, dt, amp, batch, t: TrackingResult, checks, runs, t0, levers,

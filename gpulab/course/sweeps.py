@@ -26,6 +26,7 @@ import torch
 
 from ..allocator import CachingAllocator
 from ..cards import CUDA_CONTEXT_ASSUMED
+from ..search import largest_fitting as _boundary
 from ..engines import LABEL_FORMULA, LABEL_SIMULATED, choose_engine, label_cuda
 from ..experiments import OPTIMIZERS, StepResult, breakdown, predict_step, training_step, validate_batch
 from ..formulas import MemoryFit, fit_memory_model, max_batch
@@ -499,51 +500,6 @@ def search_run_bound(batch: int) -> int:
     two capacities × two searches (live tensors, simulated allocator), each a gallop from its
     guess and a bisection, ``2·ceil(log2(2·batch + 2)) + 2`` runs at most."""
     return 4 * (2 * math.ceil(math.log2(2 * batch + 2)) + 2)
-
-
-def _boundary(guess: int, fits: Callable[[int], bool], upper: int | None = None) -> int:
-    """Largest b >= 0 with fits(b), for a monotone ``fits`` (true up to some batch, false after;
-    fits(0) is taken as true), starting from ``guess``; ``upper`` is a batch known not to fit.
-    Two calls when the guess is right; otherwise it gallops away from the guess (bisecting
-    straight away when the guess fits and ``upper`` bounds the answer), then bisects: at most
-    about 2·log2(|answer − guess|) + 2 calls."""
-    guess = max(1, int(guess))
-    if upper is not None:
-        guess = min(guess, upper - 1)
-        if guess < 1:
-            return 0
-    guess_fits = fits(guess)
-    if guess_fits and upper is not None:
-        lo, hi = guess, upper        # bracketed: bisect straight away
-    elif guess_fits:
-        lo, step = guess, 1
-        while True:
-            cand = lo + step
-            if upper is not None and cand >= upper:
-                hi = upper
-                break
-            if not fits(cand):
-                hi = cand
-                break
-            lo, step = cand, step * 2
-    else:
-        hi, step = guess, 1
-        while True:
-            cand = hi - step
-            if cand < 1:
-                lo = 0
-                break
-            if fits(cand):
-                lo = cand
-                break
-            hi, step = cand, step * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def _gpu_check(model: ModelSpec, size: int, optimizer: str, dt: torch.dtype, card: int,
