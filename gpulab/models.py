@@ -94,7 +94,8 @@ def close_model_names(name: str, n: int = 3) -> list[str]:
     """The registered names closest to ``name`` (for "did you mean ...?")."""
     import difflib
     key = str(name).lower().removeprefix(TORCHVISION_PREFIX)
-    return difflib.get_close_matches(key, [*MODELS, *torchvision_names()], n=n, cutoff=0.6)
+    names = list(dict.fromkeys([*MODELS, *torchvision_names()]))   # vgg16 etc. are both: once
+    return difflib.get_close_matches(key, names, n=n, cutoff=0.6)
 
 
 def resolve_model(model: "str | ModelSpec") -> ModelSpec:
@@ -111,7 +112,7 @@ def resolve_model(model: "str | ModelSpec") -> ModelSpec:
         return _torchvision_spec(key)
     close = close_model_names(key)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    raise ValueError(f"unknown model {model!r}{hint}; valid models: the lesson models ({', '.join(MODELS)}) and "
+    raise ValueError(f"unknown model {model!r}{hint}; valid models: {', '.join(MODELS)} (the lesson models) and "
                      f"every torchvision classification model (gpulab.models.torchvision_names())")
 
 

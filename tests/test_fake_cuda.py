@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gpulab import cli
 from gpulab import experiments as E
+from gpulab import models as M
 from gpulab.engines import LABEL_FAKE_CPU, LABEL_FAKE_CUDA, run
 from gpulab.experiments import training_step
 from gpulab.fake_cuda import STILL_DIFFERS
@@ -26,7 +27,7 @@ optim_module = sys.modules["torch.optim.optimizer"]
 
 
 def _mlp_params():
-    net = E.build_model(E.resolve_model("mlp"), 32, device="meta")
+    net = M.build_model(M.resolve_model("mlp"), 32, device="meta")
     return [p for p in net.parameters()]
 
 
