@@ -24,8 +24,9 @@ choices explicitly (``cuda_kernels()``), each one checked against PyTorch's sour
 * **dropout**: ``aten/src/ATen/native/Dropout.cpp`` ``dropout`` uses the fused kernel
   (``native_dropout``: the output and a **bool** mask, saved for backward) when the input
   is on CUDA, in training, with 0 < p < 1; the CPU path multiplies by a float noise
-  tensor it keeps. Inside ``cuda_kernels()``, ``F.dropout`` / ``torch.dropout`` call
-  ``torch.native_dropout``, which allocates exactly what the fused CUDA kernel does.
+  tensor it keeps. Inside ``cuda_kernels()``, ``F.dropout`` / ``torch.dropout`` (patched for
+  the duration) call ``torch.native_dropout``, which allocates exactly what the fused CUDA
+  kernel does.
   ``dropout_`` (``inplace=True``), ``Dropout1d/2d/3d`` and alpha dropout take the same
   non-fused path on both devices and are left alone.
 * **512-byte blocks**: the engine reports the run on ``cuda:0`` with every storage rounded
@@ -45,7 +46,6 @@ import sys
 from typing import Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 STILL_DIFFERS: tuple[tuple[str, str], ...] = (
     ("CUDA context", "the driver's and PyTorch's own memory on the card (hundreds of MiB): not a tensor, "
@@ -94,37 +94,41 @@ def _cuda_optimizer_defaults() -> Iterator[None]:
             m._default_to_fused_or_foreach = original
 
 
-def _dropout_args(func, args, kwargs):
-    """(input, p, training, inplace) of an ``F.dropout`` or ``torch.dropout`` call."""
-    if func is torch.nn.functional.dropout:
-        names, defaults = ("input", "p", "training", "inplace"), (None, 0.5, True, False)
+def _cuda_dropout(original, inplace_name: str = "inplace"):
+    """``original`` (``F.dropout`` or ``torch.dropout``) as ``aten/src/ATen/native/Dropout.cpp``
+    runs it on CUDA: the fused ``native_dropout`` (output + bool mask) when training with
+    0 < p < 1 on a non-empty input and not in place; anything else goes through unchanged."""
+    if original is torch.nn.functional.dropout:
+        def dropout(input, p=0.5, training=True, inplace=False):
+            if training and not inplace and 0.0 < float(p) < 1.0 and input.numel() > 0:
+                return torch.native_dropout(input, float(p), True)[0]
+            return original(input, p, training, inplace)
     else:  # torch.dropout(input, p, train)
-        names, defaults = ("input", "p", "train"), (None, 0.5, True)
-    bound = dict(zip(names, defaults))
-    bound.update(zip(names, args))
-    bound.update(kwargs)
-    return bound["input"], float(bound["p"]), bool(bound.get("training", bound.get("train"))), \
-        bool(bound.get("inplace", False))
+        def dropout(input, p, train):
+            if train and 0.0 < float(p) < 1.0 and input.numel() > 0:
+                return torch.native_dropout(input, float(p), True)[0]
+            return original(input, p, train)
+    dropout.__wrapped__ = original
+    return dropout
 
 
-class _CudaDropout(TorchFunctionMode):
-    """``dropout`` as ``aten/src/ATen/native/Dropout.cpp`` runs it on CUDA: the fused
-    ``native_dropout`` (output + bool mask) when training with 0 < p < 1 and a non-empty
-    input; anything else goes through unchanged."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.dropout or func is torch.dropout:
-            x, p, training, inplace = _dropout_args(func, args, kwargs)
-            if training and not inplace and 0.0 < p < 1.0 and x.numel() > 0:
-                return torch.native_dropout(x, p, True)[0]
-        return func(*args, **kwargs)
+@contextlib.contextmanager
+def _cuda_dropout_functions() -> Iterator[None]:
+    """Swap ``torch.nn.functional.dropout`` and ``torch.dropout`` for CUDA's choice for the
+    duration. A patch rather than a ``TorchFunctionMode``: it costs nothing on every other call,
+    and it also holds while ``torch.utils.checkpoint`` recomputes a forward inside backward."""
+    f_orig, t_orig = torch.nn.functional.dropout, torch.dropout
+    torch.nn.functional.dropout, torch.dropout = _cuda_dropout(f_orig), _cuda_dropout(t_orig)
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout, torch.dropout = f_orig, t_orig
 
 
 @contextlib.contextmanager
 def cuda_kernels() -> Iterator[None]:
     """Run the code inside with CUDA's kernel choices (see the module docstring)."""
-    with _cuda_optimizer_defaults(), _CudaDropout():
+    with _cuda_optimizer_defaults(), _cuda_dropout_functions():
         yield
 
 

@@ -220,7 +220,8 @@ def materialize(module: nn.Module, device: torch.device | str = "cpu") -> nn.Mod
     """Give every parameter and buffer of ``module`` an empty storage on ``device`` (in place,
     same shapes, dtypes and ``requires_grad``): under a ``FakeTensorMode`` these are fake
     tensors. The values are uninitialised: for memory questions, not for training quality."""
-    return module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    made: dict[int, torch.Tensor] = {}   # a tensor shared by two modules (tied weights) stays shared
+    return module._apply(lambda t: made.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype, device=device)))
 
 
 _MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

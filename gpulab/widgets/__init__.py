@@ -24,3 +24,5 @@ from .lifetimes import lifetimes_panel  # noqa: E402  (lesson 06)
 from .checkpoint import checkpoint_panel  # noqa: E402  (lesson 07)
 from .precision import precision_panel  # noqa: E402  (lesson 08)
 __all__ += ["checkpoint_panel", "grad_modes_panel", "inplace_panel", "lifetimes_panel", "precision_panel"]
+from .finetune import finetune_panel  # noqa: E402  (lesson 11)
+__all__ += ["finetune_panel"]

@@ -1,0 +1,45 @@
+"""Lesson 11's "will it fine-tune on my card?" panel: a transformer preset, a card, the sequence
+length and batch, the method, optimizer, precision and checkpointing; the fake engine runs the
+real model at full size in seconds (progress shown), the simulator adds the allocator."""
+from __future__ import annotations
+
+from typing import Any
+
+import ipywidgets as W
+
+from ..cards import card_names
+from ..course.finetune import METHODS, PRECISIONS, PRESETS, FinetuneAnswer, finetune_check
+from ..experiments import OPTIMIZERS
+from .base import Panel, dropdown, slider
+
+
+def compute_finetune(preset: str, card: str, seq_len: int, batch: int, method: str, optimizer: str,
+                     precision: str, checkpointing: bool, hidden: int, layers: int,
+                     progress=None) -> FinetuneAnswer:
+    return finetune_check(preset, card, seq_len, batch, method, optimizer, precision, checkpointing,
+                          hidden=hidden, layers=layers, progress=progress)
+
+
+def render_finetune(answer: FinetuneAnswer) -> list[Any]:
+    return [answer]
+
+
+def finetune_panel(preset: str = "llama-3-8b", card: str = "RTX 4090", seq_len: int = 2048, batch: int = 1,
+                   method: str = "lora", optimizer: str = "adamw", precision: str = "bf16",
+                   checkpointing: bool = False, hidden: int = 2048, layers: int = 16) -> Panel:
+    controls = {
+        "preset": dropdown("model", PRESETS, preset),
+        "card": dropdown("card", card_names(), card),
+        "seq_len": slider("sequence length", seq_len, 128, 8192, log=True),
+        "batch": slider("batch", batch, 1, 64, log=True),
+        "method": dropdown("method", METHODS, method),
+        "optimizer": dropdown("optimizer", OPTIMIZERS, optimizer),
+        "precision": dropdown("precision", list(PRECISIONS), precision),
+        "checkpointing": W.Checkbox(value=checkpointing, description="activation checkpointing", indent=False),
+        "hidden": slider("custom: hidden size", hidden, 256, 8192, step=256),
+        "layers": slider("custom: layers", layers, 1, 80),
+    }
+    return Panel("Will it fine-tune on my card?", controls, compute_finetune, render_finetune,
+                 description="The model is built from its config under fake tensors (no memory at any size); two "
+                             "training steps run following CUDA's kernels; the simulated caching allocator and an "
+                             "assumed CUDA context are added. The custom sliders apply to the <i>custom</i> model.")

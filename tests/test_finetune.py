@@ -1,0 +1,75 @@
+"""Lesson 11's fine-tuning check: full, LoRA, QLoRA at full size on the fake engine, and its panel."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpulab.cards import CUDA_CONTEXT_ASSUMED, parse_gpu
+from gpulab.course.finetune import custom_config, finetune_check, model_builder
+from gpulab.formulas import lora_params, nf4_weight_bytes
+from gpulab.hf_configs import make_config
+from gpulab.models import build_skeleton
+
+
+def test_lora_freezes_the_base_and_trains_the_adapters_only():
+    full = finetune_check("gpt2", "T4", seq_len=128, batch=2, method="full", precision="fp32", optimizer="adam")
+    lora = finetune_check("gpt2", "T4", seq_len=128, batch=2, method="lora", precision="fp32", optimizer="adam")
+    # GPT-2's fused q/k/v projection (768 -> 2304) in each of its 12 layers, rank 16
+    assert lora.trainable_params == 12 * lora_params(768, 3 * 768, 16)
+    assert full.trainable_params == full.n_params == 124_439_808
+    assert lora.peak_by_category["optimizer_state"] < full.peak_by_category["optimizer_state"] / 100
+    assert lora.peak_by_category["parameters"] >= full.n_params * 4       # the frozen base is still there
+    assert lora.fits and full.fits and lora.margin_bytes > full.margin_bytes
+
+
+def test_qlora_replaces_the_base_weights_by_the_nf4_formula():
+    lora = finetune_check("llama-3-8b", "RTX4090", seq_len=2048, batch=1, method="lora", precision="bf16")
+    q = finetune_check("llama-3-8b", "RTX4090", seq_len=2048, batch=1, method="qlora", precision="bf16")
+    frozen = q.n_params - q.trainable_params
+    assert q.peak_by_category["parameters"] == lora.peak_by_category["parameters"] - (2 * frozen
+                                                                                        - int(nf4_weight_bytes(frozen)))
+    assert q.label.startswith("fake run (LoRA") and "NF4" in q.label
+    assert q.fits and not lora.fits          # 8B at 2,048 tokens: 16 GB of bf16 weights and the activations do not fit 24 GiB
+    assert q.capacity_bytes == parse_gpu("RTX4090").memory_bytes and q.context_bytes == CUDA_CONTEXT_ASSUMED
+
+
+def test_checkpointing_lowers_the_activations():
+    plain = finetune_check("gpt2", "T4", seq_len=256, batch=4, method="full", precision="bf16")
+    ckpt = finetune_check("gpt2", "T4", seq_len=256, batch=4, method="full", precision="bf16", checkpointing=True)
+    assert ckpt.peak_by_category["activations"] < plain.peak_by_category["activations"] / 2
+
+
+def test_custom_size_and_the_builder_is_shapes_only():
+    cfg = custom_config(1024, 4)
+    model = build_skeleton(model_builder(cfg, "full", torch.bfloat16, False))
+    assert all(p.is_meta for p in model.parameters())
+    a = finetune_check("custom", "8GiB", seq_len=128, batch=1, method="full", precision="bf16", hidden=1024, layers=4)
+    assert a.n_params == sum(p.numel() for p in model.parameters())
+    assert "custom" in a._repr_html_() and ("fits" in a._repr_html_())
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(preset="gpt5"), ["unknown preset", "llama-3-8b"]),
+    (dict(method="prefix"), ["unknown method", "lora"]),
+    (dict(precision="fp8"), ["unknown precision", "bf16"]),
+    (dict(preset="custom", hidden=1000), ["multiple of 128"]),
+    (dict(card="H1000"), ["cannot read", "H100"]),
+])
+def test_bad_settings_say_what_is_valid(kw, words):
+    with pytest.raises(ValueError) as e:
+        finetune_check(**{"preset": "gpt2", "seq_len": 64, **kw})
+    assert all(w in str(e.value) for w in words)
+
+
+def test_panel_runs_and_shows_the_verdict():
+    from gpulab.widgets import finetune_panel
+    p = finetune_panel(preset="gpt2", card="T4", seq_len=128, batch=2)
+    p.run()
+    assert p.error is None and p.result.fits and p.result.preset == "gpt2"
+    p.controls["method"].value = "full"
+    p.run()
+    assert p.result.method == "full" and p.result.trainable_params == p.result.n_params
+
+
+def test_preset_configs_are_the_built_in_ones():
+    assert make_config("llama-3-8b").num_key_value_heads == 8
