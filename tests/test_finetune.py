@@ -6,7 +6,8 @@ import torch
 
 from gpulab.cards import CUDA_CONTEXT_ASSUMED, parse_gpu
 from gpulab.course.finetune import custom_config, finetune_check, model_builder
-from gpulab.formulas import lora_params, nf4_weight_bytes
+from gpulab.course.kv_cache import qlora_formula
+from gpulab.formulas import lora_params
 from gpulab.hf_configs import make_config
 from gpulab.models import build_skeleton
 
@@ -25,9 +26,12 @@ def test_lora_freezes_the_base_and_trains_the_adapters_only():
 def test_qlora_replaces_the_base_weights_by_the_nf4_formula():
     lora = finetune_check("llama-3-8b", "RTX4090", seq_len=2048, batch=1, method="lora", precision="bf16")
     q = finetune_check("llama-3-8b", "RTX4090", seq_len=2048, batch=1, method="qlora", precision="bf16")
-    frozen = q.n_params - q.trainable_params
-    assert q.peak_by_category["parameters"] == lora.peak_by_category["parameters"] - (2 * frozen
-                                                                                        - int(nf4_weight_bytes(frozen)))
+    f = qlora_formula("llama-3-8b")
+    # every Linear weight is quantized, but not the embedding, lm_head or the 65 RMSNorm weights
+    assert f.quantized_params == 8_030_261_248 - 2 * 128256 * 4096 - (2 * 32 + 1) * 4096
+    assert f.quantized_bytes < 0.52 * f.quantized_params
+    assert q.peak_by_category["parameters"] == lora.peak_by_category["parameters"] - (
+        2 * f.quantized_params - int(f.quantized_bytes))
     assert q.label.startswith("fake run (LoRA") and "NF4" in q.label
     assert q.fits and not lora.fits          # 8B at 2,048 tokens: 16 GB of bf16 weights and the activations do not fit 24 GiB
     assert q.capacity_bytes == parse_gpu("RTX4090").memory_bytes and q.context_bytes == CUDA_CONTEXT_ASSUMED

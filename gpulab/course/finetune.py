@@ -8,8 +8,9 @@ following CUDA's kernels, the timeline is replayed through the simulated caching
 an assumed CUDA context is added. The verdict is ``reserved + context <= card``, with the margin.
 
 QLoRA's 4-bit base weights need bitsandbytes' CUDA kernels, so they are not run here: a LoRA run
-with bf16 base weights is measured and the frozen base weights' bytes are replaced by the NF4
-formula (``gpulab.formulas.nf4_weight_bytes``), labelled as such.
+with bf16 base weights is measured and the bytes of the weights 4-bit loading quantizes (the
+Linear layers' weights, not the embeddings, norms or lm_head: ``course.kv_cache.nf4_quantized``)
+are replaced by the NF4 formula, labelled as such.
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ import torch
 from ..allocator import CachingAllocator
 from ..cards import CUDA_CONTEXT_ASSUMED, parse_gpu
 from ..engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
-from ..formulas import nf4_weight_bytes
 from ..hf_configs import build_causal_lm, hf_entry, make_config
 from ..trainstep import step
 from ..units import format_bytes
@@ -31,8 +31,8 @@ PRESETS = ("gpt2", "llama-3-8b", "mistral-7b", "custom")
 METHODS = ("full", "lora", "qlora")
 PRECISIONS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "amp-bf16": (torch.float32, "bf16")}
 LORA_TARGETS = ("q_proj", "v_proj", "c_attn")   # Llama/Mistral's projections; GPT-2's fused q/k/v
-LABEL_QLORA = ("fake run (LoRA on bf16 base weights) with the frozen base weights' bytes replaced by the NF4 "
-               "formula: bitsandbytes' 4-bit kernels need CUDA")
+LABEL_QLORA = ("fake run (LoRA on bf16 base weights) with the quantized Linear weights' bytes replaced by the "
+               "NF4 formula: bitsandbytes' 4-bit kernels need CUDA")
 
 Progress = Callable[[float, str], None] | None
 
@@ -168,9 +168,10 @@ def finetune_check(preset: str = "llama-3-8b", card: str = "H100", seq_len: int 
     trainable = sum(p.numel() for p in skeleton.parameters() if p.requires_grad)
     label = LABEL_FAKE_CUDA + " + " + LABEL_SIMULATED
     reserved = CachingAllocator().replay(tracking.events, strict=False).peak_reserved
-    if method == "qlora":
-        frozen = n_params - trainable
-        saved = frozen * torch.empty((), dtype=run_dtype).element_size() - int(nf4_weight_bytes(frozen))
+    if method == "qlora":   # the Linear weights 4-bit loading quantizes (not embeddings, norms, lm_head)
+        from .kv_cache import nf4_quantized
+        quantized, nf4_bytes, _ = nf4_quantized(build_skeleton(model_builder(config, "full", run_dtype, False)))
+        saved = quantized * torch.empty((), dtype=run_dtype).element_size() - int(nf4_bytes)
         by_cat["parameters"] -= saved
         peak -= saved
         reserved -= saved

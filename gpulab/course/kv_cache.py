@@ -1,0 +1,1171 @@
+"""Lesson 11, part 2: the memory of generating text (the KV cache) and of fine-tuning a few
+weights (LoRA, QLoRA).
+
+* ``kv_cache_bytes`` / ``kv_cache_for``: the KV cache formula, 2 · layers · KV heads · head dim ·
+  tokens · batch · bytes, for any built-in config or a ``transformers`` config;
+  ``attention_variants``: the same cache under multi-head, grouped-query and multi-query attention.
+* ``measured_kv_cache``: a real ``generate()`` of a small model with random weights on the cpu
+  engine, the cache's bytes read after every forward pass next to the formula (equal, byte for
+  byte), and the tracker's peak of the whole generation; ``fake_kv_cache``: one prefill forward
+  of a full-size model on fake tensors, its cache against the formula.
+* ``inference_fit`` / ``max_context``: weights + KV cache + one decode step's working set
+  against a card, and the longest context that fits.
+* ``lora_step``: a training step of a model wrapped by ``peft``'s LoRA next to a full fine-tune
+  of the same model, by category; ``qlora_formula``: the same on paper with the base in NF4.
+
+Results are dataclasses with ``as_dict`` and ``_repr_html_``; nothing here prints. Every number
+carries its source label: an engine's (``gpulab.engines.LABEL_*``), ``formula``, or
+``LABEL_ESTIMATE`` for the one rough estimate (a decode step's working set).
+"""
+from __future__ import annotations
+
+import copy
+import html
+import inspect
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from .. import formulas as F
+from .. import hf_configs
+from ..cards import CUDA_CONTEXT_ASSUMED, Card, parse_gpu
+from ..engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
+from ..experiments import StepResult, validate_batch
+from ..tracking import CATEGORIES, Category
+from ..trainstep import step as gpulab_step
+from ..units import dtype_bytes, dtype_name, format_bytes, parse_dtype
+from ..views import html_table
+from .inplace import validate_positive
+
+LABEL_ESTIMATE = "estimate (rough, not measured)"
+LABEL_QLORA = "formula (bitsandbytes' 4-bit kernels need CUDA)"
+DEFAULT_TARGETS = ("q_proj", "v_proj")
+
+
+# --- configs ---------------------------------------------------------------------------------------
+
+def _config(config_or_name: Any) -> tuple[Any, str]:
+    """(a transformers config, a name to show) for a built-in name (``"llama-3-8b"`` or
+    ``"hf:llama-3-8b"``), an ``HFConfigEntry`` or a config object (used as given, never changed)."""
+    if hf_configs.is_config(config_or_name):
+        return config_or_name, f"{type(config_or_name).__name__} (your config)"
+    entry = config_or_name if isinstance(config_or_name, hf_configs.HFConfigEntry) \
+        else hf_configs.hf_entry(config_or_name)
+    return hf_configs.make_config(entry), entry.name
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def attention_shape(config_or_name: Any) -> dict[str, Any]:
+    """What the KV cache depends on, read off a config: layers, heads, KV heads, head dim, and
+    the sliding window when the model has one (None otherwise).
+
+    Names and defaults via ``gpulab.hf_configs.config_summary``; the head dim is the config's own
+    ``head_dim`` when it has one (LlamaConfig and MistralConfig do), else hidden size / heads,
+    as ``LlamaAttention.__init__`` computes it (transformers/models/llama/modeling_llama.py:
+    ``getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)``). A sliding
+    window counts when the cache would use it: transformers/cache_utils.py
+    ``get_layer_types_and_kwargs`` makes a sliding layer for a config with ``sliding_window``
+    set, unless its ``layer_types`` say otherwise."""
+    config, name = _config(config_or_name)
+    s = hf_configs.config_summary(config)
+    text = _text_config(config)
+    hidden, heads = s["hidden_size"], s["num_heads"]
+    head_dim = getattr(text, "head_dim", None)
+    if head_dim is None:
+        if not hidden or not heads or hidden % heads:
+            raise ValueError(f"cannot read a head dimension off {name}: hidden size {hidden}, {heads} heads")
+        head_dim = hidden // heads
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    if window is not None and layer_types is not None and "sliding_attention" not in set(layer_types):
+        window = None
+    return {"model": name, "layers": int(s["num_layers"]), "heads": int(heads), "kv_heads": int(s["num_kv_heads"]),
+            "head_dim": int(head_dim), "hidden_size": int(hidden), "intermediate_size": int(s["intermediate_size"]),
+            "vocab_size": int(s["vocab_size"]), "max_positions": s["max_positions"],
+            "sliding_window": int(window) if window else None}
+
+
+# --- 1. the KV cache formula -------------------------------------------------------------------------
+
+def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, seq_len: int, batch: int, dtype_bytes: int) -> int:
+    """Bytes of a KV cache: 2 (keys and values) · layers · kv_heads · head_dim · seq_len · batch ·
+    bytes per element.
+
+    Each attention layer keeps one key and one value tensor of shape (batch, kv_heads, seq_len,
+    head_dim): transformers/cache_utils.py, ``DynamicLayer`` ("tensors of shape `[batch_size,
+    num_heads, seq_len, head_dim]`"), grown by ``torch.cat`` along the sequence in ``update``.
+    E.g. Llama-2-7B in fp16 at 4096 tokens: 2 · 32 · 32 · 128 · 4096 · 1 · 2 = 2 GiB per sequence."""
+    for what, v in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim), ("seq_len", seq_len),
+                    ("batch", batch), ("dtype_bytes", dtype_bytes)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{what} must be a non-negative integer, got {v!r}")
+    return 2 * layers * kv_heads * head_dim * seq_len * batch * dtype_bytes
+
+
+@dataclass(frozen=True)
+class KVCacheSize:
+    """The KV cache of one model at one length and batch (``kv_cache_for``)."""
+    model: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seq_len: int
+    batch: int
+    dtype: str
+    dtype_bytes: int
+    bytes: int
+    sliding_window: int | None = None
+    label: str = LABEL_FORMULA
+
+    @property
+    def per_token_bytes(self) -> int:
+        """One more token of one sequence: 2 · layers · kv_heads · head_dim · bytes."""
+        return kv_cache_bytes(self.layers, self.kv_heads, self.head_dim, 1, 1, self.dtype_bytes)
+
+    @property
+    def windowed_bytes(self) -> int:
+        """The formula at min(seq_len, sliding window) tokens: what a sliding-window model keeps.
+        NB: transformers' ``DynamicSlidingWindowLayer.update`` keeps a *view* of the last
+        ``sliding_window - 1`` tokens of the concatenated states, so the storage behind it holds
+        up to one window (more right after a prefill longer than the window)."""
+        n = self.seq_len if self.sliding_window is None else min(self.seq_len, self.sliding_window)
+        return kv_cache_bytes(self.layers, self.kv_heads, self.head_dim, n, self.batch, self.dtype_bytes)
+
+    @property
+    def formula(self) -> str:
+        return (f"2 × {self.layers} layers × {self.kv_heads} KV heads × {self.head_dim} head dim × "
+                f"{self.seq_len:,} tokens × batch {self.batch} × {self.dtype_bytes} B")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "layers": self.layers, "heads": self.heads, "kv_heads": self.kv_heads,
+                "head_dim": self.head_dim, "seq_len": self.seq_len, "batch": self.batch, "dtype": self.dtype,
+                "dtype_bytes": self.dtype_bytes, "bytes": self.bytes, "per_token_bytes": self.per_token_bytes,
+                "sliding_window": self.sliding_window, "windowed_bytes": self.windowed_bytes,
+                "formula": self.formula, "label": self.label}
+
+    def __repr__(self) -> str:
+        return f"KVCacheSize({self.model}, {self.seq_len:,} tokens × {self.batch}, {self.dtype}: {self.bytes:,} B)"
+
+    def _repr_html_(self) -> str:
+        rows = [["KV cache", format_bytes(self.bytes), self.formula],
+                ["per token of one sequence", format_bytes(self.per_token_bytes), ""]]
+        if self.sliding_window is not None:
+            rows.append([f"within the {self.sliding_window:,}-token sliding window", format_bytes(self.windowed_bytes),
+                         f"min({self.seq_len:,}, {self.sliding_window:,}) tokens"])
+        return html_table(["", "bytes", "how"], rows, f"{self.model} — {self.label}; binary units")
+
+
+def kv_cache_for(config_or_name: Any, seq_len: int, batch: int = 1,
+                 dtype: str | torch.dtype = "float16") -> KVCacheSize:
+    """``kv_cache_bytes`` with the shapes read off a config (``attention_shape``)."""
+    validate_positive(seq_len=seq_len, batch=batch)
+    a = attention_shape(config_or_name)
+    nbytes = dtype_bytes(dtype)
+    return KVCacheSize(a["model"], a["layers"], a["heads"], a["kv_heads"], a["head_dim"], seq_len, batch,
+                       dtype_name(parse_dtype(dtype)), nbytes,
+                       kv_cache_bytes(a["layers"], a["kv_heads"], a["head_dim"], seq_len, batch, nbytes),
+                       a["sliding_window"])
+
+
+# --- 2. MHA, GQA, MQA --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class VariantRow:
+    variant: str
+    kv_heads: int
+    bytes: int
+    fraction_of_mha: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"variant": self.variant, "kv_heads": self.kv_heads, "bytes": self.bytes,
+                "fraction_of_mha": self.fraction_of_mha}
+
+
+@dataclass(frozen=True)
+class AttentionVariants:
+    model: str
+    seq_len: int
+    batch: int
+    dtype: str
+    heads: int
+    config_kv_heads: int
+    rows: list[VariantRow]
+    label: str = LABEL_FORMULA
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "seq_len": self.seq_len, "batch": self.batch, "dtype": self.dtype,
+                "heads": self.heads, "config_kv_heads": self.config_kv_heads,
+                "rows": [r.as_dict() for r in self.rows], "label": self.label}
+
+    def __repr__(self) -> str:
+        return "AttentionVariants(" + ", ".join(f"{r.variant}: {r.bytes:,} B" for r in self.rows) + ")"
+
+    def _repr_html_(self) -> str:
+        rows = [[r.variant, r.kv_heads, format_bytes(r.bytes), f"{r.fraction_of_mha:.3g}"] for r in self.rows]
+        return html_table(["attention", "KV heads", "KV cache", "× multi-head"], rows,
+                          f"{self.model}, {self.seq_len:,} tokens × batch {self.batch}, {self.dtype} — {self.label}")
+
+
+def attention_variants(config_or_name: Any, seq_len: int, batch: int = 1,
+                       dtype: str | torch.dtype = "float16") -> AttentionVariants:
+    """The cache of the same model under three attention designs, as rows:
+
+    * multi-head (every query head has its own keys and values: kv_heads = heads);
+    * grouped-query, the config's own kv_heads (Ainslie et al., "GQA: Training Generalized
+      Multi-Query Transformer Models from Multi-Head Checkpoints", 2023, arXiv 2305.13245);
+    * multi-query (one key/value head shared by all: Shazeer, "Fast Transformer Decoding: One
+      Write-Head is All You Need", 2019, arXiv 1911.02150).
+
+    Only the cache changes here; the projections' weights shrink too (k_proj and v_proj output
+    kv_heads · head_dim), which this table does not count."""
+    validate_positive(seq_len=seq_len, batch=batch)
+    a = attention_shape(config_or_name)
+    nbytes = dtype_bytes(dtype)
+    mha = kv_cache_bytes(a["layers"], a["heads"], a["head_dim"], seq_len, batch, nbytes)
+    own = "grouped-query (this config)" if a["kv_heads"] not in (1, a["heads"]) else \
+        f"this config ({'multi-head' if a['kv_heads'] == a['heads'] else 'multi-query'})"
+    rows = []
+    for variant, kv in (("multi-head", a["heads"]), (own, a["kv_heads"]), ("multi-query", 1)):
+        b = kv_cache_bytes(a["layers"], kv, a["head_dim"], seq_len, batch, nbytes)
+        rows.append(VariantRow(variant, kv, b, b / mha))
+    return AttentionVariants(a["model"], seq_len, batch, dtype_name(parse_dtype(dtype)), a["heads"], a["kv_heads"],
+                             rows)
+
+
+# --- 3. the cache, measured ---------------------------------------------------------------------------
+
+def cache_storage_bytes(cache: Any) -> int:
+    """Bytes of the storages behind a ``transformers`` cache's keys and values, each storage
+    once (read from the live tensors: ``untyped_storage().nbytes()``). Works on real and fake
+    tensors. Reads ``cache.layers[i].keys`` / ``.values`` (transformers/cache_utils.py,
+    ``CacheLayerMixin``); a layer that stores nothing has ``None`` there."""
+    seen: set[int] = set()
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if st._cdata not in seen:
+                    seen.add(st._cdata)
+                    total += st.nbytes()
+    return total
+
+
+def _with_cache(config_or_name: Any) -> tuple[Any, str]:
+    """A copy of the config with ``use_cache=True`` (gpulab's configs switch it off for training)."""
+    config, name = _config(config_or_name)
+    config = copy.deepcopy(config)
+    config.use_cache = True
+    return config, name
+
+
+def _check_length(a: dict[str, Any], tokens: int) -> None:
+    if a["max_positions"] and tokens > a["max_positions"]:
+        raise ValueError(f"{tokens:,} tokens is longer than {a['model']} takes ({a['max_positions']:,} positions)")
+
+
+def _eos_id(config) -> int:
+    eos = getattr(_text_config(config), "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return 0 if eos is None else int(eos)
+
+
+@dataclass(frozen=True)
+class CacheRow:
+    """The cache after one forward pass of ``generate``: step 0 is the prefill (the prompt),
+    each later step one decode forward (one new token)."""
+    step: int
+    tokens: int               # tokens the cache should hold: prompt + step
+    cache_seq_length: int     # what the cache says it holds (``get_seq_length()``)
+    measured_bytes: int       # storages behind its keys and values, read from the live tensors
+    formula_bytes: int        # kv_cache_bytes at ``tokens``
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens": self.tokens, "cache_seq_length": self.cache_seq_length,
+                "measured_bytes": self.measured_bytes, "formula_bytes": self.formula_bytes}
+
+
+@dataclass
+class MeasuredKVCache(Measured):
+    """``measured_kv_cache``: the cache per generated token, and the tracker's whole-run view."""
+    model: str
+    prompt_len: int
+    new_tokens: int
+    batch: int
+    dtype: str
+    rows: list[CacheRow]
+    output_len: int           # the sequence generate returned: prompt + new tokens
+    weights_bytes: int        # parameters + buffers of the model (read from the live tensors)
+    measurement: Measurement
+    formula_label: str = LABEL_FORMULA
+
+    @property
+    def all_equal(self) -> bool:
+        return bool(self.rows) and all(r.measured_bytes == r.formula_bytes and r.cache_seq_length == r.tokens
+                                       for r in self.rows)
+
+    @property
+    def final_cache_bytes(self) -> int:
+        return self.rows[-1].measured_bytes if self.rows else 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "prompt_len": self.prompt_len, "new_tokens": self.new_tokens,
+                "batch": self.batch, "dtype": self.dtype, "output_len": self.output_len,
+                "rows": [r.as_dict() for r in self.rows], "all_equal": self.all_equal,
+                "final_cache_bytes": self.final_cache_bytes, "weights_bytes": self.weights_bytes,
+                "peak_bytes": self.peak_bytes, "peak_by_category": self.peak_by_category,
+                "label": self.label, "formula_label": self.formula_label, "engine": self.engine,
+                "seconds": round(self.measurement.seconds, 4)}
+
+    def __repr__(self) -> str:
+        return (f"MeasuredKVCache({self.model}, {len(self.rows)} forwards, cache {self.final_cache_bytes:,} B, "
+                f"peak {self.peak_bytes:,} B, equal={self.all_equal})")
+
+    def _repr_html_(self) -> str:
+        rows = [[r.step, r.tokens, f"{r.measured_bytes:,}", f"{r.formula_bytes:,}",
+                 "yes" if r.measured_bytes == r.formula_bytes else "no"] for r in self.rows]
+        head = (f"generate() of {html.escape(self.model)}: prompt {self.prompt_len}, {self.new_tokens} new tokens, "
+                f"batch {self.batch}, {self.dtype}; whole-run peak {format_bytes(self.peak_bytes)} "
+                f"({html.escape(self.label)}), weights {format_bytes(self.weights_bytes)}")
+        return head + html_table(["forward", "tokens in cache", "cache bytes (measured)", "formula", "equal"], rows,
+                                 f"measured: {self.label}; formula: {self.formula_label}")
+
+
+def _generate_experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: torch.dtype, seed: int):
+    def experiment(ctx: RunContext) -> dict[str, Any]:
+        import transformers
+        with ctx.phase("setup"), torch.device(ctx.device):
+            torch.manual_seed(seed)
+            model = hf_configs.build_causal_lm(config, dtype)
+            model.eval()
+            ctx.tracker.register(model)
+            ids = ctx.label(torch.randint(0, hf_configs.vocab_size(config), (batch, prompt_len)))
+            mask = ctx.label(torch.ones_like(ids))
+            cache = transformers.DynamicCache(config=config)
+        seen: list[tuple[int, int]] = []
+
+        def after_forward(module, args, output):   # the cache has been updated by this forward
+            seen.append((cache.get_seq_length(), cache_storage_bytes(cache)))
+
+        handle = model.register_forward_hook(after_forward)
+        eos = _eos_id(config)
+        try:
+            with ctx.phase("forward"), torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+                                     max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                     pad_token_id=eos, eos_token_id=eos)
+        finally:
+            handle.remove()
+        weights = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
+        return {"seen": seen, "output_len": int(out.shape[-1]), "weights": weights}
+    return experiment
+
+
+def measured_kv_cache(name_or_config: Any = "tiny-llama", prompt_len: int = 8, new_tokens: int = 16,
+                      batch: int = 1, dtype: str | torch.dtype = torch.float32, seed: int = 0) -> MeasuredKVCache:
+    """A real ``model.generate()`` (greedy, exactly ``new_tokens`` new tokens) of a model with
+    random weights on the cpu engine, with our own ``transformers.DynamicCache`` passed as
+    ``past_key_values``; a forward hook on the model reads the cache's storages after every
+    forward pass (generate uses a cache it is given: ``_prepare_cache_for_generation`` in
+    transformers/generation/utils.py). Each row: tokens in the cache, measured bytes, the formula.
+
+    generate runs one prefill forward (the prompt) and then one forward per new token except the
+    last (the last token chosen is never fed back), so there are ``new_tokens`` rows and the
+    cache ends at prompt_len + new_tokens - 1 tokens. ``DynamicLayer.update`` concatenates
+    (``torch.cat``) a new storage each step and drops the old one, so the cache's storages are
+    exactly the formula's bytes. ``min_new_tokens`` stops an early end of sequence; pad and eos
+    ids are given so that generate does not warn. The whole run is tracked
+    (``MemoryTracker``): ``peak_bytes`` and its ``label``. NB: cpu engine only: generate picks
+    tokens by value (argmax), which fake tensors do not have."""
+    validate_positive(prompt_len=prompt_len, new_tokens=new_tokens, batch=batch)
+    config, name = _with_cache(name_or_config)
+    a = attention_shape(config)
+    a["model"] = name
+    _check_length(a, prompt_len + new_tokens)
+    dt = parse_dtype(dtype)
+    m = run(_generate_experiment(config, prompt_len, new_tokens, batch, dt, seed), "cpu")
+    if m.oom:
+        raise MemoryError(m.error)
+    nbytes = dt.itemsize
+    rows = [CacheRow(i, prompt_len + i, seq, measured,
+                     kv_cache_bytes(a["layers"], a["kv_heads"], a["head_dim"], prompt_len + i, batch, nbytes))
+            for i, (seq, measured) in enumerate(m.value["seen"])]
+    return MeasuredKVCache(name, prompt_len, new_tokens, batch, dtype_name(dt), rows, m.value["output_len"],
+                           m.value["weights"], m)
+
+
+@dataclass
+class FakeKVCache(Measured):
+    """``fake_kv_cache``: one prefill forward of a full-size model on fake tensors."""
+    model: str
+    seq_len: int
+    batch: int
+    dtype: str
+    measured_bytes: int       # storages behind the returned cache's keys and values
+    formula_bytes: int
+    layer_shapes: list[tuple[int, ...]]   # keys of each layer
+    weights_bytes: int
+    measurement: Measurement
+    formula_label: str = LABEL_FORMULA
+
+    @property
+    def equal(self) -> bool:
+        return self.measured_bytes == self.formula_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "seq_len": self.seq_len, "batch": self.batch, "dtype": self.dtype,
+                "measured_bytes": self.measured_bytes, "formula_bytes": self.formula_bytes, "equal": self.equal,
+                "layers": len(self.layer_shapes), "key_shape": list(self.layer_shapes[0]) if self.layer_shapes else [],
+                "weights_bytes": self.weights_bytes, "peak_bytes": self.peak_bytes,
+                "peak_by_category": self.peak_by_category, "label": self.label,
+                "formula_label": self.formula_label, "seconds": round(self.measurement.seconds, 4)}
+
+    def __repr__(self) -> str:
+        return f"FakeKVCache({self.model}, {self.seq_len:,} tokens: {self.measured_bytes:,} B, equal={self.equal})"
+
+    def _repr_html_(self) -> str:
+        rows = [["KV cache after the prefill", format_bytes(self.measured_bytes), format_bytes(self.formula_bytes)],
+                ["weights", format_bytes(self.weights_bytes), "—"],
+                ["peak of the forward (live tensors)", format_bytes(self.peak_bytes), "—"]]
+        return html_table(["", html.escape(self.label), "formula"], rows,
+                          f"{self.model}, prefill of {self.seq_len:,} tokens × batch {self.batch}, {self.dtype}")
+
+
+def _prefill_experiment(config, seq_len: int, batch: int, dtype: torch.dtype):
+    def experiment(ctx: RunContext) -> dict[str, Any]:
+        import transformers
+        with ctx.phase("setup"), torch.device(ctx.device):
+            model = hf_configs.build_causal_lm(config, dtype)
+            model.eval()
+            ctx.tracker.register(model)
+            ids = ctx.label(torch.randint(0, hf_configs.vocab_size(config), (batch, seq_len)))
+            cache = transformers.DynamicCache(config=config)
+        kwargs: dict[str, Any] = {"input_ids": ids, "past_key_values": cache, "use_cache": True}
+        if "logits_to_keep" in inspect.signature(model.forward).parameters:
+            kwargs["logits_to_keep"] = 1      # as generate does (generation/utils.py)
+        with ctx.phase("forward"), torch.no_grad():
+            out = model(**kwargs)
+        returned = out.past_key_values
+        weights = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
+        return {"bytes": cache_storage_bytes(returned), "seq": returned.get_seq_length(),
+                "shapes": [tuple(layer.keys.shape) for layer in returned.layers if layer.keys is not None],
+                "weights": weights}
+    return experiment
+
+
+def fake_kv_cache(name: Any = "hf:llama-3-8b", seq_len: int = 512, batch: int = 1,
+                  dtype: str | torch.dtype = torch.bfloat16) -> FakeKVCache:
+    """One prefill forward (``use_cache=True``, no grad, only the last position's logits as
+    generate asks with ``logits_to_keep=1``) of a full-size model under gpulab's fake engine with
+    CUDA's kernels (``engines.run(..., "fake", fake_target="cuda")``): no weights in RAM, no
+    compute. The cache the model returns is summed storage by storage and set next to the
+    formula. About a second and a half for Llama-3-8B at 512 tokens on a laptop CPU."""
+    validate_positive(seq_len=seq_len, batch=batch)
+    config, shown = _with_cache(name)
+    a = attention_shape(config)
+    a["model"] = shown
+    _check_length(a, seq_len)
+    dt = parse_dtype(dtype)
+    m = run(_prefill_experiment(config, seq_len, batch, dt), "fake", fake_target="cuda")
+    if m.oom:
+        raise MemoryError(m.error)
+    formula = kv_cache_bytes(a["layers"], a["kv_heads"], a["head_dim"], seq_len, batch, dt.itemsize)
+    return FakeKVCache(shown, seq_len, batch, dtype_name(dt), m.value["bytes"], formula, m.value["shapes"],
+                       m.value["weights"], m)
+
+
+# --- 4. does inference fit? ----------------------------------------------------------------------------
+
+_PARAM_COUNTS: dict[str, tuple[int, int]] = {}
+
+
+def model_params(config_or_name: Any) -> int:
+    """Parameters of the causal LM a config builds (a tied embedding once), counted on a model
+    built on the meta device (no memory). Built-in names are counted once per process."""
+    return _param_counts(config_or_name)[0]
+
+
+def _param_counts(config_or_name: Any) -> tuple[int, int]:
+    """(parameters, parameter tensors)."""
+    key = None if hf_configs.is_config(config_or_name) else _config(config_or_name)[1]
+    if key is not None and key in _PARAM_COUNTS:
+        return _PARAM_COUNTS[key]
+    config, _ = _config(config_or_name)
+    with torch.device("meta"):
+        model = hf_configs.build_causal_lm(config)
+    counts = (sum(p.numel() for p in model.parameters()), sum(1 for _ in model.parameters()))
+    if key is not None:
+        _PARAM_COUNTS[key] = counts
+    return counts
+
+
+def decode_step_estimate(config_or_name: Any, context_len: int, batch: int = 1,
+                         dtype: str | torch.dtype = "bfloat16") -> dict[str, int]:
+    """A rough estimate (``LABEL_ESTIMATE``) of the working set of one decode step (one new
+    token per sequence), beyond the weights and the cache: the largest of four groups of tensors
+    that live at different moments of the step, for ``batch`` sequences:
+
+    * cache append: ``DynamicLayer.update`` (transformers/cache_utils.py) makes the grown keys
+      with ``torch.cat`` while the old ones are still referenced, so one layer's keys exist twice
+      for a moment: batch · kv_heads · head_dim · context · bytes. At long contexts this is the
+      largest (``fake_decode_step`` measures it);
+    * logits: vocab · (bytes + 4): the lm_head output of the last position and generate's
+      float32 copy of it (transformers/generation/utils.py ``_sample``:
+      ``outputs.logits[:, -1].to(copy=True, dtype=torch.float32)``);
+    * MLP: 3 · intermediate · bytes: gate and up projections and their product
+      (``LlamaMLP.forward``: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``);
+    * attention scores: heads · context · (bytes + 4): eager attention's scores and their
+      float32 softmax (``eager_attention_forward``: ``softmax(..., dtype=torch.float32)``);
+      SDPA and flash kernels need not hold them.
+
+    Returns the four terms and ``estimate`` (their maximum). NB: allocator rounding, kernel
+    workspaces and the hidden states (batch · hidden, small) are left out; when SDPA gets a mask
+    on CUDA, transformers repeats the KV heads for it (``repeat_kv``, as
+    transformers/integrations/sdpa_attention.py ``use_gqa_in_sdpa`` decides), heads / kv_heads
+    times one layer's keys and values, which this leaves out too."""
+    validate_positive(context_len=context_len, batch=batch)
+    a = attention_shape(config_or_name)
+    b = dtype_bytes(dtype)
+    terms = {"cache_append": batch * a["kv_heads"] * a["head_dim"] * context_len * b,
+             "logits": batch * a["vocab_size"] * (b + 4),
+             "mlp": batch * 3 * a["intermediate_size"] * b,
+             "attention_scores": batch * a["heads"] * context_len * (b + 4)}
+    return {**terms, "estimate": max(terms.values())}
+
+
+@dataclass
+class DecodeStep(Measured):
+    """``fake_decode_step``: one decode step after a prefill, on fake tensors, beside the estimate."""
+    model: str
+    context_len: int
+    batch: int
+    dtype: str
+    before_bytes: int          # live before the step: weights, cache of context_len - 1 tokens, ids
+    step_peak_bytes: int       # the highest live total during the step
+    cache_growth_bytes: int    # the cache after the step minus before (one token per sequence)
+    estimate: dict[str, int]
+    peak_module: str           # the module running at the step's peak
+    measurement: Measurement
+    estimate_label: str = LABEL_ESTIMATE
+
+    @property
+    def working_set_bytes(self) -> int:
+        """What the step needed beyond what lived before it and the cache's own growth."""
+        return self.step_peak_bytes - self.before_bytes - self.cache_growth_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "context_len": self.context_len, "batch": self.batch, "dtype": self.dtype,
+                "before_bytes": self.before_bytes, "step_peak_bytes": self.step_peak_bytes,
+                "cache_growth_bytes": self.cache_growth_bytes, "working_set_bytes": self.working_set_bytes,
+                "estimate": dict(self.estimate), "peak_module": self.peak_module, "label": self.label,
+                "estimate_label": self.estimate_label}
+
+    def __repr__(self) -> str:
+        return (f"DecodeStep({self.model}, {self.context_len:,} tokens × {self.batch}: working set "
+                f"{self.working_set_bytes:,} B, estimate {self.estimate['estimate']:,} B)")
+
+    def _repr_html_(self) -> str:
+        rows = [["working set of the step", format_bytes(self.working_set_bytes), self.label]]
+        rows += [[f"estimate: {k.replace('_', ' ')}", format_bytes(v), self.estimate_label]
+                 for k, v in self.estimate.items()]
+        return html_table(["", "bytes", "source"], rows,
+                          f"{self.model}, one decode step at {self.context_len:,} tokens × batch {self.batch}, "
+                          f"{self.dtype}")
+
+
+def _decode_experiment(config, context_len: int, batch: int, dtype: torch.dtype):
+    def experiment(ctx: RunContext) -> dict[str, Any]:
+        import transformers
+        with ctx.phase("setup"), torch.device(ctx.device):
+            model = hf_configs.build_causal_lm(config, dtype)
+            model.eval()
+            ctx.tracker.register(model)
+            vocab = hf_configs.vocab_size(config)
+            ids = ctx.label(torch.randint(0, vocab, (batch, context_len - 1)))
+            cache = transformers.DynamicCache(config=config)
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        with ctx.phase("forward"), torch.no_grad():
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True,
+                        **keep)
+            del out
+            cache_before = cache_storage_bytes(cache)
+            mark = ctx.mark()
+            before = ctx.snapshot("before the decode step").tracked_bytes
+            step_ids = ctx.label(torch.randint(0, vocab, (batch, 1)))
+            out = model(input_ids=step_ids, attention_mask=torch.ones(batch, context_len, dtype=torch.long),
+                        past_key_values=cache, use_cache=True, **keep)
+            scores = out.logits[:, -1].to(copy=True, dtype=torch.float32)   # as generate's _sample does
+            del out, scores
+        return {"mark": mark, "before": before, "growth": cache_storage_bytes(cache) - cache_before}
+    return experiment
+
+
+def fake_decode_step(name: Any = "hf:llama-3-8b", context_len: int = 8192, batch: int = 1,
+                     dtype: str | torch.dtype = torch.bfloat16) -> DecodeStep:
+    """One decode step measured on the fake engine (CUDA target): a prefill of context_len - 1
+    tokens, then one forward of one token per sequence with an all-ones attention mask and
+    ``logits_to_keep=1``, and generate's float32 copy of the logits. The working set is the
+    step's peak minus what lived before it minus the cache's growth; ``decode_step_estimate``
+    stands beside it. NB: fake tensors follow the CPU's attention path; a GPU's SDPA kernel may
+    hold other buffers (``gpulab.fake_cuda.STILL_DIFFERS``)."""
+    validate_positive(context_len=context_len, batch=batch)
+    if context_len < 2:
+        raise ValueError("context_len must be at least 2 (a prefill of one token, then one decode step)")
+    config, shown = _with_cache(name)
+    a = attention_shape(config)
+    a["model"] = shown
+    _check_length(a, context_len)
+    dt = parse_dtype(dtype)
+    m = run(_decode_experiment(config, context_len, batch, dt), "fake", fake_target="cuda")
+    if m.oom:
+        raise MemoryError(m.error)
+    peak, _, index = m.tracking.peak_between(m.value["mark"])
+    module = m.tracking.events[index].module if index >= 0 else ""
+    return DecodeStep(shown, context_len, batch, dtype_name(dt), m.value["before"], peak, m.value["growth"],
+                      decode_step_estimate(config, context_len, batch, dt), module, m)
+
+
+@dataclass(frozen=True)
+class InferenceFit:
+    """Weights + KV cache + one decode step against a card (``inference_fit``)."""
+    model: str
+    card: str
+    card_bytes: int
+    context_assumed_bytes: int
+    context_len: int
+    batch: int
+    dtype: str
+    params: int
+    weights_bytes: int
+    kv_cache_bytes: int
+    activation_bytes: int
+    activation_terms: dict[str, int] = field(default_factory=dict)
+    weights_label: str = LABEL_FORMULA
+    kv_label: str = LABEL_FORMULA
+    activation_label: str = LABEL_ESTIMATE
+
+    @property
+    def usable_bytes(self) -> int:
+        """The card's memory less the assumed CUDA context (``gpulab.cards.CUDA_CONTEXT_ASSUMED``)."""
+        return self.card_bytes - self.context_assumed_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_cache_bytes + self.activation_bytes
+
+    @property
+    def margin_bytes(self) -> int:
+        """Usable memory left (negative: over by that much)."""
+        return self.usable_bytes - self.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.margin_bytes >= 0
+
+    @property
+    def verdict(self) -> str:
+        m = format_bytes(abs(self.margin_bytes))
+        return f"fits, {m} to spare" if self.fits else f"does not fit: {m} over"
+
+    def rows(self) -> list[tuple[str, int, str]]:
+        """(what, bytes, label) for each line of the budget."""
+        return [("weights", self.weights_bytes, self.weights_label),
+                ("KV cache", self.kv_cache_bytes, self.kv_label),
+                ("one decode step's working set", self.activation_bytes, self.activation_label),
+                ("total", self.total_bytes, "sum of the above"),
+                (f"usable on {self.card}", self.usable_bytes,
+                 f"card memory − assumed CUDA context ({format_bytes(self.context_assumed_bytes)})"),
+                ("margin", self.margin_bytes, "usable − total")]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "card": self.card, "card_bytes": self.card_bytes,
+                "context_assumed_bytes": self.context_assumed_bytes, "usable_bytes": self.usable_bytes,
+                "context_len": self.context_len, "batch": self.batch, "dtype": self.dtype, "params": self.params,
+                "weights_bytes": self.weights_bytes, "kv_cache_bytes": self.kv_cache_bytes,
+                "activation_bytes": self.activation_bytes, "activation_terms": dict(self.activation_terms),
+                "total_bytes": self.total_bytes, "margin_bytes": self.margin_bytes, "fits": self.fits,
+                "verdict": self.verdict, "labels": {"weights": self.weights_label, "kv_cache": self.kv_label,
+                                                    "activations": self.activation_label}}
+
+    def __repr__(self) -> str:
+        return (f"InferenceFit({self.model} on {self.card}, {self.context_len:,} tokens × {self.batch}, "
+                f"{self.dtype}: {self.verdict})")
+
+    def _repr_html_(self) -> str:
+        return html_table(["", "bytes", "source"], [[w, format_bytes(b), lab] for w, b, lab in self.rows()],
+                          f"{self.model} on {self.card}, {self.context_len:,} tokens × batch {self.batch}, "
+                          f"{self.dtype}: {self.verdict}")
+
+
+def _card(card: str | Card) -> Card:
+    return card if isinstance(card, Card) else parse_gpu(card)
+
+
+def inference_fit(config_or_name: Any, card: str | Card, context_len: int, batch: int = 1,
+                  dtype: str | torch.dtype = "bfloat16") -> InferenceFit:
+    """Does serving this model fit on this card? Weights (parameters × bytes of ``dtype``:
+    formula, the count from a meta-device model), the KV cache at ``context_len`` tokens per
+    sequence (formula), and one decode step's working set (``decode_step_estimate``: an
+    estimate), against the card's memory (``gpulab.cards.parse_gpu``) less the assumed CUDA
+    context. NB: buffers (the rotary tables, a few KiB) and the tokens' ids are left out."""
+    validate_positive(context_len=context_len, batch=batch)
+    config, name = _config(config_or_name)
+    c = _card(card)
+    dt = parse_dtype(dtype)
+    params = model_params(config_or_name)
+    kv = kv_cache_for(config, context_len, batch, dt).bytes
+    act = decode_step_estimate(config, context_len, batch, dt)
+    terms = {k: v for k, v in act.items() if k != "estimate"}
+    return InferenceFit(name, c.name, c.memory_bytes, CUDA_CONTEXT_ASSUMED, context_len, batch, dtype_name(dt),
+                        params, params * dt.itemsize, kv, act["estimate"], terms)
+
+
+@dataclass(frozen=True)
+class MaxContext:
+    """The longest context that fits at a batch size (``max_context``)."""
+    model: str
+    card: str
+    batch: int
+    dtype: str
+    tokens: int                       # longest context that fits in memory (0: not even one token)
+    model_max_positions: int | None   # the longest the model itself takes
+    fit: InferenceFit | None          # the budget at ``tokens`` (None when 0)
+    label: str = "formula (weights, KV cache) + estimate (decode step), solved for the context"
+
+    @property
+    def usable_tokens(self) -> int:
+        """The answer once the model's own limit is applied."""
+        return self.tokens if not self.model_max_positions else min(self.tokens, self.model_max_positions)
+
+    @property
+    def limited_by(self) -> str:
+        if self.tokens == 0:
+            return "memory: the weights alone do not fit"
+        if self.model_max_positions and self.model_max_positions < self.tokens:
+            return "the model's position limit"
+        return "memory"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "card": self.card, "batch": self.batch, "dtype": self.dtype,
+                "tokens": self.tokens, "model_max_positions": self.model_max_positions,
+                "usable_tokens": self.usable_tokens, "limited_by": self.limited_by, "label": self.label,
+                "fit": self.fit.as_dict() if self.fit else None}
+
+    def __repr__(self) -> str:
+        return (f"MaxContext({self.model} on {self.card}, batch {self.batch}: {self.tokens:,} tokens fit; "
+                f"model takes {self.model_max_positions})")
+
+    def _repr_html_(self) -> str:
+        rows = [["longest context that fits in memory", f"{self.tokens:,} tokens"],
+                ["the model's own limit",
+                 f"{self.model_max_positions:,} tokens" if self.model_max_positions else "—"],
+                ["limited by", self.limited_by]]
+        return html_table(["", ""], rows, f"{self.model} on {self.card}, batch {self.batch}, {self.dtype} — "
+                                          f"{self.label}")
+
+
+def max_context(config_or_name: Any, card: str | Card, batch: int = 1, dtype: str | torch.dtype = "bfloat16",
+                limit: int = 1 << 32) -> MaxContext:
+    """The longest context (tokens per sequence) for which ``inference_fit`` fits at this batch:
+    the budget grows with the context (cache and attention scores), so the answer is found by
+    doubling, then bisection on whole tokens. ``limit`` caps the search."""
+    validate_positive(batch=batch, limit=limit)
+    config, name = _config(config_or_name)
+    c = _card(card)
+    def fit_at(n: int) -> InferenceFit:
+        return inference_fit(config_or_name, c, n, batch, dtype)
+
+    a = attention_shape(config)
+    if not fit_at(1).fits:
+        return MaxContext(name, c.name, batch, dtype_name(parse_dtype(dtype)), 0, a["max_positions"], None)
+    lo, hi = 1, 2
+    while hi <= limit and fit_at(hi).fits:
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:           # fit_at(lo) fits, fit_at(hi) does not (or hi is past the limit)
+        mid = (lo + hi) // 2
+        if fit_at(mid).fits:
+            lo = mid
+        else:
+            hi = mid
+    return MaxContext(name, c.name, batch, dtype_name(parse_dtype(dtype)), lo, a["max_positions"], fit_at(lo))
+
+
+# --- 5. LoRA -------------------------------------------------------------------------------------------
+
+def _check_targets(targets: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(targets, str) or not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ValueError(f"targets must be a non-empty list of module names such as ('q_proj', 'v_proj'), "
+                         f"got {targets!r}")
+    return tuple(targets)
+
+
+def linear_shape(module: nn.Module) -> tuple[int, int] | None:
+    """(in_features, out_features) of a layer LoRA and bitsandbytes treat as a linear layer: an
+    ``nn.Linear``, or transformers' ``Conv1D`` (GPT-2's projections), whose weight is stored
+    (in, out) (transformers/pytorch_utils.py; transformers/integrations/bitsandbytes.py reads
+    ``in_features, out_features = module.weight.shape`` for it). None for anything else."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    from transformers.pytorch_utils import Conv1D
+    if isinstance(module, Conv1D):
+        i, o = module.weight.shape
+        return int(i), int(o)
+    return None
+
+
+def _is_target(name: str, targets: Sequence[str]) -> bool:
+    # peft/tuners/tuners_utils.py ``check_target_module_exists`` for a list of names
+    return name in targets or any(name.endswith("." + t) for t in targets)
+
+
+def targeted_linears(config_or_name: Any, targets: Sequence[str] = DEFAULT_TARGETS) -> list[tuple[str, int, int]]:
+    """(name, in_features, out_features) of every linear layer (``linear_shape``) LoRA adapts:
+    those whose name is a target or ends in ``.target``, as peft matches a list of target modules
+    (peft/tuners/tuners_utils.py ``check_target_module_exists``: ``key.endswith(f".{target_key}")``).
+    Read off a model built on the meta device."""
+    targets = _check_targets(targets)
+    config, shown = _config(config_or_name)
+    with torch.device("meta"):
+        model = hf_configs.build_causal_lm(config)
+    found = [(n, *shape) for n, m in model.named_modules()
+             if _is_target(n, targets) and (shape := linear_shape(m)) is not None]
+    if not found:
+        raise ValueError(f"no linear layer of {shown} is named {', '.join(targets)}")
+    return found
+
+
+def adapter_params_formula(config_or_name: Any, rank: int = 8, targets: Sequence[str] = DEFAULT_TARGETS) -> int:
+    """Trainable parameters LoRA adds: ``gpulab.formulas.lora_params(in, out, rank)`` summed over
+    the targeted Linear layers."""
+    validate_positive(rank=rank)
+    return F.lora_trainable_params([(i, o) for _, i, o in targeted_linears(config_or_name, targets)], rank)
+
+
+def lora_model_builder(name: Any = "tiny-llama", rank: int = 8, targets: Sequence[str] = DEFAULT_TARGETS,
+                       dtype: torch.dtype | None = None) -> Callable[[], nn.Module]:
+    """A zero-argument function that builds the base model (``hf_configs.build_causal_lm``) and
+    wraps it with ``peft.get_peft_model(model, LoraConfig(r=rank, lora_alpha=2*rank,
+    target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM"))`` (with ``fan_in_fan_out``
+    for GPT-2's ``Conv1D``): what ``gpulab.step`` calls on the run's device.
+
+    On the fake engine it does *not* build under a plain ``FakeTensorMode`` (``peft_on_fake``):
+    peft moves each new adapter to its base layer's device and dtype with ``Module.to``
+    (peft/tuners/tuners_utils.py ``_move_adapter_to_device_of_base_layer``); ``Module._apply``
+    replaces a ``FakeTensor`` parameter with ``torch.utils.swap_tensors`` (torch/nn/modules/module.py),
+    which refuses a tensor that has weak references, and fake tensors have them. gpulab's
+    ``models.build_in_place`` then builds it as a skeleton on the meta device (peft skips moving
+    adapters that are on meta) and materializes that as fake tensors: same shapes, dtypes and
+    ``requires_grad``.
+
+    peft reads ``model.is_gradient_checkpointing`` (peft/peft_model.py, ``PeftModel.__init__``),
+    which transformers 5.x deprecates with a FutureWarning; that one warning is silenced here."""
+    validate_positive(rank=rank)
+    targets = _check_targets(targets)
+    config, shown = _config(name)
+
+    def build() -> nn.Module:
+        import peft
+        from transformers.pytorch_utils import Conv1D
+        base = hf_configs.build_causal_lm(config, dtype)
+        conv1d = any(isinstance(m, Conv1D) and _is_target(n, targets) for n, m in base.named_modules())
+        lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.0,
+                               task_type="CAUSAL_LM", fan_in_fan_out=conv1d)   # Conv1D stores its weight (in, out)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return peft.get_peft_model(base, lora)
+    build.__name__ = f"lora_r{rank}_{_slug(shown)}"
+    return build
+
+
+def peft_on_fake(name: Any = "tiny-llama", rank: int = 8, targets: Sequence[str] = DEFAULT_TARGETS) -> dict[str, Any]:
+    """Does peft's ``get_peft_model`` build under fake tensors? ``native``: called directly inside
+    a ``FakeTensorMode`` (the error it raised, if any); ``via_skeleton``: through
+    ``gpulab.models.build_in_place`` as the fake engine calls it (meta skeleton, then fake
+    tensors), with whether every parameter came out a ``FakeTensor``. See ``lora_model_builder``."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from ..models import build_in_place
+
+    build = lora_model_builder(name, rank, targets)
+    error = None
+    try:
+        with FakeTensorMode():
+            build()
+    except Exception as exc:   # noqa: BLE001 - reported, not hidden
+        cause = f" ({exc.__cause__})" if exc.__cause__ else ""
+        error = f"{type(exc).__name__}: {exc}{cause}"
+    with FakeTensorMode():
+        model = build_in_place(build, "cpu")
+        all_fake = all(isinstance(p, FakeTensor) for p in model.parameters())
+        trainable = trainable_params(model)
+    return {"native": error is None, "native_error": error, "via_skeleton": all_fake,
+            "trainable_params": trainable}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"\W+", "_", text).strip("_")
+
+
+def trainable_params(model: nn.Module) -> int:
+    """``sum(p.numel() for p in model.parameters() if p.requires_grad)``."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def category_highs(result: StepResult) -> dict[str, int]:
+    """Each category's highest live bytes over the whole run, unrounded (numel × element size,
+    what formulas count; a fake CUDA-target run's 512-byte rounding undone). The categories peak
+    at different moments (gradients and optimizer state after ``step()``, activations at the end
+    of the forward), which one overall-peak split would hide."""
+    t = result.measurement.tracking
+    if t is None:
+        return {}
+    if t.rounded:
+        t = type(t).build(t.records, t.events, t.device, rounded=False)
+    return {c.value: max((s[c.value] for s in t.series), default=0) for c in CATEGORIES}
+
+
+@dataclass(frozen=True)
+class CategoryRow:
+    category: str
+    lora: int
+    full: int
+    lora_formula: int | None
+    full_formula: int | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"category": self.category, "lora": self.lora, "full": self.full,
+                "lora_formula": self.lora_formula, "full_formula": self.full_formula}
+
+
+@dataclass
+class LoRAComparison(Measured):
+    """``lora_step``: LoRA and a full fine-tune of the same model, by category."""
+    model: str
+    rank: int
+    targets: tuple[str, ...]
+    batch: int
+    seq_len: int
+    optimizer: str
+    base_params: int
+    base_param_tensors: int
+    adapter_params: int            # formula: sum of lora_params over the targeted layers
+    adapter_tensors: int           # lora_A and lora_B per targeted layer
+    trainable_params_peft: int     # measured: requires_grad parameters of the peft model
+    lora: StepResult
+    full: StepResult
+    rows: list[CategoryRow]
+    formula_label: str = LABEL_FORMULA
+
+    @property
+    def measurement(self) -> Measurement:
+        """The run that speaks for the labels: the LoRA run."""
+        return self.lora.measurement
+
+    def row(self, category: str) -> CategoryRow:
+        return next(r for r in self.rows if r.category == category)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "rank": self.rank, "targets": list(self.targets), "batch": self.batch,
+                "seq_len": self.seq_len, "optimizer": self.optimizer, "engine": self.engine, "label": self.label,
+                "formula_label": self.formula_label, "base_params": self.base_params,
+                "adapter_params": self.adapter_params, "adapter_tensors": self.adapter_tensors,
+                "trainable_params_peft": self.trainable_params_peft,
+                "rows": [r.as_dict() for r in self.rows],
+                "lora_peak_bytes": self.lora.peak_bytes, "full_peak_bytes": self.full.peak_bytes}
+
+    def __repr__(self) -> str:
+        return (f"LoRAComparison({self.model}, rank {self.rank}, {self.adapter_params:,} adapter params; "
+                f"peak {self.lora.peak_bytes:,} B vs full {self.full.peak_bytes:,} B)")
+
+    def _repr_html_(self) -> str:
+        f = lambda v: "—" if v is None else format_bytes(v)
+        rows = [[r.category, format_bytes(r.lora), f(r.lora_formula), format_bytes(r.full), f(r.full_formula)]
+                for r in self.rows]
+        rows.append(["peak of the run", format_bytes(self.lora.peak_bytes), "—", format_bytes(self.full.peak_bytes),
+                     "—"])
+        return html_table(["category (highest over the run)", "LoRA", "formula", "full fine-tune", "formula"], rows,
+                          f"{self.model}, LoRA rank {self.rank} on {', '.join(self.targets)} "
+                          f"({self.adapter_params:,} trainable of {self.base_params + self.adapter_params:,}), "
+                          f"batch {self.batch} × {self.seq_len} tokens, {self.optimizer} — measured: {self.label}; "
+                          f"formula: {self.formula_label}")
+
+
+def lora_step(name: Any = "tiny-llama", rank: int = 8, targets: Sequence[str] = DEFAULT_TARGETS, batch: int = 2,
+              seq_len: int = 32, engine: str = "cpu", optimizer: str = "adam") -> LoRAComparison:
+    """A training step (``gpulab.step``, the steady state: two steps) of the model wrapped by
+    LoRA (``lora_model_builder``) next to a full fine-tune of the same model, float32, by
+    category (``category_highs``), with the formulas:
+
+    * parameters: LoRA keeps every frozen base weight *and* adds the adapters: (base + adapter
+      params) × 4 B; full: base × 4 B;
+    * gradients: only trainable parameters get one: adapter params × 4 B (full: base × 4 B);
+    * optimizer state: ``formulas.optimizer_state_bytes`` of the trainable bytes (Adam: 8 B per
+      parameter, plus a 4-byte step counter per tensor on the cpu engine; on the fake CUDA target
+      those live in host memory and are not counted);
+    * activations: measured only. They remain, smaller: a frozen Linear does not save its input,
+      since autograd saves ``mm``'s ``self`` only to compute the weight's gradient
+      (tools/autograd/derivatives.yaml, ``mm``: ``mat2: mm_mat2_backward(grad, self, ...)``; the
+      generated ``MmBackward0`` has ``_saved_self`` None when the weight needs no grad).
+
+    Works on the cpu and fake engines (on the fake engine through gpulab's meta-skeleton
+    fallback: ``lora_model_builder``, ``peft_on_fake``)."""
+    validate_positive(rank=rank)
+    targets = _check_targets(targets)
+    validate_batch(batch)
+    config, shown = _config(name)
+    base_params, base_tensors = _param_counts(name)
+    layers = targeted_linears(config, targets)
+    adapter = F.lora_trainable_params([(i, o) for _, i, o in layers], rank)
+    adapter_tensors = 2 * len(layers)
+    builder = lora_model_builder(name, rank, targets)
+    with torch.device("meta"):
+        peft_count = trainable_params(builder())
+
+    def full_model() -> nn.Module:
+        return hf_configs.build_causal_lm(config)
+    full_model.__name__ = f"full_{_slug(shown)}"
+
+    lora = gpulab_step(builder, batch=batch, seq_len=seq_len, engine=engine, optimizer=optimizer)
+    full = gpulab_step(full_model, batch=batch, seq_len=seq_len, engine=engine, optimizer=optimizer)
+    counters = lora.measurement.kernels == "cpu"
+    elem = 4   # float32: gpulab.step's default dtype
+    formulas = {
+        Category.PARAMETERS.value: ((base_params + adapter) * elem, base_params * elem),
+        Category.GRADIENTS.value: (adapter * elem, base_params * elem),
+        Category.OPTIMIZER_STATE.value: (
+            F.optimizer_state_bytes(adapter * elem, adapter_tensors, optimizer, counters),
+            F.optimizer_state_bytes(base_params * elem, base_tensors, optimizer, counters)),
+        # token ids, the same tensor passed as the labels
+        Category.INPUTS.value: (F.tensor_bytes((batch, seq_len), "int64"),) * 2,
+    }
+    lh, fh = category_highs(lora), category_highs(full)
+    rows = [CategoryRow(c.value, lh.get(c.value, 0), fh.get(c.value, 0), *formulas.get(c.value, (None, None)))
+            for c in CATEGORIES]
+    return LoRAComparison(shown, rank, targets, batch, seq_len, str(optimizer).lower(), base_params, base_tensors,
+                          adapter, adapter_tensors, peft_count, lora, full, rows)
+
+
+# --- QLoRA, on paper -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class QLoRAFormula:
+    """Model state of QLoRA fine-tuning (``qlora_formula``): no activations."""
+    model: str
+    rank: int
+    targets: tuple[str, ...]
+    base_params: int
+    quantized_params: int       # in the Linear layers bitsandbytes converts to 4 bits
+    kept_params: int            # embeddings, norms, lm_head: kept in ``base_dtype``
+    adapter_params: int
+    base_dtype: str
+    adapter_dtype: str
+    optimizer: str
+    quantized_bytes: float      # NF4 with double quantization (formulas.nf4_weight_bytes, per tensor)
+    kept_bytes: int
+    adapter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    plain_lora_base_bytes: int  # the same base unquantized, every weight in ``base_dtype``
+    label: str = LABEL_QLORA
+
+    @property
+    def total_bytes(self) -> float:
+        return self.quantized_bytes + self.kept_bytes + self.adapter_bytes + self.gradient_bytes + self.optimizer_bytes
+
+    @property
+    def plain_lora_total_bytes(self) -> int:
+        return self.plain_lora_base_bytes + self.adapter_bytes + self.gradient_bytes + self.optimizer_bytes
+
+    def rows(self) -> list[tuple[str, float]]:
+        return [(f"base Linear weights in NF4 ({self.quantized_params:,} params)", self.quantized_bytes),
+                (f"other base weights in {self.base_dtype} ({self.kept_params:,} params)", self.kept_bytes),
+                (f"adapters in {self.adapter_dtype} ({self.adapter_params:,} params)", self.adapter_bytes),
+                ("adapter gradients", self.gradient_bytes),
+                (f"{self.optimizer} state (adapters only)", self.optimizer_bytes),
+                ("total (model state, no activations)", self.total_bytes),
+                (f"the same LoRA on a {self.base_dtype} base", self.plain_lora_total_bytes)]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "rank": self.rank, "targets": list(self.targets),
+                "base_params": self.base_params, "quantized_params": self.quantized_params,
+                "kept_params": self.kept_params, "adapter_params": self.adapter_params,
+                "base_dtype": self.base_dtype, "adapter_dtype": self.adapter_dtype, "optimizer": self.optimizer,
+                "quantized_bytes": self.quantized_bytes, "kept_bytes": self.kept_bytes,
+                "adapter_bytes": self.adapter_bytes, "gradient_bytes": self.gradient_bytes,
+                "optimizer_bytes": self.optimizer_bytes, "total_bytes": self.total_bytes,
+                "plain_lora_base_bytes": self.plain_lora_base_bytes,
+                "plain_lora_total_bytes": self.plain_lora_total_bytes, "label": self.label}
+
+    def __repr__(self) -> str:
+        return f"QLoRAFormula({self.model}, rank {self.rank}: {self.total_bytes:,.0f} B)"
+
+    def _repr_html_(self) -> str:
+        return html_table(["", "bytes"], [[w, format_bytes(b)] for w, b in self.rows()],
+                          f"{self.model}, QLoRA rank {self.rank} on {', '.join(self.targets)} — {self.label}")
+
+
+def nf4_quantized(model: nn.Module) -> tuple[int, float, set[int]]:
+    """What loading ``model`` in 4 bits quantizes: (weights quantized, their NF4 bytes, the ids of
+    those weight tensors). Every ``nn.Linear`` / ``Conv1D`` weight except the output embedding
+    (lm_head) and tied weights (transformers/quantizers/base.py ``get_keys_to_not_convert``), tensor
+    by tensor (``formulas.nf4_weight_bytes``: blocks do not span tensors)."""
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = getattr(model, "all_tied_weights_keys", {}) or {}
+    skip = {k.removesuffix(".weight") for k in [*tied.keys(), *tied.values()]}
+    quantized, quantized_bytes, ids = 0, 0.0, set()
+    for n, m in model.named_modules():
+        if linear_shape(m) is not None and m is not out_emb and n not in skip:
+            quantized += m.weight.numel()
+            quantized_bytes += F.nf4_weight_bytes(m.weight.numel())
+            ids.add(id(m.weight))
+    return quantized, quantized_bytes, ids
+
+
+def qlora_formula(name: Any = "llama-3-8b", rank: int = 8, targets: Sequence[str] = DEFAULT_TARGETS,
+                  base_dtype: str | torch.dtype = "bfloat16", adapter_dtype: str | torch.dtype = "float32",
+                  optimizer: str = "adam") -> QLoRAFormula:
+    """QLoRA's model state on paper (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized
+    LLMs", 2023, arXiv 2305.14314); bitsandbytes' 4-bit kernels need CUDA, so nothing here runs.
+
+    * Which weights become 4-bit: every linear layer (``linear_shape``: ``nn.Linear`` and
+      ``Conv1D``) except the output embedding (lm_head) and
+      tied weights (transformers/quantizers/base.py ``get_keys_to_not_convert``; the conversion
+      in transformers/integrations/bitsandbytes.py makes ``bnb.nn.Linear4bit`` of the others).
+      Each is ``formulas.nf4_weight_bytes`` (NF4, block 64, double quantization), tensor by
+      tensor since blocks do not span tensors; biases, embeddings, norms and lm_head stay in
+      ``base_dtype``.
+    * Adapters: float32 by default, as peft makes them (peft/tuners/tuners_utils.py
+      ``cast_adapter_dtype``: with ``autocast_adapter_dtype=True``, the default of
+      ``get_peft_model``, float16 and bfloat16 adapter weights are upcast to float32).
+    * Gradients: one per adapter parameter, in the adapters' dtype. Optimizer state:
+      ``formulas.optimizer_state_bytes`` of the adapter bytes, without step counters (on a GPU
+      they are host memory).
+
+    NB: the NF4 figure is an average over whole blocks (a float); activations, the CUDA context
+    and bitsandbytes' dequantization buffers are not counted."""
+    validate_positive(rank=rank)
+    targets = _check_targets(targets)
+    config, shown = _config(name)
+    bd, ad = parse_dtype(base_dtype), parse_dtype(adapter_dtype)
+    with torch.device("meta"):
+        model = hf_configs.build_causal_lm(config)
+    quantized, quantized_bytes, linear_weights = nf4_quantized(model)
+    base = sum(p.numel() for p in model.parameters())
+    kept = sum(p.numel() for p in model.parameters() if id(p) not in linear_weights)
+    layers = targeted_linears(config, targets)
+    adapter = F.lora_trainable_params([(i, o) for _, i, o in layers], rank)
+    adapter_bytes = adapter * ad.itemsize
+    opt = F.optimizer_state_bytes(adapter_bytes, 2 * len(layers), optimizer, count_step_counters=False)
+    return QLoRAFormula(shown, rank, targets, base, quantized, kept, adapter, dtype_name(bd), dtype_name(ad),
+                        str(optimizer).lower(), quantized_bytes, kept * bd.itemsize, adapter_bytes, adapter_bytes,
+                        opt, base * bd.itemsize)
