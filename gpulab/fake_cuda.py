@@ -60,6 +60,10 @@ STILL_DIFFERS: tuple[tuple[str, str], ...] = (
                           "lists (CUDA's lists keep losses, softmax, layer norm and sums in float32)"),
     ("kernel-internal buffers", "memory a CUDA kernel allocates inside itself (cuDNN conv algorithms, "
                                 "NCCL, flash attention's scratch) is invisible to fake tensors"),
+    ("attention kernels", "F.scaled_dot_product_attention on fake CPU tensors takes the CPU's path: with a mask "
+                          "or dropout it can fall back to the math kernel that stores the scores, where a GPU runs "
+                          "flash / memory-efficient attention (lesson 11's measurements choose CUDA's kernel; "
+                          "gpulab.step does not yet)"),
     ("fused / capturable optimizers", "their step counters live on the GPU but are counted as host memory "
                                       "(one 512-byte block per parameter tensor)"),
 )

@@ -436,7 +436,7 @@ class FakeKVCache(Measured):
         rows = [["KV cache after the prefill", format_bytes(self.measured_bytes), format_bytes(self.formula_bytes)],
                 ["weights", format_bytes(self.weights_bytes), "—"],
                 ["peak of the forward (live tensors)", format_bytes(self.peak_bytes), "—"]]
-        return html_table(["", html.escape(self.label), "formula"], rows,
+        return html_table(["", self.label, "formula"], rows,
                           f"{self.model}, prefill of {self.seq_len:,} tokens × batch {self.batch}, {self.dtype}")
 
 
@@ -1169,3 +1169,39 @@ def qlora_formula(name: Any = "llama-3-8b", rank: int = 8, targets: Sequence[str
     return QLoRAFormula(shown, rank, targets, base, quantized, kept, adapter, dtype_name(bd), dtype_name(ad),
                         str(optimizer).lower(), quantized_bytes, kept * bd.itemsize, adapter_bytes, adapter_bytes,
                         opt, base * bd.itemsize)
+
+
+def exercise_serving_limit(name: str = "llama-3-8b", card: str = "H100", context_len: int = 8192,
+                           dtype: str = "bfloat16"):
+    """Predict-first (qualitative): serving ``name`` at ``context_len`` tokens, raising the batch,
+    what runs out first? Worked out with ``inference_fit`` when the checker runs: the first batch
+    that does not fit, and which part grew the most from batch 1."""
+    from .exercises import ChoiceExercise
+    options = {"a": "the weights: they do not fit the card even at batch 1",
+               "b": "the KV cache: it grows with every sequence in the batch until the card is full",
+               "c": "the activations of a decode step"}
+
+    def first_over() -> tuple[InferenceFit, InferenceFit]:
+        one = inference_fit(name, card, context_len, 1, dtype)
+        b = 1
+        while inference_fit(name, card, context_len, b, dtype).fits and b < 1 << 16:
+            b *= 2
+        return one, inference_fit(name, card, context_len, b, dtype)
+
+    def expected() -> str:
+        one, over = first_over()
+        if not one.fits:
+            return "a"
+        grew_kv = over.kv_cache_bytes - one.kv_cache_bytes
+        grew_act = over.activation_bytes - one.activation_bytes
+        return "b" if grew_kv >= grew_act else "c"
+
+    def explain() -> str:
+        one, over = first_over()
+        return (f"At batch 1 the weights take {format_bytes(one.weights_bytes)} and the cache "
+                f"{format_bytes(one.kv_cache_bytes)}; by batch {over.batch} the cache is "
+                f"{format_bytes(over.kv_cache_bytes)} and the total no longer fits {over.card} ({over.verdict}; "
+                f"weights and cache: {LABEL_FORMULA}, the decode step: {LABEL_ESTIMATE}).")
+
+    return ChoiceExercise(f"You serve {name} in {dtype} on {card} with {context_len:,}-token contexts. As you raise "
+                          f"the batch, which runs out of room first?", options, expected, explain)
