@@ -168,8 +168,11 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
                        _levers(w, one, opt, dt, usable), "batch 1 does not fit (fake run): levers below, as formulas")
     three = fake_run(3)
     checks.append(_check(three, usable, 3, "run"))
+    if not checks[-1].fits:
+        return _result(w, card, context_bytes, opt, dt, amp_key, 2, two, checks, len(runs), t0, [],
+                       "fake runs at batches 2 (fits) and 3 (does not fit)")
     line = _Extrapolation.make(two, three, 2)
-    if line is not None and checks[-1].fits:
+    if line is not None:
         best = largest_fitting(3, lambda b: line.check(b, usable).fits, limit=MAX_BATCH)
         live = largest_fitting(best, lambda b: line.at(b).peak_bytes <= usable, limit=MAX_BATCH)
         checks += [line.check(b, usable) for b in (best, best + 1)]
@@ -181,9 +184,6 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
                            f"extrapolated from fake runs at batches 2 and 3 (every storage a + b·c), replayed "
                            f"through the simulated allocator; confirmed by a fake run at batch {best} (the same "
                            f"bytes, event for event)", live)
-    elif line is not None:
-        return _result(w, card, context_bytes, opt, dt, amp_key, 2, two, checks, len(runs), t0, [],
-                       "fake runs at batches 2 (fits) and 3 (does not fit)")
     # fall back: bracketed bisection over fake runs
     budget = [MAX_FALLBACK_RUNS]
 

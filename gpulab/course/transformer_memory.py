@@ -24,16 +24,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from .. import formulas as F
 from .. import hf_configs
 from ..engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
+from ..fake_cuda import cuda_sdpa_backend, unpacked_sequences  # noqa: F401 (the lesson's names)
 from ..tables import html_table
 from ..tracking import Category
 from ..units import dtype_bytes, dtype_name, format_bytes, parse_dtype
@@ -505,86 +505,11 @@ def dropout_probabilities(config: Any) -> tuple[float, float]:
 
 # --- what CUDA's scaled_dot_product_attention runs, on fake tensors ------------------------------
 
-def cuda_sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> str:
-    """The kernel ``F.scaled_dot_product_attention`` picks on an sm80+ GPU (A100, H100), per
-    ``select_sdp_backend`` in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (priority:
-    flash, memory-efficient, math):
-
-    * "flash" (``can_use_flash_attention``): fp16/bf16, no ``attn_mask``, equal head dims of at
-      most 256, a causal mask only with as many queries as keys; grouped-query k/v allowed;
-    * "efficient" (``can_use_mem_efficient_attention``): fp16, bf16 or fp32 with the head dims
-      a multiple of the GEMM alignment (8 for 16-bit, 4 for fp32 on sm80+); masks allowed;
-    * "math": anything else (the composite that stores the s×s scores).
-
-    NB: with cuDNN newer than 9.15 on sm90/sm100 (H100, B200) torch puts cuDNN attention first
-    (``check_prefer_cudnn_attention``); it saves the same kinds of tensors as flash (q, k, v,
-    output and a float32 softmax statistic per row), so the bytes agree."""
-    dt = query.dtype
-    dq, dk, dv = query.shape[-1], key.shape[-1], value.shape[-1]
-    if (dt in (torch.float16, torch.bfloat16) and attn_mask is None and dq == dk == dv and dq <= 256
-            and not (is_causal and query.shape[-2] != key.shape[-2])):
-        return "flash"
-    align = 8 if dt in (torch.float16, torch.bfloat16) else 4
-    if dt in (torch.float16, torch.bfloat16, torch.float32) and dq == dk and dq % align == 0 and dv % align == 0:
-        return "efficient"
-    return "math"
-
-
-_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-_SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
-
-
-class _CudaSDPA(TorchFunctionMode):
-    """``F.scaled_dot_product_attention`` as CUDA runs it (``cuda_sdpa_backend``), for fake CPU
-    tensors standing in for a GPU's: the CUDA flash / memory-efficient ATen ops, whose fake
-    kernels give the outputs (and so the saved tensors) the CUDA kernels allocate. On fake CPU
-    tensors torch would pick the CPU's choice instead: with dropout, the math composite in
-    float32, storing the s×s scores. The math backend passes through unchanged."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not torch.nn.functional.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        p = dict(zip(_SDPA_NAMES, _SDPA_DEFAULTS))
-        p.update(zip(_SDPA_NAMES, args))
-        p.update(kwargs)
-        q, k, v, mask = p["query"], p["key"], p["value"], p["attn_mask"]
-        backend = cuda_sdpa_backend(q, k, v, mask, bool(p["is_causal"]))
-        if backend == "flash":
-            return torch.ops.aten._scaled_dot_product_flash_attention(
-                q, k, v, float(p["dropout_p"]), bool(p["is_causal"]), False, scale=p["scale"])[0]
-        if backend == "efficient":
-            if mask is not None and mask.dtype == torch.bool:   # convert_boolean_attn_mask (attention.cpp)
-                mask = torch.zeros((), dtype=q.dtype).masked_fill(~mask, float("-inf"))
-            lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            return torch.ops.aten._scaled_dot_product_efficient_attention(
-                q, k, v, mask, lse, float(p["dropout_p"]), bool(p["is_causal"]), scale=p["scale"])[0]
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def cuda_sdpa() -> Iterator[None]:
-    """Run the code inside with CUDA's choice of attention kernel (``_CudaSDPA``)."""
-    with _CudaSDPA():
-        yield
-
-
-@contextlib.contextmanager
-def unpacked_sequences() -> Iterator[None]:
-    """transformers' answer for one sequence per row, on fake tensors. Without an attention
-    mask, ``create_causal_mask`` reads ``position_ids`` to rule out packed sequences
-    (``masking_utils.find_packed_sequence_indices``: ``(packed[:, -1] == 0).all()``); it treats a
-    fake tensor as tracing, cannot read it, and materializes a (b, 1, s, s) mask, which keeps
-    SDPA off the flash kernel. On real tensors, with positions 0..s-1, it finds no packing and
-    passes no mask (``is_causal=True``). Inside, the check answers as for those real positions."""
-    from transformers import masking_utils
-    original = masking_utils.find_packed_sequence_indices
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
+def cuda_sdpa() -> contextlib.AbstractContextManager:
+    """CUDA's attention kernel on fake tensors: part of every fake CUDA-target run
+    (``gpulab.fake_cuda.cuda_kernels``); kept as a name for this lesson's own runs."""
+    from ..fake_cuda import _cuda_attention
+    return _cuda_attention()
 
 
 # --- measuring one layer's saved tensors --------------------------------------------------------------
