@@ -77,3 +77,25 @@ def test_panel_runs_and_shows_the_verdict():
 
 def test_preset_configs_are_the_built_in_ones():
     assert make_config("llama-3-8b").num_key_value_heads == 8
+
+
+def test_activation_panel_shows_the_square_term():
+    from gpulab.widgets import activation_seq_panel
+    p = activation_seq_panel(model="tiny-gpt2", seq_len=128)
+    p.run()
+    assert p.error is None and [r.seq_len for r in p.result.rows] == [32, 64, 128]
+    rows = p.result.rows
+    # eager − SDPA (what storing the scores costs) grows with s²: ×4 from 64 to 128 tokens, within 5%
+    assert abs(rows[2].scores_measured / rows[1].scores_measured - 4) < 0.2
+
+
+def test_serving_panel_finds_the_cache_taking_the_card():
+    from gpulab.widgets import serving_panel
+    p = serving_panel(model="llama-3-8b", card="RTX 4090", context_len=8192, batch=1)
+    p.run()
+    fit, longest = p.result
+    assert fit.fits and longest.batch == 1
+    p.controls["batch"].value = 16
+    p.run()
+    fit16, _ = p.result
+    assert not fit16.fits and fit16.kv_cache_bytes == 16 * fit.kv_cache_bytes

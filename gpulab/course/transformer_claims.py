@@ -35,7 +35,7 @@ def _sixteen_bytes(table: list[BytesPerParamRow], pure: BytesPerParamRow) -> Cla
     why = (f"Both mixed-precision layouts keep {zero.total:g} bytes per parameter of model state (ZeRO's fp16 copies "
            f"plus an fp32 master, or autocast's fp32 weights); pure bf16 training measures {pure.total:.4g}.")
     return ClaimCheck("Mixed-precision training with Adam needs 16 bytes per parameter.",
-                      "ZeRO (Rajbhandari et al. 2019), ref 003", HOLDS if ok else BREAKS, why, ev)
+                      "ref 002; ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054)", HOLDS if ok else BREAKS, why, ev)
 
 
 def _activations_dominate(sweep: ActivationSweep, layers: int, hidden: int, heads: int,
@@ -59,7 +59,7 @@ def _activations_dominate(sweep: ActivationSweep, layers: int, hidden: int, head
            f"at {longest.seq_len} tokens they are "
            f"{'above' if measured_dominates else 'below'} it (measured). A larger batch moves the crossing down.")
     return ClaimCheck("At long sequence lengths, activations dominate training memory.",
-                      "Korthikanti et al. 2022", verdict, why, ev)
+                      "Korthikanti et al. 2022 (arXiv 2205.05198)", verdict, why, ev)
 
 
 def _kv_limits(fit: InferenceFit) -> ClaimCheck:
@@ -71,7 +71,7 @@ def _kv_limits(fit: InferenceFit) -> ClaimCheck:
     why = (f"{fit.model} at {fit.context_len:,} tokens and batch {fit.batch}: the cache is "
            f"{fit.kv_cache_bytes / fit.weights_bytes:.2f}× the weights.")
     return ClaimCheck("At long context, the KV cache, not the weights, limits serving.",
-                      "serving practice (vLLM, PagedAttention)", HOLDS if ok else BREAKS, why, ev)
+                      "Kwon et al. 2023, PagedAttention / vLLM (arXiv 2309.06180)", HOLDS if ok else BREAKS, why, ev)
 
 
 def _korthikanti(sweep: ActivationSweep) -> ClaimCheck:

@@ -860,6 +860,31 @@ class ActivationSweep:
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.model, "label": self.label, "rows": [r.as_dict() for r in self.rows]}
 
+    def plot(self):
+        """Bytes per layer over the sequence length: the formula with and without the s² term as
+        curves (from 0 to the longest length), the measured eager and SDPA layers as points."""
+        from ..plots import _fig
+        from ..units import MiB
+        fig = _fig(7.0, 3.4)
+        ax = fig.add_subplot()
+        r0 = self.rows[0]
+        top = max(r.seq_len for r in self.rows)
+        xs = [top * i / 50 for i in range(1, 51)]
+        lin = r0.formula_no_scores / r0.seq_len                 # 34·b·h per token
+        quad = r0.scores_formula / r0.seq_len ** 2              # 5·a·b per token²
+        ax.plot(xs, [(lin * x + quad * x * x) / MiB for x in xs], color="#C44E52",
+                label="formula s·b·h·(34 + 5as/h)")
+        ax.plot(xs, [lin * x / MiB for x in xs], color="#4C72B0", ls="--", label="formula without scores, 34·s·b·h")
+        ax.scatter([r.seq_len for r in self.rows], [r.measured_eager / MiB for r in self.rows], color="#C44E52",
+                   zorder=3, label="measured, eager attention")
+        ax.scatter([r.seq_len for r in self.rows], [r.measured_sdpa / MiB for r in self.rows], color="#4C72B0",
+                   marker="s", zorder=3, label="measured, SDPA")
+        ax.set_xlabel("sequence length s (tokens)")
+        ax.set_ylabel("MiB per layer")
+        ax.set_title(f"{self.model}: activations per layer — {self.label}", fontsize=9)
+        ax.legend(fontsize=8)
+        return fig
+
     def _repr_html_(self) -> str:
         rows = [[r.seq_len, format_bytes(r.formula), format_bytes(r.formula_no_scores),
                  format_bytes(r.measured_eager), fmt_error(r.eager_error_percent),

@@ -26,3 +26,5 @@ from .precision import precision_panel  # noqa: E402  (lesson 08)
 __all__ += ["checkpoint_panel", "grad_modes_panel", "inplace_panel", "lifetimes_panel", "precision_panel"]
 from .finetune import finetune_panel  # noqa: E402  (lesson 11)
 __all__ += ["finetune_panel"]
+from .transformers import activation_seq_panel, serving_panel  # noqa: E402  (lesson 11)
+__all__ += ["activation_seq_panel", "serving_panel"]

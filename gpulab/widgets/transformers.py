@@ -1,0 +1,58 @@
+"""Lesson 11's panels on transformer memory: activations per layer against the sequence length
+(the quadratic score term appears and SDPA removes it), and "will serving fit?" (weights, KV
+cache, a decode step) for a card, context length and batch."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..cards import card_names
+from ..course.kv_cache import InferenceFit, inference_fit, max_context
+from ..course.transformer_memory import ActivationSweep, activation_vs_seq
+from ..plots import to_png
+from .base import Panel, dropdown, slider
+
+ACTIVATION_MODELS = ("gpt2", "tiny-llama", "tiny-gpt2")
+SERVING_MODELS = ("llama-3-8b", "llama-2-7b", "mistral-7b", "qwen2.5-0.5b", "gpt2")
+SERVING_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def compute_activations(model: str, seq_len: int, progress=None) -> ActivationSweep:
+    lens = sorted({max(16, seq_len // 4), max(32, seq_len // 2), seq_len})
+    if progress:
+        progress(0.1, f"fake runs at {', '.join(map(str, lens))} tokens, eager and SDPA")
+    return activation_vs_seq(model, seq_lens=tuple(lens))
+
+
+def render_activations(sweep: ActivationSweep) -> list[Any]:
+    return [sweep, to_png(sweep.plot())]
+
+
+def activation_seq_panel(model: str = "gpt2", seq_len: int = 512) -> Panel:
+    controls = {"model": dropdown("model", ACTIVATION_MODELS, model),
+                "seq_len": slider("sequence length", seq_len, 64, 2048, log=True)}
+    return Panel("Activations per layer against the sequence length", controls, compute_activations,
+                 render_activations,
+                 description="One layer's saved tensors measured on the fake engine (bf16, CUDA's kernels) at a "
+                             "quarter, half and all of the chosen length, with eager attention and with SDPA, next "
+                             "to Korthikanti et al.'s formula with and without its s² term.")
+
+
+def compute_serving(model: str, card: str, context_len: int, batch: int, dtype: str) -> tuple[InferenceFit, Any]:
+    return inference_fit(model, card, context_len, batch, dtype), max_context(model, card, batch, dtype)
+
+
+def render_serving(result: tuple[InferenceFit, Any]) -> list[Any]:
+    return list(result)
+
+
+def serving_panel(model: str = "llama-3-8b", card: str = "RTX 4090", context_len: int = 8192, batch: int = 1,
+                  dtype: str = "bfloat16") -> Panel:
+    controls = {"model": dropdown("model", SERVING_MODELS, model),
+                "card": dropdown("card", card_names(), card),
+                "context_len": slider("context (tokens)", context_len, 256, 131072, log=True),
+                "batch": slider("batch", batch, 1, 256, log=True),
+                "dtype": dropdown("dtype", SERVING_DTYPES, dtype)}
+    return Panel("Will serving fit? Weights + KV cache + a decode step", controls, compute_serving, render_serving,
+                 description="Weights and the KV cache by formula, one decode step's working set as a labelled "
+                             "estimate, against the card less an assumed CUDA context; and the longest context "
+                             "that fits at this batch.", auto_run=True)
