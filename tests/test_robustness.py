@@ -86,7 +86,14 @@ def _volatile_label(label: str) -> bool:
     return bool(_TIME_HEADER.search(label) or (ON_GPU and _GPU_VOLATILE.search(label)))
 
 
+# matplotlib's font-cache messages ("findfont: Font family [...] not found. Falling back to ...",
+# "findfont: Found a missing font file. Rebuilding cache.") say how this machine's cache stood when a
+# figure was first drawn (a cache written by a venv since deleted), not what the lesson computed
+_FONT_CACHE = re.compile(r"findfont: [^\n]*")
+
+
 def normalise(text: str, is_html: bool = False) -> str:
+    text = _FONT_CACHE.sub("", text)
     if is_html:
         text = _drop_time_columns(text)
         text = htmllib.unescape(_TAG.sub(" ", re.sub(r"<(style|script)[^>]*>.*?</\1>", "", text, flags=re.S | re.I)))
