@@ -33,6 +33,24 @@ TB = 1000 * GB
 CUDA_CONTEXT_ASSUMED = 512 * MiB
 
 
+class CardBudget:
+    """What a result that plans a run on a card needs: the allocator's reserved peak plus the
+    CUDA context, and what is left (a mixin of properties over ``reserved_bytes``,
+    ``context_bytes`` and ``capacity_bytes``)."""
+    reserved_bytes: int
+    context_bytes: int
+    capacity_bytes: int
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.reserved_bytes + self.context_bytes
+
+    @property
+    def margin_bytes(self) -> int:
+        """What is left on the card (negative: short by that much)."""
+        return self.capacity_bytes - self.needed_bytes
+
+
 @dataclass(frozen=True)
 class Card:
     """A GPU card (or a plain memory size) that a lesson can plan for."""

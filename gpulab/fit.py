@@ -33,7 +33,7 @@ import torch
 
 from . import formulas as F
 from .allocator import CachingAllocator
-from .cards import CUDA_CONTEXT_ASSUMED, Card, parse_gpu
+from .cards import CUDA_CONTEXT_ASSUMED, Card, CardBudget, parse_gpu
 from .engines import LABEL_SIMULATED, Measurement, run
 from .experiments import OPTIMIZERS, train_experiment, validate_amp
 from .search import largest_fitting
@@ -71,7 +71,7 @@ class Lever:
 
 
 @dataclass
-class FitResult:
+class FitResult(CardBudget):
     model: str
     card: str
     capacity_bytes: int
@@ -97,15 +97,6 @@ class FitResult:
     def allocator_overhead_bytes(self) -> int:
         """Reserved beyond the live tensors (rounding, caching, fragmentation): simulated."""
         return self.reserved_bytes - self.peak_bytes
-
-    @property
-    def needed_bytes(self) -> int:
-        return self.reserved_bytes + self.context_bytes
-
-    @property
-    def margin_bytes(self) -> int:
-        """What is left on the card at the answer (negative: short by that much)."""
-        return self.capacity_bytes - self.needed_bytes
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -249,10 +240,10 @@ class _Extrapolation:
 
 def _result(w, card, context_bytes, opt, dt, amp, batch, t: TrackingResult, checks, runs, t0, levers,
             method, live: int | None = None) -> FitResult:
-    # what the allocator reserves on this card (when the cache is full it frees cached blocks and
-    # retries, so a capped replay can reserve less than an unlimited one); when nothing fits, what
-    # batch 1 would reserve on a card without a limit: what it needs
-    reserved, _ = _replay(t, card.memory_bytes - context_bytes if batch else None)
+    if batch:   # every answer was checked by a fake run on this card: what its replay reserved there
+        reserved = next(c.reserved_bytes for c in checks if c.batch == batch and c.source == "run")
+    else:       # nothing fits: what batch 1 would reserve on a card without a limit, what it needs
+        reserved, _ = _replay(t, None)
     return FitResult(w.name, card.name, card.memory_bytes, context_bytes, opt, dtype_name(dt), amp,
                      w.describe_input(max(batch, 1)), batch, t.peak_bytes, dict(t.peak_by_category), reserved,
                      sorted(checks, key=lambda c: (c.batch, c.source)), runs, live,
@@ -261,9 +252,6 @@ def _result(w, card, context_bytes, opt, dt, amp, batch, t: TrackingResult, chec
 
 # --- levers -------------------------------------------------------------------------------------
 
-_STATES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2, "rmsprop": 1, "adagrad": 1}
-
-
 def _levers(w: Workload, t: TrackingResult, opt: str, dt: torch.dtype, usable: int) -> list[Lever]:
     """Batch 1's peak with one change each, by formula from its categories at the peak."""
     c = {k: int(v) for k, v in t.peak_by_category.items()}
@@ -271,7 +259,7 @@ def _levers(w: Workload, t: TrackingResult, opt: str, dt: torch.dtype, usable: i
     params, grads, state = c.get(Category.PARAMETERS.value, 0), c.get(Category.GRADIENTS.value, 0), \
         c.get(Category.OPTIMIZER_STATE.value, 0)
     acts = c.get(Category.ACTIVATIONS.value, 0)
-    elem = torch.empty((), dtype=dt).element_size()
+    elem = dt.itemsize
     n_params = params // elem if elem else 0
     out: list[Lever] = []
 
@@ -281,7 +269,7 @@ def _levers(w: Workload, t: TrackingResult, opt: str, dt: torch.dtype, usable: i
     if elem == 4:
         add("bf16 everywhere (weights, gradients, optimizer state, activations)", peak // 2,
             "every fp32 tensor at the peak takes 2 bytes per value instead of 4: peak / 2")
-    k = _STATES.get(opt, 0)
+    k = F.optimizer_state_multiplier(opt)
     if k and state:
         eight = F.eight_bit_optimizer_state_bytes(n_params, states=k)
         add("8-bit optimizer state (bitsandbytes, blockwise)", peak - state + eight,

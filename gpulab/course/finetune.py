@@ -14,18 +14,19 @@ are replaced by the NF4 formula, labelled as such.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from ..allocator import CachingAllocator
-from ..cards import CUDA_CONTEXT_ASSUMED, parse_gpu
+from ..cards import CUDA_CONTEXT_ASSUMED, CardBudget, parse_gpu
 from ..engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
 from ..hf_configs import build_causal_lm, hf_entry, make_config
+from ..models import build_skeleton
 from ..trainstep import step
 from ..units import format_bytes
+from .kv_cache import nf4_quantized, wrap_lora
 
 PRESETS = ("gpt2", "llama-3-8b", "mistral-7b", "custom")
 METHODS = ("full", "lora", "qlora")
@@ -72,24 +73,15 @@ def model_builder(config, method: str, dtype: torch.dtype, checkpointing: bool, 
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if method in ("lora", "qlora"):
-            import peft
             names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-            targets = [t for t in LORA_TARGETS if t in names]
-            lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets,
-                                   task_type="CAUSAL_LM",
-                                   fan_in_fan_out=getattr(config, "model_type", "") == "gpt2")  # GPT-2's Conv1D
-            with warnings.catch_warnings():
-                # peft asks transformers for ``is_gradient_checkpointing``, which 5.x renamed (a FutureWarning
-                # about peft's code, not the student's)
-                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-                model = peft.get_peft_model(model, lora)
+            model = wrap_lora(model, rank, [t for t in LORA_TARGETS if t in names])
         return model
     build.__name__ = f"{getattr(config, 'model_type', 'model')}-{method}"
     return build
 
 
 @dataclass
-class FinetuneAnswer:
+class FinetuneAnswer(CardBudget):
     preset: str
     card: str
     capacity_bytes: int
@@ -107,14 +99,6 @@ class FinetuneAnswer:
     context_bytes: int
     label: str
     seconds: float
-
-    @property
-    def needed_bytes(self) -> int:
-        return self.reserved_bytes + self.context_bytes
-
-    @property
-    def margin_bytes(self) -> int:
-        return self.capacity_bytes - self.needed_bytes
 
     @property
     def fits(self) -> bool:
@@ -154,24 +138,21 @@ def finetune_check(preset: str = "llama-3-8b", card: str = "H100", seq_len: int 
     if progress:
         progress(0.1, "building the model under fake tensors and running two steps")
     run_dtype = torch.bfloat16 if method == "qlora" and dtype == torch.float32 else dtype
-    result = step(model_builder(config, method, run_dtype, checkpointing), batch=batch, seq_len=seq_len,
-                  optimizer=optimizer, engine="fake", dtype=run_dtype, amp=amp)
+    builder = model_builder(config, method, run_dtype, checkpointing)
+    result = step(builder, batch=batch, seq_len=seq_len, optimizer=optimizer, engine="fake", dtype=run_dtype, amp=amp)
     if progress:
         progress(0.8, "replaying the timeline through the simulated allocator")
     tracking = result.measurement.tracking
     by_cat = dict(result.peak_by_category)
     peak = result.peak_bytes
-    built = model_builder(config, method, run_dtype, checkpointing)
-    from ..models import build_skeleton
-    skeleton = build_skeleton(built)
+    skeleton = build_skeleton(builder)   # the counts, on the meta device
     n_params = sum(p.numel() for p in skeleton.parameters())
     trainable = sum(p.numel() for p in skeleton.parameters() if p.requires_grad)
     label = LABEL_FAKE_CUDA + " + " + LABEL_SIMULATED
     reserved = CachingAllocator().replay(tracking.events, strict=False).peak_reserved
     if method == "qlora":   # the Linear weights 4-bit loading quantizes (not embeddings, norms, lm_head)
-        from .kv_cache import nf4_quantized
         quantized, nf4_bytes, _ = nf4_quantized(build_skeleton(model_builder(config, "full", run_dtype, False)))
-        saved = quantized * torch.empty((), dtype=run_dtype).element_size() - int(nf4_bytes)
+        saved = quantized * run_dtype.itemsize - int(nf4_bytes)
         by_cat["parameters"] -= saved
         peak -= saved
         reserved -= saved

@@ -874,17 +874,24 @@ def lora_model_builder(name: Any = "tiny-llama", rank: int = 8, targets: Sequenc
     config, shown = _config(name)
 
     def build() -> nn.Module:
-        import peft
-        from transformers.pytorch_utils import Conv1D
-        base = hf_configs.build_causal_lm(config, dtype)
-        conv1d = any(isinstance(m, Conv1D) and _is_target(n, targets) for n, m in base.named_modules())
-        lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.0,
-                               task_type="CAUSAL_LM", fan_in_fan_out=conv1d)   # Conv1D stores its weight (in, out)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            return peft.get_peft_model(base, lora)
+        return wrap_lora(hf_configs.build_causal_lm(config, dtype), rank, targets)
     build.__name__ = f"lora_r{rank}_{_slug(shown)}"
     return build
+
+
+def wrap_lora(base: nn.Module, rank: int, targets: Sequence[str]) -> nn.Module:
+    """``base`` wrapped by ``peft.get_peft_model`` with rank-``rank`` adapters on ``targets``
+    (``lora_alpha`` 2·rank, no dropout; ``fan_in_fan_out`` for GPT-2's ``Conv1D``, which stores
+    its weight (in, out)). peft's FutureWarning about transformers' renamed
+    ``is_gradient_checkpointing`` is silenced (peft's code, not the student's)."""
+    import peft
+    from transformers.pytorch_utils import Conv1D
+    conv1d = any(isinstance(m, Conv1D) and _is_target(n, targets) for n, m in base.named_modules())
+    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.0,
+                           task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return peft.get_peft_model(base, lora)
 
 
 def peft_on_fake(name: Any = "tiny-llama", rank: int = 8, targets: Sequence[str] = DEFAULT_TARGETS) -> dict[str, Any]:
