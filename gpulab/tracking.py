@@ -26,7 +26,7 @@ from enum import Enum
 from typing import Any, Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -143,6 +143,7 @@ class MemoryTracker(TorchDispatchMode):
         ]
         stack = contextlib.ExitStack()
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+        stack.enter_context(_storage_resizes_seen_by(self))
         self._exit_stack = stack
         super().__enter__()
         return self
@@ -208,6 +209,14 @@ class MemoryTracker(TorchDispatchMode):
             todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
 
     def _storage(self, t: torch.Tensor):
+        if is_traceable_wrapper_subclass(t):
+            # A wrapper such as DTensor reports its global size; its memory is the one inner
+            # tensor it wraps (a DTensor's local shard, what FSDP2 and ZeRO leave per rank).
+            inner = [v for v in (getattr(t, a) for a in t.__tensor_flatten__()[0])
+                     if isinstance(v, torch.Tensor)]
+            if len(inner) != 1:
+                return None
+            t = inner[0]
         try:
             return t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
@@ -276,6 +285,18 @@ class MemoryTracker(TorchDispatchMode):
             return self._phase()
         except Exception:  # pragma: no cover - defensive: never break a free callback
             return self._auto_phase
+
+    def _resized(self, storage) -> None:
+        """A storage we track changed size in place (``UntypedStorage.resize_``: FSDP frees
+        and re-allocates its gathered parameters this way)."""
+        sid = self._live.get(id(storage))
+        if sid is None:
+            return
+        rec = self._records[sid]
+        n = storage.nbytes()
+        if n != rec.nbytes:
+            self._emit("resize", rec, n, n - rec.nbytes)
+            rec.nbytes = n
 
     @staticmethod
     def _upgrade(rec: StorageRecord, category: Category) -> None:
@@ -417,6 +438,28 @@ class MemoryTracker(TorchDispatchMode):
                 records[sid].device = "cpu"
             events = [replace(e, device="cpu") if e.sid in moved else e for e in events]
         return TrackingResult.build(records, events, device=device, rounded=round_to_cuda_blocks)
+
+
+@contextlib.contextmanager
+def _storage_resizes_seen_by(tracker: MemoryTracker) -> Iterator[None]:
+    """``UntypedStorage.resize_`` does not pass through the dispatcher, so no dispatch mode sees
+    it (PyTorch's own MemTracker patches it for the same reason, torch/distributed/_tools/
+    mem_tracker.py). Wrap it while ``tracker`` runs; nested trackers wrap and unwrap in turn."""
+    original = torch.UntypedStorage.resize_
+    tracker_ref = weakref.ref(tracker)
+
+    def resize_(storage, size):
+        out = original(storage, size)
+        t = tracker_ref()
+        if t is not None:
+            t._resized(storage)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
 
 
 def _copy_record(r: StorageRecord) -> StorageRecord:

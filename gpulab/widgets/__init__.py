@@ -28,3 +28,5 @@ from .finetune import finetune_panel  # noqa: E402  (lesson 11)
 __all__ += ["finetune_panel"]
 from .transformers import activation_seq_panel, serving_panel  # noqa: E402  (lesson 11)
 __all__ += ["activation_seq_panel", "serving_panel"]
+from .distributed import sharding_panel  # noqa: E402  (lesson 12)
+__all__ += ["sharding_panel"]

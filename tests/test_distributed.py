@@ -1,0 +1,139 @@
+"""Lesson 12's machinery: the distributed runner (real torch.distributed processes, gloo on
+loopback), per-rank measurements of DDP / ZeRO-1 / FSDP2 against ZeRO's formulas, failures,
+and the formulas at scale."""
+from __future__ import annotations
+
+import math
+import multiprocessing
+import time
+
+import pytest
+import torch
+
+import dist_experiments
+from gpulab.distributed import run_distributed
+from gpulab.sharding import build, fsdp_shard_numel, measure_strategy
+from gpulab.tracking import MemoryTracker
+
+pytestmark = pytest.mark.slow
+
+
+def _no_workers_left():
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        if not [p for p in multiprocessing.active_children() if p.name.startswith("gpulab-rank")]:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_runner_gathers_every_rank():
+    run = run_distributed(dist_experiments.all_reduce_rank, 2, timeout_s=90).check()
+    assert run.backend == "gloo" and [r.rank for r in run.results] == [0, 1]
+    assert all(r.data["sum"] == 3.0 for r in run.results)
+    # each rank's tracker saw its own 4 KiB tensor
+    assert all(r.tracking.peak_bytes >= 4096 for r in run.results)
+    assert _no_workers_left()
+
+
+def test_a_failing_rank_is_reported_and_the_others_stopped():
+    t0 = time.time()
+    run = run_distributed(dist_experiments.raise_on_rank1, 2, timeout_s=90)
+    assert not run.ok and time.time() - t0 < 60
+    msgs = {f.rank: f.message for f in run.failures}
+    assert "RuntimeError: rank one refuses" in msgs[1]
+    assert 0 in msgs  # stopped, since it could not go on
+    with pytest.raises(RuntimeError, match="rank 1: RuntimeError: rank one refuses"):
+        run.check()
+    assert _no_workers_left()
+
+
+def test_a_hanging_rank_is_killed_after_the_timeout():
+    run = run_distributed(dist_experiments.hang_on_rank1, 2, timeout_s=20)
+    assert not run.ok
+    assert any(f.rank == 1 and "did not finish within 20 s" in f.message for f in run.failures)
+    assert run.seconds < 40
+    assert _no_workers_left()
+
+
+def test_a_rank_that_dies_is_reported_with_its_exit_code():
+    run = run_distributed(dist_experiments.die_on_rank0, 2, timeout_s=60)
+    assert any(f.rank == 0 and "exited with code 3" in f.message for f in run.failures)
+    assert _no_workers_left()
+
+
+def test_bad_arguments_say_what_to_do():
+    with pytest.raises(ValueError, match="from 1 to 4"):
+        run_distributed(dist_experiments.all_reduce_rank, 5)
+    with pytest.raises(ValueError, match="module level"):
+        run_distributed(lambda ctx: None, 2)
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        measure_strategy(strategy="zero4")
+
+
+def _param_info(width=96, layers=2):
+    model = build("transformer", width, layers)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    return shapes, sum(math.prod(s) for s in shapes), len(shapes)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2-no-reshard"])
+def test_fsdp_shards_are_the_full_bytes_over_the_world_size(strategy):
+    # the formula states FSDP's padding: ceil(dim 0 / N) rows per rank
+    sr = measure_strategy(strategy=strategy, world_size=2, width=96)
+    shapes, psi, tensors = _param_info(96)
+    shard = fsdp_shard_numel(shapes, 2)
+    assert math.ceil(psi / 2) <= shard <= psi / 2 + sum(math.prod(s[1:]) for s in shapes if s)
+    for b in sr.ranks:
+        assert b.at_end["parameters"] == 4 * shard
+        assert b.at_end["gradients"] == 4 * shard
+        assert b.at_end["optimizer_state"] == 8 * shard + 4 * tensors  # + Adam's float32 step counters
+        assert b.gathered_max > 0  # FSDP gathered parameters to compute
+    if strategy == "fsdp2-no-reshard":  # everything gathered at once during the step
+        assert sr.ranks[0].gathered_max == 4 * psi
+
+
+def test_fsdp_shard_numel_is_torch_chunk_padded():
+    for shape in [(7, 3), (1, 5), (10,), (3, 4, 5)]:
+        for n in (1, 2, 3, 4):
+            first = torch.empty(shape).chunk(n, dim=0)[0]
+            assert fsdp_shard_numel([shape], n) == first.numel()
+
+
+def test_ddp_and_zero1_per_rank():
+    shapes, psi, tensors = _param_info(96)
+    ddp = measure_strategy(strategy="ddp", world_size=2, width=96)
+    for b in ddp.ranks:
+        assert b.at_end["parameters"] == b.at_end["gradients"] == 4 * psi
+        assert b.at_end["optimizer_state"] == 8 * psi + 4 * tensors
+        assert b.at_end["communication buffers"] == 4 * psi  # the reducer's buckets
+    assert ddp.formula()["total"] == 16 * psi
+    z1 = measure_strategy(strategy="zero1", world_size=2, width=96)
+    states = [b.at_end["optimizer_state"] for b in z1.ranks]
+    numels = [b.state_numel for b in z1.ranks]
+    assert sum(numels) == psi and all(n > 0 for n in numels)
+    assert sum(states) == 8 * psi + 4 * tensors  # every state once, across the ranks
+    for state, n in zip(states, numels):
+        assert 8 * n < state < 8 * n + 4 * tensors
+    assert all(b.at_end["gradients"] == 4 * psi for b in z1.ranks)
+    # the same training: each rank's losses equal under every strategy
+    assert [b.losses for b in z1.ranks] == [b.losses for b in ddp.ranks]
+
+
+def test_bucket_view_makes_the_buckets_the_gradients():
+    shapes, psi, _ = _param_info(64)
+    b = measure_strategy(strategy="ddp", world_size=2, width=64, bucket_view=True).ranks[0]
+    assert b.at_end["gradients"] == 4 * psi and b.at_end["communication buffers"] == 0
+
+
+def test_tracker_sees_storage_resizes():
+    original = torch.UntypedStorage.resize_
+    with MemoryTracker() as tr:
+        t = torch.empty(1000)
+        t.untyped_storage().resize_(0)
+        t.untyped_storage().resize_(4000)
+        del t
+    res = tr.result(device="cpu")
+    assert [e.kind for e in res.events] == ["alloc", "resize", "resize", "free"]
+    assert res.peak_bytes == 4000
+    assert torch.UntypedStorage.resize_ is original  # unwrapped again

@@ -1,0 +1,60 @@
+"""Lesson 12's course module: ZeRO's figure 1 reproduced, any model and card, gradient
+accumulation measured, the exercises and the panel."""
+from __future__ import annotations
+
+import pytest
+
+from gpulab.course import distributed as D
+from gpulab.formulas import zero_bytes_per_device
+
+
+def test_zero_figure1_exactly():
+    t = D.zero_figure1()
+    assert [round(t.gb(s, 64), 1) for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
+    assert "120.0 GB" in t._repr_html_()
+    assert D.exercise_zero2().check(16.6).ok and not D.exercise_zero2().check(31.4).ok
+
+
+def test_cards_needed_for_llama_full_adam():
+    c = D.cards_needed("llama-3-8b", "80GB")
+    assert c.n_params == 8_030_261_248
+    assert c.needed == {0: None, 1: 3, 2: 2, 3: 2}
+    for stage, n in c.needed.items():
+        if n:  # the smallest N: it fits, one fewer does not
+            assert zero_bytes_per_device(c.n_params, n, stage) <= c.usable_bytes
+            assert n == 1 or zero_bytes_per_device(c.n_params, n - 1, stage) > c.usable_bytes
+    assert "never" in c._repr_html_()
+
+
+def test_gradient_accumulation_same_gradients_fewer_activations():
+    acc = D.grad_accumulation("transformer", batch_size=8, micro_batches=4, width=64, seq_len=16)
+    assert acc.max_grad_difference <= 1e-5 * acc.grad_scale
+    assert acc.activations[4] < 0.4 * acc.activations[1]
+    ex = D.exercise_accumulation_activations(acc)
+    assert ex.check(acc.activations[4] / acc.activations[1]).ok
+    bn = D.grad_accumulation("cnn", batch_size=8, micro_batches=4, width=8)
+    assert bn.max_grad_difference > 1e-5 * bn.grad_scale  # BatchNorm: not the same gradients
+    assert "BatchNorm" in bn._repr_html_()
+    with pytest.raises(ValueError, match="equal micro-batches"):
+        D.grad_accumulation(batch_size=10, micro_batches=4)
+
+
+@pytest.mark.slow
+def test_compare_strategies_and_figures(tmp_path):
+    comp = D.compare_strategies("cnn", world_size=2, width=16, strategies=("ddp", "fsdp2"))
+    html = comp._repr_html_()
+    assert "DDP (replicated)" in html and "FSDP2" in html
+    ddp = comp.runs[0]
+    assert ddp.measured(0)["total"] - ddp.formula()["total"] == 4 * len(ddp.shapes)  # step counters
+    D.strategy_bars(comp.runs).savefig(tmp_path / "bars.png")
+    D.gathered_timeline(comp.runs[1]).savefig(tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_sharding_panel_runs_one_process():
+    from gpulab.widgets import sharding_panel
+    panel = sharding_panel(strategy="fsdp2", world_size=1, model="cnn", width=32)
+    result = panel.run()
+    assert panel.error is None, panel.error
+    assert result.world_size == 1 and result.ranks[0].at_end["parameters"] == 4 * result.n_params
