@@ -115,6 +115,11 @@ def lab(tmp_path_factory):
     nb_settings = tmp / "settings" / "@jupyterlab" / "notebook-extension"
     nb_settings.mkdir(parents=True)
     (nb_settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    # the lessons are the repository's files: a Run All that outlasts the autosave interval
+    # (120 s) would write its outputs into them (lesson 12 did, and test_lessons then failed)
+    dm_settings = tmp / "settings" / "@jupyterlab" / "docmanager-extension"
+    dm_settings.mkdir(parents=True)
+    (dm_settings / "plugin.jupyterlab-settings").write_text(json.dumps({"autosave": False}))
     (tmp / "config" / "labconfig").mkdir(parents=True)
     (tmp / "config" / "labconfig" / "page_config.json").write_text(json.dumps(
         {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
@@ -336,6 +341,7 @@ def test_lesson_in_browser(path, lab, browser):
     page.on("pageerror", lambda e: console_errors.append(str(e)))
     t0 = time.perf_counter()
     report: list[str] = []
+    stored = path.read_bytes()
     try:
         # a workspace of its own, reset, so only this lesson's tab is open (JupyterLab would
         # otherwise restore the previous lesson's tab next to it)
@@ -404,6 +410,7 @@ def test_lesson_in_browser(path, lab, browser):
                 report.append(f"wrote {PANEL_PNG} ({PANEL_PNG.stat().st_size} bytes)")
         page.screenshot(path=str(ARTIFACTS / f"{path.stem}_after_panels.png"))
         assert not console_errors, f"{path.name}: JavaScript errors: {console_errors[:5]}"
+        assert path.read_bytes() == stored, f"{path.name} was saved by JupyterLab during the test"
         print(f"{path.name}: run all {run_s:.1f} s, {n} panels, total {time.perf_counter() - t0:.1f} s; "
               + "; ".join(report))
     finally:
