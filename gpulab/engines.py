@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .allocator import CachingAllocator
+from .fake_mode import FakeMode
 from .formulas import cuda_rounded_bytes
 from .tracking import Category, MemoryTracker, TrackingResult
 
@@ -280,10 +281,9 @@ def run(experiment: Callable[[RunContext], Any], engine: str = "auto", *,
     if choice.name == "cuda":
         return _run_cuda(experiment, choice, torch.device("cuda", cuda_device))
     if choice.name == "fake":
-        from torch._subclasses.fake_tensor import FakeTensorMode
         if target == "cuda":
-            return _run_fake_cuda(experiment, choice, FakeTensorMode)
-        return _run_host(experiment, choice, LABEL_FAKE_CPU, FakeTensorMode())
+            return _run_fake_cuda(experiment, choice, FakeMode)
+        return _run_host(experiment, choice, LABEL_FAKE_CPU, FakeMode())
     return _run_host(experiment, choice, LABEL_CPU, contextlib.nullcontext())
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from . import formulas as F
 from .engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
+from .fake_mode import shape_kernels
 from .models import ModelSpec, check_image_size, resolve_model
 from .tracking import CATEGORIES, Category
 from .units import dtype_name, parse_dtype
@@ -121,7 +122,8 @@ def breakdown(model: Any, batch: int = 1, image_size: int | None = None,
     w = resolve_workload(model, inputs, batch=None, input_shape=input_shape, seq_len=seq_len, image_size=image_size)
     try:
         net, data = _shapes_only(w, batch, dt, "meta")
-        rows = _leaf_rows(net, lambda: forward(net, data))
+        with shape_kernels():
+            rows = _leaf_rows(net, lambda: forward(net, data))
     except Exception:   # a model that looks at values on the way (a mask's .all(), .item()): fake tensors
         from torch._subclasses.fake_tensor import FakeTensorMode
         with FakeTensorMode():

@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
+
+from .fake_mode import shape_kernels
 
 
 def small_mlp(num_classes: int = 10, image_size: int = 32) -> nn.Module:
@@ -126,12 +128,13 @@ def _torchvision_spec(name: str) -> ModelSpec:
     weights = list(tvm.get_model_weights(name))
     crop = getattr(weights[0].transforms, "keywords", {}).get("crop_size", 224) if weights else 224
     build = _torchvision(name)
-    spec = ModelSpec(name, build, int(crop), 1, 1000, f"torchvision {name}, random weights")
+    # counted on the model the size checks then use (torchvision's builders take no image size)
+    n = sum(p.numel() for p in _meta_model(build, 1000, int(crop)).parameters())
+    # the spec returned is the one the size check ran with, so check_image_size finds it cached
+    spec = ModelSpec(name, build, int(crop), 1, 1000, f"torchvision {name} ({n / 1e6:.1f} M parameters), random weights")
     if crop != 224 and not _meta_forward_ok(spec, int(crop)):
         spec = ModelSpec(name, build, 224, 1, 1000, spec.description)
-    n = sum(p.numel() for p in build_model(spec, device="meta").parameters())
-    return ModelSpec(name, build, spec.default_image_size, 1, 1000,
-                     f"torchvision {name} ({n / 1e6:.1f} M parameters), random weights")
+    return spec
 
 
 def build_model(spec: ModelSpec, image_size: int | None = None, device: torch.device | str | None = None,
@@ -156,8 +159,9 @@ def build_in_place(build: Callable[[], nn.Module], device: torch.device | str | 
     with ``.tolist()``) cannot run there; it is built again as a *skeleton*, its small
     computations on the CPU and every parameter and buffer moved to the meta device as it is
     registered, and then given empty storages on the target (fake tensors under a fake mode)."""
+    shapes_only = active_fake_mode() is not None or (device is not None and torch.device(device).type == "meta")
     try:
-        with _defaults(device, dtype):
+        with _defaults(device, dtype), (_initialisers_skipped() if shapes_only else contextlib.nullcontext()):
             return build()
     except Exception:
         fake = active_fake_mode()
@@ -184,12 +188,67 @@ def active_fake_mode():
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
 
 
+# The tensor methods that only write values: what torch.nn.init's initialisers end in
+# (uniform_ / normal_ for kaiming, xavier and the rest, fill_ / zero_ for constant_, ones_,
+# zeros_; torch/nn/init.py), and what builders call directly (ViT's ``.normal_()``).
+_VALUE_WRITERS = ("uniform_", "normal_", "fill_", "zero_")
+
+
+def _without_values(t) -> bool:
+    """A tensor with no values to write: on meta, or fake with no constant behind it (a fake
+    tensor made by ``torch.tensor(...)`` keeps its real value, which ``.item()`` reads)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    if isinstance(t, FakeTensor):
+        return t.constant is None
+    return isinstance(t, torch.Tensor) and t.is_meta
+
+
+def _skipping(name: str, write):
+    def skip_or_write(self, *args, **kwargs):
+        if (_without_values(self) and not (self.requires_grad and torch.is_grad_enabled())
+                and not any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))):
+            return self
+        return write(self, *args, **kwargs)
+    skip_or_write.__name__ = name
+    skip_or_write.__wrapped__ = write
+    return skip_or_write
+
+
+@contextlib.contextmanager
+def _initialisers_skipped() -> Iterator[None]:
+    """While a model is built on fake tensors or meta, writing random or constant values into
+    a tensor that has none does nothing but cost time: on fake tensors each ``uniform_`` of a
+    new shape is a FakeTensorMode cache miss that decomposes into several ops (about 5 ms per
+    conv layer), on meta a Python meta kernel; torch itself returns early for meta tensors in
+    ``_no_grad_trunc_normal_`` (torch/nn/init.py). For the duration, ``Tensor.uniform_``,
+    ``normal_``, ``fill_`` and ``zero_`` with numbers as arguments return such a tensor as the
+    op would (in place: the same tensor, the same storage, nothing allocated, so the tracker
+    sees exactly what it saw before); the initialisers' own checks (fan-in of a 1-d tensor,
+    zero-element warnings) still run. A write the op would refuse (in place on a tensor that
+    requires grad, outside ``no_grad``), a real tensor, or a fake tensor holding a constant
+    goes through. A patch of the methods, not a ``TorchFunctionMode``: a mode is switched off
+    while it handles a call, so the ``uniform_`` inside ``nn.init.kaiming_uniform_`` (itself
+    dispatched to the mode) would escape it."""
+    saved = {name: torch.Tensor.__dict__.get(name) for name in _VALUE_WRITERS}
+    for name in _VALUE_WRITERS:
+        setattr(torch.Tensor, name, _skipping(name, getattr(torch.Tensor, name)))
+    try:
+        yield
+    finally:
+        for name, own in saved.items():
+            if own is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, own)
+
+
 def build_skeleton(build: Callable[[], nn.Module], dtype: torch.dtype | None = None) -> nn.Module:
     """The module ``build()`` makes, with every parameter and buffer on the meta device: built
     outside any fake mode with the CPU as default device, each tensor moved to meta when it is
-    registered (before initialisers touch it), so it costs no memory at any size."""
+    registered (before initialisers touch it, which then write nothing: ``_initialisers_skipped``),
+    so it costs no memory at any size."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    with unset_fake_temporarily(), _registered_on_meta(), _defaults(None, dtype):
+    with unset_fake_temporarily(), _registered_on_meta(), _defaults(None, dtype), _initialisers_skipped():
         return build()
 
 
@@ -278,12 +337,21 @@ def _smallest_size(spec: ModelSpec, too_small: int, batch: int, train: bool) -> 
 def _meta_forward_ok(spec: ModelSpec, image_size: int, batch: int = 1, train: bool = False) -> bool:
     # cached: a model's shape rules never change, and every training_step / breakdown /
     # sweep point asks again (a VGG16 meta forward costs ~20 ms)
-    model = build_model(spec, image_size, device="meta")
+    model = _meta_model(spec.build, spec.num_classes, image_size)
     x = torch.empty(batch, 3, image_size, image_size, device="meta")
     try:
-        with torch.no_grad():
+        with torch.no_grad(), shape_kernels():
             model.train(train)(x)
         return True
     except (RuntimeError, ValueError, AssertionError):  # shape errors; batch norm's "more than 1 value per
         # channel"; ViT's torch._assert("Wrong image height!")
         return False
+
+
+@functools.lru_cache(maxsize=2)
+def _meta_model(build: Callable[..., nn.Module], num_classes: int, image_size: int) -> nn.Module:
+    """One model on meta for the size checks of a spec at one image size: the checks in eval at
+    batch 1 and in training at the run's batch follow each other, and a model of a large
+    registry entry takes a quarter of a second to build even on meta. Shared between checks
+    that only switch it between train and eval (meta tensors hold no values to change)."""
+    return build_in_place(lambda: build(num_classes=num_classes, image_size=image_size), "meta")

@@ -19,6 +19,7 @@ fake tensors (FakeTensorMode), since all three have storages with ``nbytes()``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import weakref
 from dataclasses import dataclass, field, replace
@@ -113,6 +114,8 @@ class MemoryTracker(TorchDispatchMode):
         CUDA target)."""
         super().__init__()
         self._device_alias = dict(device_alias or {})
+        self._device_names: dict[torch.device, str] = {}   # a storage's device -> the name it is recorded under
+        self._self_ref = weakref.ref(self)   # what free callbacks hold: they must not keep the tracker alive
         self._records: dict[int, StorageRecord] = {}
         self._live: dict[int, int] = {}          # id(storage object) -> sid
         self._refs: dict[int, weakref.ref] = {}  # sid -> weakref (kept so callbacks fire)
@@ -164,14 +167,22 @@ class MemoryTracker(TorchDispatchMode):
             self._closed = True
 
     # ---- the dispatch hook ------------------------------------------------------------
+    # Every ATen op of the run passes through here (tens of thousands for a large model's
+    # training step), so the common outputs, one tensor or a flat tuple of tensors, are read
+    # without building a pytree; anything nested goes through ``tree_flatten``, in the same order.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        name = None
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                if name is None:
-                    name = str(func.overloadpacket.__name__)
-                self._see(t, op=name)
+        if isinstance(out, torch.Tensor):
+            self._see(out, op=_op_name(func))
+        elif isinstance(out, (tuple, list)):
+            flat = out if not any(isinstance(o, (tuple, list, dict)) for o in out) else tree_flatten(out)[0]
+            for t in flat:
+                if isinstance(t, torch.Tensor):
+                    self._see(t, op=_op_name(func))
+        elif isinstance(out, dict):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._see(t, op=_op_name(func))
         return out
 
     # ---- bookkeeping ---------------------------------------------------------------------
@@ -239,28 +250,20 @@ class MemoryTracker(TorchDispatchMode):
             return rec
         sid = self._next_sid
         self._next_sid += 1
+        device = t.device
+        name = self._device_names.get(device)
+        if name is None:
+            name = self._device_names[device] = self._device_alias.get(_device_str(device), _device_str(device))
         rec = StorageRecord(
-            sid=sid, nbytes=st.nbytes(), device=self._device_alias.get(_device_str(t.device), _device_str(t.device)),
-            dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape),
+            sid=sid, nbytes=st.nbytes(), device=name, dtype=_dtype_name(t.dtype), shape=tuple(t.shape),
             category=category, module=self._module(), phase=self._phase(), op=op,
             created=len(self._events), preexisting=preexisting,
         )
         self._records[sid] = rec
         self._live[key] = sid
-        self._refs[sid] = weakref.ref(st, self._make_free_callback(key, sid))
+        self._refs[sid] = weakref.ref(st, functools.partial(_storage_freed, self._self_ref, key, sid))
         self._emit("alloc", rec, rec.nbytes, rec.nbytes)
         return rec
-
-    def _make_free_callback(self, key: int, sid: int):
-        tracker_ref = weakref.ref(self)
-
-        def on_free(_ref) -> None:
-            tracker = tracker_ref()
-            if tracker is None:
-                return
-            tracker._free(key, sid)
-
-        return on_free
 
     def _free(self, key: int, sid: int) -> None:
         if self._live.get(key) == sid:
@@ -392,6 +395,14 @@ class MemoryTracker(TorchDispatchMode):
         # an op saves its own output (ReLU, softmax), ``t.grad_fn`` is the node doing the
         # saving, and holding ``t`` would make a reference cycle that keeps a graph which
         # never runs backward alive until the garbage collector finds it.
+        # A tensor without a grad_fn (a weight, running statistics, an input) cannot lead back
+        # to any node, so it is kept as it is: ``detach`` is an op, through every dispatch mode
+        # (on fake tensors a fake op), and batch norm and every convolution save such tensors.
+        # NB: a tensor with an older grad_fn usually cannot lead back either, but "older" cannot
+        # be told from here for a custom autograd Function (its node is made before its forward
+        # runs, and views of its outputs after), so those keep their detached alias.
+        if t.grad_fn is None:
+            return t, t._version
         # Autograd skips its in-place version check for tensors that go through
         # saved_tensors_hooks, so we record the version here and check it in _unpack: code
         # that breaks autograd outside the tracker breaks it inside the tracker too.
@@ -460,6 +471,34 @@ def _storage_resizes_seen_by(tracker: MemoryTracker) -> Iterator[None]:
         yield
     finally:
         torch.UntypedStorage.resize_ = original
+
+
+def _storage_freed(tracker_ref: "weakref.ref[MemoryTracker]", key: int, sid: int, _ref) -> None:
+    """A tracked storage's weak reference died: record the free (if the tracker still exists)."""
+    tracker = tracker_ref()
+    if tracker is not None:
+        tracker._free(key, sid)
+
+
+_OP_NAMES: dict[Any, str] = {}
+
+
+def _op_name(func) -> str:
+    """The name a storage's record gives the op that created it (``func.overloadpacket``'s)."""
+    name = _OP_NAMES.get(func)
+    if name is None:
+        name = _OP_NAMES[func] = str(func.overloadpacket.__name__)
+    return name
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def _copy_record(r: StorageRecord) -> StorageRecord:
