@@ -22,9 +22,10 @@ FSDP2 shards each parameter along dim 0 with ``torch.chunk``: every rank stores
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -270,15 +271,24 @@ def groups_of(result: RankResult) -> dict[int, str]:
     return _groups(result.tracking, set(result.data["bucket_sids"]))
 
 
-def split_at(tracking: TrackingResult, groups: dict[int, str], index: int) -> dict[str, int]:
-    """Live bytes per group just after event ``index``, replaying the events (resizes too)."""
+def live_by_group(tracking: TrackingResult, groups: dict[int, str]) -> Iterator[dict[str, int]]:
+    """Live bytes per group after each event, in order, replaying the events (a resize sets its
+    storage's size). The same dict is updated and yielded each time: copy it to keep it."""
     sizes: dict[int, int] = {}
-    for e in tracking.events[: index + 1]:
-        sizes[e.sid] = 0 if e.kind == "free" else _size(tracking, e.nbytes)
-    out = {g: 0 for g in GROUPS}
-    for sid, n in sizes.items():
-        out[groups[sid]] += n
-    return out
+    live = {g: 0 for g in GROUPS}
+    for e in tracking.events:
+        new = 0 if e.kind == "free" else _size(tracking, e.nbytes)
+        live[groups[e.sid]] += new - sizes.get(e.sid, 0)
+        sizes[e.sid] = new
+        yield live
+
+
+def split_at(tracking: TrackingResult, groups: dict[int, str], index: int) -> dict[str, int]:
+    """Live bytes per group just after event ``index``."""
+    live = {g: 0 for g in GROUPS}
+    for live in itertools.islice(live_by_group(tracking, groups), index + 1):
+        pass
+    return dict(live)
 
 
 @dataclass
@@ -304,16 +314,9 @@ def breakdown(result: RankResult) -> RankBreakdown:
     at_peak = split_at(tr, groups, tr.peak_index)
     at_end = split_at(tr, groups, end)
     params_max = gathered_max = 0
-    sizes: dict[int, int] = {}
-    live = {"parameters": 0, "gathered parameters": 0}
-    for e in tr.events:
-        g = groups[e.sid]
-        new = 0 if e.kind == "free" else _size(tr, e.nbytes)
-        if g in live:
-            live[g] += new - sizes.get(e.sid, 0)
-            params_max = max(params_max, live["parameters"] + live["gathered parameters"])
-            gathered_max = max(gathered_max, live["gathered parameters"])
-        sizes[e.sid] = new
+    for live in live_by_group(tr, groups):
+        params_max = max(params_max, live["parameters"] + live["gathered parameters"])
+        gathered_max = max(gathered_max, live["gathered parameters"])
     return RankBreakdown(result.rank, tr.peak_bytes, at_peak, at_end, params_max, gathered_max,
                          result.data.get("state_numel"), list(result.data["losses"]))
 

@@ -13,7 +13,8 @@ from ..cards import CUDA_CONTEXT_ASSUMED, parse_gpu
 from ..engines import run
 from ..formulas import zero_bytes_per_device
 from ..plots import CATEGORY_COLORS, LessonFigure
-from ..sharding import GROUPS, STRATEGIES, StrategyRun, batch, build, fsdp_shard_numel, groups_of, loss_of, measure_strategy
+from ..sharding import (GROUPS, STRATEGIES, StrategyRun, batch, build, fsdp_shard_numel, groups_of, live_by_group, loss_of,
+                        measure_strategy)
 from ..tables import html_table
 from ..tracking import Category
 from ..units import format_bytes
@@ -209,13 +210,8 @@ def gathered_timeline(sr: StrategyRun, rank: int = 0):
     tr = res.tracking
     groups = groups_of(res)
     order = [g for g in GROUPS if any(groups[e.sid] == g for e in tr.events)]
-    sizes: dict[int, int] = {}
-    live = {g: 0 for g in order}
     series = {g: [] for g in order}
-    for e in tr.events:
-        new = 0 if e.kind == "free" else e.nbytes
-        live[groups[e.sid]] += new - sizes.get(e.sid, 0)
-        sizes[e.sid] = new
+    for live in live_by_group(tr, groups):
         for g in order:
             series[g].append(live[g] / 2**20)
     fig = LessonFigure(figsize=(9, 3.4), dpi=100, layout="constrained")
