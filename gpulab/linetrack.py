@@ -29,7 +29,7 @@ import torch
 
 from .engines import LABEL_CPU, LABEL_FAKE_CPU, label_cuda
 from .tracking import Category, MemoryTracker, TrackingResult
-from .units import format_bytes
+from .units import format_bytes, format_delta
 
 _counter = itertools.count(1)
 _SKIP_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib)
@@ -70,6 +70,7 @@ class LineReport:
     rounded: bool
     tracking: TrackingResult = field(repr=False)
     filename: str = "<cell>"
+    where: dict[int, str] = field(default_factory=dict, repr=False)  # sid -> where it was created ("cell:3")
 
     @property
     def peak_bytes(self) -> int:
@@ -99,7 +100,7 @@ class LineReport:
                 + (" (each rounded up to 512 B)" if self.rounded else ""))
         lines = [head, f"{'line':>5}  {'live after':>12}  {'change':>12}  {'peak in line':>12}  source"]
         for s in self.steps:
-            lines.append(f"{s.line:>5}  {format_bytes(s.total_bytes):>12}  {_signed(s.delta_bytes):>12}  "
+            lines.append(f"{s.line:>5}  {format_bytes(s.total_bytes):>12}  {format_delta(s.delta_bytes):>12}  "
                          f"{format_bytes(s.peak_bytes):>12}  {s.source.strip()[:60]}")
             for sign, items in (("+", s.added), ("-", s.removed)):
                 for t in items[:max_tensors]:
@@ -129,7 +130,7 @@ class LineReport:
                 if len(items) > max_tensors:
                     tens.append(f"{sign} … {len(items) - max_tensors} more")
             rows.append(f"<tr><td>{s.line}</td><td><code>{html.escape(s.source.strip()[:70])}</code></td>"
-                        f"<td>{format_bytes(s.total_bytes)}</td><td>{_signed(s.delta_bytes)}</td>"
+                        f"<td>{format_bytes(s.total_bytes)}</td><td>{format_delta(s.delta_bytes)}</td>"
                         f"<td>{format_bytes(s.peak_bytes)}</td>"
                         f"<td style='text-align:left;font-size:0.85em'>{'<br>'.join(tens)}</td></tr>")
         cap = (f"line-by-line memory: {self.label}; live tensors on {self.device}"
@@ -162,10 +163,6 @@ class LineReport:
         """The stacked-by-category timeline of every event (``gpulab.plots.timeline``)."""
         from .plots import timeline
         return timeline(self.tracking, title=title or f"memory over time by category ({self.label})")
-
-
-def _signed(n: int) -> str:
-    return ("+" if n > 0 else "") + format_bytes(n) if n else "0 B"
 
 
 class _LocatingTracker(MemoryTracker):
@@ -251,7 +248,7 @@ def track_lines(code: str, namespace: dict[str, Any] | None = None, engine: str 
     result = tracker.result(device=device)
     label = {"cpu": LABEL_CPU, "fake": LABEL_FAKE_CPU}.get(eng) or label_cuda(torch.cuda.get_device_name())
     steps = _build_steps(result, tracker.where, marks, n_events, end_alloc, src_lines)
-    return LineReport(steps, eng, label, result.device, result.rounded, result, filename)
+    return LineReport(steps, eng, label, result.device, result.rounded, result, filename, dict(tracker.where))
 
 
 def _build_steps(result: TrackingResult, where: dict[int, str], marks, n_events: int,

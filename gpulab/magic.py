@@ -10,9 +10,14 @@ The cell runs in the notebook's namespace (its variables stay defined afterwards
 ``gpulab.linetrack.track_lines``; the cell's value is the ``LineReport`` (shown as a table).
 The report is also stored as ``_memtrack`` in the namespace (and under ``-o NAME``).
 Options: ``--engine auto|cpu|fake|cuda``, ``--device DEV``, ``--plot`` (live total per
-line), ``--timeline`` (stacked by category), ``-o NAME``.
+line), ``--timeline`` (stacked by category), ``-o NAME``, ``--snapshot PATH`` (also write the
+cell's timeline as a PyTorch memory snapshot pickle, ``gpulab.snapshot.export_tracking``: open it
+with ``torch.cuda._memory_viz`` or on pytorch.org/memory_viz; its segments are the simulated
+allocator's). ``{name}`` in the options line is the notebook variable's value (IPython expands it).
 """
 from __future__ import annotations
+
+import html
 
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
@@ -31,6 +36,8 @@ class MemtrackMagics(Magics):
     @argument("--plot", action="store_true", help="also show the live total after each line")
     @argument("--timeline", action="store_true", help="also show the timeline stacked by category")
     @argument("-o", "--output", default=None, help="also store the report in this variable")
+    @argument("--snapshot", default=None, metavar="PATH",
+              help="also write a PyTorch memory snapshot (pickle) of the cell for torch.cuda._memory_viz")
     @cell_magic
     def memtrack(self, line: str, cell: str) -> LineReport:
         """Run the cell and report memory per executed line (see ``gpulab.magic``)."""
@@ -40,6 +47,16 @@ class MemtrackMagics(Magics):
         self.shell.user_ns["_memtrack"] = report
         if args.output:
             self.shell.user_ns[args.output] = report
+        if args.snapshot:
+            from IPython.display import HTML, display
+            from .snapshot import export_tracking
+            snap = export_tracking(report.tracking, args.snapshot, where=report.where,
+                                   label=f"exported by gpulab from %%memtrack ({report.label}); segments "
+                                         "from the simulated allocator, not recorded on a GPU")
+            self.shell.user_ns["_memtrack_snapshot"] = snap
+            display(HTML(f"<span class='gpulab-label'>PyTorch memory snapshot written to "
+                         f"<code>{html.escape(str(args.snapshot))}</code> ({len(snap.trace):,} trace entries): "
+                         "open it with torch.cuda._memory_viz or drop it on https://pytorch.org/memory_viz</span>"))
         if args.plot or args.timeline:
             from IPython.display import display
             if args.plot:

@@ -145,6 +145,11 @@ def format_bytes(nbytes: float, system: str = "binary", digits: int = 1) -> str:
     return f"{sign}{int(round(n))} B"
 
 
+def format_delta(nbytes: int) -> str:
+    """A change in bytes, signed: ``'+3.0 MiB'``, ``'-512 B'``, ``'0 B'``."""
+    return "0 B" if nbytes == 0 else ("+" if nbytes > 0 else "") + format_bytes(nbytes)
+
+
 def mib(nbytes: float) -> float:
     return nbytes / MiB
 

@@ -30,3 +30,5 @@ from .transformers import activation_seq_panel, serving_panel  # noqa: E402  (le
 __all__ += ["activation_seq_panel", "serving_panel"]
 from .distributed import sharding_panel  # noqa: E402  (lesson 12)
 __all__ += ["sharding_panel"]
+from .oom import oom_panel  # noqa: E402  (lesson 13)
+__all__ += ["oom_panel"]
