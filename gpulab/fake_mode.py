@@ -153,8 +153,22 @@ def _per_channel(mode, t, channels: int) -> bool:
 
 
 def _batch_norm_input(mode, input) -> bool:
-    return (_plain_fake(mode, input) and input.dtype in _FLOATS and input.dim() >= 2 and input.numel() > 0
-            and _one_layout(input))
+    return _plain_fake(mode, input) and _batch_norm_layout(input)
+
+
+def _batch_norm_layout(input) -> bool:
+    """A floating input, at least 2-d and not empty, of one layout (kept by batch norm)."""
+    return input.dtype in _FLOATS and input.dim() >= 2 and input.numel() > 0 and _one_layout(input)
+
+
+def _batch_norm_statistics_ok(input, running_mean, running_var, training: bool) -> bool:
+    """Statistics the decomposition computes without raising: in training a channel needs
+    values (and two or more to update a running variance: it divides by n - 1); in eval the
+    running statistics are what it uses."""
+    if training:
+        n = input.numel() // input.shape[1]
+        return n > 0 and (running_var is None or n > 1)
+    return running_mean is not None and running_var is not None
 
 
 def _fake_native_batch_norm(mode, input, weight, bias, running_mean, running_var, training, momentum, eps):
@@ -166,12 +180,8 @@ def _fake_native_batch_norm(mode, input, weight, bias, running_mean, running_var
     if not _batch_norm_input(mode, input):
         return NotImplemented
     c = input.shape[1]
-    if not all(_per_channel(mode, t, c) for t in (weight, bias, running_mean, running_var)):
-        return NotImplemented
-    n = input.numel() // c if c else 0
-    if training and (n == 0 or (running_var is not None and n <= 1)):   # the decomposition divides by n - 1
-        return NotImplemented
-    if not training and (running_mean is None or running_var is None):
+    if not (all(_per_channel(mode, t, c) for t in (weight, bias, running_mean, running_var))
+            and _batch_norm_statistics_ok(input, running_mean, running_var, training)):
         return NotImplemented
     device, stat = input.fake_device, ((c,) if training else (0,))
     return (_new_fake(mode, device, input.shape, input.stride(), input.dtype),
@@ -674,17 +684,13 @@ def _meta_batch_norm(input, weight, bias, running_mean, running_var, training, m
     computation dtype (float32 for 16-bit inputs), in training and in eval alike. The kernel runs
     ~30 ops through Python meta kernels (~2 ms; most of a CNN's meta forward); this makes three
     empty tensors. NotImplemented where the kernel must answer (or raise) itself."""
-    if not (_plain_meta(input) and input.dtype in _FLOATS and input.dim() >= 2 and input.numel() > 0
-            and _one_layout(input)):
+    if not (_plain_meta(input) and _batch_norm_layout(input)):
         return NotImplemented
     c = input.shape[1]
     for t in (weight, bias, running_mean, running_var):
         if t is not None and not (_plain_meta(t) and t.dim() == 1 and t.shape[0] == c and t.dtype in _FLOATS):
             return NotImplemented
-    n = input.numel() // c if c else 0
-    if training and (n == 0 or (running_var is not None and n <= 1)):   # the decomposition divides by n - 1
-        return NotImplemented
-    if not training and (running_mean is None or running_var is None):
+    if not _batch_norm_statistics_ok(input, running_mean, running_var, training):
         return NotImplemented
     comp = torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else input.dtype
     return (torch.empty_strided(input.shape, input.stride(), dtype=input.dtype, device="meta"),
