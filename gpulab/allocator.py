@@ -61,6 +61,8 @@ __all__ = [
     "should_split",
     "format_size",
     "simulate",
+    "SegmentLayout",
+    "rebuilt_allocator",
 ]
 
 KiB = 1024
@@ -1285,6 +1287,45 @@ def _event_field(ev: Any, name: str, default: Any = ...) -> Any:
         except AttributeError:
             raise ValueError(f"event {ev!r} has no attribute {name!r}") from None
     return getattr(ev, name, default)
+
+
+# One segment as ``torch.cuda.memory_snapshot()`` lists it: its pool ("small" / "large") and its
+# blocks in address order, each (size, allocated).
+SegmentLayout = tuple[str, tuple[tuple[int, bool], ...]]
+
+
+def rebuilt_allocator(segments: Iterable[SegmentLayout], **kwargs: Any) -> CachingAllocator | None:
+    """A simulated allocator holding these segments, blocks where the real one has them, so that a
+    replay starting from it uses their free room as the real allocator does (a run after a
+    warm-up starts with the cuBLAS workspace's segment and the free room beside it).
+
+    A large segment is made whole (one request of its size, freed), then its blocks are requested
+    in address order; a small segment comes with its first block; the free room is requested too
+    and freed at the end, when it merges back into the free blocks it was. None when the result is
+    not the layout asked for (e.g. expandable segments)."""
+    layout = [(pool, tuple((int(n), bool(used)) for n, used in blocks)) for pool, blocks in segments]
+    sim = CachingAllocator(**kwargs)
+    gaps = []
+    try:
+        for pool, blocks in layout:
+            if pool != "small":
+                sim.free(sim.malloc(sum(n for n, _ in blocks)))
+            for nbytes, used in blocks:
+                if used:
+                    sim.malloc(nbytes)
+                    continue
+                # free room is held while the rest is built (so no later block lands in it), in
+                # pieces a small segment serves (a request over 1 MiB would go to the large pool)
+                while nbytes > 0:
+                    piece = min(nbytes, SMALL_SIZE) if pool == "small" else nbytes
+                    gaps.append(sim.malloc(piece))
+                    nbytes -= piece
+        for blk in gaps:
+            sim.free(blk)
+    except SimulatedOutOfMemoryError:
+        return None
+    rebuilt = sorted((seg.pool, tuple((b.size, b.allocated) for b in seg.blocks)) for seg in sim.segment_map())
+    return sim if rebuilt == sorted(layout) else None
 
 
 def simulate(

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from .allocator import CachingAllocator
+from .allocator import CachingAllocator, rebuilt_allocator
 from .fake_mode import FakeMode
 from .formulas import cuda_rounded_bytes
 from .tracking import Category, MemoryTracker, TrackingResult
@@ -139,21 +139,26 @@ class AllocatorBlocks:
     tensor_label: str = LABEL_TENSOR_BYTES   # the line it stands next to: the tracker's own peak
 
 
-def allocator_blocks(events) -> AllocatorBlocks:
+def allocator_blocks(events, segments=None) -> AllocatorBlocks:
     """Replay tracker events (one CUDA device's) through gpulab's simulated caching allocator,
-    starting from an empty cache, as ``_run_cuda`` leaves it after ``empty_cache``.
-    NB: free room in segments that blocks allocated before the run still occupy is not modelled."""
-    sim = CachingAllocator()
+    starting from ``segments`` (the allocator's segments when the run began, as
+    ``gpu.allocator_segments`` reads them: the blocks allocated before the run and the free room
+    beside them, which the run's tensors may take), or from an empty cache when they are not
+    known. The peaks and the final bytes are those of the run's own blocks (above the start)."""
+    sim = rebuilt_allocator(segments) if segments else None
+    sim = sim or CachingAllocator()
+    start = sim.memory_allocated()
     r = sim.replay(events, strict=False)
-    return AllocatorBlocks(r.peak_allocated, sim.memory_allocated())
+    return AllocatorBlocks(r.peak_allocated - start, sim.memory_allocated() - start)
 
 
 class RunContext:
     """What an experiment receives: where to put tensors, and how to label them."""
 
     def __init__(self, engine: str, device: torch.device, tracker: MemoryTracker, baseline: int = 0,
-                 kernels: str | None = None, on_host=None):
+                 kernels: str | None = None, on_host=None, segments=None):
         self.engine = engine
+        self._segments = segments   # cuda: the allocator's segments when the run began (allocator_blocks)
         self.device = device
         self._on_host = on_host  # records a CUDA run keeps in host memory (fake CUDA target)
         # whose kernels the run follows: "cuda" on the cuda engine and for the fake engine's
@@ -188,7 +193,8 @@ class RunContext:
         if self.engine == "cuda":
             torch.cuda.synchronize(self.device)
             alloc = torch.cuda.memory_allocated(self.device) - self._baseline
-            blocks = allocator_blocks([e for e in self.tracker._events if e.device.startswith(dev)]).final_bytes
+            blocks = allocator_blocks([e for e in self.tracker._events if e.device.startswith(dev)],
+                                      self._segments).final_bytes
         snap = Snapshot(name, tracked, alloc, by_category, blocks)
         self.snapshots.append(snap)
         return snap
@@ -395,12 +401,13 @@ def _run_cuda(experiment, choice: EngineChoice, device: torch.device) -> Measure
     """Measure one run, not the process's history: free what earlier code left (gc, synchronize,
     ``empty_cache``), reset the peaks, record the baseline; report peaks and deltas from it.
     Memory is released again after any error; an error that is not an out-of-memory is re-raised."""
-    from .gpu import nvml_used_bytes
+    from .gpu import allocator_segments, nvml_used_bytes
     release_cuda_memory(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = _cuda_counters(device)
+    segments = allocator_segments(device)   # what was left (a cuBLAS workspace) and the room beside it
     tracker = MemoryTracker()
-    ctx = RunContext("cuda", device, tracker, baseline=before["allocated"])
+    ctx = RunContext("cuda", device, tracker, baseline=before["allocated"], segments=segments)
     value, err, oom = None, None, False
     t0 = time.perf_counter()
     try:
@@ -418,7 +425,7 @@ def _run_cuda(experiment, choice: EngineChoice, device: torch.device) -> Measure
     max_alloc = torch.cuda.max_memory_allocated(device)
     max_res = torch.cuda.max_memory_reserved(device)
     result = tracker.result(device=str(device))
-    blocks = allocator_blocks(result.events)
+    blocks = allocator_blocks(result.events, segments)
     allocator = cuda_run_counters(before, _cuda_counters(device), max_alloc, max_res,
                                   nvml_used_bytes(device.index or 0))
     beyond = beyond_tensors(allocator, blocks)

@@ -72,6 +72,26 @@ def nvml_used_bytes_at(nvml_index: int) -> int | None:
         return None
 
 
+def allocator_segments(device: torch.device | int = 0) -> list[tuple[str, tuple[tuple[int, bool], ...]]] | None:
+    """The caching allocator's segments on ``device`` now, from ``torch.cuda.memory_snapshot()``:
+    each its pool ("small" / "large") and its blocks in address order, (size, allocated) (the
+    form ``allocator.rebuilt_allocator`` takes). None when the snapshot is not available or its
+    allocated blocks do not add up to ``memory_allocated``."""
+    index = device.index if isinstance(device, torch.device) else device
+    index = torch.cuda.current_device() if index is None else index
+    try:
+        segs = sorted((s for s in torch.cuda.memory_snapshot() if s.get("device", index) == index),
+                      key=lambda s: s.get("address", 0))
+        layout = [(str(s.get("segment_type", "large")),
+                   tuple((int(b["size"]), b.get("state") == "active_allocated") for b in s.get("blocks", ())))
+                  for s in segs]
+        if sum(n for _, blocks in layout for n, used in blocks if used) != torch.cuda.memory_allocated(index):
+            return None
+    except Exception:   # a snapshot this torch cannot give, or of another shape: no layout
+        return None
+    return layout
+
+
 def pci_bus_id(cuda_index: int) -> str:
     """The PCI bus id of a CUDA device in NVML's form, ``domain:bus:device.function``
     (e.g. ``00000000:65:00.0``), from ``torch.cuda.get_device_properties``."""

@@ -176,7 +176,16 @@ class StandInGPU:
             "max_memory_reserved": logged("max_memory_reserved", lambda device=None: sim.max_memory_reserved()),
             "memory_stats": logged("memory_stats", lambda device=None: sim.stats()),
             "mem_get_info": logged("mem_get_info", lambda device=None: (self.free_bytes(), self.total_bytes)),
+            "memory_snapshot": logged("memory_snapshot", self.memory_snapshot),
         }
+
+    def memory_snapshot(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        """``torch.cuda.memory_snapshot()``'s segments (the fields gpulab reads), from the simulator."""
+        return [{"device": 0, "address": seg.address, "total_size": seg.size, "segment_type": seg.pool,
+                 "allocated_size": seg.allocated_bytes,
+                 "blocks": [{"size": b.size, "requested_size": b.requested,
+                             "state": "active_allocated" if b.allocated else "inactive"} for b in seg.blocks]}
+                for seg in self.sim.segment_map()]
 
 
 class _Redirect(TorchFunctionMode):

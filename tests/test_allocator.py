@@ -616,3 +616,37 @@ def test_simulator_matches_real_caching_allocator():
     torch.cuda.empty_cache()
     sim.empty_cache()
     compare("empty_cache")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device")
+def test_the_simulator_is_rebuilt_from_the_real_allocators_segments():
+    """``gpu.allocator_segments`` reads ``torch.cuda.memory_snapshot()``; ``rebuilt_allocator``
+    makes the same segments and blocks, and a replay from there follows the real allocator."""
+    import gc
+
+    import torch
+
+    from gpulab.allocator import rebuilt_allocator
+    from gpulab.gpu import allocator_segments
+
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        pytest.skip("PYTORCH_CUDA_ALLOC_CONF is set; the simulator here models the defaults")
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    keep = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (3 * MiB, 700, 5 * MiB, 12 * MiB, 300)]
+    del keep[2]
+    torch.cuda.synchronize()
+    segments = allocator_segments(0)
+    assert segments is not None
+    sim = rebuilt_allocator(segments)
+    assert sim is not None
+    assert sim.memory_allocated() == torch.cuda.memory_allocated()
+    assert sim.memory_reserved() == torch.cuda.memory_reserved()
+    more = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")   # lands in the 5 MiB gap
+    sim.malloc(4 * MiB)
+    torch.cuda.synchronize()
+    assert (sim.memory_allocated(), sim.memory_reserved()) == \
+        (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+    del keep, more
