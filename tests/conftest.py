@@ -6,7 +6,12 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LESSONS = ROOT / "lessons"
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def cuda(test):
+    """A test that needs a CUDA GPU: marked ``cuda`` (so ``pytest -m cuda`` selects it, as the GPU
+    validation runs it) and skipped without one."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
 
 
 @pytest.fixture(autouse=True)
