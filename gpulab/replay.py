@@ -64,6 +64,7 @@ class AllocatorRun:
     description: str = ""
     tracked_peak: int | None = None  # the tracker's 512-rounded peak, when replaying a tracked run
     real: dict[str, int] | None = None  # the real allocator's stats (cuda engine only)
+    settings: dict[str, Any] = field(default_factory=dict)  # workload()'s: model, batch, steps (to find records)
 
     @property
     def peak_allocated(self) -> int:
@@ -231,9 +232,11 @@ def workload(name: str = "training step", model: str = "cnn", batch: int = 32, *
         ev = fragmentation_events()
         n = 8
         flush = [n + n // 2 - 1] if empty_cache else []
-        return replay_events(ev, expandable_segments=expandable_segments, empty_cache_at=flush,
-                             workload=key, source_label="synthetic sizes (no tensors)",
-                             description="8 x 6 MiB, every other freed, then 4 x 12 MiB.")
+        out = replay_events(ev, expandable_segments=expandable_segments, empty_cache_at=flush,
+                            workload=key, source_label="synthetic sizes (no tensors)",
+                            description="8 x 6 MiB, every other freed, then 4 x 12 MiB.")
+        out.settings = {"n": n, "block_mib": 6, "big_mib": 12}
+        return out
     batches = [batch] * steps if key == "training step" else growing_batches(batch)
     m = tracked_steps(model, batches, engine)
     ev = tracked_events(m)
@@ -242,6 +245,8 @@ def workload(name: str = "training step", model: str = "cnn", batch: int = 32, *
             else f"{model}, batches {', '.join(map(str, batches))}.")
     out = replay_events(ev, expandable_segments=expandable_segments, empty_cache_at=flush,
                         workload=key, source_label=m.label, description=desc)
+    out.settings = {"model": model, "batch": batch, "steps": steps} if key == "training step" \
+        else {"model": model, "batch": batch}
     out.tracked_peak = m.tracking.peak_bytes if m.tracking.rounded else \
         type(m.tracking).build(m.tracking.records, m.tracking.events, m.tracking.device, True).peak_bytes
     if m.engine == "cuda" and m.allocator is not None:

@@ -16,16 +16,24 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import torch
 from matplotlib.figure import Figure
-from torch import nn
 
 from .. import formulas as F
 from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
-from ..engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
-from ..experiments import breakdown, flops_by_formula, validate_batch
+from ..engines import LABEL_FORMULA, Measured, Measurement, run
+# The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
+from ..activations_run import ACTIVATION_SIDE as _ACTIVATION_SIDE  # noqa: F401
+from ..activations_run import NON_PARAM as _NON_PARAM
+from ..activations_run import (LayerOut, forward_allocated, forward_experiment,  # noqa: F401
+                               forward_table_experiment, saved_by_dtype as _saved_by_dtype)
+from ..activations_run import live as _live, remove as _remove, trace as _trace  # noqa: F401
+from ..activations_run import (DEPTHWISE_BLOCKS, depthwise_experiment, separable_block,  # noqa: F401
+                               standard_block)
+from ..activations_run import build_in as _build_in, peak_since as _peak_since  # noqa: F401
+from ..experiments import breakdown, validate_batch
 from ..models import MODELS, ModelSpec, build_model, check_image_size, resolve_model
 from .parameters import NUMEL_LABEL, lesson_engine_limits
 from ..plots import CATEGORY_COLORS, LessonFigure
@@ -41,12 +49,6 @@ LABEL_FLOP_COUNTER = "counted by torch.utils.flop_counter (meta tensors, no comp
 CS231N_CLAIMED_VALUES = 24_000_000      # "TOTAL memory: 24M * 4 bytes ~= 93MB / image"
 CS231N_CLAIMED_PARAMS = 138_000_000     # "TOTAL params: 138M parameters"
 CS231N_ISSUE = "https://github.com/cs231n/cs231n.github.io/issues/88"
-
-_NON_PARAM = tuple(c.value for c in CATEGORIES if c not in (Category.PARAMETERS, Category.BUFFERS))
-# what backward holds on the activation side: saved tensors, activation gradients (temporaries),
-# the input; the weights' gradients are left out (they are the weights' memory, lesson 04)
-_ACTIVATION_SIDE = (Category.ACTIVATIONS.value, Category.TEMPORARIES.value, Category.INPUTS.value)
-
 
 def _check_dtype(dtype) -> torch.dtype:
     dt = parse_dtype(dtype)
@@ -74,79 +76,6 @@ def predicted_forward_bytes(model: str, batch: int, image_size: int | None, dtyp
     """A cheap upper-end estimate for the memory guard (formula: weights + every layer output)."""
     spec, batch, size, dt = _setup(model, batch, image_size, dtype)
     return _predicted(spec, batch, size, dt)["predicted_bytes"]
-
-
-def _live(ctx: RunContext) -> dict[str, int]:
-    return dict(ctx.tracker.result(device=str(ctx.device)).final_by_category)
-
-
-def _saved_by_dtype(ctx: RunContext) -> dict[str, int]:
-    """Bytes of the live storages autograd has saved (category activations), by dtype."""
-    res = ctx.tracker.result(device=str(ctx.device))
-    out: dict[str, int] = {}
-    for r in res.alive():
-        if r.category == Category.ACTIVATIONS:
-            out[r.dtype] = out.get(r.dtype, 0) + res.storage_bytes(r)
-    return out
-
-
-# --- tracing a forward pass -----------------------------------------------------------------------
-
-@dataclass
-class LayerOut:
-    """One leaf module call in a forward pass."""
-    index: int
-    name: str
-    type: str
-    input_shape: list[int]
-    output_shape: list[int]
-    values: int              # elements of the output
-    out_bytes: int           # numel x element size of the output
-    new_storage: bool        # False: written in place into its input, a view of it, or the input itself
-    storage_bytes: int       # bytes of the storage it allocated (0 when not new)
-    in_storage_bytes: int    # bytes of its input's storage
-    input_is_model_input: bool
-    params: int
-    flops: int               # formula (gpulab.formulas; 2 per multiply-add)
-    inplace: bool
-    live_after: int = 0      # tracker: live non-parameter bytes right after this layer
-    saved_after: int = 0     # tracker: live bytes saved for backward right after this layer
-
-
-def _trace(net: nn.Module, x: torch.Tensor, rows: list[LayerOut], ctx: RunContext | None = None):
-    """Forward hooks on every leaf module that append a ``LayerOut`` per call."""
-    names = {m: n for n, m in net.named_modules()}
-    x_storage = x.untyped_storage()
-
-    def hook(mod, args, out):
-        if any(True for _ in mod.children()) or not isinstance(out, torch.Tensor):
-            return
-        inp = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        in_st = inp.untyped_storage() if inp is not None else None
-        out_st = out.untyped_storage()
-        new = in_st is None or out_st is not in_st
-        row = LayerOut(
-            index=len(rows), name=names.get(mod, type(mod).__name__) or type(mod).__name__,
-            type=type(mod).__name__, input_shape=list(inp.shape) if inp is not None else [],
-            output_shape=list(out.shape), values=out.numel(), out_bytes=out.numel() * out.element_size(),
-            new_storage=new, storage_bytes=out_st.nbytes() if new else 0,
-            in_storage_bytes=in_st.nbytes() if in_st is not None else 0,
-            input_is_model_input=in_st is x_storage,
-            params=sum(p.numel() for p in mod.parameters(recurse=False)),
-            flops=flops_by_formula(mod, inp, out) if inp is not None else 0,
-            inplace=bool(getattr(mod, "inplace", False)))
-        if ctx is not None:
-            live = _live(ctx)
-            row.live_after = sum(live.get(k, 0) for k in _NON_PARAM)
-            row.saved_after = live.get(Category.ACTIVATIONS.value, 0)
-        rows.append(row)
-
-    return [m.register_forward_hook(hook) for m in net.modules()]
-
-
-def _remove(handles) -> None:
-    for h in handles:
-        h.remove()
 
 
 def neighbour_peak_formula(rows: Sequence[LayerOut], input_bytes: int) -> tuple[int, str]:
@@ -289,21 +218,9 @@ def forward_table(model: str = "vgg16", batch: int = 1, image_size: int | None =
     """One eval-mode forward under ``no_grad``, traced layer by layer on an engine."""
     spec, batch, size, dt = _setup(model, batch, image_size, dtype)
 
-    def experiment(ctx: RunContext) -> dict[str, Any]:
-        net = build_model(spec, size, device=ctx.device, dtype=dt).eval()
-        x = ctx.label(torch.randn(batch, 3, size, size, device=ctx.device, dtype=dt))
-        rows: list[LayerOut] = []
-        handles = _trace(net, x, rows)
-        try:
-            with torch.no_grad(), ctx.phase("forward"):
-                net(x)
-        finally:
-            _remove(handles)
-        return {"rows": rows, "params": sum(p.numel() for p in net.parameters()),
-                "input_bytes": x.untyped_storage().nbytes()}
-
-    m = run(experiment, engine, **_predicted(spec, batch, size, dt), **lesson_engine_limits())
-    allocated = sum(e.nbytes for e in m.tracking.events if e.kind == "alloc" and e.phase == "forward")
+    m = run(forward_table_experiment(spec, batch, size, dt), engine, **_predicted(spec, batch, size, dt),
+            **lesson_engine_limits())
+    allocated = forward_allocated(m)
     v = m.value
     return ForwardTable(spec.name, batch, size, dtype_name(dt), [batch, 3, size, size], v["input_bytes"], v["rows"],
                         m, allocated, v["params"])
@@ -471,35 +388,9 @@ def _forward_run(spec: ModelSpec, batch: int, size: int, dt: torch.dtype, grad: 
                  predicted: dict[str, int], backward: bool = False) -> ForwardRun:
     """A traced forward (train mode with grad, or eval mode under no_grad); with ``backward``
     also ``out.sum().backward()``, recording the peak of the non-weight memory during it."""
-    def experiment(ctx: RunContext) -> dict[str, Any]:
-        dev = str(ctx.device)
-        with ctx.phase("setup"):
-            net = build_model(spec, size, device=ctx.device, dtype=dt)
-            net.train(grad)
-            x = ctx.label(torch.randn(batch, 3, size, size, device=ctx.device, dtype=dt))
-            ctx.tracker.register(model=net)
-        rows: list[LayerOut] = []
-        handles = _trace(net, x, rows, ctx)
-        try:
-            with torch.set_grad_enabled(grad), ctx.phase("forward"):
-                out = net(x)
-            end = _live(ctx)
-            saved = _saved_by_dtype(ctx)
-        finally:
-            _remove(handles)
-        bw_peak = 0
-        if grad and backward:
-            start = len(ctx.tracker.result(device=dev).events)
-            with ctx.phase("backward"):
-                out.sum().backward()
-            series = ctx.tracker.result(device=dev).series[max(0, start - 1):]
-            bw_peak = max((sum(s_.get(k, 0) for k in _ACTIVATION_SIDE) for s_ in series), default=0)
-        del out
-        return {"rows": rows, "end": end, "saved": saved, "backward_peak": bw_peak}
-
     if grad and backward:  # backward costs about twice the forward
         predicted = dict(predicted, predicted_flops=3 * predicted["predicted_flops"])
-    m = run(experiment, engine, **predicted, **lesson_engine_limits())
+    m = run(forward_experiment(spec, batch, size, dt, grad, backward), engine, **predicted, **lesson_engine_limits())
     v = m.value
     return ForwardRun("forward with grad (train)" if grad else "no_grad forward (eval)", v["rows"], m,
                       v["end"], v["saved"], v["backward_peak"])
@@ -640,26 +531,6 @@ def params_flops_figure(r: ParamsFlops) -> Figure:
 
 
 # --- 4. depthwise-separable vs standard convolution --------------------------------------------------
-
-def standard_block(cin: int, cout: int, bn_relu: bool = True) -> nn.Sequential:
-    """3×3 convolution (padding 1, no bias) [+ BatchNorm + ReLU]."""
-    layers: list[nn.Module] = [nn.Conv2d(cin, cout, 3, padding=1, bias=False)]
-    if bn_relu:
-        layers += [nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
-    return nn.Sequential(*layers)
-
-
-def separable_block(cin: int, cout: int, bn_relu: bool = True) -> nn.Sequential:
-    """MobileNet's depthwise-separable block: 3×3 depthwise conv (groups=cin) [+ BN + ReLU],
-    then 1×1 pointwise conv [+ BN + ReLU] (Howard et al. 2017, Fig. 3; no bias, as there)."""
-    layers: list[nn.Module] = [nn.Conv2d(cin, cin, 3, padding=1, groups=cin, bias=False)]
-    if bn_relu:
-        layers += [nn.BatchNorm2d(cin), nn.ReLU(inplace=True)]
-    layers.append(nn.Conv2d(cin, cout, 1, bias=False))
-    if bn_relu:
-        layers += [nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
-    return nn.Sequential(*layers)
-
 
 @dataclass
 class BlockMeasure:
@@ -810,66 +681,14 @@ def depthwise_vs_standard(in_channels: int = 64, out_channels: int = 128, image_
     predicted_bytes = 8 * (in_channels + out_channels) * plane
     predicted_flops = 2 * sum(counted.values())  # each block runs forward twice (grad, no_grad)
 
-    def experiment(ctx: RunContext) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, build in builders.items():
-            with ctx.phase("setup"):
-                blk = _build_in(ctx.device, dt, build, in_channels, out_channels, bn_relu)
-                ctx.tracker.register(model=blk)
-            base = _live(ctx)
-            # the block input: inside a network, the previous layer's output (not an "input")
-            x = torch.randn(shape, device=ctx.device, dtype=dt, requires_grad=True)
-            before = ctx.tracker.result(device=str(ctx.device))
-            start = len(before.events)
-            with ctx.phase("forward"):
-                y = blk(x)
-            live = _live(ctx)
-            res = ctx.tracker.result(device=str(ctx.device))
-            grad_peak = _peak_since(res, start, base)
-            del y, x
-            x = torch.randn(shape, device=ctx.device, dtype=dt)
-            blk.eval()
-            start = len(ctx.tracker.result(device=str(ctx.device)).events)
-            with torch.no_grad(), ctx.phase("forward"):
-                y = blk(x)
-            res = ctx.tracker.result(device=str(ctx.device))
-            out[k] = {"saved": live.get(Category.ACTIVATIONS.value, 0),
-                      "output": y.numel() * y.element_size(),
-                      "no_grad_peak": _peak_since(res, start, base) ,
-                      "grad_peak": grad_peak,
-                      "params": sum(p.numel() for p in blk.parameters()),
-                      "param_bytes": sum(p.untyped_storage().nbytes() for p in blk.parameters())}
-            del y, x, blk
-        return out
-
-    m = run(experiment, engine, predicted_bytes=predicted_bytes, predicted_flops=predicted_flops,
+    m = run(depthwise_experiment(in_channels, out_channels, image_size, batch, bn_relu, dt), engine,
+            predicted_bytes=predicted_bytes, predicted_flops=predicted_flops,
             **lesson_engine_limits())
     blocks = {k: BlockMeasure(k, v["params"], flops_formula[k], counted[k], v["saved"], v["output"],
                               v["no_grad_peak"], v["grad_peak"], v["param_bytes"]) for k, v in m.value.items()}
     return DepthwiseResult(in_channels, out_channels, image_size, batch, bn_relu, dtype_name(dt),
                            blocks["standard"], blocks["separable"], m,
                            depthwise_saved_formula(in_channels, out_channels, image_size, batch, bn_relu, dt))
-
-
-def _build_in(device, dtype: torch.dtype, build: Callable[..., nn.Module], *args) -> nn.Module:
-    """Build a module directly on ``device`` in ``dtype`` (no copy; works under FakeTensorMode)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            return build(*args)
-    finally:
-        torch.set_default_dtype(old)
-
-
-def _peak_since(res, start: int, base: dict[str, int]) -> int:
-    """Highest live non-parameter total reached after event ``start``, minus what was live
-    before (``base``): the peak one forward added."""
-    floor = sum(base.get(k, 0) for k in _NON_PARAM)
-    best = floor
-    for s in res.series[start:]:
-        best = max(best, sum(s.get(k, 0) for k in _NON_PARAM))
-    return best - floor
 
 
 def depthwise_figure(r: DepthwiseResult) -> Figure:

@@ -19,19 +19,19 @@ peak under the tracker against op-by-op formulas (``attention_saved_bytes``,
 """
 from __future__ import annotations
 
-import contextlib
 import html
 import math
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+from torch.utils.checkpoint import checkpoint
 
 from .. import formulas as F
+# The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
+from ..checkpoint_run import Timing, block_stack, cpu_threads, run_checkpoint_sweep, time_fn  # noqa: F401
 from ..engines import LABEL_FORMULA, RunContext, choose_engine, run
 from .inplace import validate_positive
 from ..units import format_bytes
@@ -42,78 +42,7 @@ LABEL_CHEN = "formula: Chen et al. 2016, N/k + k"
 LABEL_SEQUENTIAL = "formula: checkpoint_sequential's segments"
 
 
-# --- timing -----------------------------------------------------------------------------------------
-
-@dataclass
-class Timing:
-    """Wall-clock samples of one callable (seconds), after ``warmup`` untimed calls."""
-    samples: list[float]
-    warmup: int
-    device: str
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.samples)
-
-    @property
-    def min(self) -> float:
-        """The fastest sample: the run least disturbed by other work on a shared machine."""
-        return min(self.samples)
-
-    @property
-    def low(self) -> float:
-        """25th percentile (the minimum when there are fewer than 4 samples)."""
-        return _quantile(self.samples, 0.25)
-
-    @property
-    def high(self) -> float:
-        """75th percentile (the maximum when there are fewer than 4 samples)."""
-        return _quantile(self.samples, 0.75)
-
-    def __repr__(self) -> str:
-        return (f"Timing(median={self.median * 1e3:.1f} ms, IQR {self.low * 1e3:.1f}–{self.high * 1e3:.1f} ms, "
-                f"n={len(self.samples)}, on {self.device})")
-
-
-def _quantile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    if len(s) < 4:
-        return s[0] if q < 0.5 else s[-1]
-    pos = q * (len(s) - 1)
-    lo = math.floor(pos)
-    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
-
-
-def time_fn(fn: Callable[[], Any], warmup: int = 1, repeats: int = 5,
-            device: torch.device | str = "cpu") -> Timing:
-    """Call ``fn`` ``warmup`` times untimed, then ``repeats`` times timed; on CUDA each call
-    is bracketed by ``torch.cuda.synchronize`` so the kernels' time is counted (as nanoGPT's
-    bench.py does)."""
-    if repeats < 1 or warmup < 0:
-        raise ValueError("repeats must be >= 1 and warmup >= 0")
-    dev = torch.device(device)
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - t0)
-    return Timing(samples, warmup, str(dev) if dev.type != "cpu" else "this CPU")
-
-
 # --- the model and the formulas -----------------------------------------------------------------------
-
-def block_stack(n_blocks: int = 16, width: int = 128) -> nn.Sequential:
-    """N identical blocks, each ``Sequential(Linear(width, width), ReLU())``. Each block
-    saves one (batch, width) map for backward: ReLU's result, which is also the next Linear's
-    saved input."""
-    validate_positive(n_blocks=n_blocks, width=width)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(n_blocks)])
-
 
 def chen_maps(n_blocks: int, segments: int) -> float:
     """Chen et al. 2016 (arXiv:1604.06174, section 4.1): split N layers into k segments and keep
@@ -286,88 +215,12 @@ class CheckpointResult:
             "k = 1 is no checkpointing; formulas count one map per saved block output; binary units")
 
 
-def _step(net: nn.Sequential, x: torch.Tensor, segments: int) -> torch.Tensor:
-    if segments <= 1:
-        out = net(x)
-    else:
-        out = checkpoint_sequential(net, segments, x, use_reentrant=False)
-    loss = out.sum()
-    loss.backward()
-    return loss
-
-
-def _memory_experiment(n_blocks: int, width: int, batch: int, segments: int):
-    def experiment(ctx: RunContext) -> None:
-        with ctx.phase("setup"), torch.device(ctx.device):
-            torch.manual_seed(0)
-            net = block_stack(n_blocks, width)
-            ctx.tracker.register(net)
-            x = ctx.label(torch.randn(batch, width))
-        with ctx.phase("forward"):
-            out = net(x) if segments <= 1 else checkpoint_sequential(net, segments, x, use_reentrant=False)
-            loss = out.sum()
-        del out
-        with ctx.phase("backward"):
-            loss.backward()
-        return None
-    return experiment
-
-
-def _time_round_robin(n_blocks: int, width: int, batch: int, ks: list[int], device: torch.device,
-                      warmup: int, repeats: int, progress: Callable[[int], None] | None) -> dict[int, Timing]:
-    """One model, one batch; ``warmup`` untimed steps per k, then ``repeats`` rounds that time
-    one step of every k in turn, so slow spells of a shared machine fall on all k alike."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        net = block_stack(n_blocks, width)
-        x = torch.randn(batch, width)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-    def step(k: int) -> float:
-        net.zero_grad(set_to_none=True)
-        sync()
-        t0 = time.perf_counter()
-        _step(net, x, k)
-        sync()
-        return time.perf_counter() - t0
-
-    for k in ks:
-        for _ in range(warmup):
-            step(k)
-    samples: dict[int, list[float]] = {k: [] for k in ks}
-    for j in range(repeats):
-        if progress:
-            progress(j)
-        for k in ks:
-            samples[k].append(step(k))
-    where = str(device) if device.type != "cpu" else "this CPU"
-    return {k: Timing(v, warmup, where) for k, v in samples.items()}
-
-
 def segment_counts(n_blocks: int, which: str = SEGMENT_CHOICES[0]) -> list[int]:
     if which not in SEGMENT_CHOICES:
         raise ValueError(f"unknown choice {which!r}; valid: {', '.join(SEGMENT_CHOICES)}")
     if which == "divisors of N":
         return [k for k in range(1, n_blocks + 1) if n_blocks % k == 0]
     return list(range(1, n_blocks + 1))
-
-
-@contextlib.contextmanager
-def cpu_threads(n: int | None):
-    """Run the body with ``torch.set_num_threads(n)`` (None: leave it), then restore.
-
-    One thread is the default for the checkpoint sweep on the CPU: its steps are a few
-    milliseconds of small matmuls, and on a shared machine (CI, Binder, a classroom server) a
-    second OpenMP thread that gets descheduled makes every op wait, turning 6 ms steps into
-    100 ms ones. One thread measures the ratio that matters (recompute vs no recompute)
-    steadily; the label says so."""
-    old = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def checkpoint_sweep(n_blocks: int = 16, width: int = 128, batch: int = 512,
@@ -389,52 +242,21 @@ def checkpoint_sweep(n_blocks: int = 16, width: int = 128, batch: int = 512,
     map_bytes = F.tensor_bytes((batch, width))
     flops = 3 * F.linear_flops(batch, width, width) * n_blocks * 2
     choice = choose_engine(engine, predicted_bytes=(n_blocks + 4) * map_bytes, predicted_flops=flops)
-    device = torch.device("cuda") if choice.name == "cuda" else torch.device("cpu")
-    with cpu_threads(threads if choice.name == "cpu" else None):
-        return _sweep(n_blocks, width, batch, ks, map_bytes, choice, device, repeats, warmup, time_steps,
-                      progress, threads if choice.name == "cpu" else None)
+    return _sweep(n_blocks, width, batch, ks, map_bytes, choice, repeats, warmup, time_steps, progress, threads)
 
 
-def _sweep(n_blocks, width, batch, ks, map_bytes, choice, device, repeats, warmup, time_steps, progress,
+def _sweep(n_blocks, width, batch, ks, map_bytes, choice, repeats, warmup, time_steps, progress,
            threads) -> CheckpointResult:
-    timed = choice.name != "fake" and time_steps
-    n_tasks = len(ks) + (repeats + 1 if timed else 0)
-    measurements = {}
-    for i, k in enumerate(ks):
-        if progress:
-            progress(i / n_tasks, f"memory, k = {k} ({i + 1}/{len(ks)})")
-        m = run(_memory_experiment(n_blocks, width, batch, k), choice.name)
-        if m.oom:
-            raise MemoryError(m.error)
-        measurements[k] = m
-    timings: dict[int, Timing | None] = {k: None for k in ks}
-    if timed:
-        timings = _time_round_robin(n_blocks, width, batch, ks, device, warmup, repeats,
-                                    lambda j: progress((len(ks) + j) / n_tasks, f"timing, round {j}/{repeats}")
-                                    if progress else None)
+    runs = run_checkpoint_sweep(n_blocks, width, batch, ks, choice.name, repeats=repeats, warmup=warmup,
+                                time_steps=time_steps, progress=progress, threads=threads)
     points: list[SegmentPoint] = []
     for k in ks:
-        m = measurements[k]
+        m = runs.measurements[k]
         pc = m.peak_by_category
         points.append(SegmentPoint(k, m.peak_bytes, pc.get("activations", 0) + pc.get("temporaries", 0), pc,
                                    chen_maps(n_blocks, k) * map_bytes,
-                                   checkpoint_sequential_maps(n_blocks, k) * map_bytes, timings[k]))
-    label = measurements[ks[0]].label
-    if choice.name == "fake":
-        timing_label = "not timed: fake tensors do no compute"
-    elif not time_steps:
-        timing_label = "not timed"
-    elif choice.name == "cuda":
-        timing_label = (f"timed on {torch.cuda.get_device_name(device)} (untracked; {warmup} warm-up step per k, "
-                        f"then {repeats} rounds over every k in turn, synchronized)")
-    else:
-        nt = f"{threads} thread{'s' if threads != 1 else ''}" if threads else f"{torch.get_num_threads()} threads"
-        timing_label = (f"timed on this CPU, {nt} (untracked; {warmup} warm-up step per k, then {repeats} rounds "
-                        f"over every k in turn; shared CPUs are noisy, and a GPU's balance of compute and "
-                        f"overhead differs)")
-    if progress:
-        progress(1.0, "done")
-    return CheckpointResult(n_blocks, width, batch, map_bytes, points, label, choice.name, timing_label)
+                                   checkpoint_sequential_maps(n_blocks, k) * map_bytes, runs.timings[k]))
+    return CheckpointResult(n_blocks, width, batch, map_bytes, points, runs.label, choice.name, runs.timing_label)
 
 
 # --- checkpoint by hand (the articles' two halves) ----------------------------------------------------

@@ -11,37 +11,24 @@
 """
 from __future__ import annotations
 
-import contextlib
 import html
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
-from torch.nn import functional as Fn
 
 from .. import formulas as F
-from ..engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
-from .inplace import SavedTensor, saved_activation_bytes, saved_tensors, validate_positive
+from ..engines import LABEL_FORMULA, Measured, Measurement
+# The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
+from ..inference_run import (GRAD_MODES, MODES, STYLES, TinyUNet, eval_demo_net, forward_peak,  # noqa: F401
+                             mode_context, run_lifetimes, run_modes)
+from .inplace import SavedTensor, saved_activation_bytes, validate_positive
 from ..units import format_bytes
 from ..views import error_percent, fmt_error, html_table
 
-MODES = ("train() + grad", "eval() + grad", "train() + no_grad", "eval() + no_grad",
-         "eval() + inference_mode")
 
 
 # --- the model ----------------------------------------------------------------------------------
-
-def eval_demo_net(channels: int = 32, image_size: int = 32, p: float = 0.5,
-                  num_classes: int = 10) -> nn.Sequential:
-    """conv 3x3 -> BatchNorm -> ReLU -> max-pool 2 -> flatten -> Dropout(p) -> Linear: the
-    two layers that behave differently in train() and eval() (BN, dropout) in one small net."""
-    if image_size < 2 or image_size % 2:
-        raise ValueError(f"image size must be an even number >= 2, got {image_size}")
-    return nn.Sequential(
-        nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Dropout(p), nn.Linear(channels * (image_size // 2) ** 2, num_classes))
-
 
 def predict_saved_bytes(batch: int, channels: int, image_size: int, training: bool) -> int:
     """What autograd saves in one forward of ``eval_demo_net`` with grad enabled (bytes of new
@@ -140,38 +127,6 @@ class ModesResult(Measured):
             "binary units")
 
 
-def _mode_context(mode: str):
-    if mode.endswith("no_grad"):
-        return torch.no_grad()
-    if mode.endswith("inference_mode"):
-        return torch.inference_mode()
-    return contextlib.nullcontext()
-
-
-def _modes_experiment(mode: str, batch: int, channels: int, image_size: int):
-    def experiment(ctx: RunContext) -> dict[str, Any]:
-        with ctx.phase("setup"), torch.device(ctx.device):
-            torch.manual_seed(0)
-            net = eval_demo_net(channels, image_size)
-            ctx.tracker.register(net)
-            x = ctx.label(torch.randn(batch, 3, image_size, image_size))
-        net.train(mode.startswith("train"))
-        with ctx.phase("forward"), _mode_context(mode):
-            out = net(x)
-        held = ctx.snapshot("output held").tracked_bytes
-        saved = saved_tensors(out, list(net.parameters()) + list(net.buffers()) + [x])
-        return {"held": held, "fixed": _fixed_bytes(net, x), "saved": saved, "requires_grad": out.requires_grad,
-                "grad_fn": None if out.grad_fn is None else out.grad_fn.name(),
-                "is_inference": out.is_inference()}
-    return experiment
-
-
-def _fixed_bytes(net: nn.Module, *inputs: torch.Tensor) -> int:
-    """Parameters, buffers and inputs: what exists before the forward starts."""
-    tensors = list(net.parameters()) + list(net.buffers()) + list(inputs)
-    return sum(t.untyped_storage().nbytes() for t in tensors)
-
-
 def mode_facts(mode: str, channels: int = 4, image_size: int = 8) -> dict[str, bool]:
     """What a mode changes, observed on a tiny net (no tracker): do BN's running statistics
     move, is dropout active (two forwards differ), does the output track a version counter,
@@ -181,7 +136,7 @@ def mode_facts(mode: str, channels: int = 4, image_size: int = 8) -> dict[str, b
     net.train(mode.startswith("train"))
     x = torch.randn(4, 3, image_size, image_size)
     before = net[1].running_mean.clone()
-    with _mode_context(mode):
+    with mode_context(mode):
         a = net(x)
         b = net(x)
     try:
@@ -211,11 +166,8 @@ def inference_modes(batch: int = 64, channels: int = 32, image_size: int = 32,
     flops = F.conv2d_flops(batch, 3, channels, (image_size, image_size), 3)
     runs: dict[str, ModeRun] = {}
     predicted: dict[str, int] = {}
-    for mode in modes:
-        m = run(_modes_experiment(mode, batch, channels, image_size), engine,
-                predicted_bytes=4 * fmap, predicted_flops=flops)
-        if m.oom:
-            raise MemoryError(m.error)
+    measured = run_modes(batch, channels, image_size, engine, modes, predicted_bytes=4 * fmap, predicted_flops=flops)
+    for mode, m in measured.items():
         v = m.value
         facts = mode_facts(mode)
         runs[mode] = ModeRun(mode, m, v["held"] - v["fixed"], v["saved"], v["requires_grad"], v["grad_fn"],
@@ -228,67 +180,6 @@ def inference_modes(batch: int = 64, channels: int = 32, image_size: int = 32,
 
 # --- del and name reuse inside forward -------------------------------------------------------------
 
-STYLES = ("names kept", "del / reuse")
-GRAD_MODES = ("no_grad forward", "train step")
-
-
-class TinyUNet(nn.Module):
-    """Three levels down, two up, skip connections by concatenation: the shape of network the
-    reference articles' ``del`` advice is about. ``style`` picks how ``forward`` is written;
-    both compute the same function with the same modules."""
-
-    def __init__(self, channels: int = 8, style: str = "names kept"):
-        super().__init__()
-        if style not in STYLES:
-            raise ValueError(f"unknown style {style!r}; valid styles: {', '.join(STYLES)}")
-        c = channels
-        self.style = style
-        self.enc1 = nn.Conv2d(3, c, 3, padding=1)
-        self.enc2 = nn.Conv2d(c, 2 * c, 3, padding=1)
-        self.enc3 = nn.Conv2d(2 * c, 4 * c, 3, padding=1)
-        self.dec2 = nn.Conv2d(4 * c + 2 * c, 2 * c, 3, padding=1)
-        self.dec1 = nn.Conv2d(2 * c + c, c, 3, padding=1)
-        self.head = nn.Conv2d(c, 1, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.style == "names kept":
-            return self._forward_names(x)
-        return self._forward_reuse(x)
-
-    def _forward_names(self, x):
-        # every intermediate has its own name and lives until forward returns
-        c1 = self.enc1(x)
-        e1 = Fn.relu(c1)
-        p1 = Fn.max_pool2d(e1, 2)
-        c2 = self.enc2(p1)
-        e2 = Fn.relu(c2)
-        p2 = Fn.max_pool2d(e2, 2)
-        c3 = self.enc3(p2)
-        e3 = Fn.relu(c3)
-        u3 = Fn.interpolate(e3, scale_factor=2.0, mode="nearest")
-        k2 = torch.cat([u3, e2], 1)
-        c4 = self.dec2(k2)
-        d2 = Fn.relu(c4)
-        u2 = Fn.interpolate(d2, scale_factor=2.0, mode="nearest")
-        k1 = torch.cat([u2, e1], 1)
-        c5 = self.dec1(k1)
-        d1 = Fn.relu(c5)
-        return self.head(d1)
-
-    def _forward_reuse(self, x):
-        # one working name; skips deleted after their last use
-        x = Fn.relu(self.enc1(x))
-        e1 = x
-        x = Fn.relu(self.enc2(Fn.max_pool2d(x, 2)))
-        e2 = x
-        x = Fn.relu(self.enc3(Fn.max_pool2d(x, 2)))
-        x = torch.cat([Fn.interpolate(x, scale_factor=2.0, mode="nearest"), e2], 1)
-        del e2
-        x = Fn.relu(self.dec2(x))
-        x = torch.cat([Fn.interpolate(x, scale_factor=2.0, mode="nearest"), e1], 1)
-        del e1
-        x = Fn.relu(self.dec1(x))
-        return self.head(x)
 
 
 def unet_intermediates(batch: int, channels: int, image_size: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -381,26 +272,6 @@ class LifetimesResult(Measured):
                                  rows, "formula: every intermediate alive at once (sum of shapes); binary units")
 
 
-def _lifetime_experiment(style: str, grad_mode: str, batch: int, channels: int, image_size: int):
-    def experiment(ctx: RunContext) -> int:
-        with ctx.phase("setup"), torch.device(ctx.device):
-            torch.manual_seed(0)
-            net = TinyUNet(channels, style)
-            ctx.tracker.register(net)
-            x = ctx.label(torch.randn(batch, 3, image_size, image_size))
-        if grad_mode == "no_grad forward":
-            with ctx.phase("forward"), torch.no_grad():
-                out = net(x)
-            del out
-            return _fixed_bytes(net, x)
-        with ctx.phase("forward"):
-            loss = net(x).mean()
-        with ctx.phase("backward"):
-            loss.backward()
-        return _fixed_bytes(net, x)
-    return experiment
-
-
 def forward_lifetimes(grad_mode: str = "no_grad forward", batch: int = 8, channels: int = 16,
                       image_size: int = 64, engine: str = "auto") -> LifetimesResult:
     """``TinyUNet`` with both forward styles, tracked; forward peak and whole-run peak."""
@@ -408,15 +279,9 @@ def forward_lifetimes(grad_mode: str = "no_grad forward", batch: int = 8, channe
     if grad_mode not in GRAD_MODES:
         raise ValueError(f"unknown mode {grad_mode!r}; valid modes: {', '.join(GRAD_MODES)}")
     predicted = names_kept_peak(batch, channels, image_size)  # also validates the size
-    runs = {}
-    for style in STYLES:
-        m = run(_lifetime_experiment(style, grad_mode, batch, channels, image_size), engine,
-                predicted_bytes=3 * predicted,
-                predicted_flops=3 * 2 * 27 * channels * batch * image_size ** 2 * 8)
-        if m.oom:
-            raise MemoryError(m.error)
-        fwd = m.tracking.by_phase_peak().get("forward", 0)
-        runs[style] = LifetimeRun(style, m, fwd - m.value)
+    measured = run_lifetimes(grad_mode, batch, channels, image_size, engine, predicted_bytes=3 * predicted,
+                             predicted_flops=3 * 2 * 27 * channels * batch * image_size ** 2 * 8)
+    runs = {style: LifetimeRun(style, m, forward_peak(m)) for style, m in measured.items()}
     return LifetimesResult(grad_mode, batch, channels, image_size, runs, predicted)
 
 

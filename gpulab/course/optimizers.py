@@ -13,128 +13,37 @@ number carries its source label: the engine's (``Measurement.label``) or ``formu
 from __future__ import annotations
 
 import html
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from matplotlib.figure import Figure
-from torch import nn
 
 from .. import formulas as F
 from .anatomy import legend_outside
 from ..plots import to_png as as_png
-from ..engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
+from ..engines import LABEL_FORMULA, Measured, Measurement, run
+# The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
+from ..optimizer_run import IMPL_FLAGS as _IMPL_FLAGS  # noqa: F401
+from ..optimizer_run import OPTIMIZER_SPECS as _OPTIMIZER_SPECS  # noqa: F401
+from ..optimizer_run import (IMPLEMENTATIONS, Moment, UnsupportedImplementation, build_optimizer,  # noqa: F401
+                             run_optimizer, state_tensor_bytes, step_peak)
+from ..optimizer_run import check_implementation as _check_implementation
+from ..optimizer_run import check_optimizer as _check_optimizer
+from ..optimizer_run import constructor as _constructor
+from ..optimizer_run import event_count as _event_count  # noqa: F401
+from ..optimizer_run import moments_at as _moments
+from ..optimizer_run import optimizer_experiment as _run_experiment
 from ..experiments import OPTIMIZERS, predict_step, validate_batch
 from ..models import ModelSpec, build_model, check_image_size, resolve_model
 from ..plots import CATEGORY_COLORS
-from ..tracking import CATEGORIES, Category
+from ..tracking import Category
 from ..units import MiB, dtype_name, format_bytes, parse_dtype
 from ..views import error_percent, fmt_error, html_table
 
 # --- building optimizers -----------------------------------------------------------------------
 
-# The same hyper-parameters as gpulab.experiments.make_optimizer (memory does not depend on them,
-# except momentum, which decides whether SGD keeps a buffer).
-_OPTIMIZER_SPECS: dict[str, tuple[type, dict[str, Any]]] = {
-    "sgd": (torch.optim.SGD, {"lr": 0.01}),
-    "momentum": (torch.optim.SGD, {"lr": 0.01, "momentum": 0.9}),
-    "adam": (torch.optim.Adam, {"lr": 1e-3}),
-    "adamw": (torch.optim.AdamW, {"lr": 1e-3}),
-    "rmsprop": (torch.optim.RMSprop, {"lr": 1e-3}),
-    "adagrad": (torch.optim.Adagrad, {"lr": 1e-2}),
-}
-
-# How torch runs the update (torch/optim/optimizer.py, ``_default_to_fused_or_foreach``):
-#   for-loop: one small op per parameter tensor at a time (``foreach=False``);
-#   foreach:  each op applied to the list of all parameters at once (``torch._foreach_*``);
-#             the default on CUDA;
-#   fused:    one kernel per group that updates in place (``fused=True``), where supported;
-#   default:  what torch picks when neither flag is given (CPU: for-loop, CUDA: foreach).
-IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
-_IMPL_FLAGS = {"default": {}, "for-loop": {"foreach": False}, "foreach": {"foreach": True},
-               "fused": {"fused": True}}
-
-
-class UnsupportedImplementation(ValueError):
-    """This optimizer cannot run with this implementation here; the message says why."""
-
-
-def _check_optimizer(name: str) -> str:
-    key = str(name).lower()
-    if key not in _OPTIMIZER_SPECS:
-        raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
-    return key
-
-
-def _check_implementation(impl: str) -> str:
-    key = str(impl).lower()
-    if key not in _IMPL_FLAGS:
-        raise ValueError(f"unknown implementation {impl!r}; valid: {', '.join(_IMPL_FLAGS)}")
-    return key
-
-
-def _constructor(name: str, implementation: str) -> tuple[type, dict[str, Any]]:
-    """The optimizer class and keyword arguments, or ``UnsupportedImplementation`` when this
-    torch's class takes no such flag (e.g. RMSprop has no ``fused``)."""
-    key = _check_optimizer(name)
-    impl = _check_implementation(implementation)
-    cls, kwargs = _OPTIMIZER_SPECS[key]
-    flags = _IMPL_FLAGS[impl]
-    accepted = inspect.signature(cls.__init__).parameters
-    for flag in flags:
-        if flag not in accepted:
-            raise UnsupportedImplementation(
-                f"torch {torch.__version__}: {cls.__name__} has no {impl} implementation "
-                f"(its constructor takes no '{flag}' argument)")
-    return cls, {**kwargs, **flags}
-
-
-def build_optimizer(name: str, params, implementation: str = "default") -> torch.optim.Optimizer:
-    """``torch.optim`` optimizer ``name`` (see ``gpulab.experiments.OPTIMIZERS``) over ``params``,
-    using the given implementation. Raises ``UnsupportedImplementation`` where this torch has no
-    such implementation for this optimizer (e.g. RMSprop has no ``fused``) or refuses it for
-    these parameters (e.g. ``fused`` on a device without fused kernels)."""
-    cls, kwargs = _constructor(name, implementation)
-    try:
-        return cls(params, **kwargs)
-    except (RuntimeError, ValueError, TypeError) as exc:
-        raise UnsupportedImplementation(f"torch {torch.__version__} refuses {cls.__name__}({implementation}) "
-                                        f"here: {exc}") from exc
-
-
-def state_tensor_bytes(optimizer: torch.optim.Optimizer, device: str | None = None) -> dict[str, int]:
-    """Bytes of the tensors in ``optimizer.state``, summed per state name (``exp_avg``, ``step``,
-    ...), each storage counted once. ``device``: count only tensors on this device type."""
-    out: dict[str, int] = {}
-    seen: set[int] = set()
-    for state in optimizer.state.values():
-        for key, v in state.items():
-            if not isinstance(v, torch.Tensor):
-                continue
-            if device is not None and v.device.type != torch.device(device).type:
-                continue
-            st = v.untyped_storage()
-            if id(st) in seen:
-                continue
-            seen.add(id(st))
-            out[key] = out.get(key, 0) + st.nbytes()
-    return out
-
-
 # --- one tracked run ----------------------------------------------------------------------------
-
-@dataclass
-class Moment:
-    """Live bytes by category at a named moment of the run (the tracker's count)."""
-    name: str
-    event: int                  # number of tracker events on the device so far
-    by_category: dict[str, int]
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_category.values())
-
 
 @dataclass
 class OptimizerRun(Measured):
@@ -214,15 +123,7 @@ class OptimizerRun(Measured):
         """Highest live total reached during ``optimizer.step()`` number ``step`` (default: the
         last), and the categories at that moment."""
         step = self.steps if step is None else step
-        start, end = self.step_window(step)
-        tr = self.measurement.tracking
-        before = self.moments[f"before step {step}"]
-        best, split = before.total, dict(before.by_category)
-        for i in range(start, min(end, len(tr.series))):
-            tot = sum(tr.series[i].values())
-            if tot > best:
-                best, split = tot, dict(tr.series[i])
-        return best, split
+        return step_peak(self.measurement, self.moments[f"before step {step}"], self.moments[f"after step {step}"])
 
     @property
     def step_extra_bytes(self) -> int:
@@ -275,67 +176,6 @@ class OptimizerRun(Measured):
                 f"state after step 1={self.state_after_bytes:,} B)")
 
 
-def _event_count(ctx: RunContext, device: str) -> int:
-    """How many tracker events on ``device`` so far (the index the next event will get)."""
-    return len(ctx.tracker.result(device=device).events)
-
-
-def _moments(marks: dict[str, int], m: Measurement) -> dict[str, Moment]:
-    """Live bytes by category at each mark, read from the final timeline, so every storage
-    carries the label it ended up with (a parameter is labelled when its module first runs)."""
-    tr = m.tracking
-    zero = {c.value: 0 for c in CATEGORIES}
-    return {name: Moment(name, n, dict(tr.series[n - 1]) if n > 0 else dict(zero))
-            for name, n in marks.items()}
-
-
-def _run_experiment(spec: ModelSpec, optimizer: str, implementation: str, batch: int, image_size: int,
-                    dtype: torch.dtype, steps: int, set_to_none: bool, autocast: torch.dtype | None,
-                    out: dict[str, Any]) -> Callable[[RunContext], None]:
-    """The experiment ``run`` calls. Fills ``out`` with the moments and what optimizer.state
-    held at the end (plain Python data, so it survives the fake-tensor mode)."""
-    def experiment(ctx: RunContext) -> None:
-        device = str(ctx.device) if ctx.engine == "cuda" else "cpu"
-        marks: dict[str, int] = {}
-
-        def mark(name: str) -> None:
-            marks[name] = _event_count(ctx, device)
-
-        with ctx.phase("setup"):
-            net = build_model(spec, image_size, device=ctx.device, dtype=dtype)
-            opt = build_optimizer(optimizer, net.parameters(), implementation)
-            n_classes = spec.num_classes
-            x = ctx.label(torch.randn(batch, 3, image_size, image_size, device=ctx.device, dtype=dtype))
-            y = ctx.label(torch.randint(0, n_classes, (batch,), device=ctx.device))
-        mark("after setup")
-        for i in range(1, steps + 1):
-            if i > 1:
-                with ctx.phase("optimizer"):
-                    opt.zero_grad(set_to_none=set_to_none)
-                mark(f"after zero_grad {i - 1}")
-            with ctx.phase("forward"):
-                if autocast is not None:
-                    with torch.autocast(ctx.device.type, dtype=autocast):
-                        loss = nn.functional.cross_entropy(net(x), y)
-                else:
-                    loss = nn.functional.cross_entropy(net(x), y)
-            with ctx.phase("backward"):
-                loss.backward()
-            del loss
-            mark(f"before step {i}")
-            with ctx.phase("optimizer"):
-                opt.step()
-            mark(f"after step {i}")
-        out["marks"] = marks
-        out["state_names"] = state_tensor_bytes(opt, device=ctx.device.type)
-        out["n_params"] = sum(p.numel() for p in net.parameters())
-        out["n_param_tensors"] = sum(1 for _ in net.parameters())
-        out["param_bytes"] = sum(p.numel() * p.element_size() for p in net.parameters())
-        with ctx.phase("teardown"):  # the run's end frees everything: not the optimizer's doing
-            del x, y, opt, net
-    return experiment
-
-
 def _prepare(model: str | ModelSpec, batch: int | None, image_size: int | None):
     """Resolve the model once and check the settings: (spec, batch, image size)."""
     spec = resolve_model(model)
@@ -363,9 +203,8 @@ def optimizer_run(model: str = "mlp", optimizer: str = "adam", implementation: s
     _constructor(opt_key, impl)  # refuse an implementation this torch lacks before running anything
     pred = predict_step(spec, batch, size, opt_key, dt)
     flops = 3 * _forward_flops(spec, batch, size, dt) * steps
-    out: dict[str, Any] = {}
-    m = run(_run_experiment(spec, opt_key, impl, batch, size, dt, steps, set_to_none, None, out),
-            engine, predicted_bytes=sum(v for v in pred.values() if v), predicted_flops=flops)
+    m, out = run_optimizer(spec, opt_key, impl, batch, size, dt, steps, engine, set_to_none,
+                           predicted_bytes=sum(v for v in pred.values() if v), predicted_flops=flops)
     if m.oom:
         raise MemoryError(f"{spec.name} batch {batch} ran out of memory on the {m.engine} engine: {m.error}")
     return OptimizerRun(

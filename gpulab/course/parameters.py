@@ -23,6 +23,9 @@ from torch import nn
 
 from .. import formulas as F
 from ..engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
+# The measuring core lives in the library (gpulab record runs it too).
+from ..params_run import LAYER_KINDS, build_experiment, layer_experiment, make_layer  # noqa: F401
+from ..params_run import live_by_category as _live_by_category
 from ..experiments import params_by_formula
 from ..models import ModelSpec, build_model, resolve_model
 from ..plots import LessonFigure
@@ -30,7 +33,6 @@ from ..tracking import Category
 from ..units import GB, GiB, MiB, dtype_bytes, dtype_name, format_bytes, parse_dtype
 from ..views import error_percent, fmt_error, html_table
 
-LAYER_KINDS = ("Conv2d", "Linear", "BatchNorm2d", "LayerNorm", "Embedding")
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "float64")
 # the dtypes of the "weight memory by dtype" table (formula: params x bytes per element)
 TABLE_DTYPES = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "int8")
@@ -47,12 +49,6 @@ NUMEL_LABEL = "numel() of the real module"
 
 def lesson_engine_limits() -> dict[str, int]:
     return {"max_cpu_bytes": LESSON_MAX_CPU_BYTES, "max_cpu_flops": LESSON_MAX_CPU_FLOPS}
-
-
-def _positive(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 # --- formulas written out -------------------------------------------------------------------
@@ -135,36 +131,6 @@ def _config(module: nn.Module) -> str:
 
 # --- one layer ----------------------------------------------------------------------------------
 
-def make_layer(kind: str, in_size: int = 64, out_size: int = 128, kernel: int = 3, groups: int = 1,
-               bias: bool = True, device=None, dtype: torch.dtype | None = None) -> nn.Module:
-    """Build one layer directly on ``device`` in ``dtype`` (PyTorch's factory kwargs).
-
-    ``in_size`` / ``out_size``: Conv2d channels, Linear features; BatchNorm2d and LayerNorm
-    use ``out_size`` as the feature count; Embedding uses ``in_size`` as the vocabulary
-    (num_embeddings) and ``out_size`` as the embedding dimension. ``kernel`` and ``groups``
-    apply to Conv2d only; ``bias`` to Conv2d, Linear and LayerNorm."""
-    key = {k.lower(): k for k in LAYER_KINDS}.get(str(kind).lower())
-    if key is None:
-        raise ValueError(f"unknown layer {kind!r}; valid layers: {', '.join(LAYER_KINDS)}")
-    _positive("in", in_size)
-    _positive("out", out_size)
-    fk = {"device": device, "dtype": dtype}
-    if key == "Conv2d":
-        _positive("kernel", kernel)
-        _positive("groups", groups)
-        if in_size % groups or out_size % groups:
-            raise ValueError(f"groups={groups} must divide both in ({in_size}) and out ({out_size}) "
-                             f"channels; e.g. groups=1, or groups=in=out for a depthwise conv")
-        return nn.Conv2d(in_size, out_size, kernel, groups=groups, bias=bias, **fk)
-    if key == "Linear":
-        return nn.Linear(in_size, out_size, bias=bias, **fk)
-    if key == "BatchNorm2d":
-        return nn.BatchNorm2d(out_size, **fk)
-    if key == "LayerNorm":
-        return nn.LayerNorm(out_size, bias=bias, **fk)
-    return nn.Embedding(in_size, out_size, **fk)
-
-
 @dataclass
 class TensorRow:
     name: str
@@ -246,16 +212,15 @@ def layer_params(kind: str = "Conv2d", in_size: int = 64, out_size: int = 128, k
     n_formula = params_by_formula(meta)
     predicted = n_formula * dt.itemsize + buffer_bytes_by_formula(meta)
 
-    def experiment(ctx: RunContext) -> list[TensorRow]:
-        layer = _build_layer_on(ctx.device, dt, kind, in_size, out_size, kernel, groups, bias)
-        ctx.tracker.register(model=layer)
+    def tensor_rows(layer: nn.Module) -> list[TensorRow]:
         rows = [TensorRow(n, "parameter", list(p.shape), dtype_name(p.dtype), p.numel(),
                           p.untyped_storage().nbytes()) for n, p in layer.named_parameters()]
         rows += [TensorRow(n, "buffer", list(b.shape), dtype_name(b.dtype), b.numel(),
                            b.untyped_storage().nbytes()) for n, b in layer.named_buffers()]
-        return rows, _live_by_category(ctx)
+        return rows
 
-    m = run(experiment, engine, predicted_bytes=predicted, **lesson_engine_limits())
+    m = run(layer_experiment(dt, kind, in_size, out_size, kernel, groups, bias, tensor_rows), engine,
+            predicted_bytes=predicted, **lesson_engine_limits())
     return LayerParams(
         kind=type(meta).__name__, config=_config(meta), module_repr=repr(meta), dtype=dtype_name(dt),
         formula=formula_text(meta), params_formula=n_formula,
@@ -418,9 +383,7 @@ def model_params(model: str | ModelSpec = "vgg16", dtype: str | torch.dtype = "f
     meta = build_model(spec, device="meta", dtype=dt)
     predicted = sum(p.numel() for p in meta.parameters()) * dt.itemsize
 
-    def experiment(ctx: RunContext) -> list[ParamRow]:
-        net = build_model(spec, device=ctx.device, dtype=dt)
-        ctx.tracker.register(model=net)
+    def param_rows(net: nn.Module) -> list[ParamRow]:
         rows = []
         for name, mod in net.named_modules():
             if any(True for _ in mod.children()):
@@ -432,21 +395,13 @@ def model_params(model: str | ModelSpec = "vgg16", dtype: str | torch.dtype = "f
                 article_formula=article_params(mod),
                 buffer_bytes=sum(b.untyped_storage().nbytes() for b in mod.buffers(recurse=False)),
                 buffer_bytes_formula=buffer_bytes_by_formula(mod)))
-        return rows, _live_by_category(ctx)
+        return rows
 
-    m = run(experiment, engine, predicted_bytes=predicted, **lesson_engine_limits())
+    m = run(build_experiment(spec, dt, param_rows), engine, predicted_bytes=predicted, **lesson_engine_limits())
     rows, live = m.value
     total = sum(r.params_numel for r in rows)
     by_dtype = {d: total * dtype_bytes(d) for d in TABLE_DTYPES}
     return ModelParams(spec.name, dtype_name(dt), rows, m, by_dtype, live=live)
-
-
-def _live_by_category(ctx: RunContext) -> dict[str, int]:
-    """Live tensor bytes per category right now on the run's device, unrounded (numel × element
-    size), on every engine: what ``count × 4 B`` predicts. On CUDA each storage also takes a
-    512-byte multiple of the allocator; comparing the formula with that would flip the verdict
-    for small tensors, so the comparison is of like with like."""
-    return dict(ctx.tracker.result(device=str(ctx.device), round_to_cuda_blocks=False).final_by_category)
 
 
 def layer_param_count(model: str | ModelSpec, layer: str) -> int:

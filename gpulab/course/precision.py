@@ -23,14 +23,15 @@ import torch
 from torch import nn
 
 from .. import formulas as F
-from ..engines import LABEL_FORMULA, Measured, Measurement, RunContext, choose_engine, run
-from ..experiments import OPTIMIZERS, make_optimizer, validate_batch
-from ..models import ModelSpec, build_model, check_image_size, resolve_model
+from ..engines import LABEL_FORMULA, choose_engine
+# The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
+from ..precision_run import LOW_DTYPES, PrecisionRun, modes, run_precision_modes  # noqa: F401
+from ..experiments import OPTIMIZERS, validate_batch
+from ..models import ModelSpec, check_image_size, resolve_model
 from ..tracking import CATEGORIES, Category
 from ..units import dtype_bytes, dtype_name, format_bytes, parse_dtype
 from ..views import error_percent, fmt_error, html_table
 
-LOW_DTYPES = ("bfloat16", "float16")
 
 # CPU matmul/conv speed in fp16 is far below fp32 on most CPUs (no fp16 units: this
 # machine's measured ~1 GFLOP/s against ~65 for fp32); the automatic engine choice counts an
@@ -41,13 +42,6 @@ CPU_FP16_SLOWDOWN = 50
 # casts a *copy* for each matmul/conv), their gradients take the parameters' dtype, and the
 # optimizer state follows the parameters.
 KEPT_BY_AUTOCAST = ("parameters", "gradients", "optimizer_state", "buffers", "inputs")
-
-
-def modes(low: str = "bfloat16") -> tuple[str, str, str]:
-    low = dtype_name(parse_dtype(low))
-    if low not in LOW_DTYPES:
-        raise ValueError(f"low-precision dtype must be one of {', '.join(LOW_DTYPES)}, got {low!r}")
-    return ("fp32", f"autocast {low}", f"pure {low}")
 
 
 def autocast_support(device_type: str = "cpu") -> dict[str, bool]:
@@ -125,20 +119,6 @@ def expected_ratio(category: str, mode: str) -> float | None:
         return 1.0 if category in KEPT_BY_AUTOCAST else half
     # pure low precision: everything floating is low precision (inputs included)
     return half
-
-
-@dataclass
-class PrecisionRun(Measured):
-    mode: str
-    measurement: Measurement
-    n_params: int
-    persistent: dict[str, int]               # after the step: parameters, gradients, optimizer_state
-    saved_by_dtype: dict[str, int]            # activations alive at the peak, by dtype
-    scaler: dict[str, Any] | None = None      # GradScaler facts (fp16 autocast only)
-
-    @property
-    def bytes_per_param(self) -> float:
-        return sum(self.persistent.values()) / self.n_params
 
 
 @dataclass
@@ -239,72 +219,6 @@ def saving_text(pct: float) -> str:
     return f"saves {pct:.1f}%" if pct > 0 else f"costs {-pct:.1f}% more"
 
 
-def _persistent(net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
-    params = list(net.parameters())
-    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    nb = lambda t: t.untyped_storage().nbytes()
-    return {"parameters": sum(nb(p) for p in params),
-            "gradients": sum(nb(p.grad) for p in params if p.grad is not None),
-            "optimizer_state": sum(nb(t) for t in state)}
-
-
-def _precision_experiment(spec: ModelSpec, batch: int, image_size: int, optimizer: str, mode: str, steps: int = 2):
-    low = parse_dtype(mode.split()[-1]) if mode != "fp32" else torch.float32
-    pure = mode.startswith("pure")
-    amp = mode.startswith("autocast")
-
-    def experiment(ctx: RunContext) -> dict[str, Any]:
-        device_type = ctx.device.type
-        model_dtype = low if pure else torch.float32
-        with ctx.phase("setup"):
-            torch.manual_seed(0)
-            net = build_model(spec, image_size, device=ctx.device, dtype=model_dtype)
-            ctx.tracker.register(net)
-            opt = make_optimizer(optimizer, net.parameters())
-            n_classes = spec.num_classes
-            x = ctx.label(torch.randn(batch, 3, image_size, image_size, device=ctx.device, dtype=model_dtype))
-            y = ctx.label(torch.randint(0, n_classes, (batch,), device=ctx.device))
-            scaler = torch.amp.GradScaler(device_type, enabled=amp and low == torch.float16)
-        for i in range(steps):
-            if i:
-                opt.zero_grad(set_to_none=True)
-            with ctx.phase("forward"):
-                with torch.autocast(device_type, dtype=low, enabled=amp):
-                    loss = nn.functional.cross_entropy(net(x), y)
-            with ctx.phase("backward"):
-                scaler.scale(loss).backward()
-            del loss
-            with ctx.phase("optimizer"):
-                if scaler.is_enabled():
-                    scaler.unscale_(opt)
-                    if ctx.engine == "fake":
-                        opt.step()  # GradScaler.step reads found_inf with .item(): needs real values
-                    else:
-                        scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.step()
-        facts = None
-        if scaler.is_enabled():
-            facts = {"scale": None if ctx.engine == "fake" else float(scaler.get_scale()),
-                     "state_bytes": sum(t.untyped_storage().nbytes() for t in (scaler._scale, scaler._growth_tracker)
-                                        if t is not None)}
-        return {"persistent": _persistent(net, opt), "n_params": sum(p.numel() for p in net.parameters()),
-                "scaler": facts}
-    return experiment
-
-
-def _saved_by_dtype(m: Measurement) -> dict[str, int]:
-    tr = m.tracking
-    out: dict[str, int] = {}
-    if tr is None or tr.peak_index < 0:
-        return out
-    for r in tr.live_at(tr.peak_index):
-        if r.category == Category.ACTIVATIONS:
-            out[r.dtype] = out.get(r.dtype, 0) + tr.storage_bytes(r)
-    return out
-
-
 def precision_step(model: str | ModelSpec = "cnn", batch: int = 32, image_size: int | None = None, optimizer: str = "adam",
                    low: str = "bfloat16", engine: str = "auto",
                    include: tuple[str, ...] | None = None, steps: int = 2) -> PrecisionResult:
@@ -334,13 +248,7 @@ def precision_step(model: str | ModelSpec = "cnn", batch: int = 32, image_size: 
     support = autocast_support(device_type)
     if not support.get(low, False):
         raise ValueError(f"this torch cannot autocast to {low} on {device_type}")
-    runs = {}
-    for mode in chosen:
-        m = run(_precision_experiment(spec, batch, size, opt, mode, steps), choice.name)
-        if m.oom:
-            raise MemoryError(m.error)
-        v = m.value
-        runs[mode] = PrecisionRun(mode, m, v["n_params"], v["persistent"], _saved_by_dtype(m), v["scaler"])
+    runs = run_precision_modes(spec, batch, size, opt, chosen, choice.name, steps)
     return PrecisionResult(spec.name, batch, size, opt, low, steps, runs, choice.name,
                            choice.reason, support)
 

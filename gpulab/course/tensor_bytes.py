@@ -19,13 +19,18 @@ import math
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from .. import formulas as F
 from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
 from ..engines import LABEL_FORMULA, LABEL_SIMULATED, RunContext, choose_engine, run
+from ..rounding_run import rounding_experiment
+# The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
+from ..tensor_run import (OPERATIONS, Operation, contiguous_strides, is_contiguous, is_quantized,  # noqa: F401
+                          operation, tensor_experiment)
+from ..tensor_run import empty_tensor as _empty  # noqa: F401
 from .exercises import ChoiceExercise, Exercise
 from ..tracking import TrackingResult
 from ..units import DTYPES, KB, MB, KiB, MiB, dtype_name, format_bytes, parse_dtype
@@ -97,94 +102,7 @@ def dtype_names() -> list[str]:
     return sorted(DTYPES, key=key)
 
 
-def is_quantized(dtype: torch.dtype) -> bool:
-    return DTYPES[dtype_name(dtype)].kind == "quantized"
-
-
-def _empty(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
-    """``torch.empty``; quantized dtypes need a quantizer, so they get a per-tensor one."""
-    if is_quantized(dtype):
-        return torch._empty_affine_quantized(tuple(shape), scale=1.0, zero_point=0, dtype=dtype,
-                                             device=device)
-    return torch.empty(tuple(shape), dtype=dtype, device=device)
-
-
 # --- operations ---------------------------------------------------------------------------------
-
-def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """Row-major strides of a dense tensor (what ``torch.empty(shape).stride()`` gives)."""
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(1, s)
-    return tuple(reversed(strides))
-
-
-def is_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """torch's rule (``TensorImpl::compute_contiguous``): walking from the last dimension, every
-    dimension of size > 1 must have stride = product of the sizes after it; a tensor with no
-    elements is contiguous."""
-    if math.prod(shape) == 0:
-        return True
-    expected = 1
-    for size, stride in zip(reversed(shape), reversed(strides)):
-        if size != 1:
-            if stride != expected:
-                return False
-            expected *= size
-    return True
-
-
-def _swap_first_last(seq: Sequence[int]) -> tuple[int, ...]:
-    s = list(seq)
-    if len(s) >= 2:
-        s[0], s[-1] = s[-1], s[0]
-    return tuple(s)
-
-
-@dataclass(frozen=True)
-class Operation:
-    """What happens to ``x``: the code, the result's shape, and whether it copies."""
-
-    key: str
-    code: str                                         # shown to the student
-    fn: Callable[[torch.Tensor], torch.Tensor]
-    result_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
-    copies: Callable[[tuple[int, ...]], bool]         # allocates a new storage?
-    needs_dims: bool = False                          # cannot apply to a 0-d tensor
-
-
-def _slice_shape(shape):
-    return (min(1, shape[0]),) + tuple(shape[1:])
-
-
-def _strided_shape(shape):
-    return ((shape[0] + 1) // 2,) + tuple(shape[1:])
-
-
-OPERATIONS: dict[str, Operation] = {op.key: op for op in (
-    Operation("tensor", "y = x", lambda x: x, lambda s: s, lambda s: False),
-    Operation("view", "y = x.view(-1)", lambda x: x.view(-1),
-              lambda s: (math.prod(s),), lambda s: False),
-    Operation("transpose", "y = x.transpose(0, -1)", lambda x: x.transpose(0, -1),
-              _swap_first_last, lambda s: False),
-    Operation("slice", "y = x[:1]", lambda x: x[:1], _slice_shape, lambda s: False, needs_dims=True),
-    Operation("strided slice", "y = x[::2]", lambda x: x[::2], _strided_shape, lambda s: False,
-              needs_dims=True),
-    Operation("slice + clone", "y = x[:1].clone()", lambda x: x[:1].clone(), _slice_shape,
-              lambda s: True, needs_dims=True),
-    Operation("transpose + contiguous", "y = x.transpose(0, -1).contiguous()",
-              lambda x: x.transpose(0, -1).contiguous(), _swap_first_last,
-              # .contiguous() returns the tensor itself when the transposed view already is one
-              lambda s: not is_contiguous(_swap_first_last(s), _swap_first_last(contiguous_strides(s)))),
-)}
-
-
-def operation(key: str) -> Operation:
-    if key not in OPERATIONS:
-        raise ValueError(f"unknown operation {key!r}; valid operations: {', '.join(OPERATIONS)}")
-    return OPERATIONS[key]
-
 
 # --- the experiment -------------------------------------------------------------------------------
 
@@ -350,26 +268,7 @@ def measure(shape: str | Sequence[int] = DEFAULT_SHAPE, dtype: str | torch.dtype
         raise ValueError(f"{dtype_name(dt)} is a quantized dtype: only the cpu engine can create it "
                          f"(fake tensors and CUDA have no quantized empty); choose engine 'cpu'")
 
-    def experiment(ctx: RunContext) -> dict[str, Any]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # complex32/bcomplex32 "experimental", quantized deprecation
-            x = _empty(shp, dt, ctx.device)
-            sx = ctx.snapshot("x")
-            try:
-                y = op.fn(x)
-            except (RuntimeError, NotImplementedError) as exc:
-                raise ValueError(f"{op.code} is not supported for {dtype_name(dt)} on the "
-                                 f"{ctx.engine} engine ({str(exc).splitlines()[0]})") from None
-            facts = {"shares": y.untyped_storage() is x.untyped_storage(), "y_shape": tuple(y.shape),
-                     "y_stride": tuple(y.stride()), "y_offset": int(y.storage_offset()),
-                     "y_contiguous": bool(y.is_contiguous()), "x_allocated": sx.allocated_bytes}
-            del x
-            live = ctx.tracker.result(device=str(ctx.device), round_to_cuda_blocks=False).alive()
-            facts["kept"] = sum(r.nbytes for r in live)
-            del y
-        return facts
-
-    m = run(experiment, engine, predicted_bytes=base + new_f, max_cpu_bytes=max_cpu_bytes)
+    m = run(tensor_experiment(shp, dt, op), engine, predicted_bytes=base + new_f, max_cpu_bytes=max_cpu_bytes)
     if m.oom:
         raise MemoryError(f"out of memory on the {m.engine} engine ({m.error}); try the fake engine")
     v = m.value
@@ -593,17 +492,8 @@ def rounding_curve(dtype: str | torch.dtype = "float32", max_elements: int = 300
     requested = [F.tensor_bytes((e,), dt) for e in elements]
     choice = choose_engine(engine, predicted_bytes=max(requested), max_cpu_bytes=TENSOR_CPU_LIMIT)
 
-    def experiment(ctx: RunContext) -> list[int | None]:
-        allocated = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for e in elements:
-                t = torch.empty((e,), dtype=dt, device=ctx.device)
-                allocated.append(ctx.snapshot(f"{e}").allocated_bytes)
-                del t
-        return allocated
-
-    m = run(experiment, engine, predicted_bytes=max(requested), max_cpu_bytes=TENSOR_CPU_LIMIT)
+    m = run(rounding_experiment(elements, dt), engine, predicted_bytes=max(requested),
+            max_cpu_bytes=TENSOR_CPU_LIMIT)
     raw = TrackingResult.build(m.tracking.records, m.tracking.events, device=m.tracking.device,
                                rounded=False)
     recs = sorted(raw.records.values(), key=lambda r: r.created)

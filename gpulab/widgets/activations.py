@@ -1,14 +1,21 @@
 """Lesson 03 panels on activations: the per-layer forward table (cs231n), inference vs
-training, and the articles' ``modelsize()`` estimate against what autograd saves."""
+training, and the articles' ``modelsize()`` estimate against what autograd saves. When the live
+engine is not cuda, each panel shows the recorded GPU run with the same settings beside the live
+one, or a one-line note says that none matches."""
 from __future__ import annotations
 
 from typing import Any
+
+from IPython.display import HTML
 
 from ..course.activations import (ACT_DTYPES, ForwardTable, InferenceVsTraining, ModelsizeComparison,
                            forward_table, forward_table_figure, inference_training_figure,
                            inference_vs_training, modelsize_figure, modelsize_vs_saved,
                            predicted_forward_bytes)
 from ..models import MODELS
+from ..record import RecordLookup, find_record
+from ..recorded_views import allocator_rows, recorded_html
+from ..units import format_bytes
 from .base import Panel, dropdown, slider, ENGINES, model_controls
 from .guard import memory_guard
 
@@ -30,8 +37,19 @@ def compute_table(model: str, batch: int, image_size: int, dtype: str, engine: s
     return forward_table(model, batch, image_size, dtype, engine)
 
 
+def _recorded(kind: str, result) -> RecordLookup:
+    return find_record(kind, model=result.model, batch=result.batch, image_size=result.image_size, dtype=result.dtype)
+
+
+def _table_rows(r: dict[str, Any]) -> list[list[str]]:
+    return [["peak live tensors (tracker)", format_bytes(r["peak_bytes"])],
+            ["peak, not parameters (tracker)", format_bytes(r["peak_non_param"])],
+            ["allocated by this forward (tracker)", format_bytes(r["forward_allocated"])], *allocator_rows(r)]
+
+
 def render_table(result: ForwardTable) -> list[Any]:
-    return [result, forward_table_figure(result)]
+    recorded = [] if result.engine == "cuda" else [HTML(recorded_html(_recorded("forward table", result), _table_rows))]
+    return [result, forward_table_figure(result), *recorded]
 
 
 def forward_table_panel(model: str = "vgg16", batch: int = 1, image_size: int | None = None,
@@ -50,8 +68,21 @@ def compute_inference(model: str, batch: int, image_size: int, dtype: str, engin
     return inference_vs_training(model, batch, image_size, dtype, engine)
 
 
+def _pair_rows(r: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for mode, run in r["runs"].items():
+        a = run.get("allocator") or {}
+        rows.append([mode, format_bytes(run["peak_non_param"]), format_bytes(run["saved_bytes"]),
+                     format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—"])
+    return rows
+
+
 def render_inference(result: InferenceVsTraining) -> list[Any]:
-    return [result, inference_training_figure(result)]
+    recorded = [] if result.training.measurement.engine == "cuda" else [
+        HTML(recorded_html(_recorded("inference vs training", result), _pair_rows,
+                           ["forward", "peak, not parameters (tracker)", "saved for backward at the end",
+                            "max_memory_allocated − baseline"]))]
+    return [result, inference_training_figure(result), *recorded]
 
 
 def inference_panel(model: str = "vgg16", batch: int = 1, image_size: int | None = None,
@@ -68,8 +99,23 @@ def compute_modelsize(batch: int, dtype: str, engine: str) -> ModelsizeCompariso
     return modelsize_vs_saved(tuple(MODELS), batch, dtype, engine)
 
 
+def _modelsize_rows(r: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for model, row in r["models"].items():
+        a = row.get("allocator") or {}
+        rows.append([model, format_bytes(row["saved_with_input"]), format_bytes(row["backward_peak"]),
+                     format_bytes(row["no_grad_peak"]),
+                     format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—"])
+    return rows
+
+
 def render_modelsize(result: ModelsizeComparison) -> list[Any]:
-    return [result, modelsize_figure(result)]
+    recorded = [] if not result.rows or result.rows[0].engine == "cuda" else [
+        HTML(recorded_html(find_record("modelsize", batch=result.batch, dtype=result.dtype,
+                                       models=[r.model for r in result.rows]), _modelsize_rows,
+                           ["model", "saved for backward (input included)", "backward peak", "no_grad peak",
+                            "max_memory_allocated − baseline (with grad)"]))]
+    return [result, modelsize_figure(result), *recorded]
 
 
 def _modelsize_guard_bytes(params: dict[str, Any]) -> int:

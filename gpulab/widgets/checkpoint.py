@@ -1,11 +1,18 @@
 """Checkpointing panel (lesson 07): N blocks, a sweep over the segment count k of
 checkpoint_sequential -> activation memory at the peak (measured, Chen et al.'s N/k + k,
-checkpoint_sequential's own segments) and step time (median, IQR)."""
+checkpoint_sequential's own segments) and step time (median, IQR). When the live engine is not
+cuda, the recorded GPU sweep with the same N, width and batch is shown beside it (its points for
+the live run's k), or a one-line note says that none matches."""
 from __future__ import annotations
 
 from typing import Any
 
+from IPython.display import HTML
+
 from ..course.checkpointing import SEGMENT_CHOICES, CheckpointResult, checkpoint_sweep
+from ..record import RecordLookup, find_record
+from ..recorded_views import recorded_html
+from ..units import format_bytes
 from .base import Panel, dropdown, slider, ENGINES
 from .guard import memory_guard
 
@@ -23,8 +30,31 @@ def predict_checkpoint_peak(params: dict[str, Any]) -> int:
     return r.baseline.peak_bytes
 
 
+def recorded_checkpoint(result: CheckpointResult) -> RecordLookup:
+    """The recorded GPU sweep with this result's N, width and batch, or why there is none."""
+    return find_record("checkpoint", n_blocks=result.n_blocks, width=result.width, batch=result.batch)
+
+
+def recorded_checkpoint_html(result: CheckpointResult, lookup: RecordLookup) -> str:
+    ks = {p.segments for p in result.points}
+
+    def rows(r: dict[str, Any]) -> list[list[str]]:
+        out = []
+        for p in r["points"]:
+            if p["segments"] not in ks:
+                continue
+            a = p.get("allocator") or {}
+            out.append([str(p["segments"]), format_bytes(p["peak_bytes"]), format_bytes(p["activation_side"]),
+                        format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—",
+                        f"{p['median_s'] * 1e3:.2f}" if p.get("median_s") is not None else "—"])
+        return out
+    return recorded_html(lookup, rows, ["k", "peak (tracker)", "activations + temporaries at peak",
+                                        "max_memory_allocated − baseline", "step ms (median)"])
+
+
 def render_checkpoint(result: CheckpointResult) -> list[Any]:
-    return [result, result.figure()]
+    recorded = [] if result.engine == "cuda" else [HTML(recorded_checkpoint_html(result, recorded_checkpoint(result)))]
+    return [result, result.figure(), *recorded]
 
 
 def checkpoint_panel(n_blocks: int = 16, width: int = 128, batch: int = 512,

@@ -1,13 +1,18 @@
 """Lesson 03 panels on compute: where the parameters and the FLOPs are (AlexNet), and a
-depthwise-separable block against a standard convolution."""
+depthwise-separable block against a standard convolution (when the live engine is not cuda, with
+the recorded GPU run of the same settings beside it, or a one-line note that none matches)."""
 from __future__ import annotations
 
 from typing import Any
 
 import ipywidgets as W
+from IPython.display import HTML
 
 from ..course.activations import (ACT_DTYPES, DepthwiseResult, ParamsFlops, depthwise_figure, depthwise_vs_standard,
                            params_flops_figure, params_vs_flops)
+from ..record import RecordLookup, find_record
+from ..recorded_views import recorded_html
+from ..units import format_bytes
 from .base import Panel, dropdown, slider, ENGINES, model_controls
 from .guard import memory_guard
 
@@ -38,8 +43,23 @@ def compute_depthwise(in_channels: int, out_channels: int, image_size: int, batc
     return depthwise_vs_standard(in_channels, out_channels, image_size, batch, bn_relu, dtype, engine)
 
 
+def recorded_depthwise(result: DepthwiseResult) -> RecordLookup:
+    """The recorded GPU run with this result's settings, or why there is none."""
+    return find_record("depthwise", in_channels=result.in_channels, out_channels=result.out_channels,
+                       image_size=result.image_size, batch=result.batch, bn_relu=result.bn_relu, dtype=result.dtype)
+
+
+def _depthwise_rows(r: dict[str, Any]) -> list[list[str]]:
+    return [[k, format_bytes(b["saved"]), format_bytes(b["grad_peak"]), format_bytes(b["no_grad_peak"]),
+             format_bytes(b["param_bytes"])] for k, b in r["blocks"].items()]
+
+
 def render_depthwise(result: DepthwiseResult) -> list[Any]:
-    return [result, depthwise_figure(result)]
+    recorded = [] if result.engine == "cuda" else [
+        HTML(recorded_html(recorded_depthwise(result), _depthwise_rows,
+                           ["block", "saved for backward", "forward peak with grad", "no_grad forward peak",
+                            "parameters"]))]
+    return [result, depthwise_figure(result), *recorded]
 
 
 def _depthwise_bytes(params: dict[str, Any]) -> int:

@@ -1,11 +1,17 @@
 """no_grad / eval / inference_mode panel (lesson 06): one forward of a conv-BN-dropout net in
 each mode -> peak, what stays alive while the output is held, what autograd saved (with the
-formula), and what each switch changes."""
+formula), and what each switch changes. When the live engine is not cuda, the recorded GPU run with
+the same settings is shown beside it, or a one-line note says that none matches."""
 from __future__ import annotations
 
 from typing import Any
 
+from IPython.display import HTML
+
 from ..course.inference import ModesResult, inference_modes
+from ..record import RecordLookup, find_record
+from ..recorded_views import recorded_html
+from ..units import format_bytes
 from .base import Panel, dropdown, slider, ENGINES
 from .guard import memory_guard
 
@@ -20,8 +26,27 @@ def predict_modes_peak(params: dict[str, Any]) -> int:
     return max(run.peak_bytes for run in r.runs.values())
 
 
+def recorded_modes(result: ModesResult) -> RecordLookup:
+    """The recorded GPU run with this result's settings, or why there is none."""
+    return find_record("grad modes", batch=result.batch, channels=result.channels, image_size=result.image_size)
+
+
+def _modes_rows(r: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for mode, run in r["runs"].items():
+        a = run.get("allocator") or {}
+        rows.append([mode, format_bytes(run["peak_bytes"]), format_bytes(run["held_bytes"]),
+                     format_bytes(run["saved_bytes"]),
+                     format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—"])
+    return rows
+
+
 def render_modes(result: ModesResult) -> list[Any]:
-    return [result, result.figure()]
+    recorded = [] if result.engine == "cuda" else [
+        HTML(recorded_html(recorded_modes(result), _modes_rows,
+                           ["mode", "peak (tracker)", "alive while the output is held", "saved for backward",
+                            "max_memory_allocated − baseline"]))]
+    return [result, result.figure(), *recorded]
 
 
 def grad_modes_panel(batch: int = 64, channels: int = 32, image_size: int = 32, engine: str = "auto") -> Panel:

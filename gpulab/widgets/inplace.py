@@ -1,11 +1,15 @@
 """In-place ReLU panel (lesson 06): the same conv stack with ReLU(inplace=False) and
 ReLU(inplace=True) -> peak, forward peak, allocation traffic and saved-for-backward bytes,
-next to the formula and the reference articles' claim."""
+next to the formula and the reference articles' claim. When the live engine is not cuda, the recorded
+GPU run with the same settings is shown beside it, or a one-line note says that none matches."""
 from __future__ import annotations
 
 from typing import Any
 
 from ..course.inplace import BLOCKS, MODES, InplaceResult, inplace_experiment, saved_table_html
+from ..record import RecordLookup, find_record
+from ..recorded_views import recorded_html
+from ..units import format_bytes
 from .base import Panel, dropdown, slider, ENGINES
 from .guard import memory_guard
 
@@ -30,7 +34,27 @@ def render_inplace(result: InplaceResult) -> list[Any]:
         items.append(HTML(saved_table_html(saved, "what autograd keeps with ReLU(inplace=True), read from "
                                                   "grad_fn._saved_* — " + result.label)))
     items.append(result.figure())
+    if result.engine != "cuda":
+        items.append(HTML(recorded_html(recorded_inplace(result), _inplace_rows,
+                                        ["ReLU", "peak (tracker)", "forward peak", "saved for backward",
+                                         "max_memory_allocated − baseline"])))
     return items
+
+
+def recorded_inplace(result: InplaceResult) -> RecordLookup:
+    """The recorded GPU run with this result's settings, or why there is none."""
+    return find_record("inplace", block=result.block, depth=result.depth, channels=result.channels,
+                       batch=result.batch, image_size=result.image_size, mode=result.mode)
+
+
+def _inplace_rows(r: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for key, run in r["runs"].items():
+        a = run.get("allocator") or {}
+        rows.append([key, format_bytes(run["peak_bytes"]), format_bytes(run["forward_peak"]),
+                     "—" if run.get("saved_bytes") is None else format_bytes(run["saved_bytes"]),
+                     format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—"])
+    return rows
 
 
 def inplace_panel(block: str = "conv-relu", depth: int = 4, channels: int = 16, batch: int = 8,

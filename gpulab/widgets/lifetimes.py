@@ -1,10 +1,17 @@
 """del-in-forward panel (lesson 06): TinyUNet written with a name per intermediate vs one
-reused name and del -> forward peak and whole-run peak, with and without autograd."""
+reused name and del -> forward peak and whole-run peak, with and without autograd. When the live
+engine is not cuda, the recorded GPU run with the same settings is shown beside it, or a one-line
+note says that none matches."""
 from __future__ import annotations
 
 from typing import Any
 
+from IPython.display import HTML
+
 from ..course.inference import GRAD_MODES, LifetimesResult, forward_lifetimes
+from ..record import RecordLookup, find_record
+from ..recorded_views import recorded_html
+from ..units import format_bytes
 from .base import Panel, dropdown, slider, ENGINES
 from .guard import memory_guard
 
@@ -19,8 +26,27 @@ def predict_lifetimes_peak(params: dict[str, Any]) -> int:
     return max(run.peak_bytes for run in r.runs.values())
 
 
+def recorded_lifetimes(result: LifetimesResult) -> RecordLookup:
+    """The recorded GPU run with this result's settings, or why there is none."""
+    return find_record("lifetimes", grad_mode=result.grad_mode, batch=result.batch, channels=result.channels,
+                       image_size=result.image_size)
+
+
+def _lifetimes_rows(r: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for style, run in r["runs"].items():
+        a = run.get("allocator") or {}
+        rows.append([style, format_bytes(run["forward_peak"]), format_bytes(run["peak_bytes"]),
+                     format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—"])
+    return rows
+
+
 def render_lifetimes(result: LifetimesResult) -> list[Any]:
-    return [result, result.figure()]
+    recorded = [] if result.engine == "cuda" else [
+        HTML(recorded_html(recorded_lifetimes(result), _lifetimes_rows,
+                           ["forward written with", "forward peak beyond params and input (tracker)",
+                            "peak (tracker)", "max_memory_allocated − baseline"]))]
+    return [result, result.figure(), *recorded]
 
 
 def lifetimes_panel(grad_mode: str = "no_grad forward", batch: int = 8, channels: int = 16, image_size: int = 64,

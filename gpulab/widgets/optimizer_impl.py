@@ -1,10 +1,17 @@
 """Implementation panel: the same optimizer run as a for-loop, with foreach kernels, and fused;
-the temporaries each leaves alive at the peak of ``step()``."""
+the temporaries each leaves alive at the peak of ``step()``. When the live engine is not cuda, the
+recorded GPU run with the same settings is shown beside it (where CUDA's foreach and fused kernels
+really ran), or a one-line note says that none matches."""
 from __future__ import annotations
 
 from typing import Any
 
+from IPython.display import HTML
+
 from ..course.optimizers import IMPLEMENTATIONS, ImplementationComparison, compare_implementations, optimizer_run
+from ..record import RecordLookup, find_record
+from ..recorded_views import recorded_html
+from ..units import format_bytes
 from .base import Panel, model_controls
 from .guard import memory_guard
 
@@ -19,8 +26,31 @@ def predict_implementations_peak(params: dict[str, Any]) -> int:
                          engine="fake").measurement.peak_bytes
 
 
+def recorded_implementations(result: ImplementationComparison) -> RecordLookup:
+    """The recorded GPU run with this model, optimizer, batch and image size, or why there is none."""
+    first = next(r.run for r in result.rows if r.run is not None)
+    return find_record("implementations", model=result.model, optimizer=result.optimizer, batch=first.batch,
+                       image_size=first.image_size, steps=first.steps)
+
+
+def _implementation_rows(r: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for impl, row in r["implementations"].items():
+        if "unsupported" in row:
+            rows.append([impl, "not supported", "", "", row["unsupported"]])
+            continue
+        rows.append([impl, format_bytes(row["step_temporaries"]), format_bytes(row["step_rise"]),
+                     format_bytes(row["step_peak"]), ""])
+    return rows
+
+
 def render_implementations(result: ImplementationComparison) -> list[Any]:
-    return [result, result.plot()]
+    live = next((r.run for r in result.rows if r.run is not None), None)
+    recorded = [] if live is None or live.engine == "cuda" else [
+        HTML(recorded_html(recorded_implementations(result), _implementation_rows,
+                           ["implementation", "temporaries at the step() peak", "rise inside step()",
+                            "live at the step() peak", ""]))]
+    return [result, result.plot(), *recorded]
 
 
 def implementation_panel(model: str = "mlp", optimizer: str = "adam", batch: int = 8, engine: str = "auto") -> Panel:

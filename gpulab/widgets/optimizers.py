@@ -1,11 +1,18 @@
 """Optimizer panel: SGD, momentum, Adam, AdamW, RMSprop, Adagrad side by side: optimizer state
-before and after the first ``step()``, measured, next to the formulas' multipliers."""
+before and after the first ``step()``, measured, next to the formulas' multipliers. When the live
+engine is not cuda, a recorded GPU training step of the same model and batch with each optimizer
+is shown beside it, or a one-line note says that none matches."""
 from __future__ import annotations
 
 from typing import Any
 
+from IPython.display import HTML
+
 from ..experiments import OPTIMIZERS
 from ..course.optimizers import OptimizerComparison, compare_optimizers, optimizer_run
+from ..record import RecordLookup, find_record_series
+from ..recorded_views import recorded_html
+from ..units import format_bytes
 from .base import Panel, model_controls
 from .guard import memory_guard
 
@@ -20,8 +27,30 @@ def predict_optimizers_peak(params: dict[str, Any]) -> int:
                          steps=1).measurement.peak_bytes
 
 
+def recorded_optimizers(result: OptimizerComparison) -> RecordLookup:
+    """One recorded GPU training step per optimizer of the comparison (same model, batch, image
+    size, dtype, one step: what ``compare_optimizers`` runs)."""
+    first = result.runs[0]
+    return find_record_series("step", "optimizer", [r.optimizer for r in result.runs], model=first.model,
+                              batch=first.batch, image_size=first.image_size, dtype=first.dtype, steps=1)
+
+
+def _optimizer_rows(r: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for p in r["points"]:
+        a = p.get("allocator") or {}
+        rows.append([p["optimizer"], format_bytes(p.get("after_step_by_category", {}).get("optimizer_state", 0)),
+                     format_bytes(p["peak_bytes"]),
+                     format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—"])
+    return rows
+
+
 def render_optimizers(result: OptimizerComparison) -> list[Any]:
-    return [result, result.plot()]
+    recorded = [] if result.runs[0].engine == "cuda" else [
+        HTML(recorded_html(recorded_optimizers(result), _optimizer_rows,
+                           ["optimizer", "optimizer state after step() (tracker)", "peak (tracker)",
+                            "max_memory_allocated − baseline"]))]
+    return [result, result.plot(), *recorded]
 
 
 def optimizer_panel(model: str = "mlp", batch: int = 8, engine: str = "auto") -> Panel:

@@ -1,16 +1,21 @@
 """Lesson 02 panels: one layer's parameters and buffers (``layer_panel``) and a whole
-model layer by layer (``parameters_panel``), formula next to what the engine built."""
+model layer by layer (``parameters_panel``), formula next to what the engine built. When the live
+engine is not cuda, each panel shows the recorded GPU build of the same layer or model and dtype
+beside it, or a one-line note says that none matches."""
 from __future__ import annotations
 
 from typing import Any
 
 import ipywidgets as W
+from IPython.display import HTML
 
 from ..models import MODELS, build_model, resolve_model
 from ..course.parameters import (LAYER_KINDS, MODEL_DTYPES, LayerParams, ModelParams, buffer_bytes_by_formula,
                           dtype_figure, layer_figure, layer_params, make_layer, model_layers_figure,
                           model_params)
-from ..units import parse_dtype
+from ..record import RecordLookup, find_record
+from ..recorded_views import allocator_rows, recorded_html
+from ..units import format_bytes, parse_dtype
 from .base import Panel, dropdown, ENGINES
 from .guard import memory_guard
 
@@ -36,8 +41,14 @@ def _layer_bytes(params: dict[str, Any]) -> int:
     return sum(p.numel() for p in layer.parameters()) * dt.itemsize + buffer_bytes_by_formula(layer)
 
 
+def recorded_layer(result: LayerParams) -> RecordLookup:
+    """The recorded GPU build of this very layer (its ``repr``) in this dtype, or why there is none."""
+    return find_record("layer build", layer=result.module_repr, dtype=result.dtype)
+
+
 def render_layer(result: LayerParams) -> list[Any]:
-    return [result, layer_figure(result)]
+    recorded = [] if result.engine == "cuda" else [HTML(recorded_html(recorded_layer(result), _model_rows))]
+    return [result, layer_figure(result), *recorded]
 
 
 def layer_panel(kind: str = "Conv2d", in_size: int = 64, out_size: int = 128, kernel: int = 3,
@@ -73,8 +84,20 @@ def _model_bytes(params: dict[str, Any]) -> int:
     return sum(p.numel() for p in net.parameters()) * dt.itemsize
 
 
+def recorded_model(result: ModelParams) -> RecordLookup:
+    """The recorded GPU build of this model in this dtype, or why there is none."""
+    return find_record("model build", model=result.model, dtype=result.dtype)
+
+
+def _model_rows(r: dict[str, Any]) -> list[list[str]]:
+    live = r.get("live_by_category", {})
+    return [["parameters, live once built (tracker, numel × itemsize)", format_bytes(live.get("parameters", 0))],
+            ["buffers, live once built (tracker)", format_bytes(live.get("buffers", 0))], *allocator_rows(r)]
+
+
 def render_model(result: ModelParams) -> list[Any]:
-    return [result, model_layers_figure(result), dtype_figure(result)]
+    recorded = [] if result.engine == "cuda" else [HTML(recorded_html(recorded_model(result), _model_rows))]
+    return [result, model_layers_figure(result), dtype_figure(result), *recorded]
 
 
 def parameters_panel(model: str = "vgg16", dtype: str = "float32", engine: str = "auto") -> Panel:

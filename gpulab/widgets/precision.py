@@ -1,11 +1,17 @@
 """Mixed-precision panel (lesson 08): fp32, autocast (bf16, or fp16 with GradScaler) and pure
 16-bit training steps -> memory at the peak by category, measured ratios to fp32 against the
-formula, bytes per parameter kept between steps."""
+formula, bytes per parameter kept between steps. When the live engine is not cuda, the recorded GPU run with
+the same settings is shown beside it, or a one-line note says that none matches."""
 from __future__ import annotations
 
 from typing import Any
 
-from ..course.precision import LOW_DTYPES, PrecisionResult, precision_step
+from IPython.display import HTML
+
+from ..course.precision import LOW_DTYPES, PrecisionResult, precision_step, saving_text
+from ..record import RecordLookup, find_record
+from ..recorded_views import recorded_html
+from ..units import format_bytes
 from .base import Panel, dropdown, model_controls
 from .guard import memory_guard
 
@@ -21,8 +27,30 @@ def predict_precision_peak(params: dict[str, Any]) -> int:
     return max(run.peak_bytes for run in r.runs.values())
 
 
+def recorded_precision(result: PrecisionResult) -> RecordLookup:
+    """The recorded GPU run with this result's settings, or why there is none."""
+    return find_record("precision", model=result.model, batch=result.batch, image_size=result.image_size,
+                       optimizer=result.optimizer, low=result.low, steps=result.steps)
+
+
+def _precision_rows(r: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for mode, run in r["runs"].items():
+        a = run.get("allocator") or {}
+        pct = run.get("saving_percent")
+        rows.append([mode, format_bytes(run["peak_bytes"]),
+                     format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—",
+                     "—" if pct is None or mode == "fp32" else saving_text(pct),
+                     f"{run['bytes_per_param']:.2f}"])
+    return rows
+
+
 def render_precision(result: PrecisionResult) -> list[Any]:
-    return [result, result.figure()]
+    recorded = [] if result.engine == "cuda" else [
+        HTML(recorded_html(recorded_precision(result), _precision_rows,
+                           ["mode", "peak (tracker)", "max_memory_allocated − baseline", "peak vs fp32",
+                            "bytes/param kept between steps"]))]
+    return [result, result.figure(), *recorded]
 
 
 def precision_panel(model: str = "cnn", batch: int = 32, image_size: int | None = None, optimizer: str = "adam",

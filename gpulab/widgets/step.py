@@ -4,7 +4,6 @@ the recorded GPU run with the same settings is shown beside it, labelled with it
 (``gpulab.record.find_record``), or a one-line note says that no recorded run matches."""
 from __future__ import annotations
 
-import html
 from typing import Any
 
 from IPython.display import HTML
@@ -12,7 +11,7 @@ from IPython.display import HTML
 from ..experiments import StepResult, training_step
 from ..plots import comparison_bars, timeline
 from ..record import RecordLookup, find_record
-from ..tables import html_table
+from ..recorded_views import allocator_rows, recorded_html
 from ..units import format_bytes
 from .base import Panel, dropdown, model_controls
 from .guard import memory_guard
@@ -31,27 +30,19 @@ def recorded_step(result: StepResult) -> RecordLookup:
     """The recorded GPU run with this result's settings (``gpulab/recorded/``, or the folder
     $GPULAB_RECORDED_DIR names), or why there is none."""
     return find_record("step", model=result.model, batch=result.batch, image_size=result.image_size,
-                       optimizer=result.optimizer, dtype=result.dtype)
+                       optimizer=result.optimizer, dtype=result.dtype, steps=result.steps)
+
+
+def _step_rows(r: dict[str, Any]) -> list[list[str]]:
+    rows = [["peak live tensors (tracker, 512 B blocks)", format_bytes(r["peak_bytes"])]]
+    rows += allocator_rows(r)
+    rows += [[f"peak: {k}", format_bytes(v)] for k, v in r.get("peak_by_category", {}).items() if v]
+    return rows
 
 
 def recorded_step_html(lookup: RecordLookup) -> str:
     """The recorded figures with their provenance label, or a one-line note saying why none."""
-    if not lookup:
-        why = lookup.mismatch or lookup.reason
-        return (f"<div class='gpulab-recorded gpulab-label'>On a real GPU: no recorded GPU run matches these "
-                f"settings {'' if why.startswith('(') else '— '}{html.escape(why)}.</div>")
-    r = lookup.result
-    a = r.get("allocator", {})
-    rows = [["peak live tensors (tracker, 512 B blocks)", format_bytes(r["peak_bytes"])]]
-    for key, name in (("peak_allocated_delta", "max_memory_allocated − baseline"),
-                      ("peak_reserved_delta", "max_memory_reserved − baseline"),
-                      ("baseline_allocated", "memory_allocated before the run (baseline)"),
-                      ("nvml_used", "NVML used (whole device)")):
-        if a.get(key) is not None:
-            rows.append([name, format_bytes(a[key])])
-    rows += [[f"peak: {k}", format_bytes(v)] for k, v in r.get("peak_by_category", {}).items() if v]
-    return ("<div class='gpulab-recorded'><b>The same settings on a real GPU</b>"
-            + html_table(["recorded figure", "bytes"], rows, lookup.label) + "</div>")
+    return recorded_html(lookup, _step_rows)
 
 
 def render_step(result: StepResult) -> list[Any]:

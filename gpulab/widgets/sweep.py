@@ -1,11 +1,18 @@
 """Batch-sweep panel: training steps at four batch sizes on one engine, the fitted line
-``fixed + batch x per-sample`` next to the formulas' line."""
+``fixed + batch x per-sample`` next to the formulas' line. When the live engine is not cuda, the
+recorded GPU steps at the same batch sizes are shown beside it, or a one-line note says that none
+match."""
 from __future__ import annotations
 
 from typing import Any
 
+from IPython.display import HTML
+
 from ..experiments import training_step
 from ..course.sweeps import SweepResult, batch_sweep
+from ..record import RecordLookup, find_record_series
+from ..recorded_views import recorded_html
+from ..units import format_bytes
 from .base import Panel, model_controls
 from .guard import memory_guard
 
@@ -26,8 +33,29 @@ def predict_sweep_peak(params: dict[str, Any]) -> int:
                          steps=2).peak_bytes
 
 
+def recorded_sweep(result: SweepResult) -> RecordLookup:
+    """The recorded GPU steps at every batch size of the sweep (same model, optimizer, steps)."""
+    return find_record_series("step", "batch", [p.batch for p in result.points], model=result.model,
+                              image_size=result.image_size, optimizer=result.optimizer, dtype=result.dtype,
+                              steps=result.steps)
+
+
+def _sweep_rows(r: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for p in r["points"]:
+        a = p.get("allocator") or {}
+        rows.append([str(p["batch"]), format_bytes(p["peak_bytes"]),
+                     format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—",
+                     format_bytes(a["peak_reserved_delta"]) if a.get("peak_reserved_delta") is not None else "—"])
+    return rows
+
+
 def render_sweep(result: SweepResult) -> list[Any]:
-    return [result, result.plot()]
+    recorded = [] if result.engine == "cuda" else [
+        HTML(recorded_html(recorded_sweep(result), _sweep_rows,
+                           ["batch", "peak (tracker)", "max_memory_allocated − baseline",
+                            "max_memory_reserved − baseline"]))]
+    return [result, result.plot(), *recorded]
 
 
 def sweep_panel(model: str = "cnn", optimizer: str = "sgd", largest: int = 32, engine: str = "auto") -> Panel:
