@@ -7,7 +7,8 @@ simulator's.
   when nothing matches, ``recorded_note(lookup)``: one line saying so and what was recorded
   instead (``RecordLookup.mismatch``), or that no recordings ship.
 * ``allocator_rows(result)``: the allocator's counters of one recorded run, the rows most panels
-  show.
+  show; ``counter_text(run, key)``: one of those counters as a table cell
+  (``max_memory_allocated − baseline`` by default).
 * ``reserved_timelines(run, lookup)``: one axis, the simulator's reserved series and (when a
   record matched) the recorded one, each over the fraction of the run it covers.
 """
@@ -44,6 +45,13 @@ def allocator_rows(result: dict[str, Any], prefix: str = "") -> list[list[str]]:
     """Rows [figure, bytes] of the allocator's counters a recorded run carries (those present)."""
     a = result.get("allocator") or {}
     return [[prefix + name, format_bytes(a[key])] for key, name in ALLOCATOR_ROWS if a.get(key) is not None]
+
+
+def counter_text(run: dict[str, Any], key: str = "peak_allocated_delta") -> str:
+    """One allocator counter of a recorded run (``max_memory_allocated − baseline`` by default;
+    ``ALLOCATOR_ROWS`` names the keys), formatted, or "—" when the run has none."""
+    a = run.get("allocator") or {}
+    return format_bytes(a[key]) if a.get(key) is not None else "—"
 
 
 def recorded_html(lookup, rows: Callable[[dict[str, Any]], Sequence[Sequence[Any]]],

@@ -14,7 +14,7 @@ from ..course.activations import (ACT_DTYPES, ForwardTable, InferenceVsTraining,
                            predicted_forward_bytes)
 from ..models import MODELS
 from ..record import RecordLookup, find_record
-from ..recorded_views import allocator_rows, recorded_html
+from ..recorded_views import counter_text, allocator_rows, recorded_html
 from ..units import format_bytes
 from .base import Panel, dropdown, slider, ENGINES, model_controls
 from .guard import memory_guard
@@ -71,9 +71,8 @@ def compute_inference(model: str, batch: int, image_size: int, dtype: str, engin
 def _pair_rows(r: dict[str, Any]) -> list[list[str]]:
     rows = []
     for mode, run in r["runs"].items():
-        a = run.get("allocator") or {}
         rows.append([mode, format_bytes(run["peak_non_param"]), format_bytes(run["saved_bytes"]),
-                     format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—"])
+                     counter_text(run)])
     return rows
 
 
@@ -102,10 +101,9 @@ def compute_modelsize(batch: int, dtype: str, engine: str) -> ModelsizeCompariso
 def _modelsize_rows(r: dict[str, Any]) -> list[list[str]]:
     rows = []
     for model, row in r["models"].items():
-        a = row.get("allocator") or {}
         rows.append([model, format_bytes(row["saved_with_input"]), format_bytes(row["backward_peak"]),
                      format_bytes(row["no_grad_peak"]),
-                     format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—"])
+                     counter_text(row)])
     return rows
 
 

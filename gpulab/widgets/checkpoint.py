@@ -11,7 +11,7 @@ from IPython.display import HTML
 
 from ..course.checkpointing import SEGMENT_CHOICES, CheckpointResult, checkpoint_sweep
 from ..record import RecordLookup, find_record
-from ..recorded_views import recorded_html
+from ..recorded_views import counter_text, recorded_html
 from ..units import format_bytes
 from .base import Panel, dropdown, slider, ENGINES
 from .guard import memory_guard
@@ -43,9 +43,8 @@ def recorded_checkpoint_html(result: CheckpointResult, lookup: RecordLookup) -> 
         for p in r["points"]:
             if p["segments"] not in ks:
                 continue
-            a = p.get("allocator") or {}
             out.append([str(p["segments"]), format_bytes(p["peak_bytes"]), format_bytes(p["activation_side"]),
-                        format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—",
+                        counter_text(p),
                         f"{p['median_s'] * 1e3:.2f}" if p.get("median_s") is not None else "—"])
         return out
     return recorded_html(lookup, rows, ["k", "peak (tracker)", "activations + temporaries at peak",

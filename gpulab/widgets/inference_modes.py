@@ -10,7 +10,7 @@ from IPython.display import HTML
 
 from ..course.inference import ModesResult, inference_modes
 from ..record import RecordLookup, find_record
-from ..recorded_views import recorded_html
+from ..recorded_views import counter_text, recorded_html
 from ..units import format_bytes
 from .base import Panel, dropdown, slider, ENGINES
 from .guard import memory_guard
@@ -34,10 +34,9 @@ def recorded_modes(result: ModesResult) -> RecordLookup:
 def _modes_rows(r: dict[str, Any]) -> list[list[str]]:
     rows = []
     for mode, run in r["runs"].items():
-        a = run.get("allocator") or {}
         rows.append([mode, format_bytes(run["peak_bytes"]), format_bytes(run["held_bytes"]),
                      format_bytes(run["saved_bytes"]),
-                     format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—"])
+                     counter_text(run)])
     return rows
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..course.inplace import BLOCKS, MODES, InplaceResult, inplace_experiment, saved_table_html
 from ..record import RecordLookup, find_record
-from ..recorded_views import recorded_html
+from ..recorded_views import counter_text, recorded_html
 from ..units import format_bytes
 from .base import Panel, dropdown, slider, ENGINES
 from .guard import memory_guard
@@ -50,10 +50,9 @@ def recorded_inplace(result: InplaceResult) -> RecordLookup:
 def _inplace_rows(r: dict[str, Any]) -> list[list[str]]:
     rows = []
     for key, run in r["runs"].items():
-        a = run.get("allocator") or {}
         rows.append([key, format_bytes(run["peak_bytes"]), format_bytes(run["forward_peak"]),
                      "—" if run.get("saved_bytes") is None else format_bytes(run["saved_bytes"]),
-                     format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—"])
+                     counter_text(run)])
     return rows
 
 

@@ -10,7 +10,7 @@ from IPython.display import HTML
 
 from ..course.inference import GRAD_MODES, LifetimesResult, forward_lifetimes
 from ..record import RecordLookup, find_record
-from ..recorded_views import recorded_html
+from ..recorded_views import counter_text, recorded_html
 from ..units import format_bytes
 from .base import Panel, dropdown, slider, ENGINES
 from .guard import memory_guard
@@ -35,9 +35,8 @@ def recorded_lifetimes(result: LifetimesResult) -> RecordLookup:
 def _lifetimes_rows(r: dict[str, Any]) -> list[list[str]]:
     rows = []
     for style, run in r["runs"].items():
-        a = run.get("allocator") or {}
         rows.append([style, format_bytes(run["forward_peak"]), format_bytes(run["peak_bytes"]),
-                     format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—"])
+                     counter_text(run)])
     return rows
 
 

@@ -11,7 +11,7 @@ from IPython.display import HTML
 from ..experiments import OPTIMIZERS
 from ..course.optimizers import OptimizerComparison, compare_optimizers, optimizer_run
 from ..record import RecordLookup, find_record_series
-from ..recorded_views import recorded_html
+from ..recorded_views import counter_text, recorded_html
 from ..units import format_bytes
 from .base import Panel, model_controls
 from .guard import memory_guard
@@ -38,10 +38,9 @@ def recorded_optimizers(result: OptimizerComparison) -> RecordLookup:
 def _optimizer_rows(r: dict[str, Any]) -> list[list[str]]:
     rows = []
     for p in r["points"]:
-        a = p.get("allocator") or {}
         rows.append([p["optimizer"], format_bytes(p.get("after_step_by_category", {}).get("optimizer_state", 0)),
                      format_bytes(p["peak_bytes"]),
-                     format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—"])
+                     counter_text(p)])
     return rows
 
 

@@ -10,7 +10,7 @@ from IPython.display import HTML
 
 from ..course.precision import LOW_DTYPES, PrecisionResult, precision_step, saving_text
 from ..record import RecordLookup, find_record
-from ..recorded_views import recorded_html
+from ..recorded_views import counter_text, recorded_html
 from ..units import format_bytes
 from .base import Panel, dropdown, model_controls
 from .guard import memory_guard
@@ -36,10 +36,9 @@ def recorded_precision(result: PrecisionResult) -> RecordLookup:
 def _precision_rows(r: dict[str, Any]) -> list[list[str]]:
     rows = []
     for mode, run in r["runs"].items():
-        a = run.get("allocator") or {}
         pct = run.get("saving_percent")
         rows.append([mode, format_bytes(run["peak_bytes"]),
-                     format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—",
+                     counter_text(run),
                      "—" if pct is None or mode == "fp32" else saving_text(pct),
                      f"{run['bytes_per_param']:.2f}"])
     return rows

@@ -11,7 +11,7 @@ from IPython.display import HTML
 from ..experiments import training_step
 from ..course.sweeps import SweepResult, batch_sweep
 from ..record import RecordLookup, find_record_series
-from ..recorded_views import recorded_html
+from ..recorded_views import counter_text, recorded_html
 from ..units import format_bytes
 from .base import Panel, model_controls
 from .guard import memory_guard
@@ -43,10 +43,9 @@ def recorded_sweep(result: SweepResult) -> RecordLookup:
 def _sweep_rows(r: dict[str, Any]) -> list[list[str]]:
     rows = []
     for p in r["points"]:
-        a = p.get("allocator") or {}
         rows.append([str(p["batch"]), format_bytes(p["peak_bytes"]),
-                     format_bytes(a["peak_allocated_delta"]) if a.get("peak_allocated_delta") is not None else "—",
-                     format_bytes(a["peak_reserved_delta"]) if a.get("peak_reserved_delta") is not None else "—"])
+                     counter_text(p),
+                     counter_text(p, "peak_reserved_delta")])
     return rows
 
 
