@@ -1,12 +1,36 @@
 # Two commands for a newcomer (see README):
-#   make lab    create/update .venv, install gpulab, open the lessons in JupyterLab
-#   make test   create/update .venv, install gpulab with test extras, run the whole test suite
+#   make lab    create/update .venv with what the lessons need, open them in JupyterLab
+#   make test   create/update .venv with the test tools too, run the whole test suite
 # and one for developers:
 #   make quick  unit and panel tests only (no lesson execution, browser or Binder): a few minutes
+#
+# Which PyTorch build goes into .venv (TORCH=auto, the default, decides by the machine):
+#   cpu    PyTorch's CPU-only wheels from PyTorch's CPU index (about 1 GB in the venv): the choice
+#          on a machine without an NVIDIA GPU (a laptop, a CPU server); the lessons use the cpu
+#          and fake engines there
+#   cuda   the registry's default build, with its CUDA libraries (about 6 GB): the choice when
+#          `nvidia-smi -L` lists a GPU
+# If PyTorch's CPU index cannot be reached, auto falls back to the default build and says so;
+# TORCH=cpu insists on the CPU wheels, TORCH_CPU_INDEX=URL names a mirror of that index.
+# The build is chosen when .venv is created: `make clean` first to change it.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.gpulab-installed
+TORCH  ?= auto
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# extra arguments for `jupyter lab`, e.g. LAB_ARGS="--no-browser --port 8888" on a remote machine
+LAB_ARGS ?=
+
+# uv installs (fast, and it keeps every wheel it downloads in its cache, which the Binder test's
+# rebuild then reuses). It is the installer, kept beside the environment, not inside it: the
+# lessons' kernel cannot import it. A `uv` already on PATH is used as it is.
+UV_HOME := $(VENV)/tools
+UV      ?= $(shell command -v uv 2>/dev/null || echo $(UV_HOME)/bin/uv)
+
+# stamps: the torch build, what the lessons need, what the tests need (each implies the one before)
+TORCH_STAMP := $(VENV)/.gpulab-torch
+LAB_STAMP   := $(VENV)/.gpulab-lab
+TEST_STAMP  := $(VENV)/.gpulab-test
 
 # Independent tests run in parallel, one worker per core (pytest-xdist). --dist loadgroup keeps
 # each xdist_group (the Binder environment, the JupyterLab server) on one worker, so its
@@ -15,23 +39,53 @@ PYTEST_PAR := -n auto --dist loadgroup --durations=20
 
 .PHONY: lab test quick venv clean chromium
 
-# uv installs (it keeps every wheel it downloads in its cache, which the Binder test's rebuild
-# then reuses); pip only installs uv itself.
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip uv
-	$(VENV)/bin/uv pip install --python $(PY) -e '.[test]'
-	touch $(STAMP)
+$(PY):
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "gpulab needs Python 3.11 or newer; $(PYTHON) is " + sys.version.split()[0] + ". Run: make PYTHON=python3.11 (or python3.12, ...)")'
+	$(PYTHON) -m venv $(VENV)
 
-venv: $(STAMP)
+$(UV_HOME)/bin/uv: | $(PY)
+	$(PY) -m pip install --quiet --disable-pip-version-check --target $(UV_HOME) uv
 
-lab: $(STAMP)
-	$(VENV)/bin/jupyter lab lessons/
+$(TORCH_STAMP): | $(PY) $(if $(filter $(UV_HOME)/bin/uv,$(UV)),$(UV_HOME)/bin/uv)
+	@build="$(TORCH)"; \
+	if [ "$$build" = auto ]; then \
+	  if nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then build=cuda; \
+	  elif [ "$$(uname -s)" = Linux ]; then build=cpu; else build=cuda; fi; \
+	fi; \
+	case "$$build" in \
+	  cpu) echo "gpulab: no NVIDIA GPU found: installing PyTorch's CPU-only build from $(TORCH_CPU_INDEX)"; \
+	       if ! $(UV) pip install --python $(PY) --index-url $(TORCH_CPU_INDEX) torch torchvision; then \
+	         if [ "$(TORCH)" = cpu ]; then echo "gpulab: could not install the CPU build from $(TORCH_CPU_INDEX)" >&2; exit 1; fi; \
+	         echo "gpulab: PyTorch's CPU index could not be reached: installing the registry's default build instead (with CUDA libraries, about 6 GB). It runs on the CPU too. Set TORCH_CPU_INDEX=URL to use a mirror of the CPU index."; \
+	         build=cuda; \
+	         $(UV) pip install --python $(PY) torch torchvision || exit 1; \
+	       fi ;; \
+	  cuda) echo "gpulab: installing PyTorch's default build (with CUDA libraries)"; \
+	        $(UV) pip install --python $(PY) torch torchvision || exit 1 ;; \
+	  *) echo "TORCH must be auto, cpu or cuda (got '$$build')" >&2; exit 2 ;; \
+	esac; \
+	echo "$$build" > $@
 
-test: $(STAMP) chromium
+$(LAB_STAMP): pyproject.toml $(TORCH_STAMP)
+	$(UV) pip install --python $(PY) -e .
+	touch $@
+
+$(TEST_STAMP): pyproject.toml $(LAB_STAMP)
+	$(UV) pip install --python $(PY) -e '.[test]'
+	touch $@
+
+venv: $(LAB_STAMP)
+
+# Jupyter refuses to start as root unless told; root is the normal user in Docker, RunPod or
+# Vast containers, so there it is told, and says so.
+lab: $(LAB_STAMP)
+	@if [ "$$(id -u)" = 0 ]; then echo "gpulab: running as root (as in a container): starting JupyterLab with --allow-root"; fi
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS) lessons/
+
+test: $(TEST_STAMP) chromium
 	$(PY) -m pytest $(PYTEST_PAR)
 
-quick: $(STAMP)
+quick: $(TEST_STAMP)
 	$(PY) -m pytest $(PYTEST_PAR) -m "not notebook and not slow and not browser"
 
 # the browser test (tests/test_browser.py) drives Debian's chromium; install it when missing
