@@ -1,0 +1,292 @@
+"""Bad input against gpulab: the CLI, the Python API, the snapshot and OOM-message readers, the
+distributed runner. Prints one line per case and a count by outcome; rerunnable.
+
+    PYTHONPATH=. python benchmarks/bad_inputs.py [--only cli|api|snapshot|oom|distributed] [-v]
+
+Outcomes:
+  clean     refused with a one-line message (the CLI: exit 2 and one stderr line, no traceback;
+            the API: ValueError / TypeError / KeyError / FileNotFoundError with a message)
+  answer    taken and answered (a value the input admits, e.g. a size written another way)
+  BAD       a traceback, an exception of another type (AttributeError, IndexError, ...), a message
+            of several lines, or a case that ran past its time limit
+
+Each case runs in this process under a time limit (SIGALRM), the CLI through `gpulab.cli.main`
+with its stdout and stderr captured. Exit status: the number of BAD cases (0 when none).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import pathlib
+import pickle
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+CLEAN_TYPES = (ValueError, TypeError, KeyError, FileNotFoundError, IsADirectoryError, PermissionError)
+
+
+@dataclass
+class Case:
+    group: str
+    name: str
+    fn: Callable[[], object]
+    limit_s: int = 60
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout()
+
+
+def _one_line(msg: str) -> bool:
+    return bool(msg.strip()) and "\n" not in msg.strip() and "Traceback" not in msg
+
+
+def run_case(case: Case) -> tuple[str, str]:
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(case.limit_s)
+    try:
+        out = case.fn()
+    except _Timeout:
+        return "BAD", f"still running after {case.limit_s} s"
+    except CLEAN_TYPES as exc:
+        msg = str(exc)
+        return ("clean" if _one_line(" ".join(msg.split())) and msg else "BAD"), f"{type(exc).__name__}: {msg[:160]}"
+    except BaseException as exc:  # noqa: BLE001 - what we are counting
+        return "BAD", f"{type(exc).__name__}: {str(exc)[:160]}"
+    finally:
+        signal.alarm(0)
+    if isinstance(out, tuple) and len(out) == 3 and out[0] == "cli":
+        _, code, err = out
+        if code == 0:
+            return "answer", "exit 0"
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        ok = code in (2, 130) and len(lines) == 1 and "Traceback" not in err
+        return ("clean" if ok else "BAD"), f"exit {code}: {' | '.join(lines)[:160]}"
+    return "answer", repr(out)[:120]
+
+
+# --------------------------------------------------------------------------- the CLI
+def _cli(*argv: str):
+    from gpulab import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(argv))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+            if not isinstance(exc.code, int) and exc.code is not None:
+                err.write(str(exc.code) + "\n")
+        except BaseException:  # a traceback that reaches the user
+            import traceback
+            traceback.print_exc(file=err)
+            code = 1
+    return ("cli", code, err.getvalue())
+
+
+def cli_cases(tmp: pathlib.Path) -> list[Case]:
+    cases: list[Case] = []
+    bad_models = ["nosuchmodel", "hf:nosuch", "hf:", "torchvision:", "torchvision:nosuch", "", " ", "vgg16 ",
+                  "../etc/passwd", "hf:gpt2/../../x", "x" * 5000, "hf:path/that/does/not/exist.json"]
+    for m in bad_models:
+        cases.append(Case("cli", f"breakdown {m[:20]!r}", lambda m=m: _cli("breakdown", m)))
+        cases.append(Case("cli", f"step {m[:20]!r}", lambda m=m: _cli("step", m, "--engine", "fake")))
+        cases.append(Case("cli", f"fit {m[:20]!r}", lambda m=m: _cli("fit", m, "--gpu", "24GiB")))
+    bad_ints = ["0", "-1", "1.5", "abc", "1e3", str(10 ** 30), "nan", "", "0x10"]
+    for opt in ("--batch", "--image-size", "--seq-len", "--steps"):
+        for v in bad_ints:
+            cases.append(Case("cli", f"step mlp {opt} {v[:12]}",
+                              lambda opt=opt, v=v: _cli("step", "mlp", "--engine", "fake", opt, v)))
+    for v in ("0", "-8GiB", "abc", "24", "24 GiB", "1e400GiB", "nanGiB", "H1000", "", "80XB", str(10 ** 40)):
+        cases.append(Case("cli", f"fit mlp --gpu {v[:12]!r}", lambda v=v: _cli("fit", "mlp", "--gpu", v)))
+    for v in ("-1GiB", "abc", "1e400GiB", "100TiB"):
+        cases.append(Case("cli", f"fit mlp --context {v}", lambda v=v: _cli("fit", "mlp", "--gpu", "24GiB",
+                                                                              "--context", v)))
+    for opt, v in (("--dtype", "float128"), ("--dtype", "int8"), ("--dtype", ""), ("--optimizer", "adamw9"),
+                   ("--amp", "fp8"), ("--engine", "tpu"), ("--engine", ""), ("--fake-target", "rocm")):
+        cases.append(Case("cli", f"step mlp {opt} {v!r}", lambda opt=opt, v=v: _cli("step", "mlp", opt, v)))
+    cases.append(Case("cli", "step (no model)", lambda: _cli("step")))
+    cases.append(Case("cli", "no command", lambda: _cli()))
+    cases.append(Case("cli", "unknown command", lambda: _cli("train", "mlp")))
+    cases.append(Case("cli", "fit without --gpu", lambda: _cli("fit", "mlp")))
+    cases.append(Case("cli", "unknown flag", lambda: _cli("step", "mlp", "--nosuch")))
+    afile = tmp / "a_file"
+    afile.write_text("x")
+    cases.append(Case("cli", "record --out is a file", lambda: _cli("record", "--out", str(afile))))
+    cases.append(Case("cli", "record (no GPU)", lambda: _cli("record", "--out", str(tmp / "rec"))))
+    return cases
+
+
+# --------------------------------------------------------------------------- the Python API
+def api_cases(tmp: pathlib.Path) -> list[Case]:
+    import torch
+    from torch import nn
+
+    import gpulab
+
+    lin = nn.Linear(4, 2)
+
+    class Boom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x):
+            raise RuntimeError("my model's own bug")
+
+    cases = [
+        Case("api", "step(None)", lambda: gpulab.step(None)),
+        Case("api", "step(42)", lambda: gpulab.step(42)),
+        Case("api", "step('nosuch')", lambda: gpulab.step("nosuch")),
+        Case("api", "step(Linear, wrong input shape)", lambda: gpulab.step(lin, torch.randn(1, 3), engine="cpu")),
+        Case("api", "step(Linear) without input", lambda: gpulab.step(lin)),
+        Case("api", "step(model raising)", lambda: gpulab.step(Boom(), torch.randn(1, 4), engine="cpu")),
+        Case("api", "fit(model raising)", lambda: gpulab.fit(Boom(), "4GiB", inputs=torch.randn(1, 4))),
+        Case("api", "step(a class, not an instance)", lambda: gpulab.step(nn.Linear, torch.randn(1, 4))),
+        Case("api", "fit('mlp', 'abc')", lambda: gpulab.fit("mlp", "abc")),
+        Case("api", "fit('mlp', -1)", lambda: gpulab.fit("mlp", -1)),
+        Case("api", "fit('mlp', None)", lambda: gpulab.fit("mlp", None)),
+        Case("api", "fit('mlp', float('nan'))", lambda: gpulab.fit("mlp", float("nan"))),
+        Case("api", "breakdown('hf:nosuch')", lambda: gpulab.breakdown("hf:nosuch")),
+        Case("api", "breakdown('vgg16', image_size=8)", lambda: gpulab.breakdown("vgg16", 1, 8)),
+        Case("api", "breakdown('vgg16', batch=0)", lambda: gpulab.breakdown("vgg16", 0)),
+        Case("api", "format_bytes('x')", lambda: gpulab.format_bytes("x")),
+        Case("api", "run(non-callable)", lambda: gpulab.run(42, engine="cpu")),
+        Case("api", "run(engine='tpu')", lambda: gpulab.run(lambda: torch.ones(2), engine="tpu")),
+    ]
+    for kw, v in (("batch", 0), ("batch", -3), ("batch", 1.5), ("batch", "8"), ("batch", 10 ** 30),
+                  ("optimizer", "adamw9"), ("optimizer", None), ("engine", "tpu"), ("dtype", "float128"),
+                  ("amp", "fp8"), ("steps", 0), ("steps", -1), ("steps", 10 ** 9), ("seq_len", 0),
+                  ("image_size", -1), ("fake_target", "rocm")):
+        cases.append(Case("api", f"step('mlp', {kw}={v!r})"[:60],
+                          lambda kw=kw, v=v: gpulab.step("mlp", engine="fake", **{kw: v})))
+    for kw, v in (("optimizer", "nosuch"), ("dtype", "float128"), ("amp", "fp8"), ("seq_len", -1),
+                  ("steps", 0), ("steps", 10 ** 9), ("context_bytes", -1)):
+        cases.append(Case("api", f"fit('mlp', '24GiB', {kw}={v!r})"[:60],
+                          lambda kw=kw, v=v: gpulab.fit("mlp", "24GiB", **{kw: v})))
+    return cases
+
+
+# --------------------------------------------------------------------------- snapshot reader
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def snapshot_cases(tmp: pathlib.Path) -> list[Case]:
+    from gpulab import snapshot_import
+
+    def write(name: str, data: bytes) -> pathlib.Path:
+        p = tmp / name
+        p.write_bytes(data)
+        return p
+
+    files = {
+        "empty": b"",
+        "text": b"hello, not a pickle\n",
+        "truncated": pickle.dumps({"segments": [], "device_traces": [[]]})[:-5],
+        "a list": pickle.dumps([1, 2, 3]),
+        "no segments": pickle.dumps({"device_traces": [[]]}),
+        "segments not a list": pickle.dumps({"segments": 3, "device_traces": []}),
+        "trace entry not a dict": pickle.dumps({"segments": [], "device_traces": [[1, 2]]}),
+        "segment missing keys": pickle.dumps({"segments": [{"address": 0}], "device_traces": [[]]}),
+        "negative sizes": pickle.dumps({"segments": [{"address": 0, "total_size": -5, "blocks": [],
+                                                      "device": 0, "stream": 0, "segment_type": "large"}],
+                                        "device_traces": [[]]}),
+        "os.system reduce": pickle.dumps(_Evil()),
+        "gzip bytes": b"\x1f\x8b\x08\x00" + b"\x00" * 20,
+    }
+    cases = []
+    for name, data in files.items():
+        p = write(name.replace(" ", "_") + ".pickle", data)
+        cases.append(Case("snapshot", f"read {name}", lambda p=p: snapshot_import.read_snapshot(str(p)).replay()))
+    cases.append(Case("snapshot", "read a missing file", lambda: snapshot_import.read_snapshot(str(tmp / "nope"))))
+    cases.append(Case("snapshot", "read a directory", lambda: snapshot_import.read_snapshot(str(tmp))))
+    cases.append(Case("snapshot", "read None", lambda: snapshot_import.read_snapshot(None)))
+    return cases
+
+
+# --------------------------------------------------------------------------- OOM-message reader
+def oom_cases(tmp: pathlib.Path) -> list[Case]:
+    from gpulab import oom_message
+
+    texts = {
+        "None": None, "bytes": b"CUDA out of memory", "int": 42, "empty": "", "unrelated text": "hello world",
+        "half a message": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
+        "negative figures": ("CUDA out of memory. Tried to allocate -2.00 GiB. GPU 0 has a total capacity of "
+                             "-1 GiB of which 0 bytes is free."),
+        "huge figures": ("CUDA out of memory. Tried to allocate 1e400 GiB. GPU 0 has a total capacity of "
+                         "1e400 GiB of which 0 bytes is free."),
+        "torch 2.1 (capacty)": ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. "
+                                "GPU 0 has a total capacty of 14.75 GiB of which 3.06 MiB is free. Process 12345 "
+                                "has 14.74 GiB memory in use. Of the allocated memory 14.50 GiB is allocated by "
+                                "PyTorch, and 100.00 MiB is reserved by PyTorch but unallocated."),
+    }
+    cases = []
+    for name, t in texts.items():
+        cases.append(Case("oom", f"reproduce({name})", lambda t=t: oom_message.reproduce(t)))
+    return cases
+
+
+# --------------------------------------------------------------------------- distributed runner
+def distributed_cases(tmp: pathlib.Path) -> list[Case]:
+    from gpulab import distributed
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+    import dist_experiments as de  # noqa: E402 - the tests' importable experiments
+
+    cases = [
+        Case("distributed", "world_size=0", lambda: distributed.run_distributed(de.all_reduce_rank, 0)),
+        Case("distributed", "world_size=-1", lambda: distributed.run_distributed(de.all_reduce_rank, -1)),
+        Case("distributed", "world_size=99", lambda: distributed.run_distributed(de.all_reduce_rank, 99)),
+        Case("distributed", "world_size='2'", lambda: distributed.run_distributed(de.all_reduce_rank, "2")),
+        Case("distributed", "a lambda", lambda: distributed.run_distributed(lambda ctx: 1, 2)),
+        Case("distributed", "not callable", lambda: distributed.run_distributed(42, 2)),
+        Case("distributed", "backend='mpi9'", lambda: distributed.run_distributed(de.all_reduce_rank, 2, backend="mpi9")),
+        Case("distributed", "timeout_s=0", lambda: distributed.run_distributed(de.all_reduce_rank, 2, timeout_s=0)),
+        Case("distributed", "timeout_s=-5", lambda: distributed.run_distributed(de.all_reduce_rank, 2, timeout_s=-5)),
+    ]
+    return cases
+
+
+GROUPS = {"cli": cli_cases, "api": api_cases, "snapshot": snapshot_cases, "oom": oom_cases,
+          "distributed": distributed_cases}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=sorted(GROUPS), action="append")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every case, not only the BAD ones")
+    args = ap.parse_args(argv)
+    counts: dict[str, dict[str, int]] = {}
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="gpulab-bad-") as d:
+        tmp = pathlib.Path(d)
+        for group in args.only or list(GROUPS):
+            for case in GROUPS[group](tmp):
+                outcome, detail = run_case(case)
+                counts.setdefault(group, {}).setdefault(outcome, 0)
+                counts[group][outcome] += 1
+                if args.verbose or outcome == "BAD":
+                    print(f"{outcome:6} {group:11} {case.name:45} {detail}", flush=True)
+    total = {k: sum(c.get(k, 0) for c in counts.values()) for k in ("clean", "answer", "BAD")}
+    print()
+    for group, c in counts.items():
+        print(f"{group:12} " + "  ".join(f"{k} {c.get(k, 0)}" for k in ("clean", "answer", "BAD")))
+    print(f"{'all':12} " + "  ".join(f"{k} {v}" for k, v in total.items())
+          + f"   ({sum(total.values())} inputs, {time.time() - t0:.0f} s)")
+    return min(total["BAD"], 100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
