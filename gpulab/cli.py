@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("record", help="on a GPU: measure the lessons' record set, write <out>/<gpu>.json")
     r.add_argument("--out", default=".", help="folder for the JSON file (default: the current folder)")
     r.add_argument("--quick", action="store_true", help="a small subset: checks the command, not for shipping")
+    r.add_argument("--force", action="store_true", help="replace an existing record file for this GPU")
     r.add_argument("--json", action="store_true")
     return p
 
@@ -86,9 +87,15 @@ def _record(args) -> int:
         print("gpulab: error: gpulab record needs a CUDA GPU (torch.cuda.is_available() is False); "
               "nothing was recorded", file=sys.stderr)
         return 2
-    from .record import record, write_record
+    from .files import check_target
+    from .record import record, record_path, write_record
+    try:  # before measuring: a bad --out must not cost the whole run
+        check_target(record_path(args.out, torch.cuda.get_device_name(0)), overwrite=args.force, flag="--force")
+    except OSError as exc:
+        print(f"gpulab: error: {exc}; nothing was recorded", file=sys.stderr)
+        return 2
     data = record(quick=args.quick, command=["gpulab", *(sys.argv[1:] if args.argv is None else args.argv)])
-    path = write_record(data, args.out)
+    path = write_record(data, args.out, overwrite=args.force, flag="--force")
     summary = {"path": str(path), "gpu": data["provenance"]["gpu_name"], "experiments": len(data["experiments"]),
                "quick": data["quick"], "stand_in": data["provenance"]["stand_in"]}
     text = (f"recorded {summary['experiments']} experiments on {summary['gpu']} -> {path}"

@@ -2,10 +2,14 @@
 rank's tracker result back to the caller.
 
 * The workers are started with the ``spawn`` method (a notebook kernel has threads, so ``fork``
-  is unsafe). Each joins one process group through a ``TCPStore`` that the caller opens on the
-  loopback address with a port the OS picks: the store holds the port, so no other program can
-  take it between choosing and joining. gloo is told to use the loopback interface, so nothing
-  is sent beyond this machine.
+  is unsafe). Each joins one process group through a ``TCPStore`` that the caller opens on a
+  socket it binds to the loopback address (127.0.0.1, a port the OS picks) and hands to the store
+  (``master_listen_fd``): the store listens there only, not on every interface as it would by
+  itself, and holds the port, so no other program can take it between choosing and joining.
+  gloo is told to use the loopback interface, so nothing is sent beyond this machine.
+* The workers die with the caller: on Linux each asks the kernel for SIGKILL when its parent
+  exits (``prctl(PR_SET_PDEATHSIG)``), and everywhere a watcher thread ends a worker whose
+  parent is gone, so a killed script or kernel leaves no rank running.
 * The backend is gloo on the CPU, or nccl when there are at least W GPUs (one per rank).
 * Every rank runs the experiment under a :class:`~gpulab.tracking.MemoryTracker` and sends back
   its :class:`~gpulab.tracking.TrackingResult` and whatever the experiment returned.
@@ -19,10 +23,15 @@ module (not in a notebook cell, which spawned workers cannot import).
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
+import multiprocessing
 import os
 import queue as queue_mod
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -35,6 +44,11 @@ from .units import format_bytes
 
 MAX_WORLD_SIZE = 4
 LOOPBACK = "127.0.0.1"
+WORKER_PREFIX = "gpulab-rank"
+UNGUARDED_SCRIPT = (
+    "run_distributed was called while a worker process was starting: the workers import your script, "
+    "and its top level starts the run again. Put the call under `if __name__ == \"__main__\":` "
+    "(see the README's example)")
 
 
 @dataclass
@@ -161,20 +175,22 @@ def run_distributed(experiment: Callable[..., dict | None], world_size: int = 2,
 
     Returns a :class:`DistributedRun` whether or not the ranks succeeded (``.ok``,
     ``.failures``, ``.check()``); raises ``ValueError`` for arguments that cannot work."""
+    if multiprocessing.current_process().name.startswith(WORKER_PREFIX):
+        # a spawned worker is importing the caller's script, which calls this again at top level
+        raise RuntimeError(UNGUARDED_SCRIPT)
     if backend == "auto":
         backend = default_backend(world_size) if isinstance(world_size, int) else "gloo"
     _check_args(experiment, world_size, backend, timeout_s)
-    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results: queue_mod.Queue = ctx.Queue()
     t0 = time.perf_counter()
     # the caller holds the store (and so the port) for the whole run; the workers are clients
-    store = dist.TCPStore(LOOPBACK, 0, world_size + 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
-    procs = [ctx.Process(target=_worker, daemon=True, name=f"gpulab-rank{rank}",
-                         args=(rank, world_size, store.port, backend, experiment, args, results, timeout_s))
+    store = loopback_store(world_size + 1, timeout_s)
+    procs = [ctx.Process(target=_worker, daemon=True, name=f"{WORKER_PREFIX}{rank}",
+                         args=(rank, world_size, store.port, backend, experiment, args, results, timeout_s,
+                               os.getpid()))
              for rank in range(world_size)]
     run = DistributedRun(world_size=world_size, backend=backend)
     try:
@@ -219,7 +235,8 @@ def _collect(run: DistributedRun, procs, results, deadline: float, timeout_s: fl
                     continue
                 except queue_mod.Empty:
                     run.failures.append(RankFailure(rank, f"worker process exited with code {code} "
-                                                          "without sending a result"))
+                                                          "without sending a result"
+                                                          + (_script_hint() if code == 1 else "")))
                     pending.discard(rank)
         if any(f for f in run.failures) and pending:
             break
@@ -232,18 +249,61 @@ def _collect(run: DistributedRun, procs, results, deadline: float, timeout_s: fl
 
 
 def _stop(procs) -> None:
-    for p in procs:
+    started = [p for p in procs if p.pid is not None]   # a start that failed leaves the rest unstarted
+    for p in started:
         if p.is_alive():
             p.terminate()
-    for p in procs:
+    for p in started:
         p.join(timeout=5)
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
 
 
+def loopback_store(world_size: int, timeout_s: float):
+    """A ``TCPStore`` server for ``world_size`` clients that listens on 127.0.0.1 only.
+
+    By itself the store's server listens on every interface (it binds the wildcard address
+    whatever host it is given); here it gets a socket already bound to the loopback address
+    (``master_listen_fd``), and owns it from then on."""
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOOPBACK, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(LOOPBACK, port, world_size, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()   # the store closes the descriptor when it is destroyed
+    return store
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """End this worker when the process that started it exits, however it exits (SIGKILL too)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG = 1 (linux/prctl.h)
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:   # also where prctl is missing, and for a parent gone before the prctl
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=watch, name="gpulab-parent-watch", daemon=True).start()
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, experiment, args, results,
-            timeout_s: float) -> None:
+            timeout_s: float, parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
     import torch.distributed as dist
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
@@ -279,6 +339,15 @@ def _worker(rank: int, world_size: int, port: int, backend: str, experiment, arg
             dist.destroy_process_group()
         except Exception:  # the group may be broken by the failure being reported
             pass
+
+
+def _script_hint() -> str:
+    """When the caller is a script: the usual reason a spawned worker dies before it reports."""
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", None) and not hasattr(main, "get_ipython"):
+        return (f" (a worker imports {os.path.basename(main.__file__)} first: if the run is started at its "
+                "top level, put it under `if __name__ == \"__main__\":`)")
+    return ""
 
 
 def _describe(exc: BaseException) -> str:

@@ -13,15 +13,17 @@ Options: ``--engine auto|cpu|fake|cuda``, ``--device DEV``, ``--plot`` (live tot
 line), ``--timeline`` (stacked by category), ``-o NAME``, ``--snapshot PATH`` (also write the
 cell's timeline as a PyTorch memory snapshot pickle, ``gpulab.snapshot.export_tracking``: open it
 with ``torch.cuda._memory_viz`` or on pytorch.org/memory_viz; its segments are the simulated
-allocator's). ``{name}`` in the options line is the notebook variable's value (IPython expands it).
+allocator's; an existing file is refused unless ``--force``). ``{name}`` in the options line is the notebook variable's value (IPython expands it).
 """
 from __future__ import annotations
 
 import html
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from .files import check_target
 from .linetrack import LineReport, track_lines
 
 
@@ -38,10 +40,16 @@ class MemtrackMagics(Magics):
     @argument("-o", "--output", default=None, help="also store the report in this variable")
     @argument("--snapshot", default=None, metavar="PATH",
               help="also write a PyTorch memory snapshot (pickle) of the cell for torch.cuda._memory_viz")
+    @argument("--force", action="store_true", help="with --snapshot: replace an existing file")
     @cell_magic
     def memtrack(self, line: str, cell: str) -> LineReport:
         """Run the cell and report memory per executed line (see ``gpulab.magic``)."""
         args = parse_argstring(self.memtrack, line)
+        if args.snapshot:   # before the cell runs: its work is not lost to a bad path
+            try:
+                check_target(args.snapshot, overwrite=args.force, flag="--force")
+            except OSError as exc:
+                raise UsageError(f"%%memtrack --snapshot: {exc}") from None
         report = track_lines(cell, self.shell.user_ns, engine=args.engine, device=args.device)
         self.last_report = report
         self.shell.user_ns["_memtrack"] = report
@@ -50,7 +58,7 @@ class MemtrackMagics(Magics):
         if args.snapshot:
             from IPython.display import HTML, display
             from .snapshot import export_tracking
-            snap = export_tracking(report.tracking, args.snapshot, where=report.where,
+            snap = export_tracking(report.tracking, args.snapshot, where=report.where, overwrite=args.force,
                                    label=f"exported by gpulab from %%memtrack ({report.label}); segments "
                                          "from the simulated allocator, not recorded on a GPU")
             self.shell.user_ns["_memtrack_snapshot"] = snap

@@ -80,6 +80,7 @@ import torch
 
 from .engines import label_recorded, release_cuda_memory, run
 from .experiments import OPTIMIZERS
+from .files import write_atomic
 from .models import MODELS
 
 RECORD_FORMAT = 1
@@ -415,13 +416,17 @@ def slug(gpu_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") or "gpu"
 
 
-def write_record(data: dict[str, Any], out_dir: str | os.PathLike = ".") -> pathlib.Path:
-    """Write ``<out_dir>/<gpu-slug>.json`` (one file per device); returns its path."""
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{slug(data['provenance']['gpu_name'])}.json"
-    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    return path
+def record_path(out_dir: str | os.PathLike, gpu_name: str) -> pathlib.Path:
+    """Where the record of ``gpu_name`` goes: ``<out_dir>/<gpu-slug>.json`` (one file per device)."""
+    return pathlib.Path(out_dir) / f"{slug(gpu_name)}.json"
+
+
+def write_record(data: dict[str, Any], out_dir: str | os.PathLike = ".", *, overwrite: bool = False,
+                 flag: str = "overwrite=True") -> pathlib.Path:
+    """Write ``<out_dir>/<gpu-slug>.json`` whole or not at all (``files.write_atomic``); an
+    existing file is refused unless ``overwrite``. Returns its path."""
+    path = record_path(out_dir, data["provenance"]["gpu_name"])
+    return write_atomic(path, json.dumps(data, indent=1, sort_keys=True) + "\n", overwrite=overwrite, flag=flag)
 
 
 # --- reading records back -----------------------------------------------------------------------

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .allocator import SIZE_MAX, CachingAllocator, Segment, SimulatedOutOfMemoryError, round_size
+from .files import check_target, write_atomic
 from .snapshot_viewer import ViewerHTML, viz_peak
 from .tables import html_table
 from .tracking import Event, TrackingResult
@@ -145,13 +146,11 @@ class MemorySnapshot:
         """The file's bytes: ``pickle.dumps`` of ``data``, as ``_dump_snapshot`` writes it."""
         return pickle.dumps(self.data)
 
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
         """Write the snapshot pickle (what ``torch.cuda.memory._dump_snapshot(path)`` writes on a
-        GPU); open it with ``python -m torch.cuda._memory_viz`` or drop it on pytorch.org/memory_viz."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(self.pickle_bytes())
-        return p
+        GPU); open it with ``python -m torch.cuda._memory_viz`` or drop it on pytorch.org/memory_viz.
+        The file appears whole or not at all; an existing file is refused unless ``overwrite``."""
+        return write_atomic(path, self.pickle_bytes(), overwrite=overwrite)
 
     # ---- what PyTorch's viewer shows ------------------------------------------------------------
     @property
@@ -329,7 +328,7 @@ def _settings(sim: CachingAllocator) -> dict[str, Any]:
 
 def export_tracking(result: TrackingResult, path: str | Path | None = None, *,
                     where: dict[int, str] | None = None, label: str = "", device: int = 0,
-                    times: str = "tracker", at: str | int | None = None,
+                    times: str = "tracker", at: str | int | None = None, overwrite: bool = False,
                     **allocator_kwargs: Any) -> MemorySnapshot:
     """A tracker result as a PyTorch memory snapshot (and written to ``path`` when given).
 
@@ -339,7 +338,10 @@ def export_tracking(result: TrackingResult, path: str | Path | None = None, *,
     ``%%memtrack`` records it) as an outer frame. ``times``: "tracker" (the tracker's clock, µs
     since it started) or "index" (the event's index: a file that is the same on every run).
     ``at``: take the snapshot at that moment instead of the end: "peak" (the tracker's peak of
-    requested bytes) or an index into ``result.events``."""
+    requested bytes) or an index into ``result.events``. An existing file at ``path`` is refused
+    (before any work) unless ``overwrite``."""
+    if path is not None:
+        check_target(path, overwrite=overwrite)
     if times not in ("tracker", "index"):
         raise ValueError(f"times must be 'tracker' or 'index', not {times!r}")
     until = _moment(result, at)
@@ -373,7 +375,7 @@ def export_tracking(result: TrackingResult, path: str | Path | None = None, *,
     snap.data["gpulab"].update({"made_by": "gpulab.snapshot.export_tracking", "source": source,
                                 "tracked_device": result.device})
     if path is not None:
-        snap.save(path)
+        snap.save(path, overwrite=overwrite)
     return snap
 
 

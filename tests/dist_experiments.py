@@ -31,3 +31,13 @@ def die_on_rank0(ctx):
         os._exit(3)
     dist.barrier()
     return {}
+
+
+def write_pid_and_sleep(ctx, directory):
+    """Each rank writes its pid to ``directory/rank<N>.pid``, then sleeps: a run for killing its parent."""
+    import pathlib
+    path = pathlib.Path(directory) / f"rank{ctx.rank}.pid"
+    path.with_suffix(".tmp").write_text(str(os.getpid()))
+    path.with_suffix(".tmp").rename(path)
+    time.sleep(3600)
+    return {}

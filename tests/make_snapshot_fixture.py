@@ -21,7 +21,7 @@ from gpulab.course.pytorch_tools import EXAMPLE_SNAPSHOT, make_example_snapshot 
 
 
 def main() -> None:
-    path = make_example_snapshot().save(EXAMPLE_SNAPSHOT)
+    path = make_example_snapshot().save(EXAMPLE_SNAPSHOT, overwrite=True)
     print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size:,} bytes)")
 
 

@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -137,3 +143,96 @@ def test_tracker_sees_storage_resizes():
     assert [e.kind for e in res.events] == ["alloc", "resize", "resize", "free"]
     assert res.peak_bytes == 4000
     assert torch.UntypedStorage.resize_ is original  # unwrapped again
+
+
+# --- safety: what listens, what is left running --------------------------------------------------
+
+def test_the_store_listens_on_loopback_only():
+    """The rendezvous store refuses a client on another address of this machine (127.0.0.2 is
+    in the loopback range but is not the address the store was bound to; a store listening on
+    every interface, as TCPStore does by itself, accepts it)."""
+    import socket
+
+    from gpulab.distributed import LOOPBACK, loopback_store
+    store = loopback_store(2, timeout_s=10)
+    try:
+        with socket.create_connection((LOOPBACK, store.port), timeout=5):
+            pass
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.2", store.port), timeout=5).close()
+    finally:
+        del store
+
+
+def test_stopping_workers_that_never_started_is_not_an_error():
+    """A failure while starting the workers is reported as itself, not as "can only join a
+    started process" from the clean-up."""
+    from gpulab.distributed import _stop
+    ctx = multiprocessing.get_context("spawn")
+    _stop([ctx.Process(target=time.sleep, args=(0,)) for _ in range(2)])
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"   # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(180)
+def test_workers_die_with_a_killed_parent(tmp_path):
+    """A script running run_distributed, killed with SIGKILL (no clean-up can run), leaves no rank
+    running."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+        import dist_experiments
+        from gpulab.distributed import run_distributed
+        if __name__ == "__main__":
+            run_distributed(dist_experiments.write_pid_and_sleep, 2, args=({str(tmp_path)!r},), timeout_s=150)
+    """))
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).parents[1]))
+    parent = subprocess.Popen([sys.executable, str(script)], env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids: list[int] = []
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(pids) < 2:
+            pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+            time.sleep(0.3)
+        assert len(pids) == 2, "the workers did not start"
+        assert all(_pid_alive(p) for p in pids)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.time() + 15
+        while time.time() < deadline and any(_pid_alive(p) for p in pids):
+            time.sleep(0.2)
+        assert not [p for p in pids if _pid_alive(p)], "workers outlived their killed parent"
+    finally:
+        for pid in pids + [parent.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        parent.wait(timeout=10)
+
+
+@pytest.mark.timeout(180)
+def test_an_unguarded_script_is_told_what_to_do(tmp_path):
+    """The README's example saved as a script without `if __name__ == "__main__":`: the workers
+    import the script and start the run again. The failure says so, and no clean-up error masks it."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("from gpulab.distributed import run_distributed\n"
+                      "import sys; sys.path.insert(0, %r)\n"
+                      "import dist_experiments\n"
+                      "run_distributed(dist_experiments.all_reduce_rank, 2, timeout_s=90).check()\n"
+                      % str(pathlib.Path(__file__).parent))
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).parents[1]))
+    r = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=150)
+    assert r.returncode != 0
+    assert 'if __name__ == "__main__":' in r.stderr
+    assert "can only join a started process" not in r.stderr

@@ -115,8 +115,8 @@ class StepExport:
         tr = unrounded(self.step.measurement.tracking)
         return to_png(timeline(tr, title=f"{self.step.model} step ({self.label})"))
 
-    def save(self, path: str | Path) -> Path:
-        return self.snapshot.save(path)
+    def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
+        return self.snapshot.save(path, overwrite=overwrite)
 
 
 def vgg16_step_snapshot(batch: int = 8, optimizer: str = "sgd", model: str = "vgg16") -> StepExport:
