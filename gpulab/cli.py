@@ -33,6 +33,15 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _steps(text: str) -> int:
+    from .trainstep import MAX_STEPS
+    v = _positive_int(text)
+    if v > MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_STEPS} (the steady state is reached at step 2; "
+                                         f"later steps repeat it), got {v}")
+    return v
+
+
 MODEL_HELP = ("a lesson model (vgg16, alexnet, resnet18, mlp, cnn), any torchvision classification model "
               "(resnet50, torchvision:vit_b_16 ...), or a built-in transformer config (hf:gpt2, hf:llama-3-8b ...)")
 
@@ -48,7 +57,8 @@ def _model_options(s: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from .experiments import AMP_DTYPES, OPTIMIZERS
 
-    p = _Parser(prog="gpulab", description="Where does GPU memory go? Measure it.")
+    p = _Parser(prog="gpulab", description="Where does GPU memory go? Measure it. "
+                "(--debug anywhere: show the traceback of an error)")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     e = sub.add_parser("env", help="Python/torch versions, GPU facts, the engine lessons will use")
     e.add_argument("--json", action="store_true")
@@ -61,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS))
     s.add_argument("--amp", default=None, choices=list(AMP_DTYPES), help="run the forward under torch.autocast")
     s.add_argument("--engine", default="auto")
-    s.add_argument("--steps", type=_positive_int, default=2,
+    s.add_argument("--steps", type=_steps, default=2,
                    help="training steps (default 2: the optimizer state exists from the first step on)")
     s.add_argument("--fake-target", default="cuda", choices=["cuda", "cpu"],
                    help="fake engine: follow CUDA's kernels (default: a GPU's answer) or this CPU's")
@@ -176,10 +186,45 @@ def _print_step(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+REPORT = "please report it with the command you ran"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; every failure is one line on stderr: bad input or a size this machine
+    cannot hold (exit 2), an interrupt ("interrupted", exit 130), anything else an internal error
+    that says so (exit 2; ``--debug`` shows its traceback)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("gpulab: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, OverflowError, MemoryError) as exc:   # what the user can change
+        if debug:
+            raise
+        print(f"gpulab: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - a bug of gpulab's, or of torch's on this input
+        if debug:
+            raise
+        print(f"gpulab: internal error: {type(exc).__name__}: {_one_line(exc)} "
+              f"({REPORT}; add --debug for the traceback)", file=sys.stderr)
+        return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    """The message on one line, without the C++ stack that torch's errors carry."""
+    text = str(exc).split("Exception raised from")[0]
+    text = " ".join(text.split()).rstrip(' "')
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "record":
-        args.argv = None if argv is None else list(argv)
+        args.argv = list(argv)
         return _record(args)
     try:
         if args.command == "env":
@@ -201,9 +246,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                        seq_len=args.seq_len, image_size=args.image_size,
                        **({"context_bytes": _size(args.context)} if args.context else {})).as_dict()
             text = _print_fit
-    except ValueError as exc:  # bad model, dtype, image size, engine, card: say what is valid
-        print(f"gpulab: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
+    except (RuntimeError, TypeError) as exc:   # torch refusing a size (an overflowing shape): the input's doing
+        if "overflow" in str(exc).lower() or "negative dimension" in str(exc):
+            raise ValueError(f"a tensor of this size cannot be made ({_one_line(exc)}): use smaller "
+                             "--batch, --image-size or --seq-len values") from exc
+        raise
     return _emit(json.dumps(data) if args.json else text(data))
 
 

@@ -39,7 +39,7 @@ from .experiments import OPTIMIZERS, train_experiment, validate_amp
 from .search import largest_fitting
 from .tracking import Category, TrackingResult
 from .units import dtype_name, format_bytes, parse_dtype
-from .workload import Workload, resolve_workload
+from .workload import Workload, resolve_workload, step_failed
 
 LABEL_FIT = "fake tensors, CUDA kernels' allocations (no compute) + simulated allocator + assumed CUDA context"
 LABEL_LEVER = "formula (from the measured categories at batch 1)"
@@ -192,7 +192,12 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
 
 
 def _run(w: Workload, batch: int, opt: str, dt: torch.dtype, amp: str | None) -> Measurement:
-    m = run(train_experiment(w, [batch, batch], opt, dt, amp), "fake", fake_target="cuda")
+    try:
+        m = run(train_experiment(w, [batch, batch], opt, dt, amp), "fake", fake_target="cuda")
+    except ValueError:
+        raise
+    except Exception as exc:   # the model's own error: say which input was tried and how to pass one
+        raise ValueError(step_failed(w, batch, "on the fake engine", exc)) from exc
     if m.oom or m.tracking is None:
         raise RuntimeError(f"the fake run at batch {batch} failed: {m.error}")
     return m

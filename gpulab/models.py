@@ -279,8 +279,23 @@ def materialize(module: nn.Module, device: torch.device | str = "cpu") -> nn.Mod
     """Give every parameter and buffer of ``module`` an empty storage on ``device`` (in place,
     same shapes, dtypes and ``requires_grad``): under a ``FakeTensorMode`` these are fake
     tensors. The values are uninitialised: for memory questions, not for training quality."""
-    made: dict[int, torch.Tensor] = {}   # a tensor shared by two modules (tied weights) stays shared
-    return module._apply(lambda t: made.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype, device=device)))
+    # A parameter shared by two modules (tied weights: an LM head and its embedding) must stay one
+    # parameter: ``_apply`` gives each module its own new ``nn.Parameter`` around the new storage,
+    # which would make two gradients and two sets of optimizer state. Note where each is held,
+    # then put the first new object back in every place the old one was.
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((m, name))
+    made: dict[int, torch.Tensor] = {}   # and a storage shared by two tensors stays shared
+    module._apply(lambda t: made.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype, device=device)))
+    for places in slots.values():
+        if len(places) > 1:
+            first = places[0][0]._parameters[places[0][1]]
+            for m, name in places[1:]:
+                m._parameters[name] = first
+    return module
 
 
 _MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

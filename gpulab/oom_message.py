@@ -61,7 +61,7 @@ _SIZE = r"(\d+ bytes|\d+\.\d+ (?:KiB|MiB|GiB))"
 _UNITS = {"bytes": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB}
 _HEAD = r"(?P<kind>CUDA|HIP) out of memory(?P<sim> \(simulated\))?\. Tried to allocate "
 _CURRENT = re.compile(
-    _HEAD + _SIZE.replace("(", "(?P<tried>", 1) + r"\. GPU (?P<gpu>\d+) has a total capacity of "
+    _HEAD + _SIZE.replace("(", "(?P<tried>", 1) + r"\. GPU (?P<gpu>\d+) has a total capaci?ty of "   # "capacty": PyTorch 2.1's spelling
     + _SIZE.replace("(", "(?P<total>", 1) + r" of which " + _SIZE.replace("(", "(?P<free>", 1)
     + r" is free\. (?P<procs>(?:(?:Process \d+|Including non-PyTorch memory, this process) has "
     + r"\d+(?:\.\d+)? (?:bytes|KiB|MiB|GiB) memory in use\. )*)"
@@ -319,7 +319,7 @@ def diagnose(message: OOMMessage | str) -> OOMDiagnosis:
     * ``memory_limit``: a per-process memory fraction stops it short of the device;
     * ``too_big``: the live tensors and the request together do not fit: need less memory (the
       levers of lessons 04-08), or more GPUs (sharding)."""
-    msg = parse_oom_message(message) if isinstance(message, str) else message
+    msg = parse_oom_message(message) if not isinstance(message, OOMMessage) else message
     X, F, U = msg.tried.bytes, msg.free.bytes, msg.unallocated.bytes
     margin = msg.tried.resolution + msg.free.resolution + msg.unallocated.resolution
     O = msg.others_bytes

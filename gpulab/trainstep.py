@@ -19,9 +19,10 @@ from .experiments import (OPTIMIZERS, StepResult, breakdown, predict_step, step_
                           validate_amp, validate_batch)
 from .guard import check_fits
 from .units import dtype_name, parse_dtype
-from .workload import Workload, resolve_workload
+from .workload import Workload, resolve_workload, step_failed
 
 DEFAULT_STEPS = 2
+MAX_STEPS = 10   # tracked steps of one call: each repeats the steady state of step 2
 
 
 def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shape: tuple[int, ...] | None = None,
@@ -38,14 +39,18 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     ``fake_target``: on the fake engine, follow CUDA's kernels ("cuda", the default) or this
     CPU's. ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
     Bad input raises ``ValueError`` with what to do instead."""
+    if batch is not None:
+        validate_batch(batch)
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_STEPS:
+        raise ValueError(f"steps must be a whole number from 1 to {MAX_STEPS}, got {steps!r} (the steady "
+                         f"state is reached at step 2: the optimizer state exists from then on, and later "
+                         f"steps repeat it)")
     w = resolve_workload(model, inputs, batch=batch, input_shape=input_shape, seq_len=seq_len,
                          image_size=image_size, loss=loss)
     batch = validate_batch(w.default_batch if batch is None else batch)
     opt = str(optimizer).lower()
     if opt not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
     if fake_target not in FAKE_TARGETS:
         validate_fake_target(fake_target)
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
@@ -55,7 +60,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     except ValueError:
         raise
     except Exception as exc:   # the forward pass fails on shapes alone: the input does not suit the model
-        raise ValueError(_failed(w, batch, "on the meta device (shapes only)", exc)) from exc
+        raise ValueError(step_failed(w, batch, "on the meta device (shapes only)", exc)) from exc
     input_bytes = None if w.kind == "image" else _input_bytes(w, batch, dt)
     predicted = predict_step(w.name, batch, optimizer=opt, dtype=dt, bd=bd, input_bytes=input_bytes)
     known = sum(v for v in predicted.values() if v)
@@ -73,7 +78,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     except _Refused as refused:
         raise ValueError(str(refused)) from None
     except Exception as exc:
-        raise ValueError(_failed(w, batch, f"on the {choice.name} engine", exc)) from exc
+        raise ValueError(step_failed(w, batch, f"on the {choice.name} engine", exc)) from exc
     if m.kernels == "cuda":  # CUDA keeps Adam-style step counters in host memory
         predicted = predict_step(w.name, batch, optimizer=opt, dtype=dt, count_step_counters=False, bd=bd,
                                  input_bytes=input_bytes)
@@ -98,11 +103,3 @@ def _input_bytes(w: Workload, batch: int, dt: torch.dtype) -> int:
     return total
 
 
-def _failed(w: Workload, batch: int, where: str, exc: BaseException) -> str:
-    what = " ".join(str(exc).split())[:300]
-    hint = " (a model that reads tensor values while it runs cannot run on fake tensors: try engine='cpu')" \
-        if where == "on the fake engine" else ""
-    return (f"a training step of {w.name} failed {where} with the input gpulab made, "
-            f"{w.describe_input(batch)}: {type(exc).__name__}: {what}{hint}; pass inputs=<example tensors, or a "
-            f"function of the batch size> or input_shape=(...) without the batch dimension, and loss=... if the "
-            f"output is not logits")

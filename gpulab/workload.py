@@ -237,6 +237,18 @@ def _module_workload(name: str, builder: Callable[[], nn.Module] | None, instanc
                     image_size=image_size)
 
 
+def step_failed(w: Workload, batch: int, where: str, exc: BaseException) -> str:
+    """The one-line message for a model whose training step raised: what was run, with which
+    input gpulab made, the model's own error, and how to pass an input instead."""
+    what = " ".join(str(exc).split())[:300]
+    hint = " (a model that reads tensor values while it runs cannot run on fake tensors: try engine='cpu')" \
+        if where == "on the fake engine" else ""
+    return (f"a training step of {w.name} failed {where} with the input gpulab made, "
+            f"{w.describe_input(batch)}: {type(exc).__name__}: {what}{hint}; pass inputs=<example tensors, or a "
+            f"function of the batch size> or input_shape=(...) without the batch dimension, and loss=... if the "
+            f"output is not logits")
+
+
 def copy_module(module: nn.Module, device, dtype: torch.dtype | None) -> nn.Module:
     """A copy of ``module`` on ``device`` (in ``dtype``, if given): a real copy of its values,
     or, under a fake mode or on meta, tensors of the same shapes without copying any data."""

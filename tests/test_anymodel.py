@@ -209,3 +209,38 @@ def test_autocast_and_pure_bf16():
     assert amp.amp == "bf16" and pure.dtype == "bfloat16"
     assert pure.tensor_bytes_by_category["parameters"] * 2 == fp32.tensor_bytes_by_category["parameters"]
     assert amp.tensor_bytes_by_category["parameters"] == fp32.tensor_bytes_by_category["parameters"]
+
+
+class _TiedGPT(nn.Module):
+    """nanoGPT's shape in miniature: the LM head's weight is the token embedding's."""
+
+    def __init__(self, vocab=512, d=64, n=2, ctx=64):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.Sequential(*[nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
+                                      for _ in range(n)])
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.head(self.ln(self.blocks(self.wte(idx) + self.wpe(pos))))
+
+
+def test_tied_weights_stay_tied_on_every_engine():
+    """One parameter shared by the embedding and the LM head: one gradient, one set of Adam
+    state, whether the model comes as an instance (copied onto fake tensors) or a builder, and
+    the same bytes as real tensors on the CPU."""
+    x = torch.randint(0, 512, (1, 64))
+    runs = {"cpu": gpulab.step(_TiedGPT(), x, batch=2, engine="cpu"),
+            "fake, instance": gpulab.step(_TiedGPT(), x, batch=2, engine="fake", fake_target="cpu"),
+            "fake, builder": gpulab.step(lambda: _TiedGPT(), x, batch=2, engine="fake", fake_target="cpu")}
+    peaks = {k: r.measurement.tracking.peak_by_category for k, r in runs.items()}
+    n_params = sum(p.numel() for p in _TiedGPT().parameters())   # the tied weight counted once
+    assert peaks["cpu"]["parameters"] == n_params * 4
+    assert peaks["fake, instance"] == peaks["fake, builder"] == peaks["cpu"], peaks
+    # Adam: two fp32 states per parameter (plus a step counter per tensor)
+    assert 2 * n_params * 4 <= peaks["cpu"]["optimizer_state"] < 2 * n_params * 4 + 4096
+    a = gpulab.fit(_TiedGPT(), "600MiB", inputs=x)
+    b = gpulab.fit(lambda: _TiedGPT(), "600MiB", inputs=x)
+    assert a.largest_batch == b.largest_batch and a.peak_bytes == b.peak_bytes

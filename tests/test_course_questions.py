@@ -82,3 +82,36 @@ def test_lessons_03_to_05_qualitative_questions():
     assert "backward 2" in peak.reveal().message
     _right_and_wrong(exercise_sgd_state("mlp"), "a", "b")
     assert "cuBLAS" in repr(fake_cuda_differences())
+
+
+def _numeric_exercises():
+    """Every exercise_* factory of the course that builds with its defaults and checks a number."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import gpulab.course as course
+    from gpulab.course.exercises import Exercise
+
+    for info in pkgutil.iter_modules(course.__path__):
+        mod = importlib.import_module(f"gpulab.course.{info.name}")
+        for name, fn in vars(mod).items():
+            if not (name.startswith("exercise_") and inspect.isfunction(fn) and fn.__module__ == mod.__name__):
+                continue
+            if any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                   for p in inspect.signature(fn).parameters.values()):
+                continue
+            ex = fn()
+            if isinstance(ex, Exercise):
+                yield f"{info.name}.{name}", ex
+
+
+def test_numeric_checkers_say_not_a_size_for_nan_inf_and_huge_numbers():
+    """Lessons 04 and 10 crashed on these; every numeric checker answers instead."""
+    seen = []
+    for name, ex in _numeric_exercises():
+        seen.append(name)
+        for bad in (float("nan"), float("inf"), -float("inf"), 10 ** 400, "nan"):
+            r = ex.check(bad)
+            assert not r.ok and "not a size" in r.message, (name, bad, r.message)
+    assert len(seen) >= 5, seen

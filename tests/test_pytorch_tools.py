@@ -123,3 +123,14 @@ def test_oom_panel():
     assert panel.result.ok and panel.result.case == "too_big"
     with pytest.raises(ValueError):
         P.example_text("nope")
+
+
+def test_oom_panel_reads_a_pasted_message_without_touching_the_dropdown():
+    from gpulab.widgets import oom_panel
+    panel = oom_panel()
+    panel.run()
+    assert panel.result.case == "fragmentation"
+    own = O.format_oom_message(2 * 2**30, 16 * 2**30, 2**29, 14 * 2**30, 14 * 2**30)
+    panel.controls["text"].value = own        # what typing or pasting into the text area does
+    assert panel.controls["example"].value == P.OWN_MESSAGE
+    assert panel.result.ok and panel.result.case == "too_big"

@@ -307,7 +307,7 @@ def exercise_checkpoint_maps(n_blocks: int = 16, segments: int = 4):
         res = plain_check(answer)
         try:
             said = float(answer)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             return res
         if not res.ok and chen != res.expected and said == chen:
             return CheckResult(False, answer, res.expected,

@@ -6,6 +6,7 @@ runs, never typed into the lesson.
 from __future__ import annotations
 
 import html
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -52,6 +53,12 @@ class Exercise:
             value = float(answer)
         except (TypeError, ValueError):
             return CheckResult(False, answer, exp, f"Expected a number{self._unit()}, got {answer!r}.")
+        except OverflowError:   # an int too large for a float (10**400)
+            value = math.inf
+        if not math.isfinite(value):
+            shown = repr(answer) if len(repr(answer)) <= 40 else repr(answer)[:37] + "..."
+            return CheckResult(False, answer, exp, f"{shown} is not a size: expected a finite number{self._unit()}. "
+                                                   f"Try again.")
         tol = abs(exp) * self.rel_tol
         if abs(value - exp) <= tol or value == exp:
             return CheckResult(True, answer, exp, f"{_num(exp)}{self._unit()}. {self.explain}")

@@ -24,14 +24,22 @@ def render_oom(reading: OOMReading) -> list[Any]:
                  f"padding-left:8px'>{shown}</pre>"), reading]
 
 
+def _pasted(example: W.Dropdown):
+    """Pasting a message is enough: the dropdown moves to "your own message" by itself."""
+    def on_text(change) -> None:
+        if str(change["new"]).strip() and example.value != OWN_MESSAGE:
+            example.value = OWN_MESSAGE
+    return on_text
+
+
 def oom_panel(example: str | None = None, text: str = "") -> Panel:
     options = list(PANEL_EXAMPLES) + [OWN_MESSAGE]
     controls = {
         "example": dropdown("message", options, example or (OWN_MESSAGE if text else options[0])),
-        "text": W.Textarea(value=text, placeholder="paste a 'CUDA out of memory' message here, then pick "
-                                                   f"'{OWN_MESSAGE}'", continuous_update=False,
+        "text": W.Textarea(value=text, placeholder="paste a 'CUDA out of memory' message here", continuous_update=False,
                            layout=W.Layout(width="100%", height="90px")),
     }
+    controls["text"].observe(_pasted(controls["example"]), names="value")   # before the panel's own observers
     return Panel("Read an out-of-memory message", controls, compute_oom, render_oom, auto_run=True,
                  description="Every figure, which case it is (fragmentation, too big, another process…), "
                              "and the situation rebuilt in the simulated allocator.")
