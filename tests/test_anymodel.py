@@ -244,3 +244,27 @@ def test_tied_weights_stay_tied_on_every_engine():
     a = gpulab.fit(_TiedGPT(), "600MiB", inputs=x)
     b = gpulab.fit(lambda: _TiedGPT(), "600MiB", inputs=x)
     assert a.largest_batch == b.largest_batch and a.peak_bytes == b.peak_bytes
+
+
+class _Boom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        raise RuntimeError("my model's own bug")
+
+
+def test_fit_wraps_a_models_own_error_like_step():
+    for call in (lambda: gpulab.fit(_Boom(), "4GiB", inputs=torch.randn(1, 4)),
+                 lambda: gpulab.step(_Boom(), torch.randn(1, 4), engine="fake")):
+        with pytest.raises(ValueError) as e:
+            call()
+        msg = str(e.value)
+        assert "my model's own bug" in msg and "with the input gpulab made" in msg and "pass inputs=" in msg
+
+
+@pytest.mark.parametrize("kw", [{"batch": -3}, {"batch": 0}, {"steps": 0}, {"steps": 10 ** 9}, {"steps": True}])
+def test_step_refuses_bad_counts_before_building_anything(kw):
+    with pytest.raises(ValueError, match="batch size must be a positive integer|steps must be a whole number"):
+        gpulab.step("mlp", engine="fake", **kw)

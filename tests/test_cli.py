@@ -203,6 +203,9 @@ def test_step_optimizer_state_is_multiple_of_params(optimizer, steps, mult, step
     (["step", "mlp", "--engine", "tpu"], ["unknown engine", "auto", "cuda", "cpu", "fake"]),
     (["step", "mlp", "--optimizer", "lion"], ["--optimizer", "sgd", "momentum", "adam", "adamw"]),
     (["launch"], ["invalid choice", "env", "breakdown", "step"]),
+    (["step", "mlp", "--steps", "50"], ["--steps", "at most 10", "steady state"]),
+    (["step", "mlp", "--engine", "fake", "--batch", str(10 ** 30)], ["cannot be made", "smaller --batch"]),
+    (["step", "mlp", "--engine", "fake", "--image-size", str(10 ** 11)], ["cannot be made", "--image-size"]),
 ])
 def test_bad_input_exits_2_with_one_line(argv, expect, capsys):
     code, out, err = run_main(argv, capsys)
@@ -229,3 +232,22 @@ def test_bad_input_in_a_real_process(procs):
     assert p.stdout == ""
     assert p.stderr.count("\n") == 1 and "unknown model 'resnet9000'" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_an_interrupt_is_one_line_and_exit_130(capsys, monkeypatch):
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "env_info", interrupted)
+    code, out, err = run_main(["env"], capsys)
+    assert code == 130 and out == "" and err == "gpulab: interrupted\n"
+
+
+def test_an_internal_error_says_so_in_one_line_and_debug_shows_it(capsys, monkeypatch):
+    def broken():
+        return {}["no such key"]
+    monkeypatch.setattr(cli, "env_info", broken)
+    code, out, err = run_main(["env"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("gpulab: internal error: KeyError") and "report it" in err and "--debug" in err
+    with pytest.raises(KeyError):
+        cli.main(["env", "--debug"])
