@@ -218,7 +218,8 @@ def _current(m: re.Match, flat: str) -> OOMMessage:
         else:
             others.append((int(p["pid"]), A(p.group(2))))
     tail = flat[m.end():]
-    advice = "expandable_segments" if "expandable_segments:True" in tail[:200] else ""
+    advice = ("expandable_segments" if "expandable_segments:True" in tail[:200]
+              else "max_split_size_mb" if "max_split_size_mb" in tail[:200] else "")   # 2.1's advice
     return OOMMessage(flat[m.start():], FORMAT_CURRENT, m["kind"], int(m["gpu"]), A(m["tried"]), A(m["total"]),
                       A(m["free"]), allocated, reserved, unallocated, this, tuple(others),
                       A(m["allowed"]) if m["allowed"] else None, private, advice, bool(m["sim"]))

@@ -179,6 +179,40 @@ def test_messages_as_users_paste_them():
     assert O.diagnose(m1).case == "fragmentation"
 
 
+def test_torch_2_1_messages_with_its_spelling_of_capacity():
+    """PyTorch 2.1 wrote "total capacty" (pytorch/pytorch PR #99699, April 2023, which introduced the
+    current wording; later corrected) and still advised max_split_size_mb. Whole messages as users
+    pasted them from torch 2.1 runs."""
+    one = ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.15 GiB. GPU 0 has a total capacty "
+           "of 23.69 GiB of which 912.81 MiB is free. Process 454738 has 22.79 GiB memory in use. Of the allocated "
+           "memory 21.50 GiB is allocated by PyTorch, and 1001.89 MiB is reserved by PyTorch but unallocated. If "
+           "reserved but unallocated memory is large try setting max_split_size_mb to avoid fragmentation.  See "
+           "documentation for Memory Management and PYTORCH_CUDA_ALLOC_CONF")
+    m = O.parse_oom_message(one)
+    assert m.format == O.FORMAT_CURRENT and m.advice == "max_split_size_mb"
+    assert (m.tried.text, m.total.text, m.free.text, m.allocated.text, m.unallocated.text) == \
+        ("1.15 GiB", "23.69 GiB", "912.81 MiB", "21.50 GiB", "1001.89 MiB")
+    assert [(pid, a.text) for pid, a in m.other_processes] == [(454738, "22.79 GiB")] and m.this_process is None
+    assert O.reproduce(one).diagnosis.case == O.diagnose(m).case
+    two = ("CUDA out of memory. Tried to allocate 102.00 MiB. GPU 0 has a total capacty of 39.38 GiB of which "
+           "29.81 MiB is free. Including non-PyTorch memory, this process has 39.32 GiB memory in use. Of the "
+           "allocated memory 37.54 GiB is allocated by PyTorch, and 1.12 GiB is reserved by PyTorch but unallocated. "
+           "If reserved but unallocated memory is large try setting max_split_size_mb to avoid fragmentation.  See "
+           "documentation for Memory Management and PYTORCH_CUDA_ALLOC_CONF")
+    m2 = O.parse_oom_message(two)
+    assert m2.this_process.text == "39.32 GiB" and m2.unallocated.text == "1.12 GiB"
+
+
+@pytest.mark.parametrize("not_text", [_current().encode(), None, 42, ["CUDA out of memory"]],
+                         ids=["bytes", "None", "int", "list"])
+def test_not_text_is_refused_by_name(not_text):
+    """bytes (a file opened in binary mode), None (an empty widget, a failed read): a ValueError that
+    names what was passed and what to pass, from every entry point, never an AttributeError."""
+    for read in (O.parse_oom_message, O.diagnose, O.reproduce):
+        with pytest.raises(ValueError, match=rf"expected text \(a str\), got {type(not_text).__name__}"):
+            read(not_text)
+
+
 # ---- the cases ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("figures, case", [
