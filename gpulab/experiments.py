@@ -126,7 +126,9 @@ def breakdown(model: Any, batch: int = 1, image_size: int | None = None,
             rows = _leaf_rows(net, lambda: forward(net, data))
     except Exception:   # a model that looks at values on the way (a mask's .all(), .item()): fake tensors
         from torch._subclasses.fake_tensor import FakeTensorMode
-        with FakeTensorMode():
+
+        from .fake_mode import quiet_fake_log
+        with FakeTensorMode(), quiet_fake_log():
             net, data = _shapes_only(w, batch, dt, "cpu")
             rows = _leaf_rows(net, lambda: forward(net, data))
     first = next((t for t in [*data[0], *data[1].values()] if isinstance(t, torch.Tensor)), None)

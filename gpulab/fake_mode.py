@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import types
 
 import torch
@@ -25,6 +26,23 @@ from torch._prims_common import (make_channels_last_2d_strides_for, make_channel
                                  make_contiguous_strides_for)
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+_FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
+class quiet_fake_log:
+    """Silence FakeTensorMode's own log of an op that raises while this is entered: torch logs the
+    whole traceback (``log.exception(\"failed while attempting to run meta ...\")``) and then
+    raises the error, which gpulab reports in one line; under a notebook cell the log is noise."""
+
+    def __enter__(self):
+        self._was = _FAKE_LOG.disabled
+        _FAKE_LOG.disabled = True
+        return self
+
+    def __exit__(self, *exc):
+        _FAKE_LOG.disabled = self._was
+        return False
 
 try:   # FakeTensorMode's insides (torch/_subclasses/fake_tensor.py) and the helpers its kernels use
     from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
@@ -541,7 +559,22 @@ _KEY_SCALARS = (int, float, bool, str, complex, type(None), torch.dtype, torch.l
 class FakeMode(FakeTensorMode):
     """The fake engine's mode: FakeTensorMode, answering a few ops directly (see above), with a
     cheaper cache key and a shorter way to a cached answer. Static shapes only: with a ShapeEnv
-    (symbolic shapes) it is FakeTensorMode unchanged."""
+    (symbolic shapes) it is FakeTensorMode unchanged. While it is entered, FakeTensorMode's log
+    of an op that raises is silenced (``quiet_fake_log``)."""
+
+    def __enter__(self):
+        self._quiet = quiet_fake_log().__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._quiet.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._quiet.__exit__(None, None, None)
 
     def dispatch(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -57,7 +57,8 @@ class Exercise:
             value = math.inf
         if not math.isfinite(value):
             shown = repr(answer) if len(repr(answer)) <= 40 else repr(answer)[:37] + "..."
-            return CheckResult(False, answer, exp, f"{shown} is not a size: expected a finite number{self._unit()}. "
+            return CheckResult(False, answer, exp, f"{shown} is not a size: expected a finite number"
+                                                   f"{' of' + self._unit() if self.unit else ''}. "
                                                    f"Try again.")
         tol = abs(exp) * self.rel_tol
         if abs(value - exp) <= tol or value == exp:
