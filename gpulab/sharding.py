@@ -401,3 +401,45 @@ def measure_strategy(spec: StrategySpec | None = None, world_size: int = 2, *, t
     spec = spec or StrategySpec(**kwargs)
     run = run_distributed(strategy_step, world_size, args=(spec,), timeout_s=timeout_s).check()
     return StrategyRun(spec, run, [breakdown(r) for r in run.results])
+
+
+def measure_strategies(specs: list[StrategySpec], world_size: int = 2, *,
+                       timeout_s: float | None = None) -> list[StrategyRun]:
+    """Each of ``specs`` measured as :func:`measure_strategy` does, one after the other in the
+    same ``world_size`` processes: each spec under a tracker of its own, its model built, wrapped,
+    trained and freed before the next. Starting processes (each imports torch) costs more than a
+    small spec's steps; this starts them once. Raises ``RuntimeError`` naming failed ranks."""
+    specs = list(specs)
+    if not specs or not all(isinstance(s, StrategySpec) for s in specs):
+        raise ValueError("specs must be a non-empty list of StrategySpec")
+    timeout_s = timeout_s if timeout_s is not None else 60.0 + 60.0 * len(specs)
+    run = run_distributed(strategy_steps, world_size, args=(specs,), timeout_s=timeout_s).check()
+    out = []
+    for i, spec in enumerate(specs):
+        ranks = [RankResult(r.rank, r.data["runs"][i]["tracking"], r.data["runs"][i]["data"],
+                            r.data["runs"][i]["seconds"]) for r in run.results]
+        sub = DistributedRun(world_size=run.world_size, backend=run.backend, results=ranks,
+                             seconds=sum(x.seconds for x in ranks) / len(ranks))
+        out.append(StrategyRun(spec, sub, [breakdown(r) for r in ranks]))
+    return out
+
+
+def strategy_steps(ctx: RankContext, specs: list[StrategySpec]) -> dict[str, Any]:
+    """:func:`strategy_step` for each spec in turn, each under its own tracker (the run's
+    tracker sees them all); returns each spec's tracking and data."""
+    import gc
+    import time
+
+    from .tracking import MemoryTracker
+    runs = []
+    for spec in specs:
+        tracker = MemoryTracker()
+        t0 = time.perf_counter()
+        with tracker:
+            data = strategy_step(RankContext(ctx.rank, ctx.world_size, ctx.backend, ctx.device, tracker), spec)
+            gc.collect()   # the spec's model, wrapper and optimizer die here, inside its own timeline
+        device = str(ctx.device) if ctx.device.type == "cuda" else "cpu"
+        runs.append({"tracking": tracker.result(device=device), "data": data,
+                     "seconds": time.perf_counter() - t0})
+        torch.distributed.barrier()   # every rank done with this spec before the next starts
+    return {"runs": runs}

@@ -236,3 +236,22 @@ def test_an_unguarded_script_is_told_what_to_do(tmp_path):
     assert r.returncode != 0
     assert 'if __name__ == "__main__":' in r.stderr
     assert "can only join a started process" not in r.stderr
+
+
+def test_strategies_in_one_set_of_processes_measure_what_separate_runs_do():
+    """measure_strategies (one spawn, a tracker per spec) gives each rank exactly the breakdown
+    that measure_strategy (a spawn per spec) gives: lesson 12 relies on it."""
+    from gpulab.sharding import StrategySpec, measure_strategies
+    specs = [StrategySpec(strategy=s, model="transformer", width=64, layers=2, batch=4, seq_len=16)
+             for s in ("ddp", "fsdp2")]
+    together = measure_strategies(specs, 2)
+    for spec, t in zip(specs, together):
+        apart = measure_strategy(spec, 2)
+        assert t.spec == spec and t.world_size == 2
+        for x, y in zip(apart.ranks, t.ranks):
+            assert (x.at_end, x.params_max, x.gathered_max, x.losses) == \
+                   (y.at_end, y.params_max, y.gathered_max, y.losses), spec.strategy
+            if spec.strategy == "ddp":   # FSDP2's peak moves between runs with its threads' timing
+                assert (x.peak_bytes, x.at_peak) == (y.peak_bytes, y.at_peak)
+    with pytest.raises(ValueError, match="non-empty list of StrategySpec"):
+        measure_strategies([], 2)

@@ -13,8 +13,8 @@ from ..cards import CUDA_CONTEXT_ASSUMED, parse_gpu
 from ..engines import run
 from ..formulas import zero_bytes_per_device
 from ..plots import CATEGORY_COLORS, LessonFigure
-from ..sharding import (GROUPS, STRATEGIES, StrategyRun, batch, build, fsdp_shard_numel, groups_of, live_by_group, loss_of,
-                        measure_strategy)
+from ..sharding import (GROUPS, STRATEGIES, StrategyRun, StrategySpec, batch, build, fsdp_shard_numel, groups_of,
+                        live_by_group, loss_of, measure_strategies)
 from ..tables import html_table
 from ..tracking import Category
 from ..units import format_bytes
@@ -172,9 +172,10 @@ class StrategyComparison:
 def compare_strategies(model: str = "transformer", world_size: int = 2, width: int = 128, layers: int = 2,
                        batch_size: int = 8, seq_len: int = 32,
                        strategies: tuple[str, ...] = tuple(STRATEGIES)) -> StrategyComparison:
-    return StrategyComparison([measure_strategy(world_size=world_size, strategy=s, model=model, width=width,
-                                                layers=layers, batch=batch_size, seq_len=seq_len)
-                               for s in strategies])
+    # one set of worker processes for every strategy (starting them is most of the time)
+    return StrategyComparison(measure_strategies(
+        [StrategySpec(strategy=s, model=model, width=width, layers=layers, batch=batch_size, seq_len=seq_len)
+         for s in strategies], world_size))
 
 
 # the tracker's colours (gpulab.plots), and two for what sharding adds
