@@ -19,7 +19,9 @@ rank's tracker result back to the caller.
   notebook kernel) survives whatever the workers do.
 
 The experiment must be importable by the workers: a function defined at module level in a
-module (not in a notebook cell, which spawned workers cannot import).
+module (not in a notebook cell, which spawned workers cannot import). A script must start the run
+under ``if __name__ == "__main__":``, since every spawned worker imports the script first; one
+that does not is told so in one line, whichever process notices it.
 """
 from __future__ import annotations
 
@@ -45,10 +47,13 @@ from .units import format_bytes
 MAX_WORLD_SIZE = 4
 LOOPBACK = "127.0.0.1"
 WORKER_PREFIX = "gpulab-rank"
+# what multiprocessing raises (multiprocessing/spawn.py, _check_not_importing_main) when a process
+# still importing its parent's main module tries to start one of its own
+BOOTSTRAPPING = "has finished its bootstrapping phase"
 UNGUARDED_SCRIPT = (
-    "run_distributed was called while a worker process was starting: the workers import your script, "
-    "and its top level starts the run again. Put the call under `if __name__ == \"__main__\":` "
-    "(see the README's example)")
+    "run_distributed was called while a process was still starting: a spawned process imports your "
+    "script first, and its top level starts the run again. Put the call under "
+    "`if __name__ == \"__main__\":` (see the README's example)")
 
 
 @dataclass
@@ -175,9 +180,13 @@ def run_distributed(experiment: Callable[..., dict | None], world_size: int = 2,
 
     Returns a :class:`DistributedRun` whether or not the ranks succeeded (``.ok``,
     ``.failures``, ``.check()``); raises ``ValueError`` for arguments that cannot work."""
-    if multiprocessing.current_process().name.startswith(WORKER_PREFIX):
-        # a spawned worker is importing the caller's script, which calls this again at top level
-        raise RuntimeError(UNGUARDED_SCRIPT)
+    this = multiprocessing.current_process()
+    if this.name.startswith(WORKER_PREFIX) and getattr(this, "_inheriting", False):
+        # one of our workers, still importing the caller's script (spawn.py sets `_inheriting`
+        # meanwhile), and the script's top level starts the run again. The worker cannot go on:
+        # it exits with this one line, not a traceback through multiprocessing's bootstrapping,
+        # and the caller reports the run as failed, with the same advice
+        raise SystemExit(f"{this.name}: {UNGUARDED_SCRIPT}")
     if backend == "auto":
         backend = default_backend(world_size) if isinstance(world_size, int) else "gloo"
     _check_args(experiment, world_size, backend, timeout_s)
@@ -195,7 +204,12 @@ def run_distributed(experiment: Callable[..., dict | None], world_size: int = 2,
     run = DistributedRun(world_size=world_size, backend=backend)
     try:
         for p in procs:
-            p.start()
+            try:
+                p.start()
+            except RuntimeError as exc:
+                if BOOTSTRAPPING in " ".join(str(exc).split()):   # multiprocessing's words for the same mistake
+                    raise RuntimeError(UNGUARDED_SCRIPT) from exc
+                raise
         _collect(run, procs, results, deadline=t0 + timeout_s, timeout_s=timeout_s)
     finally:
         _stop(procs)
@@ -234,9 +248,11 @@ def _collect(run: DistributedRun, procs, results, deadline: float, timeout_s: fl
                     pending.discard(r)
                     continue
                 except queue_mod.Empty:
+                    hint = _script_hint() if code == 1 else ""
+                    if hint and any(hint in f.message for f in run.failures):
+                        hint = ""   # once per run is enough
                     run.failures.append(RankFailure(rank, f"worker process exited with code {code} "
-                                                          "without sending a result"
-                                                          + (_script_hint() if code == 1 else "")))
+                                                          "without sending a result" + hint))
                     pending.discard(rank)
         if any(f for f in run.failures) and pending:
             break
@@ -283,7 +299,12 @@ def loopback_store(world_size: int, timeout_s: float):
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """End this worker when the process that started it exits, however it exits (SIGKILL too)."""
+    """End this worker when the process that started it exits, however it exits (SIGKILL too).
+
+    NB: the kernel sends the death signal when the *thread* that started the worker ends
+    (prctl(2)); ``run_distributed``'s thread waits for its workers and stops them before it returns,
+    so that thread outlives them. Right after the prctl, a parent already gone (the worker now
+    belongs to init or a subreaper) ends the worker at once: the signal would never come."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)

@@ -4,8 +4,9 @@
 ``os.replace`` (atomic on POSIX and Windows), so an interrupted write leaves the old file or
 none, never a truncated one; the temporary file is created with ``O_EXCL`` under a random name,
 so a symlink planted at a guessable name is never followed. An existing target is refused unless
-``overwrite=True``; ``check_target`` asks the same questions before any work is done (``gpulab
-record`` measures for minutes before it writes).
+``overwrite=True``; a new file is put in place with ``os.link``, which never replaces, so a file
+that appears at the target while the data is written is refused too. ``check_target`` asks the
+same questions before any work is done (``gpulab record`` measures for minutes before it writes).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def check_target(path: str | os.PathLike, *, overwrite: bool = False, flag: str 
                 raise PermissionError(f"cannot write {p}: no permission to write in {folder}")
             break
     if (p.exists() or p.is_symlink()) and not overwrite:
-        raise FileExistsRefused(f"{p} already exists: pass {flag} to replace it, or choose another name")
+        raise _refused(p, flag)
     return p
 
 
@@ -55,9 +56,8 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, *, overwrite: bool 
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644 & ~_umask())
-        if not overwrite and (p.exists() or p.is_symlink()):   # it appeared while we wrote
-            raise FileExistsRefused(f"{p} already exists: pass {flag} to replace it, or choose another name")
-        os.replace(tmp, p)
+        if overwrite or not _link_new(tmp, p, flag):
+            os.replace(tmp, p)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -65,6 +65,26 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, *, overwrite: bool 
             pass
         raise
     return p
+
+
+def _link_new(tmp: str, p: Path, flag: str) -> bool:
+    """Put ``tmp`` at ``p`` only if nothing is there, in one step (``link`` never replaces, so a
+    file made at ``p`` while we wrote is refused, not overwritten); False where the file system
+    has no hard links, and the caller falls back to a check and ``os.replace``."""
+    try:
+        os.link(tmp, p)
+    except FileExistsError:
+        raise _refused(p, flag) from None
+    except OSError:   # no hard links here (some network or FUSE file systems, FAT)
+        if p.exists() or p.is_symlink():
+            raise _refused(p, flag) from None
+        return False
+    os.unlink(tmp)
+    return True
+
+
+def _refused(p: Path, flag: str) -> FileExistsRefused:
+    return FileExistsRefused(f"{p} already exists: pass {flag} to replace it, or choose another name")
 
 
 def _umask() -> int:

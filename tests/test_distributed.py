@@ -164,6 +164,84 @@ def test_the_store_listens_on_loopback_only():
         del store
 
 
+def _this_machines_other_address() -> str | None:
+    """An IPv4 address of this machine that is not loopback: the source address the kernel would
+    use toward a private network (a UDP "connect" only picks a route; no packet is sent)."""
+    import socket
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("10.254.254.254", 9))
+        addr = s.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        s.close()
+    return None if addr.startswith("127.") or addr == "0.0.0.0" else addr
+
+
+def test_the_store_refuses_this_machines_network_address():
+    """A client on the machine's own network address is refused (as the issue found, a store on
+    every interface accepted one); something listening on every interface is reached the same way,
+    so the refusal is the store's, not the network's."""
+    import socket
+
+    from gpulab.distributed import LOOPBACK, loopback_store
+    addr = _this_machines_other_address()
+    if addr is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    wildcard = socket.create_server(("0.0.0.0", 0))
+    try:
+        try:
+            socket.create_connection((addr, wildcard.getsockname()[1]), timeout=5).close()
+        except OSError as exc:
+            pytest.skip(f"{addr} does not reach a local listener here ({exc})")
+    finally:
+        wildcard.close()
+    store = loopback_store(2, timeout_s=10)
+    try:
+        socket.create_connection((LOOPBACK, store.port), timeout=5).close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((addr, store.port), timeout=5).close()
+    finally:
+        del store
+
+
+def test_a_failure_while_starting_workers_is_reported_as_itself(monkeypatch):
+    """The second worker cannot be started: the caller sees that error (not "can only join a
+    started process" from the clean-up), and the first worker, already started, is stopped."""
+    from multiprocessing.context import SpawnProcess
+
+    real_start = SpawnProcess.start
+    started = []
+
+    def start(self):
+        if started:
+            raise OSError("out of process slots (a test)")
+        started.append(self)
+        real_start(self)
+
+    monkeypatch.setattr(SpawnProcess, "start", start)
+    with pytest.raises(OSError, match="out of process slots"):
+        run_distributed(dist_experiments.all_reduce_rank, 2, timeout_s=60)
+    assert len(started) == 1 and started[0].exitcode is not None   # stopped and joined
+
+
+def test_multiprocessings_bootstrapping_error_says_what_to_do(monkeypatch):
+    """The RuntimeError spawn raises when a process still importing the main module starts another
+    (multiprocessing/spawn.py) comes out as one sentence with the fix."""
+    from multiprocessing.context import SpawnProcess
+
+    def start(self):   # what _check_not_importing_main raises, word for word and line for line
+        raise RuntimeError("""
+        An attempt has been made to start a new process before the
+        current process has finished its bootstrapping phase.""")
+
+    monkeypatch.setattr(SpawnProcess, "start", start)
+    with pytest.raises(RuntimeError, match='Put the call under `if __name__ == "__main__":`'):
+        run_distributed(dist_experiments.all_reduce_rank, 2, timeout_s=60)
+
+
 def test_stopping_workers_that_never_started_is_not_an_error():
     """A failure while starting the workers is reported as itself, not as "can only join a
     started process" from the clean-up."""
@@ -182,9 +260,10 @@ def _pid_alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.timeout(180)
-def test_workers_die_with_a_killed_parent(tmp_path):
-    """A script running run_distributed, killed with SIGKILL (no clean-up can run), leaves no rank
-    running."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_workers_die_with_a_killed_parent(tmp_path, sig):
+    """A script running run_distributed, killed with SIGKILL or SIGTERM (no clean-up of its own
+    runs), leaves no rank running."""
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(f"""
         import sys
@@ -205,7 +284,7 @@ def test_workers_die_with_a_killed_parent(tmp_path):
             time.sleep(0.3)
         assert len(pids) == 2, "the workers did not start"
         assert all(_pid_alive(p) for p in pids)
-        parent.send_signal(signal.SIGKILL)
+        parent.send_signal(sig)
         parent.wait(timeout=10)
         deadline = time.time() + 15
         while time.time() < deadline and any(_pid_alive(p) for p in pids):
@@ -236,6 +315,13 @@ def test_an_unguarded_script_is_told_what_to_do(tmp_path):
     assert r.returncode != 0
     assert 'if __name__ == "__main__":' in r.stderr
     assert "can only join a started process" not in r.stderr
+    # the workers say it in one line each; the only traceback is the script's own, from check(),
+    # whose message gives the advice once, not once per rank
+    assert r.stderr.count("Traceback") == 1, r.stderr
+    assert r.stderr.count("gpulab-rank") == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: distributed run over 2 gloo processes failed")
+    assert last.count('if __name__ == "__main__":') == 1
 
 
 def test_strategies_in_one_set_of_processes_measure_what_separate_runs_do():

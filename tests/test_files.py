@@ -46,6 +46,40 @@ def test_an_interrupted_write_leaves_the_old_file_whole(tmp_path, monkeypatch):
     assert [f.name for f in tmp_path.iterdir()] == ["snap.pickle"]
 
 
+def test_a_file_made_while_writing_is_not_overwritten(tmp_path, monkeypatch):
+    """Another writer creates the target after the check, just before ours lands: without
+    overwrite, theirs stays (a new file goes in with os.link, which never replaces)."""
+    p = tmp_path / "out.bin"
+    real_replace, real_link = os.replace, os.link
+
+    def theirs_first(real):
+        def put(src, dst, *a, **k):
+            p.write_bytes(b"theirs")
+            return real(src, dst, *a, **k)
+        return put
+
+    monkeypatch.setattr(os, "replace", theirs_first(real_replace))
+    monkeypatch.setattr(os, "link", theirs_first(real_link))
+    with pytest.raises(FileExistsRefused, match="overwrite=True"):
+        write_atomic(p, b"ours")
+    assert p.read_bytes() == b"theirs"
+    assert [f.name for f in tmp_path.iterdir()] == ["out.bin"]
+
+
+def test_without_hard_links_a_new_file_is_still_written_and_an_old_one_refused(tmp_path, monkeypatch):
+    def no_links(src, dst, *a, **k):
+        raise PermissionError(1, "Operation not permitted (a file system without hard links)")
+
+    monkeypatch.setattr(os, "link", no_links)
+    p = tmp_path / "out.bin"
+    write_atomic(p, b"one")
+    assert p.read_bytes() == b"one"
+    with pytest.raises(FileExistsRefused):
+        write_atomic(p, b"two")
+    write_atomic(p, b"two", overwrite=True)
+    assert p.read_bytes() == b"two" and [f.name for f in tmp_path.iterdir()] == ["out.bin"]
+
+
 def test_a_planted_symlink_is_not_followed(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
