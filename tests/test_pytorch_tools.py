@@ -1,12 +1,17 @@
 """Lesson 13's course module (gpulab.course.pytorch_tools) and the out-of-memory reader panel."""
 from __future__ import annotations
 
+import pathlib
+
+import nbformat
 import pytest
 
 from gpulab import oom_message as O
 from gpulab.course import pytorch_tools as P
 from gpulab.linetrack import track_lines
 from gpulab.snapshot_import import read_snapshot
+
+from conftest import LESSONS
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +35,32 @@ def test_viewer_and_timeline(export, tmp_path):
     assert img.data[:8] == b"\x89PNG\r\n\x1a\n"
     p = export.save(tmp_path / "v.pickle")
     assert read_snapshot(p).peak_active == export.viz_peak
+
+
+def test_the_lessons_files_go_to_the_students_own_folder(tmp_path, monkeypatch):
+    """Lesson 13 writes beside the notebook (the same folder after a restart), or, where that is
+    read-only, into a new private temporary folder: never into a fixed folder under the shared
+    /tmp, where another user could have planted a link."""
+    import stat
+
+    monkeypatch.chdir(tmp_path)
+    folder = P.files_folder()
+    assert folder == pathlib.Path(P.FILES_FOLDER) and (tmp_path / P.FILES_FOLDER).is_dir()
+    assert P.files_folder() == folder
+
+    def read_only(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", read_only)
+    a, b = P.files_folder("read_only_copy"), P.files_folder("read_only_copy")
+    try:
+        assert a != b and a.is_absolute() and a.is_dir() and stat.S_IMODE(a.stat().st_mode) == 0o700
+    finally:
+        a.rmdir()
+        b.rmdir()
+    nb = nbformat.read(LESSONS / "13_pytorch_memory_tools.ipynb", as_version=4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert "workdir = tools.files_folder()" in code and "gettempdir" not in code and "/tmp" not in code
 
 
 def test_exercise_viewer_peak(export):

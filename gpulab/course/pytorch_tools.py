@@ -3,6 +3,8 @@
 * ``vgg16_step_snapshot``: a fake-engine VGG16 training step written as a PyTorch memory
   snapshot; the peak PyTorch's viewer and ``torch.cuda._memory_viz`` read from it next to
   gpulab's (``StepExport``), the viewer inline (``StepExport.viewer``), gpulab's own timeline.
+* ``files_folder``: where the lesson writes its files (beside the notebook, or a private
+  temporary folder; never a fixed folder shared with other users).
 * ``make_example_snapshot`` / ``load_example_snapshot``: the small snapshot shipped for the
   tests (tests/data/), made by gpulab's export on the CPU (not a GPU recording), read back and
   replayed through the simulator.
@@ -53,6 +55,27 @@ OK, NOT_OK = "✓", "✗"
 
 def _check(ok: bool) -> str:
     return OK if ok else NOT_OK
+
+
+# ---- the lesson's files ---------------------------------------------------------------------------
+
+FILES_FOLDER = "lesson13_files"
+
+
+def files_folder(name: str = FILES_FOLDER) -> Path:
+    """The folder the lesson writes its files into: ``name`` in the working folder (in Jupyter,
+    the notebook's), the student's own, the same after a restart and in JupyterLab's file browser;
+    where that cannot be written (a read-only copy of the course), a new private temporary folder
+    (``tempfile.mkdtemp``: readable only by its owner). Never a fixed folder under the shared
+    /tmp, where another user could plant files or links first."""
+    folder = Path(name)
+    try:
+        folder.mkdir(exist_ok=True)
+        if folder.is_dir() and os.access(folder, os.W_OK | os.X_OK):
+            return folder
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix=f"gpulab_{name}_"))
 
 
 # ---- 1. a gpulab run in PyTorch's snapshot format -------------------------------------------------
