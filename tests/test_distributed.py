@@ -164,49 +164,6 @@ def test_the_store_listens_on_loopback_only():
         del store
 
 
-def _this_machines_other_address() -> str | None:
-    """An IPv4 address of this machine that is not loopback: the source address the kernel would
-    use toward a private network (a UDP "connect" only picks a route; no packet is sent)."""
-    import socket
-
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        s.connect(("10.254.254.254", 9))
-        addr = s.getsockname()[0]
-    except OSError:
-        return None
-    finally:
-        s.close()
-    return None if addr.startswith("127.") or addr == "0.0.0.0" else addr
-
-
-def test_the_store_refuses_this_machines_network_address():
-    """A client on the machine's own network address is refused (as the issue found, a store on
-    every interface accepted one); something listening on every interface is reached the same way,
-    so the refusal is the store's, not the network's."""
-    import socket
-
-    from gpulab.distributed import LOOPBACK, loopback_store
-    addr = _this_machines_other_address()
-    if addr is None:
-        pytest.skip("this machine has no non-loopback IPv4 address")
-    wildcard = socket.create_server(("0.0.0.0", 0))
-    try:
-        try:
-            socket.create_connection((addr, wildcard.getsockname()[1]), timeout=5).close()
-        except OSError as exc:
-            pytest.skip(f"{addr} does not reach a local listener here ({exc})")
-    finally:
-        wildcard.close()
-    store = loopback_store(2, timeout_s=10)
-    try:
-        socket.create_connection((LOOPBACK, store.port), timeout=5).close()
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection((addr, store.port), timeout=5).close()
-    finally:
-        del store
-
-
 def test_a_failure_while_starting_workers_is_reported_as_itself(monkeypatch):
     """The second worker cannot be started: the caller sees that error (not "can only join a
     started process" from the clean-up), and the first worker, already started, is stopped."""
