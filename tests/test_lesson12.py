@@ -40,15 +40,45 @@ def test_gradient_accumulation_same_gradients_fewer_activations():
 
 
 @pytest.mark.slow
-def test_compare_strategies_and_figures(tmp_path):
-    comp = D.compare_strategies("cnn", world_size=2, width=16, strategies=("ddp", "fsdp2"))
+def test_compare_strategies_and_figures(tmp_path, monkeypatch):
+    import gpulab.sharding as S
+    spawns = []
+    real = S.run_distributed
+    monkeypatch.setattr(S, "run_distributed", lambda *a, **k: spawns.append(a[1]) or real(*a, **k))
+    comp = D.compare_strategies("cnn", world_size=2, width=32, strategies=("ddp", "fsdp2"), bucket_view=True)
+    assert spawns == [2], "every strategy and the bucket-view DDP run in one set of worker processes"
     html = comp._repr_html_()
     assert "DDP (replicated)" in html and "FSDP2" in html
-    ddp = comp.runs[0]
+    assert [r.spec.strategy for r in comp.runs] == ["ddp", "fsdp2"] and comp.run("fsdp2") is comp.runs[1]
+    ddp = comp.run("ddp")
     assert ddp.measured(0)["total"] - ddp.formula()["total"] == 4 * len(ddp.shapes)  # step counters
+    # gradient_as_bucket_view: the buckets are the gradients, the separate copy is gone
+    view = comp.bucket_view
+    assert view.spec.bucket_view and view.spec.strategy == "ddp" and view.spec.width == 32
+    grads = ddp.ranks[0].at_end["gradients"]
+    assert ddp.ranks[0].at_end["communication buffers"] == grads > 0
+    assert view.ranks[0].at_end["gradients"] == grads and view.ranks[0].at_end["communication buffers"] == 0
+    with pytest.raises(KeyError, match="zero1"):
+        comp.run("zero1")
     D.strategy_bars(comp.runs).savefig(tmp_path / "bars.png")
     D.gathered_timeline(comp.runs[1]).savefig(tmp_path / "timeline.png")
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
+
+    # the panel opens with the run already measured at its settings, then measures afresh
+    from gpulab.widgets import distributed as W
+    measured_again = []
+    monkeypatch.setattr(W, "measure_strategy", lambda **k: measured_again.append(k) or comp.runs[0])
+    panel = W.sharding_panel(strategy="fsdp2", world_size=2, model="cnn", width=32, measured=comp.runs)
+    first = panel.run()
+    assert first is comp.run("fsdp2") and measured_again == [] and len(spawns) == 1
+    assert "measured above" in panel._render(first)[0].data
+    panel.run()
+    assert "measured above" not in str(panel._render(panel.result)[0])
+    assert measured_again == [dict(world_size=2, strategy="fsdp2", model="cnn", width=32)], \
+        "a Run after the first showing measures again"
+    other = W.sharding_panel(strategy="ddp", world_size=1, model="cnn", width=32, measured=comp.runs)
+    other.run()   # no run at these settings (one process): measured
+    assert measured_again[-1] == dict(world_size=1, strategy="ddp", model="cnn", width=32)
 
 
 @pytest.mark.slow

@@ -144,7 +144,18 @@ def exercise_zero2() -> Exercise:
 
 @dataclass
 class StrategyComparison:
+    """Several strategies measured on the same model in the same worker processes; ``bucket_view``
+    is DDP again with ``gradient_as_bucket_view=True`` (None when not asked for)."""
+
     runs: list[StrategyRun]
+    bucket_view: StrategyRun | None = None
+
+    def run(self, strategy: str) -> StrategyRun:
+        """The run of ``strategy`` (``"ddp"``, ``"fsdp2"``, ...)."""
+        for r in self.runs:
+            if r.spec.strategy == strategy:
+                return r
+        raise KeyError(f"no {strategy!r} run in this comparison; it has {', '.join(r.spec.strategy for r in self.runs)}")
 
     def rows(self) -> list[list[str]]:
         out = []
@@ -171,11 +182,18 @@ class StrategyComparison:
 
 def compare_strategies(model: str = "transformer", world_size: int = 2, width: int = 128, layers: int = 2,
                        batch_size: int = 8, seq_len: int = 32,
-                       strategies: tuple[str, ...] = tuple(STRATEGIES)) -> StrategyComparison:
-    # one set of worker processes for every strategy (starting them is most of the time)
-    return StrategyComparison(measure_strategies(
-        [StrategySpec(strategy=s, model=model, width=width, layers=layers, batch=batch_size, seq_len=seq_len)
-         for s in strategies], world_size))
+                       strategies: tuple[str, ...] = tuple(STRATEGIES), bucket_view: bool = False) -> StrategyComparison:
+    """Each of ``strategies`` measured on the same model, one after the other in one set of
+    ``world_size`` worker processes (starting them, each importing torch, costs far more than
+    these small steps). ``bucket_view``: also measure DDP with ``gradient_as_bucket_view=True``
+    there (``.bucket_view``), rather than starting the processes again for it."""
+    specs = [StrategySpec(strategy=s, model=model, width=width, layers=layers, batch=batch_size, seq_len=seq_len)
+             for s in strategies]
+    if bucket_view:
+        specs.append(StrategySpec(strategy="ddp", model=model, width=width, layers=layers, batch=batch_size,
+                                  seq_len=seq_len, bucket_view=True))
+    runs = measure_strategies(specs, world_size)
+    return StrategyComparison(runs[:len(strategies)], runs[len(strategies)] if bucket_view else None)
 
 
 # the tracker's colours (gpulab.plots), and two for what sharding adds

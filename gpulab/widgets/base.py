@@ -17,11 +17,12 @@ set a control's value, call ``run()`` (or let it run on change), assert on ``pan
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import ipywidgets as W
 from IPython.display import HTML, display
@@ -193,6 +194,38 @@ class Panel:
         if self._run_on_show and not self._shown:
             self._shown = True
             self.run()
+
+
+REUSED_NOTE = ("<i class='gpulab-reused'>Shown: what the lesson measured above with these same settings; "
+               "press Run to measure again.</i>")
+
+
+def reuse_first(compute: Callable[..., Any], render: Callable[[Any], list[Any]], measured: Iterable[Any],
+                same: Callable[[Any, dict[str, Any]], bool]) -> tuple[Callable[..., Any], Callable[[Any], list[Any]]]:
+    """``(compute, render)`` for a panel whose first run shows a result the lesson already
+    computed with the panel's own settings instead of computing it again (``same(result,
+    settings)`` decides, among ``measured``), under a line saying so. Every later run computes
+    afresh. A lesson that shows a panel right after measuring the same thing pays once."""
+    left = [m for m in measured if m is not None]
+    reused: list[Any] = []
+
+    @functools.wraps(compute)   # keeps the signature: Panel looks for a ``progress`` parameter
+    def first_or_compute(**params: Any) -> Any:
+        settings = {k: v for k, v in params.items() if k != "progress"}
+        found = next((m for m in left if same(m, settings)), None)
+        left.clear()   # the first run only
+        if found is not None:
+            reused.append(found)
+            return found
+        return compute(**params)
+
+    def render_noted(result: Any) -> list[Any]:
+        out = list(render(result))
+        if any(result is r for r in reused):
+            out.insert(0, HTML(REUSED_NOTE))
+        return out
+
+    return first_or_compute, render_noted
 
 
 def _escape(text: str) -> str:
