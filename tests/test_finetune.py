@@ -89,6 +89,26 @@ def test_activation_panel_shows_the_square_term():
     assert abs(rows[2].scores_measured / rows[1].scores_measured - 4) < 0.2
 
 
+def test_activation_panel_opens_with_the_lessons_sweep_when_the_settings_match(monkeypatch):
+    """Lesson 11 measures the sweep, then shows the panel at the same settings: measured once."""
+    from gpulab.course.transformer_memory import activation_vs_seq
+    from gpulab.widgets import activation_seq_panel
+    from gpulab.widgets import transformers as T
+    sweep = activation_vs_seq("tiny-gpt2", seq_lens=(32, 64, 128))
+    calls = []
+    real = T.activation_vs_seq
+    monkeypatch.setattr(T, "activation_vs_seq", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+    p = activation_seq_panel(model="tiny-gpt2", seq_len=128, measured=[sweep])
+    assert p.run() is sweep and calls == []
+    assert "measured above" in p._render(sweep)[0].data
+    p.run()                                   # Run: measured again, the same numbers
+    assert len(calls) == 1 and p.result is not sweep and p.result.rows == sweep.rows
+    assert "measured above" not in str(p._render(p.result)[0])
+    other = activation_seq_panel(model="tiny-gpt2", seq_len=256, measured=[sweep])
+    other.run()                               # other lengths (64, 128, 256): not the sweep
+    assert len(calls) == 2 and [r.seq_len for r in other.result.rows] == [64, 128, 256]
+
+
 def test_serving_panel_finds_the_cache_taking_the_card():
     from gpulab.widgets import serving_panel
     p = serving_panel(model="llama-3-8b", card="RTX 4090", context_len=8192, batch=1)

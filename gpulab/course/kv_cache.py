@@ -40,6 +40,7 @@ from ..trainstep import step as gpulab_step
 from ..units import dtype_bytes, dtype_name, format_bytes, parse_dtype
 from ..views import html_table
 from .inplace import validate_positive
+from .transformer_memory import counted_params
 
 LABEL_ESTIMATE = "estimate (rough, not measured)"
 LABEL_QLORA = "formula (bitsandbytes' 4-bit kernels need CUDA)"
@@ -340,6 +341,14 @@ class MeasuredKVCache(Measured):
                                  f"measured: {self.label}; formula: {self.formula_label}")
 
 
+def _cache_keyword(fn: Callable) -> str:
+    """The keyword a transformers call takes the KV cache by: ``cache`` where transformers has
+    renamed it (5.x: the old ``past_key_values`` still works there, with a FutureWarning, until
+    it is removed), ``past_key_values`` before. ``generate`` forwards its keyword arguments to
+    ``prepare_inputs_for_generation``: ask that one for generate."""
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
+
+
 def _generate_experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: torch.dtype, seed: int):
     def experiment(ctx: RunContext) -> dict[str, Any]:
         import transformers
@@ -360,9 +369,10 @@ def _generate_experiment(config, prompt_len: int, new_tokens: int, batch: int, d
         eos = _eos_id(config)
         try:
             with ctx.phase("forward"), torch.no_grad():
-                out = model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+                out = model.generate(ids, attention_mask=mask, do_sample=False,
                                      max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                     pad_token_id=eos, eos_token_id=eos)
+                                     pad_token_id=eos, eos_token_id=eos,
+                                     **{_cache_keyword(model.prepare_inputs_for_generation): cache})
         finally:
             handle.remove()
         weights = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
@@ -373,8 +383,8 @@ def _generate_experiment(config, prompt_len: int, new_tokens: int, batch: int, d
 def measured_kv_cache(name_or_config: Any = "tiny-llama", prompt_len: int = 8, new_tokens: int = 16,
                       batch: int = 1, dtype: str | torch.dtype = torch.float32, seed: int = 0) -> MeasuredKVCache:
     """A real ``model.generate()`` (greedy, exactly ``new_tokens`` new tokens) of a model with
-    random weights on the cpu engine, with our own ``transformers.DynamicCache`` passed as
-    ``past_key_values``; a forward hook on the model reads the cache's storages after every
+    random weights on the cpu engine, with our own ``transformers.DynamicCache`` passed as its
+    cache (``cache``, or ``past_key_values`` in older transformers); a forward hook on the model reads the cache's storages after every
     forward pass (generate uses a cache it is given: ``_prepare_cache_for_generation`` in
     transformers/generation/utils.py). Each row: tokens in the cache, measured bytes, the formula.
 
@@ -449,12 +459,13 @@ def _prefill_experiment(config, seq_len: int, batch: int, dtype: torch.dtype):
             ctx.tracker.register(model)
             ids = ctx.label(torch.randint(0, hf_configs.vocab_size(config), (batch, seq_len)))
             cache = transformers.DynamicCache(config=config)
-        kwargs: dict[str, Any] = {"input_ids": ids, "past_key_values": cache, "use_cache": True}
+        name = _cache_keyword(model.forward)
+        kwargs: dict[str, Any] = {"input_ids": ids, name: cache, "use_cache": True}
         if "logits_to_keep" in inspect.signature(model.forward).parameters:
             kwargs["logits_to_keep"] = 1      # as generate does (generation/utils.py)
         with ctx.phase("forward"), torch.no_grad():
             out = model(**kwargs)
-        returned = out.past_key_values
+        returned = getattr(out, name)         # the output names it as the input did
         weights = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
         return {"bytes": cache_storage_bytes(returned), "seq": returned.get_seq_length(),
                 "shapes": [tuple(layer.keys.shape) for layer in returned.layers if layer.keys is not None],
@@ -485,9 +496,6 @@ def fake_kv_cache(name: Any = "hf:llama-3-8b", seq_len: int = 512, batch: int = 
 
 # --- 4. does inference fit? ----------------------------------------------------------------------------
 
-_PARAM_COUNTS: dict[str, tuple[int, int]] = {}
-
-
 def model_params(config_or_name: Any) -> int:
     """Parameters of the causal LM a config builds (a tied embedding once), counted on a model
     built on the meta device (no memory). Built-in names are counted once per process."""
@@ -495,17 +503,11 @@ def model_params(config_or_name: Any) -> int:
 
 
 def _param_counts(config_or_name: Any) -> tuple[int, int]:
-    """(parameters, parameter tensors)."""
-    key = None if hf_configs.is_config(config_or_name) else _config(config_or_name)[1]
-    if key is not None and key in _PARAM_COUNTS:
-        return _PARAM_COUNTS[key]
-    config, _ = _config(config_or_name)
-    with torch.device("meta"):
-        model = hf_configs.build_causal_lm(config)
-    counts = (sum(p.numel() for p in model.parameters()), sum(1 for _ in model.parameters()))
-    if key is not None:
-        _PARAM_COUNTS[key] = counts
-    return counts
+    """(parameters, parameter tensors): ``transformer_memory.counted_params``, whose count of a
+    built-in config is shared with lessons 11 and 12."""
+    if isinstance(config_or_name, hf_configs.HFConfigEntry):
+        config_or_name = config_or_name.name
+    return counted_params(config_or_name)
 
 
 def decode_step_estimate(config_or_name: Any, context_len: int, batch: int = 1,
@@ -593,16 +595,16 @@ def _decode_experiment(config, context_len: int, batch: int, dtype: torch.dtype)
             ids = ctx.label(torch.randint(0, vocab, (batch, context_len - 1)))
             cache = transformers.DynamicCache(config=config)
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        keep[_cache_keyword(model.forward)] = cache
         with ctx.phase("forward"), torch.no_grad():
-            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True,
-                        **keep)
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **keep)
             del out
             cache_before = cache_storage_bytes(cache)
             mark = ctx.mark()
             before = ctx.snapshot("before the decode step").tracked_bytes
             step_ids = ctx.label(torch.randint(0, vocab, (batch, 1)))
             out = model(input_ids=step_ids, attention_mask=torch.ones(batch, context_len, dtype=torch.long),
-                        past_key_values=cache, use_cache=True, **keep)
+                        use_cache=True, **keep)
             scores = out.logits[:, -1].to(copy=True, dtype=torch.float32)   # as generate's _sample does
             del out, scores
         return {"mark": mark, "before": before, "growth": cache_storage_bytes(cache) - cache_before}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -167,8 +168,19 @@ def param_formula(config: Any) -> ParamBreakdown:
 def counted_params(config: Any) -> tuple[int, int]:
     """(parameters, parameter tensors) of the model ``transformers`` builds from ``config``,
     built on the meta device (no memory): the independent count ``param_formula`` is checked
-    against, and the divisor of ``measured_bytes_per_param``."""
-    cfg = _as_config(config)
+    against, and the divisor of ``measured_bytes_per_param``. A built-in config (a name) is
+    built once per process: its count cannot change, and lessons ask for it several times."""
+    if isinstance(config, str):
+        return _counted_builtin(hf_configs.hf_entry(config).name)
+    return _count_built(_as_config(config))
+
+
+@functools.lru_cache(maxsize=None)
+def _counted_builtin(name: str) -> tuple[int, int]:
+    return _count_built(hf_configs.make_config(name))
+
+
+def _count_built(cfg) -> tuple[int, int]:
     with torch.device("meta"):
         model = hf_configs.build_causal_lm(cfg)
     params = list(model.parameters())
@@ -399,12 +411,14 @@ def live_after_last_step(m: Measurement) -> dict[str, int]:
 
 
 def measured_bytes_per_param(config_or_name: Any, r: str | TrainingRecipe = "fp32", engine: str = "cpu",
-                             batch: int = 1, seq_len: int | None = None, optimizer: str | None = None
-                             ) -> BytesPerParamRow:
-    """Run recipe ``r`` with ``gpulab.step`` (two training steps, its dtype, autocast and
+                             batch: int = 1, seq_len: int | None = None, optimizer: str | None = None,
+                             steps: int = 1) -> BytesPerParamRow:
+    """Run recipe ``r`` with ``gpulab.step`` (``steps`` training steps, its dtype, autocast and
     optimizer; ``optimizer`` overrides the recipe's, e.g. "adamw", whose state is Adam's) and
     divide the live parameter, gradient and optimizer-state bytes after the last step by the
-    parameter count (``counted_params``). Returns the measured row, labelled with the run's
+    parameter count (``counted_params``). One step is enough: the optimizer creates its state in
+    its first ``step()``, so right after it the weights, their gradients and the whole state are
+    live, as after any later step (a second step frees and remakes the same tensors). Returns the measured row, labelled with the run's
     label, with the formula row for the same model attached (``.formula``), counting Adam's
     ``step`` scalars where the run keeps them on the measured device: the cpu engine does (one
     float32 per parameter tensor, in optimizer state); a GPU, and the fake engine's CUDA target,
@@ -416,11 +430,11 @@ def measured_bytes_per_param(config_or_name: Any, r: str | TrainingRecipe = "fp3
                          f"(recipe_bytes_per_param)")
     opt = optimizer or r.optimizer
     result = step(_step_model(config_or_name), batch=batch, seq_len=seq_len, engine=engine, dtype=r.step_dtype,
-                  amp=r.step_amp, optimizer=opt, steps=2)
+                  amp=r.step_amp, optimizer=opt, steps=steps)
     m = result.measurement
     if m.oom:
         raise MemoryError(f"{r.name} ran out of memory on the {m.engine} engine: {m.error}")
-    n, tensors = counted_params(_as_config(config_or_name))
+    n, tensors = counted_params(config_or_name)
     live = live_after_last_step(m)
     counters_here = m.kernels != "cuda"
     formula = recipe_bytes_per_param(r, n, tensors, counters_here, opt)

@@ -3,21 +3,26 @@
 cache, a decode step) for a card, context length and batch."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from ..cards import card_names
 from ..course.kv_cache import InferenceFit, inference_fit, max_context
 from ..course.transformer_memory import ActivationSweep, activation_vs_seq
 from ..plots import to_png
-from .base import Panel, dropdown, slider
+from .base import Panel, dropdown, reuse_first, slider
 
 ACTIVATION_MODELS = ("gpt2", "tiny-llama", "tiny-gpt2")
 SERVING_MODELS = ("llama-3-8b", "llama-2-7b", "mistral-7b", "qwen2.5-0.5b", "gpt2")
 SERVING_DTYPES = ("bfloat16", "float16", "float32")
 
 
+def sweep_lengths(seq_len: int) -> tuple[int, ...]:
+    """The lengths the panel measures for a chosen one: a quarter, half and all of it."""
+    return tuple(sorted({max(16, seq_len // 4), max(32, seq_len // 2), seq_len}))
+
+
 def compute_activations(model: str, seq_len: int, progress=None) -> ActivationSweep:
-    lens = sorted({max(16, seq_len // 4), max(32, seq_len // 2), seq_len})
+    lens = sweep_lengths(seq_len)
     if progress:
         progress(0.1, f"fake runs at {', '.join(map(str, lens))} tokens, eager and SDPA")
     return activation_vs_seq(model, seq_lens=tuple(lens))
@@ -27,11 +32,20 @@ def render_activations(sweep: ActivationSweep) -> list[Any]:
     return [sweep, to_png(sweep.plot())]
 
 
-def activation_seq_panel(model: str = "gpt2", seq_len: int = 512) -> Panel:
+def _same_sweep(sweep: ActivationSweep, p: dict[str, Any]) -> bool:
+    """Made as the panel makes it: this model, its lengths, batch 1, bf16, the fake engine."""
+    return (sweep.model == p["model"] and tuple(r.seq_len for r in sweep.rows) == sweep_lengths(p["seq_len"])
+            and all(r.batch == 1 for r in sweep.rows)
+            and all(run.dtype == "bfloat16" and run.measurement.engine == "fake" for run in sweep.runs))
+
+
+def activation_seq_panel(model: str = "gpt2", seq_len: int = 512, measured: Iterable[ActivationSweep] = ()) -> Panel:
+    """The panel. ``measured``: sweeps the lesson already made (``activation_vs_seq``); the
+    first showing uses one made with the panel's settings instead of measuring it again."""
     controls = {"model": dropdown("model", ACTIVATION_MODELS, model),
                 "seq_len": slider("sequence length", seq_len, 64, 2048, log=True)}
-    return Panel("Activations per layer against the sequence length", controls, compute_activations,
-                 render_activations,
+    compute, render = reuse_first(compute_activations, render_activations, measured, _same_sweep)
+    return Panel("Activations per layer against the sequence length", controls, compute, render,
                  description="One layer's saved tensors measured on the fake engine (bf16, CUDA's kernels) at a "
                              "quarter, half and all of the chosen length, with eager attention and with SDPA, next "
                              "to Korthikanti et al.'s formula with and without its s² term.")
