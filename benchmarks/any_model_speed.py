@@ -2,7 +2,7 @@
 
 * ``gpulab.step(name, batch=64, engine="fake")`` for every torchvision classification model
   (target: under 5 s each);
-* ``gpulab.fit("hf:llama-3-8b", "80GiB", dtype="bf16", optimizer="adamw", seq_len=2048)``
+* ``gpulab.predict.fit("hf:llama-3-8b", "80GiB", dtype="bf16", optimizer="adamw", seq_len=2048)``
   in a fresh process, the way the command runs (target: under 30 s, start-up included).
 
 Run: ``python benchmarks/any_model_speed.py [--models N] [--skip-fit] [--only NAME ...]``. Prints
@@ -41,7 +41,7 @@ def main() -> int:
               f"{wall:.1f} s wall, {cpu:.1f} s CPU (target 30 s: ratio {wall / 30:.2f} wall, {cpu / 30:.2f} CPU); "
               f"exit {out.returncode}", flush=True)
     import gpulab
-    from gpulab.models import torchvision_names
+    from gpulab.models.registry import torchvision_names
     names = list(torchvision_names())[: args.models or None]
     if args.only:
         names = [n for n in names if n in args.only]

@@ -33,10 +33,11 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from gpulab.engines import run  # noqa: E402
-from gpulab.experiments import step_experiment, training_step  # noqa: E402
-from gpulab.models import small_cnn  # noqa: E402
-from gpulab.tracking import MemoryTracker  # noqa: E402
+from gpulab.measure.engines import run
+from gpulab.training.loop import step_experiment
+from gpulab.predict.step import training_step
+from gpulab.models.registry import small_cnn
+from gpulab.measure.tracking import MemoryTracker
 
 
 def median_time(fn, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:

@@ -11,7 +11,7 @@ that "identical" means identical event for event, not only at the peak.
 The cases: every torchvision classification model at batch 64 (``gpulab.step``, fake engine,
 CUDA target); the lesson models with sgd / momentum / adam on both fake targets, through
 ``step`` and ``training_step``, and on the cpu engine for the small ones; ``hf:`` configs;
-mixed precision; ``gpulab.fit``. A benchmark helper, not a test: nothing is asserted.
+mixed precision; ``gpulab.predict.fit``. A benchmark helper, not a test: nothing is asserted.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ TIMING_KEYS = {"seconds"}
 
 
 def _cases(which: str) -> list[tuple[str, dict]]:
-    from gpulab.models import torchvision_names
+    from gpulab.models.registry import torchvision_names
     out: list[tuple[str, dict]] = []
     if which in ("torchvision", "all"):
         out += [(f"tv-{n}", {"fn": "step", "model": n, "batch": 64, "engine": "fake"}) for n in torchvision_names()]
@@ -71,11 +71,11 @@ def _tracking_facts(t) -> dict:
 
 def run_case(spec: dict) -> dict:
     import gpulab
-    from gpulab import experiments
+    from gpulab.predict import step as experiments
     kw = dict(spec)
     fn = kw.pop("fn")
     if fn == "fit":
-        r = gpulab.fit(kw.pop("model"), kw.pop("gpu"), **kw)
+        r = gpulab.predict.fit(kw.pop("model"), kw.pop("gpu"), **kw)
         d = {k: v for k, v in r.as_dict().items() if k not in TIMING_KEYS}
         return {"result": d}
     r = (gpulab.step if fn == "step" else experiments.training_step)(kw.pop("model"), **kw)

@@ -13,7 +13,7 @@ limit is split over several commands into one report.
 It measures, and reports each figure with its target and PASS / MISS (by how much):
 
 * with ``--record DIR``, first ``gpulab record --out DIR`` (a subprocess with a timeout), and the
-  file it wrote checked by ``gpulab.record.validate_record`` (provenance complete, not a stand-in);
+  file it wrote checked by ``gpulab.record.lookup.validate_record`` (provenance complete, not a stand-in);
 
 * ``pytest -m cuda`` (a subprocess with a timeout; log and JUnit XML in DIR): passed / failed / skipped;
 * every lesson in ``lessons/`` executed headless with nbclient (one subprocess per lesson, killed
@@ -27,7 +27,7 @@ It measures, and reports each figure with its target and PASS / MISS (by how muc
     rounding, unsplit large blocks) vs ``max_memory_allocated`` − baseline; target within 0.5%;
   - the tracker's bytes after the step (its allocator blocks) vs ``memory_allocated`` − baseline
     at the same moment (the "after step" snapshot); target within 0.5%;
-  - the tracked events replayed through ``gpulab.allocator.CachingAllocator`` (``replay_events``):
+  - the tracked events replayed through ``gpulab.allocator.simulator.CachingAllocator`` (``replay_events``):
     the simulated reserved peak vs ``max_memory_reserved`` − baseline; target within 2%;
   - the fake engine's prediction (CUDA target, the same two steps, its events replayed as allocator
     blocks) vs the real allocated peak; target within 2%;
@@ -143,7 +143,7 @@ class LessonRun:
 @dataclass
 class RecordRun:
     """``gpulab record`` run as a subprocess (``--record DIR``) and its file checked by
-    ``gpulab.record.validate_record``."""
+    ``gpulab.record.lookup.validate_record``."""
     command: str
     returncode: int | None = None
     seconds: float | None = None
@@ -271,7 +271,7 @@ def cuda_available() -> bool:
 def device_facts(command: Sequence[str] | None = None, commit: str | None = None) -> dict[str, Any]:
     """The GPU and the software, as ``gpulab record`` writes them (``record.provenance``), plus
     the Python version and the time; ``commit`` overrides the git commit (a machine without .git)."""
-    from gpulab.record import provenance
+    from gpulab.record.runner import provenance
     facts = provenance(command if command is not None else ["benchmarks/gpu_validation.py", *sys.argv[1:]])
     facts["python"] = platform.python_version()
     facts["time_utc"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -283,9 +283,9 @@ def device_facts(command: Sequence[str] | None = None, commit: str | None = None
 
 def cuda_context(moment: str) -> dict[str, Any]:
     """NVML used − ``memory_reserved`` now (the CUDA context, other processes, memory outside
-    PyTorch's allocator), after freeing what can be freed; ``gpulab.replay.beyond_allocator_bytes``."""
-    from gpulab.engines import release_cuda_memory
-    from gpulab.replay import beyond_allocator_bytes
+    PyTorch's allocator), after freeing what can be freed; ``gpulab.predict.replay.beyond_allocator_bytes``."""
+    from gpulab.measure.engines import release_cuda_memory
+    from gpulab.predict.replay import beyond_allocator_bytes
     try:
         release_cuda_memory(0)     # creates the context if nothing did yet (synchronize)
         out = dict(beyond_allocator_bytes(0))
@@ -304,9 +304,9 @@ Layout = list[tuple[str, tuple[tuple[int, bool], ...]]]   # segments: (pool, ((b
 
 
 def baseline_layout(device: int = 0) -> Layout | None:
-    """The allocator's segments now (``gpulab.gpu.allocator_segments``: what the next run's
+    """The allocator's segments now (``gpulab.measure.gpu.allocator_segments``: what the next run's
     baseline holds, the cuBLAS workspace and the free room around it)."""
-    from gpulab.gpu import allocator_segments
+    from gpulab.measure.gpu import allocator_segments
     return allocator_segments(device)
 
 
@@ -316,9 +316,9 @@ def _allocated(layout: Layout) -> int:
 
 def seeded_replay(events: Sequence[Any], layout: Layout) -> tuple[int, int] | None:
     """Peak allocated and reserved bytes above the baseline when the simulator starts from the
-    baseline's segments (``gpulab.allocator.rebuilt_allocator``, as the cuda engine's own
+    baseline's segments (``gpulab.allocator.simulator.rebuilt_allocator``, as the cuda engine's own
     ``allocator_blocks`` does for allocated bytes); None when it cannot rebuild them."""
-    from gpulab.allocator import rebuilt_allocator
+    from gpulab.allocator.simulator import rebuilt_allocator
     sim = rebuilt_allocator(layout)
     if sim is None:
         return None
@@ -332,9 +332,9 @@ def measure_model(model: str, optimizer: str, steps: int = STEPS, fake: bool = T
     the fake engine's answers for the same steps. Never raises: an error is stored in the result."""
     import torch
 
-    from gpulab.engines import allocator_blocks
-    from gpulab.experiments import training_step
-    from gpulab.replay import replay_events
+    from gpulab.measure.engines import allocator_blocks
+    from gpulab.predict.step import training_step
+    from gpulab.predict.replay import replay_events
     run = ModelRun(model, optimizer, steps=steps)
     t0 = time.perf_counter()
     try:
@@ -482,7 +482,7 @@ def run_pytest(out: pathlib.Path, timeout: float, marker: str = "cuda") -> Pytes
 
 def run_record(out: pathlib.Path, record_dir: pathlib.Path, timeout: float) -> RecordRun:
     """``gpulab record --out record_dir`` in a child process; the JSON it wrote, checked."""
-    from gpulab.record import validate_record
+    from gpulab.record.lookup import validate_record
     log, record_dir = out / "gpulab-record.log", pathlib.Path(record_dir).resolve()
     cmd = [sys.executable, "-m", "gpulab", "record", "--out", str(record_dir), "--json"]
     res = RecordRun(" ".join(["python", *cmd[1:]]), log=log.name)
@@ -552,7 +552,7 @@ def execute_lesson(path: pathlib.Path, executed: pathlib.Path, result_json: path
     try:
         import torch
         if torch.cuda.is_available():
-            from gpulab.engines import label_cuda
+            from gpulab.measure.engines import label_cuda
             gpu_labels = json.dumps(nb.dict()).count(label_cuda(torch.cuda.get_device_name(0)))
     except Exception:  # noqa: BLE001 - a count for the report, not a check
         pass
@@ -644,7 +644,7 @@ def _summary(checks: Sequence[Check], target: str) -> tuple[str, str]:
 
 
 def is_stand_in(device: dict[str, Any]) -> bool:
-    from gpulab.record import is_stand_in as named_stand_in
+    from gpulab.record.lookup import is_stand_in as named_stand_in
     return bool(device.get("stand_in")) or named_stand_in(device.get("gpu_name", ""))
 
 
@@ -782,7 +782,7 @@ def render_markdown(report: Report) -> str:
     if report.context_before or report.context_after:
         L += ["## CUDA context", "",
               "NVML's device-wide used memory minus `memory_reserved`: the CUDA context, other processes, "
-              "memory not allocated through PyTorch's allocator (`gpulab.replay.beyond_allocator_bytes`). "
+              "memory not allocated through PyTorch's allocator (`gpulab.predict.replay.beyond_allocator_bytes`). "
               "Before the first experiment, the kernels not yet loaded (CUDA lazy loading) are not in it.", ""]
         ctx_rows = []
         for c in (report.context_before, report.context_after):
@@ -819,8 +819,8 @@ def _model_sections(report: Report) -> list[str]:
         L += ["Runs that failed:", ""] + [f"- {r.model}/{r.optimizer}: {r.error}" for r in failed] + [""]
 
     L += ["## Simulated vs real reserved memory", "",
-          "The same tracked events replayed through `gpulab.allocator.CachingAllocator` from an empty cache "
-          "(`gpulab.replay.replay_events`) vs `max_memory_reserved` − baseline. NB: the simulator does not "
+          "The same tracked events replayed through `gpulab.allocator.simulator.CachingAllocator` from an empty cache "
+          "(`gpulab.predict.replay.replay_events`) vs `max_memory_reserved` − baseline. NB: the simulator does not "
           "see free room in segments the baseline already holds (the warm-up's workspace segment). "
           f"Target {_target(RESERVED_TOL)}.", ""]
     L += _table(["model", "optimizer", "simulated reserved peak", "real reserved peak", "baseline reserved",
@@ -967,7 +967,7 @@ def validate(out: pathlib.Path, md: pathlib.Path | None = None, *, skip_lessons:
                 save()
         report.context_after = cuda_context("after the model runs")
         save()
-    from gpulab.engines import release_cuda_memory
+    from gpulab.measure.engines import release_cuda_memory
     try:
         release_cuda_memory(0)     # the children share the GPU with this process
     except Exception:  # noqa: BLE001

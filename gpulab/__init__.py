@@ -4,11 +4,13 @@ The handful of names a lesson uses; everything else lives in its submodule.
 """
 __version__ = "0.1.0"
 
-from .engines import run
-from .experiments import breakdown, training_step
-from .fit import fit
-from .tracking import Category, MemoryTracker
-from .trainstep import step
-from .units import format_bytes
+from gpulab.measure.engines import run
+from gpulab.predict.breakdown import breakdown
+from gpulab.predict.step import training_step
+from gpulab.predict.fit import fit
+from gpulab.categories import Category
+from gpulab.measure.tracking import MemoryTracker
+from gpulab.predict.step import step
+from gpulab.units import format_bytes
 
 __all__ = ["Category", "MemoryTracker", "breakdown", "fit", "format_bytes", "run", "step", "training_step"]

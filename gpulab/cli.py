@@ -15,7 +15,9 @@ import platform
 import sys
 from typing import Any, Sequence
 
-from .units import format_bytes
+from gpulab.units import format_bytes
+
+__all__ = ["MODEL_HELP", "REPORT", "build_parser", "env_info", "main"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,7 +36,7 @@ def _positive_int(text: str) -> int:
 
 
 def _steps(text: str) -> int:
-    from .trainstep import MAX_STEPS
+    from gpulab.predict.step import MAX_STEPS
     v = _positive_int(text)
     if v > MAX_STEPS:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_STEPS} (the steady state is reached at step 2; "
@@ -55,7 +57,8 @@ def _model_options(s: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .experiments import AMP_DTYPES, OPTIMIZERS
+    from gpulab.training.loop import AMP_DTYPES
+    from gpulab.training.optimizers import OPTIMIZERS
 
     p = _Parser(prog="gpulab", description="Where does GPU memory go? Measure it. "
                 "(--debug anywhere: show the traceback of an error)")
@@ -97,8 +100,8 @@ def _record(args) -> int:
         print("gpulab: error: gpulab record needs a CUDA GPU (torch.cuda.is_available() is False); "
               "nothing was recorded", file=sys.stderr)
         return 2
-    from .files import check_target
-    from .record import record, record_path, write_record
+    from gpulab.files import check_target
+    from gpulab.record.runner import record, record_path, write_record
     try:  # before measuring: a bad --out must not cost the whole run
         check_target(record_path(args.out, torch.cuda.get_device_name(0)), overwrite=args.force, flag="--force")
     except OSError as exc:
@@ -117,8 +120,8 @@ def env_info() -> dict[str, Any]:
     import torch
     import torchvision
 
-    from .engines import choose_engine, engine_status
-    from .gpu import device_report
+    from gpulab.measure.engines import choose_engine, engine_status
+    from gpulab.measure.gpu import device_report
 
     choice = choose_engine("auto")
     return {
@@ -230,18 +233,18 @@ def _main(argv: list[str]) -> int:
         if args.command == "env":
             data, text = env_info(), _print_env
         elif args.command == "breakdown":
-            from .experiments import breakdown
+            from gpulab.predict.breakdown import breakdown
             data = breakdown(args.model, args.batch or 1, args.image_size, args.dtype or "float32",
                              seq_len=args.seq_len).as_dict()
             text = _print_breakdown
         elif args.command == "step":
-            from .trainstep import step
+            from gpulab.predict.step import step
             data = step(args.model, batch=args.batch, optimizer=args.optimizer, steps=args.steps, engine=args.engine,
                         dtype=args.dtype, amp=args.amp, seq_len=args.seq_len, image_size=args.image_size,
                         fake_target=args.fake_target).as_dict()
             text = _print_step
         else:
-            from .fit import fit
+            from gpulab.predict.fit import fit
             data = fit(args.model, args.gpu, optimizer=args.optimizer, dtype=args.dtype, amp=args.amp,
                        seq_len=args.seq_len, image_size=args.image_size,
                        **({"context_bytes": _size(args.context)} if args.context else {})).as_dict()
@@ -256,7 +259,7 @@ def _main(argv: list[str]) -> int:
 
 def _size(text: str) -> int:
     """A size such as 512MiB (the same forms as --gpu's sizes)."""
-    from .cards import parse_gpu
+    from gpulab.predict.cards import parse_gpu
     return parse_gpu(text).memory_bytes
 
 

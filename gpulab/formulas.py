@@ -11,7 +11,17 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .units import dtype_bytes
+from gpulab.units import dtype_bytes
+
+__all__ = [
+    "MemoryFit", "OPTIMIZER_STATES", "backward_flops", "batchnorm_buffer_bytes", "batchnorm_params",
+    "checkpointed_activation_bytes", "conv2d_flops", "conv2d_output_hw", "conv2d_params",
+    "cuda_rounded_bytes", "eight_bit_optimizer_state_bytes", "embedding_params", "fit_memory_model",
+    "layernorm_params", "linear_flops", "linear_memory", "linear_params", "lora_params",
+    "lora_trainable_params", "max_batch", "modelsize_activation_bytes", "nf4_weight_bytes", "numel",
+    "optimizer_state_bytes", "optimizer_state_multiplier", "output_bytes", "tensor_bytes",
+    "training_multiplier", "zero_bytes_per_device"
+]
 
 
 def _pair(v: int | Sequence[int]) -> tuple[int, int]:

@@ -7,11 +7,11 @@
     y = x @ x
 
 The cell runs in the notebook's namespace (its variables stay defined afterwards) under
-``gpulab.linetrack.track_lines``; the cell's value is the ``LineReport`` (shown as a table).
+``gpulab.measure.linetrack.track_lines``; the cell's value is the ``LineReport`` (shown as a table).
 The report is also stored as ``_memtrack`` in the namespace (and under ``-o NAME``).
 Options: ``--engine auto|cpu|fake|cuda``, ``--device DEV``, ``--plot`` (live total per
 line), ``--timeline`` (stacked by category), ``-o NAME``, ``--snapshot PATH`` (also write the
-cell's timeline as a PyTorch memory snapshot pickle, ``gpulab.snapshot.export_tracking``: open it
+cell's timeline as a PyTorch memory snapshot pickle, ``gpulab.interop.snapshot.export_tracking``: open it
 with ``torch.cuda._memory_viz`` or on pytorch.org/memory_viz; its segments are the simulated
 allocator's; an existing file is refused unless ``--force``). ``{name}`` in the options line is the notebook variable's value (IPython expands it).
 """
@@ -23,8 +23,10 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .files import check_target
-from .linetrack import LineReport, track_lines
+from gpulab.files import check_target
+from gpulab.measure.linetrack import LineReport, track_lines
+
+__all__ = ["MemtrackMagics", "load_ipython_extension", "unload_ipython_extension"]
 
 
 @magics_class
@@ -57,7 +59,7 @@ class MemtrackMagics(Magics):
             self.shell.user_ns[args.output] = report
         if args.snapshot:
             from IPython.display import HTML, display
-            from .snapshot import export_tracking
+            from gpulab.interop.snapshot import export_tracking
             snap = export_tracking(report.tracking, args.snapshot, where=report.where, overwrite=args.force,
                                    label=f"exported by gpulab from %%memtrack ({report.label}); segments "
                                          "from the simulated allocator, not recorded on a GPU")

@@ -8,8 +8,13 @@ from typing import Sequence
 
 from matplotlib.figure import Figure
 
-from .tracking import CATEGORIES
-from .units import MiB
+from gpulab.categories import CATEGORIES
+from gpulab.units import MiB
+
+__all__ = [
+    "CATEGORY_COLORS", "LessonFigure", "as_image", "comparison_bars", "figure_png_bytes",
+    "layer_bars", "line_fit", "timeline", "to_png"
+]
 
 # One colour per category, the same in every figure.
 CATEGORY_COLORS = {

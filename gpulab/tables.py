@@ -7,6 +7,8 @@ from __future__ import annotations
 import html
 from typing import Iterable, Sequence
 
+__all__ = ["STYLE", "html_table"]
+
 STYLE = ("<style>.gpulab-table{border-collapse:collapse;font-size:0.9em}"
          ".gpulab-table td,.gpulab-table th{padding:2px 8px;border-bottom:1px solid #ddd;text-align:right}"
          ".gpulab-table td:first-child,.gpulab-table th:first-child{text-align:left}"

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = [
+    "DTYPES", "DtypeInfo", "GB", "GiB", "KB", "KiB", "MB", "MiB", "dtype_bytes", "dtype_name",
+    "format_bytes", "format_delta", "mib", "parse_dtype", "round_up"
+]
+
 KiB = 1024
 MiB = 1024**2
 GiB = 1024**3

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import html
 
-from .tables import html_table  # noqa: F401  (re-exported: views are where callers look for it)
-from .tracking import CATEGORIES
-from .units import format_bytes
+from gpulab.tables import html_table  # noqa: F401  (re-exported: views are where callers look for it)
+from gpulab.categories import CATEGORIES
+from gpulab.units import format_bytes
+
+__all__ = [
+    "breakdown_html", "comparison_rows", "error_percent", "fit_html", "fmt_error",
+    "measurement_html", "step_html"
+]
 
 
 def error_percent(predicted: float | None, measured: float | None) -> float | None:
@@ -83,7 +88,7 @@ def step_html(step) -> str:
 
 
 def fit_html(r) -> str:
-    """``gpulab.fit``'s answer: the batch, the peak by category, the allocator, the context, the margin."""
+    """``gpulab.predict.fit``'s answer: the batch, the peak by category, the allocator, the context, the margin."""
     head = (f"<b>{html.escape(r.model)}</b> on <b>{html.escape(r.card)}</b> ({format_bytes(r.capacity_bytes)}), "
             f"{html.escape(r.optimizer)}, {html.escape(r.dtype)}{', autocast ' + r.amp if r.amp else ''}: "
             + (f"largest batch <b>{r.largest_batch}</b>" if r.largest_batch else

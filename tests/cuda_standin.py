@@ -8,7 +8,7 @@ What it replaces, and only that:
   it creates as GPU storages; a ``TorchDispatchMode`` marks every storage an op makes from GPU
   storages (forward, backward, optimizer) the same way.
 * **the caching allocator**: each GPU storage gets a block from gpulab's own simulator
-  (``gpulab.allocator.CachingAllocator``, rules from ``c10/cuda/CUDACachingAllocator.cpp``) when it
+  (``gpulab.allocator.simulator.CachingAllocator``, rules from ``c10/cuda/CUDACachingAllocator.cpp``) when it
   is created, and gives it back when it dies, so ``torch.cuda.memory_allocated``/``_reserved``,
   their peaks, ``memory_stats``, ``empty_cache`` and ``reset_peak_memory_stats`` are one consistent
   set of counters. An allocation the simulated device cannot hold raises ``torch.OutOfMemoryError``
@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from gpulab.allocator import MiB, CachingAllocator, SimulatedOutOfMemoryError
+from gpulab.allocator.simulator import MiB, CachingAllocator, SimulatedOutOfMemoryError
 
 STANDIN_NAME = "stand-in GPU (no CUDA)"
 GiB = 1024 * MiB
@@ -255,8 +255,8 @@ class _Observer(TorchDispatchMode):
 @contextlib.contextmanager
 def standin_gpu(monkeypatch, **kwargs: Any):
     """Install the stand-in for the duration of the block; yields the ``StandInGPU``."""
-    import gpulab.gpu
-    import gpulab.tracking
+    import gpulab.measure.gpu
+    import gpulab.measure.tracking
 
     gpu = StandInGPU(**kwargs)
     for name, fn in gpu.functions().items():
@@ -266,10 +266,10 @@ def standin_gpu(monkeypatch, **kwargs: Any):
     stream = types.SimpleNamespace(is_capturing=lambda: False, synchronize=lambda: None, device_index=0)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: stream)
-    monkeypatch.setattr(gpulab.gpu, "_nvml", lambda: (None, f"{STANDIN_NAME}: no NVML"), raising=False)
-    monkeypatch.setattr(gpulab.gpu, "nvml_used_bytes", lambda index=0: gpu.nvml_used(), raising=False)
-    real_device_str = gpulab.tracking._device_str
-    monkeypatch.setattr(gpulab.tracking, "_device_str",
+    monkeypatch.setattr(gpulab.measure.gpu, "_nvml", lambda: (None, f"{STANDIN_NAME}: no NVML"), raising=False)
+    monkeypatch.setattr(gpulab.measure.gpu, "nvml_used_bytes", lambda index=0: gpu.nvml_used(), raising=False)
+    real_device_str = gpulab.measure.tracking._device_str
+    monkeypatch.setattr(gpulab.measure.tracking, "_device_str",
                         lambda d: "cuda:0" if d.type == "meta" else real_device_str(d))
     with _Redirect(gpu), _Observer(gpu):
         yield gpu

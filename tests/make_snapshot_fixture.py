@@ -6,7 +6,7 @@ lesson 13 read back (see tests/data/README.md).
 It is made on the CPU by gpulab's export path (gpulab.course.pytorch_tools.make_example_snapshot:
 one fake-engine training step of the small CNN, replayed through the simulated allocator), so it
 is NOT a GPU recording; its "gpulab" entry says so. tests/test_snapshot.py reads the file back
-(gpulab.snapshot_import) and checks that a fresh one made the same way replays the same way; run
+(gpulab.interop.snapshot_import) and checks that a fresh one made the same way replays the same way; run
 this script again when the export or the fake engine changes what it writes.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests for gpulab.allocator, the caching-allocator simulator.
+"""Tests for gpulab.allocator.simulator, the caching-allocator simulator.
 
 Each expected number is worked out by hand from the rule in c10/cuda/CUDACachingAllocator.cpp
 that the test names, not read back from the implementation.
@@ -13,19 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpulab.allocator import (
-    AllocEvent,
-    Block,
-    CachingAllocator,
-    ReplayResult,
-    Segment,
-    SimulatedOutOfMemoryError,
-    format_size,
-    get_allocation_size,
-    round_size,
-    should_split,
-    simulate,
-)
+from gpulab.allocator.simulator import AllocEvent, Block, CachingAllocator, ReplayResult, Segment, SimulatedOutOfMemoryError, format_size, get_allocation_size, round_size, should_split, simulate
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -627,8 +615,8 @@ def test_the_simulator_is_rebuilt_from_the_real_allocators_segments():
 
     import torch
 
-    from gpulab.allocator import rebuilt_allocator
-    from gpulab.gpu import allocator_segments
+    from gpulab.allocator.simulator import rebuilt_allocator
+    from gpulab.measure.gpu import allocator_segments
 
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         pytest.skip("PYTORCH_CUDA_ALLOC_CONF is set; the simulator here models the defaults")

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import gpulab
-from gpulab import guard as guard_module
-from gpulab.models import build_model, resolve_model, torchvision_names
-from gpulab.workload import resolve_workload
+from gpulab.predict import guard as guard_module
+from gpulab.models.registry import build_model, resolve_model, torchvision_names
+from gpulab.models.workload import resolve_workload
 
 
 class TwoLayer(nn.Module):
@@ -143,7 +143,7 @@ def test_breakdown_accepts_every_kind():
 
 @pytest.mark.parametrize("name", ["hf:llama-3-8b", "hf:mistral-7b"])
 def test_published_counts_through_the_workload(name):
-    from gpulab.hf_configs import hf_entry
+    from gpulab.models.hf_configs import hf_entry
     w = resolve_workload(name)
     assert sum(p.numel() for p in w.build("meta", None).parameters()) == hf_entry(name).published_params
 
@@ -241,8 +241,8 @@ def test_tied_weights_stay_tied_on_every_engine():
     assert peaks["fake, instance"] == peaks["fake, builder"] == peaks["cpu"], peaks
     # Adam: two fp32 states per parameter (plus a step counter per tensor)
     assert 2 * n_params * 4 <= peaks["cpu"]["optimizer_state"] < 2 * n_params * 4 + 4096
-    a = gpulab.fit(_TiedGPT(), "600MiB", inputs=x)
-    b = gpulab.fit(lambda: _TiedGPT(), "600MiB", inputs=x)
+    a = gpulab.predict.fit(_TiedGPT(), "600MiB", inputs=x)
+    b = gpulab.predict.fit(lambda: _TiedGPT(), "600MiB", inputs=x)
     assert a.largest_batch == b.largest_batch and a.peak_bytes == b.peak_bytes
 
 
@@ -256,7 +256,7 @@ class _Boom(nn.Module):
 
 
 def test_fit_wraps_a_models_own_error_like_step():
-    for call in (lambda: gpulab.fit(_Boom(), "4GiB", inputs=torch.randn(1, 4)),
+    for call in (lambda: gpulab.predict.fit(_Boom(), "4GiB", inputs=torch.randn(1, 4)),
                  lambda: gpulab.step(_Boom(), torch.randn(1, 4), engine="fake")):
         with pytest.raises(ValueError) as e:
             call()

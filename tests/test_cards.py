@@ -1,7 +1,7 @@
-"""gpulab.cards: the card table and the ``--gpu`` parser, against hand-checked numbers."""
+"""gpulab.predict.cards: the card table and the ``--gpu`` parser, against hand-checked numbers."""
 import pytest
 
-from gpulab.cards import CARDS, Card, card_names, parse_gpu
+from gpulab.predict.cards import CARDS, Card, card_names, parse_gpu
 from gpulab.course.sweeps import CARDS_GIB
 from gpulab.units import GB, GiB, KiB, MiB
 

@@ -11,7 +11,7 @@ the engine subtracts; the engine reports any remaining gap as ``beyond_tensors``
 import pytest
 import torch
 
-from gpulab.experiments import training_step
+from gpulab.predict.step import training_step
 from gpulab.formulas import cuda_rounded_bytes
 
 pytestmark = [pytest.mark.cuda,

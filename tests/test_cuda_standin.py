@@ -14,9 +14,9 @@ import torch
 
 from cuda_standin import CUBLAS_WORKSPACE, STANDIN_NAME, GiB, standin_gpu as install
 from gpulab import cli
-from gpulab.allocator import MiB
-from gpulab.engines import LABEL_BLOCKS, allocator_blocks, run
-from gpulab.experiments import training_step
+from gpulab.allocator.simulator import MiB
+from gpulab.measure.engines import LABEL_BLOCKS, allocator_blocks, run
+from gpulab.predict.step import training_step
 from gpulab.units import format_bytes
 
 
@@ -171,8 +171,8 @@ def test_blocks_after_a_warm_up_follow_memory_allocated_block_for_block(standin_
 
 
 def test_the_allocator_is_rebuilt_from_a_memory_snapshot(standin_gpu):
-    from gpulab.allocator import rebuilt_allocator
-    from gpulab.gpu import allocator_segments
+    from gpulab.allocator.simulator import rebuilt_allocator
+    from gpulab.measure.gpu import allocator_segments
     keep = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (3 * MiB, 700, 5 * MiB, 12 * MiB, 300)]
     del keep[2]                       # a free gap between two allocated blocks of one segment
     segments = allocator_segments(0)

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import dist_experiments
-from gpulab.distributed import run_distributed
-from gpulab.sharding import build, fsdp_shard_numel, measure_strategy
-from gpulab.tracking import MemoryTracker
+from gpulab.distributed.runner import run_distributed
+from gpulab.distributed.sharding import build, fsdp_shard_numel, measure_strategy
+from gpulab.measure.tracking import MemoryTracker
 
 pytestmark = pytest.mark.slow
 
@@ -153,7 +153,7 @@ def test_the_store_listens_on_loopback_only():
     every interface, as TCPStore does by itself, accepts it)."""
     import socket
 
-    from gpulab.distributed import LOOPBACK, loopback_store
+    from gpulab.distributed.runner import LOOPBACK, loopback_store
     store = loopback_store(2, timeout_s=10)
     try:
         with socket.create_connection((LOOPBACK, store.port), timeout=5):
@@ -202,7 +202,7 @@ def test_multiprocessings_bootstrapping_error_says_what_to_do(monkeypatch):
 def test_stopping_workers_that_never_started_is_not_an_error():
     """A failure while starting the workers is reported as itself, not as "can only join a
     started process" from the clean-up."""
-    from gpulab.distributed import _stop
+    from gpulab.distributed.runner import _stop
     ctx = multiprocessing.get_context("spawn")
     _stop([ctx.Process(target=time.sleep, args=(0,)) for _ in range(2)])
 
@@ -226,7 +226,7 @@ def test_workers_die_with_a_killed_parent(tmp_path, sig):
         import sys
         sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
         import dist_experiments
-        from gpulab.distributed import run_distributed
+        from gpulab.distributed.runner import run_distributed
         if __name__ == "__main__":
             run_distributed(dist_experiments.write_pid_and_sleep, 2, args=({str(tmp_path)!r},), timeout_s=150)
     """))
@@ -261,7 +261,7 @@ def test_an_unguarded_script_is_told_what_to_do(tmp_path):
     """The README's example saved as a script without `if __name__ == "__main__":`: the workers
     import the script and start the run again. The failure says so, and no clean-up error masks it."""
     script = tmp_path / "unguarded.py"
-    script.write_text("from gpulab.distributed import run_distributed\n"
+    script.write_text("from gpulab.distributed.runner import run_distributed\n"
                       "import sys; sys.path.insert(0, %r)\n"
                       "import dist_experiments\n"
                       "run_distributed(dist_experiments.all_reduce_rank, 2, timeout_s=90).check()\n"
@@ -284,7 +284,7 @@ def test_an_unguarded_script_is_told_what_to_do(tmp_path):
 def test_strategies_in_one_set_of_processes_measure_what_separate_runs_do():
     """measure_strategies (one spawn, a tracker per spec) gives each rank exactly the breakdown
     that measure_strategy (a spawn per spec) gives: lesson 12 relies on it."""
-    from gpulab.sharding import StrategySpec, measure_strategies
+    from gpulab.distributed.sharding import StrategySpec, measure_strategies
     specs = [StrategySpec(strategy=s, model="transformer", width=64, layers=2, batch=4, seq_len=16)
              for s in ("ddp", "fsdp2")]
     together = measure_strategies(specs, 2)

@@ -3,11 +3,10 @@ choice follows its limits; refusals name what is available; out-of-memory is a r
 import pytest
 import torch
 
-from gpulab import engines
-from gpulab.engines import (LABEL_CPU, LABEL_FAKE_CPU, EngineUnavailable, Measurement, choose_engine,
-                            engine_status, run)
-from gpulab.experiments import training_step
-from gpulab.tracking import CATEGORIES
+from gpulab.measure import engines
+from gpulab.measure.engines import LABEL_CPU, LABEL_FAKE_CPU, EngineUnavailable, Measurement, choose_engine, engine_status, run
+from gpulab.predict.step import training_step
+from gpulab.categories import CATEGORIES
 
 
 # --- fake == cpu -------------------------------------------------------------------------------

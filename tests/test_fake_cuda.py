@@ -14,13 +14,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gpulab import cli
-from gpulab import experiments as E
-from gpulab import models as M
-from gpulab.engines import LABEL_FAKE_CPU, LABEL_FAKE_CUDA, run
-from gpulab.experiments import training_step
-from gpulab.fake_cuda import STILL_DIFFERS
+from gpulab.training import loop as E
+from gpulab.models import registry as M
+from gpulab.measure.engines import LABEL_FAKE_CPU, LABEL_FAKE_CUDA, run
+from gpulab.predict.step import training_step
+from gpulab.measure.fake_cuda import STILL_DIFFERS
 from gpulab.formulas import cuda_rounded_bytes
-from gpulab.tracking import Category, TrackingResult
+from gpulab.categories import Category
+from gpulab.measure.tracking import TrackingResult
 
 NO_CUDA = not torch.cuda.is_available()
 optim_module = sys.modules["torch.optim.optimizer"]
@@ -112,7 +113,7 @@ def test_fake_cuda_tensors_dispatch_the_same_dropout():
 
 @pytest.mark.skipif(not NO_CUDA, reason="on a GPU machine fake cuda tensors can run backward")
 def test_fake_cuda_tensors_cannot_run_backward_without_a_gpu():
-    """Why the CUDA target emulates on CPU fake tensors instead (gpulab.fake_cuda)."""
+    """Why the CUDA target emulates on CPU fake tensors instead (gpulab.measure.fake_cuda)."""
     with FakeTensorMode():
         x = torch.randn(4, device="cuda", requires_grad=True)
         with pytest.raises(RuntimeError, match="hasPrimaryContext"):

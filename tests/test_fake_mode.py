@@ -1,7 +1,7 @@
 """The fake engine's shortcuts give torch's own answers, faster.
 
 ``fake_mode.FakeMode`` answers some ops directly instead of through FakeTensorMode's Python
-decompositions and cache, ``fake_mode.shape_kernels`` does the same for batch norm on meta,
+decompositions and cache, ``shape_kernels.shape_kernels`` does the same for batch norm on meta,
 ``models._initialisers_skipped`` skips writing values into tensors that have none, and the
 tracker keeps a saved tensor itself where a detached alias is not needed. Each is checked here
 against what torch (or the tracker) did without it: the same shapes, strides, offsets, dtypes,
@@ -15,9 +15,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from gpulab import fake_mode, models
-from gpulab.fake_mode import FakeMode
-from gpulab.tracking import MemoryTracker
+from gpulab.measure import fake_kernels, fake_mode, shape_kernels
+from gpulab.models import registry as models
+from gpulab.measure.fake_mode import FakeMode
+from gpulab.measure.tracking import MemoryTracker
 
 aten = torch.ops.aten
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -59,8 +60,8 @@ def answered(monkeypatch):
                 counts[op] = counts.get(op, 0) + 1
             return out
         return count
-    for op, kernel in list(fake_mode._FAKE_KERNELS.items()):
-        monkeypatch.setitem(fake_mode._FAKE_KERNELS, op, counting(op, kernel))
+    for op, kernel in list(fake_kernels.FAKE_KERNELS.items()):
+        monkeypatch.setitem(fake_kernels.FAKE_KERNELS, op, counting(op, kernel))
     return counts
 
 
@@ -134,7 +135,7 @@ def test_batch_norm_on_meta_equals_the_meta_kernel():
             x, w, b, rm, rv = bn_inputs(shape, dt, cl, affine, stats, same, device="meta")
             try:
                 if direct:
-                    with fake_mode.shape_kernels():
+                    with shape_kernels.shape_kernels():
                         out = aten.native_batch_norm(x, w, b, rm, rv, training, 0.1, 1e-5)
                 else:
                     out = aten.native_batch_norm(x, w, b, rm, rv, training, 0.1, 1e-5)
@@ -168,7 +169,7 @@ def test_batch_norm_of_odd_layouts_equals_torchs(make):
         for op in (fwd, bwd):
             assert answer(FakeMode, build, op) == answer(FakeTensorMode, build, op), (op.__name__, training)
         meta = build("meta")
-        with fake_mode.shape_kernels():
+        with shape_kernels.shape_kernels():
             fast = [meta_of(o) for o in fwd(*meta)]
         assert fast == [meta_of(o) for o in fwd(*meta)]
 
@@ -523,17 +524,17 @@ def test_meta_forwards_give_the_same_shapes_with_shape_kernels(name):
         hooks = [m.register_forward_hook(lambda m, a, o: seen.append(meta_of(o) if isinstance(o, torch.Tensor) else None))
                  for m in net.modules()]
         x = torch.empty(2, 3, size, size, device="meta")
-        with torch.no_grad(), (fake_mode.shape_kernels() if fast else torch.autograd.graph.saved_tensors_hooks(
+        with torch.no_grad(), (shape_kernels.shape_kernels() if fast else torch.autograd.graph.saved_tensors_hooks(
                 lambda t: t, lambda t: t)):
             net.train(train)(x)
         for h in hooks:
             h.remove()
         return seen
     for train in (True, False):
-        fake_mode._META_ANSWERS.clear()
+        shape_kernels._META_ANSWERS.clear()
         assert outputs(True, train) == outputs(False, train)
         assert outputs(True, train) == outputs(False, train)     # the second time from the answers kept
-    assert fake_mode._META_ANSWERS
+    assert shape_kernels._META_ANSWERS
 
 
 def test_without_torchs_insides_the_fake_engine_is_fake_tensor_mode_with_the_same_numbers():

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from gpulab import MemoryTracker, cli
-from gpulab import record as R
+from gpulab.record import runner as R
 from gpulab.files import FileExistsRefused, check_target, write_atomic
-from gpulab.snapshot import export_tracking
+from gpulab.interop.snapshot import export_tracking
 
 
 def _tracked():

@@ -4,12 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpulab.cards import CUDA_CONTEXT_ASSUMED, parse_gpu
+from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, parse_gpu
 from gpulab.course.finetune import custom_config, finetune_check, model_builder
 from gpulab.course.kv_cache import qlora_formula
 from gpulab.formulas import lora_params
-from gpulab.hf_configs import make_config
-from gpulab.models import build_skeleton
+from gpulab.models.hf_configs import make_config
+from gpulab.models.registry import build_skeleton
 
 
 def test_lora_freezes_the_base_and_trains_the_adapters_only():

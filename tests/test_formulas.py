@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpulab import formulas as F
-from gpulab.experiments import breakdown, params_by_formula
+from gpulab.predict.breakdown import breakdown, params_by_formula
 
 # Published parameter counts (torchvision model docs / the original papers' tables).
 EXACT_PARAMS = {"vgg16": 138_357_544, "alexnet": 61_100_840, "resnet18": 11_689_512}

@@ -1,10 +1,10 @@
-"""gpulab.gpu without a GPU: NVML is matched to CUDA devices by PCI bus id, never by index."""
+"""gpulab.measure.gpu without a GPU: NVML is matched to CUDA devices by PCI bus id, never by index."""
 import types
 
 import pytest
 import torch
 
-from gpulab import gpu
+from gpulab.measure import gpu
 
 
 class FakeNvml:

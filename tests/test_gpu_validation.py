@@ -255,7 +255,7 @@ def test_seeded_replay_uses_the_free_room_of_the_baseline_segments(gv):
     """The diagnostic replay: a 6 MiB tensor fits in the free room the workspace's 20 MiB segment
     leaves (no new segment), where a replay from an empty allocator reserves a 20 MiB segment; a
     layout the simulator cannot rebuild gives no answer."""
-    from gpulab.allocator import MiB, CachingAllocator
+    from gpulab.allocator.simulator import MiB, CachingAllocator
     workspace = 2 * 4096 * 1024 + 8 * 16 * 1024
     layout = [("large", [(workspace, True), (20 * MiB - workspace, False)])]
     events = [{"kind": "alloc", "sid": 1, "nbytes": 6 * MiB}, {"kind": "free", "sid": 1, "nbytes": 6 * MiB}]

@@ -8,17 +8,7 @@ import torch
 import transformers
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from gpulab.hf_configs import (
-    HF_CONFIGS,
-    TINY_SOURCE,
-    HFConfigEntry,
-    build_causal_lm,
-    config_summary,
-    hf_entry,
-    hf_names,
-    is_config,
-    make_config,
-)
+from gpulab.models.hf_configs import HF_CONFIGS, TINY_SOURCE, HFConfigEntry, build_causal_lm, config_summary, hf_entry, hf_names, is_config, make_config
 
 PUBLISHED = [name for name, e in HF_CONFIGS.items() if e.published_params is not None]
 
@@ -112,7 +102,7 @@ def test_is_config():
 
 
 def test_import_does_not_import_transformers():
-    code = ("import sys, gpulab.hf_configs as h; assert not h.is_config(object()); "
+    code = ("import sys, gpulab.models.hf_configs as h; assert not h.is_config(object()); "
             "assert len(h.hf_names()) >= 8; assert 'transformers' not in sys.modules, 'imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

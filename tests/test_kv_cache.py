@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from gpulab import formulas as F
-from gpulab import hf_configs
-from gpulab.cards import CUDA_CONTEXT_ASSUMED, parse_gpu
+from gpulab.models import hf_configs
+from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, parse_gpu
 from gpulab.course import kv_cache as K
-from gpulab.engines import LABEL_CPU, LABEL_FAKE_CUDA, LABEL_FORMULA
+from gpulab.measure.engines import LABEL_CPU, LABEL_FAKE_CUDA, LABEL_FORMULA
 from gpulab.units import GiB, MiB
 
 # --- the formula ---------------------------------------------------------------------------------

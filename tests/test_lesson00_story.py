@@ -2,7 +2,7 @@
 import pytest
 
 from gpulab.course import start as S
-from gpulab.engines import LABEL_FAKE_CUDA
+from gpulab.measure.engines import LABEL_FAKE_CUDA
 from gpulab.units import GiB
 
 

@@ -41,7 +41,7 @@ def test_gradient_accumulation_same_gradients_fewer_activations():
 
 @pytest.mark.slow
 def test_compare_strategies_and_figures(tmp_path, monkeypatch):
-    import gpulab.sharding as S
+    import gpulab.distributed.sharding as S
     spawns = []
     real = S.run_distributed
     monkeypatch.setattr(S, "run_distributed", lambda *a, **k: spawns.append(a[1]) or real(*a, **k))

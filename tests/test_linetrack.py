@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from gpulab.formulas import cuda_rounded_bytes
-from gpulab.linetrack import LineReport, track_lines
+from gpulab.measure.linetrack import LineReport, track_lines
 
 LEAK = """model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
 losses = []

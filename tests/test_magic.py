@@ -2,7 +2,7 @@
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-from gpulab.linetrack import LineReport
+from gpulab.measure.linetrack import LineReport
 
 
 @pytest.fixture(scope="module")

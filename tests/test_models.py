@@ -1,8 +1,9 @@
 """The model registry: a name is resolved once, at the edge, and the spec travels down."""
 import pytest
 
-import gpulab.models as M
-from gpulab.experiments import breakdown, training_step
+import gpulab.models.registry as M
+from gpulab.predict.breakdown import breakdown
+from gpulab.predict.step import training_step
 
 
 class CountingRegistry(dict):

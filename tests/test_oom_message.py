@@ -1,4 +1,4 @@
-"""Reading CUDA out-of-memory messages (gpulab.oom_message).
+"""Reading CUDA out-of-memory messages (gpulab.interop.oom_message).
 
 The formats come from PyTorch's source, c10/cuda/CUDACachingAllocator.cpp,
 ``DeviceCachingAllocator::malloc`` (the TORCH_CHECK_WITH(OutOfMemoryError, ...) after
@@ -40,9 +40,9 @@ import string
 import pytest
 import torch
 
-from gpulab import oom_message as O
-from gpulab.allocator import GiB, MiB, CachingAllocator, SimulatedOutOfMemoryError, format_size
-from gpulab.replay import fragmentation_events
+from gpulab.interop import oom_message as O
+from gpulab.allocator.simulator import GiB, MiB, CachingAllocator, SimulatedOutOfMemoryError, format_size
+from gpulab.predict.replay import fragmentation_events
 
 KiB = 1024
 

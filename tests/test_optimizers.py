@@ -8,8 +8,8 @@ import torch
 
 from gpulab import formulas as F
 from gpulab.course import optimizers as O
-from gpulab.experiments import OPTIMIZERS
-from gpulab.models import build_model, resolve_model
+from gpulab.training.optimizers import OPTIMIZERS
+from gpulab.models.registry import build_model, resolve_model
 
 # Our own table of constructors, so the reference does not go through gpulab.course.optimizers.
 TORCH_OPTIMIZERS = {

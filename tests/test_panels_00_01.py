@@ -10,7 +10,7 @@ import torch
 import gpulab.widgets.env as env_widget
 from gpulab.course import start as S
 from gpulab.course import tensor_bytes as T
-from gpulab.engines import LABEL_CPU, LABEL_FAKE_CPU, LABEL_FAKE_CUDA, LABEL_FORMULA, LABEL_SIMULATED
+from gpulab.measure.engines import LABEL_CPU, LABEL_FAKE_CPU, LABEL_FAKE_CUDA, LABEL_FORMULA, LABEL_SIMULATED
 from gpulab.course.tensor_plots import dtype_figure, engine_demo_figure, rounding_figure, tensor_bytes_figure
 from gpulab.units import DTYPES
 from gpulab.widgets import engine_panel, rounding_panel, tensor_bytes_panel

@@ -18,8 +18,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gpulab.course import activations as A
 from gpulab.course import parameters as P
-from gpulab.engines import LABEL_CPU, LABEL_FAKE_CPU
-from gpulab.models import small_cnn
+from gpulab.measure.engines import LABEL_CPU, LABEL_FAKE_CPU
+from gpulab.models.registry import small_cnn
 from gpulab.widgets import (depthwise_panel, flops_panel, forward_table_panel, inference_panel, layer_panel,
                             modelsize_panel, parameters_panel)
 

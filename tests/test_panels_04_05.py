@@ -7,7 +7,7 @@ import torch
 from IPython.display import Image
 from matplotlib.figure import Figure
 
-from gpulab.models import build_model, resolve_model
+from gpulab.models.registry import build_model, resolve_model
 from gpulab.course.sweeps import CONTEXT_OVERHEAD_ASSUMED, LargestBatch, SweepResult
 from gpulab.course.optimizers import ImplementationComparison, OptimizerComparison
 from gpulab.units import GiB, MiB

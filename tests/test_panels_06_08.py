@@ -14,7 +14,7 @@ from gpulab.course import checkpointing as C
 from gpulab.course import inference as I
 from gpulab.course import inplace as P
 from gpulab.course import precision as M
-from gpulab.engines import LABEL_CPU, LABEL_FAKE_CPU
+from gpulab.measure.engines import LABEL_CPU, LABEL_FAKE_CPU
 from gpulab.widgets.checkpoint import checkpoint_panel
 from gpulab.widgets.inference_modes import grad_modes_panel
 from gpulab.widgets.inplace import inplace_panel

@@ -1,12 +1,12 @@
 """Lesson 09's panel and replay against independent references, and the lessons' checkers."""
 import pytest
 
-from gpulab import replay as R
-from gpulab.allocator import MiB, simulate
-from gpulab.engines import LABEL_SIMULATED
+from gpulab.predict import replay as R
+from gpulab.allocator.simulator import MiB, simulate
+from gpulab.measure.engines import LABEL_SIMULATED
 from gpulab.course.exercises import Exercise
 from gpulab.formulas import tensor_bytes
-from gpulab.tracking import TrackingResult
+from gpulab.measure.tracking import TrackingResult
 from gpulab.widgets import allocator_panel
 
 

@@ -6,10 +6,10 @@ import pathlib
 import nbformat
 import pytest
 
-from gpulab import oom_message as O
+from gpulab.interop import oom_message as O
 from gpulab.course import pytorch_tools as P
-from gpulab.linetrack import track_lines
-from gpulab.snapshot_import import read_snapshot
+from gpulab.measure.linetrack import track_lines
+from gpulab.interop.snapshot_import import read_snapshot
 
 from conftest import LESSONS
 

@@ -11,7 +11,7 @@ from conftest import cuda
 from cuda_standin import STANDIN_NAME
 
 from gpulab import cli
-from gpulab import record as R
+from gpulab.record import lookup as L, runner as R
 
 
 def test_record_without_a_gpu_exits_2_with_one_line(capsys, monkeypatch):
@@ -79,7 +79,7 @@ def test_the_record_set_holds_each_panels_default():
     pr = _defaults(precision_panel)
     assert {k: by_kind["precision"][k] for k in ("model", "batch", "optimizer", "low")} == \
         {k: pr[k] for k in ("model", "batch", "optimizer", "low")}
-    from gpulab.experiments import OPTIMIZERS
+    from gpulab.training.optimizers import OPTIMIZERS
     from gpulab.widgets import optimizer_panel, rounding_panel, sweep_panel
     from gpulab.widgets.sweep import sweep_batches
     sw = _defaults(sweep_panel)
@@ -116,7 +116,7 @@ def test_the_record_set_holds_each_panels_default():
     im = _defaults(implementation_panel)
     (impl,) = [e.params for e in R.EXPERIMENTS if e.kind == "implementations"]
     assert {k: impl[k] for k in ("model", "optimizer", "batch")} == {k: im[k] for k in ("model", "optimizer", "batch")}
-    from gpulab.models import MODELS
+    from gpulab.models.registry import MODELS
     from gpulab.widgets import modelsize_panel
     ms = _defaults(modelsize_panel)
     (size,) = [e.params for e in R.EXPERIMENTS if e.kind == "modelsize"]
@@ -153,7 +153,7 @@ def standin_record(tmp_path_factory):
 def test_record_under_the_stand_in_writes_full_provenance_and_is_refused(standin_record):
     data = json.loads(standin_record.read_text())
     prov = data["provenance"]
-    assert set(R.PROVENANCE_FIELDS) <= prov.keys()
+    assert set(L.PROVENANCE_FIELDS) <= prov.keys()
     assert prov["gpu_name"] == STANDIN_NAME and prov["stand_in"] is True
     assert prov["gpulab_version"] and prov["torch"] and prov["date"]
     assert prov["command"].startswith("gpulab record --quick")
@@ -169,10 +169,10 @@ def test_record_under_the_stand_in_writes_full_provenance_and_is_refused(standin
             assert k in a
         if e["kind"] == "step":
             assert res["peak_by_category"] and res["seconds"] >= 0
-    problems = R.validate_record(data)
+    problems = L.validate_record(data)
     assert any("stand-in" in p for p in problems)
-    assert R.load_records(standin_record.parent) == []
-    _, refused = R.scan_records(standin_record.parent)
+    assert L.load_records(standin_record.parent) == []
+    _, refused = L.scan_records(standin_record.parent)
     assert standin_record.name in refused
 
 
@@ -187,47 +187,47 @@ def _fixture_record(tmp_path, standin_record, gpu="Fixture GPU 24GB (test harnes
 
 def test_the_validator_wants_every_provenance_field(tmp_path, standin_record):
     data = _fixture_record(tmp_path, standin_record)
-    assert R.validate_record(data) == []
-    for f in R.PROVENANCE_FIELDS:
+    assert L.validate_record(data) == []
+    for f in L.PROVENANCE_FIELDS:
         broken = copy.deepcopy(data)
         del broken["provenance"][f]
-        assert any(f in p for p in R.validate_record(broken)), f
-    assert R.validate_record({"experiments": []})
+        assert any(f in p for p in L.validate_record(broken)), f
+    assert L.validate_record({"experiments": []})
 
 
 def test_shipped_records_are_real_gpu_records():
     """gpulab/recorded/ holds only what `gpulab record` wrote on a real GPU (see its README)."""
-    assert (R.PACKAGE_DIR / "README.md").is_file()
-    files = sorted(R.PACKAGE_DIR.glob("*.json"))
-    good, refused = R.scan_records(R.PACKAGE_DIR)
+    assert (L.PACKAGE_DIR / "README.md").is_file()
+    files = sorted(L.PACKAGE_DIR.glob("*.json"))
+    good, refused = L.scan_records(L.PACKAGE_DIR)
     assert refused == {}, refused
     assert len(good) == len(files)
     for rec in good:
-        assert not R.is_stand_in(rec.provenance["gpu_name"]) and rec.provenance["stand_in"] is False
+        assert not L.is_stand_in(rec.provenance["gpu_name"]) and rec.provenance["stand_in"] is False
         assert not rec.data.get("quick"), f"{rec.path.name}: a --quick record does not ship"
         assert rec.path.name == R.slug(rec.provenance["gpu_name"]) + ".json"
 
 
 def test_find_record_match_and_mismatch(tmp_path, standin_record):
     _fixture_record(tmp_path, standin_record)
-    hit = R.find_record("step", tmp_path, model="cnn", batch=32, image_size=32, optimizer="sgd", dtype="float32")
+    hit = L.find_record("step", tmp_path, model="cnn", batch=32, image_size=32, optimizer="sgd", dtype="float32")
     assert hit and hit.result["model"] == "cnn" and hit.result["batch"] == 32
     assert hit.label == "recorded on Fixture GPU 24GB (test harness), 2026-01-02, torch 2.9.0"
 
-    miss = R.find_record("step", tmp_path, model="cnn", batch=64, image_size=32, optimizer="sgd")
+    miss = L.find_record("step", tmp_path, model="cnn", batch=64, image_size=32, optimizer="sgd")
     assert not miss and miss.result is None
     assert miss.reason == ("no record for these settings (batch 64): recorded batch sizes for model cnn are 32")
-    miss = R.find_record("step", tmp_path, model="vgg16")
+    miss = L.find_record("step", tmp_path, model="vgg16")
     assert "recorded models are cnn, mlp" in miss.reason
-    assert "no checkpoint experiment" in R.find_record("checkpoint", tmp_path).reason
-    assert R.find_record("step", tmp_path / "empty", model="cnn").reason == R.NO_RECORDS
+    assert "no checkpoint experiment" in L.find_record("checkpoint", tmp_path).reason
+    assert L.find_record("step", tmp_path / "empty", model="cnn").reason == L.NO_RECORDS
 
 
 def test_the_loader_follows_the_environment_variable(tmp_path, standin_record, monkeypatch):
     _fixture_record(tmp_path, standin_record)
-    monkeypatch.setenv(R.ENV_DIR, str(tmp_path))
-    assert [r.path.parent for r in R.load_records()] == [tmp_path]
-    assert R.find_record("step", model="mlp", batch=32)
+    monkeypatch.setenv(L.ENV_DIR, str(tmp_path))
+    assert [r.path.parent for r in L.load_records()] == [tmp_path]
+    assert L.find_record("step", model="mlp", batch=32)
 
 
 # --- the step panel (lesson 04) ---------------------------------------------------------------------
@@ -242,7 +242,7 @@ def _html(panel) -> str:
 def test_step_panel_shows_the_recorded_gpu_figures_beside_the_live_run(tmp_path, standin_record, monkeypatch):
     from gpulab.widgets import step_panel
     _fixture_record(tmp_path, standin_record)
-    monkeypatch.setenv(R.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(L.ENV_DIR, str(tmp_path))
     panel = step_panel(model="cnn", batch=32, optimizer="sgd", engine="fake")
     panel.run()
     assert panel.error is None, panel.error
@@ -254,15 +254,15 @@ def test_step_panel_shows_the_recorded_gpu_figures_beside_the_live_run(tmp_path,
 def test_step_panel_says_when_no_record_matches(tmp_path, standin_record, monkeypatch):
     from gpulab.widgets import step_panel
     _fixture_record(tmp_path, standin_record)
-    monkeypatch.setenv(R.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(L.ENV_DIR, str(tmp_path))
     panel = step_panel(model="cnn", batch=4, optimizer="sgd", engine="fake")
     panel.run()
     html = _html(panel)
     assert "no recorded GPU run matches these settings" in html and "recorded batch sizes" in html
     assert "recorded on" not in html
-    monkeypatch.setenv(R.ENV_DIR, str(tmp_path / "none"))
+    monkeypatch.setenv(L.ENV_DIR, str(tmp_path / "none"))
     panel.run()
-    assert R.NO_RECORDS in _html(panel)
+    assert L.NO_RECORDS in _html(panel)
 
 
 # --- the lesson 07/08/09 entries, and the panels that show them --------------------------------------
@@ -291,7 +291,7 @@ def lesson_records(tmp_path, lesson_entries, monkeypatch):
     data["provenance"].update(gpu_name="Fixture GPU 24GB (test harness)", stand_in=False, date="2026-01-02",
                               torch="2.9.0")
     (tmp_path / "fixture-gpu.json").write_text(json.dumps(data))
-    monkeypatch.setenv(R.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(L.ENV_DIR, str(tmp_path))
     return data
 
 
@@ -304,7 +304,7 @@ def _entry(data, kind):
 
 
 def test_the_new_entries_run_under_the_stand_in(lesson_records):
-    assert R.validate_record(lesson_records) == []
+    assert L.validate_record(lesson_records) == []
     ck = _entry(lesson_records, "checkpoint")
     assert ck["engine"] == "cuda" and [p["segments"] for p in ck["points"]] == list(range(1, 17))
     first, sqrt_n = ck["points"][0], ck["points"][3]
@@ -324,7 +324,7 @@ def test_the_new_entries_run_under_the_stand_in(lesson_records):
 
 
 def test_downsample_keeps_the_peaks_of_every_series():
-    from gpulab.real_timeline import downsample
+    from gpulab.measure.real_timeline import downsample
     a = [i % 97 for i in range(10_000)]
     b = [(i * 7919) % 1013 for i in range(10_000)]
     idx = downsample(a, b, max_points=500)
@@ -334,11 +334,11 @@ def test_downsample_keeps_the_peaks_of_every_series():
 
 
 def test_the_shared_view_shows_a_table_or_one_line():
-    from gpulab.recorded_views import NOTE_PREFIX, recorded_html
-    hit = R.RecordLookup({"x": 3}, "recorded on G, 2026-01-01, torch 2.9")
+    from gpulab.record.views import NOTE_PREFIX, recorded_html
+    hit = L.RecordLookup({"x": 3}, "recorded on G, 2026-01-01, torch 2.9")
     out = recorded_html(hit, lambda r: [["x", r["x"]]])
     assert "The same settings on a real GPU" in out and "recorded on G, 2026-01-01, torch 2.9" in out
-    miss = R.RecordLookup(None, reason="no record for these settings (batch 4): recorded batch sizes are 32",
+    miss = L.RecordLookup(None, reason="no record for these settings (batch 4): recorded batch sizes are 32",
                           mismatch="(batch 4): recorded batch sizes are 32")
     note = recorded_html(miss, lambda r: pytest.fail("rows of a missing record"))
     assert note.startswith("<div") and NOTE_PREFIX in note and "recorded batch sizes are 32" in note
@@ -533,7 +533,7 @@ def test_implementation_panel_shows_the_recorded_implementations(lesson_records)
 
 
 def test_modelsize_panel_shows_the_recorded_models(lesson_records):
-    from gpulab.models import MODELS
+    from gpulab.models.registry import MODELS
     from gpulab.widgets import modelsize_panel
     recorded = _entry(lesson_records, "modelsize")["models"]
     assert list(recorded) == list(MODELS)
@@ -576,18 +576,18 @@ def test_depthwise_panel_shows_the_recorded_blocks(lesson_records):
 
 def test_panels_say_when_no_recordings_ship(tmp_path, monkeypatch):
     from gpulab.widgets import allocator_panel, precision_panel
-    monkeypatch.setenv(R.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(L.ENV_DIR, str(tmp_path))
     for panel in (allocator_panel(), precision_panel(engine="fake")):
         panel.run()
         html = _html(panel)
-        assert R.NO_RECORDS in html and "recorded on" not in html
+        assert L.NO_RECORDS in html and "recorded on" not in html
 
 
 def test_lesson_09_plots_the_recorded_reserved_next_to_the_simulators(lesson_records, tmp_path):
     from gpulab.plots import figure_png_bytes
-    from gpulab.record import find_allocator_record
-    from gpulab.recorded_views import reserved_timelines
-    from gpulab.replay import workload
+    from gpulab.record.lookup import find_allocator_record
+    from gpulab.record.views import reserved_timelines
+    from gpulab.predict.replay import workload
     step = workload("training step", "cnn", 32, steps=2)
     hit = find_allocator_record(step)
     assert hit and hit.label == LABEL
@@ -616,6 +616,6 @@ def test_record_quick_on_a_real_gpu_is_valid(tmp_path):
     assert cli.main(["record", "--quick", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("*.json")
     data = json.loads(path.read_text())
-    assert R.validate_record(data) == [], R.validate_record(data)
+    assert L.validate_record(data) == [], L.validate_record(data)
     assert data["provenance"]["gpu_name"] == torch.cuda.get_device_name(0)
-    assert R.load_records(tmp_path) and R.find_record("step", tmp_path, model="mlp", optimizer="sgd")
+    assert L.load_records(tmp_path) and L.find_record("step", tmp_path, model="mlp", optimizer="sgd")

@@ -1,5 +1,5 @@
-"""PyTorch memory snapshots both ways (gpulab.snapshot exports, gpulab.snapshot_viewer follows the
-viewer, gpulab.snapshot_import reads back), tested against PyTorch's own code:
+"""PyTorch memory snapshots both ways (gpulab.interop.snapshot exports, gpulab.interop.snapshot_viewer follows the
+viewer, gpulab.interop.snapshot_import reads back), tested against PyTorch's own code:
 torch.cuda._memory_viz runs on every export, the pickle uses only the opcodes MemoryViz.js's
 unpickler reads, and the peaks the viewer computes equal gpulab's, to the byte."""
 from __future__ import annotations
@@ -16,12 +16,12 @@ import pytest
 from torch.cuda import _memory_viz as mv
 
 from conftest import ROOT
-from gpulab.allocator import CachingAllocator, MiB
-from gpulab.experiments import training_step
-from gpulab.replay import fragmentation_events, replay_events
-from gpulab.snapshot import ACTIONS, BLOCK_STATES, export_tracking, record_events, unrounded
-from gpulab.snapshot_import import read_snapshot
-from gpulab.snapshot_viewer import check_viewer_state, memory_viz_bytes, viewer_unreadable_opcodes, viz_peak
+from gpulab.allocator.simulator import CachingAllocator, MiB
+from gpulab.predict.step import training_step
+from gpulab.predict.replay import fragmentation_events, replay_events
+from gpulab.interop.snapshot import ACTIONS, BLOCK_STATES, export_tracking, record_events, unrounded
+from gpulab.interop.snapshot_import import read_snapshot
+from gpulab.interop.snapshot_viewer import check_viewer_state, memory_viz_bytes, viewer_unreadable_opcodes, viz_peak
 
 FIXTURE = ROOT / "tests" / "data" / "snapshot_cnn_fake_step.pickle"
 

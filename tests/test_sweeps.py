@@ -10,9 +10,9 @@ import torch
 from conftest import cuda
 from gpulab.course import sweeps as S
 from gpulab.course.anatomy import step_anatomy
-from gpulab.models import build_model, resolve_model
+from gpulab.models.registry import build_model, resolve_model
 from gpulab.units import GiB
-from gpulab.experiments import training_step
+from gpulab.predict.step import training_step
 
 
 def _param_bytes(model):

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from gpulab.tracking import CATEGORIES, PHASES, Category, MemoryTracker, TrackingResult
+from gpulab.categories import CATEGORIES, Category
+from gpulab.measure.tracking import PHASES, MemoryTracker, TrackingResult
 
 
 def storage_bytes(*tensors) -> int:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from gpulab import formulas as F
-from gpulab import hf_configs
+from gpulab.models import hf_configs
 from gpulab.course import transformer_memory as tm
-from gpulab.engines import LABEL_CPU, LABEL_FAKE_CUDA, LABEL_FORMULA
+from gpulab.measure.engines import LABEL_CPU, LABEL_FAKE_CUDA, LABEL_FORMULA
 
 NAMES = ["gpt2", "gpt2-medium", "llama-3-8b", "llama-2-7b", "mistral-7b", "qwen2.5-0.5b", "tiny-gpt2", "tiny-llama"]
 

@@ -21,25 +21,34 @@ from typing import Sequence
 import torch
 from matplotlib.figure import Figure
 
-from .. import formulas as F
-from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
-from ..engines import LABEL_FORMULA, Measured, Measurement, run
+from gpulab import formulas as F
+from gpulab.course.claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
+from gpulab.measure.engines import LABEL_FORMULA, Measured, Measurement, run
 # The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
-from ..activations_run import ACTIVATION_SIDE as _ACTIVATION_SIDE  # noqa: F401
-from ..activations_run import NON_PARAM as _NON_PARAM
-from ..activations_run import (LayerOut, forward_allocated, forward_experiment,  # noqa: F401
-                               forward_table_experiment, saved_by_dtype as _saved_by_dtype)
-from ..activations_run import live as _live, remove as _remove, trace as _trace  # noqa: F401
-from ..activations_run import (DEPTHWISE_BLOCKS, depthwise_experiment, separable_block,  # noqa: F401
-                               standard_block)
-from ..activations_run import build_in as _build_in, peak_since as _peak_since  # noqa: F401
-from ..experiments import breakdown, validate_batch
-from ..models import MODELS, ModelSpec, build_model, check_image_size, resolve_model
-from .parameters import NUMEL_LABEL, lesson_engine_limits
-from ..plots import CATEGORY_COLORS, LessonFigure
-from ..tracking import CATEGORIES, Category
-from ..units import MiB, dtype_name, format_bytes, parse_dtype
-from ..views import error_percent, fmt_error, html_table
+from gpulab.record.runs.activations import ACTIVATION_SIDE as _ACTIVATION_SIDE
+from gpulab.record.runs.activations import NON_PARAM as _NON_PARAM
+from gpulab.record.runs.activations import LayerOut, forward_allocated, forward_experiment, forward_table_experiment, saved_by_dtype as _saved_by_dtype
+from gpulab.record.runs.activations import live as _live, remove as _remove, trace as _trace
+from gpulab.record.runs.activations import DEPTHWISE_BLOCKS, depthwise_experiment, separable_block, standard_block
+from gpulab.record.runs.activations import build_in as _build_in, peak_since as _peak_since
+from gpulab.predict.breakdown import breakdown, validate_batch
+from gpulab.models.registry import MODELS, ModelSpec, build_model, check_image_size, resolve_model
+from gpulab.course.parameters import NUMEL_LABEL, lesson_engine_limits
+from gpulab.plots import CATEGORY_COLORS, LessonFigure
+from gpulab.categories import CATEGORIES, Category
+from gpulab.units import MiB, dtype_name, format_bytes, parse_dtype
+from gpulab.views import error_percent, fmt_error, html_table
+
+__all__ = [
+    "ACT_DTYPES", "BlockMeasure", "CS231N_CLAIMED_PARAMS", "CS231N_CLAIMED_VALUES", "CS231N_ISSUE",
+    "DepthwiseResult", "FlopRow", "ForwardRun", "ForwardTable", "GroupRow", "InferenceVsTraining",
+    "LABEL_FLOP_COUNTER", "ModelsizeComparison", "ModelsizeRow", "ParamsFlops", "cs231n_claims",
+    "depthwise_figure", "depthwise_saved_formula", "depthwise_vs_standard", "exercise",
+    "exercise_where_activations", "first_block_vs_classifier", "flops_claims", "forward_table",
+    "forward_table_figure", "inference_training_figure", "inference_vs_training",
+    "modelsize_claims", "modelsize_figure", "modelsize_output_shapes", "modelsize_vs_saved",
+    "neighbour_peak_formula", "params_flops_figure", "params_vs_flops", "predicted_forward_bytes"
+]
 
 ACT_DTYPES = ("float32", "bfloat16", "float16")
 LABEL_FLOP_COUNTER = "counted by torch.utils.flop_counter (meta tensors, no compute)"
@@ -834,7 +843,7 @@ def exercise(name: str):
     * ``"no_grad_peak_mib"``: VGG16's no_grad peak of non-parameter memory, one 224×224
       float32 image, in MiB (measured on the fake engine; 5% tolerance).
     """
-    from .exercises import Exercise
+    from gpulab.course.exercises import Exercise
     if name == "first_conv_values":
         def expected() -> int:
             first = next(r for r in breakdown("vgg16").layers if r.type == "Conv2d")
@@ -869,7 +878,7 @@ def first_block_vs_classifier(model: str = "vgg16") -> dict[str, int]:
 def exercise_where_activations(model: str = "vgg16"):
     """Predict-first (qualitative): where do a forward's outputs take the most memory, in the first
     conv block or in the classifier? Read from the layer-by-layer forward (``breakdown``) when checked."""
-    from .exercises import ChoiceExercise
+    from gpulab.course.exercises import ChoiceExercise
 
     def expected() -> str:
         d = first_block_vs_classifier(model)

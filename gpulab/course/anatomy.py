@@ -1,6 +1,6 @@
 """The anatomy of a training step: when the peak happens and what it is made of.
 
-``step_anatomy`` tracks ``steps`` training steps (``gpulab.experiments.training_step``) and
+``step_anatomy`` tracks ``steps`` training steps (``gpulab.predict.step.training_step``) and
 cuts the timeline into segments, one per phase of each step (setup, forward 1, backward 1,
 optimizer 1, forward 2, ...). For each segment: its highest live total and the categories at
 that moment, so "the first step" and "the steady state" can be compared, and one can see
@@ -14,19 +14,25 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engines import LABEL_FAKE_CUDA
-from ..experiments import StepResult, training_step
-from ..fake_cuda import STILL_DIFFERS
-from ..tracking import CATEGORIES, TrackingResult
-from ..units import format_bytes
-from ..plots import to_png as as_png
-from ..views import html_table
+from gpulab.measure.engines import LABEL_FAKE_CUDA
+from gpulab.predict.step import StepResult, training_step
+from gpulab.measure.fake_cuda import STILL_DIFFERS
+from gpulab.categories import CATEGORIES
+from gpulab.measure.tracking import TrackingResult
+from gpulab.units import format_bytes
+from gpulab.plots import to_png as as_png
+from gpulab.views import html_table
+
+__all__ = [
+    "FakeCudaDifferences", "Segment", "StepAnatomy", "StorageRow", "exercise_peak_category",
+    "fake_cuda_differences", "legend_outside", "segments", "step_anatomy"
+]
 
 
 @dataclass(frozen=True)
 class FakeCudaDifferences:
     """What a fake-engine step answering for a GPU (*fake tensors, CUDA kernels' allocations*)
-    still cannot match on a real one: ``gpulab.fake_cuda.STILL_DIFFERS``, for lesson 04."""
+    still cannot match on a real one: ``gpulab.measure.fake_cuda.STILL_DIFFERS``, for lesson 04."""
     rows: tuple[tuple[str, str], ...] = STILL_DIFFERS
     label: str = LABEL_FAKE_CUDA
 
@@ -49,7 +55,7 @@ _PEAK_OPTIONS = {"a": "parameters", "b": "gradients", "c": "optimizer_state", "d
 def exercise_peak_category(model: str = "cnn", batch: int = 32, optimizer: str = "adam", engine: str = "fake"):
     """Predict-first (qualitative): at the peak of the steady-state (second) training step, which
     category is largest? Read from ``step_anatomy`` (fake engine by default: fast) when checked."""
-    from .exercises import ChoiceExercise
+    from gpulab.course.exercises import ChoiceExercise
     cache: dict[str, StepAnatomy] = {}
 
     def anatomy() -> StepAnatomy:
@@ -182,7 +188,7 @@ class StepAnatomy:
         return head + t1 + t2
 
     def figure(self, title: str | None = None):
-        from ..plots import timeline
+        from gpulab.plots import timeline
         r = self.step
         fig = timeline(self.tracking, title=title or f"{r.model}, batch {r.batch}, {r.optimizer}, "
                                                      f"{r.steps} step(s): {self.label}")

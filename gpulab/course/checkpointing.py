@@ -29,13 +29,23 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .. import formulas as F
+from gpulab import formulas as F
 # The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
-from ..checkpoint_run import Timing, block_stack, cpu_threads, run_checkpoint_sweep, time_fn  # noqa: F401
-from ..engines import LABEL_FORMULA, RunContext, choose_engine, run
-from .inplace import validate_positive
-from ..units import format_bytes
-from ..views import error_percent, fmt_error, html_table
+from gpulab.record.runs.checkpoint import Timing, block_stack, cpu_threads, run_checkpoint_sweep, time_fn
+from gpulab.measure.engines import LABEL_FORMULA, RunContext, choose_engine, run
+from gpulab.course.inplace import validate_positive
+from gpulab.units import format_bytes
+from gpulab.views import error_percent, fmt_error, html_table
+
+__all__ = [
+    "CheckpointResult", "LABEL_CHEN", "LABEL_SEQUENTIAL", "SEGMENT_CHOICES", "SELECTIVE_MODES",
+    "SELECTIVE_TEXT", "SegmentFormulas", "SegmentPoint", "SelectivePoint", "SelectiveResult",
+    "TransformerBlock", "attention_core", "attention_saved_bytes", "best_segments",
+    "block_rest_saved_bytes", "checkpoint_claims", "checkpoint_halves",
+    "checkpoint_sequential_maps", "checkpoint_sweep", "chen_maps", "exercise_checkpoint_maps",
+    "exercise_many_segments", "exercise_selective", "recompute_flops", "segment_counts",
+    "segment_sizes", "selective_checkpoint", "selective_saved_bytes"
+]
 
 SEGMENT_CHOICES = ("every k from 1 to N", "divisors of N")
 LABEL_CHEN = "formula: Chen et al. 2016, N/k + k"
@@ -163,7 +173,7 @@ class CheckpointResult:
         return 1.0 + recomputed / 3.0
 
     def figure(self):
-        from .plots_tradeoffs import checkpoint_figure
+        from gpulab.course.plots_tradeoffs import checkpoint_figure
         return checkpoint_figure(self)
 
     def slowdown(self, p: SegmentPoint, stat: str = "median") -> float | None:
@@ -280,8 +290,8 @@ def exercise_checkpoint_maps(n_blocks: int = 16, segments: int = 4):
     input, which is the model's input x. x exists whether or not you checkpoint, and the tracker
     files it under *inputs*, not activations, so the measured activation side follows (k-1) + N/k.
     An answer equal to Chen's count gets that explanation instead of a bare "wrong"."""
-    from .exercises import CheckResult
-    from .inplace import counting_exercise
+    from gpulab.course.exercises import CheckResult
+    from gpulab.course.inplace import counting_exercise
     sizes = segment_sizes(n_blocks, segments)
     chen = chen_maps(n_blocks, segments)
     ex = counting_exercise(
@@ -324,7 +334,7 @@ def exercise_checkpoint_maps(n_blocks: int = 16, segments: int = 4):
 def checkpoint_claims(result: CheckpointResult, deeper: CheckpointResult | None = None):
     """The articles' checkpointing claims, with verdicts computed from a sweep (and, for "the
     deeper, the more it saves", a second sweep of a deeper stack)."""
-    from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
+    from gpulab.course.claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
     checks = []
     base, best = result.baseline, result.best
     saved = base.peak_bytes - best.peak_bytes
@@ -394,7 +404,7 @@ def exercise_many_segments(n_blocks: int = 16, segments: int = 12):
     """Predict-first (qualitative): more segments than N/2 with ``checkpoint_sequential``.
     The answer comes from ``checkpoint_sequential_maps`` (the segment layout of
     torch/utils/checkpoint.py), which the panel's measurement follows."""
-    from .exercises import ChoiceExercise
+    from gpulab.course.exercises import ChoiceExercise
     validate_positive(n_blocks=n_blocks, segments=segments)
     base = checkpoint_sequential_maps(n_blocks, 1)
 
@@ -606,8 +616,8 @@ class SelectiveResult:
         return p.timing.min / base.timing.min
 
     def figure(self):
-        from ..plots import LessonFigure
-        from ..units import MiB
+        from gpulab.plots import LessonFigure
+        from gpulab.units import MiB
         fig = LessonFigure(figsize=(7.5, 3.2), dpi=100, layout="constrained")
         ax = fig.add_subplot()
         modes = [p.mode for p in self.points]
@@ -751,7 +761,7 @@ def exercise_selective(result: SelectiveResult | Callable[[], SelectiveResult] |
     """Predict-first (qualitative): which part of a transformer block to checkpoint for the most
     activation bytes saved per recomputed FLOP. The answer is computed from a measurement
     (``selective_checkpoint``: bytes measured, FLOPs from the formula)."""
-    from .exercises import ChoiceExercise
+    from gpulab.course.exercises import ChoiceExercise
     cache: dict[str, SelectiveResult] = {}
 
     def res() -> SelectiveResult:

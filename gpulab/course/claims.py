@@ -12,7 +12,12 @@ import html
 import re
 from dataclasses import dataclass, field
 
-from ..tables import STYLE
+from gpulab.tables import STYLE
+
+__all__ = [
+    "BREAKS", "ClaimCheck", "ClaimReport", "Evidence", "HOLDS", "REFERENCES_FILE", "REFERENCES_URL",
+    "source_html", "source_text"
+]
 
 HOLDS = "holds"
 BREAKS = "breaks"

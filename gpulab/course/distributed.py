@@ -1,6 +1,6 @@
 """Lesson 12: beyond one GPU. The ZeRO formulas (figure 1 of the paper, then any model and any
 number of devices), data-parallel strategies measured per rank in real ``torch.distributed``
-processes (gpulab.sharding), FSDP's gathered parameters on the timeline, and gradient
+processes (gpulab.distributed.sharding), FSDP's gathered parameters on the timeline, and gradient
 accumulation measured in one process."""
 from __future__ import annotations
 
@@ -8,18 +8,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import hf_configs
-from ..cards import CUDA_CONTEXT_ASSUMED, parse_gpu
-from ..engines import run
-from ..formulas import zero_bytes_per_device
-from ..plots import CATEGORY_COLORS, LessonFigure
-from ..sharding import (GROUPS, STRATEGIES, StrategyRun, StrategySpec, batch, build, fsdp_shard_numel, groups_of,
-                        live_by_group, loss_of, measure_strategies)
-from ..tables import html_table
-from ..tracking import Category
-from ..units import format_bytes
-from .exercises import Exercise
-from .transformer_memory import counted_params
+from gpulab.models import hf_configs
+from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, parse_gpu
+from gpulab.measure.engines import run
+from gpulab.formulas import zero_bytes_per_device
+from gpulab.plots import CATEGORY_COLORS, LessonFigure
+from gpulab.distributed.sharding import GROUPS, STRATEGIES, StrategyRun, StrategySpec, batch, build, fsdp_shard_numel, groups_of, live_by_group, loss_of, measure_strategies
+from gpulab.tables import html_table
+from gpulab.categories import Category
+from gpulab.units import format_bytes
+from gpulab.course.exercises import Exercise
+from gpulab.course.transformer_memory import counted_params
+
+__all__ = [
+    "AccumulationResult", "CardsNeeded", "GB", "GROUP_COLORS", "STAGE_FORMULAS", "STAGE_NAMES",
+    "StrategyComparison", "ZERO_PAPER", "ZeroTable", "cards_needed", "compare_strategies",
+    "exercise_accumulation_activations", "exercise_fsdp_shard", "exercise_zero2",
+    "gathered_timeline", "grad_accumulation", "model_params", "strategy_bars", "zero_figure1",
+    "zero_table"
+]
 
 ZERO_PAPER = "Rajbhandari et al., ZeRO (2019, arXiv:1910.02054), figure 1"
 STAGE_NAMES = {0: "baseline (DDP)", 1: "P_os (ZeRO-1)", 2: "P_os+g (ZeRO-2)", 3: "P_os+g+p (ZeRO-3 / FSDP)"}

@@ -10,6 +10,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+__all__ = [
+    "CheckResult", "ChoiceExercise", "Exercise", "exercise_detach_keeps",
+    "exercise_empty_cache_partial"
+]
+
 
 @dataclass
 class CheckResult:
@@ -130,7 +135,7 @@ def exercise_empty_cache_partial(mib: int = 6) -> ChoiceExercise:
     """Lesson 09, predict-first (qualitative): two tensors share one segment; one is freed and
     ``empty_cache()`` is called. The answer is worked out by the allocator simulator, without and
     with expandable segments (whose free pages can be unmapped from a segment still in use)."""
-    from ..allocator import MiB, CachingAllocator
+    from gpulab.allocator.simulator import MiB, CachingAllocator
 
     def reserved_drop(expandable: bool) -> int:
         a = CachingAllocator(expandable_segments=expandable)
@@ -171,7 +176,7 @@ def exercise_detach_keeps(iterations: int = 4) -> ChoiceExercise:
     import torch
     from torch import nn
 
-    from ..tracking import MemoryTracker
+    from gpulab.measure.tracking import MemoryTracker
 
     def growth() -> int:
         torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """Lesson 11: "will it fine-tune on my card?" — one answer from a fake run of the real model.
 
-A transformer preset (GPT-2, Llama-3-8B, Mistral-7B from ``gpulab.hf_configs``, or a custom
+A transformer preset (GPT-2, Llama-3-8B, Mistral-7B from ``gpulab.models.hf_configs``, or a custom
 Llama-style size), a card, a sequence length and batch, a method (full fine-tuning, LoRA,
 QLoRA), an optimizer, a precision and activation checkpointing: the model is built from its
 config under fake tensors (no memory at any size), two training steps run on the fake engine
@@ -19,14 +19,19 @@ from typing import Any, Callable
 
 import torch
 
-from ..allocator import CachingAllocator
-from ..cards import CUDA_CONTEXT_ASSUMED, CardBudget, parse_gpu
-from ..engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
-from ..hf_configs import build_causal_lm, hf_entry, make_config
-from ..models import build_skeleton
-from ..trainstep import step
-from ..units import format_bytes
-from .kv_cache import nf4_quantized, wrap_lora
+from gpulab.allocator.simulator import CachingAllocator
+from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, CardBudget, parse_gpu
+from gpulab.measure.engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
+from gpulab.models.hf_configs import build_causal_lm, hf_entry, make_config
+from gpulab.models.registry import build_skeleton
+from gpulab.predict.step import step
+from gpulab.units import format_bytes
+from gpulab.course.kv_cache import nf4_quantized, wrap_lora
+
+__all__ = [
+    "FinetuneAnswer", "LABEL_QLORA", "LORA_TARGETS", "METHODS", "PRECISIONS", "PRESETS", "Progress",
+    "custom_config", "finetune_check", "model_builder", "preset_config"
+]
 
 PRESETS = ("gpt2", "llama-3-8b", "mistral-7b", "custom")
 METHODS = ("full", "lora", "qlora")
@@ -111,7 +116,7 @@ class FinetuneAnswer(CardBudget):
         return d
 
     def _repr_html_(self) -> str:
-        from ..views import html_table
+        from gpulab.views import html_table
         verdict = (f"<b style='color:#2a7'>fits</b>, {format_bytes(self.margin_bytes)} to spare" if self.fits else
                    f"<b style='color:#c33'>does not fit</b>: short by {format_bytes(-self.margin_bytes)}")
         rows = [[k, format_bytes(v)] for k, v in self.peak_by_category.items() if v]

@@ -17,14 +17,19 @@ from typing import Any
 
 import torch
 
-from .. import formulas as F
-from ..engines import LABEL_FORMULA, Measured, Measurement
+from gpulab import formulas as F
+from gpulab.measure.engines import LABEL_FORMULA, Measured, Measurement
 # The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
-from ..inference_run import (GRAD_MODES, MODES, STYLES, TinyUNet, eval_demo_net, forward_peak,  # noqa: F401
-                             mode_context, run_lifetimes, run_modes)
-from .inplace import SavedTensor, saved_activation_bytes, validate_positive
-from ..units import format_bytes
-from ..views import error_percent, fmt_error, html_table
+from gpulab.record.runs.inference import GRAD_MODES, MODES, STYLES, TinyUNet, eval_demo_net, forward_peak, mode_context, run_lifetimes, run_modes
+from gpulab.course.inplace import SavedTensor, saved_activation_bytes, validate_positive
+from gpulab.units import format_bytes
+from gpulab.views import error_percent, fmt_error, html_table
+
+__all__ = [
+    "LifetimeRun", "LifetimesResult", "ModeRun", "ModesResult", "forward_lifetimes",
+    "inference_claims", "inference_modes", "mode_facts", "names_kept_peak", "predict_saved_bytes",
+    "unet_intermediates"
+]
 
 
 
@@ -92,7 +97,7 @@ class ModesResult(Measured):
         return next(iter(self.runs.values())).measurement
 
     def figure(self):
-        from .plots_tradeoffs import modes_figure
+        from gpulab.course.plots_tradeoffs import modes_figure
         return modes_figure(self)
 
     def as_dict(self) -> dict[str, Any]:
@@ -242,7 +247,7 @@ class LifetimesResult(Measured):
         return self.runs[STYLES[0]].peak_bytes - self.runs[STYLES[1]].peak_bytes
 
     def figure(self):
-        from .plots_tradeoffs import lifetimes_figure
+        from gpulab.course.plots_tradeoffs import lifetimes_figure
         return lifetimes_figure(self)
 
     def as_dict(self) -> dict[str, Any]:
@@ -291,7 +296,7 @@ def inference_claims(modes_result: ModesResult, no_grad: LifetimesResult | None 
                      with_grad: LifetimesResult | None = None):
     """The articles' claims about eval()/no_grad and ``del`` in forward, with verdicts computed
     from the measurements passed in."""
-    from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
+    from gpulab.course.claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
     checks = []
     r = modes_result.runs
     lab = modes_result.label

@@ -19,14 +19,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import formulas as F
-from ..engines import LABEL_FORMULA, Measured, Measurement
+from gpulab import formulas as F
+from gpulab.measure.engines import LABEL_FORMULA, Measured, Measurement
 # The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
-from ..inplace_run import (BLOCKS, MODES, InplaceRun, SavedTensor, conv_stack, run_inplace_pair,  # noqa: F401
-                           saved_activation_bytes, saved_tensors)
-from ..inplace_run import storage_key as _storage_key
-from ..units import format_bytes
-from ..views import error_percent, fmt_error, html_table
+from gpulab.record.runs.inplace import BLOCKS, MODES, InplaceRun, SavedTensor, conv_stack, run_inplace_pair, saved_activation_bytes, saved_tensors
+from gpulab.record.runs.inplace import storage_key as _storage_key
+from gpulab.units import format_bytes
+from gpulab.views import error_percent, fmt_error, html_table
+
+__all__ = [
+    "BREAK_CASES", "InplaceBreak", "InplaceResult", "LABEL_ARTICLES", "SavedReport",
+    "articles_inplace_saving", "counting_exercise", "exercise_inplace_step_peak",
+    "exercise_saved_bytes", "feature_map_bytes", "inplace_break", "inplace_claims",
+    "inplace_experiment", "predict_saved_bytes", "saved_table_html", "validate_positive"
+]
 
 LABEL_ARTICLES = "claim of refs 000 and 003 (docs/references.md)"
 
@@ -124,7 +130,7 @@ class InplaceResult(Measured):
         return self.runs[False].allocated_bytes - self.runs[True].allocated_bytes
 
     def figure(self):
-        from .plots_tradeoffs import inplace_figure
+        from gpulab.course.plots_tradeoffs import inplace_figure
         return inplace_figure(self)
 
     @property
@@ -327,7 +333,7 @@ def counting_exercise(**kwargs):
     """An ``Exercise`` whose likely wrong answers come from counting tensors twice, not from
     dtypes: the base checker's "×2: check the bytes per element" hint would mislead there, so
     this one shows the exercise's own hint instead."""
-    from .exercises import CheckResult, Exercise
+    from gpulab.course.exercises import CheckResult, Exercise
 
     class CountingExercise(Exercise):
         def check(self, answer: Any) -> CheckResult:
@@ -363,7 +369,7 @@ def exercise_saved_bytes(depth: int = 4, channels: int = 16, batch: int = 8, ima
 def inplace_claims(result: InplaceResult, broken: InplaceBreak | None = None):
     """The articles' in-place claims, with verdicts computed from ``result`` (a train-step
     ``inplace_experiment``) and optionally an ``inplace_break`` run."""
-    from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
+    from gpulab.course.claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
     checks = []
     lab = result.label
     fmap = result.fmap_bytes
@@ -425,7 +431,7 @@ def exercise_inplace_step_peak(depth: int = 4, channels: int = 16, batch: int = 
     """Predict-first (qualitative): does ``ReLU(inplace=True)`` lower the peak of a training
     step of the conv-ReLU stack? The answer is measured when the checker runs: both variants
     run under the live-tensor tracker (``inplace_experiment``) and their step peaks are compared."""
-    from .exercises import ChoiceExercise
+    from gpulab.course.exercises import ChoiceExercise
     fmap = feature_map_bytes(batch, channels, image_size)
     cache: dict[str, Any] = {}
 

@@ -14,7 +14,7 @@ weights (LoRA, QLoRA).
   of the same model, by category; ``qlora_formula``: the same on paper with the base in NF4.
 
 Results are dataclasses with ``as_dict`` and ``_repr_html_``; nothing here prints. Every number
-carries its source label: an engine's (``gpulab.engines.LABEL_*``), ``formula``, or
+carries its source label: an engine's (``gpulab.measure.engines.LABEL_*``), ``formula``, or
 ``LABEL_ESTIMATE`` for the one rough estimate (a decode step's working set).
 """
 from __future__ import annotations
@@ -30,17 +30,29 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .. import formulas as F
-from .. import hf_configs
-from ..cards import CUDA_CONTEXT_ASSUMED, Card, parse_gpu
-from ..engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
-from ..experiments import StepResult, validate_batch
-from ..tracking import CATEGORIES, Category
-from ..trainstep import step as gpulab_step
-from ..units import dtype_bytes, dtype_name, format_bytes, parse_dtype
-from ..views import html_table
-from .inplace import validate_positive
-from .transformer_memory import counted_params
+from gpulab import formulas as F
+from gpulab.models import hf_configs
+from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, Card, parse_gpu
+from gpulab.measure.engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
+from gpulab.predict.step import StepResult
+from gpulab.predict.breakdown import validate_batch
+from gpulab.categories import CATEGORIES, Category
+from gpulab.predict.step import step as gpulab_step
+from gpulab.units import dtype_bytes, dtype_name, format_bytes, parse_dtype
+from gpulab.views import html_table
+from gpulab.course.inplace import validate_positive
+from gpulab.course.transformer_memory import counted_params
+
+__all__ = [
+    "AttentionVariants", "CacheRow", "CategoryRow", "DEFAULT_TARGETS", "DecodeStep", "FakeKVCache",
+    "InferenceFit", "KVCacheSize", "LABEL_ESTIMATE", "LABEL_QLORA", "LoRAComparison", "MaxContext",
+    "MeasuredKVCache", "QLoRAFormula", "VariantRow", "adapter_params_formula", "attention_shape",
+    "attention_variants", "cache_storage_bytes", "category_highs", "decode_step_estimate",
+    "exercise_serving_limit", "fake_decode_step", "fake_kv_cache", "inference_fit",
+    "kv_cache_bytes", "kv_cache_for", "linear_shape", "lora_model_builder", "lora_step",
+    "max_context", "measured_kv_cache", "model_params", "nf4_quantized", "peft_on_fake",
+    "qlora_formula", "targeted_linears", "trainable_params", "wrap_lora"
+]
 
 LABEL_ESTIMATE = "estimate (rough, not measured)"
 LABEL_QLORA = "formula (bitsandbytes' 4-bit kernels need CUDA)"
@@ -67,7 +79,7 @@ def attention_shape(config_or_name: Any) -> dict[str, Any]:
     """What the KV cache depends on, read off a config: layers, heads, KV heads, head dim, and
     the sliding window when the model has one (None otherwise).
 
-    Names and defaults via ``gpulab.hf_configs.config_summary``; the head dim is the config's own
+    Names and defaults via ``gpulab.models.hf_configs.config_summary``; the head dim is the config's own
     ``head_dim`` when it has one (LlamaConfig and MistralConfig do), else hidden size / heads,
     as ``LlamaAttention.__init__`` computes it (transformers/models/llama/modeling_llama.py:
     ``getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)``). A sliding
@@ -618,7 +630,7 @@ def fake_decode_step(name: Any = "hf:llama-3-8b", context_len: int = 8192, batch
     ``logits_to_keep=1``, and generate's float32 copy of the logits. The working set is the
     step's peak minus what lived before it minus the cache's growth; ``decode_step_estimate``
     stands beside it. NB: fake tensors follow the CPU's attention path; a GPU's SDPA kernel may
-    hold other buffers (``gpulab.fake_cuda.STILL_DIFFERS``)."""
+    hold other buffers (``gpulab.measure.fake_cuda.STILL_DIFFERS``)."""
     validate_positive(context_len=context_len, batch=batch)
     if context_len < 2:
         raise ValueError("context_len must be at least 2 (a prefill of one token, then one decode step)")
@@ -657,7 +669,7 @@ class InferenceFit:
 
     @property
     def usable_bytes(self) -> int:
-        """The card's memory less the assumed CUDA context (``gpulab.cards.CUDA_CONTEXT_ASSUMED``)."""
+        """The card's memory less the assumed CUDA context (``gpulab.predict.cards.CUDA_CONTEXT_ASSUMED``)."""
         return self.card_bytes - self.context_assumed_bytes
 
     @property
@@ -717,7 +729,7 @@ def inference_fit(config_or_name: Any, card: str | Card, context_len: int, batch
     """Does serving this model fit on this card? Weights (parameters × bytes of ``dtype``:
     formula, the count from a meta-device model), the KV cache at ``context_len`` tokens per
     sequence (formula), and one decode step's working set (``decode_step_estimate``: an
-    estimate), against the card's memory (``gpulab.cards.parse_gpu``) less the assumed CUDA
+    estimate), against the card's memory (``gpulab.predict.cards.parse_gpu``) less the assumed CUDA
     context. NB: buffers (the rotary tables, a few KiB) and the tokens' ids are left out."""
     validate_positive(context_len=context_len, batch=batch)
     config, name = _config(config_or_name)
@@ -899,11 +911,11 @@ def wrap_lora(base: nn.Module, rank: int, targets: Sequence[str]) -> nn.Module:
 def peft_on_fake(name: Any = "tiny-llama", rank: int = 8, targets: Sequence[str] = DEFAULT_TARGETS) -> dict[str, Any]:
     """Does peft's ``get_peft_model`` build under fake tensors? ``native``: called directly inside
     a ``FakeTensorMode`` (the error it raised, if any); ``via_skeleton``: through
-    ``gpulab.models.build_in_place`` as the fake engine calls it (meta skeleton, then fake
+    ``gpulab.models.registry.build_in_place`` as the fake engine calls it (meta skeleton, then fake
     tensors), with whether every parameter came out a ``FakeTensor``. See ``lora_model_builder``."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    from ..models import build_in_place
+    from gpulab.models.registry import build_in_place
 
     build = lora_model_builder(name, rank, targets)
     error = None
@@ -1185,7 +1197,7 @@ def exercise_serving_limit(name: str = "llama-3-8b", card: str = "H100", context
     """Predict-first (qualitative): serving ``name`` at ``context_len`` tokens, raising the batch,
     what runs out first? Worked out with ``inference_fit`` when the checker runs: the first batch
     that does not fit, and which part grew the most from batch 1."""
-    from .exercises import ChoiceExercise
+    from gpulab.course.exercises import ChoiceExercise
     options = {"a": "the weights: they do not fit the card even at batch 1",
                "b": "the KV cache: it grows with every sequence in the batch until the card is full",
                "c": "the activations of a decode step"}

@@ -2,7 +2,7 @@
 for-loop / foreach / fused implementations, and what ``zero_grad`` keeps alive.
 
 Every experiment here is a short training run (``steps`` steps of a fresh lesson model) on an
-engine (``gpulab.engines.run``), under the live-tensor tracker. At named moments (before and
+engine (``gpulab.measure.engines.run``), under the live-tensor tracker. At named moments (before and
 after each ``step()``, after ``zero_grad``) it records the live bytes of each category, so the
 question "how much optimizer state exists *now*?" is answered by the tracker, not by reading
 ``optimizer.state``. The tests read ``optimizer.state`` independently and compare.
@@ -19,27 +19,36 @@ from typing import Any, Callable, Sequence
 import torch
 from matplotlib.figure import Figure
 
-from .. import formulas as F
-from .anatomy import legend_outside
-from ..plots import to_png as as_png
-from ..engines import LABEL_FORMULA, Measured, Measurement, run
+from gpulab import formulas as F
+from gpulab.course.anatomy import legend_outside
+from gpulab.plots import to_png as as_png
+from gpulab.measure.engines import LABEL_FORMULA, Measured, Measurement, run
 # The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
-from ..optimizer_run import IMPL_FLAGS as _IMPL_FLAGS  # noqa: F401
-from ..optimizer_run import OPTIMIZER_SPECS as _OPTIMIZER_SPECS  # noqa: F401
-from ..optimizer_run import (IMPLEMENTATIONS, Moment, UnsupportedImplementation, build_optimizer,  # noqa: F401
-                             run_optimizer, state_tensor_bytes, step_peak)
-from ..optimizer_run import check_implementation as _check_implementation
-from ..optimizer_run import check_optimizer as _check_optimizer
-from ..optimizer_run import constructor as _constructor
-from ..optimizer_run import event_count as _event_count  # noqa: F401
-from ..optimizer_run import moments_at as _moments
-from ..optimizer_run import optimizer_experiment as _run_experiment
-from ..experiments import OPTIMIZERS, predict_step, validate_batch
-from ..models import ModelSpec, build_model, check_image_size, resolve_model
-from ..plots import CATEGORY_COLORS
-from ..tracking import Category
-from ..units import MiB, dtype_name, format_bytes, parse_dtype
-from ..views import error_percent, fmt_error, html_table
+from gpulab.record.runs.optimizer import IMPL_FLAGS as _IMPL_FLAGS
+from gpulab.record.runs.optimizer import OPTIMIZER_SPECS as _OPTIMIZER_SPECS
+from gpulab.record.runs.optimizer import IMPLEMENTATIONS, Moment, UnsupportedImplementation, build_optimizer, run_optimizer, state_tensor_bytes, step_peak
+from gpulab.record.runs.optimizer import check_implementation as _check_implementation
+from gpulab.record.runs.optimizer import check_optimizer as _check_optimizer
+from gpulab.record.runs.optimizer import constructor as _constructor
+from gpulab.record.runs.optimizer import event_count as _event_count
+from gpulab.record.runs.optimizer import moments_at as _moments
+from gpulab.record.runs.optimizer import optimizer_experiment as _run_experiment
+from gpulab.training.optimizers import OPTIMIZERS
+from gpulab.predict.breakdown import predict_step, validate_batch
+from gpulab.models.registry import ModelSpec, build_model, check_image_size, resolve_model
+from gpulab.plots import CATEGORY_COLORS
+from gpulab.categories import Category
+from gpulab.units import MiB, dtype_name, format_bytes, parse_dtype
+from gpulab.views import error_percent, fmt_error, html_table
+
+__all__ = [
+    "ImplementationComparison", "ImplementationRow", "MixedPrecisionStates", "OptimizerComparison",
+    "OptimizerRun", "Progress", "ZeroGradComparison", "compare_implementations",
+    "compare_optimizers", "exercise_sgd_state", "exercise_state_after_first_step",
+    "exercise_state_before_first_step", "implementation_figure", "largest_param_bytes",
+    "mixed_precision_states", "model_states_figure", "optimizer_claims", "optimizer_run",
+    "zero_grad_comparison"
+]
 
 # --- building optimizers -----------------------------------------------------------------------
 
@@ -164,7 +173,7 @@ class OptimizerRun(Measured):
 
     def figure(self, title: str | None = None) -> Figure:
         """The run's timeline by category (``gpulab.plots.timeline``)."""
-        from ..plots import timeline
+        from gpulab.plots import timeline
         return legend_outside(timeline(self.measurement.tracking, title=title or self.title()))
 
     def plot(self):
@@ -218,7 +227,7 @@ def optimizer_run(model: str = "mlp", optimizer: str = "adam", implementation: s
 
 
 def _forward_flops(model: str | ModelSpec, batch: int, size: int, dt: torch.dtype) -> int:
-    from ..experiments import breakdown
+    from gpulab.predict.breakdown import breakdown
     return breakdown(model, batch, size, dt).forward_flops
 
 
@@ -499,7 +508,7 @@ def mixed_precision_states(model: str = "mlp", batch: int | None = 8, engine: st
     spec, batch, size = _prepare(model, batch, None)
     pred = predict_step(spec, batch, size, "adam", torch.float32)
     flops = 3 * _forward_flops(spec, batch, size, torch.float32)
-    from ..engines import choose_engine
+    from gpulab.measure.engines import choose_engine
     eng = choose_engine(engine, sum(v for v in pred.values() if v), flops).name
     ac = parse_dtype(autocast_dtype) if autocast_dtype else (torch.float16 if eng == "cuda" else torch.bfloat16)
     out: dict[str, Any] = {}
@@ -518,8 +527,8 @@ def mixed_precision_states(model: str = "mlp", batch: int | None = 8, engine: st
 
 def exercise_state_after_first_step(model: str = "mlp", optimizer: str = "adam"):
     """Predict-first: optimizer state bytes right after the first ``step()``."""
-    from .exercises import Exercise
-    from ..experiments import breakdown
+    from gpulab.course.exercises import Exercise
+    from gpulab.predict.breakdown import breakdown
     bd = breakdown(model)
     key = _check_optimizer(optimizer)
     return Exercise(
@@ -534,7 +543,7 @@ def exercise_state_after_first_step(model: str = "mlp", optimizer: str = "adam")
 
 def exercise_state_before_first_step(model: str = "mlp", optimizer: str = "adam"):
     """Predict-first: optimizer state bytes after construction, before any ``step()``."""
-    from .exercises import Exercise
+    from gpulab.course.exercises import Exercise
     key = _check_optimizer(optimizer)
     return Exercise(
         question=f"And before the first step(): how many bytes of state does a freshly built {key} hold?",
@@ -547,7 +556,7 @@ def exercise_state_before_first_step(model: str = "mlp", optimizer: str = "adam"
 def exercise_sgd_state(model: str = "mlp", batch: int = 8):
     """Predict-first (qualitative): how much state does plain SGD (no momentum) hold after its first
     ``step()``? Measured by ``optimizer_run`` (live-tensor tracker) when the checker runs."""
-    from .exercises import ChoiceExercise
+    from gpulab.course.exercises import ChoiceExercise
     cache: dict[str, OptimizerRun] = {}
 
     def result() -> OptimizerRun:
@@ -582,7 +591,7 @@ def optimizer_claims(cmp: OptimizerComparison, impl: ImplementationComparison | 
                      mixed: MixedPrecisionStates | None = None):
     """The articles' optimizer claims (x2, x3, x4, 16 bytes/param) with verdicts computed from
     measurements."""
-    from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
+    from gpulab.course.claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
     checks = []
     text = {"sgd": ("SGD: parameters + gradients, so the parameter memory doubles (×2).", "refs 001, 002, 003"),
             "momentum": ("SGD with momentum adds a momentum buffer: ×3.", "refs 001, 002"),

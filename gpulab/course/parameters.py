@@ -21,17 +21,26 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from torch import nn
 
-from .. import formulas as F
-from ..engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
+from gpulab import formulas as F
+from gpulab.measure.engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
 # The measuring core lives in the library (gpulab record runs it too).
-from ..params_run import LAYER_KINDS, build_experiment, layer_experiment, make_layer  # noqa: F401
-from ..params_run import live_by_category as _live_by_category
-from ..experiments import params_by_formula
-from ..models import ModelSpec, build_model, resolve_model
-from ..plots import LessonFigure
-from ..tracking import Category
-from ..units import GB, GiB, MiB, dtype_bytes, dtype_name, format_bytes, parse_dtype
-from ..views import error_percent, fmt_error, html_table
+from gpulab.record.runs.params import LAYER_KINDS, build_experiment, layer_experiment, make_layer
+from gpulab.record.runs.params import live_by_category as _live_by_category
+from gpulab.predict.breakdown import params_by_formula
+from gpulab.models.registry import ModelSpec, build_model, resolve_model
+from gpulab.plots import LessonFigure
+from gpulab.categories import Category
+from gpulab.units import GB, GiB, MiB, dtype_bytes, dtype_name, format_bytes, parse_dtype
+from gpulab.views import error_percent, fmt_error, html_table
+
+__all__ = [
+    "BuffersDemo", "LESSON_MAX_CPU_BYTES", "LESSON_MAX_CPU_FLOPS", "LayerParams", "MODEL_DTYPES",
+    "ModelParams", "NUMEL_LABEL", "ParamRow", "TABLE_DTYPES", "TYPE_COLORS", "TensorRow",
+    "article_params", "buffer_bytes_by_formula", "conv_linear_params", "dtype_figure", "exercise",
+    "exercise_conv_or_linear", "formula_text", "layer_figure", "layer_memory_bytes",
+    "layer_param_count", "layer_params", "lesson_engine_limits", "model_layers_figure",
+    "model_params", "parameter_claims", "params_vs_buffers"
+]
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "float64")
 # the dtypes of the "weight memory by dtype" table (formula: params x bytes per element)
@@ -484,7 +493,7 @@ def exercise(name: str):
     * ``"vgg16_conv"``: parameters of VGG16's ``features.10``, Conv2d(128, 256, 3).
     * ``"batchnorm_bytes"``: bytes of BatchNorm2d(256) in float32, parameters and buffers.
     """
-    from .exercises import Exercise
+    from gpulab.course.exercises import Exercise
     if name == "vgg16_conv":
         layer = dict(build_model(resolve_model("vgg16"), device="meta").named_modules())["features.10"]
         return Exercise(
@@ -519,7 +528,7 @@ def conv_linear_params(model: str | ModelSpec = "vgg16") -> dict[str, int]:
 def exercise_conv_or_linear(model: str = "vgg16"):
     """Predict-first (qualitative): which layers hold more of the model's parameters, the conv layers
     or the fully connected ones? Counted on the real model (meta device) when the checker runs."""
-    from .exercises import ChoiceExercise
+    from gpulab.course.exercises import ChoiceExercise
 
     def expected() -> str:
         c = conv_linear_params(model)
@@ -613,7 +622,7 @@ def params_vs_buffers(model: str | ModelSpec = "cnn", batch: int = 8, engine: st
 
 def parameter_claims(engine: str = "auto"):
     """The reference articles' per-layer parameter formulas and weight-memory rules, tested."""
-    from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
+    from gpulab.course.claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
     vgg = model_params("vgg16", "float32", engine)
     vgg16h = model_params("vgg16", "float16", engine)
     alex = model_params("alexnet", "float32", engine)

@@ -11,8 +11,12 @@ import math
 
 from matplotlib.figure import Figure
 
-from ..plots import CATEGORY_COLORS
-from ..units import MiB
+from gpulab.plots import CATEGORY_COLORS
+from gpulab.units import MiB
+
+__all__ = [
+    "checkpoint_figure", "inplace_figure", "lifetimes_figure", "modes_figure", "precision_figure"
+]
 
 _FALSE, _TRUE = "#C44E52", "#4C72B0"     # inplace=False / names kept, inplace=True / del
 _FORMULA = "#555555"

@@ -22,15 +22,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import formulas as F
-from ..engines import LABEL_FORMULA, choose_engine
+from gpulab import formulas as F
+from gpulab.measure.engines import LABEL_FORMULA, choose_engine
 # The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
-from ..precision_run import LOW_DTYPES, PrecisionRun, modes, run_precision_modes  # noqa: F401
-from ..experiments import OPTIMIZERS, validate_batch
-from ..models import ModelSpec, check_image_size, resolve_model
-from ..tracking import CATEGORIES, Category
-from ..units import dtype_bytes, dtype_name, format_bytes, parse_dtype
-from ..views import error_percent, fmt_error, html_table
+from gpulab.record.runs.precision import LOW_DTYPES, PrecisionRun, modes, run_precision_modes
+from gpulab.training.optimizers import OPTIMIZERS
+from gpulab.predict.breakdown import validate_batch
+from gpulab.models.registry import ModelSpec, check_image_size, resolve_model
+from gpulab.categories import CATEGORIES, Category
+from gpulab.units import dtype_bytes, dtype_name, format_bytes, parse_dtype
+from gpulab.views import error_percent, fmt_error, html_table
+
+__all__ = [
+    "AutocastSupport", "CPU_FP16_SLOWDOWN", "KEPT_BY_AUTOCAST", "PrecisionResult",
+    "apex_bytes_per_param", "autocast_grad_dtypes", "autocast_saved", "autocast_support",
+    "autocast_support_report", "exercise_autocast_bytes_per_param", "exercise_autocast_grad_dtypes",
+    "expected_ratio", "persistent_bytes_per_param", "precision_claims", "precision_step",
+    "saving_text"
+]
 
 
 # CPU matmul/conv speed in fp16 is far below fp32 on most CPUs (no fp16 units: this
@@ -87,8 +96,8 @@ def autocast_saved(low: str = "bfloat16", batch: int = 64, features: int = 256):
     """What autograd keeps for ``Linear -> ReLU -> Linear`` on a batch that requires grad,
     in float32 and under ``torch.autocast(dtype=low)`` (CPU, real tensors): two ``SavedReport``.
     Under autocast the matmuls save 16-bit copies of their inputs *and of the weights*."""
-    from ..engines import LABEL_CPU
-    from .inplace import SavedReport, saved_tensors
+    from gpulab.measure.engines import LABEL_CPU
+    from gpulab.course.inplace import SavedReport, saved_tensors
     low = dtype_name(parse_dtype(low))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(features, features), nn.ReLU(), nn.Linear(features, 10))
@@ -155,7 +164,7 @@ class PrecisionResult:
         return 100.0 * (base - self.runs[mode].peak_bytes) / base
 
     def figure(self):
-        from .plots_tradeoffs import precision_figure
+        from gpulab.course.plots_tradeoffs import precision_figure
         return precision_figure(self)
 
     def param_dtypes(self, mode: str) -> str:
@@ -238,7 +247,7 @@ def precision_step(model: str | ModelSpec = "cnn", batch: int = 32, image_size: 
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     all_modes = modes(low)
     chosen = all_modes if include is None else tuple(m for m in all_modes if m in include or m == "fp32")
-    from ..experiments import breakdown
+    from gpulab.predict.breakdown import breakdown
     bd = breakdown(spec, batch, size)
     low = dtype_name(parse_dtype(low))
     slow = CPU_FP16_SLOWDOWN if low == "float16" else 1
@@ -275,7 +284,7 @@ def apex_bytes_per_param(optimizer: str = "adam") -> int:
 
 def exercise_autocast_bytes_per_param(optimizer: str = "adam", low: str = "bfloat16"):
     """Predict-first: bytes per parameter kept between steps with autocast."""
-    from .exercises import Exercise
+    from gpulab.course.exercises import Exercise
     mode = f"autocast {dtype_name(parse_dtype(low))}"
     states = F.optimizer_state_multiplier(optimizer)
     return Exercise(
@@ -295,7 +304,7 @@ def exercise_autocast_bytes_per_param(optimizer: str = "adam", low: str = "bfloa
 def precision_claims(results: list[PrecisionResult], claimed_saving: float = 20.0):
     """The articles' mixed-precision claims, with verdicts computed from ``precision_step``
     results (one per model)."""
-    from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
+    from gpulab.course.claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
     checks = []
     if not results:
         raise ValueError("need at least one precision_step result")
@@ -377,7 +386,7 @@ def autocast_grad_dtypes(low: str = "bfloat16", batch: int = 8, features: int = 
 def exercise_autocast_grad_dtypes(low: str = "bfloat16"):
     """Predict-first (qualitative): the dtypes of gradients under autocast, measured by
     ``autocast_grad_dtypes`` when the checker runs."""
-    from .exercises import ChoiceExercise
+    from gpulab.course.exercises import ChoiceExercise
     name = dtype_name(parse_dtype(low))
 
     def expected() -> str:

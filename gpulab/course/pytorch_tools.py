@@ -33,20 +33,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import oom_message as O
-from ..allocator import MiB
-from ..cards import CUDA_CONTEXT_ASSUMED, parse_gpu
-from ..engines import LABEL_SIMULATED
-from ..experiments import StepResult, training_step
-from ..linetrack import LineReport
-from ..models import build_model, resolve_model
-from ..plots import to_png
-from ..snapshot import MemorySnapshot, export_tracking, unrounded
-from ..snapshot_import import ImportedSnapshot, read_snapshot
-from ..snapshot_viewer import ViewerHTML, memory_viz_bytes
-from ..tables import STYLE, html_table
-from ..units import format_bytes, format_delta
-from .exercises import ChoiceExercise
+from gpulab.interop import oom_message as O
+from gpulab.allocator.simulator import MiB
+from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, parse_gpu
+from gpulab.measure.engines import LABEL_SIMULATED
+from gpulab.predict.step import StepResult, training_step
+from gpulab.measure.linetrack import LineReport
+from gpulab.models.registry import build_model, resolve_model
+from gpulab.plots import to_png
+from gpulab.interop.snapshot import MemorySnapshot, export_tracking, unrounded
+from gpulab.interop.snapshot_import import ImportedSnapshot, read_snapshot
+from gpulab.interop.snapshot_viewer import ViewerHTML, memory_viz_bytes
+from gpulab.tables import STYLE, html_table
+from gpulab.units import format_bytes, format_delta
+from gpulab.course.exercises import ChoiceExercise
+
+__all__ = [
+    "EXAMPLE_SNAPSHOT", "FILES_FOLDER", "OOMExample", "OOMReading", "OOM_EXAMPLES", "OWN_MESSAGE",
+    "OpRow", "PANEL_EXAMPLES", "PROFILER_CATEGORIES", "ProfiledStep", "REPO", "SEES", "STEP_CODE",
+    "StepExport", "ToolComparison", "compare_tools", "example_oom", "example_text",
+    "exercise_oom_case", "exercise_viewer_peak", "files_folder", "fresh_step",
+    "growing_inputs_events", "load_example_snapshot", "make_example_snapshot", "profile_step",
+    "provenance", "read_oom", "vgg16_step_snapshot"
+]
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_SNAPSHOT = REPO / "tests" / "data" / "snapshot_cnn_fake_step.pickle"
@@ -112,7 +121,7 @@ class StepExport:
             ["gpulab tracker: the same, each storage rounded up to 512 B", f"{self.tracker_rounded_peak:,} B",
              self.label, ""],
             ["PyTorch's viewer, Active Memory Timeline (MemoryViz.js process_alloc_data, as "
-             "gpulab.snapshot_viewer.viz_peak follows it)", f"{self.viz_peak:,} B",
+             "gpulab.interop.snapshot_viewer.viz_peak follows it)", f"{self.viz_peak:,} B",
              "from the snapshot", _check(self.viz_peak == r)],
             ["torch.cuda._memory_viz.memory() at the peak: live allocations", f"{self.memory_viz['requested']:,} B",
              "from the snapshot", _check(self.memory_viz["requested"] == r)],
@@ -134,7 +143,7 @@ class StepExport:
 
     def timeline(self):
         """gpulab's own timeline of the same step (offline; a PNG)."""
-        from ..plots import timeline
+        from gpulab.plots import timeline
         tr = unrounded(self.step.measurement.tracking)
         return to_png(timeline(tr, title=f"{self.step.model} step ({self.label})"))
 
@@ -462,7 +471,7 @@ def growing_inputs_events(steps: int = 30, activation_mib: int = 256, output_mib
 def example_oom(kind: str = "fragmentation", card: str = "T4") -> OOMExample:
     """``"fragmentation"``: ``growing_inputs_events`` on the card; ``"too big"``: a VGG16 training
     step at batch 256 (fake engine, CUDA's kernels) on the card. The allocator may use the card
-    less an assumed CUDA context; the message is formatted by ``gpulab.oom_message.format_oom_message``
+    less an assumed CUDA context; the message is formatted by ``gpulab.interop.oom_message.format_oom_message``
     from the simulator's figures at its first out-of-memory."""
     c = parse_gpu(card)
     if kind == "fragmentation":
@@ -548,7 +557,7 @@ def read_oom(text: Any) -> OOMReading:
 
 
 def exercise_oom_case(text: str) -> ChoiceExercise:
-    """Predict first: which case is this message? (worked out by ``gpulab.oom_message.diagnose``)."""
+    """Predict first: which case is this message? (worked out by ``gpulab.interop.oom_message.diagnose``)."""
     options = {"a": "fragmentation: free + reserved-but-unallocated would hold the request",
                "b": "too big: the live tensors and the request exceed the GPU",
                "c": "another process holds the memory"}

@@ -24,17 +24,23 @@ from typing import Any
 
 import torch
 
-from .. import formulas as F
-from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
-from ..engines import (DEFAULT_MAX_CPU_BYTES, LABEL_CPU, LABEL_FAKE_CPU, LABEL_FAKE_CUDA, LABEL_FORMULA, LABEL_SIMULATED,
-                      RunContext, engine_status, label_cuda, label_recorded, run)
-from .exercises import ChoiceExercise, Exercise
-from ..tracking import TrackingResult
-from ..units import GB, GiB, KB, KiB, MB, MiB, format_bytes
-from ..views import error_percent, fmt_error, html_table
+from gpulab import formulas as F
+from gpulab.course.claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
+from gpulab.measure.engines import DEFAULT_MAX_CPU_BYTES, LABEL_CPU, LABEL_FAKE_CPU, LABEL_FAKE_CUDA, LABEL_FORMULA, LABEL_SIMULATED, RunContext, engine_status, label_cuda, label_recorded, run
+from gpulab.course.exercises import ChoiceExercise, Exercise
+from gpulab.measure.tracking import TrackingResult
+from gpulab.units import GB, GiB, KB, KiB, MB, MiB, format_bytes
+from gpulab.views import error_percent, fmt_error, html_table
+
+__all__ = [
+    "BEYOND_TENSORS_LESSON", "CATEGORY_LESSONS", "EngineDemo", "GAP_TOLERANCE", "LabelGuide",
+    "MachineReport", "OomStory", "PrefixGap", "SIZE_OPTIONS_MIB", "UnitsTable", "engine_demo",
+    "exercise_image_mib", "exercise_mb_vs_mib", "exercise_smi_gb", "exercise_where_memory_went",
+    "label_guide", "machine_report", "oom_story", "prefix_gaps", "unit_claims", "units_table"
+]
 
 try:  # the caching-allocator simulator (optional here)
-    from ..allocator import CachingAllocator
+    from gpulab.allocator.simulator import CachingAllocator
 except ImportError:  # pragma: no cover
     CachingAllocator = None
 
@@ -89,9 +95,9 @@ class MachineReport:
                       f"{g['driver']} / {g['compute_capability']}", src]]
         if i["device"]["reason"]:
             rows.append(["why no GPU facts" if not self.gpus else "note", i["device"]["reason"],
-                         "gpulab.gpu.device_report()"])
+                         "gpulab.measure.gpu.device_report()"])
         rows.append(["engine the lessons use", f"{i['engine']}: {i['engine_reason']}",
-                     "gpulab.engines.choose_engine('auto')"])
+                     "gpulab.measure.engines.choose_engine('auto')"])
         return rows
 
     def __repr__(self) -> str:
@@ -106,7 +112,7 @@ class MachineReport:
 
 
 def machine_report() -> MachineReport:
-    from ..cli import env_info
+    from gpulab.cli import env_info
 
     try:
         cores = len(os.sched_getaffinity(0))
@@ -148,7 +154,7 @@ def label_guide() -> LabelGuide:
                          "CPU's kernels; the same tracker counted the storages they would need", status["fake"][0]),
         (LABEL_FAKE_CUDA, "fake tensors again, answering for a GPU: CUDA's kernel choices (foreach optimizers, "
                           "bool dropout masks, step counters in host memory), storages in 512-byte blocks; "
-                          "no CUDA context or workspaces (see gpulab.fake_cuda.STILL_DIFFERS)", status["fake"][0]),
+                          "no CUDA context or workspaces (see gpulab.measure.fake_cuda.STILL_DIFFERS)", status["fake"][0]),
         (LABEL_SIMULATED, "a model of PyTorch's CUDA caching allocator replayed those storages: what "
                           "memory_allocated / memory_reserved would say on a GPU", CachingAllocator is not None),
         (label_cuda(gpu), "the code ran on that GPU; the numbers come from the caching allocator's "
@@ -436,7 +442,7 @@ class OomStory:
 
     def figure(self):
         """One horizontal bar: the peak stacked by category, the parameters' formula and the card as lines."""
-        from ..plots import CATEGORY_COLORS, LessonFigure
+        from gpulab.plots import CATEGORY_COLORS, LessonFigure
         fig = LessonFigure(figsize=(7.5, 2.6), dpi=100, layout="constrained")
         ax = fig.add_subplot()
         left = 0.0
@@ -462,7 +468,7 @@ def oom_story(model: str = "vgg16", batch: int = 128, optimizer: str = "adam", c
     ``card_gib`` GiB card. Two training steps run on ``engine`` (the fake engine by default,
     following CUDA's kernels: a GPU question answered instantly, without a GPU); the second step
     is the steady state, with the optimizer state alive."""
-    from ..experiments import training_step
+    from gpulab.predict.step import training_step
     if not card_gib or card_gib <= 0:
         raise ValueError(f"card size must be a positive number of GiB, got {card_gib!r}")
     step = training_step(model, batch=batch, optimizer=optimizer, engine=engine, steps=2)
@@ -605,7 +611,7 @@ def _smi_claim(gpu: dict[str, Any] | None, report: MachineReport) -> ClaimCheck:
     smi = _nvidia_smi_used_mib() if gpu else None
     if gpu and smi is not None:
         try:
-            from ..gpu import nvml_used_bytes_at  # the same numbering as nvidia-smi's -i
+            from gpulab.measure.gpu import nvml_used_bytes_at
             nv = nvml_used_bytes_at(int(gpu["index"]))
             total_mib = gpu["total_bytes"] / MiB
             ok = nv is not None and abs(nv / MiB - smi) <= 0.01 * total_mib
@@ -623,4 +629,4 @@ def _smi_claim(gpu: dict[str, Any] | None, report: MachineReport) -> ClaimCheck:
                       "Without an NVIDIA GPU and driver there is neither nvidia-smi nor NVML to compare; "
                       "on a GPU machine this check reads both.",
                       [Evidence("NVML", report.info["device"]["reason"] or "not available",
-                                "gpulab.gpu.device_report()")])
+                                "gpulab.measure.gpu.device_report()")])

@@ -24,21 +24,30 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..allocator import CachingAllocator
-from ..cards import CUDA_CONTEXT_ASSUMED
-from ..search import largest_fitting as _boundary
-from ..engines import LABEL_FORMULA, LABEL_SIMULATED, choose_engine, label_cuda
-from ..experiments import OPTIMIZERS, StepResult, breakdown, predict_step, training_step, validate_batch
-from ..formulas import MemoryFit, fit_memory_model, max_batch
-from ..models import ModelSpec, check_image_size, resolve_model
-from ..tracking import Category
-from ..units import GiB, MiB, dtype_name, format_bytes, parse_dtype
-from ..views import error_percent, fmt_error, html_table
+from gpulab.allocator.simulator import CachingAllocator
+from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED
+from gpulab.predict.search import largest_fitting as _boundary
+from gpulab.measure.engines import LABEL_FORMULA, LABEL_SIMULATED, choose_engine, label_cuda
+from gpulab.training.optimizers import OPTIMIZERS
+from gpulab.predict.step import StepResult, training_step
+from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
+from gpulab.formulas import MemoryFit, fit_memory_model, max_batch
+from gpulab.models.registry import ModelSpec, check_image_size, resolve_model
+from gpulab.categories import Category
+from gpulab.units import GiB, MiB, dtype_name, format_bytes, parse_dtype
+from gpulab.views import error_percent, fmt_error, html_table
+
+__all__ = [
+    "BatchCheck", "CARDS_GIB", "CONTEXT_OVERHEAD_ASSUMED", "CapacityAnswer", "FormulaLine",
+    "GpuCheck", "LABEL_ASSUMPTION", "LargestBatch", "Progress", "SweepPoint", "SweepResult",
+    "batch_sweep", "exercise_largest_batch", "exercise_steady_state_extra", "fit_label",
+    "formula_line", "largest_batch", "search_run_bound", "sweep_claims", "sweep_figure"
+]
 
 # Card sizes a student can pick (GiB, as the vendors' "16 GB" cards hold 16 GiB).
 CARDS_GIB = (8, 12, 16, 24, 40, 80)
 
-# the assumed CUDA context (``gpulab.cards.CUDA_CONTEXT_ASSUMED``, shared with ``gpulab fit``)
+# the assumed CUDA context (``gpulab.predict.cards.CUDA_CONTEXT_ASSUMED``, shared with ``gpulab fit``)
 CONTEXT_OVERHEAD_ASSUMED = CUDA_CONTEXT_ASSUMED
 LABEL_ASSUMPTION = "assumption"
 
@@ -94,7 +103,7 @@ class FormulaLine:
 
 def formula_line(model: str | ModelSpec, image_size: int | None = None, optimizer: str = "sgd",
                  dtype: str | torch.dtype = "float32", count_step_counters: bool = True) -> FormulaLine:
-    """The formulas' fixed and per-sample bytes (``gpulab.experiments.predict_step`` at batch 1)."""
+    """The formulas' fixed and per-sample bytes (``gpulab.predict.breakdown.predict_step`` at batch 1)."""
     spec = resolve_model(model)
     size = image_size or spec.default_image_size
     opt = _check_optimizer(optimizer)
@@ -188,7 +197,7 @@ class SweepResult:
 
     def plot(self):
         """``figure()`` as a PNG image (what a notebook cell shows)."""
-        from ..plots import to_png as as_png
+        from gpulab.plots import to_png as as_png
         return as_png(self.figure())
 
 
@@ -365,7 +374,7 @@ class LargestBatch:
 
     def plot(self):
         """``figure()`` as a PNG image (what a notebook cell shows)."""
-        from ..plots import to_png as as_png
+        from gpulab.plots import to_png as as_png
         return as_png(self.figure())
 
     def figure(self):
@@ -505,7 +514,7 @@ def search_run_bound(batch: int) -> int:
 def _gpu_check(model: ModelSpec, size: int, optimizer: str, dt: torch.dtype, card: int,
                batch: int) -> tuple[list[GpuCheck], str]:
     """Run ``batch`` and ``batch + 1`` on the GPU with the allocator capped at ``card`` bytes."""
-    from ..gpu import nvml_used_bytes
+    from gpulab.measure.gpu import nvml_used_bytes
     dev = torch.cuda.current_device()
     total = torch.cuda.get_device_properties(dev).total_memory
     name = torch.cuda.get_device_name(dev)
@@ -536,7 +545,7 @@ def _gpu_check(model: ModelSpec, size: int, optimizer: str, dt: torch.dtype, car
 
 def exercise_largest_batch(model: str = "vgg16", card_gib: float = 16, optimizer: str = "sgd"):
     """Predict-first: solve the formulas' line for a card."""
-    from .exercises import Exercise
+    from gpulab.course.exercises import Exercise
     line = formula_line(model, optimizer=optimizer)
     cap = card_gib * GiB
     return Exercise(
@@ -552,9 +561,9 @@ def exercise_largest_batch(model: str = "vgg16", card_gib: float = 16, optimizer
 
 def exercise_steady_state_extra(model: str = "cnn", optimizer: str = "adam"):
     """Predict-first: how much higher is the second step's peak than the first's?"""
-    from .exercises import Exercise
-    from ..experiments import breakdown as _bd
-    from ..formulas import optimizer_state_bytes
+    from gpulab.course.exercises import Exercise
+    from gpulab.predict.breakdown import breakdown as _bd
+    from gpulab.formulas import optimizer_state_bytes
     bd = _bd(model)
     return Exercise(
         question=f"{bd.model} with {optimizer}: the peak of the first training step happens in backward. By how "
@@ -574,7 +583,7 @@ def _pct(fraction: float) -> str:
 def sweep_claims(sweep: SweepResult, largest: LargestBatch | None = None):
     """The reference articles' claims about batch size and memory, with verdicts computed from
     the sweep (and the largest-batch answer, if given)."""
-    from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
+    from gpulab.course.claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
     good = [p for p in sweep.points if not p.oom]
     resid = max(abs(p.peak_bytes - sweep.fit.predict(p.batch)) / p.peak_bytes for p in good)
     lin = ClaimCheck(

@@ -9,7 +9,7 @@
   small tensors: formula (``cuda_rounded_bytes``), simulated allocator, and on a GPU measured.
 * ``tensor_claims()``: the reference articles' tensor-size examples, measured.
 
-Every measurement runs through ``gpulab.engines.run`` (the tracker sees each storage); every
+Every measurement runs through ``gpulab.measure.engines.run`` (the tracker sees each storage); every
 result carries the label of where its numbers came from.
 """
 from __future__ import annotations
@@ -23,21 +23,28 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import formulas as F
-from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
-from ..engines import LABEL_FORMULA, LABEL_SIMULATED, RunContext, choose_engine, run
-from ..rounding_run import rounding_experiment
+from gpulab import formulas as F
+from gpulab.course.claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
+from gpulab.measure.engines import LABEL_FORMULA, LABEL_SIMULATED, RunContext, choose_engine, run
+from gpulab.record.runs.rounding import rounding_experiment
 # The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
-from ..tensor_run import (OPERATIONS, Operation, contiguous_strides, is_contiguous, is_quantized,  # noqa: F401
-                          operation, tensor_experiment)
-from ..tensor_run import empty_tensor as _empty  # noqa: F401
-from .exercises import ChoiceExercise, Exercise
-from ..tracking import TrackingResult
-from ..units import DTYPES, KB, MB, KiB, MiB, dtype_name, format_bytes, parse_dtype
-from ..views import error_percent, fmt_error, html_table
+from gpulab.record.runs.tensor import OPERATIONS, Operation, contiguous_strides, is_contiguous, is_quantized, operation, tensor_experiment
+from gpulab.record.runs.tensor import empty_tensor as _empty
+from gpulab.course.exercises import ChoiceExercise, Exercise
+from gpulab.measure.tracking import TrackingResult
+from gpulab.units import DTYPES, KB, MB, KiB, MiB, dtype_name, format_bytes, parse_dtype
+from gpulab.views import error_percent, fmt_error, html_table
+
+__all__ = [
+    "CLAIM_TOLERANCE", "DEFAULT_SHAPE", "DtypeRow", "DtypeTable", "MAX_BYTES", "Prediction",
+    "ROW_KEPT", "ROW_NEW", "ROW_PEAK", "ROW_X", "RoundingResult", "Row", "TENSOR_CPU_LIMIT",
+    "TensorBytesResult", "check_size", "dtype_names", "dtype_table", "exercise_batch_bytes",
+    "exercise_cuda_rounding", "exercise_slice_kept", "exercise_which_frees", "measure",
+    "parse_shape", "predict", "rounding_curve", "tensor_claims"
+]
 
 try:  # the caching-allocator simulator (another module; optional here)
-    from ..allocator import CachingAllocator
+    from gpulab.allocator.simulator import CachingAllocator
 except ImportError:  # pragma: no cover - only while the simulator is absent
     CachingAllocator = None
 

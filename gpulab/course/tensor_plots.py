@@ -8,8 +8,13 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
-from ..plots import to_png  # noqa: F401  (re-exported for the lesson panels)
-from ..units import GiB, KiB, MiB
+from gpulab.plots import to_png  # noqa: F401  (re-exported for the lesson panels)
+from gpulab.units import GiB, KiB, MiB
+
+__all__ = [
+    "CUDA_COLOR", "FORMULA_COLOR", "MEASURED_COLOR", "NAIVE_COLOR", "SIMULATED_COLOR",
+    "dtype_figure", "engine_demo_figure", "pick_unit", "rounding_figure", "tensor_bytes_figure"
+]
 
 FORMULA_COLOR = "#999999"
 MEASURED_COLOR = "#4C72B0"

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 
-from ..engines import LABEL_FORMULA
-from ..units import format_bytes
-from .claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
-from .kv_cache import InferenceFit
-from .transformer_memory import ActivationSweep, BytesPerParamRow
+from gpulab.measure.engines import LABEL_FORMULA
+from gpulab.units import format_bytes
+from gpulab.course.claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
+from gpulab.course.kv_cache import InferenceFit
+from gpulab.course.transformer_memory import ActivationSweep, BytesPerParamRow
+
+__all__ = ["TOLERANCE_PERCENT", "transformer_claims"]
 
 TOLERANCE_PERCENT = 10.0   # "the formula predicts the measurement" within this
 

@@ -16,7 +16,7 @@ Three questions, each answered by a formula from the config alone and by a measu
   list of where and why the two differ.
 
 Results are dataclasses; nothing here prints. Every number is computed (from a config, a
-formula or a run) and carries its label: ``formula`` (``gpulab.engines.LABEL_FORMULA``) or the
+formula or a run) and carries its label: ``formula`` (``gpulab.measure.engines.LABEL_FORMULA``) or the
 label of the engine that measured it.
 """
 from __future__ import annotations
@@ -31,15 +31,26 @@ from typing import Any
 
 import torch
 
-from .. import formulas as F
-from .. import hf_configs
-from ..engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
-from ..fake_cuda import cuda_sdpa_backend, unpacked_sequences  # noqa: F401 (the lesson's names)
-from ..tables import html_table
-from ..tracking import Category
-from ..units import dtype_bytes, dtype_name, format_bytes, parse_dtype
-from ..views import error_percent, fmt_error
-from .exercises import Exercise
+from gpulab import formulas as F
+from gpulab.models import hf_configs
+from gpulab.measure.engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
+from gpulab.measure.fake_cuda import cuda_sdpa_backend, unpacked_sequences
+from gpulab.tables import html_table
+from gpulab.categories import Category
+from gpulab.units import dtype_bytes, dtype_name, format_bytes, parse_dtype
+from gpulab.views import error_percent, fmt_error
+from gpulab.course.exercises import Exercise
+
+__all__ = [
+    "ADAM_SOURCE", "ATTN_IMPLEMENTATIONS", "AUTOCAST_SOURCE", "ActivationDifference",
+    "ActivationSweep", "BLOCKS", "BYTES_HEADER", "BytesPerParamRow", "EIGHT_BIT_SOURCE", "FAMILIES",
+    "FormulaTerm", "KORTHIKANTI_SOURCE", "LayerActivations", "ParamBreakdown", "RECIPES",
+    "SavedEntry", "SeqRow", "TRAINING_RECIPES", "TrainingRecipe", "ZERO_SOURCE",
+    "activation_vs_seq", "bytes_per_param_table", "counted_params", "cuda_sdpa",
+    "dropout_probabilities", "exercise_layer_params", "korthikanti_bytes", "korthikanti_terms",
+    "live_after_last_step", "measured_bytes_per_param", "measured_layer_activations",
+    "param_formula", "recipe", "recipe_bytes_per_param"
+]
 
 # --- 1. parameters from the config ----------------------------------------------------------------
 
@@ -119,7 +130,7 @@ def _head_dim(config, hidden: int, heads: int) -> int:
 
 def param_formula(config: Any) -> ParamBreakdown:
     """The parameter count of a causal LM from its config alone (a ``transformers`` config or a
-    built-in name, ``gpulab.hf_configs``), with h = hidden size, a = heads, kv = key/value heads,
+    built-in name, ``gpulab.models.hf_configs``), with h = hidden size, a = heads, kv = key/value heads,
     d = head dim, i = MLP width, V = vocabulary:
 
     * token embedding V·h; GPT-2 also learns a position table n_positions·h (Llama, Mistral and
@@ -423,7 +434,7 @@ def measured_bytes_per_param(config_or_name: Any, r: str | TrainingRecipe = "fp3
     ``step`` scalars where the run keeps them on the measured device: the cpu engine does (one
     float32 per parameter tensor, in optimizer state); a GPU, and the fake engine's CUDA target,
     keep them in host memory. A recipe ``gpulab.step`` cannot run raises ``ValueError``."""
-    from ..trainstep import step
+    from gpulab.predict.step import step
     r = recipe(r)
     if not r.measurable:
         raise ValueError(f"cannot measure {r.name!r}: {r.why_not}; its bytes per parameter are a formula only "
@@ -521,8 +532,8 @@ def dropout_probabilities(config: Any) -> tuple[float, float]:
 
 def cuda_sdpa() -> contextlib.AbstractContextManager:
     """CUDA's attention kernel on fake tensors: part of every fake CUDA-target run
-    (``gpulab.fake_cuda.cuda_kernels``); kept as a name for this lesson's own runs."""
-    from ..fake_cuda import _cuda_attention
+    (``gpulab.measure.fake_cuda.cuda_kernels``); kept as a name for this lesson's own runs."""
+    from gpulab.measure.fake_cuda import _cuda_attention
     return _cuda_attention()
 
 
@@ -660,7 +671,7 @@ class LayerActivations(Measured):
 def _layer_experiment(cfg, seq_len: int, batch: int, dtype: torch.dtype):
     """One forward and backward of a fresh model (dropout on: training mode), with CUDA's
     attention kernels when the run follows CUDA's (the fake engine's CUDA target)."""
-    from ..workload import forward, resolve_workload
+    from gpulab.models.workload import forward, resolve_workload
     w = resolve_workload(cfg, seq_len=seq_len)
 
     def experiment(ctx: RunContext) -> dict[str, Any]:
@@ -877,8 +888,8 @@ class ActivationSweep:
     def plot(self):
         """Bytes per layer over the sequence length: the formula with and without the s² term as
         curves (from 0 to the longest length), the measured eager and SDPA layers as points."""
-        from ..plots import _fig
-        from ..units import MiB
+        from gpulab.plots import _fig
+        from gpulab.units import MiB
         fig = _fig(7.0, 3.4)
         ax = fig.add_subplot()
         r0 = self.rows[0]

@@ -8,16 +8,21 @@ from typing import Any
 
 from IPython.display import HTML
 
-from ..course.activations import (ACT_DTYPES, ForwardTable, InferenceVsTraining, ModelsizeComparison,
+from gpulab.course.activations import (ACT_DTYPES, ForwardTable, InferenceVsTraining, ModelsizeComparison,
                            forward_table, forward_table_figure, inference_training_figure,
                            inference_vs_training, modelsize_figure, modelsize_vs_saved,
                            predicted_forward_bytes)
-from ..models import MODELS
-from ..record import RecordLookup, find_record
-from ..recorded_views import counter_text, allocator_rows, recorded_html
-from ..units import format_bytes
-from .base import Panel, dropdown, slider, ENGINES, model_controls
-from .guard import memory_guard
+from gpulab.models.registry import MODELS
+from gpulab.record.lookup import RecordLookup, find_record
+from gpulab.record.views import counter_text, allocator_rows, recorded_html
+from gpulab.units import format_bytes
+from gpulab.widgets.base import Panel, dropdown, slider, ENGINES, model_controls
+from gpulab.widgets.guard import memory_guard
+
+__all__ = [
+    "compute_inference", "compute_modelsize", "compute_table", "forward_table_panel",
+    "inference_panel", "modelsize_panel", "render_inference", "render_modelsize", "render_table"
+]
 
 
 

@@ -12,12 +12,14 @@ from typing import Any
 import ipywidgets as W
 from IPython.display import HTML
 
-from ..allocator_plots import allocated_vs_reserved, segment_map
-from ..record import find_allocator_record
-from ..recorded_views import allocator_rows, recorded_html, reserved_timelines
-from ..replay import WORKLOADS, AllocatorRun, workload
-from ..units import format_bytes
-from .base import Panel, dropdown, slider
+from gpulab.allocator.plots import allocated_vs_reserved, segment_map
+from gpulab.record.lookup import find_allocator_record
+from gpulab.record.views import allocator_rows, recorded_html, reserved_timelines
+from gpulab.predict.replay import WORKLOADS, AllocatorRun, workload
+from gpulab.units import format_bytes
+from gpulab.widgets.base import Panel, dropdown, slider
+
+__all__ = ["allocator_panel", "compute_allocator", "render_allocator"]
 
 
 def compute_allocator(model: str, batch: int, workload_name: str, expandable_segments: bool,

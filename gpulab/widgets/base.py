@@ -27,6 +27,11 @@ from typing import Any, Callable, Iterable
 import ipywidgets as W
 from IPython.display import HTML, display
 
+__all__ = [
+    "ENGINES", "GuardVerdict", "Panel", "REUSED_NOTE", "dropdown", "model_controls", "reuse_first",
+    "slider"
+]
+
 
 @dataclass
 class GuardVerdict:
@@ -177,7 +182,7 @@ class Panel:
     def _show(self, items: list[Any]) -> None:
         from matplotlib.figure import Figure
 
-        from ..plots import as_image
+        from gpulab.plots import as_image
         with self.output:
             self.output.clear_output(wait=True)
             for item in items:
@@ -262,8 +267,8 @@ def model_controls(model: str, *, batch: int | None = None, batch_max: int = 256
     optimizer, the panel's own ``extra`` controls, engine. A control is left out when its
     argument is None (``image_size=False`` leaves the image size out; ``None`` starts it at
     the model's default size)."""
-    from ..experiments import OPTIMIZERS
-    from ..models import MODELS, resolve_model
+    from gpulab.training.optimizers import OPTIMIZERS
+    from gpulab.models.registry import MODELS, resolve_model
     controls: dict[str, W.ValueWidget] = {"model": dropdown("model", list(MODELS), model)}
     if batch is not None:
         controls[batch_key] = slider(batch_label, batch, batch_min, batch_max, log=True)

@@ -9,12 +9,17 @@ from typing import Any
 
 from IPython.display import HTML
 
-from ..course.checkpointing import SEGMENT_CHOICES, CheckpointResult, checkpoint_sweep
-from ..record import RecordLookup, find_record
-from ..recorded_views import counter_text, recorded_html
-from ..units import format_bytes
-from .base import Panel, dropdown, slider, ENGINES
-from .guard import memory_guard
+from gpulab.course.checkpointing import SEGMENT_CHOICES, CheckpointResult, checkpoint_sweep
+from gpulab.record.lookup import RecordLookup, find_record
+from gpulab.record.views import counter_text, recorded_html
+from gpulab.units import format_bytes
+from gpulab.widgets.base import Panel, dropdown, slider, ENGINES
+from gpulab.widgets.guard import memory_guard
+
+__all__ = [
+    "checkpoint_panel", "compute_checkpoint", "predict_checkpoint_peak", "recorded_checkpoint",
+    "recorded_checkpoint_html", "render_checkpoint"
+]
 
 
 

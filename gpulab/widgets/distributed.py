@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from ..course.distributed import strategy_bars
-from ..sharding import MODELS, STRATEGIES, StrategyRun, StrategySpec, measure_strategy
-from .base import Panel, dropdown, reuse_first, slider
+from gpulab.course.distributed import strategy_bars
+from gpulab.distributed.sharding import MODELS, STRATEGIES, StrategyRun, StrategySpec, measure_strategy
+from gpulab.widgets.base import Panel, dropdown, reuse_first, slider
+
+__all__ = ["compute_sharding", "render_sharding", "sharding_panel"]
 
 
 def compute_sharding(strategy: str, world_size: int, model: str, width: int) -> StrategyRun:

@@ -10,12 +10,17 @@ from typing import Any, Callable
 
 import ipywidgets as W
 
-from ..engines import DEFAULT_MAX_CPU_BYTES, choose_engine
-from ..course.start import SIZE_OPTIONS_MIB, EngineDemo, engine_demo
-from ..course.tensor_plots import engine_demo_figure, to_png
-from ..units import MiB, format_bytes
-from .base import GuardVerdict, Panel, dropdown, ENGINES
-from .guard import free_memory
+from gpulab.measure.engines import DEFAULT_MAX_CPU_BYTES, choose_engine
+from gpulab.course.start import SIZE_OPTIONS_MIB, EngineDemo, engine_demo
+from gpulab.course.tensor_plots import engine_demo_figure, to_png
+from gpulab.units import MiB, format_bytes
+from gpulab.widgets.base import GuardVerdict, Panel, dropdown, ENGINES
+from gpulab.widgets.guard import free_memory
+
+__all__ = [
+    "CPU_LIMIT_OPTIONS_MIB", "SAFE_FRACTION", "compute_engine_demo", "engine_guard", "engine_panel",
+    "predict_engine_demo_peak", "render_engine_demo"
+]
 
 CPU_LIMIT_OPTIONS_MIB = (64, 256, 1024, DEFAULT_MAX_CPU_BYTES // MiB, 8192)
 

@@ -7,10 +7,12 @@ from typing import Any
 
 import ipywidgets as W
 
-from ..cards import card_names
-from ..course.finetune import METHODS, PRECISIONS, PRESETS, FinetuneAnswer, finetune_check
-from ..experiments import OPTIMIZERS
-from .base import Panel, dropdown, slider
+from gpulab.predict.cards import card_names
+from gpulab.course.finetune import METHODS, PRECISIONS, PRESETS, FinetuneAnswer, finetune_check
+from gpulab.training.optimizers import OPTIMIZERS
+from gpulab.widgets.base import Panel, dropdown, slider
+
+__all__ = ["compute_finetune", "finetune_panel", "render_finetune"]
 
 
 def compute_finetune(preset: str, card: str, seq_len: int, batch: int, method: str, optimizer: str,

@@ -8,13 +8,18 @@ from typing import Any
 import ipywidgets as W
 from IPython.display import HTML
 
-from ..course.activations import (ACT_DTYPES, DepthwiseResult, ParamsFlops, depthwise_figure, depthwise_vs_standard,
+from gpulab.course.activations import (ACT_DTYPES, DepthwiseResult, ParamsFlops, depthwise_figure, depthwise_vs_standard,
                            params_flops_figure, params_vs_flops)
-from ..record import RecordLookup, find_record
-from ..recorded_views import recorded_html
-from ..units import format_bytes
-from .base import Panel, dropdown, slider, ENGINES, model_controls
-from .guard import memory_guard
+from gpulab.record.lookup import RecordLookup, find_record
+from gpulab.record.views import recorded_html
+from gpulab.units import format_bytes
+from gpulab.widgets.base import Panel, dropdown, slider, ENGINES, model_controls
+from gpulab.widgets.guard import memory_guard
+
+__all__ = [
+    "compute_depthwise", "compute_flops", "depthwise_panel", "flops_panel", "recorded_depthwise",
+    "render_depthwise", "render_flops"
+]
 
 
 
@@ -63,7 +68,7 @@ def render_depthwise(result: DepthwiseResult) -> list[Any]:
 
 
 def _depthwise_bytes(params: dict[str, Any]) -> int:
-    from ..units import dtype_bytes
+    from gpulab.units import dtype_bytes
     plane = params["batch"] * params["image_size"] ** 2 * dtype_bytes(params["dtype"])
     return 8 * (params["in_channels"] + params["out_channels"]) * plane  # formula, generous
 

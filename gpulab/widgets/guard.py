@@ -1,14 +1,16 @@
 """The panels' memory guard: before a cpu or cuda run, the fake engine predicts the peak; if it
-would not fit in free memory (``gpulab.guard``, shared with the API and the CLI), the panel does
+would not fit in free memory (``gpulab.predict.guard``, shared with the API and the CLI), the panel does
 not run and says why, offering the fake engine."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..engines import choose_engine
-from ..guard import GPU_MARGIN, RAM_MARGIN, cuda_free_for_run, free_memory  # noqa: F401 (the panels' names)
-from ..units import format_bytes
-from .base import GuardVerdict
+from gpulab.measure.engines import choose_engine
+from gpulab.predict.guard import GPU_MARGIN, RAM_MARGIN, cuda_free_for_run, free_memory
+from gpulab.units import format_bytes
+from gpulab.widgets.base import GuardVerdict
+
+__all__ = ["memory_guard"]
 
 
 def memory_guard(predict_peak: Callable[[dict[str, Any]], int], engine_key: str = "engine") -> Callable:

@@ -8,12 +8,16 @@ from typing import Any
 
 from IPython.display import HTML
 
-from ..course.inference import ModesResult, inference_modes
-from ..record import RecordLookup, find_record
-from ..recorded_views import counter_text, recorded_html
-from ..units import format_bytes
-from .base import Panel, dropdown, slider, ENGINES
-from .guard import memory_guard
+from gpulab.course.inference import ModesResult, inference_modes
+from gpulab.record.lookup import RecordLookup, find_record
+from gpulab.record.views import counter_text, recorded_html
+from gpulab.units import format_bytes
+from gpulab.widgets.base import Panel, dropdown, slider, ENGINES
+from gpulab.widgets.guard import memory_guard
+
+__all__ = [
+    "compute_modes", "grad_modes_panel", "predict_modes_peak", "recorded_modes", "render_modes"
+]
 
 
 

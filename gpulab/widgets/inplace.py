@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..course.inplace import BLOCKS, MODES, InplaceResult, inplace_experiment, saved_table_html
-from ..record import RecordLookup, find_record
-from ..recorded_views import counter_text, recorded_html
-from ..units import format_bytes
-from .base import Panel, dropdown, slider, ENGINES
-from .guard import memory_guard
+from gpulab.course.inplace import BLOCKS, MODES, InplaceResult, inplace_experiment, saved_table_html
+from gpulab.record.lookup import RecordLookup, find_record
+from gpulab.record.views import counter_text, recorded_html
+from gpulab.units import format_bytes
+from gpulab.widgets.base import Panel, dropdown, slider, ENGINES
+from gpulab.widgets.guard import memory_guard
+
+__all__ = [
+    "compute_inplace", "inplace_panel", "predict_inplace_peak", "recorded_inplace", "render_inplace"
+]
 
 
 

@@ -7,11 +7,13 @@ from typing import Any
 
 import ipywidgets as W
 
-from ..experiments import OPTIMIZERS
-from ..models import MODELS
-from ..course.sweeps import CARDS_GIB, CONTEXT_OVERHEAD_ASSUMED, LargestBatch, largest_batch
-from ..units import MiB
-from .base import Panel, dropdown
+from gpulab.training.optimizers import OPTIMIZERS
+from gpulab.models.registry import MODELS
+from gpulab.course.sweeps import CARDS_GIB, CONTEXT_OVERHEAD_ASSUMED, LargestBatch, largest_batch
+from gpulab.units import MiB
+from gpulab.widgets.base import Panel, dropdown
+
+__all__ = ["compute_largest", "largest_batch_panel", "render_largest"]
 
 
 def compute_largest(model: str, card_gib: int, optimizer: str, context_mib: int, progress=None) -> LargestBatch:

@@ -8,12 +8,17 @@ from typing import Any
 
 from IPython.display import HTML
 
-from ..course.inference import GRAD_MODES, LifetimesResult, forward_lifetimes
-from ..record import RecordLookup, find_record
-from ..recorded_views import counter_text, recorded_html
-from ..units import format_bytes
-from .base import Panel, dropdown, slider, ENGINES
-from .guard import memory_guard
+from gpulab.course.inference import GRAD_MODES, LifetimesResult, forward_lifetimes
+from gpulab.record.lookup import RecordLookup, find_record
+from gpulab.record.views import counter_text, recorded_html
+from gpulab.units import format_bytes
+from gpulab.widgets.base import Panel, dropdown, slider, ENGINES
+from gpulab.widgets.guard import memory_guard
+
+__all__ = [
+    "compute_lifetimes", "lifetimes_panel", "predict_lifetimes_peak", "recorded_lifetimes",
+    "render_lifetimes"
+]
 
 
 

@@ -9,8 +9,10 @@ from typing import Any
 import ipywidgets as W
 from IPython.display import HTML
 
-from ..course.pytorch_tools import OWN_MESSAGE, PANEL_EXAMPLES, OOMReading, example_text, read_oom
-from .base import Panel, dropdown
+from gpulab.course.pytorch_tools import OWN_MESSAGE, PANEL_EXAMPLES, OOMReading, example_text, read_oom
+from gpulab.widgets.base import Panel, dropdown
+
+__all__ = ["compute_oom", "oom_panel", "render_oom"]
 
 
 def compute_oom(example: str, text: str) -> OOMReading:

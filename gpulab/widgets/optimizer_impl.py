@@ -8,12 +8,17 @@ from typing import Any
 
 from IPython.display import HTML
 
-from ..course.optimizers import IMPLEMENTATIONS, ImplementationComparison, compare_implementations, optimizer_run
-from ..record import RecordLookup, find_record
-from ..recorded_views import recorded_html
-from ..units import format_bytes
-from .base import Panel, model_controls
-from .guard import memory_guard
+from gpulab.course.optimizers import IMPLEMENTATIONS, ImplementationComparison, compare_implementations, optimizer_run
+from gpulab.record.lookup import RecordLookup, find_record
+from gpulab.record.views import recorded_html
+from gpulab.units import format_bytes
+from gpulab.widgets.base import Panel, model_controls
+from gpulab.widgets.guard import memory_guard
+
+__all__ = [
+    "compute_implementations", "implementation_panel", "predict_implementations_peak",
+    "recorded_implementations", "render_implementations"
+]
 
 
 def compute_implementations(model: str, optimizer: str, batch: int, engine: str,

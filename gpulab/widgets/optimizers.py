@@ -8,13 +8,18 @@ from typing import Any
 
 from IPython.display import HTML
 
-from ..experiments import OPTIMIZERS
-from ..course.optimizers import OptimizerComparison, compare_optimizers, optimizer_run
-from ..record import RecordLookup, find_record_series
-from ..recorded_views import counter_text, recorded_html
-from ..units import format_bytes
-from .base import Panel, model_controls
-from .guard import memory_guard
+from gpulab.training.optimizers import OPTIMIZERS
+from gpulab.course.optimizers import OptimizerComparison, compare_optimizers, optimizer_run
+from gpulab.record.lookup import RecordLookup, find_record_series
+from gpulab.record.views import counter_text, recorded_html
+from gpulab.units import format_bytes
+from gpulab.widgets.base import Panel, model_controls
+from gpulab.widgets.guard import memory_guard
+
+__all__ = [
+    "compute_optimizers", "optimizer_panel", "predict_optimizers_peak", "recorded_optimizers",
+    "render_optimizers"
+]
 
 
 def compute_optimizers(model: str, batch: int, engine: str, progress=None) -> OptimizerComparison:

@@ -9,15 +9,20 @@ from typing import Any
 import ipywidgets as W
 from IPython.display import HTML
 
-from ..models import MODELS, build_model, resolve_model
-from ..course.parameters import (LAYER_KINDS, MODEL_DTYPES, LayerParams, ModelParams, buffer_bytes_by_formula,
+from gpulab.models.registry import MODELS, build_model, resolve_model
+from gpulab.course.parameters import (LAYER_KINDS, MODEL_DTYPES, LayerParams, ModelParams, buffer_bytes_by_formula,
                           dtype_figure, layer_figure, layer_params, make_layer, model_layers_figure,
                           model_params)
-from ..record import RecordLookup, find_record
-from ..recorded_views import allocator_rows, recorded_html
-from ..units import format_bytes, parse_dtype
-from .base import Panel, dropdown, ENGINES
-from .guard import memory_guard
+from gpulab.record.lookup import RecordLookup, find_record
+from gpulab.record.views import allocator_rows, recorded_html
+from gpulab.units import format_bytes, parse_dtype
+from gpulab.widgets.base import Panel, dropdown, ENGINES
+from gpulab.widgets.guard import memory_guard
+
+__all__ = [
+    "compute_layer", "compute_model", "layer_panel", "parameters_panel", "recorded_layer",
+    "recorded_model", "render_layer", "render_model"
+]
 
 
 

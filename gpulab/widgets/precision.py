@@ -8,12 +8,17 @@ from typing import Any
 
 from IPython.display import HTML
 
-from ..course.precision import LOW_DTYPES, PrecisionResult, precision_step, saving_text
-from ..record import RecordLookup, find_record
-from ..recorded_views import counter_text, recorded_html
-from ..units import format_bytes
-from .base import Panel, dropdown, model_controls
-from .guard import memory_guard
+from gpulab.course.precision import LOW_DTYPES, PrecisionResult, precision_step, saving_text
+from gpulab.record.lookup import RecordLookup, find_record
+from gpulab.record.views import counter_text, recorded_html
+from gpulab.units import format_bytes
+from gpulab.widgets.base import Panel, dropdown, model_controls
+from gpulab.widgets.guard import memory_guard
+
+__all__ = [
+    "compute_precision", "precision_panel", "predict_precision_peak", "recorded_precision",
+    "render_precision"
+]
 
 
 

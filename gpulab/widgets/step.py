@@ -1,20 +1,25 @@
 """Training-step panel: model, batch, image size, optimizer, dtype, engine -> per-category
 peak (measured) next to the formulas, and the memory timeline. When the live engine is not cuda,
 the recorded GPU run with the same settings is shown beside it, labelled with its provenance
-(``gpulab.record.find_record``), or a one-line note says that no recorded run matches."""
+(``gpulab.record.lookup.find_record``), or a one-line note says that no recorded run matches."""
 from __future__ import annotations
 
 from typing import Any
 
 from IPython.display import HTML
 
-from ..experiments import StepResult, training_step
-from ..plots import comparison_bars, timeline
-from ..record import RecordLookup, find_record
-from ..recorded_views import allocator_rows, recorded_html
-from ..units import format_bytes
-from .base import Panel, dropdown, model_controls
-from .guard import memory_guard
+from gpulab.predict.step import StepResult, training_step
+from gpulab.plots import comparison_bars, timeline
+from gpulab.record.lookup import RecordLookup, find_record
+from gpulab.record.views import allocator_rows, recorded_html
+from gpulab.units import format_bytes
+from gpulab.widgets.base import Panel, dropdown, model_controls
+from gpulab.widgets.guard import memory_guard
+
+__all__ = [
+    "compute_step", "predict_step_peak", "recorded_step", "recorded_step_html", "render_step",
+    "step_panel"
+]
 
 
 def compute_step(model: str, batch: int, image_size: int, optimizer: str, dtype: str, engine: str) -> StepResult:

@@ -8,13 +8,18 @@ from typing import Any
 
 from IPython.display import HTML
 
-from ..experiments import training_step
-from ..course.sweeps import SweepResult, batch_sweep
-from ..record import RecordLookup, find_record_series
-from ..recorded_views import counter_text, recorded_html
-from ..units import format_bytes
-from .base import Panel, model_controls
-from .guard import memory_guard
+from gpulab.predict.step import training_step
+from gpulab.course.sweeps import SweepResult, batch_sweep
+from gpulab.record.lookup import RecordLookup, find_record_series
+from gpulab.record.views import counter_text, recorded_html
+from gpulab.units import format_bytes
+from gpulab.widgets.base import Panel, model_controls
+from gpulab.widgets.guard import memory_guard
+
+__all__ = [
+    "compute_sweep", "predict_sweep_peak", "recorded_sweep", "render_sweep", "sweep_batches",
+    "sweep_panel"
+]
 
 
 def sweep_batches(largest: int) -> tuple[int, ...]:

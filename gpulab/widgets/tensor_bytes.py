@@ -14,14 +14,20 @@ from typing import Any
 import ipywidgets as W
 from IPython.display import HTML
 
-from ..course.tensor_bytes import (DEFAULT_SHAPE, OPERATIONS, TENSOR_CPU_LIMIT, RoundingResult, TensorBytesResult,
+from gpulab.course.tensor_bytes import (DEFAULT_SHAPE, OPERATIONS, TENSOR_CPU_LIMIT, RoundingResult, TensorBytesResult,
                             is_quantized, dtype_names, measure, predict, rounding_curve)
-from ..course.tensor_plots import rounding_figure, tensor_bytes_figure, to_png
-from ..record import RecordLookup, find_record
-from ..recorded_views import recorded_html
-from ..units import DTYPES, parse_dtype
-from .base import GuardVerdict, Panel, dropdown
-from .env import engine_guard
+from gpulab.course.tensor_plots import rounding_figure, tensor_bytes_figure, to_png
+from gpulab.record.lookup import RecordLookup, find_record
+from gpulab.record.views import recorded_html
+from gpulab.units import DTYPES, parse_dtype
+from gpulab.widgets.base import GuardVerdict, Panel, dropdown
+from gpulab.widgets.env import engine_guard
+
+__all__ = [
+    "ENGINE_OPTIONS", "compute_rounding", "compute_tensor_bytes", "predict_tensor_bytes_peak",
+    "recorded_rounding", "recorded_tensor_bytes", "render_rounding", "render_tensor_bytes",
+    "rounding_panel", "tensor_bytes_panel"
+]
 
 ENGINE_OPTIONS = ["auto", "cpu", "fake", "cuda"]
 

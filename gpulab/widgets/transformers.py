@@ -5,11 +5,17 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from ..cards import card_names
-from ..course.kv_cache import InferenceFit, inference_fit, max_context
-from ..course.transformer_memory import ActivationSweep, activation_vs_seq
-from ..plots import to_png
-from .base import Panel, dropdown, reuse_first, slider
+from gpulab.predict.cards import card_names
+from gpulab.course.kv_cache import InferenceFit, inference_fit, max_context
+from gpulab.course.transformer_memory import ActivationSweep, activation_vs_seq
+from gpulab.plots import to_png
+from gpulab.widgets.base import Panel, dropdown, reuse_first, slider
+
+__all__ = [
+    "ACTIVATION_MODELS", "SERVING_DTYPES", "SERVING_MODELS", "activation_seq_panel",
+    "compute_activations", "compute_serving", "render_activations", "render_serving",
+    "serving_panel", "sweep_lengths"
+]
 
 ACTIVATION_MODELS = ("gpt2", "tiny-llama", "tiny-gpt2")
 SERVING_MODELS = ("llama-3-8b", "llama-2-7b", "mistral-7b", "qwen2.5-0.5b", "gpt2")

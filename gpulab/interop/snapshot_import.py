@@ -1,0 +1,430 @@
+"""Reading a PyTorch memory snapshot back, and replaying its trace through the simulator.
+
+A snapshot pickle (``torch.cuda.memory._dump_snapshot``, made on a GPU, or a file
+``gpulab.interop.snapshot`` exported) is read with an unpickler that builds only plain containers: no
+code in a file ever runs (``load_snapshot``). ``read_snapshot`` rebuilds one device's timeline
+from its trace (``ImportedSnapshot``: live requested bytes and reserved bytes after each entry,
+the final segments, gpulab's views); ``replay_snapshot`` replays its alloc/free trace through the
+simulated caching allocator (``SnapshotReplay``: simulated vs recorded reserved memory, segment
+by segment). The format is described in ``gpulab.interop.snapshot``.
+
+NB: a file gpulab exported holds the simulator's segments, not a GPU's; it says so in its
+``"gpulab"`` entry and its ``ImportedSnapshot`` is labelled so (``from_gpu`` is False). Only a
+file recorded on a real GPU tests the simulator.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpulab.allocator.simulator import BlockInfo, CachingAllocator, Segment, SimulatedOutOfMemoryError
+from gpulab.interop.snapshot import LABEL_EXPORTED
+from gpulab.interop.snapshot_viewer import blocks_at, device_trace
+from gpulab.tables import html_table
+from gpulab.categories import Category
+from gpulab.measure.tracking import Event, StorageRecord, TrackingResult
+from gpulab.units import format_bytes, format_delta
+
+__all__ = [
+    "ImportedSnapshot", "LABEL_RECORDED", "Series", "SnapshotReplay", "load_snapshot",
+    "read_snapshot", "replay_snapshot"
+]
+
+LABEL_RECORDED = "recorded on a GPU by PyTorch (torch.cuda.memory._snapshot), device {device}"
+# blocks a tensor still holds (active_pending_free: freed, waiting for another stream's use)
+_LIVE_STATES = ("active_allocated", "active_pending_free")
+_HOW = ("make one on a GPU with torch.cuda.memory._record_memory_history(), then your code, then "
+        "torch.cuda.memory._dump_snapshot('snapshot.pickle')")
+
+
+# ---- reading the file ---------------------------------------------------------------------------
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds dicts, lists, tuples, strings and numbers only: a snapshot needs nothing else, and
+    a pickle that asks for any class or function is refused instead of run."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(
+            f"this file asks to load {module}.{name}: a memory snapshot holds only plain data, "
+            "so gpulab does not run it")
+
+
+def load_snapshot(source: str | Path | bytes | dict | list) -> dict[str, Any]:
+    """Read a snapshot: a path to a pickle (``torch.cuda.memory._dump_snapshot``), its bytes, or
+    the dict ``torch.cuda.memory._snapshot()`` returned (or the list of segments
+    ``torch.cuda.memory_snapshot()`` returns). Returns a new dict (the given one is not changed)
+    whose segments all have ``device`` and ``stream``. Raises ``ValueError`` saying what is wrong
+    and how to make a good file."""
+    if isinstance(source, (dict, list)):
+        data = source
+    else:
+        if isinstance(source, (bytes, bytearray)):
+            raw = bytes(source)
+        else:
+            p = Path(source)
+            if not p.is_file():
+                raise ValueError(f"no snapshot file at {p}: {_HOW}")
+            raw = p.read_bytes()
+        try:
+            data = _PlainUnpickler(io.BytesIO(raw)).load()
+        except pickle.UnpicklingError as exc:
+            raise ValueError(f"not a memory snapshot pickle ({exc}); {_HOW}") from None
+        except Exception as exc:  # noqa: BLE001 (truncated, or not a pickle at all)
+            raise ValueError(f"not a memory snapshot pickle ({type(exc).__name__}: {exc}); {_HOW}") from None
+    if isinstance(data, list):          # segments only (torch.cuda.memory_snapshot()), as _memory_viz reads it
+        data = {"segments": data, "device_traces": []}
+    if not isinstance(data, dict) or "segments" not in data:
+        raise ValueError(f"not a memory snapshot: no 'segments' entry; {_HOW}")
+    data = dict(data)
+    data.setdefault("device_traces", [])
+    if not isinstance(data["segments"], list) or not isinstance(data["device_traces"], list):
+        raise ValueError("not a memory snapshot: 'segments' and 'device_traces' must be lists; " + _HOW)
+    segments = []
+    for seg in data["segments"]:
+        if not isinstance(seg, dict) or not {"address", "total_size", "blocks"} <= seg.keys():
+            raise ValueError("not a memory snapshot: a segment lacks address/total_size/blocks; " + _HOW)
+        seg = dict(seg)
+        seg.setdefault("device", 0)
+        seg.setdefault("stream", 0)
+        segments.append(seg)
+    data["segments"] = segments
+    for trace in data["device_traces"]:
+        if not isinstance(trace, list) or not all(isinstance(e, dict) and "action" in e for e in trace):
+            raise ValueError("not a memory snapshot: a trace entry has no 'action'; " + _HOW)
+    return data
+
+
+# ---- the timeline in the file -------------------------------------------------------------------
+
+
+@dataclass
+class Series:
+    """Allocated and reserved bytes after each event (what
+    ``gpulab.allocator.plots.allocated_vs_reserved`` draws): in a file's recorded timeline
+    ``allocated`` is the live tensors' requested bytes, in a replay the simulator's blocks."""
+    allocated: list[int]
+    reserved: list[int]
+    workload: str
+    label: str
+    empty_cache_every_step: bool = False
+    step_ends: list[int] = field(default_factory=list)
+
+    @property
+    def peak_allocated(self) -> int:
+        return max(self.allocated, default=0)
+
+    @property
+    def peak_reserved(self) -> int:
+        return max(self.reserved, default=0)
+
+
+@dataclass
+class ImportedSnapshot:
+    """A snapshot read back: its timeline (rebuilt from the trace) and the events to replay.
+
+    ``events``: alloc/free events (``kind``, ``sid``, ``nbytes`` = requested bytes, ``index`` of
+    the trace entry, -1 for blocks live before the trace began, ``category`` when the file has
+    one); ``recorded``: live requested bytes and reserved bytes after each trace entry, as the
+    file records them; ``segments``: the final segments as :class:`gpulab.allocator.simulator.Segment`."""
+
+    data: dict[str, Any]
+    device: int
+    label: str
+    from_gpu: bool
+    events: list[dict[str, Any]]
+    recorded: Series
+    segments: list[Segment]
+    segment_order: list[int]       # creation order of ``segments`` (trace index; -1: before it)
+    ooms: int = 0
+    streams: int = 1
+
+    @property
+    def peak_active(self) -> int:
+        """Peak of live requested bytes over the trace (the viewer's Active Memory Timeline)."""
+        return self.recorded.peak_allocated
+
+    @property
+    def peak_reserved(self) -> int:
+        return self.recorded.peak_reserved
+
+    @property
+    def source(self) -> str:
+        """A short form of the label: "recorded on GPU <device>" or "exported by gpulab, segments simulated"."""
+        return f"recorded on GPU {self.device}" if self.from_gpu else "exported by gpulab, segments simulated"
+
+    @property
+    def categories(self) -> set[str]:
+        """The categories the file's allocations carry (gpulab's, in a file gpulab exported)."""
+        return {e["category"] for e in self.events if e["kind"] == "alloc" and e.get("category")}
+
+    def replay(self, **allocator_kwargs: Any) -> SnapshotReplay:
+        """Replay the file's alloc/free trace through the simulated allocator (default settings, or
+        the ones given: ``expandable_segments``, ``max_split_size_mb``, ``capacity_bytes``)."""
+        return replay_snapshot(self, **allocator_kwargs)
+
+    def tracking(self) -> TrackingResult | None:
+        """The timeline as a gpulab ``TrackingResult`` (unrounded requested bytes), when every
+        allocation carries a gpulab category (files gpulab exported); else None."""
+        cats = {c.value for c in Category}
+        allocs = [e for e in self.events if e["kind"] == "alloc"]
+        if not allocs or any(e.get("category") not in cats for e in allocs):
+            return None
+        dev = f"cuda:{self.device}"
+        records: dict[int, StorageRecord] = {}
+        events: list[Event] = []
+        for e in self.events:
+            g = e.get("gpulab") or {}
+            if e["kind"] == "alloc":
+                records[e["sid"]] = StorageRecord(
+                    sid=e["sid"], nbytes=e["nbytes"], device=dev, dtype=str(g.get("dtype", "")),
+                    shape=tuple(g.get("shape", ())), category=Category(e["category"]),
+                    module=str(g.get("module", "")), phase=str(g.get("phase", "")), op=str(g.get("op", "")),
+                    created=len(events))
+                delta = e["nbytes"]
+            else:
+                records[e["sid"]].freed = len(events)
+                delta = -records[e["sid"]].nbytes
+            rec = records[e["sid"]]
+            events.append(Event(len(events), e["kind"], e["sid"], rec.nbytes, delta, dev,
+                                str(g.get("phase", rec.phase)), str(g.get("module", rec.module)),
+                                float(e.get("time_us", 0)) / 1e6))
+        return TrackingResult.build(records, events, device=dev, rounded=False)
+
+    def timeline(self, title: str | None = None):
+        """gpulab's view of the file's timeline: stacked by category when the file has gpulab's
+        categories (``gpulab.plots.timeline``), else live vs reserved bytes
+        (``gpulab.allocator.plots.allocated_vs_reserved``)."""
+        tr = self.tracking()
+        if tr is not None:
+            from gpulab.plots import timeline
+            return timeline(tr, title=title or f"from the snapshot file ({self.source})")
+        from gpulab.allocator.plots import allocated_vs_reserved
+        return allocated_vs_reserved(self.recorded, title=title or f"live tensors (requested bytes) vs reserved, "
+                                                                   f"from the snapshot file ({self.source})")
+
+    def rows(self) -> list[list[str]]:
+        return [["trace entries", f"{len(device_trace(self.data, self.device)):,}"],
+                ["allocations in the trace", f"{sum(1 for e in self.events if e['kind'] == 'alloc' and e['index'] >= 0):,}"],
+                ["blocks live before the trace began", f"{sum(1 for e in self.events if e['index'] < 0):,}"],
+                ["segments at the end", f"{len(self.segments):,}"],
+                ["peak of live tensors (requested bytes)", format_bytes(self.peak_active)],
+                ["peak reserved", format_bytes(self.peak_reserved)],
+                ["reserved at the end", format_bytes(sum(s.size for s in self.segments))],
+                ["streams", str(self.streams)], ["out-of-memory entries", str(self.ooms)]]
+
+    def _repr_html_(self) -> str:
+        return html_table(["snapshot file", "value"], self.rows(), self.label)
+
+    def __repr__(self) -> str:
+        return (f"ImportedSnapshot(device={self.device}, {len(self.events)} events, "
+                f"peak_active={self.peak_active:,} B, peak_reserved={self.peak_reserved:,} B; {self.label})")
+
+
+def read_snapshot(source: str | Path | bytes | dict | list, device: int | None = None) -> ImportedSnapshot:
+    """Read a snapshot and rebuild one device's timeline from its trace (by default the device
+    with the most trace entries, or the first with segments)."""
+    data = load_snapshot(source)
+    traces = data["device_traces"]
+    if device is None:
+        with_trace = [i for i, t in enumerate(traces) if t]
+        with_segs = sorted({int(s.get("device", 0)) for s in data["segments"]})
+        if with_trace:
+            device = max(with_trace, key=lambda i: len(traces[i]))
+        elif with_segs:
+            device = with_segs[0]
+        else:
+            raise ValueError("the snapshot is empty: no trace entries and no segments. Record with "
+                             "torch.cuda.memory._record_memory_history() before the code you want to see")
+    trace = device_trace(data, device)
+    meta = data.get("gpulab") if isinstance(data.get("gpulab"), dict) else None
+    from_gpu = meta is None
+    label = (LABEL_RECORDED.format(device=device) if from_gpu
+             else str(meta.get("label") or LABEL_EXPORTED.format(source="source not stated")))
+    segs = [s for s in data["segments"] if int(s.get("device", 0)) == device]
+
+    # blocks live at the end, by address (their requested bytes)
+    final_live: dict[int, int] = {}
+    for s in segs:
+        for addr, b in blocks_at(s):
+            if b.get("state") in _LIVE_STATES:
+                final_live[addr] = int(b.get("requested_size", b["size"]) or b["size"])
+
+    events: list[dict[str, Any]] = []
+    before: list[dict[str, Any]] = []
+    live: dict[int, int] = {}        # addr -> sid
+    sizes: dict[int, int] = {}       # sid -> bytes
+    next_sid = 0
+    res_delta: list[int] = []
+    act_delta: list[int] = []
+    seg_created: dict[int, int] = {}
+    ooms = 0
+    streams = {int(e.get("stream", 0) or 0) for e in trace}
+    for i, e in enumerate(trace):
+        a = e.get("action")
+        d_act = d_res = 0
+        if a == "alloc":
+            sid, next_sid = next_sid, next_sid + 1
+            live[e["addr"]] = sid
+            sizes[sid] = int(e["size"])
+            ev = {"kind": "alloc", "sid": sid, "nbytes": int(e["size"]), "index": i,
+                  "time_us": e.get("time_us", 0)}
+            if e.get("category") is not None:
+                ev["category"] = e["category"]
+            if isinstance(e.get("gpulab"), dict):
+                ev["gpulab"] = e["gpulab"]
+            events.append(ev)
+            d_act = int(e["size"])
+        elif a == "free_completed":
+            sid = live.pop(e["addr"], None)
+            if sid is None:      # allocated before the trace began (or the ring buffer wrapped)
+                sid, next_sid = next_sid, next_sid + 1
+                sizes[sid] = int(e["size"])
+                before.append({"kind": "alloc", "sid": sid, "nbytes": int(e["size"]), "index": -1,
+                               "addr": e["addr"]})
+            ev = {"kind": "free", "sid": sid, "nbytes": sizes[sid], "index": i, "time_us": e.get("time_us", 0)}
+            if isinstance(e.get("gpulab"), dict):
+                ev["gpulab"] = e["gpulab"]
+            events.append(ev)
+            d_act = -sizes[sid]
+        elif a in ("segment_alloc", "segment_map"):
+            d_res = int(e["size"])
+            seg_created[e["addr"]] = i
+        elif a in ("segment_free", "segment_unmap"):
+            d_res = -int(e["size"])
+        elif a == "oom":
+            ooms += 1
+        act_delta.append(d_act)
+        res_delta.append(d_res)
+    for addr, nbytes in sorted(final_live.items()):      # live at the end, never allocated in the trace
+        if addr not in live:
+            sid, next_sid = next_sid, next_sid + 1
+            before.append({"kind": "alloc", "sid": sid, "nbytes": nbytes, "index": -1, "addr": addr})
+    before.sort(key=lambda e: e["addr"])
+    for e in before:
+        e.pop("addr")
+    # the totals before the trace: what was live then, and the end's reserved minus the trace's changes
+    reserved_end = sum(int(s["total_size"]) for s in segs)
+    act = sum(e["nbytes"] for e in before)
+    res = reserved_end - sum(res_delta)
+    act_series, res_series = [], []
+    for da, dr in zip(act_delta, res_delta):
+        act += da
+        res += dr
+        act_series.append(act)
+        res_series.append(res)
+    recorded = Series(act_series, res_series, "snapshot", label)
+
+    segments = [_segment(k, s) for k, s in enumerate(segs)]
+    order = [seg_created.get(s["address"], -1) for s in segs]
+    return ImportedSnapshot(data, device, label, from_gpu, before + events, recorded, segments, order,
+                            ooms, max(1, len(streams)))
+
+
+def _segment(k: int, s: dict[str, Any]) -> Segment:
+    """A segment of the file as the simulator's ``Segment`` (pool from ``segment_type``; files
+    without it: a small segment is 2 MiB, kSmallBuffer)."""
+    infos = []
+    for addr, b in blocks_at(s):
+        alloc = b.get("state") in _LIVE_STATES
+        infos.append(BlockInfo(addr=addr, offset=addr - s["address"], size=int(b["size"]), allocated=alloc,
+                               requested=int(b.get("requested_size", b["size"]) or 0) if alloc else 0))
+    pool = str(s.get("segment_type", "large" if s["total_size"] > 2 * 2**20 else "small"))
+    return Segment(id=k, pool=pool, address=int(s["address"]), size=int(s["total_size"]), blocks=tuple(infos),
+                   expandable=bool(s.get("is_expandable", False)))
+
+
+# ---- replaying an imported trace ------------------------------------------------------------------
+
+@dataclass
+class SnapshotReplay:
+    """An imported trace replayed through the simulated allocator, next to what the file records.
+
+    ``simulated``: allocated (blocks) and reserved bytes after each event; ``segment_pairs``:
+    the final segments of both (file, simulated), matched in order of creation within each pool."""
+
+    imported: ImportedSnapshot
+    simulated: Series
+    segments: list[Segment]
+    stats: dict[str, int]
+    settings: dict[str, Any]
+    segment_pairs: list[tuple[Segment | None, Segment | None]]
+
+    @property
+    def label(self) -> str:
+        return "simulated allocator" + (f" ({self._settings_text()})" if self.settings else "")
+
+    def _settings_text(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.settings.items())
+
+    def segment_rows(self) -> list[list[str]]:
+        rows = []
+        for n, (real, sim) in enumerate(self.segment_pairs, 1):
+            pool = (real or sim).pool
+            rows.append([str(n), pool,
+                         format_bytes(real.size) if real else "—", format_bytes(sim.size) if sim else "—",
+                         format_bytes(real.allocated_bytes) if real else "—",
+                         format_bytes(sim.allocated_bytes) if sim else "—",
+                         format_delta((sim.size if sim else 0) - (real.size if real else 0))])
+        return rows
+
+    def total_rows(self) -> list[list[str]]:
+        imp = self.imported
+        real_end = sum(s.size for s in imp.segments)
+        sim_end = sum(s.size for s in self.segments)
+        return [
+            ["reserved at the end", format_bytes(real_end), format_bytes(sim_end), format_delta(sim_end - real_end)],
+            ["peak reserved", format_bytes(imp.peak_reserved), format_bytes(self.stats["reserved_bytes.all.peak"]),
+             format_delta(self.stats["reserved_bytes.all.peak"] - imp.peak_reserved)],
+            ["peak of live tensors (requested bytes)", format_bytes(imp.peak_active),
+             format_bytes(self.stats["requested_bytes.all.peak"]),
+             format_delta(self.stats["requested_bytes.all.peak"] - imp.peak_active)],
+            ["segments at the end", str(len(imp.segments)), str(len(self.segments)),
+             f"{len(self.segments) - len(imp.segments):+d}"],
+        ]
+
+    def _repr_html_(self) -> str:
+        src = self.imported.label
+        head = html_table(["", f"in the file: {src}", self.label, "simulated − file"], self.total_rows(),
+                          "the file's trace replayed through gpulab's simulator")
+        segs = html_table(["#", "pool", "reserved: file", "reserved: simulated", "allocated: file",
+                           "allocated: simulated", "simulated − file"], self.segment_rows(),
+                          "segments at the end, in order of creation within each pool")
+        return head + segs
+
+    def __repr__(self) -> str:
+        return (f"SnapshotReplay(peak_reserved simulated={self.stats['reserved_bytes.all.peak']:,} B, "
+                f"in the file={self.imported.peak_reserved:,} B)")
+
+
+def replay_snapshot(imported: ImportedSnapshot, **allocator_kwargs: Any) -> SnapshotReplay:
+    """See :meth:`ImportedSnapshot.replay`. Blocks live before the trace began are allocated
+    first, in address order. NB: one stream; the real allocator's state before the trace (its
+    cached free segments) is not in the file and not modelled."""
+    sim = CachingAllocator(**allocator_kwargs)
+    live: dict[int, Any] = {}
+    alloc, res = [], []
+    for e in imported.events:
+        if e["kind"] == "alloc":
+            try:
+                live[e["sid"]] = sim.malloc(e["nbytes"])
+            except SimulatedOutOfMemoryError:
+                pass
+        elif e["sid"] in live:
+            sim.free(live.pop(e["sid"]))
+        alloc.append(sim.memory_allocated())
+        res.append(sim.memory_reserved())
+    segments = sim.segment_map()
+    pairs: list[tuple[Segment | None, Segment | None]] = []
+    for pool in ("large", "small"):
+        created = sorted((p for p in zip(imported.segment_order, imported.segments) if p[1].pool == pool),
+                         key=lambda p: (p[0], p[1].address))
+        real = [s for _, s in created]
+        simulated = sorted((s for s in segments if s.pool == pool), key=lambda s: (s.id, s.address))
+        for k in range(max(len(real), len(simulated))):
+            pairs.append((real[k] if k < len(real) else None, simulated[k] if k < len(simulated) else None))
+    settings = {k: v for k, v in allocator_kwargs.items() if v not in (None, False)}
+    return SnapshotReplay(imported, Series(alloc, res, "snapshot, replayed", "simulated allocator"),
+                          segments, sim.stats(), settings, pairs)

@@ -1,0 +1,447 @@
+"""Three ways to answer "how much memory does this take?": cuda, cpu and fake.
+
+An *experiment* is a callable ``fn(ctx) -> value`` that builds what it needs on
+``ctx.device`` and labels its inputs with ``ctx.label``. ``run(fn, engine=...)`` runs it
+under a ``MemoryTracker`` and returns a ``Measurement``: the tracker's result, the engine
+that answered and why, the honest label for the numbers, and on CUDA the caching
+allocator's own counters and NVML's device-wide figure, with the gap between the
+allocator and the live tensors reported as its own line.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from gpulab.allocator.simulator import CachingAllocator, rebuilt_allocator
+from gpulab.measure.fake_mode import FakeMode
+from gpulab.formulas import cuda_rounded_bytes
+from gpulab.categories import Category
+from gpulab.measure.tracking import MemoryTracker, TrackingResult
+
+__all__ = [
+    "AllocatorBlocks", "DEFAULT_MAX_CPU_BYTES", "DEFAULT_MAX_CPU_FLOPS", "ENGINES", "EngineChoice",
+    "EngineUnavailable", "FAKE_CUDA_DEVICE", "FAKE_TARGETS", "LABEL_BLOCKS", "LABEL_CPU",
+    "LABEL_FAKE", "LABEL_FAKE_CPU", "LABEL_FAKE_CUDA", "LABEL_FORMULA", "LABEL_SIMULATED",
+    "LABEL_TENSOR_BYTES", "Measured", "Measurement", "RunContext", "Snapshot", "allocator_blocks",
+    "beyond_tensors", "choose_engine", "cuda_run_counters", "engine_status", "label_cuda",
+    "label_recorded", "release_cuda_memory", "run", "validate_fake_target"
+]
+
+ENGINES = ("cuda", "cpu", "fake")
+
+# Where the automatic choice stops running real CPU compute and switches to fake tensors.
+DEFAULT_MAX_CPU_BYTES = 2 * 1024**3        # predicted peak of live tensors
+DEFAULT_MAX_CPU_FLOPS = 40 * 10**9         # ~ a second or two of fp32 work on a 2-core CPU
+
+LABEL_FORMULA = "formula"
+LABEL_CPU = "measured on CPU (live tensors)"
+LABEL_FAKE = "fake tensors (no compute)"  # the family; a measurement says whose kernels it followed
+LABEL_FAKE_CPU = "fake tensors, CPU kernels (no compute)"
+LABEL_FAKE_CUDA = "fake tensors, CUDA kernels' allocations (no compute)"
+
+# Whose kernels a fake run follows: "cuda" answers for a GPU (foreach optimizers, bool dropout
+# masks, 512-byte blocks, step counters in host memory: gpulab.measure.fake_cuda), "cpu" mimics this
+# CPU's kernels, so that a fake run equals a cpu-engine run storage for storage.
+FAKE_TARGETS = ("cuda", "cpu")
+LABEL_SIMULATED = "simulated allocator"
+# The two ways the cuda engine counts its live tensors (see ``allocator_blocks``).
+LABEL_TENSOR_BYTES = "tensor bytes (live tensors, each storage rounded up to 512 B)"
+LABEL_BLOCKS = ("allocator blocks (live tensors replayed through the simulated allocator: a large "
+                "block is not split when 1 MiB or less would remain)")
+
+
+def label_cuda(gpu_name: str) -> str:
+    return f"measured on {gpu_name} (cuda)"
+
+
+def label_recorded(gpu_name: str, date: str, torch_version: str) -> str:
+    return f"recorded on {gpu_name}, {date}, torch {torch_version}"
+
+
+# the device the fake engine's CUDA target records its CPU fake tensors on (MemoryTracker's
+# device_alias), so its storages are counted as the GPU's
+FAKE_CUDA_DEVICE = "cuda:0"
+
+
+def validate_fake_target(target: str) -> str:
+    key = str(target).lower()
+    if key not in FAKE_TARGETS:
+        raise ValueError(f"unknown fake target {target!r}; valid targets: {', '.join(FAKE_TARGETS)}")
+    return key
+
+
+class EngineUnavailable(ValueError):
+    """The engine asked for cannot run here; the message says which ones can."""
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    name: str
+    reason: str
+
+
+def engine_status() -> dict[str, tuple[bool, str]]:
+    """Each engine: (available, why)."""
+    cuda = torch.cuda.is_available()
+    return {
+        "cuda": (cuda, "a CUDA GPU is visible" if cuda else "no CUDA GPU is visible to torch"),
+        "cpu": (True, "always available: real compute on the CPU, live-tensor accounting"),
+        "fake": (True, "always available: shapes and dtypes only, no data, no compute"),
+    }
+
+
+def choose_engine(requested: str = "auto", predicted_bytes: int | None = None,
+                  predicted_flops: int | None = None,
+                  max_cpu_bytes: int = DEFAULT_MAX_CPU_BYTES,
+                  max_cpu_flops: int = DEFAULT_MAX_CPU_FLOPS) -> EngineChoice:
+    """``auto``: cuda when a GPU is visible; else cpu, unless the predicted size or work is
+    over the caller's limits, then fake. An explicit engine is used as asked, or refused
+    with an ``EngineUnavailable`` that names the engines this machine has."""
+    status = engine_status()
+    req = str(requested).lower()
+    if req != "auto":
+        if req not in status:
+            raise EngineUnavailable(f"unknown engine {requested!r}; valid engines: auto, {', '.join(ENGINES)}")
+        ok, why = status[req]
+        if not ok:
+            have = ", ".join(n for n, (a, _) in status.items() if a)
+            raise EngineUnavailable(f"engine {req!r} is not available here ({why}); available: auto, {have}")
+        return EngineChoice(req, "asked for explicitly")
+    if status["cuda"][0]:
+        return EngineChoice("cuda", "a CUDA GPU is available, so the real allocator is measured")
+    if predicted_bytes is not None and predicted_bytes > max_cpu_bytes:
+        return EngineChoice("fake", f"no GPU, and the predicted {predicted_bytes / 2**20:,.0f} MiB is over "
+                                    f"the cpu engine's limit of {max_cpu_bytes / 2**20:,.0f} MiB")
+    if predicted_flops is not None and predicted_flops > max_cpu_flops:
+        return EngineChoice("fake", f"no GPU, and {predicted_flops / 1e9:,.1f} GFLOP is too slow to compute on "
+                                    f"this CPU (limit {max_cpu_flops / 1e9:,.0f} GFLOP)")
+    return EngineChoice("cpu", "no GPU; small enough to compute for real on the CPU")
+
+
+@dataclass
+class Snapshot:
+    """Live bytes at a named moment: the tracker's count, and on CUDA the allocator's."""
+    name: str
+    tracked_bytes: int
+    allocated_bytes: int | None = None
+    by_category: dict[str, int] = field(default_factory=dict)  # tracked bytes per category
+    blocks_bytes: int | None = None   # cuda: the live tensors' blocks (``allocator_blocks``), to
+                                      # compare with ``allocated_bytes`` like with like
+
+
+@dataclass(frozen=True)
+class AllocatorBlocks:
+    """What ``torch.cuda.memory_allocated`` counts for a run's live tensors: its blocks.
+
+    The caching allocator rounds each request up to 512 B, and it does not split a free large
+    block when 1 MiB or less would remain (``should_split``: ``remaining > kSmallSize`` in the
+    large pool), so a block can be bigger than its rounded tensor; ``allocated_bytes`` grows by
+    the whole ``block->size`` (``alloc_found_block``), c10/cuda/CUDACachingAllocator.cpp."""
+    peak_bytes: int
+    final_bytes: int
+    label: str = LABEL_BLOCKS
+    tensor_label: str = LABEL_TENSOR_BYTES   # the line it stands next to: the tracker's own peak
+
+
+def allocator_blocks(events, segments=None) -> AllocatorBlocks:
+    """Replay tracker events (one CUDA device's) through gpulab's simulated caching allocator,
+    starting from ``segments`` (the allocator's segments when the run began, as
+    ``gpu.allocator_segments`` reads them: the blocks allocated before the run and the free room
+    beside them, which the run's tensors may take), or from an empty cache when they are not
+    known. The peaks and the final bytes are those of the run's own blocks (above the start)."""
+    sim = rebuilt_allocator(segments) if segments else None
+    sim = sim or CachingAllocator()
+    start = sim.memory_allocated()
+    r = sim.replay(events, strict=False)
+    return AllocatorBlocks(r.peak_allocated - start, sim.memory_allocated() - start)
+
+
+class RunContext:
+    """What an experiment receives: where to put tensors, and how to label them."""
+
+    def __init__(self, engine: str, device: torch.device, tracker: MemoryTracker, baseline: int = 0,
+                 kernels: str | None = None, on_host=None, segments=None):
+        self.engine = engine
+        self._segments = segments   # cuda: the allocator's segments when the run began (allocator_blocks)
+        self.device = device
+        self._on_host = on_host  # records a CUDA run keeps in host memory (fake CUDA target)
+        # whose kernels the run follows: "cuda" on the cuda engine and for the fake engine's
+        # CUDA target (tensors still on ``device``), else "cpu"
+        self.kernels = kernels or ("cuda" if engine == "cuda" else "cpu")
+        self.tracker = tracker
+        self.snapshots: list[Snapshot] = []
+        self._baseline = baseline
+
+    def label(self, tensor: torch.Tensor, category: Category | str = Category.INPUTS) -> torch.Tensor:
+        return self.tracker.label(tensor, category)
+
+    def phase(self, name: str):
+        return self.tracker.phase(name)
+
+    def mark(self) -> int:
+        """The number of events recorded so far: a position on the run's timeline (the events
+        after it have ``index >= mark``), e.g. where a training step starts."""
+        return len(self.tracker._events)
+
+    def snapshot(self, name: str) -> Snapshot:
+        """Record live bytes now (tracker, and the allocator on CUDA)."""
+        # the fake CUDA target records its CPU fake tensors as cuda:0 (MemoryTracker device_alias)
+        dev = FAKE_CUDA_DEVICE if self.kernels == "cuda" and self.engine != "cuda" else str(self.device)
+        rounded = self.kernels == "cuda"
+        by_category = {c.value: 0 for c in Category}
+        for r in self.tracker._records.values():
+            if r.alive and r.device.startswith(dev) and not (self._on_host and self._on_host(r)):
+                by_category[r.category.value] += cuda_rounded_bytes(r.nbytes) if rounded else r.nbytes
+        tracked = sum(by_category.values())
+        alloc = blocks = None
+        if self.engine == "cuda":
+            torch.cuda.synchronize(self.device)
+            alloc = torch.cuda.memory_allocated(self.device) - self._baseline
+            blocks = allocator_blocks([e for e in self.tracker._events if e.device.startswith(dev)],
+                                      self._segments).final_bytes
+        snap = Snapshot(name, tracked, alloc, by_category, blocks)
+        self.snapshots.append(snap)
+        return snap
+
+
+@dataclass
+class Measurement:
+    """One experiment's answer, with where it came from."""
+    engine: str
+    reason: str
+    device: str
+    label: str
+    tracking: TrackingResult | None
+    value: Any = None
+    seconds: float = 0.0
+    snapshots: list[Snapshot] = field(default_factory=list)
+    allocator: dict[str, int] | None = None    # cuda only: the caching allocator's counters, this run
+    beyond_tensors: dict[str, Any] | None = None  # cuda only: allocator peak - the tensors' blocks' peak
+    blocks: AllocatorBlocks | None = None      # cuda only: the live tensors' allocator blocks
+    oom: bool = False
+    error: str | None = None
+    kernels: str = ""  # whose kernels the numbers follow: "cuda" or "cpu" (filled in if not given)
+
+    def __post_init__(self) -> None:
+        if not self.kernels:
+            self.kernels = "cuda" if self.engine == "cuda" else "cpu"
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.tracking.peak_bytes if self.tracking else 0
+
+    @property
+    def peak_by_category(self) -> dict[str, int]:
+        return dict(self.tracking.peak_by_category) if self.tracking else {}
+
+    def __repr__(self) -> str:
+        state = f"OOM: {self.error}" if self.oom else f"peak={self.peak_bytes:,} B"
+        return f"Measurement(engine={self.engine!r}, {state}, label={self.label!r})"
+
+    def _repr_html_(self) -> str:
+        from gpulab.views import measurement_html
+        return measurement_html(self)
+
+
+class Measured:
+    """The shared shape of every result that holds one ``measurement`` (a field, or a property
+    naming the run that speaks for a comparison): where its numbers came from, and its peak.
+
+    A mixin of properties only; a dataclass using it must not declare fields of these names."""
+    measurement: Measurement
+
+    @property
+    def label(self) -> str:
+        return self.measurement.label
+
+    @property
+    def engine(self) -> str:
+        return self.measurement.engine
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.measurement.peak_bytes
+
+    @property
+    def peak_by_category(self) -> dict[str, int]:
+        return self.measurement.peak_by_category
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and ("out of memory" in str(exc).lower()
+                                              or "can't allocate memory" in str(exc).lower())
+
+
+def run(experiment: Callable[[RunContext], Any], engine: str = "auto", *,
+        predicted_bytes: int | None = None, predicted_flops: int | None = None,
+        max_cpu_bytes: int = DEFAULT_MAX_CPU_BYTES, max_cpu_flops: int = DEFAULT_MAX_CPU_FLOPS,
+        cuda_device: int = 0, fake_target: str = "cpu") -> Measurement:
+    """Run ``experiment`` on the chosen engine under a tracker.
+
+    ``fake_target`` (fake engine only): "cpu" follows this CPU's kernels, so a fake run equals
+    a cpu-engine run storage for storage; "cuda" answers for a GPU with CUDA's kernel choices
+    (``gpulab.measure.fake_cuda``) and 512-byte blocks. Questions about a GPU's capacity pass "cuda".
+
+    An out-of-memory error is caught and returned as ``Measurement(oom=True, error=...)``,
+    after freeing what the experiment allocated (gc, and ``empty_cache`` on CUDA)."""
+    target = validate_fake_target(fake_target)
+    choice = choose_engine(engine, predicted_bytes, predicted_flops, max_cpu_bytes, max_cpu_flops)
+    if choice.name == "cuda":
+        return _run_cuda(experiment, choice, torch.device("cuda", cuda_device))
+    if choice.name == "fake":
+        if target == "cuda":
+            return _run_fake_cuda(experiment, choice, FakeMode)
+        return _run_host(experiment, choice, LABEL_FAKE_CPU, FakeMode())
+    return _run_host(experiment, choice, LABEL_CPU, contextlib.nullcontext())
+
+
+def _run_fake_cuda(experiment, choice: EngineChoice, fake_mode) -> Measurement:
+    """The fake engine's CUDA target: fake CPU tensors (fake cuda tensors cannot run backward
+    without a GPU), CUDA's kernel choices made explicitly, storages recorded as ``cuda:0``
+    with 512-byte blocks, and what CUDA keeps in host memory counted on the CPU."""
+    from gpulab.measure.fake_cuda import cuda_kernels
+    return _run_host(experiment, choice, LABEL_FAKE_CUDA, _stacked(fake_mode(), cuda_kernels()),
+                     tracker=MemoryTracker(device_alias={"cpu": FAKE_CUDA_DEVICE}), kernels="cuda")
+
+
+@contextlib.contextmanager
+def _stacked(*modes):
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield
+
+
+def _run_host(experiment, choice: EngineChoice, label: str, mode, tracker: MemoryTracker | None = None,
+              kernels: str = "cpu") -> Measurement:
+    device = torch.device("cpu")
+    tracker = tracker or MemoryTracker()
+    value, err, oom = None, None, False
+    t0 = time.perf_counter()
+    on_host = None
+    if kernels == "cuda":
+        from gpulab.measure.fake_cuda import on_host_under_cuda as on_host
+    with mode:
+        ctx = RunContext(choice.name, device, tracker, kernels=kernels, on_host=on_host)
+        try:
+            with tracker:
+                value = experiment(ctx)
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            oom, err = True, f"{type(exc).__name__}: {exc}"
+    seconds = time.perf_counter() - t0
+    # Free reference cycles the experiment left, so their frees are recorded. A full
+    # collection costs 0.2-0.3 s with torch loaded (more than a small step itself), so
+    # only pay it when a tracked storage is still alive: otherwise it changes nothing.
+    if any(r.alive for r in tracker._records.values()):
+        gc.collect()
+    if kernels == "cuda":
+        dev_name = f"{FAKE_CUDA_DEVICE} (fake tensors, CUDA kernels emulated on the CPU)"
+        tracking = tracker.result(device=FAKE_CUDA_DEVICE, round_to_cuda_blocks=True, on_host=on_host)
+    else:
+        dev_name = "cpu" if choice.name == "cpu" else "cpu (fake tensors)"
+        tracking = tracker.result(device="cpu")
+    return Measurement(choice.name, choice.reason, dev_name, label, tracking,
+                       value, seconds, ctx.snapshots, oom=oom, error=err, kernels=kernels)
+
+
+def release_cuda_memory(device: torch.device | int | None = None) -> None:
+    """Give back what earlier code left: collect garbage (reference cycles holding tensors), wait
+    for the GPU, and return the allocator's free cached segments to the driver (``empty_cache``)."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+
+
+def _cuda_counters(device: torch.device) -> dict[str, int]:
+    """The allocator's current counters; ``num_*`` count since the process started."""
+    stats = torch.cuda.memory_stats(device)
+    return {"allocated": int(torch.cuda.memory_allocated(device)),
+            "reserved": int(torch.cuda.memory_reserved(device)),
+            "num_alloc_retries": int(stats.get("num_alloc_retries", 0)),
+            "num_ooms": int(stats.get("num_ooms", 0))}
+
+
+def cuda_run_counters(before: dict[str, int], after: dict[str, int], max_allocated: int,
+                      max_reserved: int, nvml_used: int | None) -> dict[str, Any]:
+    """One run's allocator numbers: peaks and deltas from the run's own baseline. Counters the
+    allocator keeps for the whole process are given as this run's difference, and separately
+    under names that say ``since_process_start``."""
+    return {
+        "baseline_allocated": before["allocated"], "baseline_reserved": before["reserved"],
+        "memory_allocated": after["allocated"], "memory_reserved": after["reserved"],
+        "max_memory_allocated": int(max_allocated), "max_memory_reserved": int(max_reserved),
+        "peak_allocated_delta": int(max_allocated) - before["allocated"],
+        "peak_reserved_delta": int(max_reserved) - before["reserved"],
+        "allocated_delta": after["allocated"] - before["allocated"],
+        "num_alloc_retries_this_run": after["num_alloc_retries"] - before["num_alloc_retries"],
+        "num_ooms_this_run": after["num_ooms"] - before["num_ooms"],
+        "num_alloc_retries_since_process_start": after["num_alloc_retries"],
+        "num_ooms_since_process_start": after["num_ooms"],
+        "nvml_used": nvml_used,   # device-wide, all processes: not a per-run number
+    }
+
+
+def beyond_tensors(allocator: dict[str, Any], blocks: AllocatorBlocks) -> dict[str, Any]:
+    """What the allocator held during the run beyond the live tensors' own blocks (cuBLAS/cuDNN
+    workspaces, internal buffers of ops), and how much of it is still held after the run: that
+    part lives on with the process (cuBLAS keeps the workspace its first matmul of the process
+    allocated), so it is not a cost of every run."""
+    peak = allocator["peak_allocated_delta"]
+    gap = peak - blocks.peak_bytes
+    kept = allocator["allocated_delta"] - blocks.final_bytes
+    return {"bytes": int(gap),
+            "label": "allocator peak of this run beyond the live tensors' blocks (workspaces, internal buffers)",
+            "fraction_of_peak": gap / max(1, peak),
+            "kept_after_run": int(kept),
+            "kept_label": "still allocated after the run beyond live tensors: workspaces this run created, "
+                          "kept until the process ends (cuBLAS's first matmul of the process)"}
+
+
+def _run_cuda(experiment, choice: EngineChoice, device: torch.device) -> Measurement:
+    """Measure one run, not the process's history: free what earlier code left (gc, synchronize,
+    ``empty_cache``), reset the peaks, record the baseline; report peaks and deltas from it.
+    Memory is released again after any error; an error that is not an out-of-memory is re-raised."""
+    from gpulab.measure.gpu import allocator_segments, nvml_used_bytes
+    release_cuda_memory(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = _cuda_counters(device)
+    segments = allocator_segments(device)   # what was left (a cuBLAS workspace) and the room beside it
+    tracker = MemoryTracker()
+    ctx = RunContext("cuda", device, tracker, baseline=before["allocated"], segments=segments)
+    value, err, oom = None, None, False
+    t0 = time.perf_counter()
+    try:
+        with tracker:
+            value = experiment(ctx)
+        torch.cuda.synchronize(device)
+    except Exception as exc:
+        # the traceback's frames hold the experiment's tensors: drop their locals, then free
+        traceback.clear_frames(exc.__traceback__)
+        if not _is_oom(exc):
+            release_cuda_memory(device)
+            raise
+        oom, err = True, f"{type(exc).__name__}: {exc}"
+    seconds = time.perf_counter() - t0
+    max_alloc = torch.cuda.max_memory_allocated(device)
+    max_res = torch.cuda.max_memory_reserved(device)
+    result = tracker.result(device=str(device))
+    blocks = allocator_blocks(result.events, segments)
+    allocator = cuda_run_counters(before, _cuda_counters(device), max_alloc, max_res,
+                                  nvml_used_bytes(device.index or 0))
+    beyond = beyond_tensors(allocator, blocks)
+    if oom:
+        release_cuda_memory(device)
+    name = torch.cuda.get_device_name(device)
+    return Measurement("cuda", choice.reason, str(device), label_cuda(name), result, value, seconds,
+                       ctx.snapshots, allocator=allocator, beyond_tensors=beyond, oom=oom, error=err,
+                       blocks=blocks)

@@ -1,0 +1,239 @@
+"""What CUDA would run, on fake tensors, on a machine without a GPU.
+
+The fake engine answers "would it fit on a GPU?" without one. Fake tensors *on a cuda
+device* get surprisingly far: ``FakeTensorMode`` builds them, and a forward pass dispatches
+the CUDA paths (``dropout`` becomes ``native_dropout`` with a bool mask, batch norm becomes
+``cudnn_batch_norm``). But backward does not run: autograd's engine asks the CUDA runtime
+for the device's primary context, and with no GPU it fails (``RuntimeError: hasPrimaryContext
+expects a valid device index``). Autocast on a fake cuda tensor is switched off with a
+warning ("CUDA is not available"). So a training step cannot run on fake cuda tensors here.
+
+Instead the fake engine runs the experiment on fake *CPU* tensors and makes CUDA's
+choices explicitly (``cuda_kernels()``), each one checked against PyTorch's source:
+
+* **optimizers**: ``torch/optim/optimizer.py`` ``_default_to_fused_or_foreach`` picks the
+  foreach implementation when every parameter is a CUDA tensor (and never fused unless
+  asked). On the CPU, and for ``FakeTensor`` parameters anywhere (their type is not in
+  ``_foreach_supported_types``), it picks the for-loop. Inside ``cuda_kernels()`` it answers
+  as it would for CUDA tensors. An explicit ``foreach=`` / ``fused=`` is left alone.
+* **step counters**: ``torch/optim/adam.py`` ``_init_group`` (and adamw, rmsprop,
+  adagrad) keeps ``state["step"]`` as a CPU tensor unless the group is fused or capturable,
+  so on a GPU it is host memory. ``on_host_under_cuda`` picks those storages so the engine
+  counts them on the CPU, not on the GPU. NB: a fused or capturable optimizer keeps its step
+  on the GPU (one 512-byte block per parameter tensor); the emulation counts it as host.
+* **dropout**: ``aten/src/ATen/native/Dropout.cpp`` ``dropout`` uses the fused kernel
+  (``native_dropout``: the output and a **bool** mask, saved for backward) when the input
+  is on CUDA, in training, with 0 < p < 1; the CPU path multiplies by a float noise
+  tensor it keeps. Inside ``cuda_kernels()``, ``F.dropout`` / ``torch.dropout`` (patched for
+  the duration) call ``torch.native_dropout``, which allocates exactly what the fused CUDA
+  kernel does.
+  ``dropout_`` (``inplace=True``), ``Dropout1d/2d/3d`` and alpha dropout take the same
+  non-fused path on both devices and are left alone.
+* **512-byte blocks**: the engine reports the run on ``cuda:0`` with every storage rounded
+  up to the caching allocator's 512-byte block (``c10/cuda/CUDACachingAllocator.cpp``
+  ``kMinBlockSize``), as the tracker does for a real CUDA run.
+* **attention**: ``F.scaled_dot_product_attention`` (patched for the duration) runs the CUDA
+  kernel ``select_sdp_backend`` would pick on an A100/H100 (flash for fp16/bf16 without a mask,
+  else memory-efficient, else math), whose saved tensors are the output and a float32 softmax
+  statistic per row, not the s×s scores (``cuda_sdpa_backend``); transformers' mask builder is
+  told the sequences are not packed, as it finds on real positions (``unpacked_sequences``).
+* **batch norm**: nothing to change: ``cudnn_batch_norm`` saves the same input, weight,
+  running stats and per-channel mean / inverse std as the CPU kernel; its extra ``reserve``
+  tensor is empty on fake tensors (its real size comes from cuDNN at run time).
+
+``STILL_DIFFERS`` lists, as data, what a fake CUDA-target run still cannot match on a real
+GPU; the README and lesson 04 show it.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Iterator
+
+import torch
+
+__all__ = [
+    "STILL_DIFFERS", "cuda_kernels", "cuda_sdpa_backend", "on_host_under_cuda", "unpacked_sequences"
+]
+
+STILL_DIFFERS: tuple[tuple[str, str], ...] = (
+    ("CUDA context", "the driver's and PyTorch's own memory on the card (hundreds of MiB): not a tensor, "
+                     "so never counted; lesson 04 adds an assumed figure"),
+    ("cuBLAS / cuDNN workspaces", "matmul and convolution workspaces the libraries allocate through the "
+                                  "caching allocator; they depend on the algorithm cuDNN picks at run time"),
+    ("cuDNN batch norm reserve", "cudnn_batch_norm's reserve tensor is empty on fake tensors; its real size "
+                                 "comes from cuDNN"),
+    ("caching allocator", "live tensors only: reserved memory, fragmentation and cached blocks come from "
+                          "the allocator simulator, not from the fake run"),
+    ("autocast op lists", "autocast is off on fake cuda tensors, so torch.autocast runs with the CPU's op "
+                          "lists (CUDA's lists keep losses, softmax, layer norm and sums in float32)"),
+    ("kernel-internal buffers", "memory a CUDA kernel allocates inside itself (cuDNN conv algorithms, "
+                                "NCCL, flash attention's scratch) is invisible to fake tensors"),
+    ("attention kernels", "F.scaled_dot_product_attention is sent to the kernel an A100/H100 picks (flash, "
+                          "memory-efficient or math, by sdp_utils.cpp's rules); a GPU with another compute "
+                          "capability, or cuDNN attention, may choose differently"),
+    ("fused / capturable optimizers", "their step counters live on the GPU but are counted as host memory "
+                                      "(one 512-byte block per parameter tensor)"),
+)
+
+
+def _optimizer_modules() -> list:
+    return [m for name, m in list(sys.modules.items())
+            if m is not None and (name == "torch.optim" or name.startswith("torch.optim."))]
+
+
+def _cuda_default_to_fused_or_foreach(params, differentiable: bool, use_fused: bool = False):
+    """CUDA's answer of ``torch/optim/optimizer.py`` ``_default_to_fused_or_foreach``: every
+    parameter counts as a CUDA tensor (``cuda`` is in both supported-device lists)."""
+    if torch.jit.is_scripting() or differentiable:
+        return False, False
+    fused = use_fused and all(p is None or torch.is_floating_point(p) for p in params)
+    return fused, not fused
+
+
+@contextlib.contextmanager
+def _cuda_optimizer_defaults() -> Iterator[None]:
+    """Swap torch.optim's default-implementation choice for CUDA's, in every torch.optim
+    module that imported it, for the duration (restored on exit)."""
+    original = sys.modules["torch.optim.optimizer"]._default_to_fused_or_foreach
+    patched = [m for m in _optimizer_modules() if getattr(m, "_default_to_fused_or_foreach", None) is original]
+    for m in patched:
+        m._default_to_fused_or_foreach = _cuda_default_to_fused_or_foreach
+    try:
+        yield
+    finally:
+        for m in patched:
+            m._default_to_fused_or_foreach = original
+
+
+def _cuda_dropout(original, inplace_name: str = "inplace"):
+    """``original`` (``F.dropout`` or ``torch.dropout``) as ``aten/src/ATen/native/Dropout.cpp``
+    runs it on CUDA: the fused ``native_dropout`` (output + bool mask) when training with
+    0 < p < 1 on a non-empty input and not in place; anything else goes through unchanged."""
+    if original is torch.nn.functional.dropout:
+        def dropout(input, p=0.5, training=True, inplace=False):
+            if training and not inplace and 0.0 < float(p) < 1.0 and input.numel() > 0:
+                return torch.native_dropout(input, float(p), True)[0]
+            return original(input, p, training, inplace)
+    else:  # torch.dropout(input, p, train)
+        def dropout(input, p, train):
+            if train and 0.0 < float(p) < 1.0 and input.numel() > 0:
+                return torch.native_dropout(input, float(p), True)[0]
+            return original(input, p, train)
+    dropout.__wrapped__ = original
+    return dropout
+
+
+@contextlib.contextmanager
+def _cuda_dropout_functions() -> Iterator[None]:
+    """Swap ``torch.nn.functional.dropout`` and ``torch.dropout`` for CUDA's choice for the
+    duration. A patch rather than a ``TorchFunctionMode``: it costs nothing on every other call,
+    and it also holds while ``torch.utils.checkpoint`` recomputes a forward inside backward."""
+    f_orig, t_orig = torch.nn.functional.dropout, torch.dropout
+    torch.nn.functional.dropout, torch.dropout = _cuda_dropout(f_orig), _cuda_dropout(t_orig)
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout, torch.dropout = f_orig, t_orig
+
+
+def cuda_sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> str:
+    """The kernel ``F.scaled_dot_product_attention`` picks on an sm80+ GPU (A100, H100), per
+    ``select_sdp_backend`` in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (priority:
+    flash, memory-efficient, math):
+
+    * "flash" (``can_use_flash_attention``): fp16/bf16, no ``attn_mask``, equal head dims of at
+      most 256, a causal mask only with as many queries as keys; grouped-query k/v allowed;
+    * "efficient" (``can_use_mem_efficient_attention``): fp16, bf16 or fp32 with the head dims
+      a multiple of the GEMM alignment (8 for 16-bit, 4 for fp32 on sm80+); masks allowed;
+    * "math": anything else (the composite that stores the s×s scores).
+
+    NB: with cuDNN newer than 9.15 on sm90/sm100 (H100, B200) torch puts cuDNN attention first
+    (``check_prefer_cudnn_attention``); it saves the same kinds of tensors as flash (q, k, v,
+    output and a float32 softmax statistic per row), so the bytes agree."""
+    dt = query.dtype
+    dq, dk, dv = query.shape[-1], key.shape[-1], value.shape[-1]
+    if (dt in (torch.float16, torch.bfloat16) and attn_mask is None and dq == dk == dv and dq <= 256
+            and not (is_causal and query.shape[-2] != key.shape[-2])):
+        return "flash"
+    align = 8 if dt in (torch.float16, torch.bfloat16) else 4
+    if dt in (torch.float16, torch.bfloat16, torch.float32) and dq == dk and dq % align == 0 and dv % align == 0:
+        return "efficient"
+    return "math"
+
+
+def _cuda_sdpa(original):
+    """``F.scaled_dot_product_attention`` as CUDA runs it (``cuda_sdpa_backend``): the CUDA flash /
+    memory-efficient ATen ops, whose fake kernels give the outputs (and so the saved tensors) the
+    CUDA kernels allocate. On fake CPU tensors torch would pick the CPU's choice instead (with
+    dropout, the math composite in float32, storing the s×s scores). Math passes through."""
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        backend = cuda_sdpa_backend(query, key, value, attn_mask, bool(is_causal))
+        if backend == "flash" and (not enable_gqa or key.shape[-3] == query.shape[-3]):
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, float(dropout_p), bool(is_causal), False, scale=scale)[0]
+        if backend == "efficient" and (not enable_gqa or key.shape[-3] == query.shape[-3]):
+            mask = attn_mask
+            if mask is not None and mask.dtype == torch.bool:   # convert_boolean_attn_mask (attention.cpp)
+                mask = torch.zeros((), dtype=query.dtype).masked_fill(~mask, float("-inf"))
+            lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, mask, lse, float(dropout_p), bool(is_causal), scale=scale)[0]
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+    sdpa.__wrapped__ = original
+    return sdpa
+
+
+@contextlib.contextmanager
+def _cuda_attention() -> Iterator[None]:
+    """CUDA's attention kernel for the duration (a patch: it holds during checkpoint recompute),
+    and transformers' mask choice for one sequence per row (``unpacked_sequences``)."""
+    original = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = _cuda_sdpa(original)
+    try:
+        with unpacked_sequences():
+            yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def unpacked_sequences() -> Iterator[None]:
+    """transformers' answer for one sequence per row, on fake tensors. Without an attention
+    mask, ``create_causal_mask`` reads ``position_ids`` to rule out packed sequences
+    (``masking_utils.find_packed_sequence_indices``: ``(packed[:, -1] == 0).all()``); it treats a
+    fake tensor as tracing, cannot read it, and materializes a (b, 1, s, s) mask, which keeps
+    SDPA off the flash kernel. On real tensors, with positions 0..s-1, it finds no packing and
+    passes no mask (``is_causal=True``). Inside, the check answers as for those real positions
+    (NB: packed sequences passed as explicit ``position_ids`` are taken as unpacked). Nothing is
+    done when transformers has not been imported."""
+    masking_utils = None
+    if "transformers" in sys.modules:   # loaded now, not by the model's first forward (then too late)
+        try:
+            import transformers.masking_utils as masking_utils
+        except ImportError:   # a transformers without it: nothing to answer
+            masking_utils = None
+    if masking_utils is None or not hasattr(masking_utils, "find_packed_sequence_indices"):
+        yield
+        return
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def cuda_kernels() -> Iterator[None]:
+    """Run the code inside with CUDA's kernel choices (see the module docstring)."""
+    with _cuda_optimizer_defaults(), _cuda_dropout_functions(), _cuda_attention():
+        yield
+
+
+def on_host_under_cuda(record) -> bool:
+    """A tracked storage that CUDA would keep in host memory: an optimizer's 0-dim
+    ``state["step"]`` counter (``torch/optim/adam.py`` ``_init_group``)."""
+    return record.state_key == "step" and tuple(record.shape) == ()

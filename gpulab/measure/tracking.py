@@ -1,0 +1,640 @@
+"""Live-tensor accounting: every storage created while an experiment runs.
+
+``MemoryTracker`` is a ``TorchDispatchMode``: it sees the output of every ATen op, takes
+each output's *storage* (two views of one storage count once) and keeps a weak reference
+to it, whose callback records the moment the storage is freed. Hooks add meaning:
+
+* global module forward hooks give the module an allocation belongs to, and label a
+  model's parameters and buffers;
+* ``saved_tensors_hooks`` see what autograd saves for backward (activations);
+* post-accumulate-grad hooks label gradients;
+* global optimizer step hooks label optimizer state and mark the optimizer phase;
+* ``label()`` marks inputs (or anything else) explicitly.
+
+A storage can gain labels as it lives (a temporary that a later layer saves becomes an
+activation); it keeps the strongest one it received (``Category`` order), and that label
+is used for its whole life. The same code runs on real CPU tensors, CUDA tensors and
+fake tensors (FakeTensorMode), since all three have storages with ``nbytes()``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from gpulab.categories import CATEGORIES, Category
+from gpulab.formulas import cuda_rounded_bytes
+
+__all__ = ["Event", "MemoryTracker", "PHASES", "StorageRecord", "TrackingResult"]
+
+
+_RANK = {c: i for i, c in enumerate(CATEGORIES)}
+
+PHASES = ("setup", "forward", "backward", "optimizer")
+
+
+@dataclass
+class StorageRecord:
+    """One storage seen by the tracker."""
+
+    sid: int                 # tracker-local id, unique for the tracker's lifetime
+    nbytes: int              # current size in bytes (storages can be resized)
+    device: str
+    dtype: str               # dtype of the first tensor seen on this storage
+    shape: tuple[int, ...]   # shape of the first tensor seen on this storage
+    category: Category
+    module: str              # module whose forward was running when it was created
+    phase: str               # phase when it was created
+    op: str                  # the op that created it (or "existing" / "label")
+    created: int             # index of its alloc event
+    freed: int | None = None  # index of its free event, None while alive
+    preexisting: bool = False  # created before the tracker saw it
+    state_key: str = ""        # the optimizer.state key it was found under ("exp_avg", "step", ...)
+
+    @property
+    def alive(self) -> bool:
+        return self.freed is None
+
+
+@dataclass(frozen=True)
+class Event:
+    """One change to live memory. ``kind`` is 'alloc', 'free' or 'resize'."""
+
+    index: int
+    kind: str
+    sid: int
+    nbytes: int      # bytes after the event for alloc/resize; bytes released for free
+    delta: int       # change in live bytes
+    device: str
+    phase: str
+    module: str
+    time: float      # seconds since the tracker started
+
+
+def _device_str(device: torch.device) -> str:
+    return str(device)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Context manager that records storage lifetimes; ``result()`` gives the data.
+
+    >>> with MemoryTracker() as tracker:
+    ...     model = torch.nn.Linear(4, 2)
+    ...     x = tracker.label(torch.randn(8, 4), Category.INPUTS)
+    ...     model(x).sum().backward()
+    >>> tracker.result().peak_bytes  # doctest: +SKIP
+    """
+
+    def __init__(self, device_alias: dict[str, str] | None = None) -> None:
+        """``device_alias``: record storages of one device under another name, e.g.
+        ``{"cpu": "cuda:0"}`` when CPU fake tensors stand in for a GPU's (the fake engine's
+        CUDA target)."""
+        super().__init__()
+        self._device_alias = dict(device_alias or {})
+        self._device_names: dict[torch.device, str] = {}   # a storage's device -> the name it is recorded under
+        self._self_ref = weakref.ref(self)   # what free callbacks hold: they must not keep the tracker alive
+        self._records: dict[int, StorageRecord] = {}
+        self._live: dict[int, int] = {}          # id(storage object) -> sid
+        self._refs: dict[int, weakref.ref] = {}  # sid -> weakref (kept so callbacks fire)
+        self._events: list[Event] = []
+        self._next_sid = 0
+        self._t0 = time.perf_counter()
+        self._module_names: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+        self._module_stack: list[str] = []
+        self._node_modules: dict[int, str] = {}  # autograd node sequence nr -> module that made it
+        self._phase_override: list[str] = []
+        self._auto_phase = "setup"
+        self._in_optimizer = 0
+        self._hooked_params = WeakIdKeyDictionary()  # param -> hook handle
+        self._handles: list[Any] = []
+        self._exit_stack: contextlib.ExitStack | None = None
+        self._closed = False
+
+    # ---- context management -------------------------------------------------------
+    def __enter__(self) -> "MemoryTracker":
+        from torch.nn.modules import module as nn_module
+        from torch.optim import optimizer as optim_module
+
+        self._handles = [
+            nn_module.register_module_forward_pre_hook(self._on_forward_pre),
+            nn_module.register_module_forward_hook(self._on_forward_post, always_call=True),
+            optim_module.register_optimizer_step_pre_hook(self._on_step_pre),
+            optim_module.register_optimizer_step_post_hook(self._on_step_post),
+        ]
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+        stack.enter_context(_storage_resizes_seen_by(self))
+        self._exit_stack = stack
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+            for h in list(self._hooked_params.values()):
+                h.remove()
+            self._hooked_params = WeakIdKeyDictionary()
+            if self._exit_stack is not None:
+                self._exit_stack.close()
+                self._exit_stack = None
+            self._closed = True
+
+    # ---- the dispatch hook ------------------------------------------------------------
+    # Every ATen op of the run passes through here (tens of thousands for a large model's
+    # training step), so the common outputs, one tensor or a flat tuple of tensors, are read
+    # without building a pytree; anything nested goes through ``tree_flatten``, in the same order.
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self._see(out, op=_op_name(func))
+        elif isinstance(out, (tuple, list)):
+            flat = out if not any(isinstance(o, (tuple, list, dict)) for o in out) else tree_flatten(out)[0]
+            for t in flat:
+                if isinstance(t, torch.Tensor):
+                    self._see(t, op=_op_name(func))
+        elif isinstance(out, dict):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._see(t, op=_op_name(func))
+        return out
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+    def _phase(self) -> str:
+        if self._phase_override:
+            return self._phase_override[-1]
+        if self._in_optimizer:
+            return "optimizer"
+        if torch._C._current_autograd_node() is not None:
+            self._auto_phase = "backward"
+        return self._auto_phase
+
+    def _module(self) -> str:
+        if self._module_stack:
+            return self._module_stack[-1]
+        # in backward: the module whose forward created the autograd node now running
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return self._node_modules.get(node._sequence_nr(), "")
+        return ""
+
+    def _map_backward_nodes(self, output, name: str) -> None:
+        """Remember which module's forward created each new autograd node behind
+        ``output``, so that allocations in backward can name their module. Walks back from
+        the output's grad_fn and stops at nodes already mapped (an inner module's, mapped
+        first because inner forward hooks fire first)."""
+        todo = [t.grad_fn for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            seq = node._sequence_nr()
+            if seq in self._node_modules or "AccumulateGrad" in node.name():
+                continue
+            self._node_modules[seq] = name
+            todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+
+    def _storage(self, t: torch.Tensor):
+        if is_traceable_wrapper_subclass(t):
+            # A wrapper such as DTensor reports its global size; its memory is the one inner
+            # tensor it wraps (a DTensor's local shard, what FSDP2 and ZeRO leave per rank).
+            inner = [v for v in (getattr(t, a) for a in t.__tensor_flatten__()[0])
+                     if isinstance(v, torch.Tensor)]
+            if len(inner) != 1:
+                return None
+            t = inner[0]
+        try:
+            return t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None  # sparse, nested or other storage-less tensors: not tracked
+
+    def _see(self, t: torch.Tensor, op: str, category: Category = Category.TEMPORARIES,
+             preexisting: bool = False) -> StorageRecord | None:
+        st = self._storage(t)
+        if st is None:
+            return None
+        key = id(st)
+        sid = self._live.get(key)
+        if sid is not None:
+            rec = self._records[sid]
+            n = st.nbytes()
+            if n != rec.nbytes:  # resize_ / out= that grew the storage
+                self._emit("resize", rec, n, n - rec.nbytes)
+                rec.nbytes = n
+            self._upgrade(rec, category)
+            return rec
+        sid = self._next_sid
+        self._next_sid += 1
+        device = t.device
+        name = self._device_names.get(device)
+        if name is None:
+            name = self._device_names[device] = self._device_alias.get(_device_str(device), _device_str(device))
+        rec = StorageRecord(
+            sid=sid, nbytes=st.nbytes(), device=name, dtype=_dtype_name(t.dtype), shape=tuple(t.shape),
+            category=category, module=self._module(), phase=self._phase(), op=op,
+            created=len(self._events), preexisting=preexisting,
+        )
+        self._records[sid] = rec
+        self._live[key] = sid
+        self._refs[sid] = weakref.ref(st, functools.partial(_storage_freed, self._self_ref, key, sid))
+        self._emit("alloc", rec, rec.nbytes, rec.nbytes)
+        return rec
+
+    def _free(self, key: int, sid: int) -> None:
+        if self._live.get(key) == sid:
+            del self._live[key]
+        rec = self._records.get(sid)
+        if rec is None or rec.freed is not None:
+            return
+        rec.freed = len(self._events)
+        self._emit("free", rec, rec.nbytes, -rec.nbytes)
+        self._refs.pop(sid, None)
+
+    def _emit(self, kind: str, rec: StorageRecord, nbytes: int, delta: int) -> None:
+        phase = rec.phase if kind == "alloc" else self._phase_safe()
+        module = rec.module if kind == "alloc" else self._module()
+        self._events.append(Event(len(self._events), kind, rec.sid, nbytes, delta, rec.device,
+                                  phase, module, time.perf_counter() - self._t0))
+
+    def _phase_safe(self) -> str:
+        # Free callbacks can run on autograd's worker threads; reading the phase is cheap
+        # and side-effect free apart from noticing that backward has started.
+        try:
+            return self._phase()
+        except Exception:  # pragma: no cover - defensive: never break a free callback
+            return self._auto_phase
+
+    def _resized(self, storage) -> None:
+        """A storage we track changed size in place (``UntypedStorage.resize_``: FSDP frees
+        and re-allocates its gathered parameters this way)."""
+        sid = self._live.get(id(storage))
+        if sid is None:
+            return
+        rec = self._records[sid]
+        n = storage.nbytes()
+        if n != rec.nbytes:
+            self._emit("resize", rec, n, n - rec.nbytes)
+            rec.nbytes = n
+
+    @staticmethod
+    def _upgrade(rec: StorageRecord, category: Category) -> None:
+        if _RANK[category] < _RANK[rec.category]:
+            rec.category = category
+
+    # ---- labels --------------------------------------------------------------------------
+    def label(self, tensor: torch.Tensor, category: Category | str) -> torch.Tensor:
+        """Give ``tensor``'s storage a category (``Category.INPUTS`` for a batch). Returns
+        the tensor, so ``x = tracker.label(torch.randn(...), "inputs")`` reads naturally."""
+        cat = Category(category)
+        self._see(tensor, op="existing", category=cat, preexisting=True)
+        return tensor
+
+    def register(self, model: torch.nn.Module | None = None, optimizer=None,
+                 inputs: Iterable[torch.Tensor] = ()) -> None:
+        """Label what already exists: a model's parameters and buffers, an optimizer's
+        state, input tensors. Storages created before the tracker started appear as
+        allocations at this moment, marked ``preexisting``."""
+        if model is not None:
+            self._register_module(model)
+        if optimizer is not None:
+            self._label_optimizer(optimizer)
+        for t in inputs:
+            self.label(t, Category.INPUTS)
+
+    def _register_module(self, root: torch.nn.Module) -> None:
+        prefix = type(root).__name__
+        for name, m in root.named_modules():
+            if m not in self._module_names:
+                self._module_names[m] = f"{prefix}.{name}" if name else prefix
+        for p in root.parameters():
+            self._see(p, op="existing", category=Category.PARAMETERS, preexisting=True)
+            self._hook_grad(p)
+            if p.grad is not None:
+                self._see(p.grad, op="existing", category=Category.GRADIENTS, preexisting=True)
+        for b in root.buffers():
+            self._see(b, op="existing", category=Category.BUFFERS, preexisting=True)
+
+    def _hook_grad(self, p: torch.Tensor) -> None:
+        if not p.requires_grad or p in self._hooked_params:
+            return
+        tracker_ref = weakref.ref(self)
+
+        def on_grad(param: torch.Tensor) -> None:
+            tracker = tracker_ref()
+            if tracker is not None and param.grad is not None:
+                tracker._see(param.grad, op="accumulate_grad", category=Category.GRADIENTS)
+
+        self._hooked_params[p] = p.register_post_accumulate_grad_hook(on_grad)
+
+    def _label_optimizer(self, optimizer) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                self._see(p, op="existing", category=Category.PARAMETERS, preexisting=True)
+                self._hook_grad(p)
+                if p.grad is not None:
+                    self._see(p.grad, op="existing", category=Category.GRADIENTS, preexisting=True)
+        for state in optimizer.state.values():
+            for key, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    rec = self._see(v, op="existing", category=Category.OPTIMIZER_STATE, preexisting=True)
+                    if rec is not None and not rec.state_key:
+                        rec.state_key = str(key)
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def _on_forward_pre(self, module, args):
+        if module not in self._module_names:
+            self._register_module(module)  # a root we have not seen: label its tensors
+        if not self._phase_override and not self._in_optimizer:
+            self._auto_phase = "forward"
+        self._module_stack.append(self._module_names.get(module, type(module).__name__))
+
+    def _on_forward_post(self, module, args, output):
+        if self._module_stack:
+            name = self._module_stack.pop()
+            if torch.is_grad_enabled():
+                self._map_backward_nodes(output, name)
+
+    def _on_step_pre(self, optimizer, args, kwargs):
+        self._in_optimizer += 1
+        self._label_optimizer(optimizer)
+
+    def _on_step_post(self, optimizer, args, kwargs):
+        self._label_optimizer(optimizer)
+        self._in_optimizer = max(0, self._in_optimizer - 1)
+        if not self._in_optimizer:
+            self._auto_phase = "optimizer"  # frees right after step() (zero_grad) belong here
+
+    def _pack(self, t: torch.Tensor):
+        self._see(t, op="saved", category=Category.ACTIVATIONS)
+        # Keep a detached alias (same storage, so no extra memory), not ``t`` itself: when
+        # an op saves its own output (ReLU, softmax), ``t.grad_fn`` is the node doing the
+        # saving, and holding ``t`` would make a reference cycle that keeps a graph which
+        # never runs backward alive until the garbage collector finds it.
+        # A tensor without a grad_fn (a weight, running statistics, an input) cannot lead back
+        # to any node, so it is kept as it is: ``detach`` is an op, through every dispatch mode
+        # (on fake tensors a fake op), and batch norm and every convolution save such tensors.
+        # NB: a tensor with an older grad_fn usually cannot lead back either, but "older" cannot
+        # be told from here for a custom autograd Function (its node is made before its forward
+        # runs, and views of its outputs after), so those keep their detached alias.
+        if t.grad_fn is None:
+            return t, t._version
+        # Autograd skips its in-place version check for tensors that go through
+        # saved_tensors_hooks, so we record the version here and check it in _unpack: code
+        # that breaks autograd outside the tracker breaks it inside the tracker too.
+        return t.detach(), t._version
+
+    @staticmethod
+    def _unpack(packed) -> torch.Tensor:
+        alias, version = packed
+        if alias._version != version:  # the alias shares the original's version counter
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{alias.dtype} {list(alias.shape)}] is at version {alias._version}; "
+                f"expected version {version} instead. (Reported by gpulab's tracker, which checks "
+                "saved tensors exactly as autograd does.)")
+        return alias
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Name the phase explicitly for the code inside (overrides auto-detection)."""
+        self._phase_override.append(name)
+        try:
+            yield
+        finally:
+            self._phase_override.pop()
+            if name in PHASES:
+                self._auto_phase = name
+
+    # ---- results ----------------------------------------------------------------------------
+    def result(self, device: str | None = None, round_to_cuda_blocks: bool | None = None,
+               on_host=None) -> "TrackingResult":
+        """A snapshot of what has been recorded so far (the tracker may still be running).
+
+        ``device``: keep only storages on this device ("cpu", "cuda:0", "meta" for fake
+        tensors created on meta). By default the device holding the most bytes at its peak.
+        ``round_to_cuda_blocks``: count each storage as the 512-byte multiple the CUDA
+        caching allocator gives it (default: True for CUDA devices).
+        ``on_host``: a predicate on records; those it picks are counted on "cpu" (what a GPU
+        run keeps in host memory, when CPU fake tensors stand in for the GPU's)."""
+        records = {sid: _copy_record(r) for sid, r in self._records.items()}
+        events = list(self._events)
+        if on_host is not None:  # ``on_host(record)``: count this storage on the "cpu" instead
+            moved = {sid for sid, r in records.items() if on_host(r)}
+            for sid in moved:
+                records[sid].device = "cpu"
+            events = [replace(e, device="cpu") if e.sid in moved else e for e in events]
+        return TrackingResult.build(records, events, device=device, rounded=round_to_cuda_blocks)
+
+
+@contextlib.contextmanager
+def _storage_resizes_seen_by(tracker: MemoryTracker) -> Iterator[None]:
+    """``UntypedStorage.resize_`` does not pass through the dispatcher, so no dispatch mode sees
+    it (PyTorch's own MemTracker patches it for the same reason, torch/distributed/_tools/
+    mem_tracker.py). Wrap it while ``tracker`` runs; nested trackers wrap and unwrap in turn."""
+    original = torch.UntypedStorage.resize_
+    tracker_ref = weakref.ref(tracker)
+
+    def resize_(storage, size):
+        out = original(storage, size)
+        t = tracker_ref()
+        if t is not None:
+            t._resized(storage)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
+
+
+def _storage_freed(tracker_ref: "weakref.ref[MemoryTracker]", key: int, sid: int, _ref) -> None:
+    """A tracked storage's weak reference died: record the free (if the tracker still exists)."""
+    tracker = tracker_ref()
+    if tracker is not None:
+        tracker._free(key, sid)
+
+
+_OP_NAMES: dict[Any, str] = {}
+
+
+def _op_name(func) -> str:
+    """The name a storage's record gives the op that created it (``func.overloadpacket``'s)."""
+    name = _OP_NAMES.get(func)
+    if name is None:
+        name = _OP_NAMES[func] = str(func.overloadpacket.__name__)
+    return name
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _copy_record(r: StorageRecord) -> StorageRecord:
+    return StorageRecord(**{f: getattr(r, f) for f in r.__dataclass_fields__})
+
+
+@dataclass
+class TrackingResult:
+    """What the tracker saw on one device, as data. Views: ``table()``, ``_repr_html_``,
+    ``gpulab.plots.timeline(result)``."""
+
+    device: str
+    rounded: bool
+    records: dict[int, StorageRecord]
+    events: list[Event]                         # events on this device only
+    series: list[dict[str, int]] = field(repr=False)  # live bytes per category after each event
+    peak_bytes: int = 0
+    peak_index: int = -1                        # index into ``events`` (-1: nothing allocated)
+    peak_by_category: dict[str, int] = field(default_factory=dict)
+    final_bytes: int = 0
+    final_by_category: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, records: dict[int, StorageRecord], events: list[Event], device: str | None = None,
+              rounded: bool | None = None) -> "TrackingResult":
+        if device is None:
+            device = _busiest_device(events)
+        events = [e for e in events if e.device == device]
+        if rounded is None:
+            rounded = device.startswith("cuda")
+        size = cuda_rounded_bytes if rounded else (lambda n: n)
+        current = {c.value: 0 for c in CATEGORIES}
+        sizes: dict[int, int] = {}
+        series: list[dict[str, int]] = []
+        peak, peak_index, total = 0, -1, 0
+        peak_split = dict(current)
+        for i, e in enumerate(events):
+            cat = records[e.sid].category.value
+            old = sizes.get(e.sid, 0)
+            new = 0 if e.kind == "free" else size(e.nbytes)
+            sizes[e.sid] = new
+            current[cat] += new - old
+            total += new - old
+            series.append(dict(current))
+            if total > peak:
+                peak, peak_index, peak_split = total, i, dict(current)
+        return cls(device=device, rounded=rounded,
+                   records={sid: r for sid, r in records.items() if r.device == device},
+                   events=events, series=series, peak_bytes=peak, peak_index=peak_index,
+                   peak_by_category=peak_split, final_bytes=total, final_by_category=dict(current))
+
+    # ---- queries -------------------------------------------------------------------------------
+    def peak_between(self, start: int, end: int | None = None) -> tuple[int, dict[str, int], int]:
+        """The peak of live bytes within the events whose tracker index is in [start, end) (a
+        window between two ``RunContext.mark()`` calls, e.g. one training step): (bytes, bytes
+        per category at that moment, index into ``events``; -1 when the window is empty, with
+        the live bytes at its start)."""
+        best, best_i = -1, -1
+        before = -1
+        for i, e in enumerate(self.events):
+            if e.index < start:
+                before = i
+                continue
+            if end is not None and e.index >= end:
+                break
+            total = sum(self.series[i].values())
+            if total > best:
+                best, best_i = total, i
+        if best_i < 0:
+            split = dict(self.series[before]) if before >= 0 else {c.value: 0 for c in CATEGORIES}
+            return sum(split.values()), split, -1
+        return best, dict(self.series[best_i]), best_i
+
+    def storage_bytes(self, rec: StorageRecord) -> int:
+        return cuda_rounded_bytes(rec.nbytes) if self.rounded else rec.nbytes
+
+    def live_at(self, index: int) -> list[StorageRecord]:
+        """Storages alive just after event ``index`` (``peak_index`` for the peak)."""
+        alive: dict[int, StorageRecord] = {}
+        for e in self.events[: index + 1]:
+            if e.kind == "free":
+                alive.pop(e.sid, None)
+            else:
+                alive[e.sid] = self.records[e.sid]
+        return list(alive.values())
+
+    def alive(self) -> list[StorageRecord]:
+        """Storages still alive at the end of the recording."""
+        return [r for r in self.records.values() if r.alive]
+
+    @property
+    def peak_phase(self) -> str:
+        return self.events[self.peak_index].phase if self.peak_index >= 0 else ""
+
+    @property
+    def peak_module(self) -> str:
+        return self.events[self.peak_index].module if self.peak_index >= 0 else ""
+
+    def by_phase_peak(self) -> dict[str, int]:
+        """Highest live total reached inside each phase."""
+        out: dict[str, int] = {}
+        for e, s in zip(self.events, self.series):
+            tot = sum(s.values())
+            out[e.phase] = max(out.get(e.phase, 0), tot)
+        return out
+
+    def as_dict(self) -> dict:
+        return {
+            "device": self.device,
+            "rounded_to_512": self.rounded,
+            "peak_bytes": self.peak_bytes,
+            "peak_by_category": dict(self.peak_by_category),
+            "peak_phase": self.peak_phase,
+            "final_bytes": self.final_bytes,
+            "final_by_category": dict(self.final_by_category),
+            "storages": len(self.records),
+            "events": len(self.events),
+        }
+
+    # ---- views -----------------------------------------------------------------------------------
+    def table(self) -> str:
+        from gpulab.units import format_bytes
+        lines = [f"live tensors on {self.device}" + (" (each rounded up to 512 B)" if self.rounded else ""),
+                 f"{'category':<16}{'at peak':>14}{'at end':>14}"]
+        for c in CATEGORIES:
+            lines.append(f"{c.value:<16}{format_bytes(self.peak_by_category.get(c.value, 0)):>14}"
+                         f"{format_bytes(self.final_by_category.get(c.value, 0)):>14}")
+        lines.append(f"{'total':<16}{format_bytes(self.peak_bytes):>14}{format_bytes(self.final_bytes):>14}")
+        if self.peak_index >= 0:
+            lines.append(f"peak during {self.peak_phase}" + (f" in {self.peak_module}" if self.peak_module else ""))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"TrackingResult(device={self.device!r}, peak_bytes={self.peak_bytes}, storages={len(self.records)})"
+
+    def _repr_html_(self) -> str:
+        from gpulab.tables import html_table
+        from gpulab.units import format_bytes
+        rows = [[c.value, format_bytes(self.peak_by_category.get(c.value, 0)),
+                 format_bytes(self.final_by_category.get(c.value, 0))] for c in CATEGORIES]
+        rows.append(["total", format_bytes(self.peak_bytes), format_bytes(self.final_bytes)])
+        return html_table(["category", "at peak", "at end"], rows,
+                          f"live tensors on {self.device}, peak during {self.peak_phase}")
+
+
+def _busiest_device(events: list[Event]) -> str:
+    totals: dict[str, int] = {}
+    peaks: dict[str, int] = {}
+    for e in events:
+        totals[e.device] = totals.get(e.device, 0) + e.delta
+        peaks[e.device] = max(peaks.get(e.device, 0), totals[e.device])
+    if not peaks:
+        return "cpu"
+    return max(peaks, key=peaks.get)

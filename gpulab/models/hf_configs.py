@@ -1,0 +1,251 @@
+"""A small built-in table of well-known transformer configurations, written out in the code.
+
+Each entry holds the fields of a published model's ``config.json`` (hidden size, layers, heads,
+vocabulary ...) copied into a Python dict, the URL of that file on huggingface.co (``source``)
+and the model's published parameter count. Nothing is downloaded: ``make_config`` builds the
+``transformers`` config object from the dict, and ``build_causal_lm`` builds a model with random
+weights from it, which, under ``with torch.device("meta"):`` or a ``FakeTensorMode``, costs no
+memory at all, so an 8 B model can be measured on a laptop.
+
+The ``tiny-*`` entries are gpulab's own small configs for CPU runs, not published models.
+
+The dicts leave out ``torch_dtype`` (the dtype the published weights are stored in): the dtype
+of a built model is the caller's choice (``build_causal_lm(config, dtype=...)``, float32 when
+not given). ``transformers`` is imported only inside the functions, so importing this module
+stays cheap.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+__all__ = [
+    "HFConfigEntry", "HF_CONFIGS", "HF_PREFIX", "TINY_SOURCE", "build_causal_lm", "close_names",
+    "config_summary", "hf_entry", "hf_names", "is_config", "make_config", "max_positions",
+    "vocab_size"
+]
+
+if TYPE_CHECKING:
+    import torch
+    import transformers
+    from torch import nn
+
+HF_PREFIX = "hf:"
+TINY_SOURCE = "gpulab (a small config for CPU runs)"
+
+
+@dataclass(frozen=True)
+class HFConfigEntry:
+    """One built-in configuration.
+
+    ``config_class`` is the name of the ``transformers`` config class (``"LlamaConfig"``),
+    ``kwargs`` the fields passed to it (as in the official ``config.json``), ``source`` the URL
+    of that ``config.json`` (or ``TINY_SOURCE``), ``published_params`` the published parameter
+    count (a tied embedding counted once; ``None`` for the tiny configs), ``tiny`` whether this
+    is one of gpulab's own small configs rather than a published model."""
+    name: str
+    config_class: str
+    kwargs: dict[str, Any] = field(hash=False)
+    source: str
+    published_params: int | None
+    description: str
+    tiny: bool = False
+
+
+def _gpt2_kwargs(n_embd: int, n_layer: int, n_head: int) -> dict[str, Any]:
+    # openai-community/gpt2*/config.json. Their ``n_ctx`` (1024) is left out: a legacy alias
+    # of ``n_positions`` that GPT2Config no longer reads.
+    return {
+        "vocab_size": 50257, "n_positions": 1024, "n_embd": n_embd, "n_layer": n_layer, "n_head": n_head,
+        "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
+        "layer_norm_epsilon": 1e-05, "initializer_range": 0.02,
+        "bos_token_id": 50256, "eos_token_id": 50256, "tie_word_embeddings": True,
+    }
+
+
+_ENTRIES = [
+    HFConfigEntry(
+        "gpt2", "GPT2Config", _gpt2_kwargs(768, 12, 12),
+        "https://huggingface.co/openai-community/gpt2/blob/main/config.json", 124_439_808,
+        "GPT-2 small (OpenAI, 2019): 12 layers, 768 wide, 1024 positions, tied embeddings"),
+    HFConfigEntry(
+        "gpt2-medium", "GPT2Config", _gpt2_kwargs(1024, 24, 16),
+        "https://huggingface.co/openai-community/gpt2-medium/blob/main/config.json", 354_823_168,
+        "GPT-2 medium (OpenAI, 2019): 24 layers, 1024 wide, 1024 positions, tied embeddings"),
+    HFConfigEntry(
+        "llama-3-8b", "LlamaConfig",
+        {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+         "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "hidden_act": "silu", "initializer_range": 0.02,
+         "attention_bias": False, "attention_dropout": 0.0, "pretraining_tp": 1,
+         "bos_token_id": 128000, "eos_token_id": 128001, "tie_word_embeddings": False},
+        "https://huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json", 8_030_261_248,
+        "Meta Llama 3 8B (2024): 32 layers, 4096 wide, grouped-query attention (8 KV heads), "
+        "128 K vocabulary, untied embeddings"),
+    HFConfigEntry(
+        # Its config.json has no rope_theta: LlamaConfig's default, 10000, applies.
+        "llama-2-7b", "LlamaConfig",
+        {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
+         "rms_norm_eps": 1e-05, "hidden_act": "silu", "initializer_range": 0.02, "pretraining_tp": 1,
+         "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False},
+        "https://huggingface.co/meta-llama/Llama-2-7b-hf/blob/main/config.json", 6_738_415_616,
+        "Meta Llama 2 7B (2023): 32 layers, 4096 wide, full multi-head attention (32 KV heads), "
+        "32 K vocabulary, untied embeddings"),
+    HFConfigEntry(
+        "mistral-7b", "MistralConfig",
+        {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 32768,
+         "sliding_window": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-05, "hidden_act": "silu",
+         "initializer_range": 0.02, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False},
+        "https://huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json", 7_241_732_096,
+        "Mistral 7B v0.1 (2023): 32 layers, 4096 wide, grouped-query attention (8 KV heads), "
+        "4096-token sliding window, untied embeddings"),
+    HFConfigEntry(
+        # Its config.json also has "use_mrope": false, which is not a Qwen2Config field.
+        "qwen2.5-0.5b", "Qwen2Config",
+        {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+         "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+         "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "hidden_act": "silu", "initializer_range": 0.02,
+         "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": 32768,
+         "max_window_layers": 24, "bos_token_id": 151643, "eos_token_id": 151643, "tie_word_embeddings": True},
+        "https://huggingface.co/Qwen/Qwen2.5-0.5B/blob/main/config.json", 494_032_768,
+        "Qwen2.5 0.5B (Alibaba, 2024): 24 layers, 896 wide, grouped-query attention (2 KV heads), "
+        "152 K vocabulary, tied embeddings: the embedding is over a quarter of the parameters"),
+    HFConfigEntry(
+        "tiny-gpt2", "GPT2Config",
+        # GPT-2's <|endoftext|> is its last token; GPT2Config's default (50256) is outside 1000.
+        {"vocab_size": 1000, "n_positions": 256, "n_embd": 64, "n_layer": 2, "n_head": 4,
+         "bos_token_id": 999, "eos_token_id": 999, "tie_word_embeddings": True},
+        TINY_SOURCE, None,
+        "gpulab's own tiny GPT-2-style config for CPU runs (not a published model): 2 layers, 64 wide",
+        tiny=True),
+    HFConfigEntry(
+        "tiny-llama", "LlamaConfig",
+        {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+         "tie_word_embeddings": False},
+        TINY_SOURCE, None,
+        "gpulab's own tiny Llama-style config for CPU runs (not a published model): 2 layers, 64 wide, "
+        "2 KV heads",
+        tiny=True),
+]
+
+HF_CONFIGS: dict[str, HFConfigEntry] = {e.name: e for e in _ENTRIES}
+
+
+def hf_names() -> list[str]:
+    """The names of the built-in configs, published models first, then the tiny ones."""
+    return list(HF_CONFIGS)
+
+
+def hf_entry(name: str) -> HFConfigEntry:
+    """The entry called ``name`` (case-insensitive, with or without the ``hf:`` prefix). An
+    unknown name raises a ``ValueError`` that lists the close matches and every valid name."""
+    key = str(name).strip().lower().removeprefix(HF_PREFIX)
+    if key in HF_CONFIGS:
+        return HF_CONFIGS[key]
+    close = difflib.get_close_matches(key, HF_CONFIGS, n=3, cutoff=0.5)
+    hint = f"  (did you mean {', '.join(close)}?)" if close else ""
+    raise ValueError(f"unknown transformer config {name!r}{hint}; built-in configs: {', '.join(HF_CONFIGS)}; "
+                     f"or pass a transformers.PretrainedConfig object")
+
+
+def make_config(entry: HFConfigEntry | str) -> transformers.PretrainedConfig:
+    """A fresh ``transformers`` config for ``entry`` (an entry or its name), with
+    ``use_cache=False``: training does not use the KV cache. The attention implementation is
+    left at the transformers default."""
+    import transformers
+
+    if not isinstance(entry, HFConfigEntry):
+        entry = hf_entry(entry)
+    config = getattr(transformers, entry.config_class)(**dict(entry.kwargs))
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
+    return config
+
+
+def is_config(obj: object) -> bool:
+    """Whether ``obj`` is a ``transformers.PretrainedConfig``. Does not import transformers: if
+    it has not been imported, no object can be one of its configs."""
+    module = sys.modules.get("transformers")
+    if module is None:
+        return False
+    return isinstance(obj, module.PretrainedConfig)
+
+
+def _as_config(config: transformers.PretrainedConfig | HFConfigEntry | str) -> transformers.PretrainedConfig:
+    return config if is_config(config) else make_config(config)  # type: ignore[arg-type]
+
+
+def build_causal_lm(config: transformers.PretrainedConfig | HFConfigEntry | str,
+                    dtype: torch.dtype | None = None) -> nn.Module:
+    """A causal language model with random weights for ``config`` (a config, an entry or a
+    name), via ``AutoModelForCausalLM.from_config``. Parameters are created on the current
+    default device, so this works under ``with torch.device("meta"):`` and under a
+    ``FakeTensorMode``. ``dtype`` (transformers 5.x's name for the old ``torch_dtype``) sets the
+    parameters' dtype and, as transformers does, ``config.dtype``; when ``None`` the config's own
+    ``dtype`` applies (float32 for the built-in configs)."""
+    import transformers
+
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    config = _as_config(config)
+    if dtype is not None:   # from_config writes the dtype into the config: keep the caller's untouched
+        config = copy.deepcopy(config)
+    model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    if getattr(model, "loss_type", "") is None:
+        # transformers picks the loss from the class name, and GPT2LMHeadModel's has no
+        # "ForCausalLM" in it: the first loss would warn "loss_type=None ... unrecognized" and
+        # then use ForCausalLMLoss anyway. Name that loss here, which the model is built as.
+        model.loss_type = "ForCausalLM"
+    return model
+
+
+def config_summary(config: transformers.PretrainedConfig | HFConfigEntry | str) -> dict[str, Any]:
+    """The shape of a model at a glance, under one set of names whatever the model family
+    (GPT-2 calls them ``n_embd``, ``n_layer``, ``n_head``): model_type, hidden_size, num_layers,
+    num_heads, num_kv_heads (= num_heads without grouped-query attention), intermediate_size,
+    vocab_size, max_positions, tie_word_embeddings."""
+    config = _as_config(config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    def first(*names: str) -> Any:
+        for n in names:
+            value = getattr(text, n, None)
+            if value is not None:
+                return value
+        return None
+
+    hidden = first("hidden_size", "n_embd", "d_model")
+    heads = first("num_attention_heads", "n_head")
+    return {
+        "model_type": getattr(config, "model_type", None),
+        "hidden_size": hidden,
+        "num_layers": first("num_hidden_layers", "n_layer"),
+        "num_heads": heads,
+        "num_kv_heads": first("num_key_value_heads") or heads,
+        "intermediate_size": first("intermediate_size", "n_inner") or (4 * hidden if hidden else None),
+        "vocab_size": first("vocab_size"),
+        "max_positions": first("max_position_embeddings", "n_positions"),
+        "tie_word_embeddings": bool(getattr(text, "tie_word_embeddings", False)),
+    }
+
+
+def close_names(name: str, n: int = 3) -> list[str]:
+    """Built-in config names close to ``name``, with the ``hf:`` prefix (for "did you mean")."""
+    key = str(name).strip().lower().removeprefix(HF_PREFIX)
+    return [HF_PREFIX + c for c in difflib.get_close_matches(key, HF_CONFIGS, n=n, cutoff=0.6)]
+
+
+def vocab_size(config: transformers.PretrainedConfig) -> int:
+    """The vocabulary size: token ids are drawn below it."""
+    return int(config_summary(config)["vocab_size"])
+
+
+def max_positions(config: transformers.PretrainedConfig) -> int | None:
+    """The longest sequence the model's position table takes (None when it does not say)."""
+    value = config_summary(config)["max_positions"]
+    return int(value) if value else None

@@ -1,0 +1,218 @@
+"""Common GPU cards and the parser for ``--gpu``: the one table of card sizes in gpulab.
+
+Convention: a vendor's "N GB" of GPU memory is counted here as N GiB (N * 2**30 bytes),
+as ``gpulab.course.sweeps.CARDS_GIB`` already does ("the vendors' '16 GB' cards hold
+16 GiB"). It is a teaching simplification and an upper bound: what the device reports
+is somewhat less. Public ``nvidia-smi`` output shows 81,559 MiB (79.6 GiB) on an
+"H100 80GB HBM3" and 15,360 MiB (15.0 GiB) on a "Tesla T4" sold as 16 GB, and the CUDA
+context takes its share of that before any tensor exists.
+
+A *size* typed after ``--gpu`` follows its unit literally: ``GiB``/``MiB``/``KiB``/``TiB``
+are binary, ``GB``/``MB``/``KB``/``TB`` are decimal (``24GB`` is 24,000,000,000 bytes,
+22.4 GiB), and a bare ``G``/``M``/``K``/``T`` is read as binary (``16G`` is 16 GiB, the
+same reading this table gives a "16 GB" card). Every such choice is spelled out in the
+returned card's ``note``.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+
+from gpulab.units import GB, KB, MB, GiB, KiB, MiB, format_bytes
+
+__all__ = [
+    "CARDS", "CUDA_CONTEXT_ASSUMED", "Card", "CardBudget", "TB", "TiB", "card_names", "parse_gpu"
+]
+
+TiB = 1024 * GiB
+TB = 1000 * GB
+
+# NB: an assumption, not a measurement: what a CUDA process holds outside the caching
+# allocator (the CUDA context with its kernels, cuBLAS/cuDNN handles). Ref 003
+# (docs/references.md) reports an unexplained ~400 MB beyond the tensors; recent CUDA versions
+# with lazy module loading sit in the few-hundred-MiB range too. A GPU run replaces it with a
+# measurement (``gpulab record``: NVML used − memory_reserved).
+CUDA_CONTEXT_ASSUMED = 512 * MiB
+
+
+class CardBudget:
+    """What a result that plans a run on a card needs: the allocator's reserved peak plus the
+    CUDA context, and what is left (a mixin of properties over ``reserved_bytes``,
+    ``context_bytes`` and ``capacity_bytes``)."""
+    reserved_bytes: int
+    context_bytes: int
+    capacity_bytes: int
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.reserved_bytes + self.context_bytes
+
+    @property
+    def margin_bytes(self) -> int:
+        """What is left on the card (negative: short by that much)."""
+        return self.capacity_bytes - self.needed_bytes
+
+
+@dataclass(frozen=True)
+class Card:
+    """A GPU card (or a plain memory size) that a lesson can plan for."""
+
+    name: str                    # what we print, e.g. "H100" or "24 GiB"
+    memory_bytes: int            # the memory a lesson plans with
+    aliases: tuple[str, ...]     # other spellings ``parse_gpu`` accepts
+    note: str                    # where memory_bytes comes from, in words
+
+
+def _card(name: str, gb: int, aliases: tuple[str, ...], spec: str, extra: str = "") -> Card:
+    note = f"advertised {gb} GB {spec}, counted here as {gb} GiB"
+    return Card(name, gb * GiB, aliases, note + (f"; {extra}" if extra else ""))
+
+
+# Sizes and memory types are as the vendors advertise them (not re-checked against their
+# product pages when this table was written); the two nvidia-smi figures are from public
+# nvidia-smi output of those cards.
+# Aliases include the names ``torch.cuda.get_device_name()`` / nvidia-smi print, so a
+# student can paste those; the "NVIDIA", "GeForce", "Tesla", "AMD" and "Instinct" prefixes
+# are dropped before matching.
+CARDS: tuple[Card, ...] = (
+    _card("H100", 80, ("H100-80GB", "H100 80GB HBM3", "H100-SXM", "H100-SXM5", "H100-PCIe"),
+          "(HBM3 on SXM5, HBM2e on PCIe)",
+          "nvidia-smi on an H100 80GB HBM3 shows 81,559 MiB total (79.6 GiB); "
+          "the 94 GB H100 NVL is not this card"),
+    _card("H200", 141, ("H200-141GB", "H200-SXM", "H200 NVL"), "HBM3e"),
+    _card("A100-40GB", 40, ("A100-SXM4-40GB", "A100-PCIE-40GB"), "HBM2"),
+    _card("A100-80GB", 80, ("A100-SXM4-80GB", "A100 80GB PCIe", "A100-PCIE-80GB"), "HBM2e"),
+    _card("L4", 24, (), "GDDR6"),
+    _card("L40S", 48, (), "GDDR6"),
+    _card("A10", 24, (), "GDDR6"),
+    _card("A10G", 24, (), "GDDR6", "the AWS variant of the A10 (G5 instances)"),
+    _card("T4", 16, ("T4-16GB",), "GDDR6",
+          "nvidia-smi on a Tesla T4 shows 15,360 MiB total (15.0 GiB)"),
+    _card("V100-16GB", 16, ("V100-SXM2-16GB", "V100-PCIE-16GB"), "HBM2"),
+    _card("V100-32GB", 32, ("V100-SXM2-32GB", "V100-PCIE-32GB"), "HBM2"),
+    _card("RTX 3090", 24, ("3090",), "GDDR6X"),
+    _card("RTX 4090", 24, ("4090",), "GDDR6X"),
+    _card("RTX 4080", 16, ("4080",), "GDDR6X"),
+    _card("RTX 4070", 12, ("4070",), "GDDR6X"),
+    _card("RTX 3060", 12, ("3060",), "GDDR6", "an 8 GB RTX 3060 exists too: give 8GiB for it"),
+    _card("RTX 5090", 32, ("5090",), "GDDR7"),
+    _card("MI300X", 192, (), "HBM3", "AMD Instinct"),
+)
+
+_PREFIXES = ("nvidia", "geforce", "tesla", "amd", "instinct")
+
+# Several cards come in two sizes: a bare name is refused with both choices.
+_AMBIGUOUS = {"a100": ("A100-40GB", "A100-80GB"), "v100": ("V100-16GB", "V100-32GB")}
+
+_UNITS: dict[str, tuple[str, int]] = {
+    # typed unit (lower case) -> (unit as printed, bytes)
+    "kib": ("KiB", KiB), "mib": ("MiB", MiB), "gib": ("GiB", GiB), "tib": ("TiB", TiB),
+    "k": ("KiB", KiB), "m": ("MiB", MiB), "g": ("GiB", GiB), "t": ("TiB", TiB),
+    "kb": ("KB", KB), "mb": ("MB", MB), "gb": ("GB", GB), "tb": ("TB", TB),
+}
+_SIZE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)$")
+_NUMBER = re.compile(r"^[+-]?(\d+(?:\.\d*)?|\.\d+)$")
+
+
+def _key(text: str) -> str:
+    """Lower case, separators dropped, vendor prefixes dropped: "NVIDIA GeForce RTX 4090"
+    and "rtx-4090" both give "rtx4090"."""
+    words = re.split(r"[^a-z0-9]+", text.lower())
+    words = [w for w in words if w]
+    while words and words[0] in _PREFIXES:
+        words = words[1:]
+    return "".join(words)
+
+
+def _lookup() -> dict[str, Card]:
+    table: dict[str, Card] = {}
+    for card in CARDS:
+        for spelling in (card.name, *card.aliases):
+            key = _key(spelling)
+            if key in table and table[key] is not card:
+                raise RuntimeError(f"{spelling!r} names two cards")  # a mistake in CARDS
+            table[key] = card
+    return table
+
+
+_BY_KEY = _lookup()
+
+
+def card_names() -> list[str]:
+    """The cards' names in table order: ``['H100', 'H200', 'A100-40GB', ...]``."""
+    return [card.name for card in CARDS]
+
+
+def _fail(text: str, reason: str = "", guesses: tuple[str, ...] = ()) -> ValueError:
+    """The one-line error every unreadable ``--gpu`` gets."""
+    msg = f"cannot read --gpu {text!r}: "
+    if reason:
+        msg += reason + "; "
+    msg += ("give a size such as 24GiB, 80GB or 512MiB (GiB/MiB/KiB/TiB binary, "
+            "GB/MB/KB/TB decimal, a bare G binary), or a card: " + ", ".join(card_names()))
+    if guesses:
+        msg += f" (did you mean {' or '.join(guesses)}?)"
+    return ValueError(msg)
+
+
+def _size(text: str, number: str, unit: str) -> Card:
+    label, scale = _UNITS[unit]
+    n = round(Fraction(number) * scale)  # whole bytes: 0.3KiB is 307 B
+    if n <= 0:
+        raise _fail(text, "a size must be at least 1 byte")
+    shown = number.rstrip("0").rstrip(".") if "." in number else number
+    name = f"{shown} {label}"
+    if scale in (KB, MB, GB, TB):
+        note = f"{name} = {n:,} bytes (decimal), i.e. {format_bytes(n)}"
+    else:
+        note = f"{name} = {n:,} bytes (binary)"
+        if unit in ("k", "m", "g", "t"):
+            note += f"; a bare {unit.upper()} is read as {label}"
+    return Card(name=name, memory_bytes=n, aliases=(), note=note)
+
+
+def parse_gpu(text: str) -> Card:
+    """Read a ``--gpu`` argument: a card name or alias, or a memory size with a unit.
+
+    Cards match case-insensitively, with or without separators ("H100", "h100-80gb",
+    "A100-40GB", "a100 40gb", "RTX4090", "4090", "NVIDIA GeForce RTX 4090"). Sizes need a
+    unit: "24GiB", "24 GiB", "80gib", "1.5TiB", "512MiB" (binary), "24GB" (decimal:
+    24,000,000,000 bytes), "16G" (a bare G is read as GiB, and the note says so).
+
+    Raises ``ValueError`` with a one-line message listing the accepted forms and the card
+    names for anything else: a bare number ("24"), a negative or zero size, an unknown name.
+    """
+    raw = "" if text is None else str(text)
+    s = raw.strip()
+    key = _key(s)
+    if key in _BY_KEY:
+        return _BY_KEY[key]
+    if key in _AMBIGUOUS:
+        raise _fail(raw, f"{s} comes in more than one size", _AMBIGUOUS[key])
+    low = s.lower()
+    m = _SIZE.match(low)
+    if m and m.group(2) in _UNITS:
+        return _size(raw, m.group(1), m.group(2))
+    if _NUMBER.match(low):
+        if low.startswith("-"):
+            raise _fail(raw, "a size must be at least 1 byte")
+        raise _fail(raw, f"a size needs a unit ({s}GiB or {s}GB?)")
+    if low.startswith("-"):
+        raise _fail(raw, "a size must be at least 1 byte")
+    if m:
+        raise _fail(raw, f"unknown unit {m.group(2)!r}")
+    raise _fail(raw, "", _guesses(key))
+
+
+def _guesses(key: str) -> tuple[str, ...]:
+    """Card names close to a mistyped key: the best match, and any nearly as good."""
+    scored = sorted(((difflib.SequenceMatcher(None, key, k).ratio(), card.name)
+                     for k, card in _BY_KEY.items()), reverse=True) if key else []
+    best = scored[0][0] if scored else 0.0
+    names: list[str] = []
+    for ratio, name in scored:
+        if ratio >= max(0.6, best - 0.1) and name not in names:
+            names.append(name)
+    return tuple(names[:2])

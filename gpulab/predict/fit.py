@@ -1,0 +1,347 @@
+"""``gpulab fit``: the largest batch whose steady-state training step fits a GPU card.
+
+Answered on the fake engine (CUDA's kernels, fake tensors: no compute, no memory) and the
+caching-allocator simulator, so an 8 B model takes seconds on a laptop:
+
+1. Two-step runs at batch 2 and batch 3. Their timelines are the same operations in the same
+   order; every storage's size is ``a + b·c`` in the batch ``b``, so the two runs give each
+   event's bytes at *any* batch without running it (checked: the events must pair up one to
+   one, else the search falls back to runs). Batch 1 runs only when batch 2 does not fit.
+2. The timeline at batch ``b``, so made, is replayed through the simulated caching allocator
+   with the card's capacity less an assumed CUDA context: the largest ``b`` whose replay does
+   not run out is found by galloping and bisection over these replays.
+3. A third fake run at that batch confirms it: its bytes must equal the extrapolated ones,
+   event for event (otherwise the answer comes from galloping and bisection over fake runs).
+
+The allocator's verdict is not always monotone in the batch: a larger batch can pack into
+segments better than a smaller one. The answer is the first boundary met counting up from
+batch 3 (that batch fits, the next does not); ``largest_batch_live`` is the bound from the
+live tensors alone, which is monotone.
+
+When batch 1 does not fit, the answer says by how much, and what each lever would give, as
+formulas from the measured categories at batch 1 (labelled so): bf16, 8-bit optimizer state,
+activation checkpointing, LoRA, and sharding over N GPUs (ZeRO-3 / FSDP).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+
+from gpulab import formulas as F
+from gpulab.allocator.simulator import CachingAllocator
+from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, Card, CardBudget, parse_gpu
+from gpulab.measure.engines import LABEL_SIMULATED, Measurement, run
+from gpulab.training.optimizers import OPTIMIZERS
+from gpulab.training.loop import train_experiment, validate_amp
+from gpulab.predict.search import largest_fitting
+from gpulab.categories import Category
+from gpulab.measure.tracking import TrackingResult
+from gpulab.units import dtype_name, format_bytes, parse_dtype
+from gpulab.models.workload import Workload, resolve_workload, step_failed
+
+__all__ = [
+    "BatchCheck", "FitResult", "LABEL_FIT", "LABEL_LEVER", "Lever", "MAX_BATCH",
+    "MAX_FALLBACK_RUNS", "Progress", "fit"
+]
+
+LABEL_FIT = "fake tensors, CUDA kernels' allocations (no compute) + simulated allocator + assumed CUDA context"
+LABEL_LEVER = "formula (from the measured categories at batch 1)"
+MAX_BATCH = 1 << 20
+MAX_FALLBACK_RUNS = 12
+
+Progress = Callable[[float, str], None] | None
+
+
+@dataclass(frozen=True)
+class BatchCheck:
+    """One batch examined: live-tensor peak, simulated reserved peak, whether it fits, and
+    whether it came from a fake run ("run") or from the batch-1/batch-2 extrapolation."""
+    batch: int
+    peak_bytes: int
+    reserved_bytes: int
+    fits: bool
+    source: str
+
+
+@dataclass(frozen=True)
+class Lever:
+    """What one change would make of batch 1's memory, by formula."""
+    name: str
+    peak_bytes: int          # the new live-tensor peak at batch 1
+    fits: bool
+    formula: str
+    label: str = LABEL_LEVER
+
+
+@dataclass
+class FitResult(CardBudget):
+    model: str
+    card: str
+    capacity_bytes: int
+    context_bytes: int
+    optimizer: str
+    dtype: str
+    amp: str | None
+    input_text: str
+    largest_batch: int
+    peak_bytes: int                   # live tensors at the answer (batch 1 when nothing fits)
+    peak_by_category: dict[str, int]
+    reserved_bytes: int               # simulated allocator's reserved peak at that batch
+    checks: list[BatchCheck]
+    runs: int
+    largest_batch_live: int | None    # live tensors alone (no allocator): an upper bound, monotone in the batch
+    seconds: float
+    engine: str = "fake"
+    label: str = LABEL_FIT
+    levers: list[Lever] = field(default_factory=list)
+    method: str = ""
+
+    @property
+    def allocator_overhead_bytes(self) -> int:
+        """Reserved beyond the live tensors (rounding, caching, fragmentation): simulated."""
+        return self.reserved_bytes - self.peak_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(allocator_overhead_bytes=self.allocator_overhead_bytes, needed_bytes=self.needed_bytes,
+                 margin_bytes=self.margin_bytes, allocator_label=LABEL_SIMULATED,
+                 context_label="assumption (a CUDA context with cuBLAS/cuDNN handles; measured on a GPU, it varies)")
+        return d
+
+    def __repr__(self) -> str:
+        return (f"FitResult({self.model} on {self.card}: largest batch {self.largest_batch}, "
+                f"needs {format_bytes(self.needed_bytes)} of {format_bytes(self.capacity_bytes)})")
+
+    def _repr_html_(self) -> str:
+        from gpulab.views import fit_html
+        return fit_html(self)
+
+
+def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: str | torch.dtype | None = None,
+        amp: str | None = None, seq_len: int | None = None, image_size: int | None = None, inputs: Any = None,
+        input_shape: tuple[int, ...] | None = None, loss: Callable | None = None,
+        context_bytes: int = CUDA_CONTEXT_ASSUMED, progress: Progress = None) -> FitResult:
+    """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
+    a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring."""
+    t0 = time.perf_counter()
+    card = gpu if isinstance(gpu, Card) else (Card(f"{int(gpu):,} B", int(gpu), (), "") if isinstance(gpu, int)
+                                              else parse_gpu(gpu))
+    if context_bytes < 0 or context_bytes >= card.memory_bytes:
+        raise ValueError(f"the CUDA context allowance must be between 0 and the card's {format_bytes(card.memory_bytes)}, "
+                         f"got {format_bytes(context_bytes)}")
+    opt = str(optimizer).lower()
+    if opt not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
+    dt = parse_dtype(dtype) if dtype is not None else torch.float32
+    amp_key = validate_amp(amp)
+    w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
+    usable = card.memory_bytes - context_bytes
+    runs: dict[int, TrackingResult] = {}
+
+    def note(frac: float, text: str) -> None:
+        if progress:
+            progress(frac, text)
+
+    def fake_run(b: int) -> TrackingResult:
+        if b not in runs:
+            note(min(0.9, 0.1 + 0.25 * len(runs)), f"fake run at batch {b}")
+            m = _run(w, b, opt, dt, amp_key)
+            runs[b] = m.tracking
+        return runs[b]
+
+    two = fake_run(2)
+    first = _check(two, usable, 2, "run")
+    checks = [first]
+    if not first.fits:
+        one = fake_run(1)
+        checks.append(_check(one, usable, 1, "run"))
+        if checks[-1].fits:
+            return _result(w, card, context_bytes, opt, dt, amp_key, 1, one, checks, len(runs), t0, [],
+                           "fake runs at batches 2 (does not fit) and 1 (fits)")
+        return _result(w, card, context_bytes, opt, dt, amp_key, 0, one, checks, len(runs), t0,
+                       _levers(w, one, opt, dt, usable), "batch 1 does not fit (fake run): levers below, as formulas")
+    three = fake_run(3)
+    checks.append(_check(three, usable, 3, "run"))
+    if not checks[-1].fits:
+        return _result(w, card, context_bytes, opt, dt, amp_key, 2, two, checks, len(runs), t0, [],
+                       "fake runs at batches 2 (fits) and 3 (does not fit)")
+    line = _Extrapolation.make(two, three, 2)
+    if line is not None:
+        best = largest_fitting(3, lambda b: line.check(b, usable).fits, limit=MAX_BATCH)
+        live = largest_fitting(best, lambda b: line.at(b).peak_bytes <= usable, limit=MAX_BATCH)
+        checks += [line.check(b, usable) for b in (best, best + 1)]
+        real = fake_run(best)
+        predicted = line.at(best)
+        if [e.nbytes for e in real.events] == [e.nbytes for e in predicted.events]:
+            checks.append(_check(real, usable, best, "run"))
+            return _result(w, card, context_bytes, opt, dt, amp_key, best, real, checks, len(runs), t0, [],
+                           f"extrapolated from fake runs at batches 2 and 3 (every storage a + b·c), replayed "
+                           f"through the simulated allocator; confirmed by a fake run at batch {best} (the same "
+                           f"bytes, event for event)", live)
+    # fall back: bracketed bisection over fake runs
+    budget = [MAX_FALLBACK_RUNS]
+
+    def fits(b: int) -> bool:
+        if b not in runs:
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise RuntimeError(f"the search needed more than {MAX_FALLBACK_RUNS} fake runs")
+        c = _check(fake_run(b), usable, b, "run")
+        checks.append(c)
+        return c.fits
+    best = largest_fitting(3 if checks[1].fits else 2, fits, limit=MAX_BATCH)
+    return _result(w, card, context_bytes, opt, dt, amp_key, best, fake_run(best), checks, len(runs), t0, [],
+                   "bisection over fake runs (the batch-2 and batch-3 timelines did not extrapolate)")
+
+
+def _run(w: Workload, batch: int, opt: str, dt: torch.dtype, amp: str | None) -> Measurement:
+    try:
+        m = run(train_experiment(w, [batch, batch], opt, dt, amp), "fake", fake_target="cuda")
+    except ValueError:
+        raise
+    except Exception as exc:   # the model's own error: say which input was tried and how to pass one
+        raise ValueError(step_failed(w, batch, "on the fake engine", exc)) from exc
+    if m.oom or m.tracking is None:
+        raise RuntimeError(f"the fake run at batch {batch} failed: {m.error}")
+    return m
+
+
+def _replay(t: TrackingResult, capacity: int | None) -> tuple[int, bool]:
+    """(simulated peak reserved, whether an allocation failed) with ``capacity`` (None: no limit)."""
+    r = CachingAllocator(capacity_bytes=capacity).replay(t.events, strict=False)
+    return r.peak_reserved, bool(r.oom_events)
+
+
+def _check(t: TrackingResult, usable: int, batch: int, source: str) -> BatchCheck:
+    reserved, oom = _replay(t, usable)
+    return BatchCheck(batch, t.peak_bytes, reserved, not oom and t.peak_bytes <= usable, source)
+
+
+@dataclass
+class _Extrapolation:
+    """Each event's bytes as ``a + (b - base)·c`` from two aligned timelines (batches ``base``
+    and ``base + 1``). Batch 1 is not a base: a size-1 dimension makes some slices contiguous
+    (transformers' shifted labels), so its timeline has fewer copies than any larger batch."""
+    base: TrackingResult
+    base_batch: int
+    slopes: list[int]
+
+    @classmethod
+    def make(cls, lo: TrackingResult, hi: TrackingResult, base_batch: int) -> "_Extrapolation | None":
+        if len(lo.events) != len(hi.events):
+            return None
+        if any(a.kind != b.kind or a.sid != b.sid for a, b in zip(lo.events, hi.events)):
+            return None
+        slopes = [b.nbytes - a.nbytes for a, b in zip(lo.events, hi.events)]
+        if any(s < 0 for s in slopes):
+            return None
+        return cls(lo, base_batch, slopes)
+
+    def at(self, batch: int) -> TrackingResult:
+        k = batch - self.base_batch
+        events = [replace(e, nbytes=e.nbytes + k * s) for e, s in zip(self.base.events, self.slopes)]
+        return TrackingResult.build(self.base.records, events, self.base.device, self.base.rounded)
+
+    def check(self, batch: int, usable: int) -> BatchCheck:
+        return _check(self.at(batch), usable, batch, "extrapolated")
+
+
+def _result(w, card, context_bytes, opt, dt, amp, batch, t: TrackingResult, checks, runs, t0, levers,
+            method, live: int | None = None) -> FitResult:
+    if batch:   # every answer was checked by a fake run on this card: what its replay reserved there
+        reserved = next(c.reserved_bytes for c in checks if c.batch == batch and c.source == "run")
+    else:       # nothing fits: what batch 1 would reserve on a card without a limit, what it needs
+        reserved, _ = _replay(t, None)
+    return FitResult(w.name, card.name, card.memory_bytes, context_bytes, opt, dtype_name(dt), amp,
+                     w.describe_input(max(batch, 1)), batch, t.peak_bytes, dict(t.peak_by_category), reserved,
+                     sorted(checks, key=lambda c: (c.batch, c.source)), runs, live,
+                     time.perf_counter() - t0, levers=levers, method=method)
+
+
+# --- levers -------------------------------------------------------------------------------------
+
+def _levers(w: Workload, t: TrackingResult, opt: str, dt: torch.dtype, usable: int) -> list[Lever]:
+    """Batch 1's peak with one change each, by formula from its categories at the peak."""
+    c = {k: int(v) for k, v in t.peak_by_category.items()}
+    peak = t.peak_bytes
+    params, grads, state = c.get(Category.PARAMETERS.value, 0), c.get(Category.GRADIENTS.value, 0), \
+        c.get(Category.OPTIMIZER_STATE.value, 0)
+    acts = c.get(Category.ACTIVATIONS.value, 0)
+    elem = dt.itemsize
+    n_params = params // elem if elem else 0
+    out: list[Lever] = []
+
+    def add(name: str, new_peak: int, formula: str) -> None:
+        out.append(Lever(name, int(new_peak), new_peak <= usable, formula))
+
+    if elem == 4:
+        add("bf16 everywhere (weights, gradients, optimizer state, activations)", peak // 2,
+            "every fp32 tensor at the peak takes 2 bytes per value instead of 4: peak / 2")
+    k = F.optimizer_state_multiplier(opt)
+    if k and state:
+        eight = F.eight_bit_optimizer_state_bytes(n_params, states=k)
+        add("8-bit optimizer state (bitsandbytes, blockwise)", peak - state + eight,
+            f"optimizer state {format_bytes(state)} → {k} state(s) of 1 byte per parameter + one fp32 absmax per "
+            f"256 values: "
+            f"{format_bytes(eight)}")
+    layers = _layers(w)
+    boundary = _boundary_bytes(w, elem)
+    if layers and boundary and not acts:
+        add(f"activation checkpointing of each of the {layers} layers", peak,
+            f"no activations are held at the peak (during {t.peak_phase}): checkpointing does not lower it")
+    elif acts and layers and boundary:
+        ckpt = F.checkpointed_activation_bytes(acts / layers, layers, boundary)
+        add(f"activation checkpointing of each of the {layers} layers", peak - acts + int(ckpt),
+            f"activations {format_bytes(acts)} → one layer's ({format_bytes(int(acts / layers))}) plus each layer's "
+            f"input ({format_bytes(int(boundary))} × {layers})")
+    if params and (grads or state):
+        lora = _lora_trainable(w)
+        if lora:
+            lora_bytes = lora * 4 * (2 + k)   # fp32 adapter weights, gradients, optimizer state
+            add("LoRA (rank 16 on the attention's q and v projections; base weights frozen)",
+                peak - grads - state + lora_bytes,
+                f"no gradients or optimizer state for the {n_params:,} base weights; {lora:,} adapter parameters "
+                f"with fp32 weights, gradients and state: {format_bytes(lora_bytes)}")
+            qlora = int(F.nf4_weight_bytes(n_params))
+            add("QLoRA (4-bit NF4 base weights + LoRA)", peak - grads - state - params + qlora + lora_bytes,
+                f"base weights {format_bytes(params)} → NF4 at about 0.52 bytes per parameter "
+                f"(double-quantized constants): {format_bytes(qlora)}")
+    model_states = params + grads + state
+    if model_states:
+        for n in (2, 4, 8, 16, 32, 64):
+            per_device = peak - model_states + math.ceil(model_states / n)
+            if per_device <= usable or n == 64:
+                add(f"sharding over {n} GPUs (ZeRO-3 / FSDP: parameters, gradients and optimizer state split)",
+                    per_device, f"(parameters + gradients + optimizer state) / {n} + the rest of batch 1's peak; "
+                                "ignores the layer being gathered and communication buffers")
+                break
+    return out
+
+
+def _layers(w: Workload) -> int:
+    if w.kind != "tokens":
+        return 0
+    return int(_summary(w).get("num_layers") or 0)
+
+
+def _summary(w: Workload) -> dict[str, Any]:
+    from gpulab.models import hf_configs
+    return hf_configs.config_summary(w.config) if w.config is not None else {}
+
+
+def _boundary_bytes(w: Workload, elem: int) -> int:
+    s = _summary(w)
+    return int((w.seq_len or 0) * int(s.get("hidden_size") or 0) * elem)
+
+
+def _lora_trainable(w: Workload, rank: int = 16) -> int:
+    s = _summary(w)
+    if not s:
+        return 0
+    h, heads, kv = int(s["hidden_size"]), int(s["num_heads"]), int(s["num_kv_heads"])
+    kv_dim = h // heads * kv
+    return int(s["num_layers"]) * (F.lora_params(h, h, rank) + F.lora_params(h, kv_dim, rank))

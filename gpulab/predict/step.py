@@ -1,0 +1,224 @@
+"""``gpulab.step(model, ...)``: the memory of training *any* model, by category.
+
+The model may be a registered name, a transformer config, your ``nn.Module`` or a function
+that builds one (``gpulab.models.workload``). The default is the steady state: two training steps,
+since the optimizer state exists from the first ``step()`` on and every later step holds it;
+each step's own peak is reported (``StepResult.step_peaks``), the first beside the last.
+
+A real run (cpu or cuda engine) is first predicted on the fake engine and refused, with the
+numbers, when it would not fit in the memory that run may use (``gpulab.predict.guard``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from gpulab.measure.engines import (FAKE_TARGETS, LABEL_FORMULA, Measured, Measurement, choose_engine, run,
+                               validate_fake_target)
+from gpulab.models.registry import ModelSpec, check_image_size, resolve_model
+from gpulab.models.workload import Workload, resolve_workload, step_failed
+from gpulab.training.loop import step_experiment, step_peaks, train_experiment, validate_amp
+from gpulab.training.optimizers import OPTIMIZERS
+from gpulab.units import dtype_name, parse_dtype
+from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
+from gpulab.predict.guard import check_fits
+
+__all__ = ["DEFAULT_STEPS", "MAX_STEPS", "StepResult", "step", "training_step"]
+
+DEFAULT_STEPS = 2
+MAX_STEPS = 10   # tracked steps of one call: each repeats the steady state of step 2
+
+
+def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shape: tuple[int, ...] | None = None,
+         optimizer: str = "adam", steps: int = DEFAULT_STEPS, engine: str = "auto", dtype: str | torch.dtype | None = None,
+         amp: str | None = None, loss: Callable | None = None, seq_len: int | None = None,
+         image_size: int | None = None, fake_target: str = "cuda", guard: bool = True,
+         **engine_limits) -> StepResult:
+    """Track ``steps`` training steps of ``model`` and return them by category, next to the
+    formulas' prediction (see the module docstring for what ``model``, ``inputs`` and ``loss``
+    may be).
+
+    ``dtype``: the model's (and a float input's) dtype, e.g. "bf16" for pure bf16 training;
+    None keeps float32. ``amp``: "fp16" or "bf16" runs the forward under ``torch.autocast``.
+    ``fake_target``: on the fake engine, follow CUDA's kernels ("cuda", the default) or this
+    CPU's. ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
+    Bad input raises ``ValueError`` with what to do instead."""
+    if batch is not None:
+        validate_batch(batch)
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_STEPS:
+        raise ValueError(f"steps must be a whole number from 1 to {MAX_STEPS}, got {steps!r} (the steady "
+                         f"state is reached at step 2: the optimizer state exists from then on, and later "
+                         f"steps repeat it)")
+    w = resolve_workload(model, inputs, batch=batch, input_shape=input_shape, seq_len=seq_len,
+                         image_size=image_size, loss=loss)
+    batch = validate_batch(w.default_batch if batch is None else batch)
+    opt = str(optimizer).lower()
+    if opt not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
+    if fake_target not in FAKE_TARGETS:
+        validate_fake_target(fake_target)
+    dt = parse_dtype(dtype) if dtype is not None else torch.float32
+    amp_key = validate_amp(amp)
+    try:
+        bd = breakdown(w, batch, dtype=dt)
+    except ValueError:
+        raise
+    except Exception as exc:   # the forward pass fails on shapes alone: the input does not suit the model
+        raise ValueError(step_failed(w, batch, "on the meta device (shapes only)", exc)) from exc
+    input_bytes = None if w.kind == "image" else _input_bytes(w, batch, dt)
+    predicted = predict_step(w.name, batch, optimizer=opt, dtype=dt, bd=bd, input_bytes=input_bytes)
+    known = sum(v for v in predicted.values() if v)
+    flops = 3 * bd.forward_flops * steps
+    choice = choose_engine(engine, known, flops, **engine_limits)
+    try:
+        if guard and choice.name != "fake":
+            fake = run(train_experiment(w, [batch] * steps, opt, dt, amp_key), "fake",
+                       fake_target="cuda" if choice.name == "cuda" else "cpu")
+            refused = check_fits(fake.peak_bytes, choice.name)
+            if refused:
+                raise _Refused(refused)
+        m = run(train_experiment(w, [batch] * steps, opt, dt, amp_key), engine, predicted_bytes=known,
+                predicted_flops=flops, fake_target=fake_target, **engine_limits)
+    except _Refused as refused:
+        raise ValueError(str(refused)) from None
+    except Exception as exc:
+        raise ValueError(step_failed(w, batch, f"on the {choice.name} engine", exc)) from exc
+    if m.kernels == "cuda":  # CUDA keeps Adam-style step counters in host memory
+        predicted = predict_step(w.name, batch, optimizer=opt, dtype=dt, count_step_counters=False, bd=bd,
+                                 input_bytes=input_bytes)
+    return StepResult(w.name, batch, w.image_size or 0, opt, dtype_name(dt), steps, m, predicted,
+                      step_peaks=step_peaks(m), kind=w.kind, input_text=w.describe_input(batch),
+                      seq_len=w.seq_len, amp=amp_key)
+
+
+class _Refused(Exception):
+    """The guard's refusal, kept apart from the run's own errors."""
+
+
+def _input_bytes(w: Workload, batch: int, dt: torch.dtype) -> int:
+    """The bytes of one batch as the workload makes it (made on the meta device: free)."""
+    with torch.device("meta"):
+        args, kwargs = w.inputs(batch, dt)
+    seen, total = set(), 0
+    for t in [*args, *kwargs.values()]:   # input_ids passed twice (as labels) is one tensor
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+
+
+@dataclass
+class StepResult(Measured):
+    """A tracked training step next to the formulas' view of it."""
+    model: str
+    batch: int
+    image_size: int
+    optimizer: str
+    dtype: str
+    steps: int
+    measurement: Measurement
+    predicted: dict[str, int | None]
+    predicted_label: str = LABEL_FORMULA
+    step_peaks: list[int] = field(default_factory=list)   # each step's own peak (live bytes), in order
+    kind: str = "image"            # the workload's kind: image, tokens, module
+    input_text: str = ""           # what one batch was ("token ids (8, 512) int64 ...")
+    seq_len: int | None = None
+    amp: str | None = None
+
+    @property
+    def first_step_peak_bytes(self) -> int:
+        """The first step's peak: before it, no optimizer state exists."""
+        return self.step_peaks[0] if self.step_peaks else self.peak_bytes
+
+    @property
+    def steady_peak_bytes(self) -> int:
+        """The last step's peak: every step from the second on holds the optimizer state (the
+        steady state a training run lives in)."""
+        return self.step_peaks[-1] if self.step_peaks else self.peak_bytes
+
+    @property
+    def tensor_bytes_by_category(self) -> dict[str, int]:
+        """Peak live bytes per category, unrounded: what the formulas count (numel × element
+        size). On cuda the tracker's peak rounds each storage up to 512 B, as the allocator does;
+        a formula is compared with these bytes, like with like (BatchNorm's six small buffers are
+        784 B of tensors but 3,072 B of 512-byte blocks)."""
+        t = self.measurement.tracking
+        if t is None:
+            return {}
+        if not t.rounded:
+            return dict(t.peak_by_category)
+        return dict(type(t).build(t.records, t.events, t.device, rounded=False).peak_by_category)
+
+    def as_dict(self) -> dict[str, Any]:
+        m = self.measurement
+        d: dict[str, Any] = {
+            "model": self.model, "batch": self.batch, "image_size": self.image_size,
+            "optimizer": self.optimizer, "dtype": self.dtype, "steps": self.steps,
+            "engine": m.engine, "engine_reason": m.reason, "device": m.device, "label": m.label,
+            "kernels": m.kernels,
+            "peak_bytes": m.peak_bytes, "peak_phase": m.tracking.peak_phase if m.tracking else "",
+            "peak_by_category": m.peak_by_category,
+            "peak_tensor_bytes_by_category": self.tensor_bytes_by_category,   # unrounded, vs formulas
+            "final_by_category": dict(m.tracking.final_by_category) if m.tracking else {},
+            # live tensors just after the last optimizer step (the "after step" snapshot),
+            # while the model, its gradients and the optimizer state still exist
+            "after_step_by_category": next((dict(s.by_category) for s in m.snapshots
+                                            if s.name == "after step"), {}),
+            "predicted": dict(self.predicted), "predicted_label": self.predicted_label,
+            "seconds": round(m.seconds, 4), "oom": m.oom, "error": m.error,
+            "kind": self.kind, "input": self.input_text, "seq_len": self.seq_len, "amp": self.amp,
+            "step_peaks": list(self.step_peaks), "first_step_peak_bytes": self.first_step_peak_bytes,
+            "steady_peak_bytes": self.steady_peak_bytes,
+        }
+        if m.allocator is not None:
+            d["allocator"] = dict(m.allocator)
+            d["beyond_tensors"] = dict(m.beyond_tensors or {})
+        if m.blocks is not None:   # the live tensors as the allocator counts them (cuda)
+            d["allocator_blocks"] = {"peak_bytes": m.blocks.peak_bytes, "final_bytes": m.blocks.final_bytes,
+                                     "label": m.blocks.label}
+        return d
+
+    def _repr_html_(self) -> str:
+        from gpulab.views import step_html
+        return step_html(self)
+
+    def __repr__(self) -> str:
+        return (f"StepResult({self.model}, batch={self.batch}, {self.optimizer}, engine={self.engine}, "
+                f"peak={self.peak_bytes:,} B)")
+
+
+
+def training_step(model: str | ModelSpec, batch: int | None = None, image_size: int | None = None,
+                  optimizer: str = "sgd", dtype: str | torch.dtype = "float32",
+                  engine: str = "auto", steps: int = 1, fake_target: str = "cuda",
+                  **engine_limits) -> StepResult:
+    """Track ``steps`` training steps of a fresh ``model`` (forward, backward, step).
+
+    ``fake_target``: on the fake engine, whose kernels to follow. "cuda" (the default: a
+    step's memory is a GPU-capacity question) makes CUDA's choices (foreach optimizers, bool
+    dropout masks, 512-byte blocks, step counters on the host); "cpu" equals the cpu engine."""
+    spec = resolve_model(model)
+    batch = validate_batch(spec.default_batch if batch is None else batch)
+    size = image_size or spec.default_image_size
+    check_image_size(spec, size, batch)
+    opt_key = str(optimizer).lower()
+    if opt_key not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    dt = parse_dtype(dtype)
+    bd = breakdown(spec, batch, size, dt)
+    predicted = predict_step(spec, batch, size, opt_key, dt, bd=bd)
+    known = sum(v for v in predicted.values() if v)
+    m = run(step_experiment(spec, batch, size, opt_key, dt, steps), engine,
+            predicted_bytes=known, predicted_flops=3 * bd.forward_flops * steps, fake_target=fake_target,
+            **engine_limits)
+    if m.kernels == "cuda":  # CUDA keeps Adam-style step counters on the CPU
+        predicted = predict_step(spec, batch, size, opt_key, dt, count_step_counters=False, bd=bd)
+    return StepResult(spec.name, batch, size, opt_key, dtype_name(dt), steps, m, predicted,
+                      step_peaks=step_peaks(m), input_text=f"images ({batch}, 3, {size}, {size}) and labels")
+

@@ -1,0 +1,16 @@
+"""Lessons 04 and 05's training steps on the GPU, for ``gpulab record``: one entry per model,
+batch and optimizer (``StepResult.as_dict()``)."""
+from __future__ import annotations
+
+from typing import Any
+
+from gpulab.record.kinds import record_kind
+
+__all__ = ["record_step"]
+
+
+@record_kind("step")
+def record_step(p: dict[str, Any]) -> dict[str, Any]:
+    """A tracked training step of a named model on the cuda engine."""
+    from gpulab.predict.step import training_step
+    return training_step(engine="cuda", **p).as_dict()
