@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from gpulab.measure.engines import run
 from gpulab.training.loop import step_experiment
-from gpulab.predict.step import training_step
+from gpulab.predict.step import step as tracked_step
 from gpulab.models.registry import small_cnn
 from gpulab.measure.tracking import MemoryTracker
 
@@ -62,7 +62,7 @@ class _NullMode(TorchDispatchMode):
 
 def bench_fake_vgg16(repeats: int) -> dict:
     med, times = median_time(
-        lambda: training_step("vgg16", batch=64, optimizer="momentum", engine="fake"), repeats)
+        lambda: tracked_step("vgg16", batch=64, optimizer="momentum", engine="fake", steps=1, guard=False), repeats)
     return {"fake_vgg16_b64_step_s": med, "times": times}
 
 

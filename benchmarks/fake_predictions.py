@@ -10,7 +10,8 @@ that "identical" means identical event for event, not only at the peak.
 
 The cases: every torchvision classification model at batch 64 (``gpulab.step``, fake engine,
 CUDA target); the lesson models with sgd / momentum / adam on both fake targets, through
-``step`` and ``training_step``, and on the cpu engine for the small ones; ``hf:`` configs;
+``step`` (and, under the name "ts", as the retired ``training_step`` ran them: one sgd step, no
+guard), and on the cpu engine for the small ones; ``hf:`` configs;
 mixed precision; ``gpulab.predict.fit``. A benchmark helper, not a test: nothing is asserted.
 """
 from __future__ import annotations
@@ -71,14 +72,15 @@ def _tracking_facts(t) -> dict:
 
 def run_case(spec: dict) -> dict:
     import gpulab
-    from gpulab.predict import step as experiments
     kw = dict(spec)
     fn = kw.pop("fn")
     if fn == "fit":
         r = gpulab.predict.fit(kw.pop("model"), kw.pop("gpu"), **kw)
         d = {k: v for k, v in r.as_dict().items() if k not in TIMING_KEYS}
         return {"result": d}
-    r = (gpulab.step if fn == "step" else experiments.training_step)(kw.pop("model"), **kw)
+    if fn == "training_step":   # the old second step API: one sgd step unless told, no guard
+        kw = {"optimizer": "sgd", "steps": 1, **kw, "guard": False}
+    r = gpulab.step(kw.pop("model"), **kw)
     d = {k: v for k, v in r.as_dict().items() if k not in TIMING_KEYS}
     return {"result": d, "tracking": _tracking_facts(r.measurement.tracking)}
 

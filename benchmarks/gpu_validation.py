@@ -333,19 +333,19 @@ def measure_model(model: str, optimizer: str, steps: int = STEPS, fake: bool = T
     import torch
 
     from gpulab.measure.engines import allocator_blocks
-    from gpulab.predict.step import training_step
+    from gpulab.predict.step import step as tracked_step
     from gpulab.predict.replay import replay_events
     run = ModelRun(model, optimizer, steps=steps)
     t0 = time.perf_counter()
     try:
-        warm = training_step(model, optimizer=optimizer, engine="cuda", steps=1)
+        warm = tracked_step(model, optimizer=optimizer, engine="cuda", steps=1, guard=False)
         run.warmup_kept = (warm.measurement.beyond_tensors or {}).get("kept_after_run")
         del warm
         # free cached blocks so the measured run allocates like a first run, while what stays
         # allocated (the cuBLAS workspace) sits in the engine's baseline (as tests/test_cuda.py)
         torch.cuda.empty_cache()
         layout = baseline_layout()
-        res = training_step(model, optimizer=optimizer, engine="cuda", steps=steps)
+        res = tracked_step(model, optimizer=optimizer, engine="cuda", steps=steps, guard=False)
         m = res.measurement
         run.batch, run.image_size = res.batch, res.image_size
         if m.engine != "cuda":
@@ -378,7 +378,7 @@ def measure_model(model: str, optimizer: str, steps: int = STEPS, fake: bool = T
     if fake:
         t1 = time.perf_counter()
         try:
-            f = training_step(model, optimizer=optimizer, engine="fake", steps=steps)   # CUDA target
+            f = tracked_step(model, optimizer=optimizer, engine="fake", steps=steps, guard=False)   # CUDA target
             if f.measurement.oom:
                 raise RuntimeError(f"out of memory: {f.measurement.error}")
             run.fake_tracker_peak = f.peak_bytes

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from gpulab.units import dtype_bytes
 
 __all__ = [
-    "MemoryFit", "OPTIMIZER_STATES", "backward_flops", "batchnorm_buffer_bytes", "batchnorm_params",
+    "MemoryFit", "OPTIMIZER_STATES", "backward_flops", "batchnorm_buffer_bytes", "batchnorm_params", "check_optimizer",
     "checkpointed_activation_bytes", "conv2d_flops", "conv2d_output_hw", "conv2d_params",
     "cuda_rounded_bytes", "eight_bit_optimizer_state_bytes", "embedding_params", "fit_memory_model",
     "layernorm_params", "linear_flops", "linear_memory", "linear_params", "lora_params",
@@ -182,16 +182,18 @@ _STEP_COUNTER = {"sgd": False, "momentum": False, "adam": True, "adamw": True,
                  "rmsprop": True, "adagrad": True}
 
 
-def _check_optimizer(name: str) -> str:
-    key = name.lower()
+def check_optimizer(name: str) -> str:
+    """The optimizer's key ("adam" for "Adam"), or ValueError naming the valid ones: the one
+    check every caller of the library makes."""
+    key = str(name).lower()
     if key not in OPTIMIZER_STATES:
-        raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZER_STATES)}")
+        raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {', '.join(OPTIMIZER_STATES)}")
     return key
 
 
 def optimizer_state_multiplier(name: str) -> int:
     """Optimizer state as a multiple of the parameter bytes: 0, 1 or 2."""
-    return OPTIMIZER_STATES[_check_optimizer(name)]
+    return OPTIMIZER_STATES[check_optimizer(name)]
 
 
 def training_multiplier(name: str) -> int:
@@ -208,7 +210,7 @@ def optimizer_state_bytes(param_bytes: int, n_param_tensors: int, name: str,
     NB: a CUDA run keeps those step scalars on the CPU (non-capturable, non-fused), so
     pass ``count_step_counters=False`` when comparing with ``torch.cuda.memory_allocated``.
     """
-    key = _check_optimizer(name)
+    key = check_optimizer(name)
     steps = 4 * n_param_tensors if (count_step_counters and _STEP_COUNTER[key]) else 0
     return OPTIMIZER_STATES[key] * param_bytes + steps
 

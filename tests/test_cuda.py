@@ -11,7 +11,7 @@ the engine subtracts; the engine reports any remaining gap as ``beyond_tensors``
 import pytest
 import torch
 
-from gpulab.predict.step import training_step
+from gpulab.predict.step import step as tracked_step
 from gpulab.formulas import cuda_rounded_bytes
 
 pytestmark = [pytest.mark.cuda,
@@ -21,11 +21,11 @@ MODELS = [("vgg16", 8), ("alexnet", None), ("resnet18", None), ("mlp", None), ("
 
 
 def _step(model, batch, optimizer="sgd"):
-    training_step(model, batch=batch, optimizer=optimizer, engine="cuda")   # warm-up
+    tracked_step(model, batch=batch, optimizer=optimizer, engine="cuda", steps=1, guard=False)   # warm-up
     # give back the cached free blocks so the measured run allocates like a first run, while
     # the workspaces that stay allocated (cuBLAS) sit in the engine's baseline
     torch.cuda.empty_cache()
-    return training_step(model, batch=batch, optimizer=optimizer, engine="cuda")
+    return tracked_step(model, batch=batch, optimizer=optimizer, engine="cuda", steps=1, guard=False)
 
 
 def _close(a: int, b: int, rel: float = 0.01) -> bool:

@@ -16,7 +16,7 @@ from cuda_standin import CUBLAS_WORKSPACE, STANDIN_NAME, GiB, standin_gpu as ins
 from gpulab import cli
 from gpulab.allocator.simulator import MiB
 from gpulab.measure.engines import LABEL_BLOCKS, allocator_blocks, run
-from gpulab.predict.step import training_step
+from gpulab.predict.step import step as tracked_step
 from gpulab.units import format_bytes
 
 
@@ -144,7 +144,7 @@ def test_a_large_block_is_not_split_when_1_mib_or_less_would_remain(standin_gpu)
 def test_tracker_and_simulator_predict_memory_allocated_block_for_block(monkeypatch, model, batch):
     # no workspace: the run starts from an empty allocator, as the replay does
     with install(monkeypatch, workspace_bytes=0):
-        res = training_step(model, batch=batch, engine="cuda", optimizer="adam")
+        res = tracked_step(model, batch=batch, optimizer="adam", engine="cuda", steps=1, guard=False)
     m = res.measurement
     assert m.allocator["peak_allocated_delta"] == m.blocks.peak_bytes
     assert m.beyond_tensors["bytes"] == 0
@@ -160,8 +160,8 @@ def test_blocks_after_a_warm_up_follow_memory_allocated_block_for_block(standin_
                                                                         empty_start_differs):
     # the warm-up leaves the cuBLAS workspace in a 20 MiB segment whose free room the next run
     # takes: the replay starts from the allocator's segments (memory_snapshot), so it sees that too
-    training_step(first, batch=8, engine="cuda")
-    m = training_step(model, batch=8, engine="cuda", optimizer=optimizer).measurement
+    tracked_step(first, batch=8, optimizer="sgd", engine="cuda", steps=1, guard=False)
+    m = tracked_step(model, batch=8, optimizer=optimizer, engine="cuda", steps=1, guard=False).measurement
     assert m.allocator["peak_allocated_delta"] == m.blocks.peak_bytes
     (snap,) = [s for s in m.snapshots if s.name == "after step"]
     assert snap.allocated_bytes == snap.blocks_bytes
@@ -188,7 +188,7 @@ def test_the_allocator_is_rebuilt_from_a_memory_snapshot(standin_gpu):
 # --- formulas compared like with like ------------------------------------------------------------------------
 
 def test_step_formulas_are_compared_with_unrounded_tensor_bytes(standin_gpu):
-    res = training_step("cnn", batch=4, engine="cuda")
+    res = tracked_step("cnn", batch=4, optimizer="sgd", engine="cuda", steps=1, guard=False)
     assert res.peak_by_category["buffers"] == 6 * 512                  # six small buffers, 512-byte blocks
     assert res.tensor_bytes_by_category["buffers"] == res.predicted["buffers"] == 784
     html = res._repr_html_()

@@ -5,7 +5,7 @@ import torch
 
 from gpulab.measure import engines
 from gpulab.measure.engines import LABEL_CPU, LABEL_FAKE_CPU, EngineUnavailable, Measurement, choose_engine, engine_status, run
-from gpulab.predict.step import training_step
+from gpulab.predict.step import step as tracked_step
 from gpulab.categories import CATEGORIES
 
 
@@ -21,10 +21,10 @@ def _after_step(res):
     ("mlp", "sgd", 1), ("mlp", "adamw", 1), ("mlp", "adagrad", 2), ("mlp", "momentum", 2),
 ])
 def test_fake_and_cpu_engines_agree_exactly(model, optimizer, steps):
-    cpu = training_step(model, batch=8, optimizer=optimizer, engine="cpu", steps=steps)
+    cpu = tracked_step(model, batch=8, optimizer=optimizer, engine="cpu", steps=steps, guard=False)
     # like with like: the fake engine's CPU target follows the CPU's kernels (the default CUDA
     # target follows CUDA's: tests/test_fake_cuda.py)
-    fake = training_step(model, batch=8, optimizer=optimizer, engine="fake", steps=steps, fake_target="cpu")
+    fake = tracked_step(model, batch=8, optimizer=optimizer, engine="fake", steps=steps, fake_target="cpu", guard=False)
     assert (cpu.engine, fake.engine) == ("cpu", "fake")
     assert cpu.peak_bytes > 0
     assert fake.peak_bytes == cpu.peak_bytes
@@ -38,7 +38,7 @@ def test_fake_and_cpu_engines_agree_exactly(model, optimizer, steps):
 
 @pytest.mark.parametrize("optimizer,mult", [("sgd", 0), ("momentum", 1), ("adam", 2)])
 def test_after_step_snapshot_holds_params_grads_state(optimizer, mult):
-    res = training_step("cnn", batch=4, optimizer=optimizer, engine="cpu")
+    res = tracked_step("cnn", batch=4, optimizer=optimizer, engine="cpu", steps=1, guard=False)
     after = _after_step(res).by_category
     n_params = 152_074   # conv 896 + bn 64 + conv 18,496 + bn 128 + fc 131,200 + fc 1,290
     assert after["parameters"] == after["gradients"] == 4 * n_params
@@ -53,7 +53,7 @@ def test_after_step_snapshot_holds_params_grads_state(optimizer, mult):
 
 
 def test_fake_engine_answers_vgg16_at_batch_64():
-    res = training_step("vgg16", batch=64, optimizer="momentum", engine="fake", fake_target="cpu")
+    res = tracked_step("vgg16", batch=64, optimizer="momentum", engine="fake", steps=1, fake_target="cpu", guard=False)
     params = 138_357_544 * 4
     after = _after_step(res).by_category
     assert after["parameters"] == after["gradients"] == after["optimizer_state"] == params
@@ -122,10 +122,10 @@ def test_unknown_engine_names_valid_ones():
 
 
 def test_training_step_auto_engine_without_gpu(no_gpu):
-    assert training_step("mlp", batch=2, engine="auto").engine == "cpu"
-    big = training_step("vgg16", batch=64, engine="auto")
+    assert tracked_step("mlp", batch=2, optimizer="sgd", engine="auto", steps=1, guard=False).engine == "cpu"
+    big = tracked_step("vgg16", batch=64, optimizer="sgd", engine="auto", steps=1, guard=False)
     assert big.engine == "fake" and "MiB" in big.measurement.reason
-    slow = training_step("alexnet", batch=1, engine="auto", max_cpu_flops=10**9)
+    slow = tracked_step("alexnet", batch=1, optimizer="sgd", engine="auto", steps=1, max_cpu_flops=10**9, guard=False)
     assert slow.engine == "fake" and "GFLOP" in slow.measurement.reason
 
 
@@ -193,7 +193,7 @@ def test_other_errors_propagate():
 
 
 def test_categories_complete_in_measurements():
-    res = training_step("mlp", batch=2, engine="cpu")
+    res = tracked_step("mlp", batch=2, optimizer="sgd", engine="cpu", steps=1, guard=False)
     assert set(res.peak_by_category) == {c.value for c in CATEGORIES}
     assert set(res.predicted) == {c.value for c in CATEGORIES}
 

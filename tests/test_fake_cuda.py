@@ -17,7 +17,7 @@ from gpulab import cli
 from gpulab.training import loop as E
 from gpulab.models import registry as M
 from gpulab.measure.engines import LABEL_FAKE_CPU, LABEL_FAKE_CUDA, run
-from gpulab.predict.step import training_step
+from gpulab.predict.step import step as tracked_step
 from gpulab.measure.fake_cuda import STILL_DIFFERS
 from gpulab.formulas import cuda_rounded_bytes
 from gpulab.categories import Category
@@ -33,8 +33,8 @@ def _mlp_params():
 
 
 def test_mlp_adam_fake_step_follows_cudas_foreach():
-    cuda = training_step("mlp", 8, optimizer="adam", engine="fake")                       # default: CUDA
-    cpu = training_step("mlp", 8, optimizer="adam", engine="fake", fake_target="cpu")   # the CPU for-loop
+    cuda = tracked_step("mlp", batch=8, optimizer="adam", engine="fake", steps=1, guard=False)                       # default: CUDA
+    cpu = tracked_step("mlp", batch=8, optimizer="adam", engine="fake", steps=1, fake_target="cpu", guard=False)   # the CPU for-loop
     assert cuda.label == LABEL_FAKE_CUDA and cuda.measurement.kernels == "cuda"
     assert cpu.label == LABEL_FAKE_CPU and cpu.measurement.kernels == "cpu"
     # the for-loop keeps two param-sized temporaries of one tensor at a time; foreach makes one
@@ -48,9 +48,9 @@ def test_cuda_target_equals_a_cpu_foreach_run_in_512_byte_blocks(monkeypatch):
     """Storage for storage, the CUDA target is a real CPU run with foreach=True, each storage
     rounded to 512 B, minus the step counters CUDA keeps in host memory."""
     monkeypatch.setattr(E, "make_optimizer", lambda name, params: torch.optim.Adam(params, lr=1e-3, foreach=True))
-    ref = training_step("mlp", 8, optimizer="adam", engine="cpu").measurement.tracking
+    ref = tracked_step("mlp", batch=8, optimizer="adam", engine="cpu", steps=1, guard=False).measurement.tracking
     monkeypatch.undo()   # the fake run picks foreach by itself
-    fake = training_step("mlp", 8, optimizer="adam", engine="fake")
+    fake = tracked_step("mlp", batch=8, optimizer="adam", engine="fake", steps=1, guard=False)
     rounded = TrackingResult.build(ref.records, ref.events, device="cpu", rounded=True)
     n_tensors = len(_mlp_params())
     expected = dict(rounded.peak_by_category)
@@ -60,7 +60,7 @@ def test_cuda_target_equals_a_cpu_foreach_run_in_512_byte_blocks(monkeypatch):
 
 
 def test_step_counters_live_on_the_host():
-    r = training_step("mlp", 8, optimizer="adam", engine="fake")
+    r = tracked_step("mlp", batch=8, optimizer="adam", engine="fake", steps=1, guard=False)
     param_bytes = sum(cuda_rounded_bytes(p.numel() * 4) for p in _mlp_params())
     after = r.as_dict()["after_step_by_category"]
     assert after["parameters"] == after["gradients"] == param_bytes
@@ -75,7 +75,7 @@ def test_explicit_for_loop_is_respected_and_defaults_are_restored(monkeypatch):
     before = {m: m._default_to_fused_or_foreach for m in (sys.modules["torch.optim.adam"],
                                                           sys.modules["torch.optim.sgd"])}
     monkeypatch.setattr(E, "make_optimizer", lambda name, params: torch.optim.Adam(params, lr=1e-3, foreach=False))
-    r = training_step("mlp", 8, optimizer="adam", engine="fake")
+    r = tracked_step("mlp", batch=8, optimizer="adam", engine="fake", steps=1, guard=False)
     # the for-loop's two param-sized temporaries of the largest tensor, in 512-byte blocks
     assert r.peak_by_category["temporaries"] == 2 * cuda_rounded_bytes(3 * 32 * 32 * 512 * 4)
     for m, f in before.items():

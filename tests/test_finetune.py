@@ -6,7 +6,7 @@ import torch
 
 from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, parse_gpu
 from gpulab.course.finetune import custom_config, finetune_check, model_builder
-from gpulab.course.kv_cache import qlora_formula
+from gpulab.course.lora import qlora_formula
 from gpulab.formulas import lora_params
 from gpulab.models.hf_configs import make_config
 from gpulab.models.registry import build_skeleton

@@ -269,7 +269,7 @@ def test_optimizer_state_bytes_vs_real_optimizer(name, foreach):
 def test_training_multipliers_match_the_articles():
     assert {k: F.training_multiplier(k) for k in ("sgd", "momentum", "adam", "adamw")} == \
         {"sgd": 2, "momentum": 3, "adam": 4, "adamw": 4}
-    with pytest.raises(ValueError, match="valid: sgd, momentum, adam"):
+    with pytest.raises(ValueError, match="valid optimizers: sgd, momentum, adam"):
         F.optimizer_state_multiplier("lion")
 
 

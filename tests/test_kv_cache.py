@@ -11,6 +11,7 @@ from gpulab import formulas as F
 from gpulab.models import hf_configs
 from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, parse_gpu
 from gpulab.course import kv_cache as K
+from gpulab.course import lora as KL
 from gpulab.measure.engines import LABEL_CPU, LABEL_FAKE_CUDA, LABEL_FORMULA
 from gpulab.units import GiB, MiB
 
@@ -124,7 +125,7 @@ def test_max_context_is_the_last_token_that_fits():
 
 @pytest.fixture(scope="module")
 def lora_cpu():
-    return K.lora_step("tiny-llama", rank=8, targets=("q_proj", "v_proj"), batch=2, seq_len=32, engine="cpu")
+    return KL.lora_step("tiny-llama", rank=8, targets=("q_proj", "v_proj"), batch=2, seq_len=32, engine="cpu")
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")   # peft on transformers 5
@@ -134,10 +135,10 @@ def test_adapter_formula_equals_peft_count():
         r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     # q_proj 64 -> 64 and v_proj 64 -> 32 (2 KV heads of 16) in each of 2 layers
-    assert trainable == K.adapter_params_formula("tiny-llama", 8) == 2 * (F.lora_params(64, 64, 8)
+    assert trainable == KL.adapter_params_formula("tiny-llama", 8) == 2 * (F.lora_params(64, 64, 8)
                                                                           + F.lora_params(64, 32, 8))
-    gpt2 = K.lora_model_builder("tiny-gpt2", 4, ("c_attn",))()    # GPT-2's Conv1D
-    assert K.trainable_params(gpt2) == K.adapter_params_formula("tiny-gpt2", 4, ("c_attn",)) == 2 * 4 * (64 + 192)
+    gpt2 = KL.lora_model_builder("tiny-gpt2", 4, ("c_attn",))()    # GPT-2's Conv1D
+    assert KL.trainable_params(gpt2) == KL.adapter_params_formula("tiny-gpt2", 4, ("c_attn",)) == 2 * 4 * (64 + 192)
 
 
 def test_lora_trains_the_adapters_only_on_the_cpu_engine(lora_cpu):
@@ -158,11 +159,11 @@ def test_lora_trains_the_adapters_only_on_the_cpu_engine(lora_cpu):
 
 
 def test_peft_needs_the_meta_skeleton_under_fake_tensors_and_lora_runs_on_the_fake_engine():
-    check = K.peft_on_fake("tiny-llama", 8)
+    check = KL.peft_on_fake("tiny-llama", 8)
     # Module._apply swaps FakeTensor parameters, and swap_tensors refuses tensors with weak references
     assert not check["native"] and "swap" in check["native_error"]
     assert check["via_skeleton"] and check["trainable_params"] == 3584
-    r = K.lora_step("tiny-llama", engine="fake")
+    r = KL.lora_step("tiny-llama", engine="fake")
     for cat in ("parameters", "gradients", "optimizer_state"):
         row = r.row(cat)
         assert (row.lora, row.full) == (row.lora_formula, row.full_formula), cat
@@ -171,22 +172,22 @@ def test_peft_needs_the_meta_skeleton_under_fake_tensors_and_lora_runs_on_the_fa
 
 
 def test_qlora_formula_counts_the_linear_weights_as_nf4():
-    q = K.qlora_formula("llama-3-8b", rank=8)
+    q = KL.qlora_formula("llama-3-8b", rank=8)
     with torch.device("meta"):
         model = hf_configs.build_causal_lm("llama-3-8b")
     proj = [m.weight.numel() for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
     assert q.quantized_params == sum(proj) and q.quantized_bytes == sum(F.nf4_weight_bytes(n) for n in proj)
     assert q.kept_params == q.base_params - sum(proj) == 2 * 128256 * 4096 + 65 * 4096   # embed, lm_head, norms
-    assert q.adapter_params == K.adapter_params_formula("llama-3-8b", 8) and q.adapter_bytes == 4 * q.adapter_params
-    assert q.optimizer_bytes == 2 * q.adapter_bytes and q.label == K.LABEL_QLORA
+    assert q.adapter_params == KL.adapter_params_formula("llama-3-8b", 8) and q.adapter_bytes == 4 * q.adapter_params
+    assert q.optimizer_bytes == 2 * q.adapter_bytes and q.label == KL.LABEL_QLORA
     assert q.total_bytes < q.plain_lora_total_bytes / 2 and "NF4" in q._repr_html_()
 
 
 @pytest.mark.parametrize("call, words", [
     (lambda: K.kv_cache_for("llama-9", 16), ["unknown transformer config", "llama-3-8b"]),
     (lambda: K.measured_kv_cache("tiny-llama", prompt_len=250, new_tokens=16), ["longer than", "256"]),
-    (lambda: K.adapter_params_formula("tiny-llama", 8, ("w_proj",)), ["no linear layer", "w_proj"]),
-    (lambda: K.lora_step("tiny-llama", targets="q_proj"), ["targets must be"]),
+    (lambda: KL.adapter_params_formula("tiny-llama", 8, ("w_proj",)), ["no linear layer", "w_proj"]),
+    (lambda: KL.lora_step("tiny-llama", targets="q_proj"), ["targets must be"]),
     (lambda: K.inference_fit("llama-3-8b", "H1000", 16), ["cannot read", "H100"]),
     (lambda: K.max_context("llama-3-8b", "H100", batch=0), ["batch must be a positive integer"]),
 ])

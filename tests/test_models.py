@@ -3,7 +3,7 @@ import pytest
 
 import gpulab.models.registry as M
 from gpulab.predict.breakdown import breakdown
-from gpulab.predict.step import training_step
+from gpulab.predict.step import step as tracked_step
 
 
 class CountingRegistry(dict):
@@ -25,8 +25,8 @@ def counting(monkeypatch):
 
 
 @pytest.mark.parametrize("call", [
-    lambda: training_step("cnn", 2, engine="fake"),
-    lambda: training_step("resnet18", 1, 64, engine="fake"),
+    lambda: tracked_step("cnn", batch=2, optimizer="sgd", engine="fake", steps=1, guard=False),
+    lambda: tracked_step("resnet18", batch=1, image_size=64, optimizer="sgd", engine="fake", steps=1, guard=False),
     lambda: breakdown("vgg16"),
 ])
 def test_one_registry_lookup_per_call(counting, call):
@@ -66,4 +66,4 @@ def test_training_needs_more_than_one_value_per_channel():
         M.check_image_size(spec, 16, batch=1)
     M.check_image_size(spec, 33, batch=1)   # the size the message names does work
     with pytest.raises(ValueError, match="--image-size 33"):
-        training_step("resnet18", 1, 16, engine="fake")
+        tracked_step("resnet18", batch=1, image_size=16, optimizer="sgd", engine="fake", steps=1, guard=False)

@@ -17,7 +17,7 @@ from torch.cuda import _memory_viz as mv
 
 from conftest import ROOT
 from gpulab.allocator.simulator import CachingAllocator, MiB
-from gpulab.predict.step import training_step
+from gpulab.predict.step import step as tracked_step
 from gpulab.predict.replay import fragmentation_events, replay_events
 from gpulab.interop.snapshot import ACTIONS, BLOCK_STATES, export_tracking, record_events, unrounded
 from gpulab.interop.snapshot_import import read_snapshot
@@ -38,7 +38,7 @@ def _identity(lines: str) -> str:   # instead of flamegraph.pl (which _memory_vi
 
 @pytest.fixture(scope="module")
 def vgg_step():
-    return training_step("vgg16", batch=8, optimizer="sgd", engine="fake", steps=1)
+    return tracked_step("vgg16", batch=8, optimizer="sgd", engine="fake", steps=1, guard=False)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def vgg_export(vgg_step):
 
 @pytest.fixture(scope="module")
 def cnn_tracking():
-    return training_step("cnn", batch=4, optimizer="sgd", engine="fake", steps=2).measurement.tracking
+    return tracked_step("cnn", batch=4, optimizer="sgd", engine="fake", steps=2, guard=False).measurement.tracking
 
 
 # ---- the format -----------------------------------------------------------------------------------

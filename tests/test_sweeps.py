@@ -12,7 +12,7 @@ from gpulab.course import sweeps as S
 from gpulab.course.anatomy import step_anatomy
 from gpulab.models.registry import build_model, resolve_model
 from gpulab.units import GiB
-from gpulab.predict.step import training_step
+from gpulab.predict.step import step as tracked_step
 
 
 def _param_bytes(model):
@@ -51,7 +51,7 @@ def test_fit_is_the_least_squares_line(cnn_sweep):
 
 def test_each_point_is_a_training_step_peak(cnn_sweep):
     p = cnn_sweep.points[1]
-    assert p.peak_bytes == training_step("cnn", p.batch, optimizer="sgd", engine="cpu", steps=2).peak_bytes
+    assert p.peak_bytes == tracked_step("cnn", batch=p.batch, optimizer="sgd", engine="cpu", steps=2, guard=False).peak_bytes
 
 
 def test_formula_line_from_torch_sizes():
@@ -94,8 +94,8 @@ def test_largest_batch_is_verified_by_fake_runs(vgg_16gib):
     whole = vgg_16gib.answer("whole card")
     assert whole.capacity_bytes == 16 * GiB
     b = whole.live_batch
-    at_b = training_step("vgg16", b, optimizer="sgd", engine="fake", steps=2).peak_bytes
-    at_next = training_step("vgg16", b + 1, optimizer="sgd", engine="fake", steps=2).peak_bytes
+    at_b = tracked_step("vgg16", batch=b, optimizer="sgd", engine="fake", steps=2, guard=False).peak_bytes
+    at_next = tracked_step("vgg16", batch=b + 1, optimizer="sgd", engine="fake", steps=2, guard=False).peak_bytes
     assert at_b <= 16 * GiB < at_next
     # the simulated allocator reserves at least the live bytes: it never serves a larger batch
     assert 1 <= whole.allocator_batch <= whole.live_batch

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from gpulab.measure.engines import LABEL_FAKE_CUDA
-from gpulab.predict.step import StepResult, training_step
+from gpulab.predict.step import StepResult, step as tracked_step
 from gpulab.measure.fake_cuda import STILL_DIFFERS
 from gpulab.categories import CATEGORIES
 from gpulab.measure.tracking import TrackingResult
@@ -213,7 +213,7 @@ def step_anatomy(model: str = "cnn", batch: int | None = 32, optimizer: str = "a
                  steps: int = 2, image_size: int | None = None, dtype: str | torch.dtype = "float32",
                  top: int = 8) -> StepAnatomy:
     """Track ``steps`` training steps and take the timeline apart (see the module docstring)."""
-    r = training_step(model, batch, image_size, optimizer, dtype, engine, steps=steps)
+    r = tracked_step(model, batch=batch, image_size=image_size, optimizer=optimizer, dtype=dtype, engine=engine, steps=steps, guard=False)
     if r.measurement.oom:
         raise MemoryError(f"{r.model} batch {r.batch} ran out of memory on {r.engine}: {r.measurement.error}")
     tr = r.measurement.tracking

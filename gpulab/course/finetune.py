@@ -9,7 +9,7 @@ an assumed CUDA context is added. The verdict is ``reserved + context <= card``,
 
 QLoRA's 4-bit base weights need bitsandbytes' CUDA kernels, so they are not run here: a LoRA run
 with bf16 base weights is measured and the bytes of the weights 4-bit loading quantizes (the
-Linear layers' weights, not the embeddings, norms or lm_head: ``course.kv_cache.nf4_quantized``)
+Linear layers' weights, not the embeddings, norms or lm_head: ``course.lora.nf4_quantized``)
 are replaced by the NF4 formula, labelled as such.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from gpulab.models.hf_configs import build_causal_lm, hf_entry, make_config
 from gpulab.models.registry import build_skeleton
 from gpulab.predict.step import step
 from gpulab.units import format_bytes
-from gpulab.course.kv_cache import nf4_quantized, wrap_lora
+from gpulab.course.lora import nf4_quantized, wrap_lora
 
 __all__ = [
     "FinetuneAnswer", "LABEL_QLORA", "LORA_TARGETS", "METHODS", "PRECISIONS", "PRESETS", "Progress",

@@ -24,12 +24,13 @@ from gpulab.course.anatomy import legend_outside
 from gpulab.plots import to_png as as_png
 from gpulab.measure.engines import LABEL_FORMULA, Measured, Measurement, run
 # The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
-from gpulab.record.runs.optimizer import IMPL_FLAGS as _IMPL_FLAGS
-from gpulab.record.runs.optimizer import OPTIMIZER_SPECS as _OPTIMIZER_SPECS
-from gpulab.record.runs.optimizer import IMPLEMENTATIONS, Moment, UnsupportedImplementation, build_optimizer, run_optimizer, state_tensor_bytes, step_peak
-from gpulab.record.runs.optimizer import check_implementation as _check_implementation
-from gpulab.record.runs.optimizer import check_optimizer as _check_optimizer
-from gpulab.record.runs.optimizer import constructor as _constructor
+from gpulab.training.optimizers import IMPL_FLAGS as _IMPL_FLAGS
+from gpulab.training.optimizers import OPTIMIZER_SPECS as _OPTIMIZER_SPECS
+from gpulab.record.runs.optimizer import Moment, run_optimizer, state_tensor_bytes, step_peak
+from gpulab.training.optimizers import IMPLEMENTATIONS, UnsupportedImplementation, build_optimizer
+from gpulab.training.optimizers import check_implementation as _check_implementation
+from gpulab.training.optimizers import check_optimizer as _check_optimizer
+from gpulab.training.optimizers import constructor as _constructor
 from gpulab.record.runs.optimizer import event_count as _event_count
 from gpulab.record.runs.optimizer import moments_at as _moments
 from gpulab.record.runs.optimizer import optimizer_experiment as _run_experiment

@@ -26,7 +26,7 @@ from gpulab import formulas as F
 from gpulab.measure.engines import LABEL_FORMULA, choose_engine
 # The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
 from gpulab.record.runs.precision import LOW_DTYPES, PrecisionRun, modes, run_precision_modes
-from gpulab.training.optimizers import OPTIMIZERS
+from gpulab.training.optimizers import check_optimizer
 from gpulab.predict.breakdown import validate_batch
 from gpulab.models.registry import ModelSpec, check_image_size, resolve_model
 from gpulab.categories import CATEGORIES, Category
@@ -240,9 +240,7 @@ def precision_step(model: str | ModelSpec = "cnn", batch: int = 32, image_size: 
     validate_batch(batch)
     size = image_size or spec.default_image_size
     check_image_size(spec, size, batch)
-    opt = str(optimizer).lower()
-    if opt not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
+    opt = check_optimizer(optimizer)
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     all_modes = modes(low)

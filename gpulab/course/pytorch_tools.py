@@ -37,7 +37,7 @@ from gpulab.interop import oom_message as O
 from gpulab.allocator.simulator import MiB
 from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, parse_gpu
 from gpulab.measure.engines import LABEL_SIMULATED
-from gpulab.predict.step import StepResult, training_step
+from gpulab.predict.step import StepResult, step as tracked_step
 from gpulab.measure.linetrack import LineReport
 from gpulab.models.registry import build_model, resolve_model
 from gpulab.plots import to_png
@@ -153,7 +153,7 @@ class StepExport:
 
 def vgg16_step_snapshot(batch: int = 8, optimizer: str = "sgd", model: str = "vgg16") -> StepExport:
     """One training step of ``model`` on the fake engine (CUDA's kernels, no compute), exported."""
-    step = training_step(model, batch=batch, optimizer=optimizer, engine="fake", steps=1)
+    step = tracked_step(model, batch=batch, optimizer=optimizer, engine="fake", steps=1, guard=False)
     tr = step.measurement.tracking
     snap = export_tracking(tr, times="index")
     at_peak = export_tracking(tr, times="index", at="peak")
@@ -186,7 +186,7 @@ def make_example_snapshot() -> MemorySnapshot:
     """The small snapshot shipped in tests/data/: one training step of the small CNN (batch 4,
     SGD) on the fake engine (CUDA's kernels, no compute), exported by gpulab with the event index
     as its clock, so the file is the same on every run. Made on a CPU: NOT a GPU recording."""
-    step = training_step("cnn", batch=4, optimizer="sgd", engine="fake", steps=1)
+    step = tracked_step("cnn", batch=4, optimizer="sgd", engine="fake", steps=1, guard=False)
     snap = export_tracking(step.measurement.tracking, times="index")
     snap.data["gpulab"].update({
         "made_by": "gpulab.course.pytorch_tools.make_example_snapshot (tests/make_snapshot_fixture.py)",
@@ -478,7 +478,7 @@ def example_oom(kind: str = "fragmentation", card: str = "T4") -> OOMExample:
         events, story = growing_inputs_events(), ("Inputs grow step by step; each step keeps a small output "
                                                   "and frees a big working tensor (synthetic sizes)")
     elif kind == "too big":
-        step = training_step("vgg16", batch=256, optimizer="sgd", engine="fake", steps=1)
+        step = tracked_step("vgg16", batch=256, optimizer="sgd", engine="fake", steps=1, guard=False)
         events, story = step.measurement.tracking.events, "A VGG16 training step at batch 256, SGD (fake engine, CUDA's kernels)"
     else:
         raise ValueError(f"unknown example {kind!r}; valid: {', '.join(OOM_EXAMPLES)}")

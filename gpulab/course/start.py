@@ -468,10 +468,10 @@ def oom_story(model: str = "vgg16", batch: int = 128, optimizer: str = "adam", c
     ``card_gib`` GiB card. Two training steps run on ``engine`` (the fake engine by default,
     following CUDA's kernels: a GPU question answered instantly, without a GPU); the second step
     is the steady state, with the optimizer state alive."""
-    from gpulab.predict.step import training_step
+    from gpulab.predict.step import step as tracked_step
     if not card_gib or card_gib <= 0:
         raise ValueError(f"card size must be a positive number of GiB, got {card_gib!r}")
-    step = training_step(model, batch=batch, optimizer=optimizer, engine=engine, steps=2)
+    step = tracked_step(model, batch=batch, optimizer=optimizer, engine=engine, steps=2, guard=False)
     param_bytes = step.predicted["parameters"]
     return OomStory(step.model, batch, optimizer, int(card_gib * GiB), param_bytes, step)
 

@@ -28,8 +28,8 @@ from gpulab.allocator.simulator import CachingAllocator
 from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED
 from gpulab.predict.search import largest_fitting as _boundary
 from gpulab.measure.engines import LABEL_FORMULA, LABEL_SIMULATED, choose_engine, label_cuda
-from gpulab.training.optimizers import OPTIMIZERS
-from gpulab.predict.step import StepResult, training_step
+from gpulab.training.optimizers import check_optimizer
+from gpulab.predict.step import StepResult, step as tracked_step
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
 from gpulab.formulas import MemoryFit, fit_memory_model, max_batch
 from gpulab.models.registry import ModelSpec, check_image_size, resolve_model
@@ -106,18 +106,11 @@ def formula_line(model: str | ModelSpec, image_size: int | None = None, optimize
     """The formulas' fixed and per-sample bytes (``gpulab.predict.breakdown.predict_step`` at batch 1)."""
     spec = resolve_model(model)
     size = image_size or spec.default_image_size
-    opt = _check_optimizer(optimizer)
+    opt = check_optimizer(optimizer)
     dt = parse_dtype(dtype)
     p = predict_step(spec, 1, size, opt, dt, count_step_counters)
     return FormulaLine(spec.name, size, opt, dtype_name(dt), p["parameters"], p["buffers"], p["gradients"],
                        p["optimizer_state"], p["activations"], p["inputs"])
-
-
-def _check_optimizer(name: str) -> str:
-    key = str(name).lower()
-    if key not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
-    return key
 
 
 # --- a sweep ---------------------------------------------------------------------------------------
@@ -222,14 +215,14 @@ def batch_sweep(model: str | ModelSpec = "cnn", batches: Sequence[int] = (4, 8, 
         raise ValueError(f"a sweep needs at least two different batch sizes, got {list(batches)!r}")
     size = image_size or spec.default_image_size
     check_image_size(spec, size, bs[0])
-    opt = _check_optimizer(optimizer)
+    opt = check_optimizer(optimizer)
     dt = parse_dtype(dtype)
     choice = _resolve_engine(engine, spec, bs[-1], size, opt, dt, steps)
     points, results = [], []
     for i, b in enumerate(bs):
         if progress:
             progress(i / len(bs), f"batch {b} ({i + 1}/{len(bs)}) on {choice.name}")
-        r = training_step(spec, b, size, opt, dt, choice.name, steps=steps)
+        r = tracked_step(spec, batch=b, image_size=size, optimizer=opt, dtype=dt, engine=choice.name, steps=steps, guard=False)
         m = r.measurement
         points.append(SweepPoint(b, m.peak_bytes, m.tracking.peak_phase if m.tracking else "",
                                  m.peak_by_category, m.seconds, m.oom, m.error))
@@ -439,7 +432,7 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
                          f"{format_bytes(context_overhead_bytes)}")
     spec = resolve_model(model)
     size = image_size or spec.default_image_size
-    opt = _check_optimizer(optimizer)
+    opt = check_optimizer(optimizer)
     dt = parse_dtype(dtype)
     def note(frac: float, text: str) -> None:
         if progress:
@@ -461,34 +454,13 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
                 raise RuntimeError(f"the verification needed more than {max_runs} fake runs; the sweep's line "
                                    f"is too far from the measured peaks")
             note(0.5 + 0.4 * (done + 1) / max_runs, f"verifying batch {batch} (fake)")
-            runs[batch] = training_step(spec, batch, size, opt, dt, "fake", steps=2)
+            runs[batch] = tracked_step(spec, batch=batch, image_size=size, optimizer=opt, dtype=dt, engine="fake", steps=2, guard=False)
         return runs[batch]
 
-    answers = []
-    for name, cap, cap_label in (
-            ("whole card", card, "card size"),
-            ("card − CUDA context", card - context_overhead_bytes, f"card − {format_bytes(context_overhead_bytes)} "
-                                                                    f"({LABEL_ASSUMPTION})")):
-        examined: dict[int, BatchCheck] = {}
-
-        def examine(b: int, cap: int = cap, examined: dict[int, BatchCheck] = examined) -> BatchCheck:
-            if b not in examined:
-                reserved, oom = _replay(fake(b), cap)
-                examined[b] = BatchCheck(b, fake(b).peak_bytes, reserved, oom)
-            return examined[b]
-
-        fit_b = sweep.fit.max_batch(cap)
-        live_b = _boundary(fit_b, lambda b: examine(b).peak_bytes <= cap)
-        # the simulator reserves at least the live bytes, so it never serves more than live_b;
-        # its rounding and caching cost some images: start from live_b scaled by the overhead
-        # the simulator shows at live_b without a capacity limit (reserved / live), then search
-        alloc_b = 0
-        if live_b:
-            reserved_unlimited, _ = _replay(fake(live_b), None)
-            guess = min(live_b, int(live_b * cap / max(reserved_unlimited, 1)))
-            alloc_b = _boundary(guess, lambda b: not examine(b).simulated_oom, upper=live_b + 1)
-        answers.append(CapacityAnswer(name, cap, sweep.formula.max_batch(cap), fit_b, live_b, alloc_b,
-                                      [examined[b] for b in sorted(examined)], cap_label))
+    answers = [_capacity_answer(name, cap, cap_label, sweep, fake) for name, cap, cap_label in (
+        ("whole card", card, "card size"),
+        ("card − CUDA context", card - context_overhead_bytes, f"card − {format_bytes(context_overhead_bytes)} "
+                                                                f"({LABEL_ASSUMPTION})"))]
 
     gpu_checks: list[GpuCheck] = []
     if torch.cuda.is_available() and check_on_gpu:
@@ -502,6 +474,31 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
     note(1.0, "done")
     return LargestBatch(spec.name, size, opt, dtype_name(dt), card, int(context_overhead_bytes), sweep, answers,
                         gpu_checks, gpu_note, verification_runs=len(runs) - swept)
+
+
+def _capacity_answer(name: str, cap: int, cap_label: str, sweep, fake: Callable[[int], StepResult]) -> CapacityAnswer:
+    """One usable capacity's answers: the formula's and the fit's batch, the batch fake runs verify
+    (peak at B fits, at B + 1 does not), and the batch the simulated allocator can serve."""
+    examined: dict[int, BatchCheck] = {}
+
+    def examine(b: int) -> BatchCheck:
+        if b not in examined:
+            reserved, oom = _replay(fake(b), cap)
+            examined[b] = BatchCheck(b, fake(b).peak_bytes, reserved, oom)
+        return examined[b]
+
+    fit_b = sweep.fit.max_batch(cap)
+    live_b = _boundary(fit_b, lambda b: examine(b).peak_bytes <= cap)
+    # the simulator reserves at least the live bytes, so it never serves more than live_b;
+    # its rounding and caching cost some images: start from live_b scaled by the overhead
+    # the simulator shows at live_b without a capacity limit (reserved / live), then search
+    alloc_b = 0
+    if live_b:
+        reserved_unlimited, _ = _replay(fake(live_b), None)
+        guess = min(live_b, int(live_b * cap / max(reserved_unlimited, 1)))
+        alloc_b = _boundary(guess, lambda b: not examine(b).simulated_oom, upper=live_b + 1)
+    return CapacityAnswer(name, cap, sweep.formula.max_batch(cap), fit_b, live_b, alloc_b,
+                          [examined[b] for b in sorted(examined)], cap_label)
 
 
 def search_run_bound(batch: int) -> int:
@@ -528,7 +525,7 @@ def _gpu_check(model: ModelSpec, size: int, optimizer: str, dt: torch.dtype, car
         for b in (batch, batch + 1):
             if b < 1:
                 continue
-            r = training_step(model, b, size, optimizer, dt, "cuda", steps=2)
+            r = tracked_step(model, batch=b, image_size=size, optimizer=optimizer, dtype=dt, engine="cuda", steps=2, guard=False)
             a = r.measurement.allocator or {}
             used = nvml_used_bytes(dev)
             outside = None if used is None else used - torch.cuda.memory_reserved(dev)

@@ -729,6 +729,35 @@ def _differences(terms: list[FormulaTerm], absent: list[tuple[FormulaTerm, str]]
     return out
 
 
+def _saved_by_layer(m: Measurement, n_layers: int) -> tuple[list[int], int, int, dict[tuple, int], str]:
+    """What the forward saved, read off the tracker's records: bytes per layer, host bytes (the
+    fused kernels' random-number state), bytes outside the layers, bytes per (block, module,
+    op, dtype, shape), and the attention kernel that ran."""
+    per_layer = [0] * n_layers
+    host, outside = 0, 0
+    groups: dict[tuple, int] = {}
+    kernel = "eager"
+    for r in m.tracking.records.values():
+        place = _layer_of(r.module)
+        if place is not None and r.op in _FUSED_OPS:
+            kernel = _FUSED_OPS[r.op]
+        elif place is not None and r.op == "_safe_softmax" and kernel == "eager":
+            kernel = "math"
+        if r.category != Category.ACTIVATIONS or r.phase != "forward":
+            continue
+        if place is None:
+            outside += r.nbytes
+            continue
+        layer, inner = place
+        if m.kernels == "cuda" and r.op in _FUSED_OPS and not r.dtype.startswith(("float", "bfloat")):
+            host += r.nbytes   # philox seed / offset: CPU tensors on a GPU (not under CUDA graphs)
+            continue
+        per_layer[layer] += r.nbytes
+        key = (_block_of(inner), inner, r.op, r.dtype, tuple(r.shape))
+        groups[key] = groups.get(key, 0) + r.nbytes
+    return per_layer, host, outside, groups, kernel
+
+
 def measured_layer_activations(name_or_config: Any, seq_len: int = 128, batch: int = 1,
                                attn_implementation: str = "eager", dtype: str | torch.dtype = torch.bfloat16,
                                engine: str = "fake") -> LayerActivations:
@@ -783,28 +812,7 @@ def measured_layer_activations(name_or_config: Any, seq_len: int = 128, batch: i
     if m.oom:
         raise MemoryError(f"the forward/backward ran out of memory on the {m.engine} engine: {m.error}")
     n_layers = s["num_layers"]
-    per_layer = [0] * n_layers
-    host, outside = 0, 0
-    groups: dict[tuple, int] = {}
-    kernel = "eager"
-    for r in m.tracking.records.values():
-        place = _layer_of(r.module)
-        if place is not None and r.op in _FUSED_OPS:
-            kernel = _FUSED_OPS[r.op]
-        elif place is not None and r.op == "_safe_softmax" and kernel == "eager":
-            kernel = "math"
-        if r.category != Category.ACTIVATIONS or r.phase != "forward":
-            continue
-        if place is None:
-            outside += r.nbytes
-            continue
-        layer, inner = place
-        if m.kernels == "cuda" and r.op in _FUSED_OPS and not r.dtype.startswith(("float", "bfloat")):
-            host += r.nbytes   # philox seed / offset: CPU tensors on a GPU (not under CUDA graphs)
-            continue
-        per_layer[layer] += r.nbytes
-        key = (_block_of(inner), inner, r.op, r.dtype, tuple(r.shape))
-        groups[key] = groups.get(key, 0) + r.nbytes
+    per_layer, host, outside, groups, kernel = _saved_by_layer(m, n_layers)
     if impl == "eager":
         kernel = "eager"
     contents = [SavedEntry(b, mod, op, d, shape, n / n_layers) for (b, mod, op, d, shape), n in groups.items()]

@@ -266,20 +266,7 @@ def record_events(events: Iterable[Any], *, label: str = "", device: int = 0,
             raise ValueError(f"event {i}: unknown kind {kind!r} (expected alloc, free or resize)")
         if i in flush:
             sim.empty_cache()
-        for e in sim.trace[start:]:     # what this event's entries say about the storage
-            if e["action"] in ("alloc", "free_requested", "free_completed"):
-                if frames is not None:
-                    e["frames"] = frames(sid)
-                if category is not None:
-                    e["category"] = category(sid) or "unknown"
-                if extra is not None and e["action"] in ("alloc", "free_completed"):
-                    more = extra(sid, ev)
-                    if more:
-                        e["gpulab"] = more
-            elif unknown is not None:
-                # segments have no category; MemoryViz.js's annotate_snapshot expects 'unknown'
-                # among the categories once any entry has one
-                e["category"] = unknown
+        _annotate(sim.trace[start:], sid, ev, frames, category, extra, unknown)
         peak_alloc = max(peak_alloc, sim.memory_allocated())
         peak_res = max(peak_res, sim.memory_reserved())
     segs = [_segment_dict(s, device, lambda addr: frames(block_sid[addr]) if frames is not None
@@ -298,6 +285,24 @@ def record_events(events: Iterable[Any], *, label: str = "", device: int = 0,
                            "not recorded on a GPU"},
     }
     return MemorySnapshot(data, label, device, peak_alloc, peak_res, ooms)
+
+
+def _annotate(entries: list[dict[str, Any]], sid: Any, ev: Any, frames, category, extra, unknown: str | None) -> None:
+    """What one event's trace entries say about its storage: frames, category, gpulab's fields."""
+    for e in entries:
+        if e["action"] in ("alloc", "free_requested", "free_completed"):
+            if frames is not None:
+                e["frames"] = frames(sid)
+            if category is not None:
+                e["category"] = category(sid) or "unknown"
+            if extra is not None and e["action"] in ("alloc", "free_completed"):
+                more = extra(sid, ev)
+                if more:
+                    e["gpulab"] = more
+        elif unknown is not None:
+            # segments have no category; MemoryViz.js's annotate_snapshot expects 'unknown'
+            # among the categories once any entry has one
+            e["category"] = unknown
 
 
 def _torch_version() -> str:

@@ -227,80 +227,19 @@ def read_snapshot(source: str | Path | bytes | dict | list, device: int | None =
     """Read a snapshot and rebuild one device's timeline from its trace (by default the device
     with the most trace entries, or the first with segments)."""
     data = load_snapshot(source)
-    traces = data["device_traces"]
     if device is None:
-        with_trace = [i for i, t in enumerate(traces) if t]
-        with_segs = sorted({int(s.get("device", 0)) for s in data["segments"]})
-        if with_trace:
-            device = max(with_trace, key=lambda i: len(traces[i]))
-        elif with_segs:
-            device = with_segs[0]
-        else:
-            raise ValueError("the snapshot is empty: no trace entries and no segments. Record with "
-                             "torch.cuda.memory._record_memory_history() before the code you want to see")
+        device = _default_device(data)
     trace = device_trace(data, device)
     meta = data.get("gpulab") if isinstance(data.get("gpulab"), dict) else None
     from_gpu = meta is None
     label = (LABEL_RECORDED.format(device=device) if from_gpu
              else str(meta.get("label") or LABEL_EXPORTED.format(source="source not stated")))
     segs = [s for s in data["segments"] if int(s.get("device", 0)) == device]
-
-    # blocks live at the end, by address (their requested bytes)
-    final_live: dict[int, int] = {}
-    for s in segs:
-        for addr, b in blocks_at(s):
-            if b.get("state") in _LIVE_STATES:
-                final_live[addr] = int(b.get("requested_size", b["size"]) or b["size"])
-
-    events: list[dict[str, Any]] = []
-    before: list[dict[str, Any]] = []
-    live: dict[int, int] = {}        # addr -> sid
-    sizes: dict[int, int] = {}       # sid -> bytes
-    next_sid = 0
-    res_delta: list[int] = []
-    act_delta: list[int] = []
-    seg_created: dict[int, int] = {}
-    ooms = 0
-    streams = {int(e.get("stream", 0) or 0) for e in trace}
-    for i, e in enumerate(trace):
-        a = e.get("action")
-        d_act = d_res = 0
-        if a == "alloc":
-            sid, next_sid = next_sid, next_sid + 1
-            live[e["addr"]] = sid
-            sizes[sid] = int(e["size"])
-            ev = {"kind": "alloc", "sid": sid, "nbytes": int(e["size"]), "index": i,
-                  "time_us": e.get("time_us", 0)}
-            if e.get("category") is not None:
-                ev["category"] = e["category"]
-            if isinstance(e.get("gpulab"), dict):
-                ev["gpulab"] = e["gpulab"]
-            events.append(ev)
-            d_act = int(e["size"])
-        elif a == "free_completed":
-            sid = live.pop(e["addr"], None)
-            if sid is None:      # allocated before the trace began (or the ring buffer wrapped)
-                sid, next_sid = next_sid, next_sid + 1
-                sizes[sid] = int(e["size"])
-                before.append({"kind": "alloc", "sid": sid, "nbytes": int(e["size"]), "index": -1,
-                               "addr": e["addr"]})
-            ev = {"kind": "free", "sid": sid, "nbytes": sizes[sid], "index": i, "time_us": e.get("time_us", 0)}
-            if isinstance(e.get("gpulab"), dict):
-                ev["gpulab"] = e["gpulab"]
-            events.append(ev)
-            d_act = -sizes[sid]
-        elif a in ("segment_alloc", "segment_map"):
-            d_res = int(e["size"])
-            seg_created[e["addr"]] = i
-        elif a in ("segment_free", "segment_unmap"):
-            d_res = -int(e["size"])
-        elif a == "oom":
-            ooms += 1
-        act_delta.append(d_act)
-        res_delta.append(d_res)
-    for addr, nbytes in sorted(final_live.items()):      # live at the end, never allocated in the trace
-        if addr not in live:
-            sid, next_sid = next_sid, next_sid + 1
+    walk = _walk_trace(trace)
+    before = walk.before
+    for addr, nbytes in sorted(_final_live(segs).items()):      # live at the end, never allocated in the trace
+        if addr not in walk.live:
+            sid, walk.next_sid = walk.next_sid, walk.next_sid + 1
             before.append({"kind": "alloc", "sid": sid, "nbytes": nbytes, "index": -1, "addr": addr})
     before.sort(key=lambda e: e["addr"])
     for e in before:
@@ -308,19 +247,99 @@ def read_snapshot(source: str | Path | bytes | dict | list, device: int | None =
     # the totals before the trace: what was live then, and the end's reserved minus the trace's changes
     reserved_end = sum(int(s["total_size"]) for s in segs)
     act = sum(e["nbytes"] for e in before)
-    res = reserved_end - sum(res_delta)
+    res = reserved_end - sum(walk.res_delta)
     act_series, res_series = [], []
-    for da, dr in zip(act_delta, res_delta):
+    for da, dr in zip(walk.act_delta, walk.res_delta):
         act += da
         res += dr
         act_series.append(act)
         res_series.append(res)
     recorded = Series(act_series, res_series, "snapshot", label)
-
     segments = [_segment(k, s) for k, s in enumerate(segs)]
-    order = [seg_created.get(s["address"], -1) for s in segs]
-    return ImportedSnapshot(data, device, label, from_gpu, before + events, recorded, segments, order,
-                            ooms, max(1, len(streams)))
+    order = [walk.seg_created.get(s["address"], -1) for s in segs]
+    streams = {int(e.get("stream", 0) or 0) for e in trace}
+    return ImportedSnapshot(data, device, label, from_gpu, before + walk.events, recorded, segments, order,
+                            walk.ooms, max(1, len(streams)))
+
+
+def _default_device(data: dict[str, Any]) -> int:
+    """The device with the most trace entries, else the first with segments."""
+    traces = data["device_traces"]
+    with_trace = [i for i, t in enumerate(traces) if t]
+    with_segs = sorted({int(s.get("device", 0)) for s in data["segments"]})
+    if with_trace:
+        return max(with_trace, key=lambda i: len(traces[i]))
+    if with_segs:
+        return with_segs[0]
+    raise ValueError("the snapshot is empty: no trace entries and no segments. Record with "
+                     "torch.cuda.memory._record_memory_history() before the code you want to see")
+
+
+def _final_live(segs: list[dict[str, Any]]) -> dict[int, int]:
+    """Blocks live at the end, by address (their requested bytes)."""
+    final_live: dict[int, int] = {}
+    for s in segs:
+        for addr, b in blocks_at(s):
+            if b.get("state") in _LIVE_STATES:
+                final_live[addr] = int(b.get("requested_size", b["size"]) or b["size"])
+    return final_live
+
+
+@dataclass
+class _Walk:
+    """What one pass over a device trace finds: gpulab events, blocks freed that were allocated
+    before the trace began, and each entry's change to active and reserved bytes."""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    before: list[dict[str, Any]] = field(default_factory=list)
+    live: dict[int, int] = field(default_factory=dict)        # addr -> sid
+    sizes: dict[int, int] = field(default_factory=dict)       # sid -> bytes
+    next_sid: int = 0
+    act_delta: list[int] = field(default_factory=list)
+    res_delta: list[int] = field(default_factory=list)
+    seg_created: dict[int, int] = field(default_factory=dict)
+    ooms: int = 0
+
+    def new_sid(self, nbytes: int) -> int:
+        sid, self.next_sid = self.next_sid, self.next_sid + 1
+        self.sizes[sid] = nbytes
+        return sid
+
+
+def _walk_trace(trace: list[dict[str, Any]]) -> _Walk:
+    w = _Walk()
+    for i, e in enumerate(trace):
+        a = e.get("action")
+        d_act = d_res = 0
+        if a == "alloc":
+            sid = w.new_sid(int(e["size"]))
+            w.live[e["addr"]] = sid
+            ev = {"kind": "alloc", "sid": sid, "nbytes": int(e["size"]), "index": i, "time_us": e.get("time_us", 0)}
+            if e.get("category") is not None:
+                ev["category"] = e["category"]
+            if isinstance(e.get("gpulab"), dict):
+                ev["gpulab"] = e["gpulab"]
+            w.events.append(ev)
+            d_act = int(e["size"])
+        elif a == "free_completed":
+            sid = w.live.pop(e["addr"], None)
+            if sid is None:      # allocated before the trace began (or the ring buffer wrapped)
+                sid = w.new_sid(int(e["size"]))
+                w.before.append({"kind": "alloc", "sid": sid, "nbytes": int(e["size"]), "index": -1, "addr": e["addr"]})
+            ev = {"kind": "free", "sid": sid, "nbytes": w.sizes[sid], "index": i, "time_us": e.get("time_us", 0)}
+            if isinstance(e.get("gpulab"), dict):
+                ev["gpulab"] = e["gpulab"]
+            w.events.append(ev)
+            d_act = -w.sizes[sid]
+        elif a in ("segment_alloc", "segment_map"):
+            d_res = int(e["size"])
+            w.seg_created[e["addr"]] = i
+        elif a in ("segment_free", "segment_unmap"):
+            d_res = -int(e["size"])
+        elif a == "oom":
+            w.ooms += 1
+        w.act_delta.append(d_act)
+        w.res_delta.append(d_res)
+    return w
 
 
 def _segment(k: int, s: dict[str, Any]) -> Segment:

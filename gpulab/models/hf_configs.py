@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-__all__ = [
+__all__ = ["config_and_name", 
     "HFConfigEntry", "HF_CONFIGS", "HF_PREFIX", "TINY_SOURCE", "build_causal_lm", "close_names",
     "config_summary", "hf_entry", "hf_names", "is_config", "make_config", "max_positions",
     "vocab_size"
@@ -249,3 +249,14 @@ def max_positions(config: transformers.PretrainedConfig) -> int | None:
     """The longest sequence the model's position table takes (None when it does not say)."""
     value = config_summary(config)["max_positions"]
     return int(value) if value else None
+
+
+def config_and_name(config_or_name: Any) -> tuple[Any, str]:
+    """(a transformers config, a name to show) for a built-in name (``"llama-3-8b"`` or
+    ``"hf:llama-3-8b"``), an ``HFConfigEntry`` or a config object (used as given, never changed)."""
+    if is_config(config_or_name):
+        return config_or_name, f"{type(config_or_name).__name__} (your config)"
+    entry = config_or_name if isinstance(config_or_name, HFConfigEntry) \
+        else hf_entry(config_or_name)
+    return make_config(entry), entry.name
+

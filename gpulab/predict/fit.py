@@ -35,8 +35,9 @@ from gpulab import formulas as F
 from gpulab.allocator.simulator import CachingAllocator
 from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, Card, CardBudget, parse_gpu
 from gpulab.measure.engines import LABEL_SIMULATED, Measurement, run
-from gpulab.training.optimizers import OPTIMIZERS
-from gpulab.training.loop import train_experiment, validate_amp
+from gpulab.training.optimizers import check_optimizer
+from gpulab.models.lora import adapter_params, default_targets
+from gpulab.training.loop import AMP_DTYPES, Recipe, train_experiment, validate_amp
 from gpulab.predict.search import largest_fitting
 from gpulab.categories import Category
 from gpulab.measure.tracking import TrackingResult
@@ -133,9 +134,7 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
     if context_bytes < 0 or context_bytes >= card.memory_bytes:
         raise ValueError(f"the CUDA context allowance must be between 0 and the card's {format_bytes(card.memory_bytes)}, "
                          f"got {format_bytes(context_bytes)}")
-    opt = str(optimizer).lower()
-    if opt not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
+    opt = check_optimizer(optimizer)
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
     amp_key = validate_amp(amp)
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
@@ -200,7 +199,8 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
 
 def _run(w: Workload, batch: int, opt: str, dt: torch.dtype, amp: str | None) -> Measurement:
     try:
-        m = run(train_experiment(w, [batch, batch], opt, dt, amp), "fake", fake_target="cuda")
+        m = run(train_experiment(w, [batch, batch], dt, Recipe(opt, amp=AMP_DTYPES[amp] if amp else None)), "fake",
+                fake_target="cuda")
     except ValueError:
         raise
     except Exception as exc:   # the model's own error: say which input was tried and how to pass one
@@ -299,10 +299,11 @@ def _levers(w: Workload, t: TrackingResult, opt: str, dt: torch.dtype, usable: i
             f"activations {format_bytes(acts)} → one layer's ({format_bytes(int(acts / layers))}) plus each layer's "
             f"input ({format_bytes(int(boundary))} × {layers})")
     if params and (grads or state):
-        lora = _lora_trainable(w)
+        targets = default_targets(w.config) if w.config is not None else ()
+        lora = adapter_params(w.config, rank=16, targets=targets) if targets else 0
         if lora:
             lora_bytes = lora * 4 * (2 + k)   # fp32 adapter weights, gradients, optimizer state
-            add("LoRA (rank 16 on the attention's q and v projections; base weights frozen)",
+            add(f"LoRA (rank 16 on {', '.join(targets)}, as peft adapts by default; base weights frozen)",
                 peak - grads - state + lora_bytes,
                 f"no gradients or optimizer state for the {n_params:,} base weights; {lora:,} adapter parameters "
                 f"with fp32 weights, gradients and state: {format_bytes(lora_bytes)}")
@@ -336,12 +337,3 @@ def _summary(w: Workload) -> dict[str, Any]:
 def _boundary_bytes(w: Workload, elem: int) -> int:
     s = _summary(w)
     return int((w.seq_len or 0) * int(s.get("hidden_size") or 0) * elem)
-
-
-def _lora_trainable(w: Workload, rank: int = 16) -> int:
-    s = _summary(w)
-    if not s:
-        return 0
-    h, heads, kv = int(s["hidden_size"]), int(s["num_heads"]), int(s["num_kv_heads"])
-    kv_dim = h // heads * kv
-    return int(s["num_layers"]) * (F.lora_params(h, h, rank) + F.lora_params(h, kv_dim, rank))

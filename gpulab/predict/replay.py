@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
-from torch import nn
 
 from gpulab.allocator.simulator import MiB, CachingAllocator, Segment
-from gpulab.measure.engines import LABEL_SIMULATED, RunContext, run
-from gpulab.training.optimizers import make_optimizer
-from gpulab.models.registry import ModelSpec, build_model, resolve_model
+from gpulab.measure.engines import LABEL_SIMULATED, run
+from gpulab.models.workload import image_workload
+from gpulab.training.loop import Recipe, train_experiment
+from gpulab.models.registry import ModelSpec, resolve_model
 
 __all__ = [
     "AllocatorRun", "REAL_STATS_LABEL", "STATS_KEYS", "WORKLOADS", "beyond_allocator_bytes",
@@ -169,31 +169,16 @@ def replay_events(events: Sequence[Any], *, expandable_segments: bool = False,
 
 # ---- workloads ------------------------------------------------------------------------------------
 
-def _steps_experiment(spec: ModelSpec, batches: Sequence[int], optimizer: str = "sgd"):
-    """One model, one training step per batch size in ``batches`` (all under one tracker)."""
-    def experiment(ctx: RunContext) -> None:
-        size = spec.default_image_size
-        with ctx.phase("setup"):
-            net = build_model(spec, size, device=ctx.device)
-            opt = make_optimizer(optimizer, net.parameters())
-        for b in batches:
-            with ctx.phase("setup"):
-                x = ctx.label(torch.randn(b, 3, size, size, device=ctx.device))
-                y = ctx.label(torch.randint(0, spec.num_classes, (b,), device=ctx.device))
-            with ctx.phase("forward"):
-                loss = nn.functional.cross_entropy(net(x), y)
-            with ctx.phase("backward"):
-                loss.backward()
-            del loss, x, y
-            with ctx.phase("optimizer"):
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-    return experiment
+def steps_experiment(spec: ModelSpec, batches: Sequence[int], optimizer: str = "sgd"):
+    """One model, one training step per batch size in ``batches`` (all under one tracker): each
+    batch made fresh and dropped right after backward, ``zero_grad`` right after ``step()``."""
+    return train_experiment(image_workload(spec), list(batches), None,
+                            Recipe(optimizer, zero_grad="after step", fresh_batch=True))
 
 
 def tracked_steps(model: str = "cnn", batches: Sequence[int] = (32,), engine: str = "auto"):
     """Run training steps under the tracker; returns the ``Measurement``."""
-    return run(_steps_experiment(resolve_model(model), list(batches)), engine)
+    return run(steps_experiment(resolve_model(model), list(batches)), engine)
 
 
 def tracked_events(measurement) -> list:

@@ -17,15 +17,14 @@ import torch
 
 from gpulab.measure.engines import (FAKE_TARGETS, LABEL_FORMULA, Measured, Measurement, choose_engine, run,
                                validate_fake_target)
-from gpulab.models.registry import ModelSpec, check_image_size, resolve_model
 from gpulab.models.workload import Workload, resolve_workload, step_failed
-from gpulab.training.loop import step_experiment, step_peaks, train_experiment, validate_amp
-from gpulab.training.optimizers import OPTIMIZERS
+from gpulab.training.loop import AMP_DTYPES, Recipe, step_peaks, train_experiment, validate_amp
+from gpulab.training.optimizers import check_optimizer
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
 from gpulab.predict.guard import check_fits
 
-__all__ = ["DEFAULT_STEPS", "MAX_STEPS", "StepResult", "step", "training_step"]
+__all__ = ["DEFAULT_STEPS", "MAX_STEPS", "StepResult", "step"]
 
 DEFAULT_STEPS = 2
 MAX_STEPS = 10   # tracked steps of one call: each repeats the steady state of step 2
@@ -54,9 +53,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     w = resolve_workload(model, inputs, batch=batch, input_shape=input_shape, seq_len=seq_len,
                          image_size=image_size, loss=loss)
     batch = validate_batch(w.default_batch if batch is None else batch)
-    opt = str(optimizer).lower()
-    if opt not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
+    opt = check_optimizer(optimizer)
     if fake_target not in FAKE_TARGETS:
         validate_fake_target(fake_target)
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
@@ -72,14 +69,15 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     known = sum(v for v in predicted.values() if v)
     flops = 3 * bd.forward_flops * steps
     choice = choose_engine(engine, known, flops, **engine_limits)
+    recipe = Recipe(opt, amp=AMP_DTYPES[amp_key] if amp_key else None)
     try:
         if guard and choice.name != "fake":
-            fake = run(train_experiment(w, [batch] * steps, opt, dt, amp_key), "fake",
+            fake = run(train_experiment(w, [batch] * steps, dt, recipe), "fake",
                        fake_target="cuda" if choice.name == "cuda" else "cpu")
             refused = check_fits(fake.peak_bytes, choice.name)
             if refused:
                 raise _Refused(refused)
-        m = run(train_experiment(w, [batch] * steps, opt, dt, amp_key), engine, predicted_bytes=known,
+        m = run(train_experiment(w, [batch] * steps, dt, recipe), engine, predicted_bytes=known,
                 predicted_flops=flops, fake_target=fake_target, **engine_limits)
     except _Refused as refused:
         raise ValueError(str(refused)) from None
@@ -189,36 +187,3 @@ class StepResult(Measured):
     def __repr__(self) -> str:
         return (f"StepResult({self.model}, batch={self.batch}, {self.optimizer}, engine={self.engine}, "
                 f"peak={self.peak_bytes:,} B)")
-
-
-
-def training_step(model: str | ModelSpec, batch: int | None = None, image_size: int | None = None,
-                  optimizer: str = "sgd", dtype: str | torch.dtype = "float32",
-                  engine: str = "auto", steps: int = 1, fake_target: str = "cuda",
-                  **engine_limits) -> StepResult:
-    """Track ``steps`` training steps of a fresh ``model`` (forward, backward, step).
-
-    ``fake_target``: on the fake engine, whose kernels to follow. "cuda" (the default: a
-    step's memory is a GPU-capacity question) makes CUDA's choices (foreach optimizers, bool
-    dropout masks, 512-byte blocks, step counters on the host); "cpu" equals the cpu engine."""
-    spec = resolve_model(model)
-    batch = validate_batch(spec.default_batch if batch is None else batch)
-    size = image_size or spec.default_image_size
-    check_image_size(spec, size, batch)
-    opt_key = str(optimizer).lower()
-    if opt_key not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
-    dt = parse_dtype(dtype)
-    bd = breakdown(spec, batch, size, dt)
-    predicted = predict_step(spec, batch, size, opt_key, dt, bd=bd)
-    known = sum(v for v in predicted.values() if v)
-    m = run(step_experiment(spec, batch, size, opt_key, dt, steps), engine,
-            predicted_bytes=known, predicted_flops=3 * bd.forward_flops * steps, fake_target=fake_target,
-            **engine_limits)
-    if m.kernels == "cuda":  # CUDA keeps Adam-style step counters on the CPU
-        predicted = predict_step(spec, batch, size, opt_key, dt, count_step_counters=False, bd=bd)
-    return StepResult(spec.name, batch, size, opt_key, dtype_name(dt), steps, m, predicted,
-                      step_peaks=step_peaks(m), input_text=f"images ({batch}, 3, {size}, {size}) and labels")
-

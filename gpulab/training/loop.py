@@ -1,76 +1,160 @@
-"""The training loop every tracked step runs: a fresh model from a workload, then one
-forward, backward and optimizer step per batch, in the tracker's phases."""
+"""The one training loop every tracked step of the library runs.
+
+``train_experiment(workload, batches, dtype, recipe)`` builds a fresh model from a workload and
+runs one forward, backward and optimizer step per entry of ``batches``, each part in the
+tracker's phase. Where lessons differ, the ``Recipe`` says how:
+
+* ``optimizer`` and ``implementation`` (torch's default, for-loop, foreach or fused: lesson 05);
+* ``amp`` (autocast's dtype for the forward) and ``grad_scaler`` (fp16: scale, unscale, step
+  through the scaler: lesson 08);
+* ``zero_grad``: at the top of every step from the second on (``"top"``: ``gpulab.step``, lesson
+  08), the same inside the optimizer phase (``"top, optimizer phase"``: lesson 05, which marks
+  the moment after it), or right after ``optimizer.step()`` (``"after step"``: lesson 09's
+  replays); ``set_to_none`` (lesson 05 compares both);
+* ``fresh_batch``: a new batch every step, dropped right after backward (lesson 09's replays,
+  whose batch size changes from step to step), or one batch kept while the size stays;
+* ``seed``, ``register_model`` (label the model before the optimizer exists), ``teardown`` (free
+  everything in a phase of its own at the end, so the optimizer's frees are not read as the
+  step's: lesson 05).
+
+The experiment returns ``step_marks`` (the tracker's event count at the start of each step and
+at the end, so each step's own peak can be read off the timeline), ``n_param_tensors``, and what
+``report(ctx, net, optimizer, scaler)`` adds. ``moment(ctx, name)`` is called at named points ("after
+setup", "after zero_grad i", "before step i", "after step i", counting steps from 1).
+"""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
-from gpulab.training.optimizers import make_optimizer
 from gpulab.measure.engines import Measurement, RunContext
 from gpulab.models.registry import ModelSpec
+from gpulab.models.workload import Workload, forward, image_workload
+from gpulab.training.optimizers import build_optimizer, check_implementation, check_optimizer, make_optimizer
 
-__all__ = ["AMP_DTYPES", "step_experiment", "step_peaks", "train_experiment", "validate_amp"]
-
-
-def step_experiment(spec: ModelSpec, batch: int, image_size: int, optimizer: str, dtype: torch.dtype,
-                    steps: int = 1):
-    """The experiment function ``run`` calls: fresh model, ``steps`` training steps."""
-    from gpulab.models.workload import image_workload
-    return train_experiment(image_workload(spec, image_size), [batch] * steps, optimizer, dtype)
-
+__all__ = ["AMP_DTYPES", "ZERO_GRAD", "Recipe", "step_experiment", "step_peaks", "train_experiment", "validate_amp"]
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+ZERO_GRAD = ("top", "top, optimizer phase", "after step")
 
 
-def train_experiment(w, batches: Sequence[int], optimizer: str, dtype: torch.dtype | None, amp: str | None = None):
-    """Fresh model from the workload ``w``, then one training step per entry of ``batches``
-    (forward, backward, optimizer step; from the second step on the gradients are set to None
-    first). ``amp``: run forward under ``torch.autocast`` in fp16 or bf16. The value returned
-    holds ``step_marks``: the tracker's event count at the start of each step and at the end,
-    so each step's own peak can be read off the timeline."""
-    from gpulab.models.workload import forward
+@dataclass(frozen=True)
+class Recipe:
+    """How the loop runs each step (see the module docstring); the defaults are ``gpulab.step``'s."""
+    optimizer: str = "sgd"
+    implementation: str = "default"
+    amp: torch.dtype | None = None
+    grad_scaler: bool = False
+    zero_grad: str = "top"
+    set_to_none: bool = True
+    fresh_batch: bool = False
+    seed: int | None = None
+    register_model: bool = False
+    teardown: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "optimizer", check_optimizer(self.optimizer))
+        object.__setattr__(self, "implementation", check_implementation(self.implementation))
+        if self.zero_grad not in ZERO_GRAD:
+            raise ValueError(f"zero_grad must be one of {', '.join(ZERO_GRAD)}, got {self.zero_grad!r}")
+        if self.grad_scaler and self.amp != torch.float16:
+            raise ValueError("a GradScaler is for fp16 autocast: set amp=torch.float16 with grad_scaler=True")
+
+
+def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | None, recipe: Recipe = Recipe(), *,
+                     moment: Callable[[RunContext, str], None] | None = None,
+                     report: Callable[[RunContext, torch.nn.Module, torch.optim.Optimizer, Any], dict[str, Any]]
+                     | None = None):
+    """The experiment ``engines.run`` calls: a fresh model from ``w`` in ``dtype``, then one
+    training step per entry of ``batches`` as ``recipe`` says."""
+    r = recipe
+    moment = moment or (lambda ctx, name: None)
 
     def experiment(ctx: RunContext) -> dict[str, Any]:
         with ctx.phase("setup"):
+            if r.seed is not None:
+                torch.manual_seed(r.seed)
             net = w.build(ctx.device, dtype)
-            opt = make_optimizer(optimizer, [p for p in net.parameters() if p.requires_grad])
+            if r.register_model:
+                ctx.tracker.register(net)
+            opt = (make_optimizer(r.optimizer, [p for p in net.parameters() if p.requires_grad])
+                   if r.implementation == "default" else   # (no name kept for the list: teardown frees the model)
+                   build_optimizer(r.optimizer, [p for p in net.parameters() if p.requires_grad], r.implementation))
+        scaler = torch.amp.GradScaler(ctx.device.type) if r.grad_scaler else None
         data, data_batch, marks = None, None, []
         for i, b in enumerate(batches):
             if b != data_batch:
                 data = None
                 with ctx.phase("setup"), torch.device(ctx.device):
                     data = w.inputs(b, dtype)
-                    for t in [*data[0], *data[1].values()]:
+                    for t in [*data[0], *data[1].values()]:   # t keeps the last input (the labels) alive
                         if isinstance(t, torch.Tensor):
                             ctx.label(t)
                 data_batch = b
+            if i == 0:
+                moment(ctx, "after setup")
             marks.append(ctx.mark())
-            if i:
-                opt.zero_grad(set_to_none=True)
-            with ctx.phase("forward"), _autocast(ctx.device, amp):
+            if i and r.zero_grad != "after step":
+                with ctx.phase("optimizer") if r.zero_grad == "top, optimizer phase" else contextlib.nullcontext():
+                    opt.zero_grad(set_to_none=r.set_to_none)
+                moment(ctx, f"after zero_grad {i}")
+            with ctx.phase("forward"), _autocast(ctx.device, r.amp):
                 output = forward(net, data)
                 loss = w.loss(output, data)
                 del output
             with ctx.phase("backward"):
-                loss.backward()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
             del loss
+            if r.fresh_batch:   # this batch goes now, in the order it was made: the inputs, then the labels
+                data, t, data_batch = None, None, None
+            moment(ctx, f"before step {i + 1}")
             with ctx.phase("optimizer"):
-                opt.step()
+                _optimizer_step(ctx, opt, scaler)
+                if r.zero_grad == "after step":
+                    opt.zero_grad(set_to_none=r.set_to_none)
+            moment(ctx, f"after step {i + 1}")
         marks.append(ctx.mark())
         ctx.snapshot("after step")
-        return {"n_param_tensors": sum(1 for _ in net.parameters()), "step_marks": marks}
+        out = {"n_param_tensors": sum(1 for _ in net.parameters()), "step_marks": marks}
+        if report is not None:
+            out.update(report(ctx, net, opt, scaler))
+        if r.teardown:   # the run's end frees everything: not the optimizer's doing
+            with ctx.phase("teardown"):
+                data, t = None, None
+                del opt, net
+        return out
     return experiment
 
 
-def _autocast(device: torch.device, amp: str | None):
+def _optimizer_step(ctx: RunContext, opt: torch.optim.Optimizer, scaler) -> None:
+    if scaler is None:
+        opt.step()
+        return
+    scaler.unscale_(opt)
+    if ctx.engine == "fake":
+        opt.step()   # GradScaler.step reads found_inf with .item(): it needs real values
+    else:
+        scaler.step(opt)
+    scaler.update()
+
+
+def step_experiment(spec: ModelSpec, batch: int, image_size: int, optimizer: str, dtype: torch.dtype,
+                    steps: int = 1):
+    """``steps`` training steps of a registered image model at one batch size."""
+    return train_experiment(image_workload(spec, image_size), [batch] * steps, dtype, Recipe(optimizer))
+
+
+def _autocast(device: torch.device, amp: torch.dtype | None):
     if amp is None:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=AMP_DTYPES[amp])
+    return torch.autocast(device.type, dtype=amp)
 
 
 def validate_amp(amp: str | None) -> str | None:
+    """"fp16" / "bf16" (``AMP_DTYPES``' keys), or None for no autocast; anything else is refused."""
     if amp is None or str(amp).lower() in ("", "none", "off", "no"):
         return None
     key = str(amp).lower()
@@ -85,4 +169,3 @@ def step_peaks(m: Measurement) -> list[int]:
     if not marks or m.tracking is None or m.oom:
         return []
     return [m.tracking.peak_between(a, b)[0] for a, b in zip(marks, marks[1:])]
-

@@ -8,7 +8,7 @@ from typing import Any
 
 from IPython.display import HTML
 
-from gpulab.predict.step import StepResult, training_step
+from gpulab.predict.step import StepResult, step as tracked_step
 from gpulab.plots import comparison_bars, timeline
 from gpulab.record.lookup import RecordLookup, find_record
 from gpulab.record.views import allocator_rows, recorded_html
@@ -23,7 +23,7 @@ __all__ = [
 
 
 def compute_step(model: str, batch: int, image_size: int, optimizer: str, dtype: str, engine: str) -> StepResult:
-    return training_step(model, batch, image_size, optimizer, dtype, engine)
+    return tracked_step(model, batch=batch, image_size=image_size, optimizer=optimizer, dtype=dtype, engine=engine, steps=1, guard=False)
 
 
 def predict_step_peak(params: dict[str, Any]) -> int:

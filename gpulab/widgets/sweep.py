@@ -8,7 +8,7 @@ from typing import Any
 
 from IPython.display import HTML
 
-from gpulab.predict.step import training_step
+from gpulab.predict.step import step as tracked_step
 from gpulab.course.sweeps import SweepResult, batch_sweep
 from gpulab.record.lookup import RecordLookup, find_record_series
 from gpulab.record.views import counter_text, recorded_html
@@ -34,8 +34,7 @@ def compute_sweep(model: str, optimizer: str, largest: int, engine: str, progres
 
 def predict_sweep_peak(params: dict[str, Any]) -> int:
     """The fake engine's peak at the largest batch of the sweep (for the memory guard)."""
-    return training_step(params["model"], int(params["largest"]), optimizer=params["optimizer"], engine="fake",
-                         steps=2).peak_bytes
+    return tracked_step(params["model"], batch=int(params["largest"]), optimizer=params["optimizer"], engine="fake", steps=2, guard=False).peak_bytes
 
 
 def recorded_sweep(result: SweepResult) -> RecordLookup:

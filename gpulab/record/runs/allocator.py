@@ -51,11 +51,11 @@ def _allocator_timeline(workload: str, model: str, batch: int, steps: int, optim
     simulator's replay of the same run's tracked events."""
     from gpulab.models.registry import resolve_model
     from gpulab.measure.real_timeline import AllocatorSampler, sampled, timeline
-    from gpulab.predict.replay import _steps_experiment, replay_events, tracked_events
+    from gpulab.predict.replay import steps_experiment, replay_events, tracked_events
     if workload != "training step" or expandable_segments or empty_cache:
         raise ValueError("the allocator timeline records the default training-step workload only")
     sampler = AllocatorSampler(0)
-    m = run(sampled(_steps_experiment(resolve_model(model), [batch] * steps, optimizer), sampler), engine="cuda")
+    m = run(sampled(steps_experiment(resolve_model(model), [batch] * steps, optimizer), sampler), engine="cuda")
     sim = replay_events(tracked_events(m)) if m.tracking is not None and not m.oom else None
     return {"engine": m.engine, "device": m.device, "label": m.label, "peak_bytes": m.peak_bytes,
             "peak_by_category": dict(m.peak_by_category), "allocator": dict(m.allocator or {}),

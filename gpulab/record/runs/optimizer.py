@@ -6,7 +6,6 @@ and the views, and ``gpulab record`` stores ``implementations_as_dict`` for a re
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -14,87 +13,18 @@ import torch
 from torch import nn
 
 from gpulab.measure.engines import Measurement, RunContext, run
-from gpulab.training.optimizers import OPTIMIZERS
-from gpulab.models.registry import ModelSpec, build_model
+from gpulab.training.optimizers import (IMPLEMENTATIONS, UnsupportedImplementation)
+from gpulab.models.registry import ModelSpec
+from gpulab.models.workload import image_workload
+from gpulab.training.loop import Recipe, train_experiment
 from gpulab.categories import CATEGORIES, Category
 from gpulab.record.kinds import record_kind
 from gpulab.models.registry import resolve_model
 
 __all__ = [
-    "IMPLEMENTATIONS", "IMPL_FLAGS", "Moment", "OPTIMIZER_SPECS", "UnsupportedImplementation",
-    "build_optimizer", "check_implementation", "check_optimizer", "constructor", "event_count",
-    "implementations_as_dict", "moments_at", "optimizer_experiment", "record_implementations",
-    "run_optimizer", "state_tensor_bytes", "step_peak"
+    "Moment", "event_count", "implementations_as_dict", "moments_at", "optimizer_experiment",
+    "record_implementations", "run_optimizer", "state_tensor_bytes", "step_peak"
 ]
-
-# The same hyper-parameters as gpulab.training.optimizers.make_optimizer (memory does not depend on them,
-# except momentum, which decides whether SGD keeps a buffer).
-OPTIMIZER_SPECS: dict[str, tuple[type, dict[str, Any]]] = {
-    "sgd": (torch.optim.SGD, {"lr": 0.01}),
-    "momentum": (torch.optim.SGD, {"lr": 0.01, "momentum": 0.9}),
-    "adam": (torch.optim.Adam, {"lr": 1e-3}),
-    "adamw": (torch.optim.AdamW, {"lr": 1e-3}),
-    "rmsprop": (torch.optim.RMSprop, {"lr": 1e-3}),
-    "adagrad": (torch.optim.Adagrad, {"lr": 1e-2}),
-}
-
-# How torch runs the update (torch/optim/optimizer.py, ``_default_to_fused_or_foreach``):
-#   for-loop: one small op per parameter tensor at a time (``foreach=False``);
-#   foreach:  each op applied to the list of all parameters at once (``torch._foreach_*``);
-#             the default on CUDA;
-#   fused:    one kernel per group that updates in place (``fused=True``), where supported;
-#   default:  what torch picks when neither flag is given (CPU: for-loop, CUDA: foreach).
-IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
-IMPL_FLAGS = {"default": {}, "for-loop": {"foreach": False}, "foreach": {"foreach": True},
-               "fused": {"fused": True}}
-
-
-class UnsupportedImplementation(ValueError):
-    """This optimizer cannot run with this implementation here; the message says why."""
-
-
-def check_optimizer(name: str) -> str:
-    key = str(name).lower()
-    if key not in OPTIMIZER_SPECS:
-        raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
-    return key
-
-
-def check_implementation(impl: str) -> str:
-    key = str(impl).lower()
-    if key not in IMPL_FLAGS:
-        raise ValueError(f"unknown implementation {impl!r}; valid: {', '.join(IMPL_FLAGS)}")
-    return key
-
-
-def constructor(name: str, implementation: str) -> tuple[type, dict[str, Any]]:
-    """The optimizer class and keyword arguments, or ``UnsupportedImplementation`` when this
-    torch's class takes no such flag (e.g. RMSprop has no ``fused``)."""
-    key = check_optimizer(name)
-    impl = check_implementation(implementation)
-    cls, kwargs = OPTIMIZER_SPECS[key]
-    flags = IMPL_FLAGS[impl]
-    accepted = inspect.signature(cls.__init__).parameters
-    for flag in flags:
-        if flag not in accepted:
-            raise UnsupportedImplementation(
-                f"torch {torch.__version__}: {cls.__name__} has no {impl} implementation "
-                f"(its constructor takes no '{flag}' argument)")
-    return cls, {**kwargs, **flags}
-
-
-def build_optimizer(name: str, params, implementation: str = "default") -> torch.optim.Optimizer:
-    """``torch.optim`` optimizer ``name`` (see ``gpulab.training.optimizers.OPTIMIZERS``) over ``params``,
-    using the given implementation. Raises ``UnsupportedImplementation`` where this torch has no
-    such implementation for this optimizer (e.g. RMSprop has no ``fused``) or refuses it for
-    these parameters (e.g. ``fused`` on a device without fused kernels)."""
-    cls, kwargs = constructor(name, implementation)
-    try:
-        return cls(params, **kwargs)
-    except (RuntimeError, ValueError, TypeError) as exc:
-        raise UnsupportedImplementation(f"torch {torch.__version__} refuses {cls.__name__}({implementation}) "
-                                        f"here: {exc}") from exc
-
 
 def state_tensor_bytes(optimizer: torch.optim.Optimizer, device: str | None = None) -> dict[str, int]:
     """Bytes of the tensors in ``optimizer.state``, summed per state name (``exp_avg``, ``step``,
@@ -142,50 +72,29 @@ def moments_at(marks: dict[str, int], m: Measurement) -> dict[str, Moment]:
 
 
 def optimizer_experiment(spec: ModelSpec, optimizer: str, implementation: str, batch: int, image_size: int,
-                    dtype: torch.dtype, steps: int, set_to_none: bool, autocast: torch.dtype | None,
-                    out: dict[str, Any]) -> Callable[[RunContext], None]:
-    """The experiment ``run`` calls. Fills ``out`` with the moments and what optimizer.state
-    held at the end (plain Python data, so it survives the fake-tensor mode)."""
-    def experiment(ctx: RunContext) -> None:
-        device = str(ctx.device) if ctx.engine == "cuda" else "cpu"
-        marks: dict[str, int] = {}
+                         dtype: torch.dtype, steps: int, set_to_none: bool, autocast: torch.dtype | None,
+                         out: dict[str, Any]) -> Callable[[RunContext], dict[str, Any]]:
+    """The experiment ``run`` calls: ``training.loop`` with this implementation, ``zero_grad`` in
+    the optimizer phase and named moments. Fills ``out`` with the moments and what optimizer.state
+    held at the end (plain Python data, so it survives the fake-tensor mode); everything is freed
+    in a teardown phase of its own."""
+    recipe = Recipe(optimizer, implementation=implementation, amp=autocast, zero_grad="top, optimizer phase",
+                    set_to_none=set_to_none, teardown=True)
+    marks: dict[str, int] = {}
 
-        def mark(name: str) -> None:
-            marks[name] = event_count(ctx, device)
+    def moment(ctx: RunContext, name: str) -> None:
+        marks[name] = event_count(ctx, str(ctx.device) if ctx.engine == "cuda" else "cpu")
 
-        with ctx.phase("setup"):
-            net = build_model(spec, image_size, device=ctx.device, dtype=dtype)
-            opt = build_optimizer(optimizer, net.parameters(), implementation)
-            n_classes = spec.num_classes
-            x = ctx.label(torch.randn(batch, 3, image_size, image_size, device=ctx.device, dtype=dtype))
-            y = ctx.label(torch.randint(0, n_classes, (batch,), device=ctx.device))
-        mark("after setup")
-        for i in range(1, steps + 1):
-            if i > 1:
-                with ctx.phase("optimizer"):
-                    opt.zero_grad(set_to_none=set_to_none)
-                mark(f"after zero_grad {i - 1}")
-            with ctx.phase("forward"):
-                if autocast is not None:
-                    with torch.autocast(ctx.device.type, dtype=autocast):
-                        loss = nn.functional.cross_entropy(net(x), y)
-                else:
-                    loss = nn.functional.cross_entropy(net(x), y)
-            with ctx.phase("backward"):
-                loss.backward()
-            del loss
-            mark(f"before step {i}")
-            with ctx.phase("optimizer"):
-                opt.step()
-            mark(f"after step {i}")
+    def report(ctx: RunContext, net: nn.Module, opt: torch.optim.Optimizer, scaler) -> dict[str, Any]:
         out["marks"] = marks
         out["state_names"] = state_tensor_bytes(opt, device=ctx.device.type)
         out["n_params"] = sum(p.numel() for p in net.parameters())
         out["n_param_tensors"] = sum(1 for _ in net.parameters())
         out["param_bytes"] = sum(p.numel() * p.element_size() for p in net.parameters())
-        with ctx.phase("teardown"):  # the run's end frees everything: not the optimizer's doing
-            del x, y, opt, net
-    return experiment
+        return {}
+
+    return train_experiment(image_workload(spec, image_size), [batch] * steps, dtype, recipe,
+                            moment=moment, report=report)
 
 
 def step_peak(m: Measurement, before: Moment, after: Moment) -> tuple[int, dict[str, int]]:

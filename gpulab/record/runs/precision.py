@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpulab.measure.engines import Measured, Measurement, RunContext, run
-from gpulab.training.optimizers import make_optimizer
-from gpulab.models.registry import ModelSpec, build_model
+from gpulab.measure.engines import Measured, Measurement, run
+from gpulab.models.registry import ModelSpec
+from gpulab.models.workload import image_workload
+from gpulab.training.loop import Recipe, train_experiment
 from gpulab.categories import Category
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.record.kinds import head, record_kind
@@ -61,50 +62,26 @@ def _persistent(net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
 
 
 def precision_experiment(spec: ModelSpec, batch: int, image_size: int, optimizer: str, mode: str, steps: int = 2):
-    """``steps`` training steps in ``mode`` (an experiment for ``engines.run``)."""
+    """``steps`` training steps in ``mode`` (an experiment for ``engines.run``): ``training.loop``
+    with the model (and its inputs) in fp32 or in the low dtype, autocast for the forward, and a
+    GradScaler for fp16 autocast; seeded, the model labelled before the optimizer exists."""
     low = parse_dtype(mode.split()[-1]) if mode != "fp32" else torch.float32
     pure = mode.startswith("pure")
     amp = mode.startswith("autocast")
+    recipe = Recipe(optimizer, amp=low if amp else None, grad_scaler=amp and low == torch.float16, seed=0,
+                    register_model=True)
 
-    def experiment(ctx: RunContext) -> dict[str, Any]:
-        device_type = ctx.device.type
-        model_dtype = low if pure else torch.float32
-        with ctx.phase("setup"):
-            torch.manual_seed(0)
-            net = build_model(spec, image_size, device=ctx.device, dtype=model_dtype)
-            ctx.tracker.register(net)
-            opt = make_optimizer(optimizer, net.parameters())
-            n_classes = spec.num_classes
-            x = ctx.label(torch.randn(batch, 3, image_size, image_size, device=ctx.device, dtype=model_dtype))
-            y = ctx.label(torch.randint(0, n_classes, (batch,), device=ctx.device))
-            scaler = torch.amp.GradScaler(device_type, enabled=amp and low == torch.float16)
-        for i in range(steps):
-            if i:
-                opt.zero_grad(set_to_none=True)
-            with ctx.phase("forward"):
-                with torch.autocast(device_type, dtype=low, enabled=amp):
-                    loss = nn.functional.cross_entropy(net(x), y)
-            with ctx.phase("backward"):
-                scaler.scale(loss).backward()
-            del loss
-            with ctx.phase("optimizer"):
-                if scaler.is_enabled():
-                    scaler.unscale_(opt)
-                    if ctx.engine == "fake":
-                        opt.step()  # GradScaler.step reads found_inf with .item(): needs real values
-                    else:
-                        scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.step()
+    def report(ctx, net: nn.Module, opt: torch.optim.Optimizer, scaler) -> dict[str, Any]:
         facts = None
-        if scaler.is_enabled():
+        if scaler is not None:
             facts = {"scale": None if ctx.engine == "fake" else float(scaler.get_scale()),
                      "state_bytes": sum(t.untyped_storage().nbytes() for t in (scaler._scale, scaler._growth_tracker)
                                         if t is not None)}
         return {"persistent": _persistent(net, opt), "n_params": sum(p.numel() for p in net.parameters()),
                 "scaler": facts}
-    return experiment
+
+    return train_experiment(image_workload(spec, image_size), [batch] * steps, low if pure else torch.float32,
+                            recipe, report=report)
 
 
 def saved_by_dtype(m: Measurement) -> dict[str, int]:

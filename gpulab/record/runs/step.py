@@ -11,6 +11,8 @@ __all__ = ["record_step"]
 
 @record_kind("step")
 def record_step(p: dict[str, Any]) -> dict[str, Any]:
-    """A tracked training step of a named model on the cuda engine."""
-    from gpulab.predict.step import training_step
-    return training_step(engine="cuda", **p).as_dict()
+    """A tracked training step of a named model on the cuda engine (no guard: the record set is
+    sized for any GPU)."""
+    from gpulab.predict.step import step
+    return step(p["model"], batch=p["batch"], image_size=p["image_size"], optimizer=p["optimizer"],
+                dtype=p["dtype"], steps=p["steps"], engine="cuda", guard=False).as_dict()
