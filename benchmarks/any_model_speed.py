@@ -2,7 +2,7 @@
 
 * ``gpulab.step(name, batch=64, engine="fake")`` for every torchvision classification model
   (target: under 5 s each);
-* ``gpulab.predict.fit("hf:llama-3-8b", "80GiB", dtype="bf16", optimizer="adamw", seq_len=2048)``
+* ``gpulab.fit("hf:llama-3-8b", "80GiB", dtype="bf16", optimizer="adamw", seq_len=2048)``
   in a fresh process, the way the command runs (target: under 30 s, start-up included).
 
 Run: ``python benchmarks/any_model_speed.py [--models N] [--skip-fit] [--only NAME ...]``. Prints

@@ -151,12 +151,12 @@ def api_cases(tmp: pathlib.Path) -> list[Case]:
         Case("api", "step(Linear, wrong input shape)", lambda: gpulab.step(lin, torch.randn(1, 3), engine="cpu")),
         Case("api", "step(Linear) without input", lambda: gpulab.step(lin)),
         Case("api", "step(model raising)", lambda: gpulab.step(Boom(), torch.randn(1, 4), engine="cpu")),
-        Case("api", "fit(model raising)", lambda: gpulab.predict.fit(Boom(), "4GiB", inputs=torch.randn(1, 4))),
+        Case("api", "fit(model raising)", lambda: gpulab.fit(Boom(), "4GiB", inputs=torch.randn(1, 4))),
         Case("api", "step(a class, not an instance)", lambda: gpulab.step(nn.Linear, torch.randn(1, 4))),
-        Case("api", "fit('mlp', 'abc')", lambda: gpulab.predict.fit("mlp", "abc")),
-        Case("api", "fit('mlp', -1)", lambda: gpulab.predict.fit("mlp", -1)),
-        Case("api", "fit('mlp', None)", lambda: gpulab.predict.fit("mlp", None)),
-        Case("api", "fit('mlp', float('nan'))", lambda: gpulab.predict.fit("mlp", float("nan"))),
+        Case("api", "fit('mlp', 'abc')", lambda: gpulab.fit("mlp", "abc")),
+        Case("api", "fit('mlp', -1)", lambda: gpulab.fit("mlp", -1)),
+        Case("api", "fit('mlp', None)", lambda: gpulab.fit("mlp", None)),
+        Case("api", "fit('mlp', float('nan'))", lambda: gpulab.fit("mlp", float("nan"))),
         Case("api", "breakdown('hf:nosuch')", lambda: gpulab.breakdown("hf:nosuch")),
         Case("api", "breakdown('vgg16', image_size=8)", lambda: gpulab.breakdown("vgg16", 1, 8)),
         Case("api", "breakdown('vgg16', batch=0)", lambda: gpulab.breakdown("vgg16", 0)),
@@ -173,7 +173,7 @@ def api_cases(tmp: pathlib.Path) -> list[Case]:
     for kw, v in (("optimizer", "nosuch"), ("dtype", "float128"), ("amp", "fp8"), ("seq_len", -1),
                   ("steps", 0), ("steps", 10 ** 9), ("context_bytes", -1)):
         cases.append(Case("api", f"fit('mlp', '24GiB', {kw}={v!r})"[:60],
-                          lambda kw=kw, v=v: gpulab.predict.fit("mlp", "24GiB", **{kw: v})))
+                          lambda kw=kw, v=v: gpulab.fit("mlp", "24GiB", **{kw: v})))
     return cases
 
 

@@ -12,7 +12,7 @@ The cases: every torchvision classification model at batch 64 (``gpulab.step``, 
 CUDA target); the lesson models with sgd / momentum / adam on both fake targets, through
 ``step`` (and, under the name "ts", as the retired ``training_step`` ran them: one sgd step, no
 guard), and on the cpu engine for the small ones; ``hf:`` configs;
-mixed precision; ``gpulab.predict.fit``. A benchmark helper, not a test: nothing is asserted.
+mixed precision; ``gpulab.fit``. A benchmark helper, not a test: nothing is asserted.
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def run_case(spec: dict) -> dict:
     kw = dict(spec)
     fn = kw.pop("fn")
     if fn == "fit":
-        r = gpulab.predict.fit(kw.pop("model"), kw.pop("gpu"), **kw)
+        r = gpulab.fit(kw.pop("model"), kw.pop("gpu"), **kw)
         d = {k: v for k, v in r.as_dict().items() if k not in TIMING_KEYS}
         return {"result": d}
     if fn == "training_step":   # the old second step API: one sgd step unless told, no guard

@@ -88,7 +88,7 @@ def step_html(step) -> str:
 
 
 def fit_html(r) -> str:
-    """``gpulab.predict.fit``'s answer: the batch, the peak by category, the allocator, the context, the margin."""
+    """``gpulab.fit``'s answer: the batch, the peak by category, the allocator, the context, the margin."""
     head = (f"<b>{html.escape(r.model)}</b> on <b>{html.escape(r.card)}</b> ({format_bytes(r.capacity_bytes)}), "
             f"{html.escape(r.optimizer)}, {html.escape(r.dtype)}{', autocast ' + r.amp if r.amp else ''}: "
             + (f"largest batch <b>{r.largest_batch}</b>" if r.largest_batch else

@@ -241,8 +241,8 @@ def test_tied_weights_stay_tied_on_every_engine():
     assert peaks["fake, instance"] == peaks["fake, builder"] == peaks["cpu"], peaks
     # Adam: two fp32 states per parameter (plus a step counter per tensor)
     assert 2 * n_params * 4 <= peaks["cpu"]["optimizer_state"] < 2 * n_params * 4 + 4096
-    a = gpulab.predict.fit(_TiedGPT(), "600MiB", inputs=x)
-    b = gpulab.predict.fit(lambda: _TiedGPT(), "600MiB", inputs=x)
+    a = gpulab.fit(_TiedGPT(), "600MiB", inputs=x)
+    b = gpulab.fit(lambda: _TiedGPT(), "600MiB", inputs=x)
     assert a.largest_batch == b.largest_batch and a.peak_bytes == b.peak_bytes
 
 
@@ -256,7 +256,7 @@ class _Boom(nn.Module):
 
 
 def test_fit_wraps_a_models_own_error_like_step():
-    for call in (lambda: gpulab.predict.fit(_Boom(), "4GiB", inputs=torch.randn(1, 4)),
+    for call in (lambda: gpulab.fit(_Boom(), "4GiB", inputs=torch.randn(1, 4)),
                  lambda: gpulab.step(_Boom(), torch.randn(1, 4), engine="fake")):
         with pytest.raises(ValueError) as e:
             call()

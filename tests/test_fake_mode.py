@@ -552,7 +552,7 @@ def test_without_torchs_insides_the_fake_engine_is_fake_tensor_mode_with_the_sam
             "            return getattr(ft, name)\n"
             "    sys.modules['torch._subclasses.fake_tensor'] = Without(ft.__name__)\n"
             "import gpulab\n"
-            "from gpulab import fake_mode\n"
+            "from gpulab.measure import fake_mode\n"
             "r = gpulab.step('cnn', batch=8, engine='fake')\n"
             "print(json.dumps([fake_mode.SHORTCUTS, fake_mode.FakeMode is ft.FakeTensorMode, r.peak_bytes,\n"
             "                  {k: v for k, v in r.as_dict()['peak_by_category'].items()}]))\n")

@@ -1,4 +1,4 @@
-"""gpulab.predict.fit / `gpulab fit`: the largest batch that fits a card, checked against fake runs."""
+"""gpulab.fit / `gpulab fit`: the largest batch that fits a card, checked against fake runs."""
 from __future__ import annotations
 
 import json
@@ -36,7 +36,7 @@ def test_batch_one_is_not_a_base():
 @pytest.mark.parametrize("model, gpu, kw", [("mlp", "1GiB", {}),
                                             ("hf:tiny-llama", "1GiB", {"seq_len": 64})])
 def test_the_answer_fits_and_the_next_batch_does_not(model, gpu, kw):
-    r = gpulab.predict.fit(model, gpu, **kw)
+    r = gpulab.fit(model, gpu, **kw)
     usable = r.capacity_bytes - r.context_bytes
     w = resolve_workload(model, **kw)
     at = _check(_run(w, r.largest_batch, "adam", torch.float32, None).tracking, usable, r.largest_batch, "run")
@@ -51,7 +51,7 @@ def test_the_answer_fits_and_the_next_batch_does_not(model, gpu, kw):
 
 
 def test_batch_one_does_not_fit_levers_as_formulas():
-    r = gpulab.predict.fit("hf:tiny-llama", "3MiB", context_bytes=0, seq_len=64)
+    r = gpulab.fit("hf:tiny-llama", "3MiB", context_bytes=0, seq_len=64)
     assert r.largest_batch == 0 and r.margin_bytes < 0 and r.runs == 2    # batches 2 and 1
     names = " ".join(lv.name for lv in r.levers)
     for word in ("bf16", "8-bit", "checkpointing", "LoRA", "QLoRA", "sharding"):
@@ -63,7 +63,7 @@ def test_batch_one_does_not_fit_levers_as_formulas():
 
 def test_context_allowance_must_leave_room():
     with pytest.raises(ValueError, match="CUDA context allowance"):
-        gpulab.predict.fit("mlp", "256MiB", context_bytes=300 * MiB)
+        gpulab.fit("mlp", "256MiB", context_bytes=300 * MiB)
 
 
 def run_main(argv, capsys):
@@ -112,6 +112,6 @@ def test_cli_step_any_model_and_breakdown(capsys):
 
 @pytest.mark.slow
 def test_llama_3_8b_on_a_24_gib_card_needs_a_lever():
-    r = gpulab.predict.fit("hf:llama-3-8b", "RTX4090", dtype="bf16", optimizer="adamw", seq_len=2048)
+    r = gpulab.fit("hf:llama-3-8b", "RTX4090", dtype="bf16", optimizer="adamw", seq_len=2048)
     assert r.largest_batch == 0 and r.peak_by_category["parameters"] >= 8_030_261_248 * 2
     assert any(lv.fits for lv in r.levers)

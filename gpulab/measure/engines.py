@@ -280,11 +280,13 @@ def _is_oom(exc: BaseException) -> bool:
                                               or "can't allocate memory" in str(exc).lower())
 
 
-def run(experiment: Callable[[RunContext], Any], engine: str = "auto", *,
+def run(experiment: Callable[[RunContext], Any], engine: str | EngineChoice = "auto", *,
         predicted_bytes: int | None = None, predicted_flops: int | None = None,
         max_cpu_bytes: int = DEFAULT_MAX_CPU_BYTES, max_cpu_flops: int = DEFAULT_MAX_CPU_FLOPS,
         cuda_device: int = 0, fake_target: str = "cpu") -> Measurement:
-    """Run ``experiment`` on the chosen engine under a tracker.
+    """Run ``experiment`` on the chosen engine under a tracker. ``engine``: a name ("auto" chooses
+    with ``choose_engine`` from the predicted bytes and FLOPs and the limits), or the
+    ``EngineChoice`` a caller has already made, used as it is.
 
     ``fake_target`` (fake engine only): "cpu" follows this CPU's kernels, so a fake run equals
     a cpu-engine run storage for storage; "cuda" answers for a GPU with CUDA's kernel choices
@@ -293,7 +295,8 @@ def run(experiment: Callable[[RunContext], Any], engine: str = "auto", *,
     An out-of-memory error is caught and returned as ``Measurement(oom=True, error=...)``,
     after freeing what the experiment allocated (gc, and ``empty_cache`` on CUDA)."""
     target = validate_fake_target(fake_target)
-    choice = choose_engine(engine, predicted_bytes, predicted_flops, max_cpu_bytes, max_cpu_flops)
+    choice = engine if isinstance(engine, EngineChoice) else choose_engine(
+        engine, predicted_bytes, predicted_flops, max_cpu_bytes, max_cpu_flops)
     if choice.name == "cuda":
         return _run_cuda(experiment, choice, torch.device("cuda", cuda_device))
     if choice.name == "fake":

@@ -1,5 +1,5 @@
 """How many parameters LoRA adds, and to which layers: the one LoRA size formula of the library
-(``gpulab.predict.fit``'s LoRA lever and lesson 11 both use it).
+(``gpulab.fit``'s LoRA lever and lesson 11 both use it).
 
 ``targeted_linears`` reads the adapted layers off a model built on the meta device, matching
 names as peft does; ``adapter_params`` sums ``formulas.lora_params`` over them;

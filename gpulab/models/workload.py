@@ -78,7 +78,7 @@ class Workload:
 def resolve_workload(model: Any, inputs: Any = None, *, batch: int | None = None,
                      input_shape: tuple[int, ...] | None = None, seq_len: int | None = None,
                      image_size: int | None = None, loss: Callable | None = None) -> Workload:
-    """What ``gpulab.step`` / ``gpulab.predict.fit`` run, from whatever the user has (module docstring).
+    """What ``gpulab.step`` / ``gpulab.fit`` run, from whatever the user has (module docstring).
     Bad input raises ``ValueError`` saying what was tried and how to pass it instead."""
     if loss is not None and not callable(loss):
         raise ValueError(f"loss must be a callable loss(output) -> scalar tensor, got {type(loss).__name__}")

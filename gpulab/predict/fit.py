@@ -129,11 +129,7 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
     a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring."""
     t0 = time.perf_counter()
-    card = gpu if isinstance(gpu, Card) else (Card(f"{int(gpu):,} B", int(gpu), (), "") if isinstance(gpu, int)
-                                              else parse_gpu(gpu))
-    if context_bytes < 0 or context_bytes >= card.memory_bytes:
-        raise ValueError(f"the CUDA context allowance must be between 0 and the card's {format_bytes(card.memory_bytes)}, "
-                         f"got {format_bytes(context_bytes)}")
+    card = _card_of(gpu, context_bytes)
     opt = check_optimizer(optimizer)
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
     amp_key = validate_amp(amp)
@@ -152,31 +148,42 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
             runs[b] = m.tracking
         return runs[b]
 
+    replayed: dict[tuple[int, str], BatchCheck] = {}   # each candidate replayed once
+
+    def run_check(b: int) -> BatchCheck:
+        if (b, "run") not in replayed:
+            replayed[b, "run"] = _check(fake_run(b), usable, b, "run")
+        return replayed[b, "run"]
+
     two = fake_run(2)
-    first = _check(two, usable, 2, "run")
+    first = run_check(2)
     checks = [first]
     if not first.fits:
         one = fake_run(1)
-        checks.append(_check(one, usable, 1, "run"))
+        checks.append(run_check(1))
         if checks[-1].fits:
             return _result(w, card, context_bytes, opt, dt, amp_key, 1, one, checks, len(runs), t0, [],
                            "fake runs at batches 2 (does not fit) and 1 (fits)")
         return _result(w, card, context_bytes, opt, dt, amp_key, 0, one, checks, len(runs), t0,
                        _levers(w, one, opt, dt, usable), "batch 1 does not fit (fake run): levers below, as formulas")
     three = fake_run(3)
-    checks.append(_check(three, usable, 3, "run"))
+    checks.append(run_check(3))
     if not checks[-1].fits:
         return _result(w, card, context_bytes, opt, dt, amp_key, 2, two, checks, len(runs), t0, [],
                        "fake runs at batches 2 (fits) and 3 (does not fit)")
     line = _Extrapolation.make(two, three, 2)
     if line is not None:
-        best = largest_fitting(3, lambda b: line.check(b, usable).fits, limit=MAX_BATCH)
+        def line_check(b: int) -> BatchCheck:
+            if (b, "extrapolated") not in replayed:
+                replayed[b, "extrapolated"] = line.check(b, usable)
+            return replayed[b, "extrapolated"]
+        best = largest_fitting(3, lambda b: line_check(b).fits, limit=MAX_BATCH)
         live = largest_fitting(best, lambda b: line.at(b).peak_bytes <= usable, limit=MAX_BATCH)
-        checks += [line.check(b, usable) for b in (best, best + 1)]
+        checks += [line_check(b) for b in (best, best + 1)]
         real = fake_run(best)
         predicted = line.at(best)
         if [e.nbytes for e in real.events] == [e.nbytes for e in predicted.events]:
-            checks.append(_check(real, usable, best, "run"))
+            checks.append(run_check(best))
             return _result(w, card, context_bytes, opt, dt, amp_key, best, real, checks, len(runs), t0, [],
                            f"extrapolated from fake runs at batches 2 and 3 (every storage a + b·c), replayed "
                            f"through the simulated allocator; confirmed by a fake run at batch {best} (the same "
@@ -189,12 +196,22 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
             budget[0] -= 1
             if budget[0] < 0:
                 raise RuntimeError(f"the search needed more than {MAX_FALLBACK_RUNS} fake runs")
-        c = _check(fake_run(b), usable, b, "run")
+        c = run_check(b)
         checks.append(c)
         return c.fits
     best = largest_fitting(3 if checks[1].fits else 2, fits, limit=MAX_BATCH)
     return _result(w, card, context_bytes, opt, dt, amp_key, best, fake_run(best), checks, len(runs), t0, [],
                    "bisection over fake runs (the batch-2 and batch-3 timelines did not extrapolate)")
+
+
+def _card_of(gpu: str | Card | int, context_bytes: int) -> Card:
+    """The card asked for (a name, a size, a ``Card`` or bytes), with room for the context."""
+    card = gpu if isinstance(gpu, Card) else (Card(f"{int(gpu):,} B", int(gpu), (), "") if isinstance(gpu, int)
+                                              else parse_gpu(gpu))
+    if context_bytes < 0 or context_bytes >= card.memory_bytes:
+        raise ValueError(f"the CUDA context allowance must be between 0 and the card's {format_bytes(card.memory_bytes)}, "
+                         f"got {format_bytes(context_bytes)}")
+    return card
 
 
 def _run(w: Workload, batch: int, opt: str, dt: torch.dtype, amp: str | None) -> Measurement:

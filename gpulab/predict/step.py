@@ -77,8 +77,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
             refused = check_fits(fake.peak_bytes, choice.name)
             if refused:
                 raise _Refused(refused)
-        m = run(train_experiment(w, [batch] * steps, dt, recipe), engine, predicted_bytes=known,
-                predicted_flops=flops, fake_target=fake_target, **engine_limits)
+        m = run(train_experiment(w, [batch] * steps, dt, recipe), choice, fake_target=fake_target)
     except _Refused as refused:
         raise ValueError(str(refused)) from None
     except Exception as exc:
