@@ -63,6 +63,16 @@ class LineStep:
     allocated_bytes: int | None = None  # cuda only: torch.cuda.memory_allocated() after the line
 
 
+def _changes(step, max_tensors: int, signs: tuple[str, str]):
+    """(sign, tensor, 0) for the first ``max_tensors`` tensors a line added and removed, then
+    (sign, None, how many more) where it did more."""
+    for sign, items in ((signs[0], step.added), (signs[1], step.removed)):
+        for t in items[:max_tensors]:
+            yield sign, t, 0
+        if len(items) > max_tensors:
+            yield sign, None, len(items) - max_tensors
+
+
 @dataclass
 class LineReport:
     """What each executed line did to live memory (see the module docstring)."""
@@ -105,12 +115,10 @@ class LineReport:
         for s in self.steps:
             lines.append(f"{s.line:>5}  {format_bytes(s.total_bytes):>12}  {format_delta(s.delta_bytes):>12}  "
                          f"{format_bytes(s.peak_bytes):>12}  {s.source.strip()[:60]}")
-            for sign, items in (("+", s.added), ("-", s.removed)):
-                for t in items[:max_tensors]:
-                    lines.append(f"{'':>7}{sign} {str(tuple(t.shape)):<22}{t.dtype:<10}"
-                                 f"{format_bytes(t.nbytes):>11}  {t.category:<16}{t.where}")
-                if len(items) > max_tensors:
-                    lines.append(f"{'':>7}{sign} ... {len(items) - max_tensors} more")
+            for sign, t, more in _changes(s, max_tensors, ("+", "-")):
+                lines.append(f"{'':>7}{sign} ... {more} more" if t is None else
+                             f"{'':>7}{sign} {str(tuple(t.shape)):<22}{t.dtype:<10}"
+                             f"{format_bytes(t.nbytes):>11}  {t.category:<16}{t.where}")
         lines.append(f"peak {format_bytes(self.peak_bytes)}, at end {format_bytes(self.final_bytes)}")
         return "\n".join(lines)
 
@@ -125,13 +133,10 @@ class LineReport:
         from gpulab.tables import STYLE
         rows = []
         for s in self.steps:
-            tens = []
-            for sign, items in (("+", s.added), ("−", s.removed)):
-                for t in items[:max_tensors]:
-                    tens.append(f"{sign} {html.escape(str(tuple(t.shape)))} {t.dtype} "
-                                f"{format_bytes(t.nbytes)} <i>{t.category}</i> @ {html.escape(t.where)}")
-                if len(items) > max_tensors:
-                    tens.append(f"{sign} … {len(items) - max_tensors} more")
+            tens = [f"{sign} … {more} more" if t is None else
+                    f"{sign} {html.escape(str(tuple(t.shape)))} {t.dtype} "
+                    f"{format_bytes(t.nbytes)} <i>{t.category}</i> @ {html.escape(t.where)}"
+                    for sign, t, more in _changes(s, max_tensors, ("+", "−"))]
             rows.append(f"<tr><td>{s.line}</td><td><code>{html.escape(s.source.strip()[:70])}</code></td>"
                         f"<td>{format_bytes(s.total_bytes)}</td><td>{format_delta(s.delta_bytes)}</td>"
                         f"<td>{format_bytes(s.peak_bytes)}</td>"
