@@ -268,3 +268,11 @@ def test_fit_wraps_a_models_own_error_like_step():
 def test_step_refuses_bad_counts_before_building_anything(kw):
     with pytest.raises(ValueError, match="batch size must be a positive integer|steps must be a whole number"):
         gpulab.step("mlp", engine="fake", **kw)
+
+
+def test_the_input_description_names_the_batch_everywhere():
+    """Every B of a workload's input text becomes the batch (the labels' shape too), and a step's
+    record says the same."""
+    w = resolve_workload("cnn")
+    assert w.describe_input(8) == "images (8, 3, 32, 32) and int64 labels (8,)"
+    assert "B" not in gpulab.step("mlp", batch=4, engine="fake").input_text.replace("bytes", "")

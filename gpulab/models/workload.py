@@ -27,6 +27,7 @@ output; a transformers model's own ``.loss`` when it computed one).
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -72,7 +73,7 @@ class Workload:
     config: Any = None                  # a transformer's config
 
     def describe_input(self, batch: int) -> str:
-        return self.input_text.replace("B", str(batch), 1)
+        return re.sub(r"\bB\b", str(batch), self.input_text)   # every B: the inputs' and the labels' shapes
 
 
 def resolve_workload(model: Any, inputs: Any = None, *, batch: int | None = None,
