@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training steps (default 2: the optimizer state exists from the first step on)")
     s.add_argument("--fake-target", default="cuda", choices=["cuda", "cpu"],
                    help="fake engine: follow CUDA's kernels (default: a GPU's answer) or this CPU's")
+    _recipe_options(s)
     f = sub.add_parser("fit", help="the largest batch whose training step fits a GPU (fake engine + allocator simulator)")
     _model_options(f)
     f.add_argument("--gpu", required=True, help="a card (H100, A100-40GB, RTX4090, T4 ...) or a size (24GiB, 80GB)")
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--amp", default=None, choices=list(AMP_DTYPES), help="run the forward under torch.autocast")
     f.add_argument("--context", default=None,
                    help="memory the CUDA context takes outside PyTorch's allocator (default: an assumed 512MiB)")
+    _recipe_options(f)
     r = sub.add_parser("record", help="on a GPU: measure the lessons' record set, write <out>/<gpu>.json")
     r.add_argument("--out", default=".", help="folder for the JSON file (default: the current folder)")
     r.add_argument("--quick", action="store_true", help="a small subset: checks the command, not for shipping")
@@ -161,7 +163,8 @@ def _print_breakdown(d: dict[str, Any]) -> str:
 
 def _print_step(d: dict[str, Any]) -> str:
     lines = [f"{d['model']} batch {d['batch']} {d['dtype']} {d['optimizer']}"
-             + (f" autocast {d['amp']}" if d.get("amp") else "") + f": engine {d['engine']} ({d['engine_reason']})",
+             + (f" autocast {d['amp']}" if d.get("amp") else "") + _recipe_text(d)
+             + f": engine {d['engine']} ({d['engine_reason']})",
              f"input: {d['input']}",
              f"{'category':<17}{'peak (' + d['label'] + ')':>44}{'formula':>14}"]
     if d["oom"]:
@@ -190,6 +193,27 @@ def _print_step(d: dict[str, Any]) -> str:
 
 
 REPORT = "please report it with the command you ran"
+
+
+def _recipe_options(p: argparse.ArgumentParser) -> None:
+    """The training recipe's flags (gpulab.step / gpulab.fit's recipe arguments)."""
+    p.add_argument("--accumulate", type=_positive_int, default=1, metavar="K",
+                   help="gradient accumulation: K micro-batches of --batch per optimizer step")
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
+                   help="clip the gradients' total norm to MAX before each step (clip_grad_norm_)")
+    p.add_argument("--grad-scaler", action="store_true", help="with --amp fp16: torch.amp.GradScaler")
+    p.add_argument("--keep-grads", action="store_true",
+                   help="zero_grad(set_to_none=False): the gradients stay allocated, zeroed, between steps")
+
+
+def _recipe_text(d: dict[str, Any]) -> str:
+    """", accumulate=4, clip_grad_norm=1.0": the recipe options a result was measured with."""
+    return "".join(f", {k}={v}" for k, v in d.get("recipe", {}).items())
+
+
+def _recipe(args: argparse.Namespace) -> dict[str, Any]:
+    return {"accumulate": args.accumulate, "clip_grad_norm": args.clip_grad_norm, "grad_scaler": args.grad_scaler,
+            "set_to_none": not args.keep_grads}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -241,12 +265,12 @@ def _main(argv: list[str]) -> int:
             from gpulab.predict.step import step
             data = step(args.model, batch=args.batch, optimizer=args.optimizer, steps=args.steps, engine=args.engine,
                         dtype=args.dtype, amp=args.amp, seq_len=args.seq_len, image_size=args.image_size,
-                        fake_target=args.fake_target).as_dict()
+                        fake_target=args.fake_target, **_recipe(args)).as_dict()
             text = _print_step
         else:
             from gpulab.predict.fit import fit
             data = fit(args.model, args.gpu, optimizer=args.optimizer, dtype=args.dtype, amp=args.amp,
-                       seq_len=args.seq_len, image_size=args.image_size,
+                       seq_len=args.seq_len, image_size=args.image_size, **_recipe(args),
                        **({"context_bytes": _size(args.context)} if args.context else {})).as_dict()
             text = _print_fit
     except (RuntimeError, TypeError) as exc:   # torch refusing a size (an overflowing shape): the input's doing
@@ -265,7 +289,7 @@ def _size(text: str) -> int:
 
 def _print_fit(d: dict[str, Any]) -> str:
     lines = [f"{d['model']} on {d['card']} ({format_bytes(d['capacity_bytes'])}), {d['optimizer']}, {d['dtype']}"
-             + (f", autocast {d['amp']}" if d["amp"] else "") + f": {d['input_text']}"]
+             + (f", autocast {d['amp']}" if d["amp"] else "") + _recipe_text(d) + f": {d['input_text']}"]
     if d["largest_batch"]:
         lines.append(f"largest batch that fits: {d['largest_batch']}"
                      + (f" (live tensors alone would allow {d['largest_batch_live']})"

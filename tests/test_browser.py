@@ -424,8 +424,9 @@ def _wait_panel_idle(page, panel, timeout_s: float = RUN_TIMEOUT_S) -> None:
 
 def _nudge_control(page, panel) -> str | None:
     """Change one control, as a student would. Returns a description, or None when the panel has no
-    control we can move. Sliders first (focus the handle, press ArrowRight or ArrowLeft at the end),
-    then dropdowns (pick the next option), then checkboxes."""
+    control we can move. Sliders first (focus the handle, press ArrowLeft, or ArrowRight at the
+    lower end: a smaller batch or model reruns faster), then dropdowns (pick the next option),
+    then checkboxes."""
     handles = panel.locator(".noUi-handle, .ui-slider-handle")
     for i in range(handles.count()):
         h = handles.nth(i)
@@ -433,12 +434,12 @@ def _nudge_control(page, panel) -> str | None:
             continue
         before = h.get_attribute("aria-valuenow") or h.get_attribute("aria-valuetext")
         h.focus()
-        h.press("ArrowRight")
+        h.press("ArrowLeft")
         page.wait_for_timeout(200)
         after = h.get_attribute("aria-valuenow") or h.get_attribute("aria-valuetext")
-        if after == before:  # already at the maximum
-            h.press("ArrowLeft")
-            h.press("ArrowLeft") if after == (h.get_attribute("aria-valuenow") or h.get_attribute("aria-valuetext")) else None
+        if after == before:  # already at the minimum
+            h.press("ArrowRight")
+            h.press("ArrowRight") if after == (h.get_attribute("aria-valuenow") or h.get_attribute("aria-valuetext")) else None
             page.wait_for_timeout(200)
             after = h.get_attribute("aria-valuenow") or h.get_attribute("aria-valuetext")
         if after != before:

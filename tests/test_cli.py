@@ -20,6 +20,9 @@ import torch
 
 from gpulab import cli
 
+# one worker runs this module: its module-scoped fixture (a minute of stand-in or CLI runs) is built once
+pytestmark = pytest.mark.xdist_group("cli")
+
 ROOT = Path(__file__).resolve().parents[1]
 CATS = {"parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "inputs"}
 MLP_PARAMS = 3 * 32 * 32 * 512 + 512 + 512 * 256 + 256 + 256 * 10 + 10   # 1,707,274

@@ -13,6 +13,9 @@ from cuda_standin import STANDIN_NAME
 from gpulab import cli
 from gpulab.record import lookup as L, runner as R
 
+# one worker runs this module: its module-scoped fixture (a minute of stand-in or CLI runs) is built once
+pytestmark = pytest.mark.xdist_group("record")
+
 
 def test_record_without_a_gpu_exits_2_with_one_line(capsys, monkeypatch):
     import torch

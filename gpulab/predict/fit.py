@@ -35,9 +35,8 @@ from gpulab import formulas as F
 from gpulab.allocator.simulator import CachingAllocator
 from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, Card, CardBudget, parse_gpu
 from gpulab.measure.engines import LABEL_SIMULATED, Measurement, run
-from gpulab.training.optimizers import check_optimizer
 from gpulab.models.lora import adapter_params, default_targets
-from gpulab.training.loop import AMP_DTYPES, Recipe, train_experiment, validate_amp
+from gpulab.training.loop import AMP_DTYPES, Recipe, changed_options, train_experiment, user_recipe
 from gpulab.predict.search import largest_fitting
 from gpulab.categories import Category
 from gpulab.measure.tracking import TrackingResult
@@ -100,6 +99,7 @@ class FitResult(CardBudget):
     label: str = LABEL_FIT
     levers: list[Lever] = field(default_factory=list)
     method: str = ""
+    recipe: dict[str, Any] = field(default_factory=dict)   # options set away from the plain loop
 
     @property
     def allocator_overhead_bytes(self) -> int:
@@ -108,6 +108,8 @@ class FitResult(CardBudget):
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if not d["recipe"]:
+            del d["recipe"]
         d.update(allocator_overhead_bytes=self.allocator_overhead_bytes, needed_bytes=self.needed_bytes,
                  margin_bytes=self.margin_bytes, allocator_label=LABEL_SIMULATED,
                  context_label="assumption (a CUDA context with cuBLAS/cuDNN handles; measured on a GPU, it varies)")
@@ -125,26 +127,24 @@ class FitResult(CardBudget):
 def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: str | torch.dtype | None = None,
         amp: str | None = None, seq_len: int | None = None, image_size: int | None = None, inputs: Any = None,
         input_shape: tuple[int, ...] | None = None, loss: Callable | None = None,
-        context_bytes: int = CUDA_CONTEXT_ASSUMED, progress: Progress = None) -> FitResult:
+        context_bytes: int = CUDA_CONTEXT_ASSUMED, progress: Progress = None, accumulate: int = 1,
+        clip_grad_norm: float | None = None, grad_scaler: bool = False, set_to_none: bool = True) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
     a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring."""
     t0 = time.perf_counter()
     card = _card_of(gpu, context_bytes)
-    opt = check_optimizer(optimizer)
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
-    amp_key = validate_amp(amp)
+    recipe = user_recipe(optimizer, amp, accumulate=accumulate, clip_grad_norm=clip_grad_norm, grad_scaler=grad_scaler,
+                         set_to_none=set_to_none)   # checks the optimizer and amp too
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
     usable = card.memory_bytes - context_bytes
     runs: dict[int, TrackingResult] = {}
 
-    def note(frac: float, text: str) -> None:
-        if progress:
-            progress(frac, text)
-
     def fake_run(b: int) -> TrackingResult:
         if b not in runs:
-            note(min(0.9, 0.1 + 0.25 * len(runs)), f"fake run at batch {b}")
-            m = _run(w, b, opt, dt, amp_key)
+            if progress:
+                progress(min(0.9, 0.1 + 0.25 * len(runs)), f"fake run at batch {b}")
+            m = _run(w, b, dt, recipe)
             runs[b] = m.tracking
         return runs[b]
 
@@ -162,14 +162,14 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         one = fake_run(1)
         checks.append(run_check(1))
         if checks[-1].fits:
-            return _result(w, card, context_bytes, opt, dt, amp_key, 1, one, checks, len(runs), t0, [],
+            return _result(w, card, context_bytes, recipe, dt, 1, one, checks, len(runs), t0, [],
                            "fake runs at batches 2 (does not fit) and 1 (fits)")
-        return _result(w, card, context_bytes, opt, dt, amp_key, 0, one, checks, len(runs), t0,
-                       _levers(w, one, opt, dt, usable), "batch 1 does not fit (fake run): levers below, as formulas")
+        return _result(w, card, context_bytes, recipe, dt, 0, one, checks, len(runs), t0,
+                       _levers(w, one, recipe.optimizer, dt, usable), "batch 1 does not fit (fake run): levers below, as formulas")
     three = fake_run(3)
     checks.append(run_check(3))
     if not checks[-1].fits:
-        return _result(w, card, context_bytes, opt, dt, amp_key, 2, two, checks, len(runs), t0, [],
+        return _result(w, card, context_bytes, recipe, dt, 2, two, checks, len(runs), t0, [],
                        "fake runs at batches 2 (fits) and 3 (does not fit)")
     line = _Extrapolation.make(two, three, 2)
     if line is not None:
@@ -184,7 +184,7 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         predicted = line.at(best)
         if [e.nbytes for e in real.events] == [e.nbytes for e in predicted.events]:
             checks.append(run_check(best))
-            return _result(w, card, context_bytes, opt, dt, amp_key, best, real, checks, len(runs), t0, [],
+            return _result(w, card, context_bytes, recipe, dt, best, real, checks, len(runs), t0, [],
                            f"extrapolated from fake runs at batches 2 and 3 (every storage a + b·c), replayed "
                            f"through the simulated allocator; confirmed by a fake run at batch {best} (the same "
                            f"bytes, event for event)", live)
@@ -200,7 +200,7 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         checks.append(c)
         return c.fits
     best = largest_fitting(3 if checks[1].fits else 2, fits, limit=MAX_BATCH)
-    return _result(w, card, context_bytes, opt, dt, amp_key, best, fake_run(best), checks, len(runs), t0, [],
+    return _result(w, card, context_bytes, recipe, dt, best, fake_run(best), checks, len(runs), t0, [],
                    "bisection over fake runs (the batch-2 and batch-3 timelines did not extrapolate)")
 
 
@@ -214,10 +214,9 @@ def _card_of(gpu: str | Card | int, context_bytes: int) -> Card:
     return card
 
 
-def _run(w: Workload, batch: int, opt: str, dt: torch.dtype, amp: str | None) -> Measurement:
+def _run(w: Workload, batch: int, dt: torch.dtype, recipe: Recipe) -> Measurement:
     try:
-        m = run(train_experiment(w, [batch, batch], dt, Recipe(opt, amp=AMP_DTYPES[amp] if amp else None)), "fake",
-                fake_target="cuda")
+        m = run(train_experiment(w, [batch, batch], dt, recipe), "fake", fake_target="cuda")
     except ValueError:
         raise
     except Exception as exc:   # the model's own error: say which input was tried and how to pass one
@@ -267,16 +266,17 @@ class _Extrapolation:
         return _check(self.at(batch), usable, batch, "extrapolated")
 
 
-def _result(w, card, context_bytes, opt, dt, amp, batch, t: TrackingResult, checks, runs, t0, levers,
+def _result(w, card, context_bytes, recipe: Recipe, dt, batch, t: TrackingResult, checks, runs, t0, levers,
             method, live: int | None = None) -> FitResult:
     if batch:   # every answer was checked by a fake run on this card: what its replay reserved there
         reserved = next(c.reserved_bytes for c in checks if c.batch == batch and c.source == "run")
     else:       # nothing fits: what batch 1 would reserve on a card without a limit, what it needs
         reserved, _ = _replay(t, None)
-    return FitResult(w.name, card.name, card.memory_bytes, context_bytes, opt, dtype_name(dt), amp,
+    amp = next((k for k, v in AMP_DTYPES.items() if v == recipe.amp), None)
+    return FitResult(w.name, card.name, card.memory_bytes, context_bytes, recipe.optimizer, dtype_name(dt), amp,
                      w.describe_input(max(batch, 1)), batch, t.peak_bytes, dict(t.peak_by_category), reserved,
                      sorted(checks, key=lambda c: (c.batch, c.source)), runs, live,
-                     time.perf_counter() - t0, levers=levers, method=method)
+                     time.perf_counter() - t0, levers=levers, method=method, recipe=changed_options(recipe))
 
 
 # --- levers -------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 from gpulab.measure.engines import (FAKE_TARGETS, LABEL_FORMULA, Measured, Measurement, choose_engine, run,
                                validate_fake_target)
 from gpulab.models.workload import Workload, resolve_workload, step_failed
-from gpulab.training.loop import AMP_DTYPES, Recipe, step_peaks, train_experiment, validate_amp
+from gpulab.training.loop import changed_options, step_peaks, train_experiment, user_recipe, validate_amp
 from gpulab.training.optimizers import check_optimizer
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
@@ -34,7 +34,8 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
          optimizer: str = "adam", steps: int = DEFAULT_STEPS, engine: str = "auto", dtype: str | torch.dtype | None = None,
          amp: str | None = None, loss: Callable | None = None, seq_len: int | None = None,
          image_size: int | None = None, fake_target: str = "cuda", guard: bool = True,
-         **engine_limits) -> StepResult:
+         accumulate: int = 1, clip_grad_norm: float | None = None, grad_scaler: bool = False,
+         set_to_none: bool = True, **engine_limits) -> StepResult:
     """Track ``steps`` training steps of ``model`` and return them by category, next to the
     formulas' prediction (see the module docstring for what ``model``, ``inputs`` and ``loss``
     may be).
@@ -42,7 +43,10 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     ``dtype``: the model's (and a float input's) dtype, e.g. "bf16" for pure bf16 training;
     None keeps float32. ``amp``: "fp16" or "bf16" runs the forward under ``torch.autocast``.
     ``fake_target``: on the fake engine, follow CUDA's kernels ("cuda", the default) or this
-    CPU's. ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
+    CPU's. The recipe: ``accumulate`` micro-batches of ``batch`` per optimizer step (gradient
+    accumulation), ``clip_grad_norm`` (clip the gradients' total norm to it before the step),
+    ``grad_scaler`` (fp16 autocast's GradScaler), ``set_to_none=False`` (``zero_grad`` keeps the
+    gradients, zeroed, between steps). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
     Bad input raises ``ValueError`` with what to do instead."""
     if batch is not None:
         validate_batch(batch)
@@ -58,6 +62,8 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
         validate_fake_target(fake_target)
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
     amp_key = validate_amp(amp)
+    recipe = user_recipe(opt, amp_key, accumulate=accumulate, clip_grad_norm=clip_grad_norm, grad_scaler=grad_scaler,
+                         set_to_none=set_to_none)
     try:
         bd = breakdown(w, batch, dtype=dt)
     except ValueError:
@@ -69,7 +75,6 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     known = sum(v for v in predicted.values() if v)
     flops = 3 * bd.forward_flops * steps
     choice = choose_engine(engine, known, flops, **engine_limits)
-    recipe = Recipe(opt, amp=AMP_DTYPES[amp_key] if amp_key else None)
     try:
         if guard and choice.name != "fake":
             fake = run(train_experiment(w, [batch] * steps, dt, recipe), "fake",
@@ -87,7 +92,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
                                  input_bytes=input_bytes)
     return StepResult(w.name, batch, w.image_size or 0, opt, dtype_name(dt), steps, m, predicted,
                       step_peaks=step_peaks(m), kind=w.kind, input_text=w.describe_input(batch),
-                      seq_len=w.seq_len, amp=amp_key)
+                      seq_len=w.seq_len, amp=amp_key, recipe=changed_options(recipe))
 
 
 class _Refused(Exception):
@@ -125,6 +130,7 @@ class StepResult(Measured):
     input_text: str = ""           # what one batch was ("token ids (8, 512) int64 ...")
     seq_len: int | None = None
     amp: str | None = None
+    recipe: dict[str, Any] = field(default_factory=dict)   # options set away from the plain loop
 
     @property
     def first_step_peak_bytes(self) -> int:
@@ -171,6 +177,8 @@ class StepResult(Measured):
             "step_peaks": list(self.step_peaks), "first_step_peak_bytes": self.first_step_peak_bytes,
             "steady_peak_bytes": self.steady_peak_bytes,
         }
+        if self.recipe:
+            d["recipe"] = dict(self.recipe)
         if m.allocator is not None:
             d["allocator"] = dict(m.allocator)
             d["beyond_tensors"] = dict(m.beyond_tensors or {})

@@ -11,6 +11,10 @@ tracker's phase. Where lessons differ, the ``Recipe`` says how:
   08), the same inside the optimizer phase (``"top, optimizer phase"``: lesson 05, which marks
   the moment after it), or right after ``optimizer.step()`` (``"after step"``: lesson 09's
   replays); ``set_to_none`` (lesson 05 compares both);
+* ``accumulate``: micro-batches per optimizer step (gradient accumulation: each backward adds into
+  the same gradients, the loss divided by their number); ``clip_grad_norm``: clip the gradients'
+  total norm before the step (``torch.nn.utils.clip_grad_norm_``, after unscaling with a
+  GradScaler, as PyTorch's AMP recipe does);
 * ``fresh_batch``: a new batch every step, dropped right after backward (lesson 09's replays,
   whose batch size changes from step to step), or one batch kept while the size stays;
 * ``seed``, ``register_model`` (label the model before the optimizer exists), ``teardown`` (free
@@ -35,7 +39,8 @@ from gpulab.models.registry import ModelSpec
 from gpulab.models.workload import Workload, forward, image_workload
 from gpulab.training.optimizers import build_optimizer, check_implementation, check_optimizer, make_optimizer
 
-__all__ = ["AMP_DTYPES", "ZERO_GRAD", "Recipe", "step_experiment", "step_peaks", "train_experiment", "validate_amp"]
+__all__ = ["AMP_DTYPES", "RECIPE_DEFAULTS", "ZERO_GRAD", "Recipe", "step_experiment", "step_peaks", "train_experiment",
+           "changed_options", "user_recipe", "validate_amp"]
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ZERO_GRAD = ("top", "top, optimizer phase", "after step")
@@ -54,6 +59,8 @@ class Recipe:
     seed: int | None = None
     register_model: bool = False
     teardown: bool = False
+    accumulate: int = 1
+    clip_grad_norm: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "optimizer", check_optimizer(self.optimizer))
@@ -61,7 +68,35 @@ class Recipe:
         if self.zero_grad not in ZERO_GRAD:
             raise ValueError(f"zero_grad must be one of {', '.join(ZERO_GRAD)}, got {self.zero_grad!r}")
         if self.grad_scaler and self.amp != torch.float16:
-            raise ValueError("a GradScaler is for fp16 autocast: set amp=torch.float16 with grad_scaler=True")
+            raise ValueError("a GradScaler is for fp16 autocast: add amp='fp16' (on the command line: --amp fp16)")
+        if not isinstance(self.accumulate, int) or isinstance(self.accumulate, bool) or not 1 <= self.accumulate <= 64:
+            raise ValueError(f"accumulate must be a whole number of micro-batches from 1 to 64, got {self.accumulate!r}")
+        if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))
+                                                    and not isinstance(self.clip_grad_norm, bool)
+                                                    and 0 < self.clip_grad_norm < float("inf")):
+            raise ValueError(f"clip_grad_norm must be a positive number (the largest total norm), "
+                             f"got {self.clip_grad_norm!r}")
+
+
+# the recipe options gpulab.step, gpulab.fit and the CLI take, and their defaults
+RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False, "set_to_none": True}
+
+
+def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, clip_grad_norm: float | None = None,
+                grad_scaler: bool = False, set_to_none: bool = True) -> Recipe:
+    """The ``Recipe`` of ``gpulab.step`` / ``gpulab.fit`` from their arguments (``amp``: "fp16",
+    "bf16" or None). Bad values raise ``ValueError`` saying what is allowed."""
+    for name, value in (("grad_scaler", grad_scaler), ("set_to_none", set_to_none)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+    key = validate_amp(amp)
+    return Recipe(optimizer, amp=AMP_DTYPES[key] if key else None, grad_scaler=grad_scaler, set_to_none=set_to_none,
+                  accumulate=accumulate, clip_grad_norm=clip_grad_norm)
+
+
+def changed_options(r: Recipe) -> dict[str, Any]:
+    """The user-facing options ``r`` sets away from their defaults (empty for the plain loop)."""
+    return {k: getattr(r, k) for k, v in RECIPE_DEFAULTS.items() if getattr(r, k) != v}
 
 
 def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | None, recipe: Recipe = Recipe(), *,
@@ -101,18 +136,21 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
                 with ctx.phase("optimizer") if r.zero_grad == "top, optimizer phase" else contextlib.nullcontext():
                     opt.zero_grad(set_to_none=r.set_to_none)
                 moment(ctx, f"after zero_grad {i}")
-            with ctx.phase("forward"), _autocast(ctx.device, r.amp):
-                output = forward(net, data)
-                loss = w.loss(output, data)
-                del output
-            with ctx.phase("backward"):
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-            del loss
+            for _ in range(r.accumulate):   # micro-batches: each backward adds into the same gradients
+                with ctx.phase("forward"), _autocast(ctx.device, r.amp):
+                    output = forward(net, data)
+                    loss = w.loss(output, data)
+                    del output
+                    if r.accumulate > 1:
+                        loss = loss / r.accumulate
+                with ctx.phase("backward"):
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                del loss
             if r.fresh_batch:   # this batch goes now, in the order it was made: the inputs, then the labels
                 data, t, data_batch = None, None, None
             moment(ctx, f"before step {i + 1}")
             with ctx.phase("optimizer"):
-                _optimizer_step(ctx, opt, scaler)
+                _optimizer_step(ctx, net, opt, scaler, r.clip_grad_norm)
                 if r.zero_grad == "after step":
                     opt.zero_grad(set_to_none=r.set_to_none)
             moment(ctx, f"after step {i + 1}")
@@ -129,11 +167,16 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
     return experiment
 
 
-def _optimizer_step(ctx: RunContext, opt: torch.optim.Optimizer, scaler) -> None:
+def _optimizer_step(ctx: RunContext, net: torch.nn.Module, opt: torch.optim.Optimizer, scaler,
+                    clip: float | None) -> None:
     if scaler is None:
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
         return
     scaler.unscale_(opt)
+    if clip is not None:   # on unscaled gradients (PyTorch's AMP examples: unscale_, clip, step)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
     if ctx.engine == "fake":
         opt.step()   # GradScaler.step reads found_inf with .item(): it needs real values
     else:

@@ -1,0 +1,128 @@
+"""Training recipes as options of the one loop (``gpulab.training.loop.Recipe``), through
+``gpulab.step``, ``gpulab.fit`` and the CLI: gradient accumulation, gradient clipping, fp16's
+GradScaler, ``zero_grad(set_to_none=False)``.
+
+Each is measured, never a formula: on the cpu engine (real tensors) and on the fake engine
+following the same CPU kernels, which must agree storage for storage; and each shows the effect
+it is known for on the timeline."""
+from __future__ import annotations
+
+import pytest
+
+import gpulab
+from gpulab import cli
+from gpulab.categories import Category
+from gpulab.training.loop import Recipe, changed_options, user_recipe
+
+RECIPES = {
+    "accumulate 3": {"accumulate": 3},
+    "clip 1.0": {"clip_grad_norm": 1.0},
+    "keep grads": {"set_to_none": False},
+    "fp16 + GradScaler": {"amp": "fp16", "grad_scaler": True},
+    "all at once": {"amp": "fp16", "grad_scaler": True, "accumulate": 2, "clip_grad_norm": 0.5, "set_to_none": False},
+}
+
+
+def _step(engine: str, **kw):
+    target = {"fake_target": "cpu"} if engine == "fake" else {}
+    return gpulab.step("mlp", batch=8, optimizer="adam", engine=engine, guard=False, **target, **kw)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_the_cpu_and_fake_engines_agree_on_every_recipe(name):
+    cpu, fake = _step("cpu", **RECIPES[name]), _step("fake", **RECIPES[name])
+    assert cpu.peak_bytes == fake.peak_bytes
+    assert cpu.peak_by_category == fake.peak_by_category
+    assert cpu.step_peaks == fake.step_peaks
+    assert len(cpu.measurement.tracking.events) == len(fake.measurement.tracking.events)
+    shown = {k: v for k, v in RECIPES[name].items() if k != "amp"}
+    assert cpu.recipe == shown and cpu.as_dict()["recipe"] == shown
+
+
+def _events(r, phase: str, kind: str = "alloc") -> int:
+    return sum(1 for e in r.measurement.tracking.events if e.phase == phase and e.kind == kind)
+
+
+def test_accumulation_keeps_one_micro_batch_of_activations():
+    plain, acc = _step("cpu"), _step("cpu", accumulate=4)
+    big = gpulab.step("mlp", batch=32, optimizer="adam", engine="cpu", guard=False)
+    # four forwards and backwards per step, each the size of one micro-batch
+    # two steps of four micro-batches, each dividing its loss by 4 (one more tensor)
+    assert _events(acc, "forward") == 4 * _events(plain, "forward") + 2 * 4
+    assert acc.peak_by_category[Category.GRADIENTS.value] == plain.peak_by_category[Category.GRADIENTS.value]
+    assert acc.steady_peak_bytes - plain.steady_peak_bytes <= 4096   # a few loss scalars
+    assert acc.steady_peak_bytes < big.steady_peak_bytes
+
+
+def _grads_at_second_forward(r) -> int:
+    """Gradient bytes alive when step 2's forward begins (its first event in the forward phase)."""
+    t = r.measurement.tracking
+    start = r.measurement.value["step_marks"][1]
+    pos = next(i for i, e in enumerate(t.events) if e.index >= start and e.phase == "forward")
+    return t.series[pos - 1].get(Category.GRADIENTS.value, 0)
+
+
+def test_keeping_the_gradients_holds_them_through_the_next_forward():
+    plain, kept = _step("cpu"), _step("cpu", set_to_none=False)
+    # set_to_none frees every gradient before step 2's forward; zeroing keeps all of them
+    assert _grads_at_second_forward(plain) == 0
+    assert _grads_at_second_forward(kept) == kept.peak_by_category[Category.GRADIENTS.value] > 0
+    assert kept.steady_peak_bytes >= plain.steady_peak_bytes
+
+
+def test_clipping_and_the_scaler_work_in_the_optimizer_phase():
+    plain = _step("cpu")
+    clipped = _step("cpu", clip_grad_norm=1.0)
+    assert _events(clipped, "optimizer") > _events(plain, "optimizer")     # the norms
+    fp16 = _step("cpu", amp="fp16")
+    scaled = _step("cpu", amp="fp16", grad_scaler=True)
+    assert _events(scaled, "optimizer") > _events(fp16, "optimizer")      # unscale_: found_inf, inv_scale
+    assert _events(scaled, "backward") > _events(fp16, "backward")        # scale: the scale tensor, loss × scale
+
+
+def test_the_plain_loop_is_unchanged_and_says_nothing():
+    r = _step("fake")
+    assert r.recipe == {} and "recipe" not in r.as_dict()
+    assert changed_options(user_recipe("adam")) == {}
+    assert changed_options(Recipe("adam")) == {}
+
+
+def test_fit_takes_the_recipe_and_says_so():
+    plain = gpulab.fit("mlp", "256MiB", context_bytes=0)
+    acc = gpulab.fit("mlp", "256MiB", context_bytes=0, accumulate=4)
+    assert acc.recipe == {"accumulate": 4} and acc.as_dict()["recipe"] == {"accumulate": 4}
+    assert "recipe" not in plain.as_dict()
+    # the batch is the micro-batch: accumulation does not let a larger one fit
+    assert abs(acc.largest_batch - plain.largest_batch) <= max(2, plain.largest_batch // 50)
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"accumulate": 0}, ["accumulate", "1 to 64"]),
+    ({"accumulate": 1.5}, ["accumulate"]),
+    ({"accumulate": True}, ["accumulate"]),
+    ({"clip_grad_norm": -1.0}, ["clip_grad_norm", "positive"]),
+    ({"clip_grad_norm": float("nan")}, ["clip_grad_norm"]),
+    ({"clip_grad_norm": float("inf")}, ["clip_grad_norm"]),
+    ({"clip_grad_norm": "1"}, ["clip_grad_norm"]),
+    ({"grad_scaler": True}, ["GradScaler", "fp16"]),
+    ({"grad_scaler": True, "amp": "bf16"}, ["GradScaler", "fp16"]),
+    ({"set_to_none": "no"}, ["set_to_none", "True or False"]),
+])
+def test_bad_recipes_are_refused_with_what_to_do(kw, words):
+    for call in (lambda: gpulab.step("mlp", batch=2, engine="fake", **kw),
+                 lambda: gpulab.fit("mlp", "1GiB", **kw)):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_the_cli_takes_the_recipe(capsys):
+    assert cli.main(["step", "mlp", "--batch", "4", "--engine", "fake", "--accumulate", "2",
+                     "--clip-grad-norm", "1", "--keep-grads"]) == 0
+    out = capsys.readouterr().out
+    assert "accumulate=2, clip_grad_norm=1.0, set_to_none=False" in out.splitlines()[0]
+    assert cli.main(["step", "mlp", "--engine", "fake", "--grad-scaler"]) == 2
+    assert "--amp fp16" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:     # argparse refuses the value: usage and one line, status 2
+        cli.main(["fit", "mlp", "--gpu", "1GiB", "--accumulate", "0"])
+    assert e.value.code == 2 and "--accumulate" in capsys.readouterr().err
