@@ -28,7 +28,8 @@ from gpulab.views import html_table
 from gpulab.course.inplace import validate_positive
 
 from gpulab.models.lora import DEFAULT_TARGETS, adapter_params, check_targets, is_target, linear_shape, targeted_linears
-from gpulab.course.kv_cache import _config, _param_counts
+from gpulab.course.kv_cache import _param_counts
+from gpulab.models.hf_configs import config_and_name
 
 __all__ = [
     "CategoryRow", "LABEL_QLORA", "LoRAComparison", "QLoRAFormula", "adapter_params_formula", "category_highs",
@@ -60,7 +61,7 @@ def lora_model_builder(name: Any = "tiny-llama", rank: int = 8, targets: Sequenc
     which transformers 5.x deprecates with a FutureWarning; that one warning is silenced here."""
     validate_positive(rank=rank)
     targets = check_targets(targets)
-    config, shown = _config(name)
+    config, shown = config_and_name(name)
 
     def build() -> nn.Module:
         return wrap_lora(hf_configs.build_causal_lm(config, dtype), rank, targets)
@@ -218,7 +219,7 @@ def lora_step(name: Any = "tiny-llama", rank: int = 8, targets: Sequence[str] = 
     validate_positive(rank=rank)
     targets = check_targets(targets)
     validate_batch(batch)
-    config, shown = _config(name)
+    config, shown = config_and_name(name)
     base_params, base_tensors = _param_counts(name)
     layers = targeted_linears(config, targets)
     adapter = F.lora_trainable_params([(i, o) for _, i, o in layers], rank)
@@ -351,7 +352,7 @@ def qlora_formula(name: Any = "llama-3-8b", rank: int = 8, targets: Sequence[str
     and bitsandbytes' dequantization buffers are not counted."""
     validate_positive(rank=rank)
     targets = check_targets(targets)
-    config, shown = _config(name)
+    config, shown = config_and_name(name)
     bd, ad = parse_dtype(base_dtype), parse_dtype(adapter_dtype)
     with torch.device("meta"):
         model = hf_configs.build_causal_lm(config)
