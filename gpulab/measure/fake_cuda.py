@@ -37,6 +37,12 @@ choices explicitly (``cuda_kernels()``), each one checked against PyTorch's sour
   else memory-efficient, else math), whose saved tensors are the output and a float32 softmax
   statistic per row, not the s×s scores (``cuda_sdpa_backend``); transformers' mask builder is
   told the sequences are not packed, as it finds on real positions (``unpacked_sequences``).
+* **RMSNorm**: ``aten::rms_norm`` on a CUDA tensor runs the fused kernel ``_fused_rms_norm``
+  (one output and a float32 ``rstd`` per row, saved with the input and weight), while on the CPU
+  it decomposes into pow / mean / rsqrt / mul, which save three input-sized tensors. Inside
+  ``cuda_kernels()`` fake CPU tensors take the fused kernel's allocations (``_cuda_rms_norm``).
+* **autocast**: CUDA's op table (``cuda_autocast.cuda_autocast_policy``): softmax, layer norm,
+  the losses, sums and the other "fp32" ops run in float32 as on a GPU.
 * **batch norm**: nothing to change: ``cudnn_batch_norm`` saves the same input, weight,
   running stats and per-channel mean / inverse std as the CPU kernel; its extra ``reserve``
   tensor is empty on fake tensors (its real size comes from cuDNN at run time).
@@ -51,6 +57,9 @@ import sys
 from typing import Iterator
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from gpulab.measure.cuda_autocast import cuda_autocast_policy
 
 __all__ = [
     "STILL_DIFFERS", "cuda_kernels", "cuda_sdpa_backend", "on_host_under_cuda", "unpacked_sequences"
@@ -65,8 +74,6 @@ STILL_DIFFERS: tuple[tuple[str, str], ...] = (
                                  "comes from cuDNN"),
     ("caching allocator", "live tensors only: reserved memory, fragmentation and cached blocks come from "
                           "the allocator simulator, not from the fake run"),
-    ("autocast op lists", "autocast is off on fake cuda tensors, so torch.autocast runs with the CPU's op "
-                          "lists (CUDA's lists keep losses, softmax, layer norm and sums in float32)"),
     ("kernel-internal buffers", "memory a CUDA kernel allocates inside itself (cuDNN conv algorithms, "
                                 "NCCL, flash attention's scratch) is invisible to fake tensors"),
     ("attention kernels", "F.scaled_dot_product_attention is sent to the kernel an A100/H100 picks (flash, "
@@ -226,10 +233,50 @@ def unpacked_sequences() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = original
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """What ``_fused_rms_norm`` and its backward allocate on CUDA, for fake tensors (no values):
+    the output (input's dtype and shape) and ``rstd`` (float32, 1 in each normalized dim); saved:
+    input, weight, rstd. Backward: the input's gradient and the weight's."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps):
+        rstd_shape = tuple(x.shape[:x.dim() - len(normalized_shape)]) + (1,) * len(normalized_shape)
+        rstd = x.new_empty(rstd_shape, dtype=torch.float32)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.mark_non_differentiable(rstd)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, _ = ctx.saved_tensors
+        grad_weight = torch.empty_like(weight) if weight is not None and ctx.needs_input_grad[2] else None
+        return torch.empty_like(x), None, grad_weight, None
+
+
+@contextlib.contextmanager
+def _cuda_rms_norm() -> Iterator[None]:
+    """``aten::rms_norm`` as CUDA runs it (the fused kernel) for fake tensors, registered at the
+    autograd key for the duration (below autocast, which has cast the inputs by then); real
+    tensors take the CPU's path unchanged."""
+    lib = torch.library.Library("aten", "IMPL")
+    op = torch.ops.aten.rms_norm.default
+
+    def rms_norm(keyset, input, normalized_shape, weight=None, eps=None):
+        if is_fake(input):
+            return _FusedRMSNorm.apply(input, list(normalized_shape), weight, eps)
+        return op.redispatch(keyset.remove(torch._C.DispatchKey.AutogradCPU), input, normalized_shape, weight, eps)
+    try:
+        lib.impl("rms_norm", rms_norm, "AutogradCPU", with_keyset=True)
+        yield
+    finally:
+        lib._destroy()
+
+
 @contextlib.contextmanager
 def cuda_kernels() -> Iterator[None]:
     """Run the code inside with CUDA's kernel choices (see the module docstring)."""
-    with _cuda_optimizer_defaults(), _cuda_dropout_functions(), _cuda_attention():
+    with _cuda_optimizer_defaults(), _cuda_dropout_functions(), _cuda_attention(), _cuda_rms_norm(), \
+            cuda_autocast_policy():
         yield
 
 
