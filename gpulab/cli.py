@@ -204,6 +204,10 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-scaler", action="store_true", help="with --amp fp16: torch.amp.GradScaler")
     p.add_argument("--keep-grads", action="store_true",
                    help="zero_grad(set_to_none=False): the gradients stay allocated, zeroed, between steps")
+    p.add_argument("--optimizer-in-backward", action="store_true",
+                   help="one optimizer per parameter, stepped as soon as its gradient exists (torchtune's optimizer_in_bwd)")
+    p.add_argument("--offload-activations", action="store_true",
+                   help="saved activations copied to host memory (save_on_cpu); their peak is reported apart")
 
 
 def _recipe_text(d: dict[str, Any]) -> str:
@@ -213,7 +217,8 @@ def _recipe_text(d: dict[str, Any]) -> str:
 
 def _recipe(args: argparse.Namespace) -> dict[str, Any]:
     return {"accumulate": args.accumulate, "clip_grad_norm": args.clip_grad_norm, "grad_scaler": args.grad_scaler,
-            "set_to_none": not args.keep_grads}
+            "set_to_none": not args.keep_grads, "optimizer_in_backward": args.optimizer_in_backward,
+            "offload_activations": args.offload_activations}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """Training recipes as options of the one loop (``gpulab.training.loop.Recipe``), through
 ``gpulab.step``, ``gpulab.fit`` and the CLI: gradient accumulation, gradient clipping, fp16's
-GradScaler, ``zero_grad(set_to_none=False)``.
+GradScaler, ``zero_grad(set_to_none=False)``, optimizer-in-backward, activation offloading.
 
 Each is measured, never a formula: on the cpu engine (real tensors) and on the fake engine
 following the same CPU kernels, which must agree storage for storage; and each shows the effect
@@ -20,6 +20,10 @@ RECIPES = {
     "keep grads": {"set_to_none": False},
     "fp16 + GradScaler": {"amp": "fp16", "grad_scaler": True},
     "all at once": {"amp": "fp16", "grad_scaler": True, "accumulate": 2, "clip_grad_norm": 0.5, "set_to_none": False},
+    "optimizer in backward": {"optimizer_in_backward": True},
+    "optimizer in backward, keep grads": {"optimizer_in_backward": True, "set_to_none": False},
+    "offload activations": {"offload_activations": True},
+    "offload + accumulate + fp16": {"offload_activations": True, "accumulate": 2, "amp": "fp16"},
 }
 
 
@@ -107,6 +111,10 @@ def test_fit_takes_the_recipe_and_says_so():
     ({"grad_scaler": True}, ["GradScaler", "fp16"]),
     ({"grad_scaler": True, "amp": "bf16"}, ["GradScaler", "fp16"]),
     ({"set_to_none": "no"}, ["set_to_none", "True or False"]),
+    ({"optimizer_in_backward": 1}, ["optimizer_in_backward", "True or False"]),
+    ({"offload_activations": "yes"}, ["offload_activations", "True or False"]),
+    ({"optimizer_in_backward": True, "accumulate": 2}, ["optimizer_in_backward", "accumulate"]),
+    ({"optimizer_in_backward": True, "clip_grad_norm": 1.0}, ["optimizer_in_backward", "clip_grad_norm"]),
 ])
 def test_bad_recipes_are_refused_with_what_to_do(kw, words):
     for call in (lambda: gpulab.step("mlp", batch=2, engine="fake", **kw),
@@ -126,3 +134,70 @@ def test_the_cli_takes_the_recipe(capsys):
     with pytest.raises(SystemExit) as e:     # argparse refuses the value: usage and one line, status 2
         cli.main(["fit", "mlp", "--gpu", "1GiB", "--accumulate", "0"])
     assert e.value.code == 2 and "--accumulate" in capsys.readouterr().err
+
+
+def _max_live(result, category: str) -> int:
+    return max(point.get(category, 0) for point in result.measurement.tracking.series)
+
+
+def test_optimizer_in_backward_keeps_about_one_gradient_at_a_time():
+    """torchtune's optimizer_in_bwd: each parameter is stepped as its gradient completes, so the
+    gradients never all exist at once; the optimizer state is the same."""
+    model = "hf:tiny-gpt2"
+    kw = dict(batch=2, seq_len=32, optimizer="adam", engine="fake", fake_target="cpu", guard=False)
+    plain, inbwd = gpulab.step(model, **kw), gpulab.step(model, optimizer_in_backward=True, **kw)
+    grads = _max_live(plain, "gradients")
+    largest = max(r.nbytes for r in plain.measurement.tracking.records.values()
+                  if r.category == Category.GRADIENTS)
+    assert largest <= _max_live(inbwd, "gradients") < grads / 2
+    assert plain.as_dict()["after_step_by_category"]["optimizer_state"] == \
+        inbwd.as_dict()["after_step_by_category"]["optimizer_state"]
+    assert inbwd.as_dict()["after_step_by_category"]["gradients"] == 0   # dropped as each step ends
+    for r in (plain, inbwd):   # the model's parameters moved: the steps ran
+        assert r.measurement.tracking.peak_bytes > 0
+
+
+def _saved_bytes(model: str, **kw) -> int:
+    """Bytes of everything autograd saves in one forward, counted by a plain hook (no gpulab)."""
+    import torch
+    from gpulab.models.workload import forward, resolve_workload
+    w = resolve_workload(model, None, batch=kw["batch"], seq_len=kw["seq_len"])
+    torch.manual_seed(0)
+    net = w.build(torch.device("cpu"), torch.float32)
+    data = w.inputs(kw["batch"], torch.float32)
+    total = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        w.loss(forward(net, data), data)
+    return sum(total)
+
+
+def test_offloaded_activations_leave_the_device_and_are_counted_apart():
+    """save_on_cpu copies every saved tensor (weights included) to host memory: the host copies'
+    peak is what a plain hook counts autograd saving in one forward; the device keeps them only
+    while the forward itself still holds them."""
+    kw = dict(batch=4, seq_len=64)
+    plain = gpulab.step("hf:tiny-gpt2", engine="cpu", guard=False, steps=1, **kw)
+    off = gpulab.step("hf:tiny-gpt2", engine="cpu", guard=False, steps=1, offload_activations=True, **kw)
+    d = off.as_dict()
+    assert d["offloaded_peak_bytes"] == _saved_bytes("hf:tiny-gpt2", **kw)
+    # on the device, a saved tensor lives only until the forward drops it (the next layer's input)
+    assert _max_live(off, "activations") < _max_live(plain, "activations") / 4
+    assert off.peak_bytes < plain.peak_bytes
+    assert "offloaded_peak_bytes" not in plain.as_dict()
+    cuda = gpulab.step("hf:tiny-gpt2", engine="fake", guard=False, steps=1, offload_activations=True, **kw)
+    assert cuda.as_dict()["offloaded_peak_bytes"] > 0
+    assert _max_live(cuda, "activations") < _max_live(plain, "activations") / 4
+    # on the CUDA target backward copies each one back to the device, as save_on_cpu's unpack does
+    back = [r for r in cuda.measurement.tracking.records.values() if r.phase == "backward"]
+    assert sum(r.nbytes for r in back) > sum(r.nbytes for r in off.measurement.tracking.records.values()
+                                             if r.phase == "backward")
+
+
+def test_the_cli_takes_the_new_recipes(capsys):
+    assert cli.main(["step", "mlp", "--batch", "4", "--engine", "fake", "--optimizer-in-backward"]) == 0
+    assert "optimizer_in_backward=True" in capsys.readouterr().out.splitlines()[0]
+    assert cli.main(["step", "mlp", "--batch", "4", "--engine", "fake", "--offload-activations", "--json"]) == 0
+    import json
+    d = json.loads(capsys.readouterr().out)
+    assert d["recipe"] == {"offload_activations": True} and d["offloaded_peak_bytes"] > 0

@@ -22,7 +22,7 @@ from gpulab.allocator.simulator import CachingAllocator, rebuilt_allocator
 from gpulab.measure.fake_mode import FakeMode
 from gpulab.formulas import cuda_rounded_bytes
 from gpulab.categories import Category
-from gpulab.measure.tracking import MemoryTracker, TrackingResult
+from gpulab.measure.tracking import HOST_DEVICE, MemoryTracker, TrackingResult
 
 __all__ = [
     "AllocatorBlocks", "DEFAULT_MAX_CPU_BYTES", "DEFAULT_MAX_CPU_FLOPS", "ENGINES", "EngineChoice",
@@ -184,6 +184,11 @@ class RunContext:
     def phase(self, name: str):
         return self.tracker.phase(name)
 
+    def offloading(self):
+        """Activation offloading for the code inside (``MemoryTracker.offloading``): saved tensors
+        go to host memory, reported apart (``Measurement.offloaded``)."""
+        return self.tracker.offloading(copy_back=self.kernels == "cuda" and self.engine != "cuda")
+
     def mark(self) -> int:
         """The number of events recorded so far: a position on the run's timeline (the events
         after it have ``index >= mark``), e.g. where a training step starts."""
@@ -196,7 +201,8 @@ class RunContext:
         rounded = self.kernels == "cuda"
         by_category = {c.value: 0 for c in Category}
         for r in self.tracker._records.values():
-            if r.alive and r.device.startswith(dev) and not (self._on_host and self._on_host(r)):
+            if (r.alive and r.device.startswith(dev) and not r.offloaded
+                    and not (self._on_host and self._on_host(r))):
                 by_category[r.category.value] += cuda_rounded_bytes(r.nbytes) if rounded else r.nbytes
         tracked = sum(by_category.values())
         alloc = blocks = None
@@ -227,6 +233,7 @@ class Measurement:
     oom: bool = False
     error: str | None = None
     kernels: str = ""  # whose kernels the numbers follow: "cuda" or "cpu" (filled in if not given)
+    offloaded: TrackingResult | None = None   # activation offloading: the host copies, apart
 
     def __post_init__(self) -> None:
         if not self.kernels:
@@ -354,7 +361,8 @@ def _run_host(experiment, choice: EngineChoice, label: str, mode, tracker: Memor
         dev_name = "cpu" if choice.name == "cpu" else "cpu (fake tensors)"
         tracking = tracker.result(device="cpu")
     return Measurement(choice.name, choice.reason, dev_name, label, tracking,
-                       value, seconds, ctx.snapshots, oom=oom, error=err, kernels=kernels)
+                       value, seconds, ctx.snapshots, oom=oom, error=err, kernels=kernels,
+                       offloaded=_offloaded(tracker))
 
 
 def release_cuda_memory(device: torch.device | int | None = None) -> None:
@@ -447,4 +455,11 @@ def _run_cuda(experiment, choice: EngineChoice, device: torch.device) -> Measure
     name = torch.cuda.get_device_name(device)
     return Measurement("cuda", choice.reason, str(device), label_cuda(name), result, value, seconds,
                        ctx.snapshots, allocator=allocator, beyond_tensors=beyond, oom=oom, error=err,
-                       blocks=blocks)
+                       blocks=blocks, offloaded=_offloaded(tracker))
+
+
+def _offloaded(tracker: MemoryTracker) -> TrackingResult | None:
+    """The offloaded activations' host copies, when the run made any (activation offloading)."""
+    if not any(r.offloaded for r in tracker._records.values()):
+        return None
+    return tracker.result(device=HOST_DEVICE, round_to_cuda_blocks=False)

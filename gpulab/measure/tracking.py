@@ -33,12 +33,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gpulab.categories import CATEGORIES, Category
 from gpulab.formulas import cuda_rounded_bytes
 
-__all__ = ["Event", "MemoryTracker", "PHASES", "StorageRecord", "TrackingResult"]
+__all__ = ["Event", "HOST_DEVICE", "MemoryTracker", "PHASES", "StorageRecord", "TrackingResult"]
 
 
 _RANK = {c: i for i, c in enumerate(CATEGORIES)}
 
 PHASES = ("setup", "forward", "backward", "optimizer")
+HOST_DEVICE = "host"   # where results put offloaded activations' host copies (apart from every device)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class StorageRecord:
     freed: int | None = None  # index of its free event, None while alive
     preexisting: bool = False  # created before the tracker saw it
     state_key: str = ""        # the optimizer.state key it was found under ("exp_avg", "step", ...)
+    offloaded: bool = False    # a saved tensor's copy in host memory (activation offloading)
 
     @property
     def alive(self) -> bool:
@@ -117,6 +119,7 @@ class MemoryTracker(TorchDispatchMode):
         self._handles: list[Any] = []
         self._exit_stack: contextlib.ExitStack | None = None
         self._closed = False
+        self._offload: str | None = None   # saved tensors go to host memory: "copy back" or "alias back"
 
     # ---- context management -------------------------------------------------------
     def __enter__(self) -> "MemoryTracker":
@@ -376,6 +379,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def _pack(self, t: torch.Tensor):
         self._see(t, op="saved", category=Category.ACTIVATIONS)
+        if self._offload is not None:
+            return self._offloaded(t)
         # Keep a detached alias (same storage, so no extra memory), not ``t`` itself: when
         # an op saves its own output (ReLU, softmax), ``t.grad_fn`` is the node doing the
         # saving, and holding ``t`` would make a reference cycle that keeps a graph which
@@ -393,8 +398,24 @@ class MemoryTracker(TorchDispatchMode):
         # that breaks autograd outside the tracker breaks it inside the tracker too.
         return t.detach(), t._version
 
+    def _offloaded(self, t: torch.Tensor):
+        """``torch.autograd.graph.save_on_cpu(pin_memory=True)``'s pack: a contiguous host copy
+        of the saved tensor (its elements, not its whole storage; pinned when a GPU is there),
+        which autograd keeps instead of the tensor. Recorded as an offloaded activation."""
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, device="cpu",
+                           pin_memory=t.device.type == "cuda")
+        host.copy_(t, non_blocking=t.device.type == "cuda")
+        rec = self._see(host, op="offload", category=Category.ACTIVATIONS)
+        if rec is not None:
+            rec.offloaded = True
+        return _Offloaded(t.device, host, self._offload == "copy back")
+
     @staticmethod
     def _unpack(packed) -> torch.Tensor:
+        if isinstance(packed, _Offloaded):   # save_on_cpu's unpack: back to the device for backward
+            if packed.device.type == "cpu" and packed.copy_back:   # CPU fake tensors standing in for a GPU's
+                return packed.host.clone()
+            return packed.host.to(packed.device, non_blocking=packed.device.type == "cuda")
         alias, version = packed
         if alias._version != version:  # the alias shares the original's version counter
             raise RuntimeError(
@@ -403,6 +424,19 @@ class MemoryTracker(TorchDispatchMode):
                 f"expected version {version} instead. (Reported by gpulab's tracker, which checks "
                 "saved tensors exactly as autograd does.)")
         return alias
+
+    @contextlib.contextmanager
+    def offloading(self, copy_back: bool) -> Iterator[None]:
+        """Activation offloading for the code inside, as ``save_on_cpu(pin_memory=True)`` does it:
+        every tensor autograd saves is copied to host memory (records ``offloaded=True``) and
+        copied back for backward. ``copy_back``: make that copy even though the "device" is the
+        CPU (the fake engine's CUDA target, whose CPU tensors stand in for the GPU's)."""
+        before = self._offload
+        self._offload = "copy back" if copy_back else "alias back"
+        try:
+            yield
+        finally:
+            self._offload = before
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -428,11 +462,13 @@ class MemoryTracker(TorchDispatchMode):
         run keeps in host memory, when CPU fake tensors stand in for the GPU's)."""
         records = {sid: _copy_record(r) for sid, r in self._records.items()}
         events = list(self._events)
+        host = {sid: HOST_DEVICE for sid, r in records.items() if r.offloaded}
         if on_host is not None:  # ``on_host(record)``: count this storage on the "cpu" instead
-            moved = {sid for sid, r in records.items() if on_host(r)}
-            for sid in moved:
-                records[sid].device = "cpu"
-            events = [replace(e, device="cpu") if e.sid in moved else e for e in events]
+            host.update({sid: "cpu" for sid, r in records.items() if on_host(r) and sid not in host})
+        if host:   # offloaded activations: on the "host" device, apart from every device's numbers
+            for sid, name in host.items():
+                records[sid].device = name
+            events = [replace(e, device=host[e.sid]) if e.sid in host else e for e in events]
         return TrackingResult.build(records, events, device=device, rounded=round_to_cuda_blocks)
 
 
@@ -484,6 +520,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
     return name
+
+
+@dataclass(frozen=True)
+class _Offloaded:
+    """What autograd keeps for a saved tensor under activation offloading."""
+    device: torch.device
+    host: torch.Tensor
+    copy_back: bool
 
 
 def _copy_record(r: StorageRecord) -> StorageRecord:

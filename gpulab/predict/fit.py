@@ -128,13 +128,15 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         amp: str | None = None, seq_len: int | None = None, image_size: int | None = None, inputs: Any = None,
         input_shape: tuple[int, ...] | None = None, loss: Callable | None = None,
         context_bytes: int = CUDA_CONTEXT_ASSUMED, progress: Progress = None, accumulate: int = 1,
-        clip_grad_norm: float | None = None, grad_scaler: bool = False, set_to_none: bool = True) -> FitResult:
+        clip_grad_norm: float | None = None, grad_scaler: bool = False, set_to_none: bool = True,
+        optimizer_in_backward: bool = False, offload_activations: bool = False) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
     a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring."""
     t0 = time.perf_counter()
     card = _card_of(gpu, context_bytes)
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
     recipe = user_recipe(optimizer, amp, accumulate=accumulate, clip_grad_norm=clip_grad_norm, grad_scaler=grad_scaler,
+                         optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations,
                          set_to_none=set_to_none)   # checks the optimizer and amp too
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
     usable = card.memory_bytes - context_bytes

@@ -35,7 +35,8 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
          amp: str | None = None, loss: Callable | None = None, seq_len: int | None = None,
          image_size: int | None = None, fake_target: str = "cuda", guard: bool = True,
          accumulate: int = 1, clip_grad_norm: float | None = None, grad_scaler: bool = False,
-         set_to_none: bool = True, **engine_limits) -> StepResult:
+         set_to_none: bool = True, optimizer_in_backward: bool = False, offload_activations: bool = False,
+         **engine_limits) -> StepResult:
     """Track ``steps`` training steps of ``model`` and return them by category, next to the
     formulas' prediction (see the module docstring for what ``model``, ``inputs`` and ``loss``
     may be).
@@ -46,7 +47,9 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     CPU's. The recipe: ``accumulate`` micro-batches of ``batch`` per optimizer step (gradient
     accumulation), ``clip_grad_norm`` (clip the gradients' total norm to it before the step),
     ``grad_scaler`` (fp16 autocast's GradScaler), ``set_to_none=False`` (``zero_grad`` keeps the
-    gradients, zeroed, between steps). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
+    gradients, zeroed, between steps), ``optimizer_in_backward`` (each parameter stepped as soon as
+    its gradient exists), ``offload_activations`` (saved activations in host memory: the result's
+    ``offloaded_peak_bytes``, apart from the device's). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
     Bad input raises ``ValueError`` with what to do instead."""
     if batch is not None:
         validate_batch(batch)
@@ -63,7 +66,8 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
     amp_key = validate_amp(amp)
     recipe = user_recipe(opt, amp_key, accumulate=accumulate, clip_grad_norm=clip_grad_norm, grad_scaler=grad_scaler,
-                         set_to_none=set_to_none)
+                         set_to_none=set_to_none, optimizer_in_backward=optimizer_in_backward,
+                         offload_activations=offload_activations)
     try:
         bd = breakdown(w, batch, dtype=dt)
     except ValueError:
@@ -179,6 +183,8 @@ class StepResult(Measured):
         }
         if self.recipe:
             d["recipe"] = dict(self.recipe)
+        if m.offloaded is not None:   # activation offloading: the host copies' peak, apart
+            d["offloaded_peak_bytes"] = m.offloaded.peak_bytes
         if m.allocator is not None:
             d["allocator"] = dict(m.allocator)
             d["beyond_tensors"] = dict(m.beyond_tensors or {})

@@ -15,6 +15,13 @@ tracker's phase. Where lessons differ, the ``Recipe`` says how:
   the same gradients, the loss divided by their number); ``clip_grad_norm``: clip the gradients'
   total norm before the step (``torch.nn.utils.clip_grad_norm_``, after unscaling with a
   GradScaler, as PyTorch's AMP recipe does);
+* ``optimizer_in_backward``: one optimizer per parameter, stepped (and its gradient dropped) by a
+  ``register_post_accumulate_grad_hook`` as soon as backward has accumulated that gradient, as
+  torchtune's ``optimizer_in_bwd`` does: at most a few gradients exist at once; no accumulation,
+  clipping or GradScaler with it (they need every gradient at the end of backward);
+* ``offload_activations``: the forward under activation offloading (``save_on_cpu(pin_memory=True)``'s
+  behaviour, through the tracker: ``RunContext.offloading``): what autograd saves is copied to host
+  memory, reported apart, and copied back for backward;
 * ``fresh_batch``: a new batch every step, dropped right after backward (lesson 09's replays,
   whose batch size changes from step to step), or one batch kept while the size stays;
 * ``seed``, ``register_model`` (label the model before the optimizer exists), ``teardown`` (free
@@ -29,6 +36,8 @@ setup", "after zero_grad i", "before step i", "after step i", counting steps fro
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -61,6 +70,8 @@ class Recipe:
     teardown: bool = False
     accumulate: int = 1
     clip_grad_norm: float | None = None
+    optimizer_in_backward: bool = False
+    offload_activations: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "optimizer", check_optimizer(self.optimizer))
@@ -76,22 +87,33 @@ class Recipe:
                                                     and 0 < self.clip_grad_norm < float("inf")):
             raise ValueError(f"clip_grad_norm must be a positive number (the largest total norm), "
                              f"got {self.clip_grad_norm!r}")
+        if self.optimizer_in_backward:
+            clash = [name for name, on in (("accumulate", self.accumulate > 1), ("clip_grad_norm", self.clip_grad_norm),
+                                           ("grad_scaler", self.grad_scaler)) if on]
+            if clash:
+                raise ValueError(f"optimizer_in_backward steps each parameter as soon as its gradient exists, so "
+                                 f"it cannot take {', '.join(clash)} (they need every gradient at the end of "
+                                 f"backward, as torchtune also says): drop one or the other")
 
 
 # the recipe options gpulab.step, gpulab.fit and the CLI take, and their defaults
-RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False, "set_to_none": True}
+RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False, "set_to_none": True,
+                   "optimizer_in_backward": False, "offload_activations": False}
 
 
 def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, clip_grad_norm: float | None = None,
-                grad_scaler: bool = False, set_to_none: bool = True) -> Recipe:
+                grad_scaler: bool = False, set_to_none: bool = True, optimizer_in_backward: bool = False,
+                offload_activations: bool = False) -> Recipe:
     """The ``Recipe`` of ``gpulab.step`` / ``gpulab.fit`` from their arguments (``amp``: "fp16",
     "bf16" or None). Bad values raise ``ValueError`` saying what is allowed."""
-    for name, value in (("grad_scaler", grad_scaler), ("set_to_none", set_to_none)):
+    for name, value in (("grad_scaler", grad_scaler), ("set_to_none", set_to_none),
+                        ("optimizer_in_backward", optimizer_in_backward), ("offload_activations", offload_activations)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
     key = validate_amp(amp)
     return Recipe(optimizer, amp=AMP_DTYPES[key] if key else None, grad_scaler=grad_scaler, set_to_none=set_to_none,
-                  accumulate=accumulate, clip_grad_norm=clip_grad_norm)
+                  accumulate=accumulate, clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward,
+                  offload_activations=offload_activations)
 
 
 def changed_options(r: Recipe) -> dict[str, Any]:
@@ -115,9 +137,7 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
             net = w.build(ctx.device, dtype)
             if r.register_model:
                 ctx.tracker.register(net)
-            opt = (make_optimizer(r.optimizer, [p for p in net.parameters() if p.requires_grad])
-                   if r.implementation == "default" else   # (no name kept for the list: teardown frees the model)
-                   build_optimizer(r.optimizer, [p for p in net.parameters() if p.requires_grad], r.implementation))
+            opt = _optimizers(r, net)
         scaler = torch.amp.GradScaler(ctx.device.type) if r.grad_scaler else None
         data, data_batch, marks = None, None, []
         for i, b in enumerate(batches):
@@ -132,12 +152,13 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
             if i == 0:
                 moment(ctx, "after setup")
             marks.append(ctx.mark())
-            if i and r.zero_grad != "after step":
+            if i and r.zero_grad != "after step" and not r.optimizer_in_backward:
                 with ctx.phase("optimizer") if r.zero_grad == "top, optimizer phase" else contextlib.nullcontext():
                     opt.zero_grad(set_to_none=r.set_to_none)
                 moment(ctx, f"after zero_grad {i}")
             for _ in range(r.accumulate):   # micro-batches: each backward adds into the same gradients
-                with ctx.phase("forward"), _autocast(ctx.device, r.amp):
+                with ctx.phase("forward"), _autocast(ctx.device, r.amp), \
+                        ctx.offloading() if r.offload_activations else contextlib.nullcontext():
                     output = forward(net, data)
                     loss = w.loss(output, data)
                     del output
@@ -150,9 +171,10 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
                 data, t, data_batch = None, None, None
             moment(ctx, f"before step {i + 1}")
             with ctx.phase("optimizer"):
-                _optimizer_step(ctx, net, opt, scaler, r.clip_grad_norm)
-                if r.zero_grad == "after step":
-                    opt.zero_grad(set_to_none=r.set_to_none)
+                if not r.optimizer_in_backward:   # (in backward: done, parameter by parameter)
+                    _optimizer_step(ctx, net, opt, scaler, r.clip_grad_norm)
+                    if r.zero_grad == "after step":
+                        opt.zero_grad(set_to_none=r.set_to_none)
             moment(ctx, f"after step {i + 1}")
         marks.append(ctx.mark())
         ctx.snapshot("after step")
@@ -165,6 +187,53 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
                 del opt, net
         return out
     return experiment
+
+
+class _InBackward:
+    """Optimizer-in-backward (torchtune's ``optimizer_in_bwd``): one optimizer per parameter, each
+    stepped by the parameter's post-accumulate-grad hook, its gradient dropped (or zeroed) right
+    after; ``state`` gathers theirs (what the tracker and reports read)."""
+
+    def __init__(self, r: Recipe, params: list[torch.nn.Parameter]):
+        self.per_param = {p: _one_optimizer(r, [p]) for p in params}
+        self.set_to_none = r.set_to_none
+        me = weakref.ref(self)   # the parameters' hooks must not keep their optimizers alive (a cycle)
+        self.handles = [p.register_post_accumulate_grad_hook(functools.partial(_step_in_backward, me))
+                        for p in params]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for opt in self.per_param.values() for p, s in opt.state.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.per_param.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def __del__(self) -> None:
+        for h in getattr(self, "handles", ()):
+            h.remove()
+
+
+def _step_in_backward(owner: "weakref.ref[_InBackward]", p: torch.nn.Parameter) -> None:
+    """A parameter's gradient is complete: step its optimizer, then drop (or zero) the gradient."""
+    me = owner()
+    if me is not None:
+        opt = me.per_param[p]
+        opt.step()
+        opt.zero_grad(set_to_none=me.set_to_none)
+
+
+def _one_optimizer(r: Recipe, params: list) -> torch.optim.Optimizer:
+    if r.implementation == "default":
+        return make_optimizer(r.optimizer, params)
+    return build_optimizer(r.optimizer, params, r.implementation)
+
+
+def _optimizers(r: Recipe, net: torch.nn.Module):
+    """The run's optimizer over the trainable parameters (no name kept for the list: teardown
+    frees the model), or one per parameter, stepped in backward."""
+    params = [p for p in net.parameters() if p.requires_grad]
+    return _InBackward(r, params) if r.optimizer_in_backward else _one_optimizer(r, params)
 
 
 def _optimizer_step(ctx: RunContext, net: torch.nn.Module, opt: torch.optim.Optimizer, scaler,
