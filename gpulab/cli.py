@@ -58,7 +58,7 @@ def _model_options(s: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from gpulab.training.loop import AMP_DTYPES
-    from gpulab.training.optimizers import OPTIMIZERS
+    from gpulab.training.optimizers import ALL_OPTIMIZERS
 
     p = _Parser(prog="gpulab", description="Where does GPU memory go? Measure it. "
                 "(--debug anywhere: show the traceback of an error)")
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("step", help="memory of training steps (steady state: 2 steps), by category, vs the formulas")
     _model_options(s)
     s.add_argument("--batch", type=_positive_int, default=None)
-    s.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS))
+    s.add_argument("--optimizer", default="adam", choices=list(ALL_OPTIMIZERS))
     s.add_argument("--amp", default=None, choices=list(AMP_DTYPES), help="run the forward under torch.autocast")
     s.add_argument("--engine", default="auto")
     s.add_argument("--steps", type=_steps, default=2,
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fit", help="the largest batch whose training step fits a GPU (fake engine + allocator simulator)")
     _model_options(f)
     f.add_argument("--gpu", required=True, help="a card (H100, A100-40GB, RTX4090, T4 ...) or a size (24GiB, 80GB)")
-    f.add_argument("--optimizer", default="adam", choices=list(OPTIMIZERS))
+    f.add_argument("--optimizer", default="adam", choices=list(ALL_OPTIMIZERS))
     f.add_argument("--amp", default=None, choices=list(AMP_DTYPES), help="run the forward under torch.autocast")
     f.add_argument("--context", default=None,
                    help="memory the CUDA context takes outside PyTorch's allocator (default: an assumed 512MiB)")

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from gpulab.units import dtype_bytes
 
 __all__ = [
-    "MemoryFit", "OPTIMIZER_STATES", "backward_flops", "batchnorm_buffer_bytes", "batchnorm_params", "check_optimizer",
+    "MemoryFit", "OPTIMIZER_STATES", "RECIPE_OPTIMIZERS", "backward_flops", "batchnorm_buffer_bytes", "batchnorm_params", "check_optimizer",
     "checkpointed_activation_bytes", "conv2d_flops", "conv2d_output_hw", "conv2d_params",
     "cuda_rounded_bytes", "eight_bit_optimizer_state_bytes", "embedding_params", "fit_memory_model",
     "layernorm_params", "linear_flops", "linear_memory", "linear_params", "lora_params",
     "lora_trainable_params", "max_batch", "modelsize_activation_bytes", "nf4_weight_bytes", "numel",
-    "optimizer_state_bytes", "optimizer_state_multiplier", "output_bytes", "tensor_bytes",
+    "optimizer_state_bytes", "optimizer_state_multiplier", "output_bytes", "shaped_optimizer_state_bytes",
+    "tensor_bytes",
     "training_multiplier", "zero_bytes_per_device"
 ]
 
@@ -181,14 +182,51 @@ OPTIMIZER_STATES = {
 _STEP_COUNTER = {"sgd": False, "momentum": False, "adam": True, "adamw": True,
                  "rmsprop": True, "adagrad": True}
 
+# Optimizers of the training recipes (gpulab.step, gpulab.fit, the CLI), beyond the lessons' six:
+# their state is not a multiple of the parameter bytes but depends on each tensor's shape
+# (``shaped_optimizer_state_bytes``).
+RECIPE_OPTIMIZERS = ("adafactor", "adamw8bit", "paged_adamw8bit")
 
-def check_optimizer(name: str) -> str:
+
+def check_optimizer(name: str, recipes: bool = False) -> str:
     """The optimizer's key ("adam" for "Adam"), or ValueError naming the valid ones: the one
-    check every caller of the library makes."""
+    check every caller of the library makes. ``recipes``: also accept ``RECIPE_OPTIMIZERS``
+    (where the caller measures any optimizer: gpulab.step, gpulab.fit)."""
     key = str(name).lower()
-    if key not in OPTIMIZER_STATES:
-        raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {', '.join(OPTIMIZER_STATES)}")
+    valid = (*OPTIMIZER_STATES, *RECIPE_OPTIMIZERS) if recipes else tuple(OPTIMIZER_STATES)
+    if key not in valid:
+        raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {', '.join(valid)}")
     return key
+
+
+def shaped_optimizer_state_bytes(shapes: Sequence[Sequence[int]], name: str, element_size: int = 4,
+                                 count_step_counters: bool = True) -> int:
+    """Optimizer state after the first ``step()`` from each trainable tensor's shape, for the
+    optimizers whose state is not a multiple of the parameters (and for the others too):
+
+    * ``adafactor`` (``torch.optim.Adafactor``): a tensor of 2+ dims keeps ``row_var`` (its shape
+      with the last dim 1) and ``col_var`` (the second-to-last dim 1), a smaller one ``variance``
+      (its shape), in the gradient's dtype; and a float32 ``step`` scalar each;
+    * ``adamw8bit`` / ``paged_adamw8bit`` (bitsandbytes' layout, ``eight_bit_optimizer_state_bytes``):
+      8-bit states and float32 block absmax for tensors of at least 4096 elements, two float32
+      states below that, two 256-entry float32 quantization maps per optimizer; no step tensor
+      (paged buffers are counted here too: they are state, in unified memory);
+    * the lessons' six: ``optimizer_state_bytes`` of the total."""
+    key = check_optimizer(name, recipes=True)
+    sizes = [math.prod(int(d) for d in s) for s in shapes]
+    if key == "adafactor":
+        total = 0
+        for shape, n in zip(shapes, sizes):
+            if len(shape) >= 2:
+                total += (n // max(1, int(shape[-1])) + n // max(1, int(shape[-2]))) * element_size
+            else:
+                total += n * element_size
+        return total + (4 * len(sizes) if count_step_counters else 0)
+    if key in ("adamw8bit", "paged_adamw8bit"):
+        small = sum(2 * 4 * n for n in sizes if n < 4096)
+        large = [n for n in sizes if n >= 4096]
+        return small + sum(eight_bit_optimizer_state_bytes(n) for n in large) + (2 * 256 * 4 if large else 0)
+    return optimizer_state_bytes(sum(sizes) * element_size, len(sizes), key, count_step_counters)
 
 
 def optimizer_state_multiplier(name: str) -> int:

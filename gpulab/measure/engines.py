@@ -22,7 +22,7 @@ from gpulab.allocator.simulator import CachingAllocator, rebuilt_allocator
 from gpulab.measure.fake_mode import FakeMode
 from gpulab.formulas import cuda_rounded_bytes
 from gpulab.categories import Category
-from gpulab.measure.tracking import HOST_DEVICE, MemoryTracker, TrackingResult
+from gpulab.measure.tracking import HOST_DEVICE, UNIFIED_DEVICE, MemoryTracker, TrackingResult
 
 __all__ = [
     "AllocatorBlocks", "DEFAULT_MAX_CPU_BYTES", "DEFAULT_MAX_CPU_FLOPS", "ENGINES", "EngineChoice",
@@ -201,7 +201,7 @@ class RunContext:
         rounded = self.kernels == "cuda"
         by_category = {c.value: 0 for c in Category}
         for r in self.tracker._records.values():
-            if (r.alive and r.device.startswith(dev) and not r.offloaded
+            if (r.alive and r.device.startswith(dev) and not r.apart
                     and not (self._on_host and self._on_host(r))):
                 by_category[r.category.value] += cuda_rounded_bytes(r.nbytes) if rounded else r.nbytes
         tracked = sum(by_category.values())
@@ -234,6 +234,7 @@ class Measurement:
     error: str | None = None
     kernels: str = ""  # whose kernels the numbers follow: "cuda" or "cpu" (filled in if not given)
     offloaded: TrackingResult | None = None   # activation offloading: the host copies, apart
+    paged: TrackingResult | None = None       # a paged optimizer's state in unified memory, apart
 
     def __post_init__(self) -> None:
         if not self.kernels:
@@ -362,7 +363,7 @@ def _run_host(experiment, choice: EngineChoice, label: str, mode, tracker: Memor
         tracking = tracker.result(device="cpu")
     return Measurement(choice.name, choice.reason, dev_name, label, tracking,
                        value, seconds, ctx.snapshots, oom=oom, error=err, kernels=kernels,
-                       offloaded=_offloaded(tracker))
+                       offloaded=_apart(tracker, HOST_DEVICE), paged=_apart(tracker, UNIFIED_DEVICE))
 
 
 def release_cuda_memory(device: torch.device | int | None = None) -> None:
@@ -455,11 +456,12 @@ def _run_cuda(experiment, choice: EngineChoice, device: torch.device) -> Measure
     name = torch.cuda.get_device_name(device)
     return Measurement("cuda", choice.reason, str(device), label_cuda(name), result, value, seconds,
                        ctx.snapshots, allocator=allocator, beyond_tensors=beyond, oom=oom, error=err,
-                       blocks=blocks, offloaded=_offloaded(tracker))
+                       blocks=blocks, offloaded=_apart(tracker, HOST_DEVICE), paged=_apart(tracker, UNIFIED_DEVICE))
 
 
-def _offloaded(tracker: MemoryTracker) -> TrackingResult | None:
-    """The offloaded activations' host copies, when the run made any (activation offloading)."""
-    if not any(r.offloaded for r in tracker._records.values()):
+def _apart(tracker: MemoryTracker, where: str) -> TrackingResult | None:
+    """What the run kept outside the device's allocator (``where``: offloaded activations' host
+    copies, a paged optimizer's unified memory), when it kept any."""
+    if not any(r.apart == where for r in tracker._records.values()):
         return None
-    return tracker.result(device=HOST_DEVICE, round_to_cuda_blocks=False)
+    return tracker.result(device=where, round_to_cuda_blocks=False)

@@ -53,6 +53,7 @@ GPU; the README and lesson 04 show it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
 from typing import Iterator
 
@@ -62,7 +63,7 @@ from torch._subclasses.fake_tensor import is_fake
 from gpulab.measure.cuda_autocast import cuda_autocast_policy
 
 __all__ = [
-    "STILL_DIFFERS", "cuda_kernels", "cuda_sdpa_backend", "on_host_under_cuda", "unpacked_sequences"
+    "STILL_DIFFERS", "cuda_kernels", "emulating_cuda", "cuda_sdpa_backend", "on_host_under_cuda", "unpacked_sequences"
 ]
 
 STILL_DIFFERS: tuple[tuple[str, str], ...] = (
@@ -272,12 +273,25 @@ def _cuda_rms_norm() -> Iterator[None]:
         lib._destroy()
 
 
+_EMULATING = contextvars.ContextVar("gpulab_emulating_cuda", default=False)
+
+
+def emulating_cuda() -> bool:
+    """True inside ``cuda_kernels()``: code that has a fused CUDA kernel of its own (gpulab's 8-bit
+    optimizer: bitsandbytes' in-place update) allocates as that kernel does."""
+    return _EMULATING.get()
+
+
 @contextlib.contextmanager
 def cuda_kernels() -> Iterator[None]:
     """Run the code inside with CUDA's kernel choices (see the module docstring)."""
-    with _cuda_optimizer_defaults(), _cuda_dropout_functions(), _cuda_attention(), _cuda_rms_norm(), \
-            cuda_autocast_policy():
-        yield
+    token = _EMULATING.set(True)
+    try:
+        with _cuda_optimizer_defaults(), _cuda_dropout_functions(), _cuda_attention(), _cuda_rms_norm(), \
+                cuda_autocast_policy():
+            yield
+    finally:
+        _EMULATING.reset(token)
 
 
 def on_host_under_cuda(record) -> bool:

@@ -21,11 +21,12 @@ import types
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from gpulab.measure.fake_internals import (SingletonConstant, _BypassDispatchCache, _DISPATCH_HANDLE_DIRECTLY, _DISPATCH_META_HANDLERS, _DispatchCacheKey, _DispatchCacheValidEntry, _pin_device_index, get_proxy_mode, in_kernel_invocation_manager)
 from gpulab.measure.fake_internals import SHORTCUTS
 from gpulab.measure.fake_kernels import FAKE_KERNELS
 
-__all__ = ["FakeMode", "SHORTCUTS", "quiet_fake_log"]
+__all__ = ["FakeMode", "SHORTCUTS", "quiet_fake_log", "scalars_read_as_one"]
 
 _FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 
@@ -203,3 +204,17 @@ if not SHORTCUTS:   # this torch's FakeTensorMode has another inside: use it as 
     FakeMode = FakeTensorMode  # noqa: F811
 
 
+
+
+class scalars_read_as_one(TorchDispatchMode):
+    """Inside: a fake tensor's value read on the host (``.item()``, ``float(t)``:
+    ``aten._local_scalar_dense``) answers 1 instead of failing. Only for code whose reads steer
+    arithmetic, never allocation: an optimizer's step (Adafactor reads the step count and
+    parameter norms to scale its update). Anything else that reads values still fails on fake
+    tensors, as it must: its allocations may depend on them."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            t = args[0]
+            return True if t.dtype == torch.bool else 1 if not (t.is_floating_point() or t.is_complex()) else 1.0
+        return func(*args, **(kwargs or {}))

@@ -33,13 +33,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gpulab.categories import CATEGORIES, Category
 from gpulab.formulas import cuda_rounded_bytes
 
-__all__ = ["Event", "HOST_DEVICE", "MemoryTracker", "PHASES", "StorageRecord", "TrackingResult"]
+__all__ = ["Event", "HOST_DEVICE", "MemoryTracker", "PHASES", "StorageRecord", "TrackingResult", "UNIFIED_DEVICE"]
 
 
 _RANK = {c: i for i, c in enumerate(CATEGORIES)}
 
 PHASES = ("setup", "forward", "backward", "optimizer")
 HOST_DEVICE = "host"   # where results put offloaded activations' host copies (apart from every device)
+UNIFIED_DEVICE = "unified"   # and paged optimizer state (CUDA unified memory, outside the caching allocator)
 
 
 @dataclass
@@ -59,7 +60,8 @@ class StorageRecord:
     freed: int | None = None  # index of its free event, None while alive
     preexisting: bool = False  # created before the tracker saw it
     state_key: str = ""        # the optimizer.state key it was found under ("exp_avg", "step", ...)
-    offloaded: bool = False    # a saved tensor's copy in host memory (activation offloading)
+    apart: str = ""            # memory outside the device's allocator: HOST_DEVICE (an offloaded activation's
+                               # host copy) or UNIFIED_DEVICE (a paged optimizer's state), else ""
 
     @property
     def alive(self) -> bool:
@@ -352,6 +354,10 @@ class MemoryTracker(TorchDispatchMode):
                     rec = self._see(v, op="existing", category=Category.OPTIMIZER_STATE, preexisting=True)
                     if rec is not None and not rec.state_key:
                         rec.state_key = str(key)
+        for v in getattr(optimizer, "paged_tensors", ()):   # a paged optimizer's unified-memory buffers
+            rec = self._see(v, op="existing", category=Category.OPTIMIZER_STATE, preexisting=True)
+            if rec is not None:
+                rec.apart = UNIFIED_DEVICE
 
     # ---- hooks ------------------------------------------------------------------------------
     def _on_forward_pre(self, module, args):
@@ -407,7 +413,7 @@ class MemoryTracker(TorchDispatchMode):
         host.copy_(t, non_blocking=t.device.type == "cuda")
         rec = self._see(host, op="offload", category=Category.ACTIVATIONS)
         if rec is not None:
-            rec.offloaded = True
+            rec.apart = HOST_DEVICE
         return _Offloaded(t.device, host, self._offload == "copy back")
 
     @staticmethod
@@ -462,10 +468,10 @@ class MemoryTracker(TorchDispatchMode):
         run keeps in host memory, when CPU fake tensors stand in for the GPU's)."""
         records = {sid: _copy_record(r) for sid, r in self._records.items()}
         events = list(self._events)
-        host = {sid: HOST_DEVICE for sid, r in records.items() if r.offloaded}
+        host = {sid: r.apart for sid, r in records.items() if r.apart}
         if on_host is not None:  # ``on_host(record)``: count this storage on the "cpu" instead
             host.update({sid: "cpu" for sid, r in records.items() if on_host(r) and sid not in host})
-        if host:   # offloaded activations: on the "host" device, apart from every device's numbers
+        if host:   # offloaded activations, paged state: on devices of their own, apart from the GPU's
             for sid, name in host.items():
                 records[sid].device = name
             events = [replace(e, device=host[e.sid]) if e.sid in host else e for e in events]

@@ -13,7 +13,7 @@ from gpulab import formulas as F
 from gpulab.categories import Category
 from gpulab.measure.shape_kernels import shape_kernels
 from gpulab.models.registry import ModelSpec
-from gpulab.units import dtype_name, parse_dtype
+from gpulab.units import dtype_bytes, dtype_name, parse_dtype
 
 __all__ = [
     "Breakdown", "LayerRow", "breakdown", "flops_by_formula", "params_by_formula", "predict_step",
@@ -89,6 +89,7 @@ class Breakdown:
     label: str = "formula (shapes from a meta-device forward pass)"
     trainable_param_bytes: int | None = None   # parameters with requires_grad (None: all of them)
     trainable_param_tensors: int | None = None
+    trainable_shapes: list[tuple[int, ...]] = field(default_factory=list)   # per trainable tensor
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -138,7 +139,8 @@ def breakdown(model: Any, batch: int = 1, image_size: int | None = None,
         forward_flops=sum(r.flops for r in rows),
         total_output_bytes=sum(r.output_bytes for r in rows), layers=rows,
         trainable_param_bytes=sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad),
-        trainable_param_tensors=sum(1 for p in net.parameters() if p.requires_grad))
+        trainable_param_tensors=sum(1 for p in net.parameters() if p.requires_grad),
+        trainable_shapes=[tuple(p.shape) for p in net.parameters() if p.requires_grad])
 
 
 def _shapes_only(w, batch: int, dt: torch.dtype, device: str):
@@ -196,8 +198,10 @@ def predict_step(model: str | ModelSpec, batch: int, image_size: int | None = No
         Category.PARAMETERS.value: bd.param_bytes,
         Category.BUFFERS.value: bd.buffer_bytes,
         Category.INPUTS.value: input_bytes,
-        Category.OPTIMIZER_STATE.value: F.optimizer_state_bytes(trained, n_tensors, optimizer,
-                                                                count_step_counters),
+        Category.OPTIMIZER_STATE.value: (
+            F.shaped_optimizer_state_bytes(bd.trainable_shapes, optimizer, dtype_bytes(bd.dtype), count_step_counters)
+            if optimizer in F.RECIPE_OPTIMIZERS else
+            F.optimizer_state_bytes(trained, n_tensors, optimizer, count_step_counters)),
         Category.GRADIENTS.value: trained,
         Category.ACTIVATIONS.value: bd.total_output_bytes,
         Category.TEMPORARIES.value: None,

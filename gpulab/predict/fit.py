@@ -300,8 +300,8 @@ def _levers(w: Workload, t: TrackingResult, opt: str, dt: torch.dtype, usable: i
     if elem == 4:
         add("bf16 everywhere (weights, gradients, optimizer state, activations)", peak // 2,
             "every fp32 tensor at the peak takes 2 bytes per value instead of 4: peak / 2")
-    k = F.optimizer_state_multiplier(opt)
-    if k and state:
+    k = F.optimizer_state_multiplier(opt) if opt in F.OPTIMIZER_STATES else 2   # the recipe optimizers: Adam-like
+    if k and state and opt not in F.RECIPE_OPTIMIZERS:
         eight = F.eight_bit_optimizer_state_bytes(n_params, states=k)
         add("8-bit optimizer state (bitsandbytes, blockwise)", peak - state + eight,
             f"optimizer state {format_bytes(state)} → {k} state(s) of 1 byte per parameter + one fp32 absmax per "

@@ -60,7 +60,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     w = resolve_workload(model, inputs, batch=batch, input_shape=input_shape, seq_len=seq_len,
                          image_size=image_size, loss=loss)
     batch = validate_batch(w.default_batch if batch is None else batch)
-    opt = check_optimizer(optimizer)
+    opt = check_optimizer(optimizer, recipes=True)
     if fake_target not in FAKE_TARGETS:
         validate_fake_target(fake_target)
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
@@ -185,6 +185,8 @@ class StepResult(Measured):
             d["recipe"] = dict(self.recipe)
         if m.offloaded is not None:   # activation offloading: the host copies' peak, apart
             d["offloaded_peak_bytes"] = m.offloaded.peak_bytes
+        if m.paged is not None:       # a paged optimizer: its unified-memory state, apart
+            d["paged_peak_bytes"] = m.paged.peak_bytes
         if m.allocator is not None:
             d["allocator"] = dict(m.allocator)
             d["beyond_tensors"] = dict(m.beyond_tensors or {})

@@ -44,6 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gpulab.measure.engines import Measurement, RunContext
+from gpulab.measure.fake_mode import scalars_read_as_one
 from gpulab.models.registry import ModelSpec
 from gpulab.models.workload import Workload, forward, image_workload
 from gpulab.training.optimizers import build_optimizer, check_implementation, check_optimizer, make_optimizer
@@ -74,7 +75,7 @@ class Recipe:
     offload_activations: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "optimizer", check_optimizer(self.optimizer))
+        object.__setattr__(self, "optimizer", check_optimizer(self.optimizer, recipes=True))
         object.__setattr__(self, "implementation", check_implementation(self.implementation))
         if self.zero_grad not in ZERO_GRAD:
             raise ValueError(f"zero_grad must be one of {', '.join(ZERO_GRAD)}, got {self.zero_grad!r}")
@@ -137,7 +138,7 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
             net = w.build(ctx.device, dtype)
             if r.register_model:
                 ctx.tracker.register(net)
-            opt = _optimizers(r, net)
+            opt = _optimizers(r, net, ctx.engine == "fake")
         scaler = torch.amp.GradScaler(ctx.device.type) if r.grad_scaler else None
         data, data_batch, marks = None, None, []
         for i, b in enumerate(batches):
@@ -194,9 +195,9 @@ class _InBackward:
     stepped by the parameter's post-accumulate-grad hook, its gradient dropped (or zeroed) right
     after; ``state`` gathers theirs (what the tracker and reports read)."""
 
-    def __init__(self, r: Recipe, params: list[torch.nn.Parameter]):
+    def __init__(self, r: Recipe, params: list[torch.nn.Parameter], fake: bool):
         self.per_param = {p: _one_optimizer(r, [p]) for p in params}
-        self.set_to_none = r.set_to_none
+        self.set_to_none, self.fake = r.set_to_none, fake
         me = weakref.ref(self)   # the parameters' hooks must not keep their optimizers alive (a cycle)
         self.handles = [p.register_post_accumulate_grad_hook(functools.partial(_step_in_backward, me))
                         for p in params]
@@ -219,7 +220,8 @@ def _step_in_backward(owner: "weakref.ref[_InBackward]", p: torch.nn.Parameter) 
     me = owner()
     if me is not None:
         opt = me.per_param[p]
-        opt.step()
+        with _reads_answered(me.fake):
+            opt.step()
         opt.zero_grad(set_to_none=me.set_to_none)
 
 
@@ -229,11 +231,17 @@ def _one_optimizer(r: Recipe, params: list) -> torch.optim.Optimizer:
     return build_optimizer(r.optimizer, params, r.implementation)
 
 
-def _optimizers(r: Recipe, net: torch.nn.Module):
+def _optimizers(r: Recipe, net: torch.nn.Module, fake: bool):
     """The run's optimizer over the trainable parameters (no name kept for the list: teardown
     frees the model), or one per parameter, stepped in backward."""
     params = [p for p in net.parameters() if p.requires_grad]
-    return _InBackward(r, params) if r.optimizer_in_backward else _one_optimizer(r, params)
+    return _InBackward(r, params, fake) if r.optimizer_in_backward else _one_optimizer(r, params)
+
+
+def _reads_answered(fake: bool):
+    """On the fake engine an optimizer's reads of values (Adafactor's norms) answer 1: they steer
+    its arithmetic, not what it allocates (``measure.fake_mode.scalars_read_as_one``)."""
+    return scalars_read_as_one() if fake else contextlib.nullcontext()
 
 
 def _optimizer_step(ctx: RunContext, net: torch.nn.Module, opt: torch.optim.Optimizer, scaler,
@@ -241,7 +249,8 @@ def _optimizer_step(ctx: RunContext, net: torch.nn.Module, opt: torch.optim.Opti
     if scaler is None:
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
-        opt.step()
+        with _reads_answered(ctx.engine == "fake"):
+            opt.step()
         return
     scaler.unscale_(opt)
     if clip is not None:   # on unscaled gradients (PyTorch's AMP examples: unscale_, clip, step)

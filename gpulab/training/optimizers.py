@@ -9,14 +9,16 @@ from typing import Any
 
 import torch
 
-from gpulab.formulas import OPTIMIZER_STATES, check_optimizer
+from gpulab.formulas import OPTIMIZER_STATES, RECIPE_OPTIMIZERS, check_optimizer
+from gpulab.training.eight_bit import AdamW8bit, PagedAdamW8bit
 
 __all__ = [
-    "IMPLEMENTATIONS", "IMPL_FLAGS", "OPTIMIZERS", "OPTIMIZER_SPECS", "UnsupportedImplementation",
+    "ALL_OPTIMIZERS", "IMPLEMENTATIONS", "IMPL_FLAGS", "OPTIMIZERS", "OPTIMIZER_SPECS", "RECIPE_OPTIMIZERS", "UnsupportedImplementation",
     "build_optimizer", "check_implementation", "check_optimizer", "constructor", "make_optimizer",
 ]
 
-OPTIMIZERS = tuple(OPTIMIZER_STATES)   # sgd, momentum, adam, adamw, rmsprop, adagrad
+OPTIMIZERS = tuple(OPTIMIZER_STATES)   # sgd, momentum, adam, adamw, rmsprop, adagrad: the lessons'
+ALL_OPTIMIZERS = (*OPTIMIZERS, *RECIPE_OPTIMIZERS)   # what gpulab.step / gpulab.fit / the CLI take
 
 # The hyper-parameters of every optimizer (memory does not depend on them, except momentum,
 # which decides whether SGD keeps a buffer).
@@ -27,6 +29,9 @@ OPTIMIZER_SPECS: dict[str, tuple[type, dict[str, Any]]] = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-3}),
     "rmsprop": (torch.optim.RMSprop, {"lr": 1e-3}),
     "adagrad": (torch.optim.Adagrad, {"lr": 1e-2}),
+    "adafactor": (torch.optim.Adafactor, {"lr": 1e-2}),
+    "adamw8bit": (AdamW8bit, {"lr": 1e-3}),              # bitsandbytes' layout (gpulab.training.eight_bit)
+    "paged_adamw8bit": (PagedAdamW8bit, {"lr": 1e-3}),
 }
 
 # How torch runs the update (torch/optim/optimizer.py, ``_default_to_fused_or_foreach``):
@@ -54,7 +59,7 @@ def check_implementation(impl: str) -> str:
 def constructor(name: str, implementation: str) -> tuple[type, dict[str, Any]]:
     """The optimizer class and keyword arguments, or ``UnsupportedImplementation`` when this
     torch's class takes no such flag (e.g. RMSprop has no ``fused``)."""
-    key = check_optimizer(name)
+    key = check_optimizer(name, recipes=True)
     impl = check_implementation(implementation)
     cls, kwargs = OPTIMIZER_SPECS[key]
     flags = IMPL_FLAGS[impl]
