@@ -206,6 +206,8 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
                    help="zero_grad(set_to_none=False): the gradients stay allocated, zeroed, between steps")
     p.add_argument("--optimizer-in-backward", action="store_true",
                    help="one optimizer per parameter, stepped as soon as its gradient exists (torchtune's optimizer_in_bwd)")
+    p.add_argument("--chunked-loss", type=int, default=0, metavar="K",
+                   help="a language model's head and loss K chunks of positions at a time (torchtune uses 8)")
     p.add_argument("--offload-activations", action="store_true",
                    help="saved activations copied to host memory (save_on_cpu); their peak is reported apart")
 
@@ -218,7 +220,7 @@ def _recipe_text(d: dict[str, Any]) -> str:
 def _recipe(args: argparse.Namespace) -> dict[str, Any]:
     return {"accumulate": args.accumulate, "clip_grad_norm": args.clip_grad_norm, "grad_scaler": args.grad_scaler,
             "set_to_none": not args.keep_grads, "optimizer_in_backward": args.optimizer_in_backward,
-            "offload_activations": args.offload_activations}
+            "offload_activations": args.offload_activations, "chunked_loss": args.chunked_loss}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -201,3 +201,38 @@ def test_the_cli_takes_the_new_recipes(capsys):
     import json
     d = json.loads(capsys.readouterr().out)
     assert d["recipe"] == {"offload_activations": True} and d["offloaded_peak_bytes"] > 0
+
+
+def test_chunked_loss_is_the_models_own_loss_computed_a_chunk_at_a_time():
+    import torch
+    from gpulab.models.workload import forward, resolve_workload
+    from gpulab.training.chunked_loss import chunked_lm_loss
+    w = resolve_workload("hf:tiny-gpt2", None, seq_len=64)
+    torch.manual_seed(0)
+    net = w.build(torch.device("cpu"), torch.float32).eval()   # no dropout: two forwards agree
+    data = w.inputs(4, torch.float32)
+    own = w.loss(forward(net, data), data)
+    for k in (2, 8, 64):
+        assert torch.allclose(chunked_lm_loss(net, data, k), own, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_chunked_loss_holds_one_chunk_of_float32_logits(dtype):
+    """The model's own loss upcasts all the logits at once; 8 chunks hold an eighth of them."""
+    kw = dict(batch=4, seq_len=128, dtype=dtype, guard=False)
+    full = gpulab.step("hf:tiny-gpt2", engine="cpu", **kw)
+    chunked = gpulab.step("hf:tiny-gpt2", engine="cpu", chunked_loss=8, **kw)
+    fake = gpulab.step("hf:tiny-gpt2", engine="fake", fake_target="cpu", chunked_loss=8, **kw)
+    assert chunked.peak_by_category == fake.peak_by_category and chunked.step_peaks == fake.step_peaks
+    from gpulab.models.workload import resolve_workload
+    vocab = resolve_workload("hf:tiny-gpt2", None).config.vocab_size
+    logits32 = 4 * 128 * vocab * 4
+    assert full.peak_by_category["temporaries"] >= logits32            # one whole float32 copy of the logits
+    # what the loss makes of the logits (their float32 copy, its gradient) exists one chunk at a time
+    assert chunked.peak_by_category["temporaries"] * 8 <= full.peak_by_category["temporaries"] + 8 * 64
+    assert chunked.peak_bytes < full.peak_bytes
+    assert chunked.recipe == {"chunked_loss": 8}
+    with pytest.raises(ValueError, match="language models"):
+        gpulab.step("mlp", batch=2, engine="fake", chunked_loss=8)
+    with pytest.raises(ValueError, match="2 to 64"):
+        gpulab.step("hf:tiny-gpt2", batch=2, engine="fake", chunked_loss=1)

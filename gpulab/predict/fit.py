@@ -36,7 +36,7 @@ from gpulab.allocator.simulator import CachingAllocator
 from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, Card, CardBudget, parse_gpu
 from gpulab.measure.engines import LABEL_SIMULATED, Measurement, run
 from gpulab.models.lora import adapter_params, default_targets
-from gpulab.training.loop import AMP_DTYPES, Recipe, changed_options, train_experiment, user_recipe
+from gpulab.training.loop import AMP_DTYPES, Recipe, changed_options, check_recipe_for, train_experiment, user_recipe
 from gpulab.predict.search import largest_fitting
 from gpulab.categories import Category
 from gpulab.measure.tracking import TrackingResult
@@ -129,16 +129,17 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         input_shape: tuple[int, ...] | None = None, loss: Callable | None = None,
         context_bytes: int = CUDA_CONTEXT_ASSUMED, progress: Progress = None, accumulate: int = 1,
         clip_grad_norm: float | None = None, grad_scaler: bool = False, set_to_none: bool = True,
-        optimizer_in_backward: bool = False, offload_activations: bool = False) -> FitResult:
+        optimizer_in_backward: bool = False, offload_activations: bool = False, chunked_loss: int = 0) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
     a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring."""
     t0 = time.perf_counter()
     card = _card_of(gpu, context_bytes)
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
     recipe = user_recipe(optimizer, amp, accumulate=accumulate, clip_grad_norm=clip_grad_norm, grad_scaler=grad_scaler,
-                         optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations,
-                         set_to_none=set_to_none)   # checks the optimizer and amp too
+                         set_to_none=set_to_none, optimizer_in_backward=optimizer_in_backward,   # checks them all
+                         offload_activations=offload_activations, chunked_loss=chunked_loss)
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
+    check_recipe_for(recipe, w)
     usable = card.memory_bytes - context_bytes
     runs: dict[int, TrackingResult] = {}
 
@@ -157,10 +158,8 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
             replayed[b, "run"] = _check(fake_run(b), usable, b, "run")
         return replayed[b, "run"]
 
-    two = fake_run(2)
-    first = run_check(2)
-    checks = [first]
-    if not first.fits:
+    two, checks = fake_run(2), [run_check(2)]
+    if not checks[0].fits:
         one = fake_run(1)
         checks.append(run_check(1))
         if checks[-1].fits:

@@ -18,7 +18,7 @@ import torch
 from gpulab.measure.engines import (FAKE_TARGETS, LABEL_FORMULA, Measured, Measurement, choose_engine, run,
                                validate_fake_target)
 from gpulab.models.workload import Workload, resolve_workload, step_failed
-from gpulab.training.loop import changed_options, step_peaks, train_experiment, user_recipe, validate_amp
+from gpulab.training.loop import changed_options, check_recipe_for, step_peaks, train_experiment, user_recipe, validate_amp
 from gpulab.training.optimizers import check_optimizer
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
@@ -36,7 +36,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
          image_size: int | None = None, fake_target: str = "cuda", guard: bool = True,
          accumulate: int = 1, clip_grad_norm: float | None = None, grad_scaler: bool = False,
          set_to_none: bool = True, optimizer_in_backward: bool = False, offload_activations: bool = False,
-         **engine_limits) -> StepResult:
+         chunked_loss: int = 0, **engine_limits) -> StepResult:
     """Track ``steps`` training steps of ``model`` and return them by category, next to the
     formulas' prediction (see the module docstring for what ``model``, ``inputs`` and ``loss``
     may be).
@@ -49,7 +49,8 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     ``grad_scaler`` (fp16 autocast's GradScaler), ``set_to_none=False`` (``zero_grad`` keeps the
     gradients, zeroed, between steps), ``optimizer_in_backward`` (each parameter stepped as soon as
     its gradient exists), ``offload_activations`` (saved activations in host memory: the result's
-    ``offloaded_peak_bytes``, apart from the device's). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
+    ``offloaded_peak_bytes``, apart from the device's), ``chunked_loss=K`` (a language model's
+    head and loss K chunks of positions at a time, torchtune's way). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
     Bad input raises ``ValueError`` with what to do instead."""
     if batch is not None:
         validate_batch(batch)
@@ -67,7 +68,8 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     amp_key = validate_amp(amp)
     recipe = user_recipe(opt, amp_key, accumulate=accumulate, clip_grad_norm=clip_grad_norm, grad_scaler=grad_scaler,
                          set_to_none=set_to_none, optimizer_in_backward=optimizer_in_backward,
-                         offload_activations=offload_activations)
+                         offload_activations=offload_activations, chunked_loss=chunked_loss)
+    check_recipe_for(recipe, w)
     try:
         bd = breakdown(w, batch, dtype=dt)
     except ValueError:

@@ -22,6 +22,8 @@ tracker's phase. Where lessons differ, the ``Recipe`` says how:
 * ``offload_activations``: the forward under activation offloading (``save_on_cpu(pin_memory=True)``'s
   behaviour, through the tracker: ``RunContext.offloading``): what autograd saves is copied to host
   memory, reported apart, and copied back for backward;
+* ``chunked_loss``: K > 0 computes a language model's loss K chunks of positions at a time, the
+  output head included (torchtune's ``CEWithChunkedOutputLoss``: ``training.chunked_loss``);
 * ``fresh_batch``: a new batch every step, dropped right after backward (lesson 09's replays,
   whose batch size changes from step to step), or one batch kept while the size stays;
 * ``seed``, ``register_model`` (label the model before the optimizer exists), ``teardown`` (free
@@ -47,10 +49,11 @@ from gpulab.measure.engines import Measurement, RunContext
 from gpulab.measure.fake_mode import scalars_read_as_one
 from gpulab.models.registry import ModelSpec
 from gpulab.models.workload import Workload, forward, image_workload
+from gpulab.training.chunked_loss import check_chunks, chunked_lm_loss
 from gpulab.training.optimizers import build_optimizer, check_implementation, check_optimizer, make_optimizer
 
 __all__ = ["AMP_DTYPES", "RECIPE_DEFAULTS", "ZERO_GRAD", "Recipe", "step_experiment", "step_peaks", "train_experiment",
-           "changed_options", "user_recipe", "validate_amp"]
+           "changed_options", "check_recipe_for", "user_recipe", "validate_amp"]
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ZERO_GRAD = ("top", "top, optimizer phase", "after step")
@@ -73,8 +76,10 @@ class Recipe:
     clip_grad_norm: float | None = None
     optimizer_in_backward: bool = False
     offload_activations: bool = False
+    chunked_loss: int = 0
 
     def __post_init__(self):
+        check_chunks(self.chunked_loss)
         object.__setattr__(self, "optimizer", check_optimizer(self.optimizer, recipes=True))
         object.__setattr__(self, "implementation", check_implementation(self.implementation))
         if self.zero_grad not in ZERO_GRAD:
@@ -99,12 +104,12 @@ class Recipe:
 
 # the recipe options gpulab.step, gpulab.fit and the CLI take, and their defaults
 RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False, "set_to_none": True,
-                   "optimizer_in_backward": False, "offload_activations": False}
+                   "optimizer_in_backward": False, "offload_activations": False, "chunked_loss": 0}
 
 
 def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, clip_grad_norm: float | None = None,
                 grad_scaler: bool = False, set_to_none: bool = True, optimizer_in_backward: bool = False,
-                offload_activations: bool = False) -> Recipe:
+                offload_activations: bool = False, chunked_loss: int = 0) -> Recipe:
     """The ``Recipe`` of ``gpulab.step`` / ``gpulab.fit`` from their arguments (``amp``: "fp16",
     "bf16" or None). Bad values raise ``ValueError`` saying what is allowed."""
     for name, value in (("grad_scaler", grad_scaler), ("set_to_none", set_to_none),
@@ -114,7 +119,14 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
     key = validate_amp(amp)
     return Recipe(optimizer, amp=AMP_DTYPES[key] if key else None, grad_scaler=grad_scaler, set_to_none=set_to_none,
                   accumulate=accumulate, clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward,
-                  offload_activations=offload_activations)
+                  offload_activations=offload_activations, chunked_loss=chunked_loss)
+
+
+def check_recipe_for(r: Recipe, w: Workload) -> None:
+    """Refuse, before anything runs, a recipe this workload cannot take (ValueError saying why)."""
+    if r.chunked_loss and w.kind != "tokens":
+        raise ValueError(f"chunked_loss is for language models (an hf: model or a transformers config); {w.name} "
+                         f"is a {w.kind} model: leave chunked_loss out")
 
 
 def changed_options(r: Recipe) -> dict[str, Any]:
@@ -160,9 +172,12 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
             for _ in range(r.accumulate):   # micro-batches: each backward adds into the same gradients
                 with ctx.phase("forward"), _autocast(ctx.device, r.amp), \
                         ctx.offloading() if r.offload_activations else contextlib.nullcontext():
-                    output = forward(net, data)
-                    loss = w.loss(output, data)
-                    del output
+                    if r.chunked_loss:
+                        loss = chunked_lm_loss(net, data, r.chunked_loss)
+                    else:
+                        output = forward(net, data)
+                        loss = w.loss(output, data)
+                        del output
                     if r.accumulate > 1:
                         loss = loss / r.accumulate
                 with ctx.phase("backward"):
