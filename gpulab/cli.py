@@ -208,6 +208,8 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
                    help="one optimizer per parameter, stepped as soon as its gradient exists (torchtune's optimizer_in_bwd)")
     p.add_argument("--chunked-loss", type=int, default=0, metavar="K",
                    help="a language model's head and loss K chunks of positions at a time (torchtune uses 8)")
+    p.add_argument("--no-kv-cache-in-training", action="store_true",
+                   help="a language model's training forward with use_cache=False (by default its config decides)")
     p.add_argument("--offload-activations", action="store_true",
                    help="saved activations copied to host memory (save_on_cpu); their peak is reported apart")
 
@@ -220,7 +222,8 @@ def _recipe_text(d: dict[str, Any]) -> str:
 def _recipe(args: argparse.Namespace) -> dict[str, Any]:
     return {"accumulate": args.accumulate, "clip_grad_norm": args.clip_grad_norm, "grad_scaler": args.grad_scaler,
             "set_to_none": not args.keep_grads, "optimizer_in_backward": args.optimizer_in_backward,
-            "offload_activations": args.offload_activations, "chunked_loss": args.chunked_loss}
+            "offload_activations": args.offload_activations, "chunked_loss": args.chunked_loss,
+            "use_cache": False if args.no_kv_cache_in_training else None}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -58,7 +58,10 @@ def test_config_keeps_every_field(name):
     entry = hf_entry(name)
     config = make_config(entry)
     assert type(config).__name__ == entry.config_class
-    assert config.use_cache is False
+    import transformers
+    default = getattr(transformers, entry.config_class)().use_cache   # the class's own default, as from the Hub
+    assert config.use_cache is default is True
+    assert make_config(entry, use_cache=False).use_cache is False
     for key, value in entry.kwargs.items():
         if key == "rope_theta":  # transformers 5.x keeps it in rope_parameters
             assert config.rope_parameters["rope_theta"] == value

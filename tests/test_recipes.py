@@ -236,3 +236,20 @@ def test_chunked_loss_holds_one_chunk_of_float32_logits(dtype):
         gpulab.step("mlp", batch=2, engine="fake", chunked_loss=8)
     with pytest.raises(ValueError, match="2 to 64"):
         gpulab.step("hf:tiny-gpt2", batch=2, engine="fake", chunked_loss=1)
+
+
+def test_the_kv_cache_follows_the_config_and_the_lever_turns_it_off(capsys):
+    """transformers builds its DynamicCache in a training forward when config.use_cache is true
+    (GPT-2's default); GPT-2's attention then keeps extra copies of its keys and values: the
+    lever use_cache=False saves them. Llama's cache holds the same tensors: nothing to save."""
+    kw = dict(batch=2, seq_len=128, engine="fake", guard=False, optimizer="sgd", steps=1)
+    on, off = gpulab.step("hf:tiny-gpt2", **kw), gpulab.step("hf:tiny-gpt2", use_cache=False, **kw)
+    assert _max_live(off, "activations") < _max_live(on, "activations")
+    assert off.recipe == {"use_cache": False} and on.recipe == {}
+    llama_on, llama_off = gpulab.step("hf:tiny-llama", **kw), gpulab.step("hf:tiny-llama", use_cache=False, **kw)
+    assert _max_live(llama_off, "activations") == _max_live(llama_on, "activations")
+    with pytest.raises(ValueError, match="use_cache is for language models"):
+        gpulab.step("mlp", batch=2, engine="fake", use_cache=False)
+    assert cli.main(["step", "hf:tiny-gpt2", "--batch", "2", "--seq-len", "64", "--engine", "fake",
+                     "--no-kv-cache-in-training"]) == 0
+    assert "use_cache=False" in capsys.readouterr().out.splitlines()[0]

@@ -62,7 +62,7 @@ def preset_config(preset: str, hidden: int = 2048, layers: int = 16):
         return custom_config(hidden, layers)
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
-    return make_config(hf_entry(preset))
+    return make_config(hf_entry(preset), use_cache=False)   # training without the KV cache, as the recipes run
 
 
 def model_builder(config, method: str, dtype: torch.dtype, checkpointing: bool, rank: int = 16):

@@ -252,7 +252,7 @@ def cache_storage_bytes(cache: Any) -> int:
 
 
 def _with_cache(config_or_name: Any) -> tuple[Any, str]:
-    """A copy of the config with ``use_cache=True`` (gpulab's configs switch it off for training)."""
+    """A copy of the config with ``use_cache=True`` (a config may have it switched off)."""
     config, name = _config(config_or_name)
     config = copy.deepcopy(config)
     config.use_cache = True

@@ -106,7 +106,7 @@ def _as_config(config_or_name: Any):
     """A transformers config from a config, a built-in name (``"llama-3-8b"`` or ``"hf:..."``)."""
     if hf_configs.is_config(config_or_name):
         return config_or_name
-    return hf_configs.make_config(config_or_name)
+    return hf_configs.make_config(config_or_name, use_cache=False)   # the formulas model no KV cache
 
 
 def _model_name(config_or_name: Any, config) -> str:
@@ -188,7 +188,7 @@ def counted_params(config: Any) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def _counted_builtin(name: str) -> tuple[int, int]:
-    return _count_built(hf_configs.make_config(name))
+    return _count_built(hf_configs.make_config(name, use_cache=False))
 
 
 def _count_built(cfg) -> tuple[int, int]:

@@ -154,17 +154,19 @@ def hf_entry(name: str) -> HFConfigEntry:
                      f"or pass a transformers.PretrainedConfig object")
 
 
-def make_config(entry: HFConfigEntry | str) -> transformers.PretrainedConfig:
-    """A fresh ``transformers`` config for ``entry`` (an entry or its name), with
-    ``use_cache=False``: training does not use the KV cache. The attention implementation is
-    left at the transformers default."""
+def make_config(entry: HFConfigEntry | str, use_cache: bool | None = None) -> transformers.PretrainedConfig:
+    """A fresh ``transformers`` config for ``entry`` (an entry or its name). ``use_cache``: None
+    keeps the config class's default, as a config loaded from the Hub has it (True for GPT-2 and
+    Llama: transformers then builds a ``DynamicCache`` in a plain training forward too, and GPT-2's
+    attention keeps copies of its keys and values for it); False or True sets it. The attention
+    implementation is left at the transformers default."""
     import transformers
 
     if not isinstance(entry, HFConfigEntry):
         entry = hf_entry(entry)
     config = getattr(transformers, entry.config_class)(**dict(entry.kwargs))
-    if hasattr(config, "use_cache"):
-        config.use_cache = False
+    if use_cache is not None and hasattr(config, "use_cache"):
+        config.use_cache = use_cache
     return config
 
 

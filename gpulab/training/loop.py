@@ -24,6 +24,9 @@ tracker's phase. Where lessons differ, the ``Recipe`` says how:
   memory, reported apart, and copied back for backward;
 * ``chunked_loss``: K > 0 computes a language model's loss K chunks of positions at a time, the
   output head included (torchtune's ``CEWithChunkedOutputLoss``: ``training.chunked_loss``);
+* ``use_cache``: None runs a language model as its config says (transformers builds its KV cache
+  in a training forward too when ``config.use_cache`` is true, the default of most configs);
+  False passes ``use_cache=False`` to every forward (the lever that turns it off);
 * ``fresh_batch``: a new batch every step, dropped right after backward (lesson 09's replays,
   whose batch size changes from step to step), or one batch kept while the size stays;
 * ``seed``, ``register_model`` (label the model before the optimizer exists), ``teardown`` (free
@@ -77,6 +80,7 @@ class Recipe:
     optimizer_in_backward: bool = False
     offload_activations: bool = False
     chunked_loss: int = 0
+    use_cache: bool | None = None
 
     def __post_init__(self):
         check_chunks(self.chunked_loss)
@@ -104,29 +108,32 @@ class Recipe:
 
 # the recipe options gpulab.step, gpulab.fit and the CLI take, and their defaults
 RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False, "set_to_none": True,
-                   "optimizer_in_backward": False, "offload_activations": False, "chunked_loss": 0}
+                   "optimizer_in_backward": False, "offload_activations": False, "chunked_loss": 0,
+                   "use_cache": None}
 
 
 def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, clip_grad_norm: float | None = None,
                 grad_scaler: bool = False, set_to_none: bool = True, optimizer_in_backward: bool = False,
-                offload_activations: bool = False, chunked_loss: int = 0) -> Recipe:
+                offload_activations: bool = False, chunked_loss: int = 0, use_cache: bool | None = None) -> Recipe:
     """The ``Recipe`` of ``gpulab.step`` / ``gpulab.fit`` from their arguments (``amp``: "fp16",
     "bf16" or None). Bad values raise ``ValueError`` saying what is allowed."""
     for name, value in (("grad_scaler", grad_scaler), ("set_to_none", set_to_none),
-                        ("optimizer_in_backward", optimizer_in_backward), ("offload_activations", offload_activations)):
+                        ("optimizer_in_backward", optimizer_in_backward), ("offload_activations", offload_activations),
+                        ("use_cache", True if use_cache is None else use_cache)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
     key = validate_amp(amp)
     return Recipe(optimizer, amp=AMP_DTYPES[key] if key else None, grad_scaler=grad_scaler, set_to_none=set_to_none,
                   accumulate=accumulate, clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward,
-                  offload_activations=offload_activations, chunked_loss=chunked_loss)
+                  offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache)
 
 
 def check_recipe_for(r: Recipe, w: Workload) -> None:
     """Refuse, before anything runs, a recipe this workload cannot take (ValueError saying why)."""
-    if r.chunked_loss and w.kind != "tokens":
-        raise ValueError(f"chunked_loss is for language models (an hf: model or a transformers config); {w.name} "
-                         f"is a {w.kind} model: leave chunked_loss out")
+    for name, on in (("chunked_loss", r.chunked_loss), ("use_cache", r.use_cache is not None)):
+        if on and w.kind != "tokens":
+            raise ValueError(f"{name} is for language models (an hf: model or a transformers config); {w.name} "
+                             f"is a {w.kind} model: leave {name} out")
 
 
 def changed_options(r: Recipe) -> dict[str, Any]:
@@ -173,9 +180,9 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
                 with ctx.phase("forward"), _autocast(ctx.device, r.amp), \
                         ctx.offloading() if r.offload_activations else contextlib.nullcontext():
                     if r.chunked_loss:
-                        loss = chunked_lm_loss(net, data, r.chunked_loss)
+                        loss = chunked_lm_loss(net, _forward_options(data, r), r.chunked_loss)
                     else:
-                        output = forward(net, data)
+                        output = forward(net, _forward_options(data, r))
                         loss = w.loss(output, data)
                         del output
                     if r.accumulate > 1:
@@ -251,6 +258,12 @@ def _optimizers(r: Recipe, net: torch.nn.Module, fake: bool):
     frees the model), or one per parameter, stepped in backward."""
     params = [p for p in net.parameters() if p.requires_grad]
     return _InBackward(r, params, fake) if r.optimizer_in_backward else _one_optimizer(r, params)
+
+
+def _forward_options(data, r: Recipe):
+    """The batch as the forward gets it: with ``use_cache`` when the recipe sets it (no name may
+    keep the batch alive past the step: a fresh batch is freed right after backward)."""
+    return data if r.use_cache is None else (data[0], {**data[1], "use_cache": r.use_cache})
 
 
 def _reads_answered(fake: bool):
