@@ -8,7 +8,7 @@ import torch
 import transformers
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from gpulab.models.hf_configs import HF_CONFIGS, TINY_SOURCE, HFConfigEntry, build_causal_lm, config_summary, hf_entry, hf_names, is_config, make_config
+from gpulab.models.hf_configs import HF_CONFIGS, TINY_SOURCE, HFConfigEntry, build_causal_lm, build_model, local_config, task_of, config_summary, hf_entry, hf_names, is_config, make_config
 
 PUBLISHED = [name for name, e in HF_CONFIGS.items() if e.published_params is not None]
 
@@ -35,7 +35,7 @@ def test_the_table():
 def test_published_parameter_counts(name):
     entry = hf_entry(name)
     with torch.device("meta"):
-        model = build_causal_lm(make_config(entry))
+        model = build_model(make_config(entry), auto_class=entry.published_class)
     assert n_params(model) == entry.published_params
 
 
@@ -154,3 +154,33 @@ def test_config_summary():
     s = config_summary(hf_entry("qwen2.5-0.5b"))
     assert (s["model_type"], s["num_kv_heads"], s["tie_word_embeddings"]) == ("qwen2", 2, True)
     assert config_summary("llama-2-7b")["num_kv_heads"] == 32
+
+
+def test_encoders_and_encoder_decoders_are_built_as_what_they_are_trained_as():
+    import gpulab
+    assert [task_of(make_config(n)) for n in ("gpt2", "bert-large-uncased", "t5-base")] == \
+        ["causal-lm", "masked-lm", "seq2seq-lm"]
+    with torch.device("meta"):
+        assert type(build_model(make_config("bert-base-uncased"))).__name__ == "BertForMaskedLM"
+        assert type(build_model(make_config("t5-base"))).__name__ == "T5ForConditionalGeneration"
+    for name in ("hf:bert-base-uncased", "hf:t5-base"):
+        r = gpulab.step(name, batch=1, seq_len=32, engine="fake", guard=False, steps=1)
+        assert r.peak_bytes > r.predicted["parameters"] > 0
+    with pytest.raises(ValueError, match="causal language model"):
+        gpulab.step("hf:bert-base-uncased", batch=1, seq_len=32, engine="fake", chunked_loss=4)
+
+
+def test_a_local_config_json_and_a_cache_id(tmp_path):
+    import gpulab
+    transformers.LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, bos_token_id=1,
+                             eos_token_id=2).save_pretrained(tmp_path)
+    r = gpulab.step(f"hf:{tmp_path / 'config.json'}", batch=2, seq_len=16, engine="fake", guard=False)
+    assert r.model == f"hf:{tmp_path / 'config.json'}"
+    assert gpulab.step(f"hf:{tmp_path}", batch=2, seq_len=16, engine="fake", guard=False).peak_bytes == r.peak_bytes
+    assert type(local_config(str(tmp_path))).__name__ == "LlamaConfig"
+    with pytest.raises(ValueError, match="never downloads"):
+        gpulab.step("hf:no-such-org/no-such-model", batch=1, engine="fake")
+    (tmp_path / "bad.json").write_text("{ not json")
+    with pytest.raises(ValueError, match="could not read"):
+        local_config(str(tmp_path / "bad.json"))

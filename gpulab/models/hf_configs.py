@@ -22,10 +22,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["config_and_name", 
-    "HFConfigEntry", "HF_CONFIGS", "HF_PREFIX", "TINY_SOURCE", "build_causal_lm", "close_names",
-    "config_summary", "hf_entry", "hf_names", "is_config", "make_config", "max_positions",
-    "vocab_size"
+__all__ = [
+    "HFConfigEntry", "HF_CONFIGS", "HF_PREFIX", "TASKS", "TINY_SOURCE", "build_causal_lm", "build_model",
+    "close_names", "config_and_name", "config_summary", "hf_entry", "hf_names", "is_config", "local_config",
+    "make_config", "max_positions", "task_of", "vocab_size"
 ]
 
 if TYPE_CHECKING:
@@ -45,7 +45,9 @@ class HFConfigEntry:
     ``kwargs`` the fields passed to it (as in the official ``config.json``), ``source`` the URL
     of that ``config.json`` (or ``TINY_SOURCE``), ``published_params`` the published parameter
     count (a tied embedding counted once; ``None`` for the tiny configs), ``tiny`` whether this
-    is one of gpulab's own small configs rather than a published model."""
+    is one of gpulab's own small configs rather than a published model. ``published_class``: the
+    transformers Auto class the published count is of, when not the trained model's (BERT's
+    110 M / 335 M are ``BertModel``'s: the encoder and its pooler, without the masked-LM head)."""
     name: str
     config_class: str
     kwargs: dict[str, Any] = field(hash=False)
@@ -53,6 +55,22 @@ class HFConfigEntry:
     published_params: int | None
     description: str
     tiny: bool = False
+    published_class: str | None = None
+
+
+# What a config is trained as (``task_of``): the transformers Auto class that builds it.
+TASKS = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
+         "seq2seq-lm": "AutoModelForSeq2SeqLM"}
+_MASKED_LM_TYPES = ("bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "xlm-roberta",
+                    "camembert", "modernbert")
+
+
+def _bert_kwargs(hidden: int, layers: int, heads: int) -> dict[str, Any]:
+    # google-bert/bert-*-uncased/config.json
+    return {"vocab_size": 30522, "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "intermediate_size": 4 * hidden, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+            "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 512, "type_vocab_size": 2,
+            "initializer_range": 0.02, "layer_norm_eps": 1e-12, "pad_token_id": 0}
 
 
 def _gpt2_kwargs(n_embd: int, n_layer: int, n_head: int) -> dict[str, Any]:
@@ -115,6 +133,27 @@ _ENTRIES = [
         "https://huggingface.co/Qwen/Qwen2.5-0.5B/blob/main/config.json", 494_032_768,
         "Qwen2.5 0.5B (Alibaba, 2024): 24 layers, 896 wide, grouped-query attention (2 KV heads), "
         "152 K vocabulary, tied embeddings: the embedding is over a quarter of the parameters"),
+    HFConfigEntry(
+        "bert-base-uncased", "BertConfig", _bert_kwargs(768, 12, 12),
+        "https://huggingface.co/google-bert/bert-base-uncased/blob/main/config.json", 109_482_240,
+        "BERT base (Google, 2018): an encoder, 12 layers, 768 wide, 512 positions; trained here as a masked "
+        "language model (every position predicted)", published_class="AutoModel"),
+    HFConfigEntry(
+        "bert-large-uncased", "BertConfig", _bert_kwargs(1024, 24, 16),
+        "https://huggingface.co/google-bert/bert-large-uncased/blob/main/config.json", 335_141_888,
+        "BERT large (Google, 2018): an encoder, 24 layers, 1024 wide, 512 positions; trained here as a masked "
+        "language model (every position predicted)", published_class="AutoModel"),
+    HFConfigEntry(
+        # google-t5/t5-base/config.json; its n_positions (512) is not a T5Config field: T5 has
+        # relative position buckets, no position table.
+        "t5-base", "T5Config",
+        {"vocab_size": 32128, "d_model": 768, "d_kv": 64, "d_ff": 3072, "num_layers": 12, "num_heads": 12,
+         "relative_attention_num_buckets": 32, "dropout_rate": 0.1, "layer_norm_epsilon": 1e-06,
+         "initializer_factor": 1.0, "feed_forward_proj": "relu", "is_encoder_decoder": True,
+         "decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": True},
+        "https://huggingface.co/google-t5/t5-base/blob/main/config.json", 222_903_552,
+        "T5 base (Google, 2019): an encoder-decoder, 12 + 12 layers, 768 wide, tied embeddings; trained here "
+        "on the same tokens as input and target"),
     HFConfigEntry(
         "tiny-gpt2", "GPT2Config",
         # GPT-2's <|endoftext|> is its last token; GPT2Config's default (50256) is outside 1000.
@@ -204,6 +243,56 @@ def build_causal_lm(config: transformers.PretrainedConfig | HFConfigEntry | str,
         # then use ForCausalLMLoss anyway. Name that loss here, which the model is built as.
         model.loss_type = "ForCausalLM"
     return model
+
+
+def task_of(config: transformers.PretrainedConfig) -> str:
+    """What the config is trained as (a key of ``TASKS``): an encoder-decoder as a sequence-to-sequence
+    LM, an encoder (BERT and its kin, or an ``architectures`` entry saying ``ForMaskedLM``) as a masked
+    LM, anything else as a causal LM."""
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq-lm"
+    archs = getattr(config, "architectures", None) or ()
+    if getattr(config, "model_type", "") in _MASKED_LM_TYPES or any("MaskedLM" in a for a in archs):
+        return "masked-lm"
+    return "causal-lm"
+
+
+def build_model(config: transformers.PretrainedConfig | HFConfigEntry | str,
+                dtype: torch.dtype | None = None, auto_class: str | None = None) -> nn.Module:
+    """The model ``config`` is trained as (``task_of``), with random weights, on the current default
+    device (see ``build_causal_lm``); ``auto_class`` names another transformers Auto class."""
+    import transformers
+
+    config = _as_config(config)
+    if task_of(config) == "causal-lm" and auto_class is None:
+        return build_causal_lm(config, dtype)
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    if dtype is not None:
+        config = copy.deepcopy(config)
+    return getattr(transformers, auto_class or TASKS[task_of(config)]).from_config(config, **kwargs)
+
+
+def local_config(key: str) -> transformers.PretrainedConfig:
+    """A config from this machine, never downloaded: ``key`` a ``config.json`` (or a folder holding
+    one), or a model id (``org/name``) found in the local Hugging Face cache. ValueError otherwise,
+    saying what to do."""
+    import os
+
+    import transformers
+
+    path = os.path.expanduser(key)
+    try:
+        if os.path.exists(path):
+            return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        if "/" in key and not key.endswith(".json"):
+            return transformers.AutoConfig.from_pretrained(key, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        where = "that file" if os.path.exists(path) else "the local Hugging Face cache"
+        raise ValueError(f"could not read a transformers config for {key!r} from {where}: {exc} "
+                         f"(gpulab never downloads: download it once with huggingface-cli, or pass a config.json "
+                         f"path or a transformers config object)") from None
+    raise ValueError(f"{key!r} is neither a file nor a folder here; for a model from the Hugging Face cache name it "
+                     f"as org/name (gpulab never downloads), or use a built-in config: {', '.join(HF_CONFIGS)}")
 
 
 def config_summary(config: transformers.PretrainedConfig | HFConfigEntry | str) -> dict[str, Any]:

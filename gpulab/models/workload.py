@@ -88,6 +88,11 @@ def resolve_workload(model: Any, inputs: Any = None, *, batch: int | None = None
     if isinstance(model, (str, ModelSpec)):
         key = model if isinstance(model, ModelSpec) else str(model).strip()
         if isinstance(key, str) and key.lower().startswith(hf_configs.HF_PREFIX):
+            rest = key[len(hf_configs.HF_PREFIX):]
+            if rest.lower() not in hf_configs.HF_CONFIGS and ("/" in rest or rest.endswith(".json")):
+                config = hf_configs.local_config(rest)   # a config.json here, or an id in the local HF cache
+                return _language_workload(config, key, f"{type(config).__name__} from {rest}", rest, inputs,
+                                          seq_len, loss)
             entry = hf_configs.hf_entry(key)
             return _language_workload(hf_configs.make_config(entry), f"{hf_configs.HF_PREFIX}{entry.name}",
                                       entry.description, entry.source, inputs, seq_len, loss)
@@ -196,7 +201,7 @@ def _language_workload(config, name: str, description: str, source: str, inputs,
     vocab = hf_configs.vocab_size(config)
 
     def build(device, dtype):
-        return build_in_place(lambda: hf_configs.build_causal_lm(config, dtype), device, dtype)
+        return build_in_place(lambda: hf_configs.build_model(config, dtype), device, dtype)
 
     if inputs is not None:
         make, text = _inputs_from(inputs)

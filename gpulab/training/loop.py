@@ -50,6 +50,7 @@ import torch
 
 from gpulab.measure.engines import Measurement, RunContext
 from gpulab.measure.fake_mode import scalars_read_as_one
+from gpulab.models.hf_configs import task_of
 from gpulab.models.registry import ModelSpec
 from gpulab.models.workload import Workload, forward, image_workload
 from gpulab.training.chunked_loss import check_chunks, chunked_lm_loss
@@ -134,6 +135,9 @@ def check_recipe_for(r: Recipe, w: Workload) -> None:
         if on and w.kind != "tokens":
             raise ValueError(f"{name} is for language models (an hf: model or a transformers config); {w.name} "
                              f"is a {w.kind} model: leave {name} out")
+    if r.chunked_loss and task_of(w.config) != "causal-lm":
+        raise ValueError(f"chunked_loss splits a causal language model's head from its body; {w.name} is trained "
+                         f"as a {task_of(w.config)}: leave chunked_loss out")
 
 
 def changed_options(r: Recipe) -> dict[str, Any]:
