@@ -210,6 +210,8 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
                    help="a language model's head and loss K chunks of positions at a time (torchtune uses 8)")
     p.add_argument("--no-kv-cache-in-training", action="store_true",
                    help="a language model's training forward with use_cache=False (by default its config decides)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile with AOTAutograd's partitioner (aot_eager_decomp_partition: no code generation)")
     p.add_argument("--offload-activations", action="store_true",
                    help="saved activations copied to host memory (save_on_cpu); their peak is reported apart")
 
@@ -223,7 +225,7 @@ def _recipe(args: argparse.Namespace) -> dict[str, Any]:
     return {"accumulate": args.accumulate, "clip_grad_norm": args.clip_grad_norm, "grad_scaler": args.grad_scaler,
             "set_to_none": not args.keep_grads, "optimizer_in_backward": args.optimizer_in_backward,
             "offload_activations": args.offload_activations, "chunked_loss": args.chunked_loss,
-            "use_cache": False if args.no_kv_cache_in_training else None}
+            "use_cache": False if args.no_kv_cache_in_training else None, "compile": args.compile}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -253,3 +253,23 @@ def test_the_kv_cache_follows_the_config_and_the_lever_turns_it_off(capsys):
     assert cli.main(["step", "hf:tiny-gpt2", "--batch", "2", "--seq-len", "64", "--engine", "fake",
                      "--no-kv-cache-in-training"]) == 0
     assert "use_cache=False" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_compile_measures_what_aotautograds_partitioner_saves(capsys):
+    """torch.compile(backend="aot_eager_decomp_partition"): the tracked step runs the compiled
+    graphs (decomposed ops, no native_layer_norm), and the min-cut partitioner saves less than eager
+    GPT-2 does (it recomputes cheap pointwise ops in backward); the cpu and fake engines agree."""
+    kw = dict(batch=4, seq_len=64, guard=False, steps=1)
+    eager = gpulab.step("hf:tiny-gpt2", engine="cpu", **kw)
+    cpu = gpulab.step("hf:tiny-gpt2", engine="cpu", compile=True, **kw)
+    fake = gpulab.step("hf:tiny-gpt2", engine="fake", fake_target="cpu", compile=True, **kw)
+    assert cpu.peak_by_category == fake.peak_by_category and cpu.step_peaks == fake.step_peaks
+    ops = {r.op for r in cpu.measurement.tracking.records.values()}
+    assert "native_layer_norm" in {r.op for r in eager.measurement.tracking.records.values()}
+    assert "native_layer_norm" not in ops   # decomposed: AOTAutograd's graphs ran, not the eager model
+    assert _max_live(cpu, "activations") < _max_live(eager, "activations")
+    assert cpu.recipe == {"compile": True}
+    with pytest.raises(ValueError, match="compile"):
+        gpulab.step("hf:tiny-gpt2", batch=2, engine="fake", compile=True, chunked_loss=4)
+    assert cli.main(["step", "hf:tiny-gpt2", "--batch", "2", "--seq-len", "32", "--engine", "fake", "--compile"]) == 0
+    assert "compile=True" in capsys.readouterr().out.splitlines()[0]

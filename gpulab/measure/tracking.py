@@ -22,7 +22,7 @@ import contextlib
 import functools
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -31,56 +31,13 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gpulab.categories import CATEGORIES, Category
-from gpulab.formulas import cuda_rounded_bytes
+from gpulab.measure.records import HOST_DEVICE, PHASES, UNIFIED_DEVICE, Event, StorageRecord, TrackingResult
 
 __all__ = ["Event", "HOST_DEVICE", "MemoryTracker", "PHASES", "StorageRecord", "TrackingResult", "UNIFIED_DEVICE"]
 
 
 _RANK = {c: i for i, c in enumerate(CATEGORIES)}
 
-PHASES = ("setup", "forward", "backward", "optimizer")
-HOST_DEVICE = "host"   # where results put offloaded activations' host copies (apart from every device)
-UNIFIED_DEVICE = "unified"   # and paged optimizer state (CUDA unified memory, outside the caching allocator)
-
-
-@dataclass
-class StorageRecord:
-    """One storage seen by the tracker."""
-
-    sid: int                 # tracker-local id, unique for the tracker's lifetime
-    nbytes: int              # current size in bytes (storages can be resized)
-    device: str
-    dtype: str               # dtype of the first tensor seen on this storage
-    shape: tuple[int, ...]   # shape of the first tensor seen on this storage
-    category: Category
-    module: str              # module whose forward was running when it was created
-    phase: str               # phase when it was created
-    op: str                  # the op that created it (or "existing" / "label")
-    created: int             # index of its alloc event
-    freed: int | None = None  # index of its free event, None while alive
-    preexisting: bool = False  # created before the tracker saw it
-    state_key: str = ""        # the optimizer.state key it was found under ("exp_avg", "step", ...)
-    apart: str = ""            # memory outside the device's allocator: HOST_DEVICE (an offloaded activation's
-                               # host copy) or UNIFIED_DEVICE (a paged optimizer's state), else ""
-
-    @property
-    def alive(self) -> bool:
-        return self.freed is None
-
-
-@dataclass(frozen=True)
-class Event:
-    """One change to live memory. ``kind`` is 'alloc', 'free' or 'resize'."""
-
-    index: int
-    kind: str
-    sid: int
-    nbytes: int      # bytes after the event for alloc/resize; bytes released for free
-    delta: int       # change in live bytes
-    device: str
-    phase: str
-    module: str
-    time: float      # seconds since the tracker started
 
 
 def _device_str(device: torch.device) -> str:
@@ -96,6 +53,14 @@ class MemoryTracker(TorchDispatchMode):
     ...     model(x).sum().backward()
     >>> tracker.result().peak_bytes  # doctest: +SKIP
     """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """True: a model under ``torch.compile`` runs its compiled graphs with the tracker on (it sees
+        the ops they run); without it dynamo would see a user dispatch mode and run the model eagerly
+        (torch/_dynamo/convert_frame.py, ``any_torch_dispatch_mode_on_stack``). Compile with the
+        tracker ``paused()``."""
+        return True
 
     def __init__(self, device_alias: dict[str, str] | None = None) -> None:
         """``device_alias``: record storages of one device under another name, e.g.
@@ -122,6 +87,7 @@ class MemoryTracker(TorchDispatchMode):
         self._exit_stack: contextlib.ExitStack | None = None
         self._closed = False
         self._offload: str | None = None   # saved tensors go to host memory: "copy back" or "alias back"
+        self._paused = False
 
     # ---- context management -------------------------------------------------------
     def __enter__(self) -> "MemoryTracker":
@@ -225,6 +191,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def _see(self, t: torch.Tensor, op: str, category: Category = Category.TEMPORARIES,
              preexisting: bool = False) -> StorageRecord | None:
+        if self._paused:
+            return None
         st = self._storage(t)
         if st is None:
             return None
@@ -432,6 +400,40 @@ class MemoryTracker(TorchDispatchMode):
         return alias
 
     @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing inside is recorded, and nothing of the tracker is there to be traced: its dispatch
+        mode, its saved-tensor hooks and its global module hooks are off (a compiler's warm-up:
+        dynamo would trace the hooks). The tracker must be the innermost dispatch mode and its hooks
+        the innermost saved-tensor hooks."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+        if _get_current_dispatch_mode() is not self:
+            raise RuntimeError("MemoryTracker.paused() needs the tracker to be the innermost dispatch mode")
+        with self.without_module_hooks():
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self._paused = True
+            try:
+                with _pop_mode_temporarily():
+                    yield
+            finally:
+                self._paused = False
+                torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+
+    @contextlib.contextmanager
+    def without_module_hooks(self) -> Iterator[None]:
+        """The tracker's global module hooks off for the code inside (a compiled model: dynamo would
+        trace them into its graphs); storages made inside are attributed to no module."""
+        from torch.nn.modules import module as nn_module
+        module_hooks, self._handles = self._handles[:2], self._handles[2:]
+        for h in module_hooks:
+            h.remove()
+        try:
+            yield
+        finally:
+            self._handles = [nn_module.register_module_forward_pre_hook(self._on_forward_pre),
+                             nn_module.register_module_forward_hook(self._on_forward_post, always_call=True),
+                             *self._handles]
+
+    @contextlib.contextmanager
     def offloading(self, copy_back: bool) -> Iterator[None]:
         """Activation offloading for the code inside, as ``save_on_cpu(pin_memory=True)`` does it:
         every tensor autograd saves is copied to host memory (records ``offloaded=True``) and
@@ -538,153 +540,3 @@ class _Offloaded:
 
 def _copy_record(r: StorageRecord) -> StorageRecord:
     return StorageRecord(**{f: getattr(r, f) for f in r.__dataclass_fields__})
-
-
-@dataclass
-class TrackingResult:
-    """What the tracker saw on one device, as data. Views: ``table()``, ``_repr_html_``,
-    ``gpulab.plots.timeline(result)``."""
-
-    device: str
-    rounded: bool
-    records: dict[int, StorageRecord]
-    events: list[Event]                         # events on this device only
-    series: list[dict[str, int]] = field(repr=False)  # live bytes per category after each event
-    peak_bytes: int = 0
-    peak_index: int = -1                        # index into ``events`` (-1: nothing allocated)
-    peak_by_category: dict[str, int] = field(default_factory=dict)
-    final_bytes: int = 0
-    final_by_category: dict[str, int] = field(default_factory=dict)
-
-    @classmethod
-    def build(cls, records: dict[int, StorageRecord], events: list[Event], device: str | None = None,
-              rounded: bool | None = None) -> "TrackingResult":
-        if device is None:
-            device = _busiest_device(events)
-        events = [e for e in events if e.device == device]
-        if rounded is None:
-            rounded = device.startswith("cuda")
-        size = cuda_rounded_bytes if rounded else (lambda n: n)
-        current = {c.value: 0 for c in CATEGORIES}
-        sizes: dict[int, int] = {}
-        series: list[dict[str, int]] = []
-        peak, peak_index, total = 0, -1, 0
-        peak_split = dict(current)
-        for i, e in enumerate(events):
-            cat = records[e.sid].category.value
-            old = sizes.get(e.sid, 0)
-            new = 0 if e.kind == "free" else size(e.nbytes)
-            sizes[e.sid] = new
-            current[cat] += new - old
-            total += new - old
-            series.append(dict(current))
-            if total > peak:
-                peak, peak_index, peak_split = total, i, dict(current)
-        return cls(device=device, rounded=rounded,
-                   records={sid: r for sid, r in records.items() if r.device == device},
-                   events=events, series=series, peak_bytes=peak, peak_index=peak_index,
-                   peak_by_category=peak_split, final_bytes=total, final_by_category=dict(current))
-
-    # ---- queries -------------------------------------------------------------------------------
-    def peak_between(self, start: int, end: int | None = None) -> tuple[int, dict[str, int], int]:
-        """The peak of live bytes within the events whose tracker index is in [start, end) (a
-        window between two ``RunContext.mark()`` calls, e.g. one training step): (bytes, bytes
-        per category at that moment, index into ``events``; -1 when the window is empty, with
-        the live bytes at its start)."""
-        best, best_i = -1, -1
-        before = -1
-        for i, e in enumerate(self.events):
-            if e.index < start:
-                before = i
-                continue
-            if end is not None and e.index >= end:
-                break
-            total = sum(self.series[i].values())
-            if total > best:
-                best, best_i = total, i
-        if best_i < 0:
-            split = dict(self.series[before]) if before >= 0 else {c.value: 0 for c in CATEGORIES}
-            return sum(split.values()), split, -1
-        return best, dict(self.series[best_i]), best_i
-
-    def storage_bytes(self, rec: StorageRecord) -> int:
-        return cuda_rounded_bytes(rec.nbytes) if self.rounded else rec.nbytes
-
-    def live_at(self, index: int) -> list[StorageRecord]:
-        """Storages alive just after event ``index`` (``peak_index`` for the peak)."""
-        alive: dict[int, StorageRecord] = {}
-        for e in self.events[: index + 1]:
-            if e.kind == "free":
-                alive.pop(e.sid, None)
-            else:
-                alive[e.sid] = self.records[e.sid]
-        return list(alive.values())
-
-    def alive(self) -> list[StorageRecord]:
-        """Storages still alive at the end of the recording."""
-        return [r for r in self.records.values() if r.alive]
-
-    @property
-    def peak_phase(self) -> str:
-        return self.events[self.peak_index].phase if self.peak_index >= 0 else ""
-
-    @property
-    def peak_module(self) -> str:
-        return self.events[self.peak_index].module if self.peak_index >= 0 else ""
-
-    def by_phase_peak(self) -> dict[str, int]:
-        """Highest live total reached inside each phase."""
-        out: dict[str, int] = {}
-        for e, s in zip(self.events, self.series):
-            tot = sum(s.values())
-            out[e.phase] = max(out.get(e.phase, 0), tot)
-        return out
-
-    def as_dict(self) -> dict:
-        return {
-            "device": self.device,
-            "rounded_to_512": self.rounded,
-            "peak_bytes": self.peak_bytes,
-            "peak_by_category": dict(self.peak_by_category),
-            "peak_phase": self.peak_phase,
-            "final_bytes": self.final_bytes,
-            "final_by_category": dict(self.final_by_category),
-            "storages": len(self.records),
-            "events": len(self.events),
-        }
-
-    # ---- views -----------------------------------------------------------------------------------
-    def table(self) -> str:
-        from gpulab.units import format_bytes
-        lines = [f"live tensors on {self.device}" + (" (each rounded up to 512 B)" if self.rounded else ""),
-                 f"{'category':<16}{'at peak':>14}{'at end':>14}"]
-        for c in CATEGORIES:
-            lines.append(f"{c.value:<16}{format_bytes(self.peak_by_category.get(c.value, 0)):>14}"
-                         f"{format_bytes(self.final_by_category.get(c.value, 0)):>14}")
-        lines.append(f"{'total':<16}{format_bytes(self.peak_bytes):>14}{format_bytes(self.final_bytes):>14}")
-        if self.peak_index >= 0:
-            lines.append(f"peak during {self.peak_phase}" + (f" in {self.peak_module}" if self.peak_module else ""))
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return f"TrackingResult(device={self.device!r}, peak_bytes={self.peak_bytes}, storages={len(self.records)})"
-
-    def _repr_html_(self) -> str:
-        from gpulab.tables import html_table
-        from gpulab.units import format_bytes
-        rows = [[c.value, format_bytes(self.peak_by_category.get(c.value, 0)),
-                 format_bytes(self.final_by_category.get(c.value, 0))] for c in CATEGORIES]
-        rows.append(["total", format_bytes(self.peak_bytes), format_bytes(self.final_bytes)])
-        return html_table(["category", "at peak", "at end"], rows,
-                          f"live tensors on {self.device}, peak during {self.peak_phase}")
-
-
-def _busiest_device(events: list[Event]) -> str:
-    totals: dict[str, int] = {}
-    peaks: dict[str, int] = {}
-    for e in events:
-        totals[e.device] = totals.get(e.device, 0) + e.delta
-        peaks[e.device] = max(peaks.get(e.device, 0), totals[e.device])
-    if not peaks:
-        return "cpu"
-    return max(peaks, key=peaks.get)

@@ -36,7 +36,8 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
          image_size: int | None = None, fake_target: str = "cuda", guard: bool = True,
          accumulate: int = 1, clip_grad_norm: float | None = None, grad_scaler: bool = False,
          set_to_none: bool = True, optimizer_in_backward: bool = False, offload_activations: bool = False,
-         chunked_loss: int = 0, use_cache: bool | None = None, **engine_limits) -> StepResult:
+         chunked_loss: int = 0, use_cache: bool | None = None, compile: bool = False,
+         **engine_limits) -> StepResult:
     """Track ``steps`` training steps of ``model`` and return them by category, next to the
     formulas' prediction (see the module docstring for what ``model``, ``inputs`` and ``loss``
     may be).
@@ -51,7 +52,8 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     its gradient exists), ``offload_activations`` (saved activations in host memory: the result's
     ``offloaded_peak_bytes``, apart from the device's), ``chunked_loss=K`` (a language model's
     head and loss K chunks of positions at a time, torchtune's way), ``use_cache=False`` (a language
-    model's forward without its KV cache; None: as its config says). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
+    model's forward without its KV cache; None: as its config says), ``compile`` (the model under
+    torch.compile with AOTAutograd's partitioner, no code generation). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
     Bad input raises ``ValueError`` with what to do instead."""
     if batch is not None:
         validate_batch(batch)
@@ -69,7 +71,8 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     amp_key = validate_amp(amp)
     recipe = user_recipe(opt, amp_key, accumulate=accumulate, clip_grad_norm=clip_grad_norm, grad_scaler=grad_scaler,
                          set_to_none=set_to_none, optimizer_in_backward=optimizer_in_backward,
-                         offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache)
+                         offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache,
+                         compile=compile)
     check_recipe_for(recipe, w)
     try:
         bd = breakdown(w, batch, dtype=dt)

@@ -27,6 +27,13 @@ tracker's phase. Where lessons differ, the ``Recipe`` says how:
 * ``use_cache``: None runs a language model as its config says (transformers builds its KV cache
   in a training forward too when ``config.use_cache`` is true, the default of most configs);
   False passes ``use_cache=False`` to every forward (the lever that turns it off);
+* ``compile``: the model under ``torch.compile(backend="aot_eager_decomp_partition")``: dynamo
+  captures the forward, AOTAutograd traces forward and backward with PyTorch's decompositions and
+  its min-cut partitioner chooses what to save for backward, run without code generation. The
+  capture and first run at each batch size happen with the tracker paused (a warm-up); the
+  measured steps run the compiled graphs (the tracker sees their ops). Inductor would also fuse
+  pointwise ops into kernels, so its temporaries would be fewer; what it saves is the same
+  partitioner's choice. Inside the compiled region ops are attributed to the whole model;
 * ``fresh_batch``: a new batch every step, dropped right after backward (lesson 09's replays,
   whose batch size changes from step to step), or one batch kept while the size stays;
 * ``seed``, ``register_model`` (label the model before the optimizer exists), ``teardown`` (free
@@ -82,6 +89,7 @@ class Recipe:
     offload_activations: bool = False
     chunked_loss: int = 0
     use_cache: bool | None = None
+    compile: bool = False
 
     def __post_init__(self):
         check_chunks(self.chunked_loss)
@@ -98,6 +106,10 @@ class Recipe:
                                                     and 0 < self.clip_grad_norm < float("inf")):
             raise ValueError(f"clip_grad_norm must be a positive number (the largest total norm), "
                              f"got {self.clip_grad_norm!r}")
+        if self.compile and (self.offload_activations or self.chunked_loss):
+            raise ValueError("compile is measured on the model's own forward and loss: leave out "
+                             + ("offload_activations" if self.offload_activations else "chunked_loss")
+                             + " with it (torch.compile would trace that too, differently)")
         if self.optimizer_in_backward:
             clash = [name for name, on in (("accumulate", self.accumulate > 1), ("clip_grad_norm", self.clip_grad_norm),
                                            ("grad_scaler", self.grad_scaler)) if on]
@@ -110,23 +122,24 @@ class Recipe:
 # the recipe options gpulab.step, gpulab.fit and the CLI take, and their defaults
 RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False, "set_to_none": True,
                    "optimizer_in_backward": False, "offload_activations": False, "chunked_loss": 0,
-                   "use_cache": None}
+                   "use_cache": None, "compile": False}
 
 
 def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, clip_grad_norm: float | None = None,
                 grad_scaler: bool = False, set_to_none: bool = True, optimizer_in_backward: bool = False,
-                offload_activations: bool = False, chunked_loss: int = 0, use_cache: bool | None = None) -> Recipe:
+                offload_activations: bool = False, chunked_loss: int = 0, use_cache: bool | None = None,
+                compile: bool = False) -> Recipe:
     """The ``Recipe`` of ``gpulab.step`` / ``gpulab.fit`` from their arguments (``amp``: "fp16",
     "bf16" or None). Bad values raise ``ValueError`` saying what is allowed."""
     for name, value in (("grad_scaler", grad_scaler), ("set_to_none", set_to_none),
                         ("optimizer_in_backward", optimizer_in_backward), ("offload_activations", offload_activations),
-                        ("use_cache", True if use_cache is None else use_cache)):
+                        ("use_cache", True if use_cache is None else use_cache), ("compile", compile)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
     key = validate_amp(amp)
     return Recipe(optimizer, amp=AMP_DTYPES[key] if key else None, grad_scaler=grad_scaler, set_to_none=set_to_none,
                   accumulate=accumulate, clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward,
-                  offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache)
+                  offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache, compile=compile)
 
 
 def check_recipe_for(r: Recipe, w: Workload) -> None:
@@ -159,6 +172,10 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
             if r.seed is not None:
                 torch.manual_seed(r.seed)
             net = w.build(ctx.device, dtype)
+            if r.compile:   # its hooks on the parameters exist before dynamo guards on them
+                ctx.tracker.register(net)
+            run_net = _compiled(net) if r.compile else net
+            warmed = None
             if r.register_model:
                 ctx.tracker.register(net)
             opt = _optimizers(r, net, ctx.engine == "fake")
@@ -173,6 +190,9 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
                         if isinstance(t, torch.Tensor):
                             ctx.label(t)
                 data_batch = b
+            if r.compile and b != warmed:   # capture and compile at this batch size, unrecorded
+                _warm_up(ctx, run_net, net, w, data, r)
+                warmed = b
             if i == 0:
                 moment(ctx, "after setup")
             marks.append(ctx.mark())
@@ -182,11 +202,12 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
                 moment(ctx, f"after zero_grad {i}")
             for _ in range(r.accumulate):   # micro-batches: each backward adds into the same gradients
                 with ctx.phase("forward"), _autocast(ctx.device, r.amp), \
-                        ctx.offloading() if r.offload_activations else contextlib.nullcontext():
+                        ctx.offloading() if r.offload_activations else contextlib.nullcontext(), \
+                        ctx.tracker.without_module_hooks() if r.compile else contextlib.nullcontext():
                     if r.chunked_loss:
                         loss = chunked_lm_loss(net, _forward_options(data, r), r.chunked_loss)
                     else:
-                        output = forward(net, _forward_options(data, r))
+                        output = forward(run_net, _forward_options(data, r))
                         loss = w.loss(output, data)
                         del output
                     if r.accumulate > 1:
@@ -262,6 +283,25 @@ def _optimizers(r: Recipe, net: torch.nn.Module, fake: bool):
     frees the model), or one per parameter, stepped in backward."""
     params = [p for p in net.parameters() if p.requires_grad]
     return _InBackward(r, params, fake) if r.optimizer_in_backward else _one_optimizer(r, params)
+
+
+def _compiled(net: torch.nn.Module) -> torch.nn.Module:
+    """``net`` under ``torch.compile`` with AOTAutograd's partitioner and no code generation; dynamo's
+    caches emptied first (each run builds a fresh model, and dynamo would count every one as a
+    recompile of the same code, then fall back to eager after its limit)."""
+    torch._dynamo.reset()
+    return torch.compile(net, backend="aot_eager_decomp_partition")
+
+
+def _warm_up(ctx: RunContext, run_net: torch.nn.Module, net: torch.nn.Module, w: Workload, data, r: Recipe) -> None:
+    """One forward and backward of the compiled model with the tracker paused (dynamo captures,
+    AOTAutograd partitions), then the gradients dropped: the measured steps run the compiled graphs."""
+    with ctx.tracker.paused():
+        with _autocast(ctx.device, r.amp):
+            loss = w.loss(forward(run_net, _forward_options(data, r)), data)
+        loss.backward()
+        del loss
+        net.zero_grad(set_to_none=True)
 
 
 def _forward_options(data, r: Recipe):
