@@ -69,12 +69,28 @@ def lora_model_builder(name: Any = "tiny-llama", rank: int = 8, targets: Sequenc
     return build
 
 
+def _import_peft():
+    """``peft``. Where bitsandbytes is installed, peft imports it, and on a CPU with AVX512-BF16
+    bitsandbytes logs at import that an optional kernel package (``kernels``) is missing: a note
+    about bitsandbytes' own CPU kernels, not about the lesson, so its logger is quieted for the
+    import (and restored)."""
+    import logging
+    quiet = logging.getLogger("bitsandbytes")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        import peft
+    finally:
+        quiet.setLevel(level)
+    return peft
+
+
 def wrap_lora(base: nn.Module, rank: int, targets: Sequence[str]) -> nn.Module:
     """``base`` wrapped by ``peft.get_peft_model`` with rank-``rank`` adapters on ``targets``
     (``lora_alpha`` 2·rank, no dropout; ``fan_in_fan_out`` for GPT-2's ``Conv1D``, which stores
     its weight (in, out)). peft's FutureWarning about transformers' renamed
     ``is_gradient_checkpointing`` is silenced (peft's code, not the student's)."""
-    import peft
+    peft = _import_peft()
     from transformers.pytorch_utils import Conv1D
     conv1d = any(isinstance(m, Conv1D) and is_target(n, targets) for n, m in base.named_modules())
     lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.0,
