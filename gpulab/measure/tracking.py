@@ -436,7 +436,7 @@ class MemoryTracker(TorchDispatchMode):
     @contextlib.contextmanager
     def offloading(self, copy_back: bool) -> Iterator[None]:
         """Activation offloading for the code inside, as ``save_on_cpu(pin_memory=True)`` does it:
-        every tensor autograd saves is copied to host memory (records ``offloaded=True``) and
+        every tensor autograd saves is copied to host memory (records ``apart=HOST_DEVICE``) and
         copied back for backward. ``copy_back``: make that copy even though the "device" is the
         CPU (the fake engine's CUDA target, whose CPU tensors stand in for the GPU's)."""
         before = self._offload

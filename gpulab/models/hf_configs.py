@@ -230,19 +230,23 @@ def build_causal_lm(config: transformers.PretrainedConfig | HFConfigEntry | str,
     ``FakeTensorMode``. ``dtype`` (transformers 5.x's name for the old ``torch_dtype``) sets the
     parameters' dtype and, as transformers does, ``config.dtype``; when ``None`` the config's own
     ``dtype`` applies (float32 for the built-in configs)."""
-    import transformers
-
-    kwargs = {} if dtype is None else {"dtype": dtype}
-    config = _as_config(config)
-    if dtype is not None:   # from_config writes the dtype into the config: keep the caller's untouched
-        config = copy.deepcopy(config)
-    model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    model = _from_config("AutoModelForCausalLM", _as_config(config), dtype)
     if getattr(model, "loss_type", "") is None:
         # transformers picks the loss from the class name, and GPT2LMHeadModel's has no
         # "ForCausalLM" in it: the first loss would warn "loss_type=None ... unrecognized" and
         # then use ForCausalLMLoss anyway. Name that loss here, which the model is built as.
         model.loss_type = "ForCausalLM"
     return model
+
+
+def _from_config(auto_class: str, config: transformers.PretrainedConfig, dtype: torch.dtype | None) -> nn.Module:
+    """``transformers.<auto_class>.from_config(config)`` in ``dtype`` (None: the config's own)."""
+    import transformers
+
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    if dtype is not None:   # from_config writes the dtype into the config: keep the caller's untouched
+        config = copy.deepcopy(config)
+    return getattr(transformers, auto_class).from_config(config, **kwargs)
 
 
 def task_of(config: transformers.PretrainedConfig) -> str:
@@ -261,15 +265,10 @@ def build_model(config: transformers.PretrainedConfig | HFConfigEntry | str,
                 dtype: torch.dtype | None = None, auto_class: str | None = None) -> nn.Module:
     """The model ``config`` is trained as (``task_of``), with random weights, on the current default
     device (see ``build_causal_lm``); ``auto_class`` names another transformers Auto class."""
-    import transformers
-
     config = _as_config(config)
     if task_of(config) == "causal-lm" and auto_class is None:
         return build_causal_lm(config, dtype)
-    kwargs = {} if dtype is None else {"dtype": dtype}
-    if dtype is not None:
-        config = copy.deepcopy(config)
-    return getattr(transformers, auto_class or TASKS[task_of(config)]).from_config(config, **kwargs)
+    return _from_config(auto_class or TASKS[task_of(config)], config, dtype)
 
 
 def local_config(key: str) -> transformers.PretrainedConfig:

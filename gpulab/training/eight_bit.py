@@ -104,19 +104,18 @@ def _update(p: torch.Tensor, state: dict, group: dict) -> None:
     beta1, beta2 = group["betas"]
     lr, eps, wd, t = group["lr"], group["eps"], group["weight_decay"], state["step"]
     grad = p.grad.float()
-    if state["state1"].dtype == torch.float32:
-        m, v = state["state1"], state["state2"]
-        m.mul_(beta1).add_(grad, alpha=1 - beta1)
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    else:
+    quantized = state["state1"].dtype == torch.uint8
+    if quantized:
         m = _dequantize(state["state1"], state["qmap1"], state["absmax1"])
         v = _dequantize(state["state2"], state["qmap2"], state["absmax2"])
-        m.mul_(beta1).add_(grad, alpha=1 - beta1)
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    else:
+        m, v = state["state1"], state["state2"]
+    m.mul_(beta1).add_(grad, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     p.mul_(1 - lr * wd)
     denom = (v / (1 - beta2 ** t)).sqrt_().add_(eps)
     p.addcdiv_((m / (1 - beta1 ** t)).to(p.dtype), denom.to(p.dtype), value=-lr)
-    if state["state1"].dtype == torch.uint8:
+    if quantized:
         _quantize(m, state["state1"], state["qmap1"], state["absmax1"])
         _quantize(v, state["state2"], state["qmap2"], state["absmax2"])
 

@@ -172,12 +172,10 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
             if r.seed is not None:
                 torch.manual_seed(r.seed)
             net = w.build(ctx.device, dtype)
-            if r.compile:   # its hooks on the parameters exist before dynamo guards on them
+            if r.register_model or r.compile:   # compile: the tracker's parameter hooks exist before dynamo guards
                 ctx.tracker.register(net)
             run_net = _compiled(net) if r.compile else net
             warmed = None
-            if r.register_model:
-                ctx.tracker.register(net)
             opt = _optimizers(r, net, ctx.engine == "fake")
         scaler = torch.amp.GradScaler(ctx.device.type) if r.grad_scaler else None
         data, data_batch, marks = None, None, []
