@@ -214,6 +214,16 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
                    help="torch.compile with AOTAutograd's partitioner (aot_eager_decomp_partition: no code generation)")
     p.add_argument("--offload-activations", action="store_true",
                    help="saved activations copied to host memory (save_on_cpu); their peak is reported apart")
+    p.add_argument("--optimizer-impl", default="default", choices=("default", "for-loop", "foreach", "fused"),
+                   help="the optimizer's implementation (torch's default on the device, or one named)")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="a transformers model's own gradient checkpointing (each block recomputed in backward)")
+    p.add_argument("--lora", type=_positive_int, default=0, metavar="R",
+                   help="LoRA adapters of rank R (peft) on a frozen base; only they train")
+    p.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
+                   help="with --lora: the layers to adapt (default: peft's for the model type, e.g. q_proj v_proj)")
+    p.add_argument("--lora-dropout", type=float, default=0.0, metavar="P",
+                   help="with --lora: dropout on the adapters' inputs (peft's lora_dropout)")
 
 
 def _recipe_text(d: dict[str, Any]) -> str:
@@ -225,7 +235,9 @@ def _recipe(args: argparse.Namespace) -> dict[str, Any]:
     return {"accumulate": args.accumulate, "clip_grad_norm": args.clip_grad_norm, "grad_scaler": args.grad_scaler,
             "set_to_none": not args.keep_grads, "optimizer_in_backward": args.optimizer_in_backward,
             "offload_activations": args.offload_activations, "chunked_loss": args.chunked_loss,
-            "use_cache": False if args.no_kv_cache_in_training else None, "compile": args.compile}
+            "use_cache": False if args.no_kv_cache_in_training else None, "compile": args.compile,
+            "implementation": args.optimizer_impl, "checkpointing": args.checkpointing, "lora": args.lora,
+            "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -273,3 +273,110 @@ def test_compile_measures_what_aotautograds_partitioner_saves(capsys):
         gpulab.step("hf:tiny-gpt2", batch=2, engine="fake", compile=True, chunked_loss=4)
     assert cli.main(["step", "hf:tiny-gpt2", "--batch", "2", "--seq-len", "32", "--engine", "fake", "--compile"]) == 0
     assert "compile=True" in capsys.readouterr().out.splitlines()[0]
+
+
+# --- checkpointing, LoRA and the optimizer's implementation (models.adapt) ---------------------------
+
+def _llama(engine: str, model: str = "hf:tiny-llama", **kw):
+    target = {"fake_target": "cpu"} if engine == "fake" else {}
+    return gpulab.step(model, batch=2, seq_len=64, optimizer="adamw", engine=engine, guard=False,
+                       **target, **kw)
+
+
+# Checkpointing on BERT: on tiny-gpt2 and tiny-llama the real CPU attention and the fake one allocate
+# differently sized scratch tensors (a few KiB of temporaries apart), with or without checkpointing
+@pytest.mark.parametrize("model, kw", [("hf:bert-base-uncased", {"checkpointing": True}),
+                                       ("hf:bert-base-uncased", {"lora": 4, "checkpointing": True}),
+                                       ("hf:tiny-gpt2", {"lora": 4}), ("hf:tiny-gpt2", {"implementation": "for-loop"})])
+def test_checkpointing_lora_and_the_implementation_agree_on_cpu_and_fake(model, kw):
+    cpu, fake = _llama("cpu", model, **kw), _llama("fake", model, **kw)
+    assert cpu.peak_bytes == fake.peak_bytes and cpu.peak_by_category == fake.peak_by_category
+    assert cpu.step_peaks == fake.step_peaks
+    assert cpu.recipe == kw
+
+
+def test_checkpointing_keeps_each_blocks_input_and_recomputes_the_rest():
+    plain, ckpt = _llama("fake"), _llama("fake", checkpointing=True)
+    acts = Category.ACTIVATIONS.value
+    assert _max_live(ckpt, acts) < _max_live(plain, acts) / 2
+    # each block's forward runs again in backward: more forward-kind allocations, in the backward phase
+    assert _events(ckpt, "backward") > _events(plain, "backward")
+
+
+def test_lora_dropout_saves_a_mask_and_an_input_per_adapter():
+    plain, dropped = _llama("fake", lora=4), _llama("fake", lora=4, lora_dropout=0.1)
+    acts = Category.ACTIVATIONS.value
+    # tiny-llama: 2 layers × 2 adapters (q_proj, v_proj), each saving at least its dropped-out fp32
+    # input (2, 64, 64) for lora_A, and at most that and a float32 mask as well
+    extra = _max_live(dropped, acts) - _max_live(plain, acts)
+    one = 2 * 2 * (2 * 64 * 64) * 4
+    assert one <= extra <= 2 * one
+
+
+def test_lora_trains_only_the_adapters():
+    from gpulab.models.lora import adapter_params
+    full, lora = _llama("fake"), _llama("fake", lora=4, lora_targets=["q_proj", "v_proj"])
+    n = adapter_params("tiny-llama", 4, ("q_proj", "v_proj"))
+    state = Category.OPTIMIZER_STATE.value
+    # AdamW: two fp32 moments per adapter value (the step counters live on the host on CUDA,
+    # on the cpu target they are one fp32 scalar per adapter tensor)
+    assert 2 * 4 * n <= lora.peak_by_category[state] <= 2 * 4 * n + 4 * 64
+    assert lora.peak_by_category[state] < full.peak_by_category[state] / 20
+    assert _max_live(lora, Category.GRADIENTS.value) <= 4 * n
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"lora": -1}, ["rank", "positive"]),
+    ({"lora": 2.5}, ["rank"]),
+    ({"lora_targets": ["q_proj"]}, ["lora=RANK"]),
+    ({"lora": 4, "lora_targets": "q_proj"}, ["targets", "list"]),
+    ({"checkpointing": "yes"}, ["checkpointing", "True or False"]),
+    ({"implementation": "fast"}, ["implementation", "for-loop"]),
+    ({"lora_dropout": 0.1}, ["lora=RANK"]),
+    ({"lora": 4, "lora_dropout": 1.0}, ["lora_dropout", "probability"]),
+])
+def test_bad_adaptations_are_refused_with_what_to_do(kw, words):
+    with pytest.raises(ValueError) as e:
+        gpulab.step("hf:tiny-llama", batch=1, engine="fake", **kw)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_image_models_say_what_checkpointing_and_lora_are_for():
+    for kw, words in (({"checkpointing": True}, ["image model", "leave checkpointing out"]),
+                      ({"lora": 4}, ["image model", "leave lora out"])):
+        with pytest.raises(ValueError) as e:
+            gpulab.step("mlp", batch=2, engine="fake", **kw)
+        assert all(w in str(e.value) for w in words), str(e.value)
+    with pytest.raises(ValueError) as e:
+        gpulab.step("hf:tiny-llama", batch=1, engine="fake", lora=4, lora_targets=["nope"])
+    assert "no linear layer" in str(e.value) and "q_proj" in str(e.value)
+
+
+def test_the_cli_takes_checkpointing_and_lora(capsys):
+    assert cli.main(["step", "hf:tiny-llama", "--seq-len", "32", "--batch", "1", "--engine", "fake", "--checkpointing",
+                     "--lora", "4", "--lora-targets", "q_proj", "v_proj", "--optimizer-impl", "for-loop"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "implementation=for-loop, checkpointing=True, lora=4, lora_targets=('q_proj', 'v_proj')" in first
+
+
+def test_compile_with_autocast_on_the_cuda_target_takes_mixed_dtypes_in_cat():
+    """CUDA's autocast lets ``cat`` through; under dynamo's Python dispatcher the emulation must not
+    redispatch back into itself (torchvision's ViT concatenates an fp32 class token with bf16 patches)."""
+    import torch
+    from torch import nn
+
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cls = nn.Parameter(torch.zeros(1, 1, 16))
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.proj(x)                                     # bf16 under autocast
+            return torch.cat([self.cls.expand(x.shape[0], -1, -1), h], dim=1)
+
+    kw = dict(inputs=torch.randn(2, 4, 16), loss=lambda out: out.float().sum(), batch=2, engine="fake",
+              amp="bf16", optimizer="adamw")
+    eager, compiled = gpulab.step(Tokens, **kw), gpulab.step(Tokens, compile=True, **kw)
+    assert compiled.recipe == {"compile": True}
+    assert compiled.peak_by_category["optimizer_state"] == eager.peak_by_category["optimizer_state"]

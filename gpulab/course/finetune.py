@@ -26,7 +26,8 @@ from gpulab.models.hf_configs import build_causal_lm, hf_entry, make_config
 from gpulab.models.registry import build_skeleton
 from gpulab.predict.step import step
 from gpulab.units import format_bytes
-from gpulab.course.lora import nf4_quantized, wrap_lora
+from gpulab.course.lora import nf4_quantized
+from gpulab.models.lora import wrap_lora
 
 __all__ = [
     "FinetuneAnswer", "LABEL_QLORA", "LORA_TARGETS", "METHODS", "PRECISIONS", "PRESETS", "Progress",
@@ -79,7 +80,7 @@ def model_builder(config, method: str, dtype: torch.dtype, checkpointing: bool, 
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if method in ("lora", "qlora"):
             names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-            model = wrap_lora(model, rank, [t for t in LORA_TARGETS if t in names])
+            model = wrap_lora(model, rank, [t for t in LORA_TARGETS if t in names], task_type="CAUSAL_LM")
         return model
     build.__name__ = f"{getattr(config, 'model_type', 'model')}-{method}"
     return build

@@ -9,7 +9,6 @@ Results are dataclasses with ``as_dict`` and ``_repr_html_``; nothing here print
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -27,7 +26,8 @@ from gpulab.units import dtype_name, format_bytes, parse_dtype
 from gpulab.views import html_table
 from gpulab.course.inplace import validate_positive
 
-from gpulab.models.lora import DEFAULT_TARGETS, adapter_params, check_targets, is_target, linear_shape, targeted_linears
+from gpulab.models.lora import (DEFAULT_TARGETS, adapter_params, check_targets, linear_shape, targeted_linears,
+                                 wrap_lora)
 from gpulab.course.kv_cache import _param_counts
 from gpulab.models.hf_configs import config_and_name
 
@@ -64,40 +64,9 @@ def lora_model_builder(name: Any = "tiny-llama", rank: int = 8, targets: Sequenc
     config, shown = config_and_name(name)
 
     def build() -> nn.Module:
-        return wrap_lora(hf_configs.build_causal_lm(config, dtype), rank, targets)
+        return wrap_lora(hf_configs.build_causal_lm(config, dtype), rank, targets, task_type="CAUSAL_LM")
     build.__name__ = f"lora_r{rank}_{_slug(shown)}"
     return build
-
-
-def _import_peft():
-    """``peft``. Where bitsandbytes is installed, peft imports it, and on a CPU with AVX512-BF16
-    bitsandbytes logs at import that an optional kernel package (``kernels``) is missing: a note
-    about bitsandbytes' own CPU kernels, not about the lesson, so its logger is quieted for the
-    import (and restored)."""
-    import logging
-    quiet = logging.getLogger("bitsandbytes")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        import peft
-    finally:
-        quiet.setLevel(level)
-    return peft
-
-
-def wrap_lora(base: nn.Module, rank: int, targets: Sequence[str]) -> nn.Module:
-    """``base`` wrapped by ``peft.get_peft_model`` with rank-``rank`` adapters on ``targets``
-    (``lora_alpha`` 2·rank, no dropout; ``fan_in_fan_out`` for GPT-2's ``Conv1D``, which stores
-    its weight (in, out)). peft's FutureWarning about transformers' renamed
-    ``is_gradient_checkpointing`` is silenced (peft's code, not the student's)."""
-    peft = _import_peft()
-    from transformers.pytorch_utils import Conv1D
-    conv1d = any(isinstance(m, Conv1D) and is_target(n, targets) for n, m in base.named_modules())
-    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.0,
-                           task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return peft.get_peft_model(base, lora)
 
 
 def peft_on_fake(name: Any = "tiny-llama", rank: int = 8, targets: Sequence[str] = DEFAULT_TARGETS) -> dict[str, Any]:

@@ -202,10 +202,17 @@ def _appended(op, args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple,
 
 def _passthrough(name: str) -> Callable:
     """The fallthrough CUDA's autocast has for an op only the CPU's table names: the op goes on to
-    the next dispatch key, and the ops it is made of meet autocast again (no exclusion)."""
+    the next dispatch key, and the ops it is made of meet autocast again (no exclusion). Under the
+    Python dispatcher (dynamo's and AOTAutograd's tracing), which picks each call's kernel from the
+    tensors and the thread's keys again, a redispatch would come back here: there the op runs with
+    ``AutocastCPU`` excluded instead."""
     op = _overload(name)
+    autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
     def kernel(keyset, *args, **kwargs):
+        if torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher):
+            with torch._C._ExcludeDispatchKeyGuard(autocast):
+                return op(*args, **kwargs)
         return op.redispatch(keyset.remove(torch._C.DispatchKey.AutocastCPU), *args, **kwargs)
     return kernel
 

@@ -114,6 +114,15 @@ _ENTRIES = [
         "Meta Llama 2 7B (2023): 32 layers, 4096 wide, full multi-head attention (32 KV heads), "
         "32 K vocabulary, untied embeddings"),
     HFConfigEntry(
+        "llama-2-13b", "LlamaConfig",
+        {"vocab_size": 32000, "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
+         "num_attention_heads": 40, "num_key_value_heads": 40, "max_position_embeddings": 4096,
+         "rms_norm_eps": 1e-05, "hidden_act": "silu", "initializer_range": 0.02, "pretraining_tp": 1,
+         "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False},
+        "https://huggingface.co/meta-llama/Llama-2-13b-hf/blob/main/config.json", 13_015_864_320,
+        "Meta Llama 2 13B (2023): 40 layers, 5120 wide, full multi-head attention (40 KV heads), "
+        "32 K vocabulary, untied embeddings"),
+    HFConfigEntry(
         "mistral-7b", "MistralConfig",
         {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
          "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 32768,
@@ -133,6 +142,16 @@ _ENTRIES = [
         "https://huggingface.co/Qwen/Qwen2.5-0.5B/blob/main/config.json", 494_032_768,
         "Qwen2.5 0.5B (Alibaba, 2024): 24 layers, 896 wide, grouped-query attention (2 KV heads), "
         "152 K vocabulary, tied embeddings: the embedding is over a quarter of the parameters"),
+    HFConfigEntry(
+        "qwen2.5-7b", "Qwen2Config",
+        {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+         "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 131072,
+         "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "hidden_act": "silu", "initializer_range": 0.02,
+         "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": 131072,
+         "max_window_layers": 28, "bos_token_id": 151643, "eos_token_id": 151643, "tie_word_embeddings": False},
+        "https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json", 7_615_616_512,
+        "Qwen2.5 7B (Alibaba, 2024): 28 layers, 3584 wide, grouped-query attention (4 KV heads), "
+        "152 K vocabulary, untied embeddings"),
     HFConfigEntry(
         "bert-base-uncased", "BertConfig", _bert_kwargs(768, 12, 12),
         "https://huggingface.co/google-bert/bert-base-uncased/blob/main/config.json", 109_482_240,

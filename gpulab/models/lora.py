@@ -6,6 +6,8 @@ names as peft does; ``adapter_params`` sums ``formulas.lora_params`` over them;
 ``default_targets`` is peft's default choice for the config's model type."""
 from __future__ import annotations
 
+import logging
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -14,13 +16,14 @@ from torch import nn
 from gpulab import formulas as F
 from gpulab.models import hf_configs
 
-__all__ = ["DEFAULT_TARGETS", "adapter_params", "check_targets", "default_targets", "is_target", "linear_shape",
-           "targeted_linears"]
+__all__ = ["DEFAULT_TARGETS", "adapter_params", "check_rank", "check_targets", "default_targets", "import_peft",
+           "is_target", "linear_shape", "targeted_linears", "wrap_lora"]
 
 DEFAULT_TARGETS = ("q_proj", "v_proj")
 # peft's default targets where they are not q_proj / v_proj (peft/utils/constants.py
-# TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING): GPT-2's fused q/k/v projection
-_PEFT_DEFAULTS = {"gpt2": ("c_attn",)}
+# TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING): GPT-2's fused q/k/v projection, BERT's and
+# T5's own names for the query and value projections
+_PEFT_DEFAULTS = {"gpt2": ("c_attn",), "bert": ("query", "value"), "t5": ("q", "v")}
 
 
 def default_targets(config: Any) -> tuple[str, ...]:
@@ -70,10 +73,54 @@ def targeted_linears(config_or_name: Any, targets: Sequence[str] = DEFAULT_TARGE
     return found
 
 
+def check_rank(rank: Any) -> int:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"rank must be a positive whole number, got {rank!r}")
+    return rank
+
+
 def adapter_params(config_or_name: Any, rank: int = 8, targets: Sequence[str] = DEFAULT_TARGETS) -> int:
     """Trainable parameters LoRA adds: ``gpulab.formulas.lora_params(in, out, rank)`` summed over
     the targeted Linear layers."""
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise ValueError(f"rank must be a positive whole number, got {rank!r}")
+    check_rank(rank)
     return F.lora_trainable_params([(i, o) for _, i, o in targeted_linears(config_or_name, targets)], rank)
 
+
+
+def import_peft():
+    """``peft``. Where bitsandbytes is installed, peft imports it, and on a CPU with AVX512-BF16
+    bitsandbytes logs at import that an optional kernel package (``kernels``) is missing: a note
+    about bitsandbytes' own CPU kernels, not about the model, so its logger is quieted for the
+    import (and restored)."""
+    quiet = logging.getLogger("bitsandbytes")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        import peft
+    finally:
+        quiet.setLevel(level)
+    return peft
+
+
+def wrap_lora(base: nn.Module, rank: int, targets: Sequence[str], alpha: int | None = None,
+              task_type: str | None = None, dropout: float = 0.0) -> nn.Module:
+    """``base`` wrapped by ``peft.get_peft_model`` with rank-``rank`` adapters on ``targets``
+    (``lora_alpha`` ``alpha``, 2·rank when None; peft's ``task_type``, e.g. "CAUSAL_LM"; ``lora_dropout``
+    ``dropout``, which peft applies to each adapted layer's input, its mask and output saved for backward;
+    ``fan_in_fan_out`` for GPT-2's
+    ``Conv1D``, which stores its weight (in, out)): the base frozen, the adapters trainable. peft's
+    FutureWarning about transformers' renamed ``is_gradient_checkpointing`` is silenced (peft's
+    code, not the caller's). A layer list that names no linear layer raises ``ValueError``."""
+    peft = import_peft()
+    from transformers.pytorch_utils import Conv1D
+    targets = check_targets(targets)
+    if not any(is_target(n, targets) and linear_shape(m) is not None for n, m in base.named_modules()):
+        raise ValueError(f"no linear layer of {type(base).__name__} is named {', '.join(targets)}: name the "
+                         f"layers to adapt as the model calls them (e.g. q_proj v_proj for Llama, c_attn for GPT-2)")
+    conv1d = any(isinstance(m, Conv1D) and is_target(n, targets) for n, m in base.named_modules())
+    lora = peft.LoraConfig(r=check_rank(rank), lora_alpha=2 * rank if alpha is None else alpha,
+                           target_modules=list(targets), lora_dropout=dropout, fan_in_fan_out=conv1d,
+                           task_type=task_type)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return peft.get_peft_model(base, lora)

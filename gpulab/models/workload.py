@@ -71,6 +71,7 @@ class Workload:
     seq_len: int | None = None
     source: str = ""                    # where a config came from
     config: Any = None                  # a transformer's config
+    make: Callable[[torch.dtype | None], nn.Module] | None = None   # the model, unplaced (None: an instance)
 
     def describe_input(self, batch: int) -> str:
         return re.sub(r"\bB\b", str(batch), self.input_text)   # every B: the inputs' and the labels' shapes
@@ -149,7 +150,8 @@ def image_workload(spec: ModelSpec, image_size: int | None = None, batch: int | 
         return nn.functional.cross_entropy(logits_of(output), data[1]["_labels"])
 
     return Workload(spec.name, "image", spec.description, spec.default_batch, build, inputs, ce,
-                    f"images (B, 3, {size}, {size}) and int64 labels (B,)", spec=spec, image_size=size)
+                    f"images (B, 3, {size}, {size}) and int64 labels (B,)", spec=spec, image_size=size,
+                    make=lambda dtype: spec.build(num_classes=spec.num_classes, image_size=size))
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -211,7 +213,7 @@ def _language_workload(config, name: str, description: str, source: str, inputs,
             return (), {"input_ids": ids, "labels": ids}
         text = f"token ids (B, {seq_len}) int64, also the labels"
     return Workload(name, "tokens", description, 1, build, make, loss_of(loss), text, seq_len=seq_len, source=source,
-                    config=config)
+                    config=config, make=lambda dtype: hf_configs.build_model(config, dtype))
 
 
 def loss_of(loss: Callable | None) -> Callable[[Any, Batch], torch.Tensor]:
@@ -245,7 +247,7 @@ def _module_workload(name: str, builder: Callable[[], nn.Module] | None, instanc
             probe = build_skeleton(builder)
         make, text = _inputs_read_off(probe, seq_len, image_size)
     return Workload(name, "module", description, 1, build, make, loss_of(loss), text, seq_len=seq_len,
-                    image_size=image_size)
+                    image_size=image_size, make=None if builder is None else lambda dtype: builder())
 
 
 def step_failed(w: Workload, batch: int, where: str, exc: BaseException) -> str:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -36,7 +36,8 @@ from gpulab.allocator.simulator import CachingAllocator
 from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, Card, CardBudget, parse_gpu
 from gpulab.measure.engines import LABEL_SIMULATED, Measurement, run
 from gpulab.models.lora import adapter_params, default_targets
-from gpulab.training.loop import AMP_DTYPES, Recipe, changed_options, check_recipe_for, train_experiment, user_recipe
+from gpulab.training.loop import (AMP_DTYPES, Recipe, changed_options, check_recipe_for, recipe_options, train_experiment,
+                                  user_recipe)
 from gpulab.predict.search import largest_fitting
 from gpulab.categories import Category
 from gpulab.measure.tracking import TrackingResult
@@ -130,15 +131,14 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         context_bytes: int = CUDA_CONTEXT_ASSUMED, progress: Progress = None, accumulate: int = 1,
         clip_grad_norm: float | None = None, grad_scaler: bool = False, set_to_none: bool = True,
         optimizer_in_backward: bool = False, offload_activations: bool = False, chunked_loss: int = 0,
-        use_cache: bool | None = None, compile: bool = False) -> FitResult:
+        use_cache: bool | None = None, compile: bool = False, implementation: str = "default",
+        checkpointing: bool = False, lora: int = 0, lora_targets: Sequence[str] | None = None,
+        lora_dropout: float = 0.0) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
     a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring."""
     t0, card = time.perf_counter(), _card_of(gpu, context_bytes)
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
-    recipe = user_recipe(optimizer, amp, accumulate=accumulate, clip_grad_norm=clip_grad_norm, grad_scaler=grad_scaler,
-                         set_to_none=set_to_none, optimizer_in_backward=optimizer_in_backward,   # checks them all
-                         offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache,
-                         compile=compile)
+    recipe = user_recipe(optimizer, amp, **recipe_options(locals()))   # checks them all
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
     check_recipe_for(recipe, w)
     usable = card.memory_bytes - context_bytes

@@ -11,14 +11,15 @@ numbers, when it would not fit in the memory that run may use (``gpulab.predict.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from gpulab.measure.engines import (FAKE_TARGETS, LABEL_FORMULA, Measured, Measurement, choose_engine, run,
                                validate_fake_target)
 from gpulab.models.workload import Workload, resolve_workload, step_failed
-from gpulab.training.loop import changed_options, check_recipe_for, step_peaks, train_experiment, user_recipe, validate_amp
+from gpulab.training.loop import (changed_options, check_recipe_for, recipe_options, recipe_workload, step_peaks,
+                                  train_experiment, user_recipe, validate_amp)
 from gpulab.training.optimizers import check_optimizer
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
@@ -37,7 +38,8 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
          accumulate: int = 1, clip_grad_norm: float | None = None, grad_scaler: bool = False,
          set_to_none: bool = True, optimizer_in_backward: bool = False, offload_activations: bool = False,
          chunked_loss: int = 0, use_cache: bool | None = None, compile: bool = False,
-         **engine_limits) -> StepResult:
+         implementation: str = "default", checkpointing: bool = False, lora: int = 0,
+         lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0, **engine_limits) -> StepResult:
     """Track ``steps`` training steps of ``model`` and return them by category, next to the
     formulas' prediction (see the module docstring for what ``model``, ``inputs`` and ``loss``
     may be).
@@ -53,7 +55,11 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     ``offloaded_peak_bytes``, apart from the device's), ``chunked_loss=K`` (a language model's
     head and loss K chunks of positions at a time, torchtune's way), ``use_cache=False`` (a language
     model's forward without its KV cache; None: as its config says), ``compile`` (the model under
-    torch.compile with AOTAutograd's partitioner, no code generation). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
+    torch.compile with AOTAutograd's partitioner, no code generation), ``implementation`` (the
+    optimizer's: "default", "for-loop", "foreach" or "fused"), ``checkpointing`` (a transformers
+    model's own gradient checkpointing), ``lora=R`` with ``lora_targets`` (peft's LoRA adapters of
+    rank R on a frozen base; None: peft's default layers for the model type; ``lora_dropout`` on the
+    adapters' inputs). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
     Bad input raises ``ValueError`` with what to do instead."""
     if batch is not None:
         validate_batch(batch)
@@ -69,13 +75,10 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
         validate_fake_target(fake_target)
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
     amp_key = validate_amp(amp)
-    recipe = user_recipe(opt, amp_key, accumulate=accumulate, clip_grad_norm=clip_grad_norm, grad_scaler=grad_scaler,
-                         set_to_none=set_to_none, optimizer_in_backward=optimizer_in_backward,
-                         offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache,
-                         compile=compile)
+    recipe = user_recipe(opt, amp_key, **recipe_options(locals()))
     check_recipe_for(recipe, w)
     try:
-        bd = breakdown(w, batch, dtype=dt)
+        bd = breakdown(recipe_workload(w, recipe), batch, dtype=dt)
     except ValueError:
         raise
     except Exception as exc:   # the forward pass fails on shapes alone: the input does not suit the model

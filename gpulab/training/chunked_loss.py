@@ -37,6 +37,7 @@ def chunked_lm_loss(net: torch.nn.Module, data, chunks: int) -> torch.Tensor:
     computed ``chunks`` positions-chunks at a time (see the module docstring)."""
     args, kwargs = data
     labels = kwargs.get("labels")
+    net = net.get_base_model() if hasattr(net, "get_base_model") else net   # peft's LoRA: the adapted model
     head = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
     base = getattr(net, "base_model", None)
     if labels is None or head is None or base is None or base is net:

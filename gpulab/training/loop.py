@@ -34,6 +34,10 @@ tracker's phase. Where lessons differ, the ``Recipe`` says how:
   measured steps run the compiled graphs (the tracker sees their ops). Inductor would also fuse
   pointwise ops into kernels, so its temporaries would be fewer; what it saves is the same
   partitioner's choice. Inside the compiled region ops are attributed to the whole model;
+* ``checkpointing``: the model's own activation checkpointing (transformers' gradient checkpointing:
+  each block recomputed in backward from its saved input); ``lora`` (a rank) and ``lora_targets``:
+  peft's LoRA adapters on a frozen base, only they trained, ``lora_dropout`` on their inputs
+  (``models.adapt``);
 * ``fresh_batch``: a new batch every step, dropped right after backward (lesson 09's replays,
   whose batch size changes from step to step), or one batch kept while the size stays;
 * ``seed``, ``register_model`` (label the model before the optimizer exists), ``teardown`` (free
@@ -57,7 +61,9 @@ import torch
 
 from gpulab.measure.engines import Measurement, RunContext
 from gpulab.measure.fake_mode import scalars_read_as_one
+from gpulab.models.adapt import adapted
 from gpulab.models.hf_configs import task_of
+from gpulab.models.lora import check_rank, check_targets
 from gpulab.models.registry import ModelSpec
 from gpulab.models.workload import Workload, forward, image_workload
 from gpulab.training.chunked_loss import check_chunks, chunked_lm_loss
@@ -90,6 +96,10 @@ class Recipe:
     chunked_loss: int = 0
     use_cache: bool | None = None
     compile: bool = False
+    checkpointing: bool = False
+    lora: int = 0
+    lora_targets: tuple[str, ...] | None = None
+    lora_dropout: float = 0.0
 
     def __post_init__(self):
         check_chunks(self.chunked_loss)
@@ -122,24 +132,45 @@ class Recipe:
 # the recipe options gpulab.step, gpulab.fit and the CLI take, and their defaults
 RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False, "set_to_none": True,
                    "optimizer_in_backward": False, "offload_activations": False, "chunked_loss": 0,
-                   "use_cache": None, "compile": False}
+                   "use_cache": None, "compile": False, "implementation": "default", "checkpointing": False,
+                   "lora": 0, "lora_targets": None, "lora_dropout": 0.0}
+
+
+def recipe_options(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The recipe options among a function's arguments (``gpulab.step`` and ``gpulab.fit`` pass
+    their ``locals()``): one list, ``RECIPE_DEFAULTS``, names them for every caller."""
+    return {name: arguments[name] for name in RECIPE_DEFAULTS}
 
 
 def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, clip_grad_norm: float | None = None,
                 grad_scaler: bool = False, set_to_none: bool = True, optimizer_in_backward: bool = False,
                 offload_activations: bool = False, chunked_loss: int = 0, use_cache: bool | None = None,
-                compile: bool = False) -> Recipe:
+                compile: bool = False, implementation: str = "default", checkpointing: bool = False, lora: int = 0,
+                lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0) -> Recipe:
     """The ``Recipe`` of ``gpulab.step`` / ``gpulab.fit`` from their arguments (``amp``: "fp16",
     "bf16" or None). Bad values raise ``ValueError`` saying what is allowed."""
     for name, value in (("grad_scaler", grad_scaler), ("set_to_none", set_to_none),
                         ("optimizer_in_backward", optimizer_in_backward), ("offload_activations", offload_activations),
-                        ("use_cache", True if use_cache is None else use_cache), ("compile", compile)):
+                        ("use_cache", True if use_cache is None else use_cache), ("compile", compile),
+                        ("checkpointing", checkpointing)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
+    if lora:
+        check_rank(lora)
+    if lora_targets is not None:
+        if not lora:
+            raise ValueError("lora_targets names the layers LoRA adapts: give lora=RANK too (e.g. lora=8)")
+        lora_targets = check_targets(lora_targets)
+    if not (isinstance(lora_dropout, (int, float)) and not isinstance(lora_dropout, bool) and 0 <= lora_dropout < 1):
+        raise ValueError(f"lora_dropout must be a probability from 0 to below 1, got {lora_dropout!r}")
+    if lora_dropout and not lora:
+        raise ValueError("lora_dropout is the dropout on LoRA adapters' inputs: give lora=RANK too (e.g. lora=8)")
     key = validate_amp(amp)
     return Recipe(optimizer, amp=AMP_DTYPES[key] if key else None, grad_scaler=grad_scaler, set_to_none=set_to_none,
                   accumulate=accumulate, clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward,
-                  offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache, compile=compile)
+                  offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache, compile=compile,
+                  implementation=implementation, checkpointing=checkpointing, lora=lora, lora_targets=lora_targets,
+                  lora_dropout=float(lora_dropout))
 
 
 def check_recipe_for(r: Recipe, w: Workload) -> None:
@@ -148,9 +179,22 @@ def check_recipe_for(r: Recipe, w: Workload) -> None:
         if on and w.kind != "tokens":
             raise ValueError(f"{name} is for language models (an hf: model or a transformers config); {w.name} "
                              f"is a {w.kind} model: leave {name} out")
+    if r.checkpointing and w.kind == "image":
+        raise ValueError(f"checkpointing turns on a transformers model's own gradient checkpointing; {w.name} is an "
+                         f"image model (lesson 07 checkpoints one by hand): leave checkpointing out")
+    if r.lora and w.kind == "image":
+        raise ValueError(f"LoRA adapts a transformer's linear layers; {w.name} is an image model: leave lora out")
     if r.chunked_loss and task_of(w.config) != "causal-lm":
         raise ValueError(f"chunked_loss splits a causal language model's head from its body; {w.name} is trained "
                          f"as a {task_of(w.config)}: leave chunked_loss out")
+
+
+def recipe_workload(w: Workload, r: Recipe) -> Workload:
+    """The model ``r`` trains: ``w`` checkpointed and/or with LoRA adapters when ``r`` asks
+    (``models.adapt.adapted``). ``train_experiment`` builds through it; a caller that reads the
+    model's shapes (``predict.breakdown``) uses it too."""
+    return adapted(w, lora=r.lora, lora_targets=r.lora_targets, lora_dropout=r.lora_dropout,
+                   checkpointing=r.checkpointing)
 
 
 def changed_options(r: Recipe) -> dict[str, Any]:
@@ -165,6 +209,7 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
     """The experiment ``engines.run`` calls: a fresh model from ``w`` in ``dtype``, then one
     training step per entry of ``batches`` as ``recipe`` says."""
     r = recipe
+    w = recipe_workload(w, r)
     moment = moment or (lambda ctx, name: None)
 
     def experiment(ctx: RunContext) -> dict[str, Any]:
@@ -325,8 +370,9 @@ def _optimizer_step(ctx: RunContext, net: torch.nn.Module, opt: torch.optim.Opti
     scaler.unscale_(opt)
     if clip is not None:   # on unscaled gradients (PyTorch's AMP examples: unscale_, clip, step)
         torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
-    if ctx.engine == "fake":
-        opt.step()   # GradScaler.step reads found_inf with .item(): it needs real values
+    if ctx.engine == "fake":   # GradScaler.step reads found_inf with .item(): it needs real values
+        with _reads_answered(True):
+            opt.step()
     else:
         scaler.step(opt)
     scaler.update()

@@ -1,0 +1,147 @@
+"""The memory of generating text with a causal language model: ``generation_peak``.
+
+What ``model.generate()`` holds at its two high points, measured on fake tensors (CUDA target) with
+the model's real forward at full size:
+
+* the **prefill**: one forward of the whole prompt with an empty ``DynamicCache``, only the last
+  position's logits kept (``logits_to_keep=1``, as generate asks), and generate's float32 copy of
+  them (``generation/utils.py``, ``_sample``: ``outputs.logits[:, -1, :].to(copy=True,
+  dtype=torch.float32)``);
+* the **last decode step**: one token per sequence against a cache of ``prompt_len + new_tokens -
+  2`` tokens, where the cache is largest. A ``DynamicCache`` layer grows by ``torch.cat``: the new
+  storage is made while the old one still lives, so that step also holds one layer's old keys
+  and values.
+
+No attention mask is passed: generate's all-ones mask lets transformers' SDPA path skip building the
+causal mask on a GPU (``masking_utils._ignore_causal_mask_sdpa`` reads the mask's values), which it
+cannot see on fake tensors, where it would build a (prompt × prompt) mask the GPU run never holds.
+
+The decode steps in between are not run one by one (a 2,048-token generation would be 2,047
+forwards): the cache is filled to its last length between the two measured windows, and that fill
+is not part of either window. ``peak_bytes`` is the larger of the two windows' peaks: what
+``torch.cuda.max_memory_allocated`` reports for the whole generation, up to the allocator's rounding
+and the attention kernel's workspace (``measure.fake_cuda.STILL_DIFFERS``).
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpulab.measure.engines import Measured, Measurement, RunContext, run
+from gpulab.models import hf_configs
+from gpulab.units import dtype_name, parse_dtype
+
+__all__ = ["GenerationPeak", "generation_peak"]
+
+
+@dataclass
+class GenerationPeak(Measured):
+    """``generation_peak``'s answer: bytes at the prefill's and the last decode step's peaks."""
+    model: str
+    prompt_len: int
+    new_tokens: int
+    batch: int
+    dtype: str
+    weights_bytes: int
+    cache_bytes: int          # the KV cache at the last decode step (after it grew)
+    prefill_peak_bytes: int
+    decode_peak_bytes: int
+    measurement: Measurement
+
+    @property
+    def peak_bytes(self) -> int:   # the whole generation's (the tracker's own peak includes the fill)
+        return max(self.prefill_peak_bytes, self.decode_peak_bytes)
+
+    @property
+    def peak_at(self) -> str:
+        return "prefill" if self.prefill_peak_bytes >= self.decode_peak_bytes else "last decode step"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "prompt_len": self.prompt_len, "new_tokens": self.new_tokens,
+                "batch": self.batch, "dtype": self.dtype, "weights_bytes": self.weights_bytes,
+                "cache_bytes": self.cache_bytes, "prefill_peak_bytes": self.prefill_peak_bytes,
+                "decode_peak_bytes": self.decode_peak_bytes, "peak_bytes": self.peak_bytes,
+                "peak_at": self.peak_at, "label": self.label}
+
+    def __repr__(self) -> str:
+        return (f"GenerationPeak({self.model}, prompt {self.prompt_len:,} + {self.new_tokens:,} new tokens × "
+                f"{self.batch}: peak {self.peak_bytes:,} B at the {self.peak_at})")
+
+
+def _cache_keyword(fn) -> str:
+    """``cache`` where transformers renamed the argument (5.x), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
+
+
+def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: torch.dtype):
+    def experiment(ctx: RunContext) -> dict[str, Any]:
+        import transformers
+        with ctx.phase("setup"), torch.device(ctx.device):
+            model = hf_configs.build_causal_lm(config, dtype)
+            model.eval()
+            ctx.tracker.register(model)
+            vocab = hf_configs.vocab_size(config)
+            cache = transformers.DynamicCache(config=config)
+        kwargs: dict[str, Any] = {_cache_keyword(model.forward): cache, "use_cache": True}
+        if "logits_to_keep" in inspect.signature(model.forward).parameters:
+            kwargs["logits_to_keep"] = 1
+        with torch.no_grad():
+            start = ctx.mark()
+            with ctx.phase("forward"), torch.device(ctx.device):
+                ids = ctx.label(torch.randint(0, vocab, (batch, prompt_len)))
+                out = model(input_ids=ids, **kwargs)
+                scores = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
+                del out, scores
+            prefill_end = ctx.mark()
+            last = prompt_len + new_tokens - 1           # tokens the cache holds after the last step
+            fill = last - 1 - prompt_len                  # what the decode steps before it added
+            with ctx.phase("setup"), torch.device(ctx.device):
+                for i, layer in enumerate(cache.layers):
+                    if fill > 0 and layer.keys is not None:
+                        shape = (batch, layer.keys.shape[1], fill, layer.keys.shape[-1])
+                        cache.update(torch.empty(shape, dtype=layer.keys.dtype),
+                                     torch.empty(shape, dtype=layer.values.dtype), i)
+            decode_start = ctx.mark()
+            with ctx.phase("forward"), torch.device(ctx.device):
+                step = ctx.label(torch.randint(0, vocab, (batch, 1)))
+                out = model(input_ids=step, **kwargs)
+                scores = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
+                del out, scores
+        weights = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
+        cache_bytes = sum(t.untyped_storage().nbytes() for layer in cache.layers
+                          for t in (layer.keys, layer.values) if t is not None)
+        return {"marks": (start, prefill_end, decode_start), "weights": weights, "cache": cache_bytes}
+    return experiment
+
+
+def generation_peak(model: Any, *, prompt_len: int, new_tokens: int, batch: int = 1,
+                    dtype: str | torch.dtype = "bf16", attn_implementation: str | None = None) -> GenerationPeak:
+    """The peak of generating ``new_tokens`` tokens (at least 2) after a prompt of ``prompt_len``
+    for ``batch`` sequences: a built-in config name (``"hf:qwen2.5-7b"``) or a transformers config,
+    its weights in ``dtype``, measured on fake tensors following CUDA's kernels (module docstring).
+    ``attn_implementation``: the config's (None) or e.g. ``"eager"``, ``"sdpa"``."""
+    for name, value, low in (("prompt_len", prompt_len, 1), ("new_tokens", new_tokens, 2), ("batch", batch, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be a whole number of at least {low}, got {value!r}")
+    config, shown = hf_configs.config_and_name(model)
+    config = copy.deepcopy(config)   # a fresh one for a name; the caller's stays untouched
+    config.use_cache = True
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    longest = hf_configs.max_positions(config)
+    if longest and prompt_len + new_tokens > longest:
+        raise ValueError(f"{shown} takes {longest:,} positions; prompt_len + new_tokens is "
+                         f"{prompt_len + new_tokens:,}: ask for fewer tokens")
+    dt = parse_dtype(dtype)
+    m = run(_experiment(config, prompt_len, new_tokens, batch, dt), "fake", fake_target="cuda")
+    if m.oom or m.tracking is None:
+        raise MemoryError(m.error or "the generation did not run")
+    start, prefill_end, decode_start = m.value["marks"]
+    prefill_peak, _, _ = m.tracking.peak_between(start, prefill_end)
+    decode_peak, _, _ = m.tracking.peak_between(decode_start)
+    return GenerationPeak(shown, prompt_len, new_tokens, batch, dtype_name(dt), m.value["weights"], m.value["cache"],
+                          prefill_peak, decode_peak, m)

@@ -1,0 +1,41 @@
+"""``benchmarks/published.py``: published real-GPU figures beside gpulab's predictions. The whole
+table takes minutes (run the script); here, its shape and its fastest rows."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "published.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("published", PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module     # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_at_least_twelve_rows_from_four_publishers_each_quoted_and_explained():
+    p = _module()
+    assert len(p.ROWS) >= 12 and len({s.org for s in p.SOURCES.values()}) >= 4
+    for s in p.SOURCES.values():
+        lo, hi = s.tolerance
+        assert 0.8 <= lo < 1 < hi <= 1.2 and len(s.why) > 100 and s.gpu and s.metric and s.where
+    for r in p.ROWS:
+        assert r.source in p.SOURCES
+        shown = f"{r.published:.2f}".rstrip("0").rstrip(".") if r.published % 1 else f"{int(r.published)}"
+        assert shown in r.quote, (r.name, shown, r.quote)   # the figure is the quoted text's
+
+
+@pytest.mark.parametrize("name", ["Qwen2.5-0.5B-Instruct, input 1", "Llama 2 7B inference, bf16"])
+def test_the_fastest_rows_land_inside_their_tolerance(name):
+    p = _module()
+    row = next(r for r in p.ROWS if r.name == name)
+    source = p.SOURCES[row.source]
+    predicted, how = row.predict()
+    ratio = predicted / (row.published * source.unit)
+    assert source.tolerance[0] <= ratio <= source.tolerance[1], (ratio, how)
