@@ -87,6 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--context", default=None,
                    help="memory the CUDA context takes outside PyTorch's allocator (default: an assumed 512MiB)")
     _recipe_options(f)
+    v = sub.add_parser("serve", help="will a language model serve on a GPU: weights, KV cache, prefill and decode "
+                                     "peaks (fake tensors at full size), vLLM-style paged blocks")
+    v.add_argument("model", help="a built-in transformer config (hf:llama-3-8b, hf:qwen2.5-7b ...) or hf:path/config.json")
+    v.add_argument("--gpu", required=True, help="a card (H100, A100-40GB, RTX4090, T4 ...) or a size (24GiB, 80GB)")
+    v.add_argument("--context", type=_positive_int, required=True, metavar="TOKENS",
+                   help="tokens per sequence, prompt and output together")
+    v.add_argument("--batch", type=_positive_int, default=1, help="sequences served at once (default 1)")
+    v.add_argument("--dtype", default="bf16", help="the model's dtype (default bf16)")
+    v.add_argument("--weights", default=None, choices=("int8", "int4", "nf4"),
+                   help="weight-only quantization as bitsandbytes stores it (int4: its 4-bit NF4 layout)")
+    v.add_argument("--kv-dtype", default=None, choices=("bf16", "fp16", "fp32", "fp8"),
+                   help="the KV cache's dtype (default: the model's)")
+    v.add_argument("--block-size", type=_positive_int, default=16, help="vLLM's KV block size in tokens (default 16)")
+    v.add_argument("--utilization", type=float, default=0.9,
+                   help="vLLM's gpu_memory_utilization: the share of the card it plans with (default 0.9)")
+    v.add_argument("--cuda-context", default=None, metavar="SIZE",
+                   help="memory the CUDA context takes outside PyTorch's allocator (default: an assumed 512MiB)")
+    v.add_argument("--json", action="store_true")
     r = sub.add_parser("record", help="on a GPU: measure the lessons' record set, write <out>/<gpu>.json")
     r.add_argument("--out", default=".", help="folder for the JSON file (default: the current folder)")
     r.add_argument("--quick", action="store_true", help="a small subset: checks the command, not for shipping")
@@ -224,6 +242,10 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
                    help="with --lora: the layers to adapt (default: peft's for the model type, e.g. q_proj v_proj)")
     p.add_argument("--lora-dropout", type=float, default=0.0, metavar="P",
                    help="with --lora: dropout on the adapters' inputs (peft's lora_dropout)")
+    p.add_argument("--quantize", choices=("nf4", "int8"), default=None,
+                   help="with --lora: the base's linear layers stored as bitsandbytes stores them (4-bit NF4 or int8)")
+    p.add_argument("--qlora", action="store_true",
+                   help="QLoRA: --quantize nf4 with --lora (rank 8 unless --lora says otherwise)")
 
 
 def _recipe_text(d: dict[str, Any]) -> str:
@@ -236,8 +258,9 @@ def _recipe(args: argparse.Namespace) -> dict[str, Any]:
             "set_to_none": not args.keep_grads, "optimizer_in_backward": args.optimizer_in_backward,
             "offload_activations": args.offload_activations, "chunked_loss": args.chunked_loss,
             "use_cache": False if args.no_kv_cache_in_training else None, "compile": args.compile,
-            "implementation": args.optimizer_impl, "checkpointing": args.checkpointing, "lora": args.lora,
-            "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout}
+            "implementation": args.optimizer_impl, "checkpointing": args.checkpointing, "lora": args.lora or (8 if args.qlora else 0),
+            "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
+            "quantize": "nf4" if args.qlora else args.quantize}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -291,6 +314,13 @@ def _main(argv: list[str]) -> int:
                         dtype=args.dtype, amp=args.amp, seq_len=args.seq_len, image_size=args.image_size,
                         fake_target=args.fake_target, **_recipe(args)).as_dict()
             text = _print_step
+        elif args.command == "serve":
+            from gpulab.predict.serve import serve
+            data = serve(args.model, args.gpu, context_len=args.context, batch=args.batch, dtype=args.dtype,
+                         weights=args.weights, kv_dtype=args.kv_dtype, block_size=args.block_size,
+                         utilization=args.utilization,
+                         **({"context_bytes": _size(args.cuda_context)} if args.cuda_context else {})).as_dict()
+            text = _print_serve
         else:
             from gpulab.predict.fit import fit
             data = fit(args.model, args.gpu, optimizer=args.optimizer, dtype=args.dtype, amp=args.amp,
@@ -333,6 +363,27 @@ def _print_fit(d: dict[str, Any]) -> str:
         lines.append(f"  if {lever['name']}: {format_bytes(lever['peak_bytes'])} at batch 1 "
                      f"({'fits' if lever['fits'] else 'still too big'}) [{lever['label']}: {lever['formula']}]")
     lines.append(f"how: {d['method']}; {d['runs']} fake runs, {d['seconds']:.1f} s")
+    return "\n".join(lines)
+
+
+def _print_serve(d: dict[str, Any]) -> str:
+    row = "  {:<44}{:>12}   {}"
+    lines = [f"{d['model']} on {d['card']} ({format_bytes(d['capacity_bytes'])}), weights {d['weights']}, KV cache "
+             f"{d['kv_dtype']}: {d['batch']} × {d['context_len']:,} tokens "
+             + ("fits" if d["fits"] else "does not fit"),
+             row.format("weights", format_bytes(d["weights_bytes"]), d["label"]),
+             row.format(f"KV cache ({format_bytes(d['kv_per_token_bytes'])} per token)",
+                        format_bytes(d["kv_cache_bytes"]), d["kv_label"]),
+             row.format("prefill, one sequence (peak)", format_bytes(d["prefill_one_bytes"]), d["label"]),
+             row.format(f"prefill, all {d['batch']} at once (peak)", format_bytes(d["prefill_all_bytes"]), d["label"]),
+             row.format("last decode step, all (peak)", format_bytes(d["decode_bytes"]), d["kv_label"]),
+             row.format("needed, prefilling one at a time", format_bytes(d["needed_one_at_a_time_bytes"]), ""),
+             row.format("needed, prefilling all at once", format_bytes(d["needed_all_at_once_bytes"]), ""),
+             row.format("usable (card - CUDA context)", format_bytes(d["usable_bytes"]),
+                        f"context {format_bytes(d['context_bytes'])} assumed"),
+             f"vLLM-style at {d['utilization']:.0%}: {d['paged_blocks']:,} blocks of {d['block_size']} tokens, "
+             f"{d['max_sequences']} sequences of {d['context_len']:,} tokens at once [{d['paged_label']}]",
+             f"how: fake runs of the model's forward at full size, {d['seconds']:.1f} s"]
     return "\n".join(lines)
 
 

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
+import torch
 from torch import nn
 
 from gpulab.models import hf_configs
 from gpulab.models.lora import check_rank, check_targets, default_targets, wrap_lora
-from gpulab.models.registry import build_in_place
+from gpulab.models.quantized import quantize_linears
+from gpulab.models.registry import active_fake_mode, build_in_place, build_skeleton, materialize
 from gpulab.models.workload import Workload
 
-__all__ = ["CHECKPOINTING_KWARGS", "adapted", "enable_checkpointing"]
+__all__ = ["CHECKPOINTING_KWARGS", "adapted", "enable_checkpointing", "quantized_build"]
 
 # what transformers 5.x passes to torch.utils.checkpoint when none are given (modeling_utils.py,
 # ``_activation_checkpointing_enable``): the non-reentrant implementation
@@ -44,12 +46,26 @@ def enable_checkpointing(model: nn.Module) -> nn.Module:
                      f"yourself and pass the function that builds it, or leave checkpointing out")
 
 
+def quantized_build(build: Callable[[], nn.Module], kind: str) -> nn.Module:
+    """``build()`` with its linear layers but the head quantized (``models.quantized``). Shapes only
+    (a fake mode, or the meta device): built on meta and quantized there, then given storages, so
+    the full-precision weights never exist at once (transformers quantizes layer by layer while it
+    loads); real tensors (the cpu engine's small models) are built, then quantized, so a cpu run's
+    setup briefly holds the full-precision weights too (its training steps are the fake run's)."""
+    if active_fake_mode() is None and torch.get_default_device().type != "meta":
+        return quantize_linears(build(), kind)
+    device = torch.get_default_device()
+    return materialize(build_skeleton(lambda: quantize_linears(build(), kind)), device)
+
+
 def adapted(w: Workload, *, lora: int = 0, lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0,
-            checkpointing: bool = False) -> Workload:
+            checkpointing: bool = False, quantize: str | None = None) -> Workload:
     """``w`` with its model checkpointed (``checkpointing``) and/or wrapped with rank-``lora``
     adapters on ``lora_targets`` (None: the layers peft adapts by default for the config's model
-    type) with ``lora_dropout`` on their inputs; ``w`` itself when neither is asked. ``ValueError`` for a workload that cannot take them."""
-    if not lora and not checkpointing:
+    type) with ``lora_dropout`` on their inputs, its linear layers but the head stored as
+    bitsandbytes stores them when ``quantize`` is "nf4" or "int8" (``models.quantized``: with LoRA,
+    QLoRA); ``w`` itself when none is asked. ``ValueError`` for a workload that cannot take them."""
+    if not lora and not checkpointing and not quantize:
         return w
     if w.make is None:
         raise ValueError(f"{w.name} is a module instance, which gpulab copies as it is: to add "
@@ -61,7 +77,7 @@ def adapted(w: Workload, *, lora: int = 0, lora_targets: Sequence[str] | None = 
     inner = w.make
 
     def make(dtype):
-        model = inner(dtype)
+        model = quantized_build(lambda: inner(dtype), quantize) if quantize else inner(dtype)
         if checkpointing:
             enable_checkpointing(model)
             if getattr(getattr(model, "config", None), "use_cache", False):
@@ -71,7 +87,12 @@ def adapted(w: Workload, *, lora: int = 0, lora_targets: Sequence[str] | None = 
         return model
 
     def build(device, dtype):
+        if lora and (active_fake_mode() is not None or (device is not None and torch.device(device).type == "meta")):
+            # peft cannot wrap fake parameters (it moves adapters with Module.to, which swaps tensors):
+            # straight to a meta skeleton, then storages, without a first attempt that would fail
+            return materialize(build_skeleton(lambda: make(dtype), dtype), device or "cpu")
         return build_in_place(lambda: make(dtype), device, dtype)
 
-    parts = ([f"LoRA rank {lora} on {', '.join(targets)}"] if lora else []) + (["checkpointed"] if checkpointing else [])
+    parts = (([f"{quantize} base"] if quantize else []) + ([f"LoRA rank {lora} on {', '.join(targets)}"] if lora else [])
+             + (["checkpointed"] if checkpointing else []))
     return dataclasses.replace(w, build=build, make=make, description=f"{w.description} ({'; '.join(parts)})")

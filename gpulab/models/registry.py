@@ -295,7 +295,12 @@ def materialize(module: nn.Module, device: torch.device | str = "cpu") -> nn.Mod
             if p is not None:
                 slots.setdefault(id(p), []).append((m, name))
     made: dict[int, torch.Tensor] = {}   # and a storage shared by two tensors stays shared
-    module._apply(lambda t: made.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype, device=device)))
+
+    def storage_for(t: torch.Tensor) -> torch.Tensor:   # made once: a tied weight is not allocated twice
+        if id(t) not in made:
+            made[id(t)] = torch.empty(t.shape, dtype=t.dtype, device=device)
+        return made[id(t)]
+    module._apply(storage_for)
     for places in slots.values():
         if len(places) > 1:
             first = places[0][0]._parameters[places[0][1]]

@@ -133,7 +133,7 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         optimizer_in_backward: bool = False, offload_activations: bool = False, chunked_loss: int = 0,
         use_cache: bool | None = None, compile: bool = False, implementation: str = "default",
         checkpointing: bool = False, lora: int = 0, lora_targets: Sequence[str] | None = None,
-        lora_dropout: float = 0.0) -> FitResult:
+        lora_dropout: float = 0.0, quantize: str | None = None) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
     a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring."""
     t0, card = time.perf_counter(), _card_of(gpu, context_bytes)

@@ -33,6 +33,8 @@ import torch
 
 from gpulab.measure.engines import Measured, Measurement, RunContext, run
 from gpulab.models import hf_configs
+from gpulab.models.adapt import quantized_build
+from gpulab.models.quantized import QUANTIZATIONS
 from gpulab.units import dtype_name, parse_dtype
 
 __all__ = ["GenerationPeak", "generation_peak"]
@@ -77,11 +79,12 @@ def _cache_keyword(fn) -> str:
     return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
-def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: torch.dtype):
+def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: torch.dtype, weights: str | None):
     def experiment(ctx: RunContext) -> dict[str, Any]:
         import transformers
         with ctx.phase("setup"), torch.device(ctx.device):
-            model = hf_configs.build_causal_lm(config, dtype)
+            model = (quantized_build(lambda: hf_configs.build_causal_lm(config, dtype), weights) if weights
+                     else hf_configs.build_causal_lm(config, dtype))
             model.eval()
             ctx.tracker.register(model)
             vocab = hf_configs.vocab_size(config)
@@ -111,19 +114,24 @@ def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: tor
                 out = model(input_ids=step, **kwargs)
                 scores = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
                 del out, scores
-        weights = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
+        weights_bytes = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
         cache_bytes = sum(t.untyped_storage().nbytes() for layer in cache.layers
                           for t in (layer.keys, layer.values) if t is not None)
-        return {"marks": (start, prefill_end, decode_start), "weights": weights, "cache": cache_bytes}
+        return {"marks": (start, prefill_end, decode_start), "weights": weights_bytes, "cache": cache_bytes}
     return experiment
 
 
 def generation_peak(model: Any, *, prompt_len: int, new_tokens: int, batch: int = 1,
-                    dtype: str | torch.dtype = "bf16", attn_implementation: str | None = None) -> GenerationPeak:
+                    dtype: str | torch.dtype = "bf16", attn_implementation: str | None = None,
+                    weights: str | None = None) -> GenerationPeak:
     """The peak of generating ``new_tokens`` tokens (at least 2) after a prompt of ``prompt_len``
     for ``batch`` sequences: a built-in config name (``"hf:qwen2.5-7b"``) or a transformers config,
     its weights in ``dtype``, measured on fake tensors following CUDA's kernels (module docstring).
-    ``attn_implementation``: the config's (None) or e.g. ``"eager"``, ``"sdpa"``."""
+    ``attn_implementation``: the config's (None) or e.g. ``"eager"``, ``"sdpa"``. ``weights``: "nf4"
+    or "int8" stores the linear layers but the head as bitsandbytes does (weight-only quantization,
+    ``models.quantized``), computing in ``dtype``."""
+    if weights is not None and weights not in QUANTIZATIONS:
+        raise ValueError(f"weights must be one of {', '.join(QUANTIZATIONS)} or None (the dtype's own), got {weights!r}")
     for name, value, low in (("prompt_len", prompt_len, 1), ("new_tokens", new_tokens, 2), ("batch", batch, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be a whole number of at least {low}, got {value!r}")
@@ -133,11 +141,11 @@ def generation_peak(model: Any, *, prompt_len: int, new_tokens: int, batch: int 
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     longest = hf_configs.max_positions(config)
-    if longest and prompt_len + new_tokens > longest:
-        raise ValueError(f"{shown} takes {longest:,} positions; prompt_len + new_tokens is "
-                         f"{prompt_len + new_tokens:,}: ask for fewer tokens")
+    if longest and prompt_len + new_tokens - 1 > longest:   # the last token chosen is never fed back
+        raise ValueError(f"{shown} takes {longest:,} positions; prompt_len + new_tokens - 1 is "
+                         f"{prompt_len + new_tokens - 1:,}: ask for fewer tokens")
     dt = parse_dtype(dtype)
-    m = run(_experiment(config, prompt_len, new_tokens, batch, dt), "fake", fake_target="cuda")
+    m = run(_experiment(config, prompt_len, new_tokens, batch, dt, weights), "fake", fake_target="cuda")
     if m.oom or m.tracking is None:
         raise MemoryError(m.error or "the generation did not run")
     start, prefill_end, decode_start = m.value["marks"]

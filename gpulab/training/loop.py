@@ -36,8 +36,9 @@ tracker's phase. Where lessons differ, the ``Recipe`` says how:
   partitioner's choice. Inside the compiled region ops are attributed to the whole model;
 * ``checkpointing``: the model's own activation checkpointing (transformers' gradient checkpointing:
   each block recomputed in backward from its saved input); ``lora`` (a rank) and ``lora_targets``:
-  peft's LoRA adapters on a frozen base, only they trained, ``lora_dropout`` on their inputs
-  (``models.adapt``);
+  peft's LoRA adapters on a frozen base, only they trained, ``lora_dropout`` on their inputs;
+  ``quantize``: the base's linear layers stored as bitsandbytes stores them, "nf4" (with LoRA:
+  QLoRA) or "int8" (``models.adapt``, ``models.quantized``);
 * ``fresh_batch``: a new batch every step, dropped right after backward (lesson 09's replays,
   whose batch size changes from step to step), or one batch kept while the size stays;
 * ``seed``, ``register_model`` (label the model before the optimizer exists), ``teardown`` (free
@@ -64,6 +65,7 @@ from gpulab.measure.fake_mode import scalars_read_as_one
 from gpulab.models.adapt import adapted
 from gpulab.models.hf_configs import task_of
 from gpulab.models.lora import check_rank, check_targets
+from gpulab.models.quantized import QUANTIZATIONS
 from gpulab.models.registry import ModelSpec
 from gpulab.models.workload import Workload, forward, image_workload
 from gpulab.training.chunked_loss import check_chunks, chunked_lm_loss
@@ -100,6 +102,7 @@ class Recipe:
     lora: int = 0
     lora_targets: tuple[str, ...] | None = None
     lora_dropout: float = 0.0
+    quantize: str | None = None
 
     def __post_init__(self):
         check_chunks(self.chunked_loss)
@@ -133,7 +136,7 @@ class Recipe:
 RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False, "set_to_none": True,
                    "optimizer_in_backward": False, "offload_activations": False, "chunked_loss": 0,
                    "use_cache": None, "compile": False, "implementation": "default", "checkpointing": False,
-                   "lora": 0, "lora_targets": None, "lora_dropout": 0.0}
+                   "lora": 0, "lora_targets": None, "lora_dropout": 0.0, "quantize": None}
 
 
 def recipe_options(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -146,7 +149,8 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
                 grad_scaler: bool = False, set_to_none: bool = True, optimizer_in_backward: bool = False,
                 offload_activations: bool = False, chunked_loss: int = 0, use_cache: bool | None = None,
                 compile: bool = False, implementation: str = "default", checkpointing: bool = False, lora: int = 0,
-                lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0) -> Recipe:
+                lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0,
+                quantize: str | None = None) -> Recipe:
     """The ``Recipe`` of ``gpulab.step`` / ``gpulab.fit`` from their arguments (``amp``: "fp16",
     "bf16" or None). Bad values raise ``ValueError`` saying what is allowed."""
     for name, value in (("grad_scaler", grad_scaler), ("set_to_none", set_to_none),
@@ -165,12 +169,18 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
         raise ValueError(f"lora_dropout must be a probability from 0 to below 1, got {lora_dropout!r}")
     if lora_dropout and not lora:
         raise ValueError("lora_dropout is the dropout on LoRA adapters' inputs: give lora=RANK too (e.g. lora=8)")
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)} (the base weights as bitsandbytes "
+                         f"stores them), got {quantize!r}")
+    if quantize and not lora:
+        raise ValueError(f"a {quantize} base is frozen: it trains through adapters; add lora=RANK (QLoRA: "
+                         f"quantize='nf4', lora=8)")
     key = validate_amp(amp)
     return Recipe(optimizer, amp=AMP_DTYPES[key] if key else None, grad_scaler=grad_scaler, set_to_none=set_to_none,
                   accumulate=accumulate, clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward,
                   offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache, compile=compile,
                   implementation=implementation, checkpointing=checkpointing, lora=lora, lora_targets=lora_targets,
-                  lora_dropout=float(lora_dropout))
+                  lora_dropout=float(lora_dropout), quantize=quantize)
 
 
 def check_recipe_for(r: Recipe, w: Workload) -> None:
@@ -182,6 +192,9 @@ def check_recipe_for(r: Recipe, w: Workload) -> None:
     if r.checkpointing and w.kind == "image":
         raise ValueError(f"checkpointing turns on a transformers model's own gradient checkpointing; {w.name} is an "
                          f"image model (lesson 07 checkpoints one by hand): leave checkpointing out")
+    if r.quantize and w.kind == "image":
+        raise ValueError(f"quantize stores a transformer's linear layers as bitsandbytes does; {w.name} is an image "
+                         f"model: leave quantize out")
     if r.lora and w.kind == "image":
         raise ValueError(f"LoRA adapts a transformer's linear layers; {w.name} is an image model: leave lora out")
     if r.chunked_loss and task_of(w.config) != "causal-lm":
@@ -194,7 +207,7 @@ def recipe_workload(w: Workload, r: Recipe) -> Workload:
     (``models.adapt.adapted``). ``train_experiment`` builds through it; a caller that reads the
     model's shapes (``predict.breakdown``) uses it too."""
     return adapted(w, lora=r.lora, lora_targets=r.lora_targets, lora_dropout=r.lora_dropout,
-                   checkpointing=r.checkpointing)
+                   checkpointing=r.checkpointing, quantize=r.quantize)
 
 
 def changed_options(r: Recipe) -> dict[str, Any]:

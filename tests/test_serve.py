@@ -1,0 +1,79 @@
+"""``gpulab serve`` (``gpulab.predict.serve``): serving memory measured on fake tensors at full size,
+the KV cache against its formula, quantized weights and an fp8 cache, vLLM's block arithmetic, and
+bad input refused with what to do."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from gpulab import cli
+from gpulab.course.kv_cache import kv_cache_for
+from gpulab.predict.generation import generation_peak
+from gpulab.predict.serve import serve
+
+
+def test_the_cache_is_the_formulas_and_the_peaks_are_the_generations():
+    r = serve("tiny-llama", "24GiB", context_len=128, batch=3, dtype="float32")
+    assert r.kv_cache_bytes == kv_cache_for("tiny-llama", 128, 3, "float32").bytes
+    g = generation_peak("tiny-llama", prompt_len=127, new_tokens=2, batch=3, dtype="float32")
+    assert (r.prefill_all_bytes, r.decode_bytes) == (g.prefill_peak_bytes, g.decode_peak_bytes)
+    one = generation_peak("tiny-llama", prompt_len=127, new_tokens=2, batch=1, dtype="float32")
+    assert r.prefill_one_bytes == one.prefill_peak_bytes < r.prefill_all_bytes
+    assert r.decode_bytes >= r.weights_bytes + r.kv_cache_bytes and r.fits
+
+
+def test_quantized_weights_and_an_fp8_cache_shrink_what_they_should():
+    bf16 = serve("tiny-llama", "24GiB", context_len=128, batch=2)
+    int8 = serve("tiny-llama", "24GiB", context_len=128, batch=2, weights="int8")
+    int4 = serve("tiny-llama", "24GiB", context_len=128, batch=2, weights="int4", kv_dtype="fp8")
+    assert int4.weights_bytes < int8.weights_bytes < bf16.weights_bytes
+    assert int8.kv_cache_bytes == bf16.kv_cache_bytes == 2 * int4.kv_cache_bytes
+    assert int4.weights == "nf4" and "fp8 by formula" in int4.kv_label
+
+
+def test_vllms_blocks_follow_its_arithmetic():
+    r = serve("tiny-llama", "4GiB", context_len=200, batch=1, block_size=16, utilization=0.5)
+    working = r.prefill_one_bytes - r.weights_bytes
+    budget = int(0.5 * 4 * 2 ** 30) - r.weights_bytes - working - r.context_bytes
+    assert r.paged_blocks > 0
+    assert r.paged_blocks == budget // (16 * r.kv_per_token_bytes)
+    assert r.max_sequences == r.paged_blocks // math.ceil(200 / 16)
+    longer = serve("tiny-llama", "4GiB", context_len=250, batch=1, block_size=16, utilization=0.5)
+    assert longer.max_sequences < r.max_sequences
+
+
+def test_a_card_too_small_does_not_fit():
+    r = serve("gpt2", "200MiB", context_len=64, batch=4, context_bytes=0)   # its weights alone: 249 MB
+    assert not r.fits and r.max_sequences == 0
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"context_len": 100_000}, ["256 positions", "or fewer"]),
+    ({"context_len": 1}, ["at least 2"]),
+    ({"context_len": 64, "batch": 0}, ["batch", "positive"]),
+    ({"context_len": 64, "weights": "int3"}, ["weights", "int8", "int4"]),
+    ({"context_len": 64, "kv_dtype": "int2"}, ["kv_dtype", "fp8"]),
+    ({"context_len": 64, "utilization": 1.5}, ["utilization", "(0, 1]"]),
+])
+def test_bad_input_says_what_to_do(kw, words):
+    with pytest.raises(ValueError) as e:
+        serve("tiny-llama", "24GiB", **kw)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_an_encoder_is_not_served():
+    with pytest.raises(ValueError, match="causal language model"):
+        serve("bert-base-uncased", "24GiB", context_len=64)
+
+
+def test_the_cli_serves(capsys):
+    assert cli.main(["serve", "hf:tiny-llama", "--gpu", "24GiB", "--context", "64", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 × 64 tokens fits" in out and "vLLM-style at 90%" in out
+    assert cli.main(["serve", "hf:tiny-llama", "--gpu", "24GiB", "--context", "64", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["fits"] and d["kv_cache_bytes"] == kv_cache_for("tiny-llama", 64, 1, "bfloat16").bytes
+    assert cli.main(["serve", "hf:tiny-llama", "--gpu", "24GiB", "--context", "100000"]) == 2
+    assert "256 positions" in capsys.readouterr().err
