@@ -85,7 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--optimizer", default="adam", choices=list(ALL_OPTIMIZERS))
     f.add_argument("--amp", default=None, choices=list(AMP_DTYPES), help="run the forward under torch.autocast")
     f.add_argument("--context", default=None,
-                   help="memory the CUDA context takes outside PyTorch's allocator (default: an assumed 512MiB)")
+                   help="memory the CUDA context takes outside PyTorch's allocator (default: assumed from "
+                        "--cuda-module-loading, with the published measurements it rests on)")
+    f.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
+                   help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
+                        "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
     _recipe_options(f)
     v = sub.add_parser("serve", help="will a language model serve on a GPU: weights, KV cache, prefill and decode "
                                      "peaks (fake tensors at full size), vLLM-style paged blocks")
@@ -104,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's gpu_memory_utilization: the share of the card it plans with (default 0.9)")
     v.add_argument("--cuda-context", default=None, metavar="SIZE",
                    help="memory the CUDA context takes outside PyTorch's allocator (default: an assumed 512MiB)")
+    v.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
+                   help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
+                        "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
     v.add_argument("--json", action="store_true")
     r = sub.add_parser("record", help="on a GPU: measure the lessons' record set, write <out>/<gpu>.json")
     r.add_argument("--out", default=".", help="folder for the JSON file (default: the current folder)")
@@ -318,13 +325,14 @@ def _main(argv: list[str]) -> int:
             from gpulab.predict.serve import serve
             data = serve(args.model, args.gpu, context_len=args.context, batch=args.batch, dtype=args.dtype,
                          weights=args.weights, kv_dtype=args.kv_dtype, block_size=args.block_size,
-                         utilization=args.utilization,
+                         utilization=args.utilization, module_loading=args.cuda_module_loading,
                          **({"context_bytes": _size(args.cuda_context)} if args.cuda_context else {})).as_dict()
             text = _print_serve
         else:
             from gpulab.predict.fit import fit
             data = fit(args.model, args.gpu, optimizer=args.optimizer, dtype=args.dtype, amp=args.amp,
                        seq_len=args.seq_len, image_size=args.image_size, **_recipe(args),
+                       module_loading=args.cuda_module_loading,
                        **({"context_bytes": _size(args.context)} if args.context else {})).as_dict()
             text = _print_fit
     except (RuntimeError, TypeError) as exc:   # torch refusing a size (an overflowing shape): the input's doing
@@ -363,6 +371,8 @@ def _print_fit(d: dict[str, Any]) -> str:
         lines.append(f"  if {lever['name']}: {format_bytes(lever['peak_bytes'])} at batch 1 "
                      f"({'fits' if lever['fits'] else 'still too big'}) [{lever['label']}: {lever['formula']}]")
     lines.append(f"how: {d['method']}; {d['runs']} fake runs, {d['seconds']:.1f} s")
+    if d.get("context_warning"):
+        lines.append(f"warning: {d['context_warning']}")
     return "\n".join(lines)
 
 
@@ -379,11 +389,13 @@ def _print_serve(d: dict[str, Any]) -> str:
              row.format("last decode step, all (peak)", format_bytes(d["decode_bytes"]), d["kv_label"]),
              row.format("needed, prefilling one at a time", format_bytes(d["needed_one_at_a_time_bytes"]), ""),
              row.format("needed, prefilling all at once", format_bytes(d["needed_all_at_once_bytes"]), ""),
-             row.format("usable (card - CUDA context)", format_bytes(d["usable_bytes"]),
-                        f"context {format_bytes(d['context_bytes'])} assumed"),
+             row.format("CUDA context", format_bytes(d["context_bytes"]), d["context_label"]),
+             row.format("usable (card - CUDA context)", format_bytes(d["usable_bytes"]), ""),
              f"vLLM-style at {d['utilization']:.0%}: {d['paged_blocks']:,} blocks of {d['block_size']} tokens, "
              f"{d['max_sequences']} sequences of {d['context_len']:,} tokens at once [{d['paged_label']}]",
              f"how: fake runs of the model's forward at full size, {d['seconds']:.1f} s"]
+    if d.get("context_warning"):
+        lines.append(f"warning: {d['context_warning']}")
     return "\n".join(lines)
 
 

@@ -96,7 +96,7 @@ def fit_html(r) -> str:
     rows = [[k, format_bytes(v), ""] for k, v in r.peak_by_category.items() if v]
     rows += [["live tensors (peak)", format_bytes(r.peak_bytes), "fake tensors, CUDA kernels' allocations"],
              ["allocator overhead", format_bytes(r.allocator_overhead_bytes), "simulated allocator"],
-             ["CUDA context", format_bytes(r.context_bytes), "assumption"],
+             ["CUDA context", format_bytes(r.context_bytes), html.escape(r.as_dict()["context_label"])],
              ["needed", format_bytes(r.needed_bytes), ""],
              ["margin", format_bytes(r.margin_bytes), f"of {format_bytes(r.capacity_bytes)}"]]
     table = html_table(["at batch " + str(max(1, r.largest_batch)), "bytes", "source"], rows,

@@ -27,13 +27,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
 from gpulab import formulas as F
 from gpulab.allocator.simulator import CachingAllocator
-from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, Card, CardBudget, parse_gpu
+from gpulab.predict.cards import Card, CardBudget, parse_gpu
+from gpulab.predict.context import context_assumption, context_label
 from gpulab.measure.engines import LABEL_SIMULATED, Measurement, run
 from gpulab.models.lora import adapter_params, default_targets
 from gpulab.training.loop import (AMP_DTYPES, Recipe, changed_options, check_recipe_for, recipe_options, train_experiment,
@@ -101,6 +102,7 @@ class FitResult(CardBudget):
     levers: list[Lever] = field(default_factory=list)
     method: str = ""
     recipe: dict[str, Any] = field(default_factory=dict)   # options set away from the plain loop
+    module_loading: str = "lazy"      # CUDA's module loading the context size assumes
 
     @property
     def allocator_overhead_bytes(self) -> int:
@@ -113,7 +115,8 @@ class FitResult(CardBudget):
             del d["recipe"]
         d.update(allocator_overhead_bytes=self.allocator_overhead_bytes, needed_bytes=self.needed_bytes,
                  margin_bytes=self.margin_bytes, allocator_label=LABEL_SIMULATED,
-                 context_label="assumption (a CUDA context with cuBLAS/cuDNN handles; measured on a GPU, it varies)")
+                 context_label=context_label(self.context_bytes, self.module_loading),
+                 context_warning=context_assumption(self.module_loading).warning)
         return d
 
     def __repr__(self) -> str:
@@ -128,20 +131,21 @@ class FitResult(CardBudget):
 def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: str | torch.dtype | None = None,
         amp: str | None = None, seq_len: int | None = None, image_size: int | None = None, inputs: Any = None,
         input_shape: tuple[int, ...] | None = None, loss: Callable | None = None,
-        context_bytes: int = CUDA_CONTEXT_ASSUMED, progress: Progress = None, accumulate: int = 1,
+        context_bytes: int | None = None, progress: Progress = None, accumulate: int = 1,
         clip_grad_norm: float | None = None, grad_scaler: bool = False, set_to_none: bool = True,
         optimizer_in_backward: bool = False, offload_activations: bool = False, chunked_loss: int = 0,
         use_cache: bool | None = None, compile: bool = False, implementation: str = "default",
         checkpointing: bool = False, lora: int = 0, lora_targets: Sequence[str] | None = None,
-        lora_dropout: float = 0.0, quantize: str | None = None) -> FitResult:
+        lora_dropout: float = 0.0, quantize: str | None = None, module_loading: str = "lazy") -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
-    a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring."""
-    t0, card = time.perf_counter(), _card_of(gpu, context_bytes)
+    a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring. ``context_bytes``:
+    the CUDA context, by default the assumption for ``module_loading`` (``predict.context``)."""
+    t0, place = time.perf_counter(), _place(gpu, context_bytes, module_loading)
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
     recipe = user_recipe(optimizer, amp, **recipe_options(locals()))   # checks them all
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
     check_recipe_for(recipe, w)
-    usable = card.memory_bytes - context_bytes
+    usable = place.card.memory_bytes - place.context_bytes
     runs: dict[int, TrackingResult] = {}
 
     def fake_run(b: int) -> TrackingResult:
@@ -164,14 +168,14 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         one = fake_run(1)
         checks.append(run_check(1))
         if checks[-1].fits:
-            return _result(w, card, context_bytes, recipe, dt, 1, one, checks, len(runs), t0, [],
+            return _result(w, place, recipe, dt, 1, one, checks, len(runs), t0, [],
                            "fake runs at batches 2 (does not fit) and 1 (fits)")
-        return _result(w, card, context_bytes, recipe, dt, 0, one, checks, len(runs), t0,
+        return _result(w, place, recipe, dt, 0, one, checks, len(runs), t0,
                        _levers(w, one, recipe.optimizer, dt, usable), "batch 1 does not fit (fake run): levers below, as formulas")
     three = fake_run(3)
     checks.append(run_check(3))
     if not checks[-1].fits:
-        return _result(w, card, context_bytes, recipe, dt, 2, two, checks, len(runs), t0, [],
+        return _result(w, place, recipe, dt, 2, two, checks, len(runs), t0, [],
                        "fake runs at batches 2 (fits) and 3 (does not fit)")
     line = _Extrapolation.make(two, three, 2)
     if line is not None:
@@ -186,7 +190,7 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         predicted = line.at(best)
         if [e.nbytes for e in real.events] == [e.nbytes for e in predicted.events]:
             checks.append(run_check(best))
-            return _result(w, card, context_bytes, recipe, dt, best, real, checks, len(runs), t0, [],
+            return _result(w, place, recipe, dt, best, real, checks, len(runs), t0, [],
                            f"extrapolated from fake runs at batches 2 and 3 (every storage a + b·c), replayed "
                            f"through the simulated allocator; confirmed by a fake run at batch {best} (the same "
                            f"bytes, event for event)", live)
@@ -202,8 +206,15 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         checks.append(c)
         return c.fits
     best = largest_fitting(3 if checks[1].fits else 2, fits, limit=MAX_BATCH)
-    return _result(w, card, context_bytes, recipe, dt, best, fake_run(best), checks, len(runs), t0, [],
+    return _result(w, place, recipe, dt, best, fake_run(best), checks, len(runs), t0, [],
                    "bisection over fake runs (the batch-2 and batch-3 timelines did not extrapolate)")
+
+
+def _place(gpu: str | Card | int, context_bytes: int | None, module_loading: str) -> "_Place":
+    """The card asked for and the CUDA context on it (given, or assumed for ``module_loading``)."""
+    if context_bytes is None:
+        context_bytes = context_assumption(module_loading).nbytes
+    return _Place(_card_of(gpu, context_bytes), context_bytes, module_loading)
 
 
 def _card_of(gpu: str | Card | int, context_bytes: int) -> Card:
@@ -268,8 +279,15 @@ class _Extrapolation:
         return _check(self.at(batch), usable, batch, "extrapolated")
 
 
-def _result(w, card, context_bytes, recipe: Recipe, dt, batch, t: TrackingResult, checks, runs, t0, levers,
+class _Place(NamedTuple):
+    card: Card
+    context_bytes: int
+    module_loading: str
+
+
+def _result(w, place: _Place, recipe: Recipe, dt, batch, t: TrackingResult, checks, runs, t0, levers,
             method, live: int | None = None) -> FitResult:
+    card, context_bytes = place.card, place.context_bytes
     if batch:   # every answer was checked by a fake run on this card: what its replay reserved there
         reserved = next(c.reserved_bytes for c in checks if c.batch == batch and c.source == "run")
     else:       # nothing fits: what batch 1 would reserve on a card without a limit, what it needs
@@ -278,7 +296,8 @@ def _result(w, card, context_bytes, recipe: Recipe, dt, batch, t: TrackingResult
     return FitResult(w.name, card.name, card.memory_bytes, context_bytes, recipe.optimizer, dtype_name(dt), amp,
                      w.describe_input(max(batch, 1)), batch, t.peak_bytes, dict(t.peak_by_category), reserved,
                      sorted(checks, key=lambda c: (c.batch, c.source)), runs, live,
-                     time.perf_counter() - t0, levers=levers, method=method, recipe=changed_options(recipe))
+                     time.perf_counter() - t0, levers=levers, method=method, recipe=changed_options(recipe),
+                     module_loading=place.module_loading)
 
 
 # --- levers -------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ import torch
 
 from gpulab.measure.engines import LABEL_FORMULA, LABEL_FAKE_CUDA
 from gpulab.models import hf_configs
-from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, Card, parse_gpu
+from gpulab.predict.cards import Card, parse_gpu
+from gpulab.predict.context import context_assumption, context_label
 from gpulab.predict.generation import generation_peak
 from gpulab.units import dtype_name, format_bytes, parse_dtype
 
@@ -68,6 +69,7 @@ class ServeResult:
     label: str = LABEL_FAKE_CUDA
     paged_label: str = LABEL_FORMULA + " (vLLM's block arithmetic)"
     kv_label: str = LABEL_FAKE_CUDA
+    module_loading: str = "lazy"
 
     @property
     def usable_bytes(self) -> int:
@@ -100,7 +102,8 @@ class ServeResult:
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        out.update(usable_bytes=self.usable_bytes, needed_one_at_a_time_bytes=self.needed_one_at_a_time_bytes,
+        out.update(context_label=context_label(self.context_bytes, self.module_loading),
+                   context_warning=context_assumption(self.module_loading).warning, usable_bytes=self.usable_bytes, needed_one_at_a_time_bytes=self.needed_one_at_a_time_bytes,
                    needed_all_at_once_bytes=self.needed_all_at_once_bytes, fits=self.fits,
                    paged_blocks=self.paged_blocks, max_sequences=self.max_sequences)
         return out
@@ -117,7 +120,8 @@ class ServeResult:
                 ["prefill, one sequence at a time (peak)", format_bytes(self.prefill_one_bytes), self.label],
                 ["prefill, all at once (peak)", format_bytes(self.prefill_all_bytes), self.label],
                 ["last decode step (peak)", format_bytes(self.decode_bytes), self.kv_label],
-                ["usable (card − CUDA context)", format_bytes(self.usable_bytes), "assumed context"],
+                ["usable (card − CUDA context)", format_bytes(self.usable_bytes),
+                 context_label(self.context_bytes, self.module_loading)],
                 [f"vLLM-style: blocks of {self.block_size} tokens at {self.utilization:.0%}",
                  f"{self.paged_blocks:,} blocks: {self.max_sequences} sequences", self.paged_label]]
         return html_table(["", "bytes", "source"], rows, repr(self))
@@ -146,12 +150,15 @@ def _config(model: Any) -> tuple[Any, str]:
 
 def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1, dtype: str | torch.dtype = "bf16",
           weights: str | None = None, kv_dtype: str | None = None, block_size: int = 16, utilization: float = 0.9,
-          context_bytes: int = CUDA_CONTEXT_ASSUMED) -> ServeResult:
+          context_bytes: int | None = None, module_loading: str = "lazy") -> ServeResult:
     """Serving ``model`` (a built-in config name or a transformers config) on ``gpu`` at
     ``context_len`` tokens per sequence (prompt and output together), ``batch`` sequences at
     once: see the module docstring. ``weights``: None (``dtype``), "int8" or "int4" / "nf4";
-    ``kv_dtype``: None (``dtype``), "bf16", "fp16", "fp32" or "fp8"."""
+    ``kv_dtype``: None (``dtype``), "bf16", "fp16", "fp32" or "fp8". ``context_bytes``: the CUDA
+    context's size, by default the assumption for ``module_loading`` (``predict.context``)."""
     t0 = time.perf_counter()
+    assumed = context_assumption(module_loading)
+    context_bytes = assumed.nbytes if context_bytes is None else context_bytes
     _check(context_len, batch, block_size, utilization)
     if weights is not None and weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)} or left out (the dtype's own), got {weights!r}")
@@ -181,4 +188,4 @@ def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1
                        one.prefill_peak_bytes, everyone.prefill_peak_bytes, decode, float(utilization), block_size,
                        time.perf_counter() - t0,
                        kv_label=LABEL_FAKE_CUDA if per_token == per_token_model
-                       else f"{LABEL_FAKE_CUDA}, the cache at {kv_dtype} by formula")
+                       else f"{LABEL_FAKE_CUDA}, the cache at {kv_dtype} by formula", module_loading=module_loading)
