@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--context", default=None,
                    help="memory the CUDA context takes outside PyTorch's allocator (default: assumed from "
                         "--cuda-module-loading, with the published measurements it rests on)")
+    f.add_argument("--what-fits", type=_positive_int, nargs="?", const=1, default=None, metavar="BATCH",
+                   help="also list the recipes that fit at BATCH (default 1), each confirmed by a fake run")
     f.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
                    help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
                         "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
@@ -326,7 +328,7 @@ def _main(argv: list[str]) -> int:
             data = serve(args.model, args.gpu, context_len=args.context, batch=args.batch, dtype=args.dtype,
                          weights=args.weights, kv_dtype=args.kv_dtype, block_size=args.block_size,
                          utilization=args.utilization, module_loading=args.cuda_module_loading,
-                         **({"context_bytes": _size(args.cuda_context)} if args.cuda_context else {})).as_dict()
+                         **({"context_bytes": _size(args.cuda_context, "--cuda-context")} if args.cuda_context else {})).as_dict()
             text = _print_serve
         else:
             from gpulab.predict.fit import fit
@@ -335,6 +337,13 @@ def _main(argv: list[str]) -> int:
                        module_loading=args.cuda_module_loading,
                        **({"context_bytes": _size(args.context)} if args.context else {})).as_dict()
             text = _print_fit
+            if args.what_fits:
+                from gpulab.predict.what_fits import what_fits
+                data["what_fits"] = what_fits(args.model, args.gpu, batch=args.what_fits, optimizer=args.optimizer,
+                                              dtype=args.dtype, amp=args.amp, seq_len=args.seq_len,
+                                              image_size=args.image_size, module_loading=args.cuda_module_loading,
+                                              **({"context_bytes": _size(args.context)} if args.context else {}),
+                                              **_recipe(args)).as_dict()
     except (RuntimeError, TypeError) as exc:   # torch refusing a size (an overflowing shape): the input's doing
         if "overflow" in str(exc).lower() or "negative dimension" in str(exc):
             raise ValueError(f"a tensor of this size cannot be made ({_one_line(exc)}): use smaller "
@@ -343,10 +352,13 @@ def _main(argv: list[str]) -> int:
     return _emit(json.dumps(data) if args.json else text(data))
 
 
-def _size(text: str) -> int:
-    """A size such as 512MiB (the same forms as --gpu's sizes)."""
+def _size(text: str, flag: str = "--context") -> int:
+    """A size such as 512MiB (the same forms as --gpu's sizes), for ``flag``."""
     from gpulab.predict.cards import parse_gpu
-    return parse_gpu(text).memory_bytes
+    try:
+        return parse_gpu(text).memory_bytes
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("--gpu", flag, 1)) from None
 
 
 def _print_fit(d: dict[str, Any]) -> str:
@@ -373,6 +385,8 @@ def _print_fit(d: dict[str, Any]) -> str:
     lines.append(f"how: {d['method']}; {d['runs']} fake runs, {d['seconds']:.1f} s")
     if d.get("context_warning"):
         lines.append(f"warning: {d['context_warning']}")
+    if d.get("what_fits"):
+        lines += _what_fits_lines(d["what_fits"])
     return "\n".join(lines)
 
 
@@ -397,6 +411,17 @@ def _print_serve(d: dict[str, Any]) -> str:
     if d.get("context_warning"):
         lines.append(f"warning: {d['context_warning']}")
     return "\n".join(lines)
+
+
+def _what_fits_lines(d: dict[str, Any]) -> list[str]:
+    lines = [f"what fits at batch {d['batch']} ({d['label']}): the asked recipe needs "
+             f"{format_bytes(d['asked_reserved_bytes'])} ({'fits' if d['asked_fits'] else 'does not fit'})"]
+    for t in d["tried"]:
+        lines.append(f"  {'fits' if t['fits'] else 'no  '}  {format_bytes(t['reserved_bytes']):>10}  "
+                     f"saves {format_bytes(t['saved_bytes']):>10}  {t['name']}  [{t['cost']}]")
+    if not d["fitting"]:
+        lines.append("  nothing tried fits: a larger card, or several GPUs")
+    return lines
 
 
 def _emit(text: str) -> int:

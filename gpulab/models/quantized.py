@@ -32,6 +32,8 @@ import math
 import torch
 from torch import nn
 
+from gpulab.models.lora import linear_shape
+
 __all__ = ["CUSTOM_KERNEL_TOKENS", "NF4_BLOCK", "QUANTIZATIONS", "QuantizedLinear", "quantize_linears",
            "quantized_weight_bytes"]
 
@@ -70,13 +72,14 @@ class QuantizedLinear(nn.Linear):
     """An ``nn.Linear`` (peft adapts it as one) whose frozen weight is stored as bitsandbytes
     stores it (module docstring); ``bias`` stays as it was."""
 
-    def __init__(self, linear: nn.Linear, kind: str, double_quant: bool = True):
+    def __init__(self, linear: nn.Module, kind: str, double_quant: bool = True):
         if kind not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
         nn.Module.__init__(self)
-        self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
+        self.in_features, self.out_features = linear_shape(linear)   # nn.Linear, or GPT-2's Conv1D (in, out)
+        self.kind = kind
         self.compute_dtype = linear.weight.dtype
-        device, n = linear.weight.device, linear.in_features * linear.out_features
+        device, n = linear.weight.device, self.in_features * self.out_features
         if kind == "nf4":
             self.weight = nn.Parameter(torch.zeros((n + 1) // 2, 1, dtype=torch.uint8, device=device),
                                        requires_grad=False)
@@ -141,13 +144,15 @@ class _Int8(_Dequantized):
 
 
 def quantize_linears(model: nn.Module, kind: str, double_quant: bool = True) -> nn.Module:
-    """Replace every ``nn.Linear`` of ``model`` except its output head (``get_output_embeddings``)
-    by a ``QuantizedLinear`` of ``kind``, in place; returns ``model``."""
+    """Replace every ``nn.Linear`` of ``model`` (and transformers' ``Conv1D``, GPT-2's, which
+    transformers' bitsandbytes integration quantizes too) except its output head
+    (``get_output_embeddings``) by a ``QuantizedLinear`` of ``kind``, in place; returns ``model``."""
     if kind not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if type(child) is nn.Linear and child is not head:
+            if (type(child) is nn.Linear or type(child).__name__ == "Conv1D") and child is not head \
+                    and linear_shape(child) is not None:
                 setattr(module, child_name, QuantizedLinear(child, kind, double_quant))
     return model

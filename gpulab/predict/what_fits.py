@@ -1,0 +1,170 @@
+"""``what_fits``: when a training recipe does not fit a card, the recipes that do, each confirmed
+by a fake run.
+
+Each candidate changes the asked recipe in one way people reach for (a smaller loss working set,
+the optimizer stepped in backward, bf16, 8-bit optimizer state, activation checkpointing, LoRA,
+QLoRA), and is run at the asked batch on the fake engine (CUDA's kernels) and replayed through the
+simulated caching allocator against the card less the CUDA context, as ``gpulab fit`` checks a
+batch. If no single change fits, the changes are stacked in order of what they cost until the stack
+fits. Candidates are ranked by that cost: first what changes nothing of the result (the loss in
+chunks, the step in backward), then precision (bf16, 8-bit state), then compute (recomputing
+activations), then what is trained (LoRA, then QLoRA's 4-bit base).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gpulab.measure.engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
+from gpulab.models.hf_configs import task_of
+from gpulab.models.workload import resolve_workload
+from gpulab.predict.fit import _check, _place, _replay, _run
+from gpulab.training.loop import RECIPE_DEFAULTS, check_recipe_for, user_recipe
+from gpulab.units import dtype_name, format_bytes, parse_dtype
+
+__all__ = ["CANDIDATES", "Candidate", "WhatFits", "what_fits"]
+
+_ADAM = ("adam", "adamw")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    cost: str          # what it costs, in words
+    rank: int          # order of cost: lower is cheaper
+    changes: dict[str, Any]
+
+
+CANDIDATES = (
+    Candidate("loss in 8 chunks", "nothing: the same loss, its float32 logits a chunk at a time", 0,
+              {"chunked_loss": 8}),
+    Candidate("optimizer step in backward", "no gradient accumulation or clipping with it", 1,
+              {"optimizer_in_backward": True}),
+    Candidate("bf16 weights, gradients and optimizer state", "precision: no float32 master weights", 2,
+              {"dtype": "bf16"}),
+    Candidate("8-bit AdamW state (bitsandbytes)", "precision of the optimizer state", 3, {"optimizer": "adamw8bit"}),
+    Candidate("activation checkpointing", "about a third more compute (each block's forward again)", 4,
+              {"checkpointing": True}),
+    Candidate("LoRA rank 16", "only adapters train (peft's default layers)", 5, {"lora": 16}),
+    Candidate("QLoRA (NF4 base, LoRA rank 16)", "only adapters train, on a 4-bit base", 6,
+              {"lora": 16, "quantize": "nf4"}),
+)
+
+
+@dataclass(frozen=True)
+class Tried:
+    name: str
+    cost: str
+    changes: dict[str, Any]
+    reserved_bytes: int        # simulated peak reserved at the batch
+    fits: bool
+    saved_bytes: int           # against the asked recipe's reserved peak
+
+
+@dataclass
+class WhatFits:
+    model: str
+    card: str
+    capacity_bytes: int
+    context_bytes: int
+    batch: int
+    asked: dict[str, Any]
+    asked_reserved_bytes: int
+    asked_fits: bool
+    tried: list[Tried] = field(default_factory=list)
+    seconds: float = 0.0
+    label: str = f"{LABEL_FAKE_CUDA}, replayed through the {LABEL_SIMULATED}"
+
+    @property
+    def fitting(self) -> list[Tried]:
+        """The candidates that fit, cheapest first (the order they were tried in)."""
+        return [t for t in self.tried if t.fits]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "card": self.card, "capacity_bytes": self.capacity_bytes,
+                "context_bytes": self.context_bytes, "batch": self.batch, "asked": self.asked,
+                "asked_reserved_bytes": self.asked_reserved_bytes, "asked_fits": self.asked_fits,
+                "tried": [t.__dict__ for t in self.tried], "fitting": [t.name for t in self.fitting],
+                "seconds": self.seconds, "label": self.label}
+
+    def __repr__(self) -> str:
+        return (f"WhatFits({self.model} on {self.card} at batch {self.batch}: "
+                + (", ".join(t.name for t in self.fitting) or "nothing tried fits") + ")")
+
+    def _repr_html_(self) -> str:
+        from gpulab.views import html_table
+        rows = [[t.name, format_bytes(t.reserved_bytes), format_bytes(t.saved_bytes), "fits" if t.fits else "no",
+                 t.cost] for t in self.tried]
+        return html_table(["recipe", "reserved (simulated)", "saved", "", "what it costs"], rows, repr(self))
+
+
+def _applies(c: Candidate, asked: dict[str, Any], kind: str, causal: bool) -> bool:
+    if c.changes.get("chunked_loss") and not causal:
+        return False
+    if (c.changes.get("lora") or c.changes.get("checkpointing")) and kind != "tokens":
+        return False
+    if c.changes.get("optimizer") and asked["optimizer"] not in _ADAM:
+        return False
+    if c.changes.get("dtype") and asked.get("dtype") not in (None, torch.float32):
+        return False
+    if c.changes.get("optimizer_in_backward") and (asked["accumulate"] > 1 or asked["clip_grad_norm"]):
+        return False
+    return all(asked.get(k) != v for k, v in c.changes.items())
+
+
+def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw", dtype: Any = None,
+              amp: str | None = None, seq_len: int | None = None, image_size: int | None = None,
+              context_bytes: int | None = None, module_loading: str = "lazy", **options: Any) -> WhatFits:
+    """The asked recipe (``optimizer``, ``dtype``, ``amp`` and the recipe ``options`` of
+    ``gpulab.fit``) at ``batch`` on ``gpu``, then each candidate change, then stacked changes (see the
+    module docstring). Every figure is a fake run replayed through the simulated allocator."""
+    t0 = time.perf_counter()
+    place = _place(gpu, context_bytes, module_loading)
+    usable = place.card.memory_bytes - place.context_bytes
+    w = resolve_workload(model, seq_len=seq_len, image_size=image_size)
+    base_dt = parse_dtype(dtype) if dtype is not None else torch.float32
+    unknown = sorted(set(options) - set(RECIPE_DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown recipe option(s) {', '.join(unknown)}; valid: {', '.join(RECIPE_DEFAULTS)}")
+    defaults = {**RECIPE_DEFAULTS, **options}
+
+    def attempt(changes: dict[str, Any]) -> tuple[int, bool]:
+        opts = {**defaults, **{k: v for k, v in changes.items() if k not in ("optimizer", "dtype")}}
+        recipe = user_recipe(changes.get("optimizer", optimizer), amp, **opts)
+        check_recipe_for(recipe, w)
+        dt = parse_dtype(changes["dtype"]) if "dtype" in changes else base_dt
+        t = _run(w, batch, dt, recipe).tracking
+        check = _check(t, usable, batch, "run")   # what it needs on a card without a limit, when it fails
+        return (check.reserved_bytes if check.fits else _replay(t, None)[0]), check.fits
+
+    asked_reserved, asked_fits = attempt({})
+    asked = {"optimizer": optimizer, "dtype": base_dt, **defaults}
+    causal = w.config is not None and task_of(w.config) == "causal-lm"
+    usable_candidates = [c for c in CANDIDATES if _applies(c, asked, w.kind, causal)]
+    tried: list[Tried] = []
+    for c in usable_candidates:
+        reserved, fits = attempt(c.changes)
+        tried.append(Tried(c.name, c.cost, c.changes, reserved, fits, asked_reserved - reserved))
+    if not any(t.fits for t in tried):   # stack them, cheapest first, until the stack fits
+        stacked: dict[str, Any] = {}
+        names: list[str] = []
+        for c in usable_candidates:
+            if c.changes.get("quantize") and stacked.get("lora"):
+                stacked.pop("lora")
+            stacked.update(c.changes)
+            names.append(c.name)
+            if len(names) < 2:
+                continue
+            reserved, fits = attempt(stacked)
+            tried.append(Tried(" + ".join(names), "all of: " + "; ".join(c2.cost for c2 in usable_candidates
+                                                                         if c2.name in names),
+                               dict(stacked), reserved, fits, asked_reserved - reserved))
+            if fits:
+                break
+    return WhatFits(w.name, place.card.name, place.card.memory_bytes, place.context_bytes, batch,
+                    {k: (dtype_name(v) if isinstance(v, torch.dtype) else v) for k, v in asked.items()
+                     if k in ("optimizer", "dtype") or v != RECIPE_DEFAULTS.get(k)},
+                    asked_reserved, asked_fits, tried, time.perf_counter() - t0)
