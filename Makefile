@@ -46,6 +46,10 @@ $(PY):
 $(UV_HOME)/bin/uv: | $(PY)
 	$(PY) -m pip install --quiet --disable-pip-version-check --target $(UV_HOME) uv
 
+# --compile-bytecode: every package is installed with its .pyc files. Without them a process that
+# imports torch._dynamo (torch.compile, torchvision's ops, transformers' image utilities) compiles
+# its sources again, about 6 s of CPU on a 2-core machine, whenever Python may not write its cache
+# (PYTHONDONTWRITEBYTECODE=1, as on CI runners and in many containers).
 $(TORCH_STAMP): | $(PY) $(if $(filter $(UV_HOME)/bin/uv,$(UV)),$(UV_HOME)/bin/uv)
 	@build="$(TORCH)"; \
 	if [ "$$build" = auto ]; then \
@@ -54,24 +58,24 @@ $(TORCH_STAMP): | $(PY) $(if $(filter $(UV_HOME)/bin/uv,$(UV)),$(UV_HOME)/bin/uv
 	fi; \
 	case "$$build" in \
 	  cpu) echo "gpulab: no NVIDIA GPU found: installing PyTorch's CPU-only build from $(TORCH_CPU_INDEX)"; \
-	       if ! $(UV) pip install --python $(PY) --index-url $(TORCH_CPU_INDEX) torch torchvision; then \
+	       if ! $(UV) pip install --compile-bytecode --python $(PY) --index-url $(TORCH_CPU_INDEX) torch torchvision; then \
 	         if [ "$(TORCH)" = cpu ]; then echo "gpulab: could not install the CPU build from $(TORCH_CPU_INDEX)" >&2; exit 1; fi; \
 	         echo "gpulab: PyTorch's CPU index could not be reached: installing the registry's default build instead (with CUDA libraries, about 6 GB). It runs on the CPU too. Set TORCH_CPU_INDEX=URL to use a mirror of the CPU index."; \
 	         build=cuda; \
-	         $(UV) pip install --python $(PY) torch torchvision || exit 1; \
+	         $(UV) pip install --compile-bytecode --python $(PY) torch torchvision || exit 1; \
 	       fi ;; \
 	  cuda) echo "gpulab: installing PyTorch's default build (with CUDA libraries)"; \
-	        $(UV) pip install --python $(PY) torch torchvision || exit 1 ;; \
+	        $(UV) pip install --compile-bytecode --python $(PY) torch torchvision || exit 1 ;; \
 	  *) echo "TORCH must be auto, cpu or cuda (got '$$build')" >&2; exit 2 ;; \
 	esac; \
 	echo "$$build" > $@
 
 $(LAB_STAMP): pyproject.toml $(TORCH_STAMP)
-	$(UV) pip install --python $(PY) -e .
+	$(UV) pip install --compile-bytecode --python $(PY) -e .
 	touch $@
 
 $(TEST_STAMP): pyproject.toml $(LAB_STAMP)
-	$(UV) pip install --python $(PY) -e '.[test]'
+	$(UV) pip install --compile-bytecode --python $(PY) -e '.[test]'
 	touch $@
 
 venv: $(LAB_STAMP)

@@ -110,6 +110,9 @@ def test_lab_installs_no_test_tools():
     r = subprocess.run([MAKE, "-C", str(ROOT), "-n", "-B", "quick", "VENV=/nonexistent-venv", "UV=uv"],
                        capture_output=True, text=True, timeout=60)
     assert any("-e '.[test]'" in ln for ln in r.stdout.splitlines())
+    # every install writes the packages' .pyc files (see the Makefile: PYTHONDONTWRITEBYTECODE)
+    every = [ln for ln in r.stdout.splitlines() if re.search(r"\buv pip install\b", ln)]
+    assert every and all("--compile-bytecode" in ln for ln in every), every
 
 
 def test_floors_are_consistent():
