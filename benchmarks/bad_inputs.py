@@ -115,6 +115,21 @@ def cli_cases(tmp: pathlib.Path) -> list[Case]:
     for opt, v in (("--dtype", "float128"), ("--dtype", "int8"), ("--dtype", ""), ("--optimizer", "adamw9"),
                    ("--amp", "fp8"), ("--engine", "tpu"), ("--engine", ""), ("--fake-target", "rocm")):
         cases.append(Case("cli", f"step mlp {opt} {v!r}", lambda opt=opt, v=v: _cli("step", "mlp", opt, v)))
+    for extra in (["--context", "100000"], ["--context", "0"], ["--context", "64", "--batch", "0"],
+                  ["--context", "64", "--weights", "int3"], ["--context", "64", "--kv-dtype", "int2"],
+                  ["--context", "64", "--utilization", "1.5"], ["--context", "64", "--utilization", "nan"],
+                  ["--context", "64", "--block-size", "-16"], ["--context", "64", "--cuda-context", "abc"]):
+        cases.append(Case("cli", f"serve tiny-llama {' '.join(extra)[:30]}",
+                          lambda extra=extra: _cli("serve", "hf:tiny-llama", "--gpu", "24GiB", *extra)))
+    for m in ("hf:bert-base-uncased", "hf:nosuch", "mlp", ""):
+        cases.append(Case("cli", f"serve {m!r}", lambda m=m: _cli("serve", m, "--gpu", "24GiB", "--context", "64")))
+    for extra in (["--lora", "0"], ["--lora", "-2"], ["--quantize", "nf4"], ["--quantize", "fp4", "--lora", "4"],
+                  ["--lora", "4", "--lora-targets", "nope"], ["--lora", "4", "--lora-dropout", "1.5"],
+                  ["--lora-dropout", "0.1"], ["--optimizer-impl", "fast"], ["--what-fits", "0"]):
+        cases.append(Case("cli", f"fit tiny-llama {' '.join(extra)[:30]}",
+                          lambda extra=extra: _cli("fit", "hf:tiny-llama", "--gpu", "24GiB", "--seq-len", "32",
+                                                   *extra)))
+    cases.append(Case("cli", "fit mlp --checkpointing", lambda: _cli("fit", "mlp", "--gpu", "24GiB", "--checkpointing")))
     cases.append(Case("cli", "step (no model)", lambda: _cli("step")))
     cases.append(Case("cli", "no command", lambda: _cli()))
     cases.append(Case("cli", "unknown command", lambda: _cli("train", "mlp")))

@@ -174,7 +174,7 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
                          f"stores them), got {quantize!r}")
     if quantize and not lora:
         raise ValueError(f"a {quantize} base is frozen: it trains through adapters; add lora=RANK (QLoRA: "
-                         f"quantize='nf4', lora=8)")
+                         f"quantize='nf4', lora=8; on the command line --lora R, or --qlora)")
     key = validate_amp(amp)
     return Recipe(optimizer, amp=AMP_DTYPES[key] if key else None, grad_scaler=grad_scaler, set_to_none=set_to_none,
                   accumulate=accumulate, clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward,
