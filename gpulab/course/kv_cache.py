@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from gpulab.models import hf_configs
+from gpulab.predict.generation import cache_keyword as _cache_keyword
 from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, Card, parse_gpu
 from gpulab.measure.engines import LABEL_FORMULA, Measured, Measurement, RunContext, run
 from gpulab.units import dtype_bytes, dtype_name, format_bytes, parse_dtype
@@ -330,14 +331,6 @@ class MeasuredKVCache(Measured):
                 f"({html.escape(self.label)}), weights {format_bytes(self.weights_bytes)}")
         return head + html_table(["forward", "tokens in cache", "cache bytes (measured)", "formula", "equal"], rows,
                                  f"measured: {self.label}; formula: {self.formula_label}")
-
-
-def _cache_keyword(fn: Callable) -> str:
-    """The keyword a transformers call takes the KV cache by: ``cache`` where transformers has
-    renamed it (5.x: the old ``past_key_values`` still works there, with a FutureWarning, until
-    it is removed), ``past_key_values`` before. ``generate`` forwards its keyword arguments to
-    ``prepare_inputs_for_generation``: ask that one for generate."""
-    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
 def _generate_experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: torch.dtype, seed: int):

@@ -37,7 +37,7 @@ from gpulab.models.adapt import quantized_build
 from gpulab.models.quantized import QUANTIZATIONS
 from gpulab.units import dtype_name, parse_dtype
 
-__all__ = ["GenerationPeak", "generation_peak"]
+__all__ = ["GenerationPeak", "cache_keyword", "generation_peak"]
 
 
 @dataclass
@@ -74,8 +74,11 @@ class GenerationPeak(Measured):
                 f"{self.batch}: peak {self.peak_bytes:,} B at the {self.peak_at})")
 
 
-def _cache_keyword(fn) -> str:
-    """``cache`` where transformers renamed the argument (5.x), ``past_key_values`` before."""
+def cache_keyword(fn) -> str:
+    """The keyword a transformers call takes the KV cache by: ``cache`` where transformers has
+    renamed it (5.x: the old ``past_key_values`` still works there, with a FutureWarning, until
+    it is removed), ``past_key_values`` before. ``generate`` forwards its keyword arguments to
+    ``prepare_inputs_for_generation``: ask that one for generate."""
     return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
@@ -89,7 +92,7 @@ def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: tor
             ctx.tracker.register(model)
             vocab = hf_configs.vocab_size(config)
             cache = transformers.DynamicCache(config=config)
-        kwargs: dict[str, Any] = {_cache_keyword(model.forward): cache, "use_cache": True}
+        kwargs: dict[str, Any] = {cache_keyword(model.forward): cache, "use_cache": True}
         if "logits_to_keep" in inspect.signature(model.forward).parameters:
             kwargs["logits_to_keep"] = 1
         with torch.no_grad():
