@@ -266,6 +266,10 @@ def standin_gpu(monkeypatch, **kwargs: Any):
     stream = types.SimpleNamespace(is_capturing=lambda: False, synchronize=lambda: None, device_index=0)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: stream)
+    # torch 2.11's optimizers ask the driver directly (torch.cuda.graphs), which a machine
+    # without CUDA answers with an error; 2.15 asks the stream above
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda.graphs, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(gpulab.measure.gpu, "_nvml", lambda: (None, f"{STANDIN_NAME}: no NVML"), raising=False)
     monkeypatch.setattr(gpulab.measure.gpu, "nvml_used_bytes", lambda index=0: gpu.nvml_used(), raising=False)
     real_device_str = gpulab.measure.tracking._device_str
