@@ -161,11 +161,15 @@ def _wrap(spec: StrategySpec, model: nn.Module, ctx: RankContext):
             from torch.distributed.optim import ZeroRedundancyOptimizer
             return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3), log
         return wrapped, torch.optim.Adam(wrapped.parameters(), lr=1e-3), log
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     reshard = spec.strategy == "fsdp2"
+    # the mesh names the rank's device: without one, fully_shard takes CUDA whenever a GPU is
+    # present, and moves a gloo run's (CPU) parameters there (seen on an H200)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     for unit in sharding_units(model):
-        fully_shard(unit, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     return model, torch.optim.Adam(model.parameters(), lr=1e-3), None
 
 
