@@ -94,7 +94,6 @@ def step_snapshot(out: pathlib.Path, model_name: str, batch: int, stacks: str) -
                                   "seconds": round(time.perf_counter() - t0, 2),
                                   "cudnn": torch.backends.cudnn.version(),
                                   "cudnn_benchmark": torch.backends.cudnn.benchmark})
-    del model, opt, x, y
     torch.cuda.empty_cache()
     return res
 
