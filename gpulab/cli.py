@@ -16,6 +16,7 @@ import sys
 from typing import Any, Sequence
 
 from gpulab.units import format_bytes
+from gpulab.views import not_tensor_rows
 
 __all__ = ["MODEL_HELP", "REPORT", "build_parser", "env_info", "main"]
 
@@ -216,6 +217,7 @@ def _print_step(d: dict[str, Any]) -> str:
         b = d["beyond_tensors"]
         lines.append(f"{b['label']}: {format_bytes(b['bytes'])}")
         lines.append(f"{b['kept_label']}: {format_bytes(b['kept_after_run'])}")
+        lines += [f"{k}: {v}" for k, v in not_tensor_rows(b.get("not_tensors"))]
     return "\n".join(lines)
 
 

@@ -34,6 +34,16 @@ def comparison_rows(predicted: dict[str, int | None], measured: dict[str, int]) 
     return rows
 
 
+def not_tensor_rows(nt: dict | None) -> list[list[str]]:
+    """The allocator trace's allocations no tensor owns (``measure.non_tensor``), as table rows."""
+    if not nt:
+        return []
+    sites = ", ".join(f"{k} ×{v}" for k, v in sorted(nt["sites"].items(), key=lambda kv: -kv[1]))
+    return [[f"{nt['label']}: live at the trace's peak", format_bytes(nt["at_peak"])],
+            ["the same: how many, the largest" + (f" (where: {sites})" if sites else ""),
+             f"{nt['count']}, {format_bytes(nt['largest_bytes'])}"]]
+
+
 def measurement_html(m) -> str:
     if m.oom:
         return (f"<b>Out of memory</b> ({html.escape(m.label)}): {html.escape(str(m.error))}"
@@ -52,6 +62,7 @@ def measurement_html(m) -> str:
              f"{format_bytes(a['baseline_allocated'])} / {format_bytes(a['baseline_reserved'])}"],
             [b["label"], format_bytes(b["bytes"])],
             [b["kept_label"], format_bytes(b["kept_after_run"])],
+            *not_tensor_rows(b.get("not_tensors")),
             ["OOMs / allocation retries in this run (since the process started)",
              f"{a['num_ooms_this_run']} / {a['num_alloc_retries_this_run']} "
              f"({a['num_ooms_since_process_start']} / {a['num_alloc_retries_since_process_start']})"],
@@ -71,7 +82,7 @@ def step_html(step) -> str:
     if m.oom:
         return title + "<br>" + measurement_html(m)
     rounded = m.tracking.rounded   # cuda: compare the formulas with unrounded tensor bytes
-    table = html_table(["category", f"formula", f"peak{' tensor bytes (unrounded)' if rounded else ''}: {m.label}",
+    table = html_table(["category", "formula", f"peak{' tensor bytes (unrounded)' if rounded else ''}: {m.label}",
                         "formula error"],
                        comparison_rows(step.predicted, step.tensor_bytes_by_category)
                        + [["total" + (" (each storage rounded up to 512 B)" if rounded else ""), "",

@@ -419,6 +419,43 @@ def beyond_tensors(allocator: dict[str, Any], blocks: AllocatorBlocks) -> dict[s
                           "kept until the process ends (cuBLAS's first matmul of the process)"}
 
 
+class _TraceRun:
+    """The caching allocator's trace of one run (``torch.cuda.memory._record_memory_history``,
+    without stack frames, so it costs little), to tell the allocations no tensor owns from the
+    tensors'. When the user's own recording is on, it is left alone and no trace is taken."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.trace: list[dict[str, Any]] | None = None
+        self._mine = False
+
+    def __enter__(self) -> "_TraceRun":
+        try:
+            if not torch._C._cuda_isHistoryEnabled():
+                torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                         max_entries=1_000_000, clear_history=True)
+                self._mine = True
+        except (AttributeError, RuntimeError, TypeError):   # a torch without it: no trace
+            self._mine = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._mine:
+            return
+        try:
+            snap = torch.cuda.memory._snapshot(self.device)
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            traces = snap.get("device_traces") or []
+            self.trace = list(traces[index]) if index < len(traces) else []
+        except Exception:  # noqa: BLE001 - the trace is an extra: the run's figures stand without it
+            self.trace = None
+        finally:
+            try:
+                torch.cuda.memory._record_memory_history(enabled=None)
+            except Exception:  # noqa: BLE001
+                pass
+
+
 def _run_cuda(experiment, choice: EngineChoice, device: torch.device) -> Measurement:
     """Measure one run, not the process's history: free what earlier code left (gc, synchronize,
     ``empty_cache``), reset the peaks, record the baseline; report peaks and deltas from it.
@@ -429,11 +466,13 @@ def _run_cuda(experiment, choice: EngineChoice, device: torch.device) -> Measure
     before = _cuda_counters(device)
     segments = allocator_segments(device)   # what was left (a cuBLAS workspace) and the room beside it
     tracker = MemoryTracker()
+    tracker.cuda_addresses = []
     ctx = RunContext("cuda", device, tracker, baseline=before["allocated"], segments=segments)
     value, err, oom = None, None, False
+    history = _TraceRun(device)
     t0 = time.perf_counter()
     try:
-        with tracker:
+        with history, tracker:
             value = experiment(ctx)
         torch.cuda.synchronize(device)
     except Exception as exc:
@@ -451,6 +490,9 @@ def _run_cuda(experiment, choice: EngineChoice, device: torch.device) -> Measure
     allocator = cuda_run_counters(before, _cuda_counters(device), max_alloc, max_res,
                                   nvml_used_bytes(device.index or 0))
     beyond = beyond_tensors(allocator, blocks)
+    if history.trace is not None:
+        from gpulab.measure.non_tensor import classify
+        beyond["not_tensors"] = classify(history.trace, tracker.cuda_addresses).as_dict()
     if oom:
         release_cuda_memory(device)
     name = torch.cuda.get_device_name(device)

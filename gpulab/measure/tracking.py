@@ -88,6 +88,9 @@ class MemoryTracker(TorchDispatchMode):
         self._closed = False
         self._offload: str | None = None   # saved tensors go to host memory: "copy back" or "alias back"
         self._paused = False
+        # CUDA storages' addresses in the order they were seen (the cuda engine sets a list, to
+        # tell the allocator's trace entries that are tensors from those that are not)
+        self.cuda_addresses: list[tuple[int, int]] | None = None
 
     # ---- context management -------------------------------------------------------
     def __enter__(self) -> "MemoryTracker":
@@ -221,6 +224,8 @@ class MemoryTracker(TorchDispatchMode):
         self._live[key] = sid
         self._refs[sid] = weakref.ref(st, functools.partial(_storage_freed, self._self_ref, key, sid))
         self._emit("alloc", rec, rec.nbytes, rec.nbytes)
+        if self.cuda_addresses is not None and device.type == "cuda":
+            self.cuda_addresses.append((st.data_ptr(), rec.nbytes))
         return rec
 
     def _free(self, key: int, sid: int) -> None:
