@@ -139,17 +139,17 @@ def test_a_trace_checks_the_tracker_against_the_tensors_and_names_the_workspaces
     mib = 2**20
     run = _run(gv, 20 * mib, 27 * mib, fake_blocks_peak=20 * mib, trace_peak=27 * mib, trace_tensor_peak=20 * mib,
                trace_tensors_at_peak=20 * mib, not_tensor_at_peak=7 * mib, not_tensor_count=3,
-               not_tensor_largest=7 * mib)
+               not_tensor_largest=7 * mib, trace_replay_peak=27 * mib, trace_replay_reserved=120 * mib)
     md = gv.render_markdown(gv.Report(_device(), "t", models=[run]))
     assert "| " + gv.PEAK_ROW + " | within ±0.5% | PASS" in md
     assert "| " + gv.FAKE_ROW + " | within ±2% | PASS" in md
-    assert "allocations no tensor owns (cuDNN workspaces) vs `max_memory_allocated` | within ±0.5% | PASS" in md
+    assert "replaying the allocator's trace (tensors + cuDNN workspaces) vs `max_memory_allocated` | within ±0.5% | PASS" in md
     assert "7.00 MiB of 27.00 MiB" in md
     assert gv.missed(gv.Report(_device(), "t", models=[run])) == []
     # the same run, had the trace counted 1 MiB of workspace too few, misses the whole-peak check
     short = _run(gv, 20 * mib, 27 * mib, trace_tensor_peak=20 * mib, trace_tensors_at_peak=20 * mib,
-                 not_tensor_at_peak=6 * mib)
-    assert any("no tensor owns" in m for m in gv.missed(gv.Report(_device(), "t", models=[short])))
+                 not_tensor_at_peak=6 * mib, trace_replay_peak=26 * mib, trace_replay_reserved=120 * mib)
+    assert any("replaying the allocator's trace" in m for m in gv.missed(gv.Report(_device(), "t", models=[short])))
 
 
 def test_renderer_marks_06_percent_miss_and_04_percent_pass(gv):

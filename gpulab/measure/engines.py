@@ -235,6 +235,7 @@ class Measurement:
     kernels: str = ""  # whose kernels the numbers follow: "cuda" or "cpu" (filled in if not given)
     offloaded: TrackingResult | None = None   # activation offloading: the host copies, apart
     paged: TrackingResult | None = None       # a paged optimizer's state in unified memory, apart
+    allocator_trace: list[dict[str, Any]] | None = None   # cuda only: the allocator's own trace of the run
 
     def __post_init__(self) -> None:
         if not self.kernels:
@@ -419,6 +420,20 @@ def beyond_tensors(allocator: dict[str, Any], blocks: AllocatorBlocks) -> dict[s
                           "kept until the process ends (cuBLAS's first matmul of the process)"}
 
 
+def _trace_figures(trace, addresses, segments) -> dict[str, Any]:
+    """The allocations no tensor owns in the run's trace (``non_tensor.classify``), and the
+    simulator's replay of the whole trace, workspaces included, from the run's starting segments."""
+    from gpulab.measure.non_tensor import classify, trace_events
+    out = classify(trace, addresses).as_dict()
+    sim = (rebuilt_allocator(segments) if segments else None) or CachingAllocator()
+    a0, r0 = sim.memory_allocated(), sim.memory_reserved()
+    r = sim.replay(trace_events(trace), strict=False)
+    out.update(replayed_peak_allocated=int(r.peak_allocated - a0), replayed_peak_reserved=int(r.peak_reserved - r0),
+               replay_label="gpulab's allocator simulator replaying this run's own allocator trace (tensors and "
+                            "the allocations no tensor owns), from the segments the run began with")
+    return out
+
+
 class _TraceRun:
     """The caching allocator's trace of one run (``torch.cuda.memory._record_memory_history``,
     without stack frames, so it costs little), to tell the allocations no tensor owns from the
@@ -491,14 +506,17 @@ def _run_cuda(experiment, choice: EngineChoice, device: torch.device) -> Measure
                                   nvml_used_bytes(device.index or 0))
     beyond = beyond_tensors(allocator, blocks)
     if history.trace is not None:
-        from gpulab.measure.non_tensor import classify
-        beyond["not_tensors"] = classify(history.trace, tracker.cuda_addresses).as_dict()
+        try:
+            beyond["not_tensors"] = _trace_figures(history.trace, tracker.cuda_addresses, segments)
+        except Exception:  # noqa: BLE001 - an extra: the run's own figures stand without it
+            pass
     if oom:
         release_cuda_memory(device)
     name = torch.cuda.get_device_name(device)
     return Measurement("cuda", choice.reason, str(device), label_cuda(name), result, value, seconds,
                        ctx.snapshots, allocator=allocator, beyond_tensors=beyond, oom=oom, error=err,
-                       blocks=blocks, offloaded=_apart(tracker, HOST_DEVICE), paged=_apart(tracker, UNIFIED_DEVICE))
+                       blocks=blocks, offloaded=_apart(tracker, HOST_DEVICE), paged=_apart(tracker, UNIFIED_DEVICE),
+                       allocator_trace=history.trace)
 
 
 def _apart(tracker: MemoryTracker, where: str) -> TrackingResult | None:

@@ -110,3 +110,21 @@ def classify(trace: Iterable[dict[str, Any]], tensors: Sequence[tuple[int, int]]
     out.unmatched_tensors = sum(len(q) for q in pending.values())
     out.sites, out.site_bytes = dict(sites), dict(site_bytes)
     return out
+
+
+def trace_events(trace: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trace's allocations and frees as storage events (``kind``, ``sid``, ``nbytes``, with the
+    requested bytes) for ``CachingAllocator.replay``: what the simulator needs to replay the run
+    as the GPU's allocator saw it, workspaces included. Frees of blocks from before the trace
+    began have no allocation here and are left out."""
+    live: dict[int, int] = {}
+    out: list[dict[str, Any]] = []
+    for e in trace:
+        action, addr = e.get("action"), e.get("addr")
+        if action == "alloc":
+            sid = len(out)
+            live[addr] = sid
+            out.append({"kind": "alloc", "sid": sid, "nbytes": int(e.get("size", 0)), "device": "cuda"})
+        elif action == "free_requested" and addr in live:
+            out.append({"kind": "free", "sid": live.pop(addr), "nbytes": int(e.get("size", 0)), "device": "cuda"})
+    return out
