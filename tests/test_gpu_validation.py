@@ -137,7 +137,7 @@ def test_a_trace_checks_the_tracker_against_the_tensors_and_names_the_workspaces
     the tracker and the fake engine are judged against the tensors' peak, and the trace's
     tensors + workspaces against max_memory_allocated."""
     mib = 2**20
-    run = _run(gv, 20 * mib, 27 * mib, fake_blocks_peak=20 * mib, trace_peak=27 * mib, trace_tensor_peak=20 * mib,
+    run = _run(gv, 20 * mib, 27 * mib, fake_blocks_peak=20 * mib, fake_tracker_peak=20 * mib, trace_peak=27 * mib, trace_tensor_peak=20 * mib,
                trace_tensors_at_peak=20 * mib, not_tensor_at_peak=7 * mib, not_tensor_count=3,
                not_tensor_largest=7 * mib, trace_replay_peak=27 * mib, trace_replay_reserved=120 * mib)
     md = gv.render_markdown(gv.Report(_device(), "t", models=[run]))
