@@ -178,10 +178,27 @@ def _around_first_difference(a: str, b: str, width: int = 200) -> tuple[str, str
     return a[start:start + 2 * width], b[start:start + 2 * width]
 
 
+# torch.profiler's memory timeline infers each allocation's category from the op graph
+# (torch/profiler/_memory_profiler.py); between two runs of the same step in one kernel it has put
+# 1 MiB of activations under "unknown" in one run and not in the other (about one run in eight on
+# this machine), with the same total. Lesson 13 says so; the rerun check compares the tracker's
+# side, the totals and the peaks of that table, not the profiler's split between its categories.
+_PROFILER_SPLIT = re.compile(r"\b(" + "|".join(re.escape(c) for c in
+                             ("parameter", "optimizer_state", "gradient", "activation", "temporary",
+                              "autograd_detail", "unknown (not a tensor)", "input", "buffer"))
+                             + r") \| [0-9.,]+ (?:B|KiB|MiB|GiB)")
+
+
+def _without_profiler_split(texts: list[str]) -> list[str]:
+    return [_PROFILER_SPLIT.sub(r"\1 | …", t) for t in texts]
+
+
 def _diff(a: dict, b: dict, nb) -> list[str]:
     diffs = []
     for i, ta in a["cells"].items():
         tb = b["cells"].get(i)
+        if tb is not None and "profile_step(" in nb.cells[i].source:
+            ta, tb = _without_profiler_split(ta), _without_profiler_split(tb)
         if tb is not None and ta != tb:
             src = nb.cells[i].source.splitlines()[0][:60] if nb.cells[i].source else ""
             fa, fb = _around_first_difference(" / ".join(ta), " / ".join(tb))
@@ -213,6 +230,16 @@ def test_a_print_cut_into_several_stream_messages_reads_as_one():
            {"output_type": "stream", "name": "stdout", "text": "resnet18 11,689,512\n"}]
     assert _texts(one) == _texts(two)
     assert _texts(one) != _texts([dict(one[0], text="alexnet 61,100,841\nresnet18 11,689,512\n")])
+
+
+def test_the_profilers_own_split_is_left_out_of_the_rerun_check_and_nothing_else():
+    first = ("gradients | 517.5 KiB | gradient | 518.0 KiB activations | 7.7 MiB | activation | 6.5 MiB "
+             "unknown (not a tensor) | 1.0 MiB total at the peak | 10.8 MiB")
+    second = first.replace("gradient | 518.0 KiB", "gradient | 517.5 KiB").replace(
+        "activation | 6.5 MiB", "activation | 7.5 MiB").replace("1.0 MiB total", "16 B total")
+    assert _without_profiler_split([first]) == _without_profiler_split([second])
+    assert _without_profiler_split([first]) != _without_profiler_split([first.replace("7.7 MiB", "7.8 MiB")])
+    assert _without_profiler_split([first]) != _without_profiler_split([first.replace("10.8 MiB", "10.9 MiB")])
 
 
 def test_normalise_drops_timings_keeps_memory():
