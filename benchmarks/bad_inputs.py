@@ -125,7 +125,12 @@ def cli_cases(tmp: pathlib.Path) -> list[Case]:
         cases.append(Case("cli", f"serve {m!r}", lambda m=m: _cli("serve", m, "--gpu", "24GiB", "--context", "64")))
     for extra in (["--lora", "0"], ["--lora", "-2"], ["--quantize", "nf4"], ["--quantize", "fp4", "--lora", "4"],
                   ["--lora", "4", "--lora-targets", "nope"], ["--lora", "4", "--lora-dropout", "1.5"],
-                  ["--lora-dropout", "0.1"], ["--optimizer-impl", "fast"], ["--what-fits", "0"]):
+                  ["--lora-dropout", "0.1"], ["--optimizer-impl", "fast"], ["--what-fits", "0"],
+                  ["--lora", "100000"], ["--gpus", "0"], ["--gpus", "4"], ["--strategy", "fsdp2"],
+                  ["--offload-optimizer"], ["--gpus", "2", "--strategy", "zero4"],
+                  ["--gpus", "2", "--strategy", "ddp", "--offload-optimizer"], ["--gpus", "2", "--strategy", "zero3"],
+                  ["--gpus", "2", "--strategy", "zero2", "--dtype", "bf16", "--optimizer", "sgd"],
+                  ["--gpus", "2", "--strategy", "zero2", "--dtype", "bf16", "--optimizer", "adamw", "--lora", "4"]):
         cases.append(Case("cli", f"fit tiny-llama {' '.join(extra)[:30]}",
                           lambda extra=extra: _cli("fit", "hf:tiny-llama", "--gpu", "24GiB", "--seq-len", "32",
                                                    *extra)))

@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--context", default=None,
                    help="memory the CUDA context takes outside PyTorch's allocator (default: assumed from "
                         "--cuda-module-loading, with the published measurements it rests on)")
+    f.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
+                   help="spread the step over N GPUs (with --strategy): the answer is one GPU's, the batch per GPU")
+    f.add_argument("--strategy", default=None, choices=("ddp", "zero1", "zero2", "zero3", "fsdp2"),
+                   help="how N GPUs hold the model: ddp, DeepSpeed's zero1/zero2/zero3 (bf16/fp16 Adam), fsdp2")
+    f.add_argument("--offload-optimizer", action="store_true",
+                   help="with --strategy zero*/fsdp2: the optimizer state lives in host memory")
     f.add_argument("--what-fits", type=_positive_int, nargs="?", const=1, default=None, metavar="BATCH",
                    help="also list the recipes that fit at BATCH (default 1), each confirmed by a fake run")
     f.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
@@ -336,7 +342,8 @@ def _main(argv: list[str]) -> int:
             from gpulab.predict.fit import fit
             data = fit(args.model, args.gpu, optimizer=args.optimizer, dtype=args.dtype, amp=args.amp,
                        seq_len=args.seq_len, image_size=args.image_size, **_recipe(args),
-                       module_loading=args.cuda_module_loading,
+                       module_loading=args.cuda_module_loading, gpus=args.gpus, strategy=args.strategy,
+                       offload_optimizer=args.offload_optimizer,
                        **({"context_bytes": _size(args.context)} if args.context else {})).as_dict()
             text = _print_fit
             if args.what_fits:
@@ -366,6 +373,9 @@ def _size(text: str, flag: str = "--context") -> int:
 def _print_fit(d: dict[str, Any]) -> str:
     lines = [f"{d['model']} on {d['card']} ({format_bytes(d['capacity_bytes'])}), {d['optimizer']}, {d['dtype']}"
              + (f", autocast {d['amp']}" if d["amp"] else "") + _recipe_text(d) + f": {d['input_text']}"]
+    if d.get("sharding"):
+        lines.append(f"on {d['sharding']}: the figures below are one GPU's, the batch is per GPU "
+                     f"[{d['sharding_label']}]")
     if d["largest_batch"]:
         lines.append(f"largest batch that fits: {d['largest_batch']}"
                      + (f" (live tensors alone would allow {d['largest_batch_live']})"

@@ -16,14 +16,25 @@ def test_zero_figure1_exactly():
 
 
 def test_cards_needed_for_llama_full_adam():
-    c = D.cards_needed("llama-3-8b", "80GB")
-    assert c.n_params == 8_030_261_248
-    assert c.needed == {0: None, 1: 3, 2: 2, 3: 2}
+    """On H100s (80 GiB): the paper's formula says two cards for ZeRO-1, -2 and -3; DeepSpeed's own
+    layout (its fp32 gradient partition) needs three for ZeRO-1 and ZeRO-2: 88 GB a card at N = 2."""
+    c = D.cards_needed("llama-3-8b", "H100")
+    assert c.n_params == 8_030_261_248 and c.card == "H100" and c.usable_bytes > 80 * 10**9
+    assert c.needed == {0: None, 1: 2, 2: 2, 3: 2}
+    assert c.framework_needed == {0: None, 1: 3, 2: 3, 3: 2}
     for stage, n in c.needed.items():
         if n:  # the smallest N: it fits, one fewer does not
             assert zero_bytes_per_device(c.n_params, n, stage) <= c.usable_bytes
             assert n == 1 or zero_bytes_per_device(c.n_params, n - 1, stage) > c.usable_bytes
-    assert "never" in c._repr_html_()
+    from gpulab.predict.sharding import Sharding, deepspeed_estimate
+    from gpulab.predict.sharding import Layers
+    layers = Layers(c.n_params, c.largest_layer, 0)
+    assert deepspeed_estimate(c.n_params, Sharding(2, "zero2"), layers) > c.usable_bytes
+    assert abs(c.framework_per_device[2] - deepspeed_estimate(c.n_params, Sharding(3, "zero2"), layers)) <= 18
+    html = c._repr_html_()
+    assert "never" in html and "DeepSpeed" in html
+    # "80GB" is 80·10⁹ bytes (lesson 00's units): less than an H100, and ZeRO-1 then needs three by the paper too
+    assert D.cards_needed("llama-3-8b", "80GB").needed[1] == 3
 
 
 def test_gradient_accumulation_same_gradients_fewer_activations():

@@ -79,29 +79,45 @@ def zero_table(model: str = "llama-3-8b", world_sizes: tuple[int, ...] = (1, 2, 
     return ZeroTable.compute(model_params(model), world_sizes, k=k, title=model)
 
 
+# what the framework people run holds for each stage (gpulab.predict.sharding: DeepSpeed's own
+# estimator for ZeRO-2 and ZeRO-3, ZeRO-1 with DeepSpeed's 16 bytes of fp32 state, PyTorch DDP's
+# gradient buckets for the baseline)
+FRAMEWORK_STRATEGY = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+FRAMEWORK_FORMULAS = {0: "2Ψ + 2Ψ + 2Ψ (DDP's buckets) + 16Ψ", 1: "2Ψ + 2Ψ + 16Ψ/N",
+                      2: "2Ψ + 18Ψ/N (DeepSpeed's estimator)", 3: "4·largest layer + 18Ψ/N (DeepSpeed's estimator)"}
+
+
 @dataclass
 class CardsNeeded:
-    """The fewest devices of a card on which each ZeRO stage's model states fit."""
+    """The fewest devices of a card on which each ZeRO stage's model states fit: by the paper's
+    formula, and as the framework holds them (DeepSpeed's bytes, DDP's buckets)."""
 
     model: str
     n_params: int
     card: str
     usable_bytes: int
     k: int
-    needed: dict[int, int | None]        # stage -> N (None: no N fits)
-    per_device: dict[int, int]           # stage -> bytes per device at that N (or at N = 1)
+    needed: dict[int, int | None]        # stage -> N by the paper's formula (None: no N fits)
+    per_device: dict[int, int]           # stage -> the paper's bytes per device at that N (or at N = 1)
+    framework_needed: dict[int, int | None] = field(default_factory=dict)
+    framework_per_device: dict[int, int] = field(default_factory=dict)
+    largest_layer: int = 0
 
     def _repr_html_(self) -> str:
         rows = []
         for s in range(4):
-            n = self.needed[s]
+            n, fn = self.needed[s], self.framework_needed.get(s)
             rows.append([STAGE_NAMES[s], STAGE_FORMULAS[s], "never: " + _why_never(s) if n is None else f"{n}",
-                         format_bytes(self.per_device[s], "decimal")])
-        cap = (f"{self.model} ({self.n_params:,} parameters), full fine-tuning with mixed-precision Adam "
-               f"(K = {self.k}) on {self.card}: {format_bytes(self.usable_bytes, 'decimal')} usable per card "
-               f"after an assumed {format_bytes(CUDA_CONTEXT_ASSUMED)} CUDA context. Model states only: "
-               "activations, temporary buffers and fragmentation come on top (lessons 04, 09, 11).")
-        return html_table(["stage", "per device", "cards needed", "model states per card"], rows, caption=cap)
+                         format_bytes(self.per_device[s], "decimal"), FRAMEWORK_FORMULAS[s],
+                         "never" if fn is None else f"{fn}", format_bytes(self.framework_per_device.get(s, 0), "decimal")])
+        cap = (f"{self.model} ({self.n_params:,} parameters, largest layer {self.largest_layer:,}), full fine-tuning "
+               f"with mixed-precision Adam on {self.card}: {format_bytes(self.usable_bytes, 'decimal')} usable per "
+               f"card after an assumed {format_bytes(CUDA_CONTEXT_ASSUMED)} CUDA context. The paper's figure "
+               f"(K = {self.k}) and the framework's (DeepSpeed 0.19's estimator functions, gpulab.predict.sharding). "
+               "Model states only: activations, temporary buffers and fragmentation come on top "
+               "(gpulab fit --gpus N --strategy ... adds them).")
+        return html_table(["stage", "paper: per device", "paper: cards", "paper: bytes per card",
+                           "framework: per device", "framework: cards", "framework: bytes per card"], rows, caption=cap)
 
 
 def _why_never(stage: int) -> str:
@@ -109,28 +125,41 @@ def _why_never(stage: int) -> str:
             2: "the 2Ψ of weights stay on every card"}.get(stage, "")
 
 
-def cards_needed(model: str = "llama-3-8b", card: str = "80GB", k: int = 12, max_devices: int = 4096) -> CardsNeeded:
-    """How many cards of ``card`` to hold the model states of a full fine-tune under each stage:
-    the smallest N with ``zero_bytes_per_device(Ψ, N, stage) ≤ card − CUDA context``."""
+def cards_needed(model: str = "llama-3-8b", card: str = "H100", k: int = 12, max_devices: int = 4096) -> CardsNeeded:
+    """How many cards of ``card`` hold the model states of a full fine-tune under each stage: the
+    smallest N with the per-device bytes ≤ card − CUDA context, by the paper's formula
+    (``zero_bytes_per_device``) and as the framework holds them (``predict.sharding``).
+    A card name (H100: 80 GiB) or a size: "80GB" is 80·10⁹ bytes, "80GiB" 80·2³⁰."""
+    from gpulab.predict import sharding as SH
     psi = model_params(model)
+    with torch.device("meta"):
+        layers = SH.count_layers(hf_configs.build_model(model.removeprefix(hf_configs.HF_PREFIX)))
     c = parse_gpu(card)
     usable = c.memory_bytes - CUDA_CONTEXT_ASSUMED
     needed: dict[int, int | None] = {}
     per_device: dict[int, int] = {}
+    fneeded: dict[int, int | None] = {}
+    fper: dict[int, int] = {}
     for stage in range(4):
-        n = _smallest_n(psi, stage, k, usable, max_devices)
-        needed[stage] = n
-        per_device[stage] = zero_bytes_per_device(psi, n or 1, stage, optimizer_bytes_per_param=k)
-    return CardsNeeded(model, psi, c.name, usable, k, needed, per_device)
+        def paper(n: int, stage=stage) -> int:
+            return zero_bytes_per_device(psi, n, stage, optimizer_bytes_per_param=k)
+
+        def framework(n: int, stage=stage) -> int:
+            return SH.model_state_bytes(psi, SH.Sharding(n, FRAMEWORK_STRATEGY[stage]), layers, 2, 16)
+        for f, need, per in ((paper, needed, per_device), (framework, fneeded, fper)):
+            n = _smallest_n(f, usable, max_devices)
+            need[stage] = n
+            per[stage] = f(n or 1)
+    return CardsNeeded(model, psi, c.name, usable, k, needed, per_device, fneeded, fper, layers.largest_layer)
 
 
-def _smallest_n(psi: int, stage: int, k: int, usable: int, max_devices: int) -> int | None:
-    if zero_bytes_per_device(psi, max_devices, stage, optimizer_bytes_per_param=k) > usable:
+def _smallest_n(per_device, usable: int, max_devices: int) -> int | None:
+    if per_device(max_devices) > usable:
         return None  # per-device bytes only fall as N grows, so no N up to the limit fits
     lo, hi = 1, max_devices
     while lo < hi:
         mid = (lo + hi) // 2
-        if zero_bytes_per_device(psi, mid, stage, optimizer_bytes_per_param=k) <= usable:
+        if per_device(mid) <= usable:
             hi = mid
         else:
             lo = mid + 1

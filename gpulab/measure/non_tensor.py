@@ -21,6 +21,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+__all__ = ["LABEL", "NonTensorAllocations", "classify", "trace_events"]
+
 BLOCK = 512   # the caching allocator rounds every request up to 512 bytes
 
 LABEL = ("allocations no tensor owns (cuDNN convolution workspaces, cuBLAS workspaces, buffers inside "

@@ -58,6 +58,21 @@ def quantized_build(build: Callable[[], nn.Module], kind: str) -> nn.Module:
     return materialize(build_skeleton(lambda: quantize_linears(build(), kind)), device)
 
 
+def _check_rank_fits(config, rank: int, targets: Sequence[str]) -> None:
+    """A rank above a targeted layer's smaller side gives adapters larger than a full-rank update
+    of that layer: refused, with the largest rank that makes sense."""
+    from gpulab.models.lora import targeted_linears
+    try:
+        found = targeted_linears(config, targets)
+    except ValueError:   # no layer of that name: peft's wrapping says so, with the names there are
+        return
+    name, i, o = min(found, key=lambda t: min(t[1], t[2]))
+    if rank > min(i, o):
+        raise ValueError(f"LoRA rank {rank} is more than the smaller side of the adapted layer {name} "
+                         f"({i} in, {o} out): its adapters would hold more than the layer's own full-rank update; "
+                         f"use a rank of at most {min(i, o)} (ranks of 4 to 64 are usual)")
+
+
 def adapted(w: Workload, *, lora: int = 0, lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0,
             checkpointing: bool = False, quantize: str | None = None) -> Workload:
     """``w`` with its model checkpointed (``checkpointing``) and/or wrapped with rank-``lora``
@@ -73,6 +88,8 @@ def adapted(w: Workload, *, lora: int = 0, lora_targets: Sequence[str] | None = 
     if lora:
         check_rank(lora)
         targets = check_targets(lora_targets) if lora_targets is not None else default_targets(w.config)
+        if w.config is not None:
+            _check_rank_fits(w.config, lora, targets)
     task = _PEFT_TASKS.get(hf_configs.task_of(w.config)) if w.config is not None else None
     inner = w.make
 

@@ -103,6 +103,8 @@ class FitResult(CardBudget):
     method: str = ""
     recipe: dict[str, Any] = field(default_factory=dict)   # options set away from the plain loop
     module_loading: str = "lazy"      # CUDA's module loading the context size assumes
+    sharding: str = ""                # several GPUs: "8 GPUs, fsdp2 (...)"; the figures are one rank's
+    sharding_label: str = ""
 
     @property
     def allocator_overhead_bytes(self) -> int:
@@ -136,24 +138,31 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         optimizer_in_backward: bool = False, offload_activations: bool = False, chunked_loss: int = 0,
         use_cache: bool | None = None, compile: bool = False, implementation: str = "default",
         checkpointing: bool = False, lora: int = 0, lora_targets: Sequence[str] | None = None,
-        lora_dropout: float = 0.0, quantize: str | None = None, module_loading: str = "lazy") -> FitResult:
+        lora_dropout: float = 0.0, quantize: str | None = None, module_loading: str = "lazy",
+        gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
     a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring. ``context_bytes``:
-    the CUDA context, by default the assumption for ``module_loading`` (``predict.context``)."""
+    the CUDA context, by default the assumption for ``module_loading`` (``predict.context``).
+    ``gpus`` and ``strategy`` (``predict.sharding.STRATEGIES``): the answer is one rank's, its batch
+    the per-GPU batch, with ``offload_optimizer`` keeping the optimizer state on the host."""
     t0, place = time.perf_counter(), _place(gpu, context_bytes, module_loading)
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
     recipe = user_recipe(optimizer, amp, **recipe_options(locals()))   # checks them all
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
     check_recipe_for(recipe, w)
+    shard = _sharding(w, recipe, dt, gpus, strategy, offload_optimizer)
+    place = place._replace(sharding=getattr(shard, "sharding", None))
     usable = place.card.memory_bytes - place.context_bytes
     runs: dict[int, TrackingResult] = {}
+    made: list[int] = []     # every fake run, in order (a batch run again counts again)
 
     def fake_run(b: int) -> TrackingResult:
         if b not in runs:
             if progress:
                 progress(min(0.9, 0.1 + 0.25 * len(runs)), f"fake run at batch {b}")
             m = _run(w, b, dt, recipe)
-            runs[b] = m.tracking
+            made.append(b)
+            runs[b] = m.tracking if shard is None else shard(m.tracking)
         return runs[b]
 
     replayed: dict[tuple[int, str], BatchCheck] = {}   # each candidate replayed once
@@ -168,16 +177,16 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         one = fake_run(1)
         checks.append(run_check(1))
         if checks[-1].fits:
-            return _result(w, place, recipe, dt, 1, one, checks, len(runs), t0, [],
+            return _result(w, place, recipe, dt, 1, one, checks, len(made), t0, [],
                            "fake runs at batches 2 (does not fit) and 1 (fits)")
-        return _result(w, place, recipe, dt, 0, one, checks, len(runs), t0,
+        return _result(w, place, recipe, dt, 0, one, checks, len(made), t0,
                        _levers(w, one, recipe.optimizer, dt, usable), "batch 1 does not fit (fake run): levers below, as formulas")
     three = fake_run(3)
     checks.append(run_check(3))
     if not checks[-1].fits:
-        return _result(w, place, recipe, dt, 2, two, checks, len(runs), t0, [],
+        return _result(w, place, recipe, dt, 2, two, checks, len(made), t0, [],
                        "fake runs at batches 2 (fits) and 3 (does not fit)")
-    line = _Extrapolation.make(two, three, 2)
+    two, line = _line(runs, fake_run, two, three)
     if line is not None:
         def line_check(b: int) -> BatchCheck:
             if (b, "extrapolated") not in replayed:
@@ -190,11 +199,29 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         predicted = line.at(best)
         if [e.nbytes for e in real.events] == [e.nbytes for e in predicted.events]:
             checks.append(run_check(best))
-            return _result(w, place, recipe, dt, best, real, checks, len(runs), t0, [],
+            return _result(w, place, recipe, dt, best, real, checks, len(made), t0, [],
                            f"extrapolated from fake runs at batches 2 and 3 (every storage a + b·c), replayed "
                            f"through the simulated allocator; confirmed by a fake run at batch {best} (the same "
                            f"bytes, event for event)", live)
-    # fall back: bracketed bisection over fake runs
+    best = _bisect(runs, run_check, checks)   # fall back: bracketed bisection over fake runs
+    return _result(w, place, recipe, dt, best, fake_run(best), checks, len(made), t0, [],
+                   "bisection over fake runs (the batch-2 and batch-3 timelines did not extrapolate)")
+
+
+def _line(runs: dict[int, TrackingResult], fake_run, two: TrackingResult, three: TrackingResult):
+    """(batch 2's run, the a + b·c extrapolation or None). A process's first build can make a few
+    storages once (seen with peft's adapters: constants lifted on the first build only): then
+    batch 2 again, now built like batch 3."""
+    line = _Extrapolation.make(two, three, 2)
+    if line is None:
+        del runs[2]
+        two = fake_run(2)
+        line = _Extrapolation.make(two, three, 2)
+    return two, line
+
+
+def _bisect(runs: dict[int, TrackingResult], run_check: Callable[[int], BatchCheck], checks: list[BatchCheck]) -> int:
+    """The largest fitting batch by bracketed bisection over fake runs, at most ``MAX_FALLBACK_RUNS`` more."""
     budget = [MAX_FALLBACK_RUNS]
 
     def fits(b: int) -> bool:
@@ -205,9 +232,25 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         c = run_check(b)
         checks.append(c)
         return c.fits
-    best = largest_fitting(3 if checks[1].fits else 2, fits, limit=MAX_BATCH)
-    return _result(w, place, recipe, dt, best, fake_run(best), checks, len(runs), t0, [],
-                   "bisection over fake runs (the batch-2 and batch-3 timelines did not extrapolate)")
+    return largest_fitting(3 if checks[1].fits else 2, fits, limit=MAX_BATCH)
+
+
+def _sharding(w: Workload, recipe: Recipe, dt: torch.dtype, gpus, strategy, offload_optimizer):
+    """None for one GPU; else the function that turns a one-GPU run into one rank's (``predict.sharding``)."""
+    from gpulab.predict import sharding as S
+    sh = S.check_sharding(gpus, strategy, offload_optimizer, recipe.optimizer, dt)
+    if sh is None:
+        return None
+    if sh.strategy in S.DEEPSPEED and (recipe.lora or recipe.quantize):
+        raise ValueError(f"{sh.strategy} follows DeepSpeed's full fine-tuning layout; with LoRA or QLoRA use fsdp2 or ddp")
+    with torch.device("meta"):
+        layers = S.count_layers(w.build(torch.device("meta"), dt))
+    elem = torch.empty((), dtype=dt).element_size()
+
+    def one_rank(t: TrackingResult) -> TrackingResult:
+        return S.per_rank(t, sh, layers, elem)
+    one_rank.sharding = sh   # type: ignore[attr-defined]
+    return one_rank
 
 
 def _place(gpu: str | Card | int, context_bytes: int | None, module_loading: str) -> "_Place":
@@ -283,6 +326,7 @@ class _Place(NamedTuple):
     card: Card
     context_bytes: int
     module_loading: str
+    sharding: Any = None     # predict.sharding.Sharding when the answer is one rank's
 
 
 def _result(w, place: _Place, recipe: Recipe, dt, batch, t: TrackingResult, checks, runs, t0, levers,
@@ -297,7 +341,14 @@ def _result(w, place: _Place, recipe: Recipe, dt, batch, t: TrackingResult, chec
                      w.describe_input(max(batch, 1)), batch, t.peak_bytes, dict(t.peak_by_category), reserved,
                      sorted(checks, key=lambda c: (c.batch, c.source)), runs, live,
                      time.perf_counter() - t0, levers=levers, method=method, recipe=changed_options(recipe),
-                     module_loading=place.module_loading)
+                     module_loading=place.module_loading,
+                     sharding=place.sharding.describe() if place.sharding else "",
+                     sharding_label=_sharding_label() if place.sharding else "")
+
+
+def _sharding_label() -> str:
+    from gpulab.predict.sharding import LABEL
+    return LABEL
 
 
 # --- levers -------------------------------------------------------------------------------------

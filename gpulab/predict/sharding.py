@@ -1,0 +1,232 @@
+"""One rank's memory when a training step is spread over N GPUs (``gpulab fit --gpus N --strategy S``).
+
+The one-GPU fake run of the recipe is the measurement; each of its storages of parameters,
+gradients and optimizer state is then resized as the strategy holds it on one rank, and what the
+strategy adds is put in as storages of its own. The timeline so made goes through the same
+simulated allocator as a one-GPU answer. The label says so: a formula over a measured timeline.
+
+* ``ddp`` (``DistributedDataParallel``, its defaults): every rank holds everything, plus gradient
+  buckets the size of the gradients (``gradient_as_bucket_view=False``), from the first gradient on.
+* ``zero2`` (DeepSpeed ZeRO-2, as DeepSpeed's own estimator ``estimate_zero2_model_states_mem_needs``
+  counts it, in ``deepspeed/runtime/zero/stage_1_and_2.py``, 0.19): 16-bit parameters whole on every
+  rank (2 bytes a parameter); the 16-bit gradient partition, the fp32 master weights, Adam's two
+  fp32 moments and an fp32 gradient partition (2 + 16 bytes a parameter) split N ways; offloaded,
+  all but the 16-bit parameters live on the host.
+* ``zero1``: the same with the 16-bit gradients whole on every rank (DeepSpeed's estimator has no
+  stage-1 function of its own: this is the ZeRO paper's P_os with DeepSpeed's 16 bytes of state).
+* ``zero3`` (``estimate_zero3_model_states_mem_needs``, ``stage3.py``): everything split N ways
+  (18 bytes a parameter: the 16-bit weights and the 16 above; the 16-bit gradients go into the
+  fp32 partition as they are reduced, so none are kept), plus the largest layer's 16-bit weights
+  and gradients gathered (4 bytes a parameter of the module with the most parameters of its own).
+* ``fsdp2`` (``torch.distributed.fsdp.fully_shard`` on every layer of the model's largest
+  ``ModuleList`` and on the root, ``reshard_after_forward=True``): parameters, gradients and
+  optimizer state split N ways in the run's own dtypes; the largest unit's parameters gathered
+  while it computes and its gradients unsharded until they are reduce-scattered: two copies of
+  its parameter bytes, counted as held for the whole step (an upper bound: FSDP2 frees them
+  after each unit).
+
+``offload_optimizer`` keeps the optimizer state (DeepSpeed: with the fp32 master weights and
+gradient partition) in host memory: off the GPU.
+
+What only a GPU run adds is not here: NCCL's own buffers and communicator memory, the caching
+allocator's per-stream pools for FSDP2's all-gather and reduce-scatter streams, and DeepSpeed's
+bucket buffers (``reduce_bucket_size``, ``allgather_bucket_size``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+import torch
+from torch import nn
+
+from gpulab.categories import Category
+from gpulab.measure.records import Event, TrackingResult
+
+STRATEGIES: dict[str, str] = {
+    "ddp": "DistributedDataParallel: everything on every rank, plus gradient buckets",
+    "zero1": "ZeRO-1 with DeepSpeed's bytes: fp32 master weights, Adam state and fp32 gradients split N ways",
+    "zero2": "DeepSpeed ZeRO-2: 16-bit and fp32 gradients, fp32 master weights and Adam state split N ways",
+    "zero3": "DeepSpeed ZeRO-3: everything split N ways, the largest layer gathered",
+    "fsdp2": "FSDP2 (fully_shard per layer): everything split N ways, the largest unit gathered",
+}
+DEEPSPEED = ("zero1", "zero2", "zero3")
+ADAM_FAMILY = ("adam", "adamw")
+DS_STATE_BYTES = 16     # fp32 master weight + two fp32 Adam moments + fp32 gradient partition, per parameter
+LABEL = ("one rank: the one-GPU fake run's timeline with its parameters, gradients and optimizer state "
+         "resized as the strategy holds them (formula over measured storages); not counted, only a GPU run "
+         "has them: NCCL's buffers, the allocator's pools for communication streams, DeepSpeed's bucket buffers")
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How the step is spread: ``gpus`` ranks, ``strategy``, the optimizer state on the host or not."""
+    gpus: int
+    strategy: str
+    offload_optimizer: bool = False
+
+    def describe(self) -> str:
+        off = ", optimizer state offloaded to the host" if self.offload_optimizer else ""
+        return f"{self.gpus} GPUs, {self.strategy} ({STRATEGIES[self.strategy]}){off}"
+
+
+def check_sharding(gpus: int | None, strategy: str | None, offload_optimizer: bool, optimizer: str,
+                   param_dtype: torch.dtype) -> Sharding | None:
+    """The sharding asked for, or None for one GPU; a clear ValueError for what cannot be answered."""
+    if gpus is None:
+        if strategy is not None or offload_optimizer:
+            raise ValueError("a strategy or an offloaded optimizer spreads the step over several GPUs: "
+                             "say how many with gpus=N (command line: --gpus N)")
+        return None
+    if gpus == 1 and strategy is None and not offload_optimizer:
+        return None
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise ValueError(f"gpus must be a whole number of GPUs, 1 or more, not {gpus!r}")
+    if strategy is None:
+        raise ValueError(f"{gpus} GPUs: name how the step is spread over them: strategy one of "
+                         f"{', '.join(STRATEGIES)} (command line: --strategy)")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
+    if offload_optimizer and strategy in ("ddp",):
+        raise ValueError("ddp keeps the optimizer on every GPU: offloading it needs zero1, zero2, zero3 or fsdp2")
+    if strategy in DEEPSPEED and optimizer not in ADAM_FAMILY:
+        raise ValueError(f"{strategy} follows DeepSpeed's layout for Adam (fp32 master weights and two moments); "
+                         f"use optimizer adam or adamw, or fsdp2 for {optimizer!r}")
+    if strategy in DEEPSPEED and param_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{strategy} follows DeepSpeed's mixed precision (16-bit weights, fp32 master copy): "
+                         "use dtype bf16 or fp16 (command line: --dtype bf16), or fsdp2 for fp32 weights")
+    return Sharding(gpus, strategy, offload_optimizer)
+
+
+@dataclass(frozen=True)
+class Layers:
+    """Parameter counts that decide what ZeRO-3 and FSDP2 gather (counted on the meta device)."""
+    total: int
+    largest_layer: int       # DeepSpeed: the module with the most parameters of its own
+    largest_unit: int        # FSDP2: the largest of the layers of the largest ModuleList, and the root's rest
+
+
+def count_layers(model: nn.Module) -> Layers:
+    """DeepSpeed's ``model_to_params`` (shared parameters once) and FSDP2's units as gpulab wraps them."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        seen.setdefault(id(p), p.numel())
+    total = sum(seen.values())
+    largest_layer = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    units = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+    if units is None:
+        return Layers(total, largest_layer, total)
+    per_unit = [sum(p.numel() for p in u.parameters()) for u in units]
+    return Layers(total, largest_layer, max(max(per_unit), total - sum(per_unit)))
+
+
+def _shard(nbytes: int, n: int) -> int:
+    return -(-nbytes // n)
+
+
+def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: int) -> TrackingResult:
+    """``t`` (one GPU's two-step run) as one rank holds it under ``sharding``."""
+    n, s = sharding.gpus, sharding.strategy
+    cats = {sid: r.category for sid, r in t.records.items()}
+    state_bytes = sum(r.nbytes for r in t.records.values() if r.category is Category.OPTIMIZER_STATE)
+    params = sum(r.nbytes for r in t.records.values() if r.category is Category.PARAMETERS)
+    # DeepSpeed's fp32 state per parameter, in place of the run's own state storages (by their share)
+    ds_scale = (DS_STATE_BYTES * params / param_elem) / state_bytes if s in DEEPSPEED and state_bytes else 1.0
+
+    def size(cat: Category, nbytes: int) -> int:
+        if cat is Category.OPTIMIZER_STATE:
+            if sharding.offload_optimizer:
+                return 0
+            return _shard(int(math.ceil(nbytes * ds_scale)), n) if s != "ddp" else nbytes
+        if cat is Category.PARAMETERS:
+            return _shard(nbytes, n) if s in ("zero3", "fsdp2") else nbytes
+        if cat is Category.GRADIENTS:
+            if s == "zero3":   # reduced into the fp32 partition (in the 16 bytes) as they come
+                return 0
+            if s == "zero2":   # the 16-bit gradient partition (with the optimizer state on the host when offloaded)
+                return 0 if sharding.offload_optimizer else _shard(nbytes, n)
+            return _shard(nbytes, n) if s == "fsdp2" else nbytes
+        return nbytes
+
+    events, sizes = [], {}
+    for e in t.events:
+        if e.kind == "free":
+            nbytes = sizes.get(e.sid, e.nbytes)
+            events.append(replace(e, nbytes=nbytes, delta=-nbytes))
+        else:
+            nbytes = size(cats[e.sid], e.nbytes)
+            events.append(replace(e, nbytes=nbytes, delta=nbytes - sizes.get(e.sid, 0)))
+            sizes[e.sid] = nbytes
+    records = dict(t.records)
+    extra = _extra(sharding, layers, param_elem, t)
+    if extra:
+        first_grad = next((i for i, e in enumerate(events) if e.kind == "alloc"
+                           and cats[e.sid] is Category.GRADIENTS), 0)
+        template = next(iter(t.records.values()))
+        sid = max(records, default=-1) + 1
+        for name, nbytes, at in extra:
+            where = first_grad if at == "first gradient" else 0
+            rec = replace(template, sid=sid, nbytes=nbytes, category=Category.GRADIENTS if at == "first gradient"
+                          else Category.PARAMETERS, op=name, shape=(nbytes,), dtype="uint8", created=where)
+            records[sid] = rec
+            ev = replace(events[where] if events else Event(0, "alloc", sid, nbytes, nbytes, t.device, "", "", 0.0),
+                         kind="alloc", sid=sid, nbytes=nbytes, delta=nbytes)
+            events.insert(where, ev)
+            sid += 1
+    return TrackingResult.build(records, events, t.device, t.rounded)
+
+
+def _extra(sharding: Sharding, layers: Layers, param_elem: int, t: TrackingResult) -> list[tuple[str, int, str]]:
+    """(what, bytes, from when) the strategy adds on each rank."""
+    s = sharding.strategy
+    if s == "ddp":
+        return [("ddp gradient buckets", one_step_gradients(t), "first gradient")]
+    if s == "zero3":
+        return [("zero3 gathered largest layer (16-bit weights and gradients)", 2 * layers.largest_layer * param_elem,
+                 "start")]
+    if s == "fsdp2":
+        return [("fsdp2 largest unit gathered (weights) and unsharded (gradients)", 2 * layers.largest_unit * param_elem,
+                 "start")]
+    return []
+
+
+def one_step_gradients(t: TrackingResult) -> int:
+    """The gradients' bytes of one step: those made before the optimizer's first storage (the
+    run's later steps make theirs again when ``zero_grad`` sets them to None)."""
+    first_opt = min((r.created for r in t.records.values() if r.phase == "optimizer"), default=None)
+    return sum(r.nbytes for r in t.records.values() if r.category is Category.GRADIENTS
+               and (first_opt is None or r.created < first_opt))
+
+
+def model_state_bytes(n_params: int, sharding: Sharding, layers: Layers, param_elem: int, state_per_param: int) -> int:
+    """The per-rank model-state bytes ``per_rank`` arrives at, by the strategy's formula alone (for
+    the tests and the lesson: the ZeRO paper's terms with DeepSpeed's and FSDP2's bytes)."""
+    n, s = sharding.gpus, sharding.strategy
+    p = g = n_params * param_elem
+    state = 0 if sharding.offload_optimizer else (
+        DS_STATE_BYTES * n_params if s in DEEPSPEED else state_per_param * n_params)
+    if s == "ddp":
+        return p + 2 * g + state
+    if s == "zero1":
+        return p + g + _shard(state, n)
+    if s == "zero2":
+        return p + (0 if sharding.offload_optimizer else _shard(g, n)) + _shard(state, n)
+    if s == "zero3":
+        return _shard(p, n) + _shard(state, n) + 2 * layers.largest_layer * param_elem
+    return _shard(p, n) + _shard(g, n) + _shard(state, n) + 2 * layers.largest_unit * param_elem
+
+
+def deepspeed_estimate(n_params: int, sharding: Sharding, layers: Layers) -> int:
+    """DeepSpeed's own GPU figure for the same setting, as its estimator functions compute it
+    (``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``,
+    deepspeed 0.19, one node, no offload): 2Ψ + 18Ψ/N, and 4·largest layer + 18Ψ/N."""
+    n = sharding.gpus
+    if sharding.strategy == "zero2":
+        return 2 * n_params + int(18 * n_params / n)
+    if sharding.strategy == "zero3":
+        return 4 * layers.largest_layer + int(18 * n_params / n)
+    raise ValueError(f"DeepSpeed has no estimator for {sharding.strategy}")
+
+
+__all__ = ["DEEPSPEED", "LABEL", "Layers", "STRATEGIES", "Sharding", "check_sharding", "count_layers",
+           "deepspeed_estimate", "model_state_bytes", "one_step_gradients", "per_rank"]
