@@ -70,7 +70,7 @@ def gpt2_training():
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
         params = sum(p.numel() for p in _meta_model("gpt2").parameters())
         _, gpu = estimate_zero2_model_states_mem_needs(params, 1, 1, cpu_offload=False)
-        return gpu, "ZeRO-2 model states on 1 GPU (4 + 16 bytes per parameter): no activations"
+        return gpu, "ZeRO-2 model states on 1 GPU (2 + 18 bytes per parameter at N = 1): no activations"
 
     def llm_analysis_():
         from llm_analysis.analysis import train
@@ -114,8 +114,42 @@ def llama_inference():
             [("gpulab", gpulab_), ("accelerate estimate-memory", accelerate_), ("llm-analysis", llm_analysis_)])
 
 
+# --- setting 3: Llama 2 7B, full fine-tuning over 8 GPUs with ZeRO-3 ----------------------------------
+
+def llama_zero3():
+    gpus, seq = 8, 2048
+    answer: dict[str, int] = {}
+
+    def gpulab_():
+        from gpulab.predict.fit import fit
+        r = fit("hf:llama-2-7b", "H100", optimizer="adamw", dtype="bf16", seq_len=seq, gpus=gpus, strategy="zero3")
+        answer["batch"] = max(1, r.largest_batch)
+        return r.needed_bytes, (f"fit --gpus {gpus} --strategy zero3: largest batch per GPU {r.largest_batch}; one "
+                                f"rank's timeline at it (DeepSpeed's bytes, gathered largest layer) through the "
+                                f"simulated allocator, + {r.context_bytes / GiB:.1f} GiB assumed CUDA context")
+
+    def deepspeed_():
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
+        total, largest = model_to_params(_meta_model("llama-2-7b"))
+        _, gpu, _ = estimate_zero3_model_states_mem_needs(total, largest, gpus, 1, cpu_offload=False)
+        return gpu, "ZeRO-3 model states on one of 8 GPUs (4·largest layer + 18Ψ/N): no activations"
+
+    def llm_analysis_():
+        from llm_analysis.analysis import train
+        b = answer.get("batch", 1)
+        s = train(model_name="NousResearch_Llama-2-7b-hf", gpu_name="a100-sxm-80gb", dtype_name="w16a16e16",
+                  batch_size_per_gpu=b, seq_len=seq, total_num_gpus=gpus, ds_zero=3, flops_efficiency=0.5,
+                  hbm_memory_efficiency=0.9)
+        return s["(weight+op_state+grad+act)_memory_per_gpu"], (f"ZeRO-3 per GPU at batch {b} (gpulab's answer): "
+                                                              "weights, gradients, optimizer state, activations "
+                                                              "(formulas)")
+
+    return (f"Llama 2 7B, full fine-tuning, bf16 AdamW, {seq} tokens, {gpus} GPUs with DeepSpeed ZeRO-3, one GPU's",
+            [("gpulab", gpulab_), ("DeepSpeed estimator", deepspeed_), ("llm-analysis", llm_analysis_)])
+
+
 def main() -> int:
-    for title, tools in (gpt2_training(), llama_inference()):
+    for title, tools in (gpt2_training(), llama_inference(), llama_zero3()):
         print(f"\n== {title}")
         for name, fn in tools:
             value, counts, seconds = _timed(fn)

@@ -16,7 +16,7 @@ from gpulab.units import dtype_bytes
 __all__ = [
     "MemoryFit", "OPTIMIZER_STATES", "RECIPE_OPTIMIZERS", "backward_flops", "batchnorm_buffer_bytes", "batchnorm_params", "check_optimizer",
     "checkpointed_activation_bytes", "conv2d_flops", "conv2d_output_hw", "conv2d_params",
-    "cuda_rounded_bytes", "eight_bit_optimizer_state_bytes", "embedding_params", "fit_memory_model",
+    "cuda_rounded_bytes", "eight_bit_optimizer_state_bytes", "embedding_params", "fit_memory_model", "kv_cache_bytes",
     "layernorm_params", "linear_flops", "linear_memory", "linear_params", "lora_params",
     "lora_trainable_params", "max_batch", "modelsize_activation_bytes", "nf4_weight_bytes", "numel",
     "optimizer_state_bytes", "optimizer_state_multiplier", "output_bytes", "shaped_optimizer_state_bytes",
@@ -420,3 +420,20 @@ def checkpointed_activation_bytes(per_layer_bytes: float, n_layers: int,
     if n_layers < 0:
         raise ValueError("n_layers must not be negative")
     return n_layers * boundary_bytes + (per_layer_bytes if n_layers else 0)
+
+
+# --- inference ---------------------------------------------------------------------------
+
+def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, seq_len: int, batch: int, dtype_bytes: int) -> int:
+    """Bytes of a KV cache: 2 (keys and values) · layers · kv_heads · head_dim · seq_len · batch ·
+    bytes per element.
+
+    Each attention layer keeps one key and one value tensor of shape (batch, kv_heads, seq_len,
+    head_dim): transformers/cache_utils.py, ``DynamicLayer`` ("tensors of shape `[batch_size,
+    num_heads, seq_len, head_dim]`"), grown by ``torch.cat`` along the sequence in ``update``.
+    E.g. Llama-2-7B in fp16 at 4096 tokens: 2 · 32 · 32 · 128 · 4096 · 1 · 2 = 2 GiB per sequence."""
+    for what, v in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim), ("seq_len", seq_len),
+                    ("batch", batch), ("dtype_bytes", dtype_bytes)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{what} must be a non-negative integer, got {v!r}")
+    return 2 * layers * kv_heads * head_dim * seq_len * batch * dtype_bytes

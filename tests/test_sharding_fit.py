@@ -126,3 +126,32 @@ def test_what_cannot_be_answered_says_what_to_do(kw, msg):
     args.update(kw)
     with pytest.raises(ValueError, match=msg):
         fit("hf:gpt2", "80GiB", **args)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fsdp2_per_rank_matches_lesson_12s_gloo_measurement():
+    """Lesson 12 measures FSDP2 (fully_shard on every layer and the root) in two gloo processes;
+    per_rank, from one process's run of the same model, gives each rank's sharded parameters,
+    gradients and Adam state to FSDP2's padding, and bounds what it gathers while computing."""
+    import gpulab
+    from gpulab.distributed.sharding import StrategySpec, batch, build, measure_strategies
+    spec = StrategySpec("fsdp2", "transformer", width=64, layers=2, batch=4, seq_len=16, steps=2)
+    (measured,) = measure_strategies([spec], world_size=2, timeout_s=300)
+    x, _ = batch("transformer", spec.batch, spec.seq_len, seed=0)
+    one = gpulab.step(lambda: build("transformer", spec.width, spec.layers), x, batch=spec.batch,
+                      optimizer="adam", engine="cpu", loss=lambda out: out.float().pow(2).mean())
+    model = build("transformer", spec.width, spec.layers)
+    layers = S.count_layers(model)
+    rank = S.per_rank(one.measurement.tracking, S.Sharding(2, "fsdp2"), layers, 4)
+    n_tensors = sum(1 for _ in model.parameters())
+    pad = 2 * 4 * n_tensors          # FSDP2 pads each parameter's shard to a multiple of the world size
+    m = measured.measured(0)
+    gathered = 4 * layers.largest_unit * 4 // 2    # the two copies per_rank adds, in fp32
+
+    def most(cat):
+        return max(row.get(cat, 0) for row in rank.series)
+    assert abs(m["parameters"] - (most("parameters") - 2 * layers.largest_unit * 4)) <= pad, (m, most("parameters"))
+    assert abs(m["optimizer_state"] - most("optimizer_state")) <= 2 * pad, (m, most("optimizer_state"))
+    assert abs(m["gradients"] - S.one_step_gradients(one.measurement.tracking) / 2) <= pad, m
+    assert m["parameters while computing"] <= most("parameters"), (m, most("parameters"), gathered)

@@ -22,10 +22,11 @@ import copy
 import html
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from gpulab.formulas import kv_cache_bytes  # noqa: F401  (the formula lives in the library)
 from gpulab.models import hf_configs
 from gpulab.predict.generation import cache_keyword as _cache_keyword
 from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, Card, parse_gpu
@@ -86,21 +87,6 @@ def attention_shape(config_or_name: Any) -> dict[str, Any]:
 
 
 # --- 1. the KV cache formula -------------------------------------------------------------------------
-
-def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, seq_len: int, batch: int, dtype_bytes: int) -> int:
-    """Bytes of a KV cache: 2 (keys and values) · layers · kv_heads · head_dim · seq_len · batch ·
-    bytes per element.
-
-    Each attention layer keeps one key and one value tensor of shape (batch, kv_heads, seq_len,
-    head_dim): transformers/cache_utils.py, ``DynamicLayer`` ("tensors of shape `[batch_size,
-    num_heads, seq_len, head_dim]`"), grown by ``torch.cat`` along the sequence in ``update``.
-    E.g. Llama-2-7B in fp16 at 4096 tokens: 2 · 32 · 32 · 128 · 4096 · 1 · 2 = 2 GiB per sequence."""
-    for what, v in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim), ("seq_len", seq_len),
-                    ("batch", batch), ("dtype_bytes", dtype_bytes)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"{what} must be a non-negative integer, got {v!r}")
-    return 2 * layers * kv_heads * head_dim * seq_len * batch * dtype_bytes
-
 
 @dataclass(frozen=True)
 class KVCacheSize:

@@ -267,7 +267,14 @@ def _collect(run: DistributedRun, procs, results, deadline: float, timeout_s: fl
                 run.failures.append(RankFailure(rank, f"did not finish within {timeout_s:g} s; killed"))
             return
     for rank in sorted(pending):
-        run.failures.append(RankFailure(rank, "stopped: another rank failed, so this one could not go on"))
+        # a rank that died first can be heard of last: the others' collectives fail as soon as its
+        # connection drops, and their errors may reach the queue before its exit is seen
+        procs[rank].join(timeout=1.0)
+        code = procs[rank].exitcode
+        if code not in (None, 0):
+            run.failures.append(RankFailure(rank, f"worker process exited with code {code} without sending a result"))
+        else:
+            run.failures.append(RankFailure(rank, "stopped: another rank failed, so this one could not go on"))
 
 
 def _stop(procs) -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 __all__ = [
     "HFConfigEntry", "HF_CONFIGS", "HF_PREFIX", "TASKS", "TINY_SOURCE", "build_causal_lm", "build_model",
     "close_names", "config_and_name", "config_summary", "hf_entry", "hf_names", "is_config", "local_config",
-    "make_config", "max_positions", "task_of", "vocab_size"
+    "make_config", "max_positions", "names_local_config", "task_of", "vocab_size"
 ]
 
 if TYPE_CHECKING:
@@ -288,6 +288,12 @@ def build_model(config: transformers.PretrainedConfig | HFConfigEntry | str,
     if task_of(config) == "causal-lm" and auto_class is None:
         return build_causal_lm(config, dtype)
     return _from_config(auto_class or TASKS[task_of(config)], config, dtype)
+
+
+def names_local_config(key: str) -> bool:
+    """Whether ``key`` (after ``hf:``) names a config of the user's own: not a built-in name, and a
+    path (``config.json`` or a folder) or an ``org/name`` id of the local Hugging Face cache."""
+    return key.lower() not in HF_CONFIGS and ("/" in key or key.endswith(".json"))
 
 
 def local_config(key: str) -> transformers.PretrainedConfig:

@@ -152,7 +152,7 @@ def quantize_linears(model: nn.Module, kind: str, double_quant: bool = True) -> 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if (type(child) is nn.Linear or type(child).__name__ == "Conv1D") and child is not head \
-                    and linear_shape(child) is not None:
+            # exactly nn.Linear: a subclass such as MultiheadAttention's out_proj is read by weight
+            if (type(child) is nn.Linear or type(child).__name__ == "Conv1D") and child is not head:
                 setattr(module, child_name, QuantizedLinear(child, kind, double_quant))
     return model

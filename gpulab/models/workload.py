@@ -90,7 +90,7 @@ def resolve_workload(model: Any, inputs: Any = None, *, batch: int | None = None
         key = model if isinstance(model, ModelSpec) else str(model).strip()
         if isinstance(key, str) and key.lower().startswith(hf_configs.HF_PREFIX):
             rest = key[len(hf_configs.HF_PREFIX):]
-            if rest.lower() not in hf_configs.HF_CONFIGS and ("/" in rest or rest.endswith(".json")):
+            if hf_configs.names_local_config(rest):
                 config = hf_configs.local_config(rest)   # a config.json here, or an id in the local HF cache
                 return _language_workload(config, key, f"{type(config).__name__} from {rest}", rest, inputs,
                                           seq_len, loss)

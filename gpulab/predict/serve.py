@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from gpulab import formulas as F
 from gpulab.measure.engines import LABEL_FORMULA, LABEL_FAKE_CUDA
 from gpulab.models import hf_configs
 from gpulab.predict.cards import Card, parse_gpu
@@ -42,7 +43,7 @@ def kv_bytes_per_token(config: Any, nbytes: int) -> int:
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return 2 * text.num_hidden_layers * kv_heads * head_dim * nbytes
+    return F.kv_cache_bytes(text.num_hidden_layers, kv_heads, head_dim, 1, 1, nbytes)
 
 
 @dataclass
@@ -142,7 +143,7 @@ def _config(model: Any) -> tuple[Any, str]:
     id in the local Hugging Face cache, or a config object."""
     if isinstance(model, str):
         key = model.strip().removeprefix(hf_configs.HF_PREFIX)
-        if key.lower() not in hf_configs.HF_CONFIGS and ("/" in key or key.endswith(".json")):
+        if hf_configs.names_local_config(key):
             return hf_configs.local_config(key), key
         return hf_configs.config_and_name(key)
     return hf_configs.config_and_name(model)
