@@ -129,8 +129,12 @@ def llama_zero3():
                                 f"simulated allocator, + {r.context_bytes / GiB:.1f} GiB assumed CUDA context")
 
     def deepspeed_():
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
-        total, largest = model_to_params(_meta_model("llama-2-7b"))
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        model = _meta_model("llama-2-7b")
+        # DeepSpeed's model_to_params, except that it tells shared parameters apart by data_ptr(),
+        # which is 0 for every tensor on the meta device: by identity here
+        total = sum({id(p): p.numel() for p in model.parameters()}.values())
+        largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
         _, gpu, _ = estimate_zero3_model_states_mem_needs(total, largest, gpus, 1, cpu_offload=False)
         return gpu, "ZeRO-3 model states on one of 8 GPUs (4·largest layer + 18Ψ/N): no activations"
 
