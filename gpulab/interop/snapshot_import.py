@@ -29,7 +29,7 @@ from gpulab.measure.tracking import Event, StorageRecord, TrackingResult
 from gpulab.units import format_bytes, format_delta
 
 __all__ = [
-    "ImportedSnapshot", "LABEL_RECORDED", "Series", "SnapshotReplay", "load_snapshot",
+    "ImportedSnapshot", "LABEL_RECORDED", "allocator_kwargs", "Series", "SnapshotReplay", "load_snapshot",
     "read_snapshot", "replay_snapshot"
 ]
 
@@ -140,6 +140,18 @@ class ImportedSnapshot:
     segment_order: list[int]       # creation order of ``segments`` (trace index; -1: before it)
     ooms: int = 0
     streams: int = 1
+    releases: list[int] = field(default_factory=list)   # how many events came before each release burst
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The allocator settings the file records (``allocator_settings``) that the simulator takes,
+        as its keyword arguments: ``expandable_segments``, ``max_split_size_mb``."""
+        return allocator_kwargs(self.data.get("allocator_settings"))[0]
+
+    @property
+    def unmodelled_settings(self) -> list[str]:
+        """The file's settings away from their defaults that the simulator does not model."""
+        return allocator_kwargs(self.data.get("allocator_settings"))[1]
 
     @property
     def peak_active(self) -> int:
@@ -161,8 +173,9 @@ class ImportedSnapshot:
         return {e["category"] for e in self.events if e["kind"] == "alloc" and e.get("category")}
 
     def replay(self, **allocator_kwargs: Any) -> SnapshotReplay:
-        """Replay the file's alloc/free trace through the simulated allocator (default settings, or
-        the ones given: ``expandable_segments``, ``max_split_size_mb``, ``capacity_bytes``)."""
+        """Replay the file's alloc/free trace, and its releases, through the simulated allocator with
+        the file's own settings (``settings``), or the ones given: ``expandable_segments``,
+        ``max_split_size_mb``, ``capacity_bytes``."""
         return replay_snapshot(self, **allocator_kwargs)
 
     def tracking(self) -> TrackingResult | None:
@@ -259,7 +272,28 @@ def read_snapshot(source: str | Path | bytes | dict | list, device: int | None =
     order = [walk.seg_created.get(s["address"], -1) for s in segs]
     streams = {int(e.get("stream", 0) or 0) for e in trace}
     return ImportedSnapshot(data, device, label, from_gpu, before + walk.events, recorded, segments, order,
-                            walk.ooms, max(1, len(streams)))
+                            walk.ooms, max(1, len(streams)), [len(before) + k for k in walk.releases])
+
+
+def allocator_kwargs(settings: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+    """(the simulator's keyword arguments, the settings it does not model) from a snapshot's
+    ``allocator_settings`` (torch's ``_snapshot()`` writes them: ``expandable_segments``,
+    ``max_split_size`` in bytes or -1, ``roundup_power2_divisions``, ``garbage_collection_threshold``)."""
+    if not isinstance(settings, dict):
+        return {}, []
+    kwargs: dict[str, Any] = {}
+    if settings.get("expandable_segments"):
+        kwargs["expandable_segments"] = True
+    split = int(settings.get("max_split_size", -1) or -1)
+    if split > 0 and split < (1 << 62):
+        kwargs["max_split_size_mb"] = split // (1 << 20)
+    missing = []
+    divisions = settings.get("roundup_power2_divisions")
+    if isinstance(divisions, dict) and any(int(v or 0) for v in divisions.values()):
+        missing.append("roundup_power2_divisions")
+    if float(settings.get("garbage_collection_threshold", 0) or 0) > 0:
+        missing.append("garbage_collection_threshold")
+    return kwargs, missing
 
 
 def _default_device(data: dict[str, Any]) -> int:
@@ -298,6 +332,7 @@ class _Walk:
     res_delta: list[int] = field(default_factory=list)
     seg_created: dict[int, int] = field(default_factory=dict)
     ooms: int = 0
+    releases: list[int] = field(default_factory=list)   # len(events) when a burst of segment releases began
 
     def new_sid(self, nbytes: int) -> int:
         sid, self.next_sid = self.next_sid, self.next_sid + 1
@@ -313,7 +348,8 @@ def _walk_trace(trace: list[dict[str, Any]]) -> _Walk:
         if a == "alloc":
             sid = w.new_sid(int(e["size"]))
             w.live[e["addr"]] = sid
-            ev = {"kind": "alloc", "sid": sid, "nbytes": int(e["size"]), "index": i, "time_us": e.get("time_us", 0)}
+            ev = {"kind": "alloc", "sid": sid, "nbytes": int(e["size"]), "index": i, "time_us": e.get("time_us", 0),
+                  "stream": int(e.get("stream", 0) or 0)}
             if e.get("category") is not None:
                 ev["category"] = e["category"]
             if isinstance(e.get("gpulab"), dict):
@@ -335,6 +371,10 @@ def _walk_trace(trace: list[dict[str, Any]]) -> _Walk:
             w.seg_created[e["addr"]] = i
         elif a in ("segment_free", "segment_unmap"):
             d_res = -int(e["size"])
+            # a burst of releases is release_cached_blocks (empty_cache(), or a retry after a failed
+            # cudaMalloc): one release where its first entry is
+            if i == 0 or trace[i - 1].get("action") not in ("segment_free", "segment_unmap"):
+                w.releases.append(len(w.events))
         elif a == "oom":
             w.ooms += 1
         w.act_delta.append(d_act)
@@ -411,7 +451,9 @@ class SnapshotReplay:
         segs = html_table(["#", "pool", "reserved: file", "reserved: simulated", "allocated: file",
                            "allocated: simulated", "simulated − file"], self.segment_rows(),
                           "segments at the end, in order of creation within each pool")
-        return head + segs
+        missing = self.imported.unmodelled_settings
+        note = (f"<p>The file's settings the simulator does not model: {', '.join(missing)}.</p>" if missing else "")
+        return head + segs + note
 
     def __repr__(self) -> str:
         return (f"SnapshotReplay(peak_reserved simulated={self.stats['reserved_bytes.all.peak']:,} B, "
@@ -419,23 +461,52 @@ class SnapshotReplay:
 
 
 def replay_snapshot(imported: ImportedSnapshot, **allocator_kwargs: Any) -> SnapshotReplay:
-    """See :meth:`ImportedSnapshot.replay`. Blocks live before the trace began are allocated
-    first, in address order. NB: one stream; the real allocator's state before the trace (its
-    cached free segments) is not in the file and not modelled."""
-    sim = CachingAllocator(**allocator_kwargs)
-    live: dict[int, Any] = {}
-    alloc, res = [], []
-    for e in imported.events:
+    """See :meth:`ImportedSnapshot.replay`. The file's own allocator settings unless given here;
+    each burst of segment releases in the trace replayed as ``empty_cache()`` where it happened;
+    one pool per stream, as the real allocator reuses a block only on the stream it was made for
+    (a simulator per stream: their sums are the device's). Blocks live before the trace began are
+    allocated first, in address order, on the default stream. NB: the real allocator's state
+    before the trace (its cached free segments) is not in the file and not modelled."""
+    allocator_kwargs = {**imported.settings, **allocator_kwargs}
+    sims: dict[int, CachingAllocator] = {}
+
+    def sim_of(stream: int) -> CachingAllocator:
+        if stream not in sims:
+            sims[stream] = CachingAllocator(**allocator_kwargs)
+        return sims[stream]
+    sim_of(0)
+    live: dict[int, tuple[CachingAllocator, Any]] = {}
+    alloc, res, requested, req = [], [], [], 0
+    releases = set(imported.releases)
+    for k, e in enumerate(imported.events):
+        if k in releases:
+            for one in sims.values():
+                one.empty_cache()
         if e["kind"] == "alloc":
+            sim = sim_of(int(e.get("stream", 0) or 0))
             try:
-                live[e["sid"]] = sim.malloc(e["nbytes"])
+                live[e["sid"]] = (sim, sim.malloc(e["nbytes"]))
+                req += e["nbytes"]
             except SimulatedOutOfMemoryError:
                 pass
         elif e["sid"] in live:
-            sim.free(live.pop(e["sid"]))
-        alloc.append(sim.memory_allocated())
-        res.append(sim.memory_reserved())
-    segments = sim.segment_map()
+            sim, block = live.pop(e["sid"])
+            sim.free(block)
+            req -= e["nbytes"]
+        alloc.append(sum(one.memory_allocated() for one in sims.values()))
+        res.append(sum(one.memory_reserved() for one in sims.values()))
+        requested.append(req)
+    if len(imported.events) in releases:   # a release after the trace's last allocation or free
+        for one in sims.values():
+            one.empty_cache()
+    if len(sims) == 1:
+        sim = sims[0]
+        stats = sim.stats()
+    else:
+        stats = {key: sum(one.stats()[key] for one in sims.values()) for key in sims[0].stats()}
+        stats.update({"allocated_bytes.all.peak": max(alloc, default=0), "reserved_bytes.all.peak": max(res, default=0),
+                      "requested_bytes.all.peak": max(requested, default=0)})
+    segments = [seg for one in sims.values() for seg in one.segment_map()]
     pairs: list[tuple[Segment | None, Segment | None]] = []
     for pool in ("large", "small"):
         created = sorted((p for p in zip(imported.segment_order, imported.segments) if p[1].pool == pool),
@@ -446,4 +517,4 @@ def replay_snapshot(imported: ImportedSnapshot, **allocator_kwargs: Any) -> Snap
             pairs.append((real[k] if k < len(real) else None, simulated[k] if k < len(simulated) else None))
     settings = {k: v for k, v in allocator_kwargs.items() if v not in (None, False)}
     return SnapshotReplay(imported, Series(alloc, res, "snapshot, replayed", "simulated allocator"),
-                          segments, sim.stats(), settings, pairs)
+                          segments, stats, settings, pairs)
