@@ -88,3 +88,22 @@ def test_a_release_burst_is_replayed_where_it_happened():
     kept = copy.copy(imp)
     kept.releases = []                    # without the release the first segment stays cached
     assert sum(s.size for s in kept.replay().segments) == 32 * MiB
+
+
+@pytest.mark.parametrize("name", ["allocator_default", "allocator_expandable"])
+def test_an_oom_entry_gives_the_capacity_and_the_simulator_refuses_the_same_request(name):
+    imp = read_snapshot(H200 + name + ".pickle")
+    (oom,) = [e for e in imp.data["device_traces"][0] if e["action"] == "oom"]
+    at = imp.data["device_traces"][0].index(oom)
+    assert imp.ooms == 1 and imp.capacity == imp.recorded.reserved[at] + oom["device_free"]
+    rep = imp.replay()
+    assert rep.simulated_ooms == 1 and f"capacity_bytes={imp.capacity}" in rep.label
+    assert ["out-of-memory errors", "1", "1", "+0"] in rep.total_rows()
+    assert imp.replay(capacity_bytes=None).simulated_ooms == 0     # without it, the card has no end
+
+
+def test_the_default_device_is_one_with_segments():
+    data = pickle.load(open(H200 + "step_cnn_b32_sgd.pickle", "rb"))
+    noise = [dict(e) for e in data["device_traces"][0]] * 2   # a longer trace on a device with no segments
+    data = dict(data, device_traces=[data["device_traces"][0], noise])
+    assert read_snapshot(data).device == 0

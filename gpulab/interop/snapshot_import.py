@@ -141,6 +141,8 @@ class ImportedSnapshot:
     ooms: int = 0
     streams: int = 1
     releases: list[int] = field(default_factory=list)   # how many events came before each release burst
+    oom_requests: list[tuple[int, int]] = field(default_factory=list)   # (events before it, bytes it asked for)
+    capacity: int | None = None       # from the first oom entry: reserved then + the free memory it reports
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -271,8 +273,12 @@ def read_snapshot(source: str | Path | bytes | dict | list, device: int | None =
     segments = [_segment(k, s) for k, s in enumerate(segs)]
     order = [walk.seg_created.get(s["address"], -1) for s in segs]
     streams = {int(e.get("stream", 0) or 0) for e in trace}
+    capacity = None
+    if walk.oom_requests and walk.oom_requests[0][2] > 0:   # the device's free memory, as cudaMemGetInfo said
+        capacity = res_series[walk.oom_reserved[0]] + walk.oom_requests[0][2]
     return ImportedSnapshot(data, device, label, from_gpu, before + walk.events, recorded, segments, order,
-                            walk.ooms, max(1, len(streams)), [len(before) + k for k in walk.releases])
+                            walk.ooms, max(1, len(streams)), [len(before) + k for k in walk.releases],
+                            [(len(before) + k, n) for k, n, _ in walk.oom_requests], capacity)
 
 
 def allocator_kwargs(settings: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
@@ -297,12 +303,13 @@ def allocator_kwargs(settings: dict[str, Any] | None) -> tuple[dict[str, Any], l
 
 
 def _default_device(data: dict[str, Any]) -> int:
-    """The device with the most trace entries, else the first with segments."""
+    """The device with the most trace entries and segments (a trace on a device that has no
+    segments loses to one that has them), else the first with segments."""
     traces = data["device_traces"]
     with_trace = [i for i, t in enumerate(traces) if t]
     with_segs = sorted({int(s.get("device", 0)) for s in data["segments"]})
     if with_trace:
-        return max(with_trace, key=lambda i: len(traces[i]))
+        return max(with_trace, key=lambda i: (i in with_segs, len(traces[i])))
     if with_segs:
         return with_segs[0]
     raise ValueError("the snapshot is empty: no trace entries and no segments. Record with "
@@ -333,6 +340,8 @@ class _Walk:
     seg_created: dict[int, int] = field(default_factory=dict)
     ooms: int = 0
     releases: list[int] = field(default_factory=list)   # len(events) when a burst of segment releases began
+    oom_requests: list[tuple[int, int, int]] = field(default_factory=list)   # (len(events), bytes, device_free)
+    oom_reserved: list[int] = field(default_factory=list)   # index of the trace entry of each oom
 
     def new_sid(self, nbytes: int) -> int:
         sid, self.next_sid = self.next_sid, self.next_sid + 1
@@ -377,6 +386,8 @@ def _walk_trace(trace: list[dict[str, Any]]) -> _Walk:
                 w.releases.append(len(w.events))
         elif a == "oom":
             w.ooms += 1
+            w.oom_requests.append((len(w.events), int(e.get("size", 0)), int(e.get("device_free", 0) or 0)))
+            w.oom_reserved.append(i)
         w.act_delta.append(d_act)
         w.res_delta.append(d_res)
     return w
@@ -410,6 +421,7 @@ class SnapshotReplay:
     stats: dict[str, int]
     settings: dict[str, Any]
     segment_pairs: list[tuple[Segment | None, Segment | None]]
+    simulated_ooms: int = 0           # the file's refused requests the simulator refused too
 
     @property
     def label(self) -> str:
@@ -442,7 +454,8 @@ class SnapshotReplay:
              format_delta(self.stats["requested_bytes.all.peak"] - imp.peak_active)],
             ["segments at the end", str(len(imp.segments)), str(len(self.segments)),
              f"{len(self.segments) - len(imp.segments):+d}"],
-        ]
+        ] + ([["out-of-memory errors", str(imp.ooms), str(self.simulated_ooms),
+               f"{self.simulated_ooms - imp.ooms:+d}"]] if imp.ooms else [])
 
     def _repr_html_(self) -> str:
         src = self.imported.label
@@ -467,7 +480,10 @@ def replay_snapshot(imported: ImportedSnapshot, **allocator_kwargs: Any) -> Snap
     (a simulator per stream: their sums are the device's). Blocks live before the trace began are
     allocated first, in address order, on the default stream. NB: the real allocator's state
     before the trace (its cached free segments) is not in the file and not modelled."""
-    allocator_kwargs = {**imported.settings, **allocator_kwargs}
+    file_kwargs = dict(imported.settings)
+    if imported.capacity is not None:
+        file_kwargs["capacity_bytes"] = imported.capacity
+    allocator_kwargs = {**file_kwargs, **allocator_kwargs}
     sims: dict[int, CachingAllocator] = {}
 
     def sim_of(stream: int) -> CachingAllocator:
@@ -478,10 +494,17 @@ def replay_snapshot(imported: ImportedSnapshot, **allocator_kwargs: Any) -> Snap
     live: dict[int, tuple[CachingAllocator, Any]] = {}
     alloc, res, requested, req = [], [], [], 0
     releases = set(imported.releases)
+    ooms = dict(imported.oom_requests)
+    simulated_ooms = 0
     for k, e in enumerate(imported.events):
         if k in releases:
             for one in sims.values():
                 one.empty_cache()
+        if k in ooms:   # the request the GPU refused: does the simulator refuse it too?
+            try:
+                sim_of(0).free(sim_of(0).malloc(ooms[k]))
+            except SimulatedOutOfMemoryError:
+                simulated_ooms += 1
         if e["kind"] == "alloc":
             sim = sim_of(int(e.get("stream", 0) or 0))
             try:
@@ -499,6 +522,11 @@ def replay_snapshot(imported: ImportedSnapshot, **allocator_kwargs: Any) -> Snap
     if len(imported.events) in releases:   # a release after the trace's last allocation or free
         for one in sims.values():
             one.empty_cache()
+    if len(imported.events) in ooms:
+        try:
+            sim_of(0).free(sim_of(0).malloc(ooms[len(imported.events)]))
+        except SimulatedOutOfMemoryError:
+            simulated_ooms += 1
     if len(sims) == 1:
         sim = sims[0]
         stats = sim.stats()
@@ -517,4 +545,4 @@ def replay_snapshot(imported: ImportedSnapshot, **allocator_kwargs: Any) -> Snap
             pairs.append((real[k] if k < len(real) else None, simulated[k] if k < len(simulated) else None))
     settings = {k: v for k, v in allocator_kwargs.items() if v not in (None, False)}
     return SnapshotReplay(imported, Series(alloc, res, "snapshot, replayed", "simulated allocator"),
-                          segments, stats, settings, pairs)
+                          segments, stats, settings, pairs, simulated_ooms)
