@@ -107,3 +107,18 @@ def test_the_default_device_is_one_with_segments():
     noise = [dict(e) for e in data["device_traces"][0]] * 2   # a longer trace on a device with no segments
     data = dict(data, device_traces=[data["device_traces"][0], noise])
     assert read_snapshot(data).device == 0
+
+
+def test_a_mid_run_trace_says_so_and_what_existed_before_it():
+    imp = read_snapshot(H200 + "step_vgg16_b1_sgd.pickle")     # history turned on after a warm-up step
+    assert imp.mid_run
+    before = [e for e in imp.events if e["index"] < 0]
+    assert len(before) > 0 and f"{len(before)} blocks" in imp.start_text()
+    assert "mid-run" in imp._repr_html_() and "mid-run" in imp.replay()._repr_html_()
+    fresh = read_snapshot({"segments": [], "device_traces": [[
+        {"action": "segment_alloc", "addr": 0x1000, "size": 2 * MiB, "stream": 0},
+        {"action": "alloc", "addr": 0x1000, "size": 512, "stream": 0},
+        {"action": "free_requested", "addr": 0x1000, "size": 512, "stream": 0},
+        {"action": "free_completed", "addr": 0x1000, "size": 512, "stream": 0},
+        {"action": "segment_free", "addr": 0x1000, "size": 2 * MiB, "stream": 0}]]})
+    assert not fresh.mid_run and fresh.start_text() == "" and fresh.releases == [2]

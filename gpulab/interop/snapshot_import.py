@@ -14,6 +14,7 @@ file recorded on a real GPU tests the simulator.
 """
 from __future__ import annotations
 
+import html
 import io
 import pickle
 from dataclasses import dataclass, field
@@ -228,10 +229,30 @@ class ImportedSnapshot:
                 ["peak of live tensors (requested bytes)", format_bytes(self.peak_active)],
                 ["peak reserved", format_bytes(self.peak_reserved)],
                 ["reserved at the end", format_bytes(sum(s.size for s in self.segments))],
-                ["streams", str(self.streams)], ["out-of-memory entries", str(self.ooms)]]
+                ["streams", str(self.streams)], ["out-of-memory entries", str(self.ooms)],
+                ["allocator settings", ", ".join(f"{k}={v}" for k, v in self.settings.items()) or "defaults"]]
+
+    @property
+    def mid_run(self) -> bool:
+        """Whether the trace begins mid-run: blocks or segments existed before its first entry
+        (history turned on after the model was loaded, or a ring buffer that wrapped)."""
+        return any(e["index"] < 0 for e in self.events) or any(k < 0 for k in self.segment_order)
+
+    def start_text(self) -> str:
+        """What existed before the trace's first entry, in words (empty for a trace from the start)."""
+        if not self.mid_run:
+            return ""
+        before = [e for e in self.events if e["index"] < 0]
+        segs = [s for s, k in zip(self.segments, self.segment_order) if k < 0]
+        return (f"a mid-run trace: before its first entry, {len(before)} blocks ({format_bytes(sum(e['nbytes'] for e in before))}) "
+                f"were live, in {len(segs)} segments ({format_bytes(sum(s.size for s in segs))}) the trace "
+                "never made. The replay allocates those blocks first, in address order, in segments of its own; "
+                "the real segments' layout before the trace is not rebuilt, so differences in reserved memory can "
+                "come from that start rather than from the simulator")
 
     def _repr_html_(self) -> str:
-        return html_table(["snapshot file", "value"], self.rows(), self.label)
+        note = f"<p>{html.escape(self.start_text())}.</p>" if self.mid_run else ""
+        return html_table(["snapshot file", "value"], self.rows(), self.label) + note
 
     def __repr__(self) -> str:
         return (f"ImportedSnapshot(device={self.device}, {len(self.events)} events, "
@@ -466,7 +487,8 @@ class SnapshotReplay:
                           "segments at the end, in order of creation within each pool")
         missing = self.imported.unmodelled_settings
         note = (f"<p>The file's settings the simulator does not model: {', '.join(missing)}.</p>" if missing else "")
-        return head + segs + note
+        start = f"<p>{html.escape(self.imported.start_text())}.</p>" if self.imported.mid_run else ""
+        return head + segs + note + start
 
     def __repr__(self) -> str:
         return (f"SnapshotReplay(peak_reserved simulated={self.stats['reserved_bytes.all.peak']:,} B, "
