@@ -502,14 +502,17 @@ def example_oom(kind: str = "fragmentation", card: str = "T4") -> OOMExample:
         events, story = step.measurement.tracking.events, "A VGG16 training step at batch 256, SGD (fake engine, CUDA's kernels)"
     else:
         raise ValueError(f"unknown example {kind!r}; valid: {', '.join(OOM_EXAMPLES)}")
-    oom = O.simulated_oom(events, c.memory_bytes, context_bytes=CUDA_CONTEXT_ASSUMED)
+    total = c.reported_total_bytes    # what CUDA reports: a T4's 14.74 GiB, not its advertised 16 GB
+    oom = O.simulated_oom(events, total, context_bytes=CUDA_CONTEXT_ASSUMED)
     if oom is None:
         raise ValueError(f"the {kind} example fits on {c.name}: no out-of-memory to read")
-    story += f", on a {c.name} ({format_bytes(c.memory_bytes)}, of which an assumed {format_bytes(CUDA_CONTEXT_ASSUMED)} CUDA context)."
+    story += (f", on a {c.name} ({format_bytes(total)} as CUDA reports it"
+              + (f": {c.cuda_total_note}" if c.cuda_total_note else "")
+              + f"; of which an assumed {format_bytes(CUDA_CONTEXT_ASSUMED)} CUDA context).")
     step = step_exp = None
     if kind == "fragmentation":       # 3 events per step
         step = oom.event_index // 3 + 1
-        exp = O.simulated_oom(events, c.memory_bytes, context_bytes=CUDA_CONTEXT_ASSUMED, expandable_segments=True)
+        exp = O.simulated_oom(events, total, context_bytes=CUDA_CONTEXT_ASSUMED, expandable_segments=True)
         step_exp = None if exp is None else exp.event_index // 3 + 1
     return OOMExample(kind, oom.text, story, f"{LABEL_SIMULATED}: every figure from the simulator, in PyTorch's format",
                       step, step_exp, oom)

@@ -63,11 +63,22 @@ class Card:
     memory_bytes: int            # the memory a lesson plans with
     aliases: tuple[str, ...]     # other spellings ``parse_gpu`` accepts
     note: str                    # where memory_bytes comes from, in words
+    # what CUDA itself reports as the card's total (cudaMemGetInfo; the "total capacity" of an
+    # out-of-memory message), where it is known, and where that figure comes from
+    cuda_total_bytes: int | None = None
+    cuda_total_note: str = ""
+
+    @property
+    def reported_total_bytes(self) -> int:
+        """The total an out-of-memory message on this card states: CUDA's own figure where known."""
+        return self.cuda_total_bytes or self.memory_bytes
 
 
-def _card(name: str, gb: int, aliases: tuple[str, ...], spec: str, extra: str = "") -> Card:
+def _card(name: str, gb: int, aliases: tuple[str, ...], spec: str, extra: str = "",
+          cuda_total: tuple[int, str] | None = None) -> Card:
     note = f"advertised {gb} GB {spec}, counted here as {gb} GiB"
-    return Card(name, gb * GiB, aliases, note + (f"; {extra}" if extra else ""))
+    return Card(name, gb * GiB, aliases, note + (f"; {extra}" if extra else ""),
+                *(cuda_total or (None, "")))
 
 
 # Sizes and memory types are as the vendors advertise them (not re-checked against their
@@ -81,7 +92,10 @@ CARDS: tuple[Card, ...] = (
           "(HBM3 on SXM5, HBM2e on PCIe)",
           "nvidia-smi on an H100 80GB HBM3 shows 81,559 MiB total (79.6 GiB); "
           "the 94 GB H100 NVL is not this card"),
-    _card("H200", 141, ("H200-141GB", "H200-SXM", "H200 NVL"), "HBM3e"),
+    _card("H200", 141, ("H200-141GB", "H200-SXM", "H200 NVL"), "HBM3e",
+          cuda_total=(150_109_880_320, "torch.cuda.mem_get_info() on an NVIDIA H200 (driver 580.159.04, "
+                                       "CUDA 13.0), measured by this project's GPU validation on 2026-11-26: "
+                                       "139.80 GiB, which its out-of-memory message printed as the total capacity")),
     _card("A100-40GB", 40, ("A100-SXM4-40GB", "A100-PCIE-40GB"), "HBM2"),
     _card("A100-80GB", 80, ("A100-SXM4-80GB", "A100 80GB PCIe", "A100-PCIE-80GB"), "HBM2e"),
     _card("L4", 24, (), "GDDR6"),
@@ -89,7 +103,9 @@ CARDS: tuple[Card, ...] = (
     _card("A10", 24, (), "GDDR6"),
     _card("A10G", 24, (), "GDDR6", "the AWS variant of the A10 (G5 instances)"),
     _card("T4", 16, ("T4-16GB",), "GDDR6",
-          "nvidia-smi on a Tesla T4 shows 15,360 MiB total (15.0 GiB)"),
+          "nvidia-smi on a Tesla T4 shows 15,360 MiB total (15.0 GiB)",
+          cuda_total=(round(14.74 * GiB), "out-of-memory messages published from T4s (Google Colab) print "
+                                          "'GPU 0 has a total capacity of 14.74 GiB' (to 0.01 GiB)")),
     _card("V100-16GB", 16, ("V100-SXM2-16GB", "V100-PCIE-16GB"), "HBM2"),
     _card("V100-32GB", 32, ("V100-SXM2-32GB", "V100-PCIE-32GB"), "HBM2"),
     _card("RTX 3090", 24, ("3090",), "GDDR6X"),
