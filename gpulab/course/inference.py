@@ -208,7 +208,9 @@ def unet_intermediates(batch: int, channels: int, image_size: int) -> list[tuple
 def names_kept_peak(batch: int, channels: int, image_size: int) -> int:
     """Formula: with every intermediate under its own name, all of them are alive when
     ``forward`` returns, so the forward's activation-side peak is their sum.
-    NB: max-pool's int64 indices are only created when autograd needs them (train step)."""
+    NB: max-pool makes its int64 indices in every mode (``max_pool2d`` runs
+    ``max_pool2d_with_indices``, as lesson 03's tracked runs show); without autograd nothing keeps
+    them, so they are a moment's temporary, not part of this sum."""
     return sum(F.tensor_bytes(s) for _, s in unet_intermediates(batch, channels, image_size))
 
 
