@@ -142,6 +142,18 @@ class LabelGuide:
                           "every number in the lessons carries one of these labels")
 
 
+def _recorded_row() -> tuple[str, str, bool]:
+    """The recorded-runs label: the first record's GPU and date when gpulab ships one."""
+    from gpulab.record.lookup import load_records
+    records = load_records()
+    if not records:
+        return (label_recorded("<GPU name>", "<date>", "<version>"),
+                "a GPU measurement shipped with gpulab (none ships with this version)", False)
+    r = records[0]
+    return (r.label, f"a GPU measurement shipped with gpulab: real, but not from this machine "
+                     f"({len(records)} recorded GPU{'s' if len(records) > 1 else ''})", True)
+
+
 def label_guide() -> LabelGuide:
     status = engine_status()
     gpu = torch.cuda.get_device_name(0) if status["cuda"][0] else "<GPU name>"
@@ -159,8 +171,7 @@ def label_guide() -> LabelGuide:
                           "memory_allocated / memory_reserved would say on a GPU", CachingAllocator is not None),
         (label_cuda(gpu), "the code ran on that GPU; the numbers come from the caching allocator's "
                           "counters and NVML", status["cuda"][0]),
-        (label_recorded("<GPU name>", "<date>", "<version>"),
-         "a GPU measurement shipped with gpulab: real, but not from this machine", True),
+        _recorded_row(),
     ])
 
 
