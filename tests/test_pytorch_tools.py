@@ -90,7 +90,7 @@ def test_profiler_next_to_memtrack_and_the_tracker():
     cmp = P.compare_tools(prof, lines)
     # the same step: the parameters agree exactly; the totals differ only by what is not a tensor
     assert lines.tracking.peak_by_category["parameters"] == prof.timeline_at_peak["parameter"]
-    unknown = prof.timeline_at_peak["unknown (not a tensor)"]
+    unknown = prof.timeline_at_peak["unknown (no tensor or category)"]
     assert abs(cmp.peak_difference) <= unknown + 4096
     html = cmp._repr_html_()
     for words in ("Self CPU Mem", "%%memtrack", "PyTorch&#x27;s memory profiler", "what each tool sees and misses"):

@@ -263,7 +263,7 @@ def _quiet_stderr():
 
 # torch/profiler/_memory_profiler.py: _CATEGORY_TO_INDEX (+1 in _coalesce_timeline; column 0 unused)
 PROFILER_CATEGORIES = ("parameter", "optimizer_state", "input", "temporary", "activation", "gradient",
-                       "autograd_detail", "unknown (not a tensor)")
+                       "autograd_detail", "unknown (no tensor or category)")
 
 
 @dataclass
@@ -361,7 +361,8 @@ SEES = [
     ["%%memtrack (gpulab), per line",
      "every tensor storage each line created or freed: shape, dtype, bytes, category, file:line; the peak "
      "inside a line",
-     "allocations that are not tensor storages (kernel scratch buffers); per-op detail inside a line"],
+     "allocations that are not tensor storages (on a GPU: cuDNN's convolution workspaces, the cuBLAS "
+     "workspace); per-op detail inside a line"],
     ["gpulab tracker, categories",
      "live bytes by category over time (parameters, buffers, inputs, optimizer state, gradients, "
      "activations, temporaries), on cpu, fake (any size, no GPU) and cuda",
@@ -397,7 +398,7 @@ class ToolComparison:
         p = self.profiled.timeline_at_peak
         pairs = [("parameters", "parameter"), ("buffers", None), ("inputs", "input"),
                  ("optimizer_state", "optimizer_state"), ("gradients", "gradient"), ("activations", "activation"),
-                 ("temporaries", "temporary"), (None, "autograd_detail"), (None, "unknown (not a tensor)")]
+                 ("temporaries", "temporary"), (None, "autograd_detail"), (None, "unknown (no tensor or category)")]
         rows = []
         for ours, theirs in pairs:
             rows.append([ours or "—", format_bytes(g.get(ours, 0)) if ours else "—",
@@ -426,11 +427,13 @@ class ToolComparison:
         diff = self.peak_difference
         note = ""
         if diff is not None:
-            unknown = pr.timeline_at_peak.get("unknown (not a tensor)", 0)
+            unknown = pr.timeline_at_peak.get("unknown (no tensor or category)", 0)
             note = (f"<p>Peaks: tracker {self.tracker_peak:,} B, profiler {pr.timeline_peak:,} B "
-                    f"(difference {diff:+,} B). At the profiler's peak, {unknown:,} B are allocations that are not "
-                    "tensor storages (kernel scratch buffers): the profiler sees them, the tracker never does. The two "
-                    "peaks fall at different moments, so their totals need not differ by exactly that.</p>")
+                    f"(difference {diff:+,} B). At the profiler's peak, {unknown:,} B are in its 'unknown' "
+                    "category: allocations it could not tie to a tensor, or whose category its reading of the "
+                    "operator graph did not settle (torch/profiler/_memory_profiler.py); that split can move "
+                    "between runs of the same step. The two peaks fall at different moments, so their totals "
+                    "need not differ by exactly that.</p>")
         sees = html_table(["tool", "sees", "misses"], SEES, "what each tool sees and misses")
         return f"{STYLE}{ops}<br>{lines}<br>{cats}{note}{sees}"
 
