@@ -235,7 +235,6 @@ class Measurement:
     kernels: str = ""  # whose kernels the numbers follow: "cuda" or "cpu" (filled in if not given)
     offloaded: TrackingResult | None = None   # activation offloading: the host copies, apart
     paged: TrackingResult | None = None       # a paged optimizer's state in unified memory, apart
-    allocator_trace: list[dict[str, Any]] | None = None   # cuda only: the allocator's own trace of the run
 
     def __post_init__(self) -> None:
         if not self.kernels:
@@ -515,8 +514,7 @@ def _run_cuda(experiment, choice: EngineChoice, device: torch.device) -> Measure
     name = torch.cuda.get_device_name(device)
     return Measurement("cuda", choice.reason, str(device), label_cuda(name), result, value, seconds,
                        ctx.snapshots, allocator=allocator, beyond_tensors=beyond, oom=oom, error=err,
-                       blocks=blocks, offloaded=_apart(tracker, HOST_DEVICE), paged=_apart(tracker, UNIFIED_DEVICE),
-                       allocator_trace=history.trace)
+                       blocks=blocks, offloaded=_apart(tracker, HOST_DEVICE), paged=_apart(tracker, UNIFIED_DEVICE))
 
 
 def _apart(tracker: MemoryTracker, where: str) -> TrackingResult | None:

@@ -21,16 +21,12 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-__all__ = ["LABEL", "NonTensorAllocations", "classify", "trace_events"]
+from gpulab.formulas import cuda_rounded_bytes as _rounded   # each request up to 512 B, as the allocator's blocks
 
-BLOCK = 512   # the caching allocator rounds every request up to 512 bytes
+__all__ = ["LABEL", "NonTensorAllocations", "classify", "trace_events"]
 
 LABEL = ("allocations no tensor owns (cuDNN convolution workspaces, cuBLAS workspaces, buffers inside "
          "one kernel), from the allocator's own trace")
-
-
-def _rounded(n: int) -> int:
-    return max(BLOCK, -(-n // BLOCK) * BLOCK)
 
 
 @dataclass

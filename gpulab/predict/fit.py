@@ -150,8 +150,8 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
     recipe = user_recipe(optimizer, amp, **recipe_options(locals()))   # checks them all
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
     check_recipe_for(recipe, w)
-    shard = _sharding(w, recipe, dt, gpus, strategy, offload_optimizer)
-    place = place._replace(sharding=getattr(shard, "sharding", None))
+    sharding, shard = _sharding(w, recipe, dt, gpus, strategy, offload_optimizer)
+    place = place._replace(sharding=sharding)
     usable = place.card.memory_bytes - place.context_bytes
     runs: dict[int, TrackingResult] = {}
     made: list[int] = []     # every fake run, in order (a batch run again counts again)
@@ -236,11 +236,12 @@ def _bisect(runs: dict[int, TrackingResult], run_check: Callable[[int], BatchChe
 
 
 def _sharding(w: Workload, recipe: Recipe, dt: torch.dtype, gpus, strategy, offload_optimizer):
-    """None for one GPU; else the function that turns a one-GPU run into one rank's (``predict.sharding``)."""
+    """(None, None) for one GPU; else the ``predict.sharding.Sharding`` and the function that turns
+    a one-GPU run into one rank's."""
     from gpulab.predict import sharding as S
     sh = S.check_sharding(gpus, strategy, offload_optimizer, recipe.optimizer, dt)
     if sh is None:
-        return None
+        return None, None
     if sh.strategy in S.DEEPSPEED and (recipe.lora or recipe.quantize):
         raise ValueError(f"{sh.strategy} follows DeepSpeed's full fine-tuning layout; with LoRA or QLoRA use fsdp2 or ddp")
     with torch.device("meta"):
@@ -249,8 +250,7 @@ def _sharding(w: Workload, recipe: Recipe, dt: torch.dtype, gpus, strategy, offl
 
     def one_rank(t: TrackingResult) -> TrackingResult:
         return S.per_rank(t, sh, layers, elem)
-    one_rank.sharding = sh   # type: ignore[attr-defined]
-    return one_rank
+    return sh, one_rank
 
 
 def _place(gpu: str | Card | int, context_bytes: int | None, module_loading: str) -> "_Place":
