@@ -113,7 +113,8 @@ class CardsNeeded:
         cap = (f"{self.model} ({self.n_params:,} parameters, largest layer {self.largest_layer:,}), full fine-tuning "
                f"with mixed-precision Adam on {self.card}: {format_bytes(self.usable_bytes, 'decimal')} usable per "
                f"card after an assumed {format_bytes(CUDA_CONTEXT_ASSUMED)} CUDA context. The paper's figure "
-               f"(K = {self.k}) and the framework's (DeepSpeed 0.19's estimator functions, gpulab.predict.sharding). "
+               f"(K = {self.k}) and the framework's (gpulab.predict.sharding: DDP's gradient buckets; DeepSpeed's 16 bytes "
+               "of fp32 state per parameter, and for ZeRO-2 and ZeRO-3 its own estimator functions, deepspeed 0.19). "
                "Model states only: activations, temporary buffers and fragmentation come on top "
                "(gpulab fit --gpus N --strategy ... adds them).")
         return html_table(["stage", "paper: per device", "paper: cards", "paper: bytes per card",
