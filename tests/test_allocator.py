@@ -638,3 +638,68 @@ def test_the_simulator_is_rebuilt_from_the_real_allocators_segments():
     assert (sim.memory_allocated(), sim.memory_reserved()) == \
         (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
     del keep, more
+
+
+# --- a start that is not empty: segments made before the simulation, new ones at given addresses ---
+
+
+def test_add_segment_takes_over_a_segment_as_it_was():
+    """A 20 MiB large segment at a given address: 4 MiB live, 2 + 3 MiB free (one block: free
+    neighbours are merged, try_merge_blocks), 11 MiB live. The stats count it as the allocator's."""
+    a = CachingAllocator()
+    base = 0x7F2000000000
+    live = a.add_segment(base, [(4 * MiB, 4 * MiB - 100), (2 * MiB, None), (3 * MiB, None), (11 * MiB, 11 * MiB)])
+    a.check_invariants()
+    assert [(b.addr, b.size, b.requested) for b in live] == [(base, 4 * MiB, 4 * MiB - 100),
+                                                            (base + 9 * MiB, 11 * MiB, 11 * MiB)]
+    (seg,) = a.segment_map()
+    assert seg.address == base and seg.pool == "large"
+    assert [(b.offset, b.size, b.allocated) for b in seg.blocks] == [(0, 4 * MiB, True), (4 * MiB, 5 * MiB, False),
+                                                                     (9 * MiB, 11 * MiB, True)]
+    s = a.stats()
+    assert s["reserved_bytes.all.current"] == 20 * MiB and s["segment.large_pool.current"] == 1
+    assert s["allocated_bytes.all.current"] == 15 * MiB and s["requested_bytes.all.current"] == 15 * MiB - 100
+    assert s["inactive_split_bytes.all.current"] == 5 * MiB and s["num_device_alloc"] == 0
+    # get_free_block: the 5 MiB free block serves a 5 MiB request (remainder 0: no split)
+    assert a.malloc(5 * MiB).addr == base + 4 * MiB
+    a.free(live[0])
+    a.check_invariants()
+    assert a.segment_map()[0].blocks[0].size == 4 * MiB and not a.segment_map()[0].blocks[0].allocated
+
+
+def test_best_fit_ties_break_by_the_segments_addresses():
+    """BlockComparatorSize orders equal sizes by address: of two free 2 MiB small segments, the
+    lower address serves the request, whichever was taken over first."""
+    a = CachingAllocator()
+    a.add_segment(0x7F3000000000, [(2 * MiB, None)])
+    a.add_segment(0x7F1000000000, [(2 * MiB, None)])
+    assert a.malloc(512).addr == 0x7F1000000000
+    a.check_invariants()
+
+
+def test_a_new_segment_goes_where_it_is_told_unless_that_overlaps():
+    a = CachingAllocator()
+    a.add_segment(0x7F2000000000, [(4 * MiB, 4 * MiB), (16 * MiB, None)])
+    b = a.malloc(30 * MiB, segment_address=0x7F1000000000)      # cudaMalloc's answer on the GPU
+    assert b.addr == 0x7F1000000000
+    c = a.malloc(30 * MiB, segment_address=0x7F1000000000)      # taken: the simulator's own address
+    assert c.addr not in (0x7F1000000000, 0x7F2000000000) and c.addr >= 0x7F2000000000 + 20 * MiB
+    d = a.malloc(4 * MiB, segment_address=0x7F0000000000)       # served from a cached block: no segment
+    assert a.stats()["segment.all.current"] == 3 and d.addr != 0x7F0000000000
+    a.check_invariants()
+
+
+def test_add_segment_refuses_what_is_not_a_segment():
+    a = CachingAllocator(capacity_bytes=30 * MiB)
+    a.add_segment(0x7F0000000000, [(20 * MiB, None)])
+    with pytest.raises(ValueError, match="overlap"):
+        a.add_segment(0x7F0000000000 + 10 * MiB, [(2 * MiB, None)])
+    with pytest.raises(ValueError, match="multiple of 512"):
+        a.add_segment(0x7F1000000000, [(1000, 1000)])
+    with pytest.raises(ValueError, match="capacity"):
+        a.add_segment(0x7F1000000000, [(20 * MiB, None)])
+    with pytest.raises(ValueError, match="requested"):
+        a.add_segment(0x7F1000000000, [(2 * MiB, 3 * MiB)])
+    with pytest.raises(ValueError, match="expandable"):
+        CachingAllocator(expandable_segments=True).add_segment(0x7F0000000000, [(2 * MiB, None)])
+    a.check_invariants()

@@ -1,11 +1,13 @@
 """A snapshot's replay with what the file records (issue 25): its allocator settings, one pool per
-stream, its release bursts. Checked on snapshots recorded on an NVIDIA H200 (tests/data/h200) and
-on traces written here."""
+stream, its release bursts, its start state. Checked on snapshots recorded on an NVIDIA H200
+(tests/data/h200), on traces written here, and on traces the simulator itself recorded."""
 import copy
 import pickle
+import random
 
 import pytest
 
+from gpulab.interop.snapshot import record_events
 from gpulab.interop.snapshot_import import allocator_kwargs, read_snapshot
 
 H200 = "tests/data/h200/"
@@ -107,6 +109,147 @@ def test_the_default_device_is_one_with_segments():
     noise = [dict(e) for e in data["device_traces"][0]] * 2   # a longer trace on a device with no segments
     data = dict(data, device_traces=[data["device_traces"][0], noise])
     assert read_snapshot(data).device == 0
+
+
+def _layout(segments):
+    """Segments block for block: (segment address, ((block address, size, allocated), ...))."""
+    return sorted((s.address, tuple((b.addr, b.size, b.allocated) for b in s.blocks)) for s in segments)
+
+
+def _reserved_after_each_entry_agrees(imp, rep):
+    return all(rep.simulated.reserved[k] == imp.recorded.reserved[e["index"]]
+               for k, e in enumerate(imp.events) if e["index"] >= 0)
+
+
+# recorded on the H200 (summary.json, the files' final segments): segments, reserved bytes at the end
+H200_STEPS = {"step_cnn_b32_sgd": (7, 110 * MiB), "step_alexnet_b1_sgd": (13, 578 * MiB),
+              "step_vgg16_b1_sgd": (19, 1288 * MiB)}
+
+
+@pytest.mark.parametrize("name", sorted(H200_STEPS))
+def test_a_mid_run_h200_step_replays_exactly_from_its_rebuilt_start(name):
+    """History recorded for one step after a warm-up: every segment existed before the first entry.
+    From the rebuilt start the simulator puts every allocation where the H200's allocator did and
+    ends with its segments block for block; from an empty allocator it does not."""
+    imp = read_snapshot(H200 + name + ".pickle")
+    segments, reserved = H200_STEPS[name]
+    assert imp.mid_run and len(imp.start_segments) == segments == len(imp.segments)
+    assert sum(s.size for s in imp.segments) == reserved
+    rep = imp.replay()
+    assert rep.rebuilt_start and len(rep.segments) == segments
+    assert sum(s.size for s in rep.segments) == reserved
+    assert rep.stats["reserved_bytes.all.peak"] == imp.peak_reserved == reserved
+    assert rep.stats["requested_bytes.all.peak"] == imp.peak_active
+    assert _layout(rep.segments) == _layout(imp.segments)
+    assert _reserved_after_each_entry_agrees(imp, rep)
+    placed, allocs = rep.same_address
+    assert placed == allocs == sum(1 for e in imp.data["device_traces"][0] if e["action"] == "alloc")
+    for real, sim in rep.segment_pairs:
+        assert real.address == sim.address and real.size == sim.size
+    empty = imp.replay(rebuild_start=False)       # the same trace from an empty allocator
+    assert not empty.rebuilt_start and empty.same_address is None
+    assert _layout(empty.segments) != _layout(imp.segments)
+    assert not _reserved_after_each_entry_agrees(imp, empty)
+    assert "rebuild_start=False" in empty._repr_html_() and "rebuilt from the file" in rep._repr_html_()
+
+
+def test_vgg16s_start_from_empty_was_the_4_mib_and_8_segments_too_many():
+    imp = read_snapshot(H200 + "step_vgg16_b1_sgd.pickle")
+    empty = imp.replay(rebuild_start=False)
+    assert len(empty.segments) == 27 and sum(s.size for s in empty.segments) == 1288 * MiB + 4 * MiB
+    assert empty.stats["reserved_bytes.all.peak"] == imp.peak_reserved + 4 * MiB
+    rep = imp.replay()
+    assert ["segments at the end", "19", "19", "+0"] in rep.total_rows()
+    assert ["allocations at the address the file records", "144", "144", "+0"] in rep.total_rows()
+
+
+def test_the_rebuilt_start_is_the_files_segments_with_the_blocks_live_at_entry_0():
+    imp = read_snapshot(H200 + "step_vgg16_b1_sgd.pickle")
+    before = {e["sid"]: e for e in imp.events if e["index"] < 0}
+    starts = {s.address: s for s in imp.start_segments}
+    assert set(starts) == {s.address for s in imp.segments}
+    placed = [b for s in imp.start_segments for b in s.blocks if b[2] is not None]
+    assert sorted(sid for _, _, sid in placed) == sorted(before)
+    assert all(addr == before[sid]["addr"] for addr, _, sid in placed)
+    for seg in imp.start_segments:            # blocks tile each segment
+        assert seg.blocks[0][0] == seg.address and sum(n for _, n, _ in seg.blocks) == seg.size
+        assert all(a + n == b for (a, n, _), (b, _, _) in zip(seg.blocks, seg.blocks[1:]))
+    # the start holds what the recorded timeline starts with: the live tensors' requested bytes
+    assert sum(e["nbytes"] for e in before.values()) == imp.recorded.allocated[0] - (
+        imp.events[len(before)]["nbytes"] if imp.events[len(before)]["kind"] == "alloc" else 0)
+
+
+def _workload(seed, n=400):
+    """Random allocations (small, 1-12 MiB, 12-60 MiB) and frees."""
+    rng = random.Random(seed)
+    live, events, sid = [], [], 0
+    for _ in range(n):
+        if live and rng.random() < 0.45:
+            events.append({"kind": "free", "sid": live.pop(rng.randrange(len(live)))})
+        else:
+            nbytes = rng.choice([rng.randint(1, MiB), rng.randint(MiB, 12 * MiB), rng.randint(12 * MiB, 60 * MiB)])
+            events.append({"kind": "alloc", "sid": sid, "nbytes": nbytes})
+            live.append(sid)
+            sid += 1
+    return events
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_trace_the_simulator_recorded_replays_exactly_from_any_entry(seed):
+    """The simulator records a trace (with two empty_cache() calls) and the state at its end; cut
+    the trace anywhere and what is left is a mid-run file whose start must be rebuilt: blocks freed
+    before they are allocated, segments released before they are made, blocks split off with an
+    unsplit remainder. Its replay gives every address and the final layout back, block for block."""
+    snap = record_events(_workload(seed), empty_cache_at=[100, 250]).data
+    trace = snap["device_traces"][0]
+    for cut in (0, 37, 150, 300, len(trace) // 2, len(trace) - 5):
+        imp = read_snapshot(dict(snap, device_traces=[trace[cut:]]))
+        assert imp.start_segments is not None, imp.start_problem
+        rep = imp.replay()
+        assert _layout(rep.segments) == _layout(imp.segments), cut
+        assert rep.same_address[0] == rep.same_address[1], cut
+        assert _reserved_after_each_entry_agrees(imp, rep), cut
+        assert rep.stats["reserved_bytes.all.peak"] == imp.peak_reserved, cut
+        if cut and imp.mid_run:
+            assert _layout(imp.replay(rebuild_start=False).segments) != _layout(imp.segments) or not any(
+                e["index"] < 0 for e in imp.events)
+
+
+def test_an_expandable_mid_run_start_is_not_rebuilt_and_says_so():
+    snap = record_events(_workload(3), expandable_segments=True).data
+    trace = snap["device_traces"][0]
+    imp = read_snapshot(dict(snap, device_traces=[trace[150:]]))
+    assert imp.mid_run and imp.start_segments is None and "expandable" in imp.start_problem
+    assert "not rebuilt (expandable segments" in imp.start_text()
+    rep = imp.replay()
+    assert not rep.rebuilt_start and rep.same_address is None
+
+
+def test_an_oom_request_is_put_to_its_own_streams_pool():
+    """Stream 0 has a free 16 MiB block inside a segment that still holds a tensor (so no release
+    frees it); a 16 MiB request on stream 1 needs a new segment, which the card has no room for.
+    The GPU refused it (an oom entry on stream 1); so must the simulator, on stream 1: on stream 0
+    the cached block would have served it."""
+    s1 = 0x51
+    a = 0x7f0000000000
+    trace = [
+        {"action": "segment_alloc", "addr": a, "size": 20 * MiB, "stream": 0},
+        {"action": "alloc", "addr": a, "size": 4 * MiB, "stream": 0},
+        {"action": "alloc", "addr": a + 4 * MiB, "size": 16 * MiB, "stream": 0},
+        {"action": "free_requested", "addr": a + 4 * MiB, "size": 16 * MiB, "stream": 0},
+        {"action": "free_completed", "addr": a + 4 * MiB, "size": 16 * MiB, "stream": 0},
+        {"action": "oom", "addr": 8 * MiB, "device_free": 8 * MiB, "size": 16 * MiB, "stream": s1},
+    ]
+    blocks = [{"address": a, "size": 4 * MiB, "requested_size": 4 * MiB, "state": "active_allocated"},
+              {"address": a + 4 * MiB, "size": 16 * MiB, "requested_size": 0, "state": "inactive"}]
+    segments = [{"device": 0, "address": a, "total_size": 20 * MiB, "stream": 0, "segment_type": "large",
+                 "blocks": blocks}]
+    imp = read_snapshot({"segments": segments, "device_traces": [trace]})
+    assert imp.capacity == 28 * MiB and imp.oom_requests == [(3, 16 * MiB, s1)]
+    assert imp.replay().simulated_ooms == 1
+    on_default = copy.copy(imp)
+    on_default.oom_requests = [(3, 16 * MiB, 0)]
+    assert on_default.replay().simulated_ooms == 0
 
 
 def test_a_mid_run_trace_says_so_and_what_existed_before_it():

@@ -18,6 +18,10 @@ What is modelled (one default stream, one device):
   (``release_available_cached_blocks``, ``release_cached_blocks``, ``alloc_block``) and otherwise
   raises :class:`SimulatedOutOfMemoryError` with PyTorch's message;
 * ``empty_cache`` (``release_cached_blocks``), which returns only whole free segments;
+* a start that is not empty (:meth:`CachingAllocator.add_segment`: segments cudaMalloc'ed before
+  the simulation began, at their addresses, with their blocks), and new segments placed at given
+  addresses (``malloc(..., segment_address=)``), so that a replay of a real trace that began
+  mid-run starts from the real allocator's state and breaks best-fit ties by the same addresses;
 * ``expandable_segments`` (``ExpandableSegment``, ``try_allocate_expandable_block``,
   ``map_block``, ``unmap_block``);
 * the statistics of ``torch.cuda.memory_stats()`` under the same key names.
@@ -485,6 +489,7 @@ class CachingAllocator:
         self._active: dict[int, _Blk] = {}  # allocated blocks by address ("allocated_blocks")
         self._next_segment_id = 0
         self._next_address = _BASE_ADDRESS
+        self._segment_address: int | None = None  # where malloc was told to put a new segment
         self._total_reserved = 0  # total_allocated_memory in the C++ source
         self._stats: dict[str, list[_Stat]] = {
             name: [_Stat(), _Stat(), _Stat()] for name in _STAT_ARRAYS
@@ -501,8 +506,12 @@ class CachingAllocator:
 
     # ---- public API ---------------------------------------------------------------------------
 
-    def malloc(self, nbytes: int) -> Block:
+    def malloc(self, nbytes: int, *, segment_address: int | None = None) -> Block:
         """Allocate ``nbytes`` (``DeviceCachingAllocator::malloc``) and return its :class:`Block`.
+
+        ``segment_address``: where to put the segment if this request needs a new one (cudaMalloc's
+        answer, read from a real trace's ``segment_alloc``); ignored when that range overlaps a
+        segment the simulator holds, and for expandable segments.
 
         A 0-byte request returns a null block without touching the allocator: PyTorch's
         ``allocate()`` only calls ``malloc`` when ``size != 0`` and hands out a null pointer.
@@ -530,11 +539,15 @@ class CachingAllocator:
         if blk is None:
             # alloc_block || (release_available_cached_blocks && alloc_block)
             #             || (release_cached_blocks && alloc_block(isRetry=true))
-            blk = self._alloc_block(pool, size, alloc_size, is_retry=False)
-            if blk is None and self._release_available_cached_blocks(pool, size):
+            self._segment_address = segment_address
+            try:
                 blk = self._alloc_block(pool, size, alloc_size, is_retry=False)
-            if blk is None and self._release_cached_blocks():
-                blk = self._alloc_block(pool, size, alloc_size, is_retry=True)
+                if blk is None and self._release_available_cached_blocks(pool, size):
+                    blk = self._alloc_block(pool, size, alloc_size, is_retry=False)
+                if blk is None and self._release_cached_blocks():
+                    blk = self._alloc_block(pool, size, alloc_size, is_retry=True)
+            finally:
+                self._segment_address = None
         if blk is None:
             self._counters["num_ooms"] += 1
             raise self._oom_error(nbytes, alloc_size)
@@ -588,6 +601,76 @@ class CachingAllocator:
         are unmapped (``release_cached_blocks`` -> ``release_blocks``).
         """
         self._release_cached_blocks()
+
+    def add_segment(
+        self, address: int, blocks: Iterable[tuple[int, int | None]], *,
+        pool: PoolName | None = None,
+    ) -> list[Block]:
+        """Take over a segment that was cudaMalloc'ed before the simulation began, as it was then.
+
+        ``address``: where the segment starts; ``blocks``: its blocks in address order, tiling it,
+        each ``(size, requested)`` for an allocated block (``requested``: the bytes it was asked
+        for) or ``(size, None)`` for a free one (free neighbours are merged, as the allocator
+        always keeps them). ``pool``: "small" or "large"; by default small when the segment is
+        ``kSmallBuffer`` (2 MiB) or less, as ``get_allocation_size`` makes no large segment that
+        small. Returns the allocated blocks' handles, in address order, to :meth:`free` later.
+
+        The segment counts in the statistics from here on (``segment``, ``reserved_bytes``,
+        ``allocated_bytes``, ...), as it would in a real allocator's, but no ``num_device_alloc``:
+        this simulation did not cudaMalloc it.
+
+        Raises:
+            ValueError: the blocks do not tile a segment (sizes not positive multiples of 512
+                bytes), the range overlaps a segment already held, a capacity would be exceeded,
+                or the allocator uses expandable segments (NB: taking over an expandable segment's
+                mapped pages is not modelled).
+        """
+        if self.expandable_segments:
+            raise ValueError("add_segment: a start with expandable segments is not modelled")
+        merged = _segment_blocks(blocks)
+        total = sum(size for size, _ in merged)
+        name = pool if pool is not None else ("small" if total <= SMALL_BUFFER else "large")
+        if name not in ("small", "large"):
+            raise ValueError(f"add_segment: pool must be 'small' or 'large', not {pool!r}")
+        if self._overlaps(int(address), total):
+            raise ValueError(f"add_segment: {total} bytes at {int(address):#x} overlap a segment "
+                             "the simulator already holds")
+        if self.capacity_bytes is not None and self._total_reserved + total > self.capacity_bytes:
+            raise ValueError(f"add_segment: {format_size(total)} more would exceed the capacity "
+                             f"({format_size(self.capacity_bytes)})")
+        the_pool = self._small if name == "small" else self._large
+        seg = _Seg(self._next_segment_id, the_pool, int(address), total)
+        self._next_segment_id += 1
+        self._segments[seg.id] = seg
+        self._next_address = max(self._next_address, seg.base + total)
+        self._total_reserved += total
+        idx = the_pool.stat_index
+        for i in (0, idx):
+            self._stats["segment"][i].increase(1)
+            self._stats["reserved_bytes"][i].increase(total)
+        if total >= self.max_split_size:
+            self._oversize_segments.increase(1)
+        handles: list[Block] = []
+        prev: _Blk | None = None
+        addr = seg.base
+        for size, requested in merged:
+            blk = _Blk(addr, size, the_pool, seg.id)
+            blk.prev = prev
+            if prev is None:
+                seg.head = blk
+            else:
+                prev.next = blk
+            prev = blk
+            addr += size
+            if requested is None:
+                the_pool.insert(blk)
+                if len(merged) > 1:  # a free piece of a split segment: inactive_split
+                    for i in (0, idx):
+                        self._stats["inactive_split"][i].increase(1)
+                        self._stats["inactive_split_bytes"][i].increase(size)
+                continue
+            handles.append(self._hand_out(blk, requested))
+        return handles
 
     def stats(self) -> dict[str, int]:
         """The allocator statistics under ``torch.cuda.memory_stats()`` key names (sorted)."""
@@ -929,9 +1012,13 @@ class CachingAllocator:
                 self._stats["inactive_split_bytes"][i].decrease(blk.size)
                 self._stats["inactive_split"][i].decrease(1)
 
+        return self._hand_out(blk, orig_size)
+
+    def _hand_out(self, blk: _Blk, orig_size: int) -> Block:
+        """Mark ``blk`` allocated for ``orig_size`` requested bytes, count it, return its handle."""
         blk.allocated = True
         blk.requested = orig_size
-        for i in (0, idx):
+        for i in (0, blk.pool.stat_index):
             self._stats["allocation"][i].increase(1)
             self._stats["allocated_bytes"][i].increase(blk.size)
             self._stats["active"][i].increase(1)
@@ -940,7 +1027,7 @@ class CachingAllocator:
         if blk.size >= self.max_split_size:
             self._oversize_allocations.increase(1)
         handle = Block(addr=blk.addr, size=blk.size, requested=orig_size, segment=blk.seg,
-                       pool=pool.name, allocated=True, _owner=self)
+                       pool=blk.pool.name, allocated=True, _owner=self)
         blk.handle = handle
         self._active[blk.addr] = blk
         return handle
@@ -1096,13 +1183,21 @@ class CachingAllocator:
 
     def _new_segment(self, pool: _Pool, size: int, *, expandable: bool = False,
                      page: int = 0) -> _Seg:
-        align = max(ROUND_LARGE, page)
-        base = _ceil_div(self._next_address, align) * align
-        self._next_address = base + size
+        base = self._segment_address
+        if expandable or base is None or self._overlaps(base, size):
+            align = max(ROUND_LARGE, page)
+            base = _ceil_div(self._next_address, align) * align
+        self._segment_address = None
+        self._next_address = max(self._next_address, base + size)
         seg = _Seg(self._next_segment_id, pool, base, size, expandable=expandable, page=page)
         self._next_segment_id += 1
         self._segments[seg.id] = seg
         return seg
+
+    def _overlaps(self, base: int, size: int) -> bool:
+        """Whether [base, base + size) meets a segment the simulator holds."""
+        return any(base < seg.base + seg.size and seg.base < base + size
+                   for seg in self._segments.values())
 
     # ---- internals: expandable segments -------------------------------------------------------
     # NB: one ExpandableSegment per pool (one stream); its virtual size is 9/8 of the capacity
@@ -1268,6 +1363,26 @@ class CachingAllocator:
             msg, requested=nbytes, alloc_size=alloc_size, capacity=self.capacity_bytes,
             free=free, allocated=allocated, reserved=reserved,
         )
+
+
+def _segment_blocks(blocks: Iterable[tuple[int, int | None]]) -> list[list[Any]]:
+    """``add_segment``'s blocks checked, free neighbours merged into one (as ``try_merge_blocks``
+    always leaves them): a list of [size, requested bytes or None]."""
+    merged: list[list[Any]] = []
+    for size, requested in blocks:
+        size = int(size)
+        if size <= 0 or size % MIN_BLOCK_SIZE:
+            raise ValueError(f"add_segment: block size {size} is not a positive multiple of "
+                             f"{MIN_BLOCK_SIZE} bytes (round_size)")
+        if requested is not None and not 0 <= int(requested) <= size:
+            raise ValueError(f"add_segment: {requested} bytes requested from a {size}-byte block")
+        if requested is None and merged and merged[-1][1] is None:
+            merged[-1][0] += size
+        else:
+            merged.append([size, None if requested is None else int(requested)])
+    if not merged:
+        raise ValueError("add_segment: a segment needs at least one block")
+    return merged
 
 
 def _expandable_size(b: _Blk) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 
 from gpulab.allocator.simulator import BlockInfo, CachingAllocator, Segment, SimulatedOutOfMemoryError
 from gpulab.interop.snapshot import LABEL_EXPORTED
+from gpulab.interop.snapshot_start import StartSegment, adopt_start, start_state
 from gpulab.interop.snapshot_viewer import blocks_at, device_trace
 from gpulab.tables import html_table
 from gpulab.categories import Category
@@ -30,8 +31,8 @@ from gpulab.measure.tracking import Event, StorageRecord, TrackingResult
 from gpulab.units import format_bytes, format_delta
 
 __all__ = [
-    "ImportedSnapshot", "LABEL_RECORDED", "allocator_kwargs", "Series", "SnapshotReplay", "load_snapshot",
-    "read_snapshot", "replay_snapshot"
+    "ImportedSnapshot", "LABEL_RECORDED", "allocator_kwargs", "Series", "SnapshotReplay", "StartSegment",
+    "load_snapshot", "read_snapshot", "replay_snapshot"
 ]
 
 LABEL_RECORDED = "recorded on a GPU by PyTorch (torch.cuda.memory._snapshot), device {device}"
@@ -142,8 +143,13 @@ class ImportedSnapshot:
     ooms: int = 0
     streams: int = 1
     releases: list[int] = field(default_factory=list)   # how many events came before each release burst
-    oom_requests: list[tuple[int, int]] = field(default_factory=list)   # (events before it, bytes it asked for)
+    # (events before it, bytes it asked for, its stream)
+    oom_requests: list[tuple[int, int, int]] = field(default_factory=list)
     capacity: int | None = None       # from the first oom entry: reserved then + the free memory it reports
+    # the allocator's state at the trace's first entry (segments and live blocks), None when it
+    # cannot be rebuilt (``start_problem`` says why)
+    start_segments: list[StartSegment] | None = None
+    start_problem: str = ""
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -175,11 +181,15 @@ class ImportedSnapshot:
         """The categories the file's allocations carry (gpulab's, in a file gpulab exported)."""
         return {e["category"] for e in self.events if e["kind"] == "alloc" and e.get("category")}
 
-    def replay(self, **allocator_kwargs: Any) -> SnapshotReplay:
+    def replay(self, *, rebuild_start: bool = True, **allocator_kwargs: Any) -> SnapshotReplay:
         """Replay the file's alloc/free trace, and its releases, through the simulated allocator with
         the file's own settings (``settings``), or the ones given: ``expandable_segments``,
-        ``max_split_size_mb``, ``capacity_bytes``."""
-        return replay_snapshot(self, **allocator_kwargs)
+        ``max_split_size_mb``, ``capacity_bytes``. The replay starts from the allocator's state at
+        the trace's first entry (``start_segments``) and puts new segments where the GPU's went;
+        ``rebuild_start=False`` starts from an empty allocator instead (the blocks live before the
+        trace allocated first, segments at the simulator's own addresses), to see what the start
+        changes."""
+        return replay_snapshot(self, rebuild_start=rebuild_start, **allocator_kwargs)
 
     def tracking(self) -> TrackingResult | None:
         """The timeline as a gpulab ``TrackingResult`` (unrounded requested bytes), when every
@@ -243,12 +253,23 @@ class ImportedSnapshot:
         if not self.mid_run:
             return ""
         before = [e for e in self.events if e["index"] < 0]
-        segs = [s for s, k in zip(self.segments, self.segment_order) if k < 0]
-        return (f"a mid-run trace: before its first entry, {len(before)} blocks ({format_bytes(sum(e['nbytes'] for e in before))}) "
-                f"were live, in {len(segs)} segments ({format_bytes(sum(s.size for s in segs))}) the trace "
-                "never made. The replay allocates those blocks first, in address order, in segments of its own; "
-                "the real segments' layout before the trace is not rebuilt, so differences in reserved memory can "
-                "come from that start rather than from the simulator")
+        live = f"{len(before)} blocks ({format_bytes(sum(e['nbytes'] for e in before))}) were live"
+        if self.start_segments is None:
+            segs = [s for s, k in zip(self.segments, self.segment_order) if k < 0]
+            return (f"a mid-run trace: before its first entry, {live}, in {len(segs)} segments "
+                    f"({format_bytes(sum(s.size for s in segs))}) the trace never made. That start is not "
+                    f"rebuilt ({self.start_problem}): the replay allocates those blocks first, in address order, "
+                    "in segments of its own, so differences in reserved memory can come from that start rather "
+                    "than from the simulator")
+        segs = self.start_segments
+        exact = sum(s.exact for s in segs)
+        sizes = ("every block's size as the file gives it" if exact == len(before) else
+                 f"{exact} of the blocks' sizes as the file gives them, the other {len(before) - exact} their "
+                 "requested bytes rounded as the allocator rounds them")
+        return (f"a mid-run trace: before its first entry, {live}, in {len(segs)} segments "
+                f"({format_bytes(sum(s.size for s in segs))}) the trace never made. The replay starts from that "
+                "state, rebuilt from the file (walking its final segments back through the trace): the segments at "
+                f"their recorded addresses and sizes, the live blocks in them ({sizes}), the rest free")
 
     def _repr_html_(self) -> str:
         note = f"<p>{html.escape(self.start_text())}.</p>" if self.mid_run else ""
@@ -273,13 +294,12 @@ def read_snapshot(source: str | Path | bytes | dict | list, device: int | None =
     segs = [s for s in data["segments"] if int(s.get("device", 0)) == device]
     walk = _walk_trace(trace)
     before = walk.before
-    for addr, nbytes in sorted(_final_live(segs).items()):      # live at the end, never allocated in the trace
-        if addr not in walk.live:
+    for addr, (nbytes, size, stream) in sorted(_final_live(segs).items()):   # live at the end, never allocated in the trace
+        if addr not in walk.live and addr not in walk.seen:
             sid, walk.next_sid = walk.next_sid, walk.next_sid + 1
-            before.append({"kind": "alloc", "sid": sid, "nbytes": nbytes, "index": -1, "addr": addr})
+            before.append({"kind": "alloc", "sid": sid, "nbytes": nbytes, "index": -1, "addr": addr,
+                           "block_size": size, "stream": stream})
     before.sort(key=lambda e: e["addr"])
-    for e in before:
-        e.pop("addr")
     # the totals before the trace: what was live then, and the end's reserved minus the trace's changes
     reserved_end = sum(int(s["total_size"]) for s in segs)
     act = sum(e["nbytes"] for e in before)
@@ -297,9 +317,12 @@ def read_snapshot(source: str | Path | bytes | dict | list, device: int | None =
     capacity = None
     if walk.oom_requests and walk.oom_requests[0][2] > 0:   # the device's free memory, as cudaMemGetInfo said
         capacity = res_series[walk.oom_reserved[0]] + walk.oom_requests[0][2]
+    settings = allocator_kwargs(data.get("allocator_settings"))[0]
+    start, problem = start_state(segs, trace, before, settings)
     return ImportedSnapshot(data, device, label, from_gpu, before + walk.events, recorded, segments, order,
                             walk.ooms, max(1, len(streams)), [len(before) + k for k in walk.releases],
-                            [(len(before) + k, n) for k, n, _ in walk.oom_requests], capacity)
+                            [(len(before) + k, n, st) for k, n, _, st in walk.oom_requests], capacity,
+                            start, problem)
 
 
 def allocator_kwargs(settings: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
@@ -337,13 +360,14 @@ def _default_device(data: dict[str, Any]) -> int:
                      "torch.cuda.memory._record_memory_history() before the code you want to see")
 
 
-def _final_live(segs: list[dict[str, Any]]) -> dict[int, int]:
-    """Blocks live at the end, by address (their requested bytes)."""
-    final_live: dict[int, int] = {}
+def _final_live(segs: list[dict[str, Any]]) -> dict[int, tuple[int, int, int]]:
+    """Blocks live at the end, by address: (requested bytes, block size, the segment's stream)."""
+    final_live: dict[int, tuple[int, int, int]] = {}
     for s in segs:
         for addr, b in blocks_at(s):
             if b.get("state") in _LIVE_STATES:
-                final_live[addr] = int(b.get("requested_size", b["size"]) or b["size"])
+                final_live[addr] = (int(b.get("requested_size", b["size"]) or b["size"]), int(b["size"]),
+                                    int(s.get("stream", 0) or 0))
     return final_live
 
 
@@ -354,6 +378,7 @@ class _Walk:
     events: list[dict[str, Any]] = field(default_factory=list)
     before: list[dict[str, Any]] = field(default_factory=list)
     live: dict[int, int] = field(default_factory=dict)        # addr -> sid
+    seen: set[int] = field(default_factory=set)                # addresses of every alloc and free in the trace
     sizes: dict[int, int] = field(default_factory=dict)       # sid -> bytes
     next_sid: int = 0
     act_delta: list[int] = field(default_factory=list)
@@ -361,7 +386,7 @@ class _Walk:
     seg_created: dict[int, int] = field(default_factory=dict)
     ooms: int = 0
     releases: list[int] = field(default_factory=list)   # len(events) when a burst of segment releases began
-    oom_requests: list[tuple[int, int, int]] = field(default_factory=list)   # (len(events), bytes, device_free)
+    oom_requests: list[tuple[int, int, int, int]] = field(default_factory=list)   # (len(events), bytes, device_free, stream)
     oom_reserved: list[int] = field(default_factory=list)   # index of the trace entry of each oom
 
     def new_sid(self, nbytes: int) -> int:
@@ -378,8 +403,12 @@ def _walk_trace(trace: list[dict[str, Any]]) -> _Walk:
         if a == "alloc":
             sid = w.new_sid(int(e["size"]))
             w.live[e["addr"]] = sid
+            w.seen.add(e["addr"])
             ev = {"kind": "alloc", "sid": sid, "nbytes": int(e["size"]), "index": i, "time_us": e.get("time_us", 0),
-                  "stream": int(e.get("stream", 0) or 0)}
+                  "stream": int(e.get("stream", 0) or 0), "addr": e["addr"]}
+            prev = trace[i - 1] if i else {}
+            if prev.get("action") == "segment_alloc" and prev.get("stream") == e.get("stream"):
+                ev["segment_address"] = prev["addr"]      # the segment cudaMalloc gave this request
             if e.get("category") is not None:
                 ev["category"] = e["category"]
             if isinstance(e.get("gpulab"), dict):
@@ -390,7 +419,9 @@ def _walk_trace(trace: list[dict[str, Any]]) -> _Walk:
             sid = w.live.pop(e["addr"], None)
             if sid is None:      # allocated before the trace began (or the ring buffer wrapped)
                 sid = w.new_sid(int(e["size"]))
-                w.before.append({"kind": "alloc", "sid": sid, "nbytes": int(e["size"]), "index": -1, "addr": e["addr"]})
+                w.before.append({"kind": "alloc", "sid": sid, "nbytes": int(e["size"]), "index": -1, "addr": e["addr"],
+                                 "stream": int(e.get("stream", 0) or 0), "freed_at": i})
+            w.seen.add(e["addr"])
             ev = {"kind": "free", "sid": sid, "nbytes": w.sizes[sid], "index": i, "time_us": e.get("time_us", 0)}
             if isinstance(e.get("gpulab"), dict):
                 ev["gpulab"] = e["gpulab"]
@@ -407,7 +438,8 @@ def _walk_trace(trace: list[dict[str, Any]]) -> _Walk:
                 w.releases.append(len(w.events))
         elif a == "oom":
             w.ooms += 1
-            w.oom_requests.append((len(w.events), int(e.get("size", 0)), int(e.get("device_free", 0) or 0)))
+            w.oom_requests.append((len(w.events), int(e.get("size", 0)), int(e.get("device_free", 0) or 0),
+                                   int(e.get("stream", 0) or 0)))
             w.oom_reserved.append(i)
         w.act_delta.append(d_act)
         w.res_delta.append(d_res)
@@ -443,6 +475,10 @@ class SnapshotReplay:
     settings: dict[str, Any]
     segment_pairs: list[tuple[Segment | None, Segment | None]]
     simulated_ooms: int = 0           # the file's refused requests the simulator refused too
+    rebuilt_start: bool = False       # started from the allocator's state at the trace's first entry
+    # (allocations the simulator put at the address the GPU's allocator did, allocations in the
+    # trace); None when the simulator's addresses are its own (start not rebuilt)
+    same_address: tuple[int, int] | None = None
 
     @property
     def label(self) -> str:
@@ -476,7 +512,10 @@ class SnapshotReplay:
             ["segments at the end", str(len(imp.segments)), str(len(self.segments)),
              f"{len(self.segments) - len(imp.segments):+d}"],
         ] + ([["out-of-memory errors", str(imp.ooms), str(self.simulated_ooms),
-               f"{self.simulated_ooms - imp.ooms:+d}"]] if imp.ooms else [])
+               f"{self.simulated_ooms - imp.ooms:+d}"]] if imp.ooms else []) + (
+            [["allocations at the address the file records", f"{self.same_address[1]:,}",
+              f"{self.same_address[0]:,}", f"{self.same_address[0] - self.same_address[1]:+,d}"]]
+            if self.same_address else [])
 
     def _repr_html_(self) -> str:
         src = self.imported.label
@@ -487,7 +526,12 @@ class SnapshotReplay:
                           "segments at the end, in order of creation within each pool")
         missing = self.imported.unmodelled_settings
         note = (f"<p>The file's settings the simulator does not model: {', '.join(missing)}.</p>" if missing else "")
-        start = f"<p>{html.escape(self.imported.start_text())}.</p>" if self.imported.mid_run else ""
+        start = ""
+        if self.imported.mid_run:
+            start = self.imported.start_text() if self.rebuilt_start or self.imported.start_segments is None else (
+                "a mid-run trace, replayed here from an empty allocator (rebuild_start=False): the blocks live "
+                "before its first entry are allocated first, in segments of the simulator's own")
+            start = f"<p>{html.escape(start)}.</p>"
         return head + segs + note + start
 
     def __repr__(self) -> str:
@@ -495,76 +539,136 @@ class SnapshotReplay:
                 f"in the file={self.imported.peak_reserved:,} B)")
 
 
-def replay_snapshot(imported: ImportedSnapshot, **allocator_kwargs: Any) -> SnapshotReplay:
+def replay_snapshot(imported: ImportedSnapshot, *, rebuild_start: bool = True,
+                    **allocator_kwargs: Any) -> SnapshotReplay:
     """See :meth:`ImportedSnapshot.replay`. The file's own allocator settings unless given here;
     each burst of segment releases in the trace replayed as ``empty_cache()`` where it happened;
     one pool per stream, as the real allocator reuses a block only on the stream it was made for
-    (a simulator per stream: their sums are the device's). Blocks live before the trace began are
-    allocated first, in address order, on the default stream. NB: the real allocator's state
-    before the trace (its cached free segments) is not in the file and not modelled."""
-    file_kwargs = dict(imported.settings)
+    (a simulator per stream: their sums are the device's; a capacity is the device's, shared by
+    them); a request the GPU refused (an ``oom`` entry) put to its own stream's. With
+    ``rebuild_start`` (the default) the replay starts from the allocator's state at the trace's
+    first entry (``imported.start_segments``: segments at their addresses, the blocks live then)
+    and a segment the trace made goes where the GPU put it, so best fit breaks ties between equal
+    free blocks by the same addresses; each allocation's address is then compared with the
+    file's. Without (or when the start cannot be rebuilt, ``imported.start_problem``) the blocks
+    live before the trace are allocated first, in address order, on an empty allocator.
+    NB: a retry after a failed cudaMalloc releases only the cache of the request's own stream here
+    (the real allocator's ``release_cached_blocks`` frees every stream's)."""
+    kwargs = dict(imported.settings)
     if imported.capacity is not None:
-        file_kwargs["capacity_bytes"] = imported.capacity
-    allocator_kwargs = {**file_kwargs, **allocator_kwargs}
-    sims: dict[int, CachingAllocator] = {}
-
-    def sim_of(stream: int) -> CachingAllocator:
-        if stream not in sims:
-            sims[stream] = CachingAllocator(**allocator_kwargs)
-        return sims[stream]
-    sim_of(0)
-    live: dict[int, tuple[CachingAllocator, Any]] = {}
-    alloc, res, requested, req = [], [], [], 0
-    releases = set(imported.releases)
-    ooms = dict(imported.oom_requests)
-    simulated_ooms = 0
-    for k, e in enumerate(imported.events):
-        if k in releases:
-            for one in sims.values():
-                one.empty_cache()
-        if k in ooms:   # the request the GPU refused: does the simulator refuse it too?
-            try:
-                sim_of(0).free(sim_of(0).malloc(ooms[k]))
-            except SimulatedOutOfMemoryError:
-                simulated_ooms += 1
-        if e["kind"] == "alloc":
-            sim = sim_of(int(e.get("stream", 0) or 0))
-            try:
-                live[e["sid"]] = (sim, sim.malloc(e["nbytes"]))
-                req += e["nbytes"]
-            except SimulatedOutOfMemoryError:
-                pass
-        elif e["sid"] in live:
-            sim, block = live.pop(e["sid"])
-            sim.free(block)
-            req -= e["nbytes"]
-        alloc.append(sum(one.memory_allocated() for one in sims.values()))
-        res.append(sum(one.memory_reserved() for one in sims.values()))
-        requested.append(req)
-    if len(imported.events) in releases:   # a release after the trace's last allocation or free
-        for one in sims.values():
-            one.empty_cache()
-    if len(imported.events) in ooms:
+        kwargs["capacity_bytes"] = imported.capacity
+    kwargs.update(allocator_kwargs)
+    run = _Replay(kwargs)
+    before_bytes = {e["sid"]: e["nbytes"] for e in imported.events if e["index"] < 0}
+    rebuilt = False
+    if rebuild_start and imported.start_segments is not None:
         try:
-            sim_of(0).free(sim_of(0).malloc(ooms[len(imported.events)]))
-        except SimulatedOutOfMemoryError:
-            simulated_ooms += 1
-    if len(sims) == 1:
-        sim = sims[0]
-        stats = sim.stats()
-    else:
-        stats = {key: sum(one.stats()[key] for one in sims.values()) for key in sims[0].stats()}
-        stats.update({"allocated_bytes.all.peak": max(alloc, default=0), "reserved_bytes.all.peak": max(res, default=0),
-                      "requested_bytes.all.peak": max(requested, default=0)})
+            run.live = adopt_start(imported.start_segments, run.sim_of, before_bytes)
+            rebuilt = True
+        except ValueError:                  # a simulator refused the start: replay from empty
+            run = _Replay(kwargs)
+    run.sim_of(0)
+    run.req = sum(before_bytes[sid] for sid in run.live)
+    run.record()                            # the start (dropped from the series below)
+    releases = set(imported.releases)
+    for k, n, stream in imported.oom_requests:
+        run.ooms.setdefault(k, []).append((n, stream))
+    same_address = 0
+    for k, e in enumerate(imported.events):
+        run.before_event(k, k in releases)
+        if e["kind"] == "alloc" and e["sid"] not in run.live:   # (a block in the rebuilt start is live already)
+            block = run.malloc(e, e.get("segment_address") if rebuilt else None)
+            same_address += block is not None and e["index"] >= 0 and block.addr == e.get("addr")
+        elif e["kind"] == "free" and e["sid"] in run.live:
+            sim, block = run.live.pop(e["sid"])
+            sim.free(block)
+            run.req -= e["nbytes"]
+        run.record()
+    run.before_event(len(imported.events), len(imported.events) in releases)
+    sims = run.sims
+    stats = sims[0].stats() if len(sims) == 1 else {key: sum(one.stats()[key] for one in sims.values())
+                                                     for key in sims[0].stats()}
+    if len(sims) > 1:    # the peaks of the sums
+        stats.update({"allocated_bytes.all.peak": max(run.alloc), "reserved_bytes.all.peak": max(run.res),
+                      "requested_bytes.all.peak": max(run.requested)})
     segments = [seg for one in sims.values() for seg in one.segment_map()]
+    settings = {k: v for k, v in kwargs.items() if v not in (None, False)}
+    allocs = sum(1 for e in imported.events if e["kind"] == "alloc" and e["index"] >= 0)
+    compared = rebuilt and not kwargs.get("expandable_segments")   # else the addresses are the simulator's own
+    return SnapshotReplay(imported, Series(run.alloc[1:], run.res[1:], "snapshot, replayed", "simulated allocator"),
+                          segments, stats, settings, _pair_segments(imported, segments, by_address=rebuilt),
+                          run.simulated_ooms, rebuilt, (same_address, allocs) if compared else None)
+
+
+class _Replay:
+    """The simulators of one replay (one per stream, sharing the device's capacity) and its series."""
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        self.kwargs = kwargs
+        self.capacity = kwargs.get("capacity_bytes")
+        self.sims: dict[int, CachingAllocator] = {}
+        self.live: dict[int, tuple[CachingAllocator, Any]] = {}
+        self.ooms: dict[int, list[tuple[int, int]]] = {}     # events before it -> (bytes, stream) refused
+        self.simulated_ooms = 0
+        self.req = 0
+        self.alloc: list[int] = []
+        self.res: list[int] = []
+        self.requested: list[int] = []
+
+    def sim_of(self, stream: int) -> CachingAllocator:
+        if stream not in self.sims:
+            self.sims[stream] = CachingAllocator(**self.kwargs)
+        sim = self.sims[stream]
+        if self.capacity is not None:   # one device: what the other streams hold is not this one's to take
+            sim.capacity_bytes = self.capacity - sum(o.memory_reserved() for o in self.sims.values() if o is not sim)
+        return sim
+
+    def before_event(self, k: int, release: bool) -> None:
+        """A release burst before event k (empty_cache), then the requests the GPU refused there:
+        does the simulator refuse each too, on its stream?"""
+        if release:
+            for one in self.sims.values():
+                one.empty_cache()
+        for n, stream in self.ooms.get(k, ()):
+            sim = self.sim_of(stream)
+            try:
+                sim.free(sim.malloc(n))
+            except SimulatedOutOfMemoryError:
+                self.simulated_ooms += 1
+
+    def malloc(self, e: dict[str, Any], segment_address: int | None) -> Any:
+        sim = self.sim_of(int(e.get("stream", 0) or 0))
+        try:
+            block = sim.malloc(e["nbytes"], segment_address=segment_address)
+        except SimulatedOutOfMemoryError:
+            return None
+        self.live[e["sid"]] = (sim, block)
+        self.req += e["nbytes"]
+        return block
+
+    def record(self) -> None:
+        self.alloc.append(sum(one.memory_allocated() for one in self.sims.values()))
+        self.res.append(sum(one.memory_reserved() for one in self.sims.values()))
+        self.requested.append(self.req)
+
+
+def _pair_segments(imported: ImportedSnapshot, segments: list[Segment], *,
+                   by_address: bool) -> list[tuple[Segment | None, Segment | None]]:
+    """The file's final segments beside the simulator's: those at the same address (when the
+    simulator placed segments where the GPU did), then the rest in order of creation in each pool."""
     pairs: list[tuple[Segment | None, Segment | None]] = []
     for pool in ("large", "small"):
         created = sorted((p for p in zip(imported.segment_order, imported.segments) if p[1].pool == pool),
                          key=lambda p: (p[0], p[1].address))
         real = [s for _, s in created]
         simulated = sorted((s for s in segments if s.pool == pool), key=lambda s: (s.id, s.address))
+        if by_address:
+            at = {s.address: s for s in simulated}
+            both = [(r, at.pop(r.address)) for r in real if r.address in at]
+            paired = {id(r) for r, _ in both}
+            pairs += both
+            real = [r for r in real if id(r) not in paired]
+            simulated = [s for s in simulated if s.address in at]
         for k in range(max(len(real), len(simulated))):
             pairs.append((real[k] if k < len(real) else None, simulated[k] if k < len(simulated) else None))
-    settings = {k: v for k, v in allocator_kwargs.items() if v not in (None, False)}
-    return SnapshotReplay(imported, Series(alloc, res, "snapshot, replayed", "simulated allocator"),
-                          segments, stats, settings, pairs, simulated_ooms)
+    return pairs

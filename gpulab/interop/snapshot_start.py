@@ -1,0 +1,134 @@
+"""The allocator's state at a snapshot trace's first entry, rebuilt from the file.
+
+Most snapshots recorded on a GPU begin mid-run (history turned on after the model was loaded, or a
+ring buffer that wrapped): segments and live blocks existed before the first trace entry. They
+are in the file, walked backwards: the final ``segments`` hold every segment the trace never made
+(and a ``segment_free`` in the trace gives one it released before making it again), and the
+blocks live at entry 0 are those the trace frees without allocating them, or that are live at
+the end and never touched. ``start_state`` rebuilds them (addresses, sizes, blocks);
+``adopt_start`` hands them to simulators (``CachingAllocator.add_segment``), so a replay starts
+where PyTorch's allocator was.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from gpulab.allocator.simulator import (LARGE_BUFFER, SMALL_BUFFER, SMALL_SIZE, Block, CachingAllocator,
+                                       round_size)
+
+__all__ = ["StartSegment", "adopt_start", "start_state"]
+
+
+@dataclass(frozen=True)
+class StartSegment:
+    """A segment that existed before the trace's first entry, as it was then (rebuilt from the file).
+
+    ``blocks``: in address order, tiling the segment: ``(address, size, sid)`` for a block live at
+    entry 0 (``sid``: its event's, in ``ImportedSnapshot.events``) or ``(address, size, None)``
+    for free room. ``exact``: how many of the live blocks' sizes the file gives (blocks still live
+    at the end, or an allocation in the trace placed right after one); the others are their
+    requested bytes rounded as the allocator rounds them, with the room up to the next block when
+    the allocator would not have split it off (NB: a block freed in the trace that had an unsplit
+    remainder, followed by free room larger than 1 MiB that nothing is allocated in before it is
+    freed, reads as its rounded request: the file does not say)."""
+    address: int
+    size: int
+    pool: str
+    stream: int
+    blocks: tuple[tuple[int, int, int | None], ...]
+    exact: int = 0
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(size for _, size, sid in self.blocks if sid is not None)
+
+
+def start_state(segs: list[dict[str, Any]], trace: list[dict[str, Any]], before: list[dict[str, Any]],
+                 settings: dict[str, Any]) -> tuple[list[StartSegment] | None, str]:
+    """The allocator's segments and live blocks at the trace's first entry, walked back from the end.
+
+    A segment existed then when the trace never makes it (a final segment with no ``segment_alloc``
+    at its address) or releases it before making one there (its ``segment_free`` gives the size).
+    The blocks live then are ``before`` (freed in the trace but never allocated in it, or live at the
+    end and never touched). Each block's size: the final segments' where the block is still there;
+    else ``round_size`` of its request, plus the room up to the next block when the allocator would
+    not have split that room off (large pool: a remainder of 1 MiB or less, ``should_split``; a
+    request of ``max_split_size`` or more is never split, up to kLargeBuffer of slack,
+    ``get_free_block``). Returns (None, why) when the start cannot be rebuilt."""
+    expandable = bool(settings.get("expandable_segments") or any(s.get("is_expandable") for s in segs)
+                      or any(e.get("action") in ("segment_map", "segment_unmap") for e in trace))
+    first: dict[int, dict[str, Any]] = {}
+    for e in trace:
+        if e.get("action") in ("segment_alloc", "segment_free", "segment_map", "segment_unmap"):
+            first.setdefault(int(e["addr"]), e)
+    found: dict[int, tuple[int, str, int]] = {}
+    for s in segs:
+        a = int(s["address"])
+        if a not in first:
+            size = int(s["total_size"])
+            found[a] = (size, str(s.get("segment_type", "small" if size <= SMALL_BUFFER else "large")),
+                        int(s.get("stream", 0) or 0))
+    for a, e in first.items():
+        if e["action"] in ("segment_free", "segment_unmap"):
+            size = int(e["size"])
+            found[a] = (size, "small" if size <= SMALL_BUFFER else "large", int(e.get("stream", 0) or 0))
+    if not found and not before:
+        return [], ""            # the trace starts from an empty allocator: nothing to rebuild
+    if expandable:
+        return None, "expandable segments: the pages they had mapped before the trace are not modelled"
+    split_limit = (settings.get("max_split_size_mb") or 0) * (1 << 20) or None
+    allocs = [(i, int(e["addr"])) for i, e in enumerate(trace) if e.get("action") == "alloc"]
+    starts: list[StartSegment] = []
+    placed = 0
+    for a in sorted(found):
+        size, pool, stream = found[a]
+        inside = [e for e in before if a <= e["addr"] < a + size]
+        placed += len(inside)
+        blocks: list[tuple[int, int, int | None]] = []
+        pos, exact = a, 0
+        for j, e in enumerate(inside):
+            nxt = inside[j + 1]["addr"] if j + 1 < len(inside) else a + size
+            if e["addr"] > pos:
+                blocks.append((pos, e["addr"] - pos, None))
+            if "block_size" in e:
+                n = e["block_size"]
+                exact += 1
+            else:
+                n = round_size(e["nbytes"])
+                gap = nxt - (e["addr"] + n)
+                slack = SMALL_SIZE if split_limit is None or e["nbytes"] < split_limit else LARGE_BUFFER - 1
+                # the first block the trace allocates in the room after it, while it lives, begins
+                # where it ends: the room's front (alloc_found_block carves from the front)
+                after = [a for i, a in allocs if i < e.get("freed_at", len(trace)) and e["addr"] + n <= a < nxt]
+                if pool == "large" and after and min(after) - (e["addr"] + n) <= slack:
+                    n = min(after) - e["addr"]
+                    exact += 1
+                elif pool == "large" and 0 < gap <= slack:
+                    n += gap      # a remainder the allocator would not split off (should_split)
+            if e["addr"] + n > nxt:
+                return None, f"the block at {e['addr']:#x} overlaps the next one: the file disagrees with itself"
+            blocks.append((e["addr"], n, e["sid"]))
+            pos = e["addr"] + n
+        if pos < a + size:
+            blocks.append((pos, a + size - pos, None))
+        starts.append(StartSegment(a, size, pool, stream, tuple(blocks), exact))
+    if placed != len(before):
+        return None, f"{len(before) - placed} of the blocks live before the trace lie in no segment the file names"
+    return starts, ""
+
+
+
+def adopt_start(starts: list[StartSegment], sim_of: Callable[[int], CachingAllocator],
+                requested: dict[int, int]) -> dict[int, tuple[CachingAllocator, Block]]:
+    """Give each start segment to the simulator of its stream (``sim_of(stream)``), its live blocks
+    allocated with their requested bytes (``requested[sid]``). Returns sid -> (simulator, block).
+    Raises ``ValueError`` when a simulator refuses one (``CachingAllocator.add_segment``)."""
+    live: dict[int, tuple[CachingAllocator, Block]] = {}
+    for seg in starts:
+        sim = sim_of(seg.stream)
+        handles = sim.add_segment(seg.address, [(n, None if sid is None else requested[sid])
+                                                for _, n, sid in seg.blocks], pool=seg.pool)
+        for sid, handle in zip((sid for _, _, sid in seg.blocks if sid is not None), handles):
+            live[sid] = (sim, handle)
+    return live
