@@ -58,7 +58,7 @@ def _right_and_wrong(ex, right, wrong):
 
 def test_lessons_00_to_02_qualitative_questions():
     from gpulab.course.parameters import conv_linear_params, exercise_conv_or_linear
-    from gpulab.course.start import exercise_mb_vs_mib
+    from gpulab.course.byte_units import exercise_mb_vs_mib
     from gpulab.course.tensor_bytes import exercise_which_frees
     _right_and_wrong(exercise_mb_vs_mib(3_000_000), "a", "b")
     assert "MiB" in exercise_mb_vs_mib().reveal().message

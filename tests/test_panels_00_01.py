@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import gpulab.widgets.env as env_widget
+from gpulab.course import byte_units as U
 from gpulab.course import start as S
 from gpulab.course import tensor_bytes as T
 from gpulab.measure.engines import LABEL_CPU, LABEL_FAKE_CPU, LABEL_FAKE_CUDA, LABEL_FORMULA, LABEL_SIMULATED
@@ -285,20 +286,20 @@ def test_machine_report_and_labels():
 
 
 def test_units_and_prefix_gaps():
-    rows = S.units_table(3_000_000).rows()
+    rows = U.units_table(3_000_000).rows()
     assert "2.861 MiB" in rows[1][1] and "3.000 MB" in rows[2][1]
-    gaps = {g.prefix: round(g.gap_percent, 1) for g in S.prefix_gaps()}
+    gaps = {g.prefix: round(g.gap_percent, 1) for g in U.prefix_gaps()}
     assert gaps == {"K": 2.4, "M": 4.9, "G": 7.4, "T": 10.0}
 
 
 # --- exercises: right answers computed here, wrong ones rejected ----------------------------------
 
-def test_exercises_lesson_00():
-    ex = S.exercise_image_mib()
+def test_units_exercises_lesson_01():
+    ex = U.exercise_image_mib()
     assert ex.check(500 * 500 * 3 * 4 / 1024**2)
     assert ex.check(2.86)
     assert not ex.check(3.0) and not ex.check(3_000_000) and not ex.check(...)
-    ex = S.exercise_smi_gb(24576)
+    ex = U.exercise_smi_gb(24576)
     assert ex.check(24576 * 2**20 / 10**9)
     assert not ex.check(24) and not ex.check(24.576)
 
@@ -334,7 +335,7 @@ def test_tensor_claims_are_measured():
 
 
 def test_unit_claims():
-    rep = S.unit_claims()
+    rep = U.unit_claims()
     assert len(rep) == 4
     si, estimate, tracker, smi = rep.checks
     assert "breaks" in si.verdict            # torch prints MiB
