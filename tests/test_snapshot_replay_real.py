@@ -265,3 +265,32 @@ def test_a_mid_run_trace_says_so_and_what_existed_before_it():
         {"action": "free_completed", "addr": 0x1000, "size": 512, "stream": 0},
         {"action": "segment_free", "addr": 0x1000, "size": 2 * MiB, "stream": 0}]]})
     assert not fresh.mid_run and fresh.start_text() == "" and fresh.releases == [2]
+
+
+def test_the_shipped_h200_snapshot_is_the_tests_file_labelled_with_its_provenance():
+    """Lesson 13 replays gpulab/interop/data/step_vgg16_b1_sgd.pickle: a copy of the H200 file
+    here, byte for byte, shipped as package data, labelled with where and when it was recorded."""
+    import json
+    import pathlib
+    import tomllib
+
+    from gpulab.interop.recorded_snapshots import DATA, StartComparison, read_recorded_snapshot, recorded_snapshots
+
+    assert (DATA / "step_vgg16_b1_sgd.pickle").read_bytes() == pathlib.Path(H200 + "step_vgg16_b1_sgd.pickle").read_bytes()
+    facts = recorded_snapshots()["step_vgg16_b1_sgd"]
+    summary = json.loads(pathlib.Path(H200 + "summary.json").read_text())
+    assert (facts["device"], facts["torch"]) == (summary["device"], summary["torch"])
+    imp = read_recorded_snapshot()
+    assert imp.from_gpu and imp.label.startswith("recorded on NVIDIA H200, 2026-11-26, torch 2.11.0+cu130")
+    cmp = StartComparison.of(imp)
+    rows = {r[0]: r[1:] for r in cmp.rows()}
+    assert rows["segments at the end"] == ["19", "19 (+0)", "27 (+8)"]
+    assert rows["reserved at the end"] == ["1,288 MiB", "1,288 MiB (0 B)", "1,292 MiB (+4.0 MiB)"]
+    assert rows["allocations at the address the file records"] == ["144", "144", "— (its own addresses)"]
+    html = cmp._repr_html_()
+    assert "in the file: recorded on NVIDIA H200, 2026-11-26, torch 2.11.0+cu130" in html
+    assert "simulated allocator, start rebuilt from the file" in html
+    data = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["gpulab"]
+    assert {"interop/data/*.pickle", "interop/data/*.json", "interop/data/README.md"} <= set(data)
+    with pytest.raises(ValueError, match="no recorded snapshot"):
+        read_recorded_snapshot("nope")
