@@ -1,0 +1,45 @@
+"""Lessons 00-10 state their core path for the one-day workshop (issue #26): the first markdown
+cell's **Time:** line reads "about N minutes in full; core path about M minutes (...)", M is the
+day plan's figure, and where the core path is shorter than the lesson, headings marked
+"(optional)" show the student what it skips."""
+import re
+
+import nbformat
+import pytest
+
+from conftest import LESSONS
+
+# the one-day plan's core minutes per lesson (06 and 10: homework)
+CORE_MINUTES = {"00": 20, "01": 25, "02": 20, "03": 35, "04": 40, "05": 25, "06": 0, "07": 20, "08": 25,
+                "09": 30, "10": 0}
+TIME = re.compile(r"\*\*Time:\*\* about (\d+) minutes in full; core path about (\d+) minutes \(([^)]*)\)")
+
+
+def first_markdown(number: str) -> tuple[nbformat.NotebookNode, str]:
+    (path,) = LESSONS.glob(f"{number}_*.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    return nb, next(c.source for c in nb.cells if c.cell_type == "markdown")
+
+
+@pytest.mark.parametrize("number", sorted(CORE_MINUTES))
+def test_time_line_states_the_core_path(number):
+    nb, first = first_markdown(number)
+    m = TIME.search(first)
+    assert m, f"lesson {number}: no '**Time:** about N minutes in full; core path about M minutes (...)' line"
+    full, core, which = int(m.group(1)), int(m.group(2)), m.group(3)
+    assert core == CORE_MINUTES[number]
+    assert re.search(r"core path about (\d+) minutes", first).group(1) == str(CORE_MINUTES[number])
+    assert core <= full
+    if core == 0:
+        assert "homework" in which
+    else:
+        assert which.endswith("the rest optional")
+    headings = [line for c in nb.cells if c.cell_type == "markdown" for line in c.source.splitlines()
+                if line.startswith("#")]
+    if 0 < core < full:
+        assert any(h.endswith("(optional)") for h in headings), f"lesson {number}: no heading marked (optional)"
+
+
+def test_core_paths_of_lessons_00_to_10_add_up():
+    total = sum(int(TIME.search(first_markdown(n)[1]).group(2)) for n in CORE_MINUTES)
+    assert total == sum(CORE_MINUTES.values()) == 240
