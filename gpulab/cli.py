@@ -36,6 +36,14 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _checkpointing(text: str) -> str:
+    from gpulab.models.adapt import check_checkpointing   # torch, only when the flag is used
+    try:
+        return check_checkpointing(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("True or False, or a policy", "a policy")) from None
+
+
 def _steps(text: str) -> int:
     from gpulab.predict.step import MAX_STEPS
     v = _positive_int(text)
@@ -251,8 +259,10 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
                    help="saved activations copied to host memory (save_on_cpu); their peak is reported apart")
     p.add_argument("--optimizer-impl", default="default", choices=("default", "for-loop", "foreach", "fused"),
                    help="the optimizer's implementation (torch's default on the device, or one named)")
-    p.add_argument("--checkpointing", action="store_true",
-                   help="a transformers model's own gradient checkpointing (each block recomputed in backward)")
+    p.add_argument("--checkpointing", nargs="?", const="full", default=False, type=_checkpointing, metavar="POLICY",
+                   help="a transformers model's own activation checkpointing: full (the default: each block "
+                        "recomputed in backward), selective (matmul and attention outputs kept, the rest "
+                        "recomputed) or every-K (every K-th block, e.g. every-2)")
     p.add_argument("--lora", type=_positive_int, default=0, metavar="R",
                    help="LoRA adapters of rank R (peft) on a frozen base; only they train")
     p.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
@@ -373,6 +383,8 @@ def _size(text: str, flag: str = "--context") -> int:
 def _print_fit(d: dict[str, Any]) -> str:
     lines = [f"{d['model']} on {d['card']} ({format_bytes(d['capacity_bytes'])}), {d['optimizer']}, {d['dtype']}"
              + (f", autocast {d['amp']}" if d["amp"] else "") + _recipe_text(d) + f": {d['input_text']}"]
+    if d.get("capacity_note"):
+        lines.append(f"card total: {d['capacity_note']}")
     if d.get("sharding"):
         lines.append(f"on {d['sharding']}: the figures below are one GPU's, the batch is per GPU "
                      f"[{d['sharding_label']}]")
@@ -420,6 +432,8 @@ def _print_serve(d: dict[str, Any]) -> str:
              f"vLLM-style at {d['utilization']:.0%}: {d['paged_blocks']:,} blocks of {d['block_size']} tokens, "
              f"{d['max_sequences']} sequences of {d['context_len']:,} tokens at once [{d['paged_label']}]",
              f"how: fake runs of the model's forward at full size, {d['seconds']:.1f} s"]
+    if d.get("capacity_note"):
+        lines.insert(1, f"card total: {d['capacity_note']}")
     if d.get("context_warning"):
         lines.append(f"warning: {d['context_warning']}")
     return "\n".join(lines)

@@ -285,8 +285,8 @@ def _llama(engine: str, model: str = "hf:tiny-llama", **kw):
 
 # Checkpointing on BERT: on tiny-gpt2 and tiny-llama the real CPU attention and the fake one allocate
 # differently sized scratch tensors (a few KiB of temporaries apart), with or without checkpointing
-@pytest.mark.parametrize("model, kw", [("hf:bert-base-uncased", {"checkpointing": True}),
-                                       ("hf:bert-base-uncased", {"lora": 4, "checkpointing": True}),
+@pytest.mark.parametrize("model, kw", [("hf:bert-base-uncased", {"checkpointing": "selective"}),
+                                       ("hf:bert-base-uncased", {"lora": 4, "checkpointing": "full"}),
                                        ("hf:tiny-gpt2", {"lora": 4}), ("hf:tiny-gpt2", {"implementation": "for-loop"})])
 def test_checkpointing_lora_and_the_implementation_agree_on_cpu_and_fake(model, kw):
     # the training steps alike (with LoRA the fake model is built as a meta skeleton, without the
@@ -302,6 +302,37 @@ def test_checkpointing_keeps_each_blocks_input_and_recomputes_the_rest():
     assert _max_live(ckpt, acts) < _max_live(plain, acts) / 2
     # each block's forward runs again in backward: more forward-kind allocations, in the backward phase
     assert _events(ckpt, "backward") > _events(plain, "backward")
+
+
+def test_selective_checkpointing_keeps_exactly_the_matmul_and_attention_outputs():
+    """models.adapt's "selective" policy against a count by hand: beyond full checkpointing it keeps,
+    per tiny-llama block (64 wide, 4 heads of 16, 2 key/value heads, MLP 172), the outputs of its
+    seven matmuls (q 64, k 32, v 32, o 64, gate 172, up 172, down 64 values a token) and of the fused
+    attention (64 values a token, and its float32 log-sum-exp, one per head and token)."""
+    full, selective = _llama("fake", checkpointing="full"), _llama("fake", checkpointing="selective")
+    tokens, heads, layers = 2 * 64, 4, 2
+    kept = layers * (tokens * (64 + 32 + 32 + 64 + 172 + 172 + 64 + 64) * 4 + tokens * heads * 4)
+    assert selective.peak_bytes - full.peak_bytes == kept
+    assert selective.recipe == {"checkpointing": "selective"}
+
+
+def test_checkpointing_every_k_blocks_sits_between_none_and_full():
+    # tiny-llama has 2 blocks: every-2 checkpoints the first only (transformers' every_n_layers)
+    none, full, every = _llama("fake"), _llama("fake", checkpointing=True), _llama("fake", checkpointing="every-2")
+    acts = Category.ACTIVATIONS.value
+    assert _max_live(full, acts) < _max_live(every, acts) < _max_live(none, acts)
+    assert full.recipe == {"checkpointing": "full"} and every.recipe == {"checkpointing": "every-2"}
+
+
+def test_the_cli_takes_a_checkpointing_policy_and_refuses_an_unknown_one(capsys):
+    assert cli.main(["step", "hf:tiny-llama", "--seq-len", "32", "--batch", "1", "--engine", "fake",
+                     "--checkpointing", "selective"]) == 0
+    assert "checkpointing=selective" in capsys.readouterr().out.splitlines()[0]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["step", "hf:tiny-llama", "--engine", "fake", "--checkpointing", "some"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "full" in err and "selective" in err and "every-K" in err
 
 
 def test_lora_dropout_saves_a_mask_and_an_input_per_adapter():
@@ -331,7 +362,8 @@ def test_lora_trains_only_the_adapters():
     ({"lora": 2.5}, ["rank"]),
     ({"lora_targets": ["q_proj"]}, ["lora=RANK"]),
     ({"lora": 4, "lora_targets": "q_proj"}, ["targets", "list"]),
-    ({"checkpointing": "yes"}, ["checkpointing", "True or False"]),
+    ({"checkpointing": "yes"}, ["checkpointing", "True or False", "selective", "every-K"]),
+    ({"checkpointing": "every-0"}, ["checkpointing", "every-K"]),
     ({"implementation": "fast"}, ["implementation", "for-loop"]),
     ({"lora_dropout": 0.1}, ["lora=RANK"]),
     ({"lora": 4, "lora_dropout": 1.0}, ["lora_dropout", "probability"]),
@@ -357,7 +389,7 @@ def test_the_cli_takes_checkpointing_and_lora(capsys):
     assert cli.main(["step", "hf:tiny-llama", "--seq-len", "32", "--batch", "1", "--engine", "fake", "--checkpointing",
                      "--lora", "4", "--lora-targets", "q_proj", "v_proj", "--optimizer-impl", "for-loop"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert "implementation=for-loop, checkpointing=True, lora=4, lora_targets=('q_proj', 'v_proj')" in first
+    assert "implementation=for-loop, checkpointing=full, lora=4, lora_targets=('q_proj', 'v_proj')" in first
 
 
 def test_compile_with_autocast_on_the_cuda_target_takes_mixed_dtypes_in_cat():

@@ -1,7 +1,22 @@
 """What a recipe changes in the model before it trains: the model's own activation checkpointing
-(transformers' ``gradient_checkpointing_enable``), and LoRA adapters (``peft``) on a frozen base.
+(transformers' ``activation_checkpointing_enable``) under one of three policies, and LoRA adapters
+(``peft``) on a frozen base.
 
-``adapted(w, lora=R, lora_targets=..., checkpointing=True)`` is the workload ``w`` built that way:
+Checkpointing policies (``CHECKPOINTING_POLICIES``; ``check_checkpointing`` reads them):
+
+* ``"full"``: every transformer block recomputed in backward from its saved input (what
+  ``TrainingArguments(gradient_checkpointing=True)`` does);
+* ``"every-K"``: every K-th block only (transformers' ``every_n_layers``; the blocks between keep
+  their activations): less recompute, more memory (torchtitan's selective mode with a layer
+  frequency, ``selective_ac_option=K``);
+* ``"selective"``: every block under PyTorch's selective activation checkpointing
+  (``torch.utils.checkpoint.create_selective_checkpoint_contexts``): inside a block the outputs of
+  the matrix multiplies and fused attention are saved, everything else (norms, activation
+  functions, rotary embeddings, elementwise products) is recomputed in backward. torchtitan's
+  op-level policy (``selective_ac_option="op"``, ``torchtitan/distributed/activation_checkpoint.py``)
+  is the same idea, but recomputes every second ``mm``; this one keeps them all.
+
+``adapted(w, lora=R, lora_targets=..., checkpointing="full")`` is the workload ``w`` built that way:
 the same inputs and loss, a model that is built, checkpointed and wrapped on the run's device
 (under fake tensors through a meta skeleton: ``registry.build_in_place``, since peft moves each
 adapter with ``Module.to``, which fake parameters refuse).
@@ -9,6 +24,8 @@ adapter with ``Module.to``, which fake parameters refuse).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import warnings
 from typing import Callable, Sequence
 
@@ -21,25 +38,80 @@ from gpulab.models.quantized import quantize_linears
 from gpulab.models.registry import active_fake_mode, build_in_place, build_skeleton, materialize
 from gpulab.models.workload import Workload
 
-__all__ = ["CHECKPOINTING_KWARGS", "adapted", "enable_checkpointing", "quantized_build"]
+__all__ = ["CHECKPOINTING_KWARGS", "CHECKPOINTING_POLICIES", "SELECTIVE_SAVED_OPS", "adapted", "check_checkpointing",
+           "enable_checkpointing", "quantized_build"]
 
 # what transformers 5.x passes to torch.utils.checkpoint when none are given (modeling_utils.py,
 # ``_activation_checkpointing_enable``): the non-reentrant implementation
 CHECKPOINTING_KWARGS = {"use_reentrant": False}
 _PEFT_TASKS = {"causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM"}
+CHECKPOINTING_POLICIES = ("full", "selective", "every-K")
+
+# the ops whose outputs selective checkpointing keeps: matrix multiplies (a linear layer runs
+# ``mm``, or ``addmm`` with a bias) and the fused attention kernels; everything else in a block is
+# recomputed in backward
+SELECTIVE_SAVED_OPS = frozenset(op for op in (
+    getattr(getattr(torch.ops.aten, name, None), "default", None)
+    for name in ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"))
+    if op is not None)
 
 
-def enable_checkpointing(model: nn.Module) -> nn.Module:
-    """Turn on ``model``'s own activation checkpointing (each transformer block recomputed in
-    backward from its saved input), as ``TrainingArguments(gradient_checkpointing=True)`` does;
-    ``ValueError`` for a model that has none. Returns ``model``."""
+def check_checkpointing(value) -> str | bool:
+    """A checkpointing choice as the recipe keeps it: False (none), "full", "selective" or
+    "every-K" with K ≥ 2 ("every-1" is "full"). True means "full". ``ValueError`` naming the
+    choices otherwise."""
+    if value is False or value is None:
+        return False
+    if value is True:
+        return "full"
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("full", "selective"):
+            return v
+        if v.startswith("every-") and v[6:].isdigit() and int(v[6:]) >= 1:
+            return "full" if int(v[6:]) == 1 else f"every-{int(v[6:])}"
+    raise ValueError(f"checkpointing must be True or False, or a policy: full (every block), selective (matmul and "
+                     f"attention outputs kept, the rest recomputed) or every-K (every K-th block, e.g. every-2); "
+                     f"got {value!r}")
+
+
+def _selective_policy(ctx, func, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+    return CheckpointPolicy.MUST_SAVE if func in SELECTIVE_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _policy_arguments(policy: str, enable) -> tuple[dict, dict]:
+    """(the kwargs for torch.utils.checkpoint, the enable method's own kwargs) for ``policy``."""
+    from torch.utils import checkpoint as ck
+    kwargs, own = dict(CHECKPOINTING_KWARGS), {}
+    if policy == "selective":
+        kwargs["context_fn"] = functools.partial(ck.create_selective_checkpoint_contexts, _selective_policy)
+        if "respect_saved_tensors_hooks" in inspect.signature(ck.checkpoint).parameters:
+            # what SAC keeps goes through the surrounding saved-tensor hooks, as any saved tensor does
+            # (the tracker's, save_on_cpu's); releases before this argument existed bypass them
+            kwargs["respect_saved_tensors_hooks"] = True
+    elif policy.startswith("every-"):
+        if "every_n_layers" not in inspect.signature(enable).parameters:
+            raise ValueError(f"checkpointing={policy!r} needs transformers' every_n_layers (transformers 5.x's "
+                             f"activation_checkpointing_enable); this transformers lacks it: use full or selective, "
+                             f"or update transformers")
+        own["every_n_layers"] = int(policy[6:])
+    return kwargs, own
+
+
+def enable_checkpointing(model: nn.Module, policy: str = "full") -> nn.Module:
+    """Turn on ``model``'s own activation checkpointing under ``policy`` (see the module
+    docstring); ``ValueError`` for a model that has none. Returns ``model``."""
+    policy = check_checkpointing(policy) or "full"
     for name, key in (("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
                       ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs")):
         enable = getattr(model, name, None)
         if callable(enable):   # transformers 5.x renamed it; the old name warns that it will go
+            kwargs, own = _policy_arguments(policy, enable)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
-                enable(**{key: dict(CHECKPOINTING_KWARGS)})
+                enable(**{key: kwargs}, **own)
             return model
     raise ValueError(f"checkpointing turns on a transformers model's own gradient checkpointing; "
                      f"{type(model).__name__} has none: wrap its blocks in torch.utils.checkpoint.checkpoint "
@@ -74,12 +146,13 @@ def _check_rank_fits(config, rank: int, targets: Sequence[str]) -> None:
 
 
 def adapted(w: Workload, *, lora: int = 0, lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0,
-            checkpointing: bool = False, quantize: str | None = None) -> Workload:
-    """``w`` with its model checkpointed (``checkpointing``) and/or wrapped with rank-``lora``
+            checkpointing: bool | str = False, quantize: str | None = None) -> Workload:
+    """``w`` with its model checkpointed (``checkpointing``: a policy, True for "full") and/or wrapped with rank-``lora``
     adapters on ``lora_targets`` (None: the layers peft adapts by default for the config's model
     type) with ``lora_dropout`` on their inputs, its linear layers but the head stored as
     bitsandbytes stores them when ``quantize`` is "nf4" or "int8" (``models.quantized``: with LoRA,
     QLoRA); ``w`` itself when none is asked. ``ValueError`` for a workload that cannot take them."""
+    checkpointing = check_checkpointing(checkpointing)
     if not lora and not checkpointing and not quantize:
         return w
     if w.make is None:
@@ -96,7 +169,7 @@ def adapted(w: Workload, *, lora: int = 0, lora_targets: Sequence[str] | None = 
     def make(dtype):
         model = quantized_build(lambda: inner(dtype), quantize) if quantize else inner(dtype)
         if checkpointing:
-            enable_checkpointing(model)
+            enable_checkpointing(model, checkpointing)
             if getattr(getattr(model, "config", None), "use_cache", False):
                 model.config.use_cache = False   # what transformers' forward does itself then, with a log line
         if lora:
@@ -111,5 +184,5 @@ def adapted(w: Workload, *, lora: int = 0, lora_targets: Sequence[str] | None = 
         return build_in_place(lambda: make(dtype), device, dtype)
 
     parts = (([f"{quantize} base"] if quantize else []) + ([f"LoRA rank {lora} on {', '.join(targets)}"] if lora else [])
-             + (["checkpointed"] if checkpointing else []))
+             + ([f"checkpointed ({checkpointing})"] if checkpointing else []))
     return dataclasses.replace(w, build=build, make=make, description=f"{w.description} ({'; '.join(parts)})")

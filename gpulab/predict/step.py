@@ -38,7 +38,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
          accumulate: int = 1, clip_grad_norm: float | None = None, grad_scaler: bool = False,
          set_to_none: bool = True, optimizer_in_backward: bool = False, offload_activations: bool = False,
          chunked_loss: int = 0, use_cache: bool | None = None, compile: bool = False,
-         implementation: str = "default", checkpointing: bool = False, lora: int = 0,
+         implementation: str = "default", checkpointing: bool | str = False, lora: int = 0,
          lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0, quantize: str | None = None, **engine_limits) -> StepResult:
     """Track ``steps`` training steps of ``model`` and return them by category, next to the
     formulas' prediction (see the module docstring for what ``model``, ``inputs`` and ``loss``
@@ -57,8 +57,8 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     model's forward without its KV cache; None: as its config says), ``compile`` (the model under
     torch.compile with AOTAutograd's partitioner, no code generation), ``implementation`` (the
     optimizer's: "default", "for-loop", "foreach" or "fused"), ``checkpointing`` (a transformers
-    model's own gradient checkpointing), ``lora=R`` with ``lora_targets`` (peft's LoRA adapters of
-    rank R on a frozen base; None: peft's default layers for the model type; ``lora_dropout`` on the
+    model's own gradient checkpointing: True or "full", "selective" or "every-K", as
+    ``models.adapt`` says), ``lora=R`` with ``lora_targets`` (peft's LoRA adapters of rank R on a frozen base; None: peft's default layers for the model type; ``lora_dropout`` on the
     adapters' inputs), ``quantize`` ("nf4" with lora: QLoRA; or "int8": the base's linear layers as
     bitsandbytes stores them). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
     Bad input raises ``ValueError`` with what to do instead."""

@@ -2,9 +2,9 @@
 by a fake run.
 
 Each candidate changes the asked recipe in one way people reach for (a smaller loss working set,
-the optimizer stepped in backward, bf16, 8-bit optimizer state, activation checkpointing, LoRA,
-QLoRA), and is run at the asked batch on the fake engine (CUDA's kernels) and replayed through the
-simulated caching allocator against the card less the CUDA context, as ``gpulab fit`` checks a
+the optimizer stepped in backward, bf16, 8-bit optimizer state, selective then full activation
+checkpointing, LoRA, QLoRA), and is run at the asked batch on the fake engine (CUDA's kernels) and
+replayed through the simulated caching allocator against the card less the CUDA context, as ``gpulab fit`` checks a
 batch. If no single change fits, the changes are stacked in order of what they cost until the stack
 fits. Candidates are ranked by that cost: first what changes nothing of the result (the loss in
 chunks, the step in backward), then precision (bf16, 8-bit state), then compute (recomputing
@@ -46,10 +46,12 @@ CANDIDATES = (
     Candidate("bf16 weights, gradients and optimizer state", "precision: no float32 master weights", 2,
               {"dtype": "bf16"}),
     Candidate("8-bit AdamW state (bitsandbytes)", "precision of the optimizer state", 3, {"optimizer": "adamw8bit"}),
-    Candidate("activation checkpointing", "about a third more compute (each block's forward again)", 4,
-              {"checkpointing": True}),
-    Candidate("LoRA rank 16", "only adapters train (peft's default layers)", 5, {"lora": 16}),
-    Candidate("QLoRA (NF4 base, LoRA rank 16)", "only adapters train, on a 4-bit base", 6,
+    Candidate("selective activation checkpointing", "the pointwise ops (norms, activation functions) run again "
+              "in backward; the matmuls and attention are kept", 4, {"checkpointing": "selective"}),
+    Candidate("activation checkpointing", "about a third more compute (each block's forward again)", 5,
+              {"checkpointing": "full"}),
+    Candidate("LoRA rank 16", "only adapters train (peft's default layers)", 6, {"lora": 16}),
+    Candidate("QLoRA (NF4 base, LoRA rank 16)", "only adapters train, on a 4-bit base", 7,
               {"lora": 16, "quantize": "nf4"}),
 )
 
@@ -106,6 +108,8 @@ def _applies(c: Candidate, asked: dict[str, Any], kind: str, causal: bool) -> bo
         return False
     if (c.changes.get("lora") or c.changes.get("checkpointing")) and kind != "tokens":
         return False
+    if c.changes.get("checkpointing") and asked.get("checkpointing"):   # already checkpointed: no other policy
+        return False
     if c.changes.get("optimizer") and asked["optimizer"] not in _ADAM:
         return False
     if c.changes.get("dtype") and asked.get("dtype") not in (None, torch.float32):
@@ -123,7 +127,7 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
     module docstring). Every figure is a fake run replayed through the simulated allocator."""
     t0 = time.perf_counter()
     place = _place(gpu, context_bytes, module_loading)
-    usable = place.card.memory_bytes - place.context_bytes
+    usable = place.card.reported_total_bytes - place.context_bytes
     w = resolve_workload(model, seq_len=seq_len, image_size=image_size)
     base_dt = parse_dtype(dtype) if dtype is not None else torch.float32
     unknown = sorted(set(options) - set(RECIPE_DEFAULTS))
@@ -149,22 +153,20 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
         reserved, fits = attempt(c.changes)
         tried.append(Tried(c.name, c.cost, c.changes, reserved, fits, asked_reserved - reserved))
     if not any(t.fits for t in tried):   # stack them, cheapest first, until the stack fits
-        stacked: dict[str, Any] = {}
-        names: list[str] = []
+        chosen: list[Candidate] = []
         for c in usable_candidates:
-            if c.changes.get("quantize") and stacked.get("lora"):
-                stacked.pop("lora")
-            stacked.update(c.changes)
-            names.append(c.name)
-            if len(names) < 2:
+            # a candidate that sets what an earlier one set replaces it (full checkpointing the
+            # selective kind, QLoRA plain LoRA)
+            chosen = [c2 for c2 in chosen if not set(c2.changes) <= set(c.changes)] + [c]
+            if len(chosen) < 2:
                 continue
+            stacked = {k: v for c2 in chosen for k, v in c2.changes.items()}
             reserved, fits = attempt(stacked)
-            tried.append(Tried(" + ".join(names), "all of: " + "; ".join(c2.cost for c2 in usable_candidates
-                                                                         if c2.name in names),
-                               dict(stacked), reserved, fits, asked_reserved - reserved))
+            tried.append(Tried(" + ".join(c2.name for c2 in chosen), "all of: " + "; ".join(c2.cost for c2 in chosen),
+                               stacked, reserved, fits, asked_reserved - reserved))
             if fits:
                 break
-    return WhatFits(w.name, place.card.name, place.card.memory_bytes, place.context_bytes, batch,
+    return WhatFits(w.name, place.card.name, place.card.reported_total_bytes, place.context_bytes, batch,
                     {k: (dtype_name(v) if isinstance(v, torch.dtype) else v) for k, v in asked.items()
                      if k in ("optimizer", "dtype") or v != RECIPE_DEFAULTS.get(k)},
                     asked_reserved, asked_fits, tried, time.perf_counter() - t0)

@@ -34,8 +34,9 @@ tracker's phase. Where lessons differ, the ``Recipe`` says how:
   measured steps run the compiled graphs (the tracker sees their ops). Inductor would also fuse
   pointwise ops into kernels, so its temporaries would be fewer; what it saves is the same
   partitioner's choice. Inside the compiled region ops are attributed to the whole model;
-* ``checkpointing``: the model's own activation checkpointing (transformers' gradient checkpointing:
-  each block recomputed in backward from its saved input); ``lora`` (a rank) and ``lora_targets``:
+* ``checkpointing``: the model's own activation checkpointing (transformers' gradient checkpointing)
+  under a policy (``models.adapt``): "full" (each block recomputed in backward from its saved
+  input), "selective" (matmul and attention outputs kept, the rest recomputed) or "every-K"; ``lora`` (a rank) and ``lora_targets``:
   peft's LoRA adapters on a frozen base, only they trained, ``lora_dropout`` on their inputs;
   ``quantize``: the base's linear layers stored as bitsandbytes stores them, "nf4" (with LoRA:
   QLoRA) or "int8" (``models.adapt``, ``models.quantized``);
@@ -62,7 +63,7 @@ import torch
 
 from gpulab.measure.engines import Measurement, RunContext
 from gpulab.measure.fake_mode import scalars_read_as_one
-from gpulab.models.adapt import adapted
+from gpulab.models.adapt import adapted, check_checkpointing
 from gpulab.models.hf_configs import task_of
 from gpulab.models.lora import check_rank, check_targets
 from gpulab.models.quantized import QUANTIZATIONS
@@ -98,7 +99,7 @@ class Recipe:
     chunked_loss: int = 0
     use_cache: bool | None = None
     compile: bool = False
-    checkpointing: bool = False
+    checkpointing: bool | str = False   # False or a policy (models.adapt.check_checkpointing)
     lora: int = 0
     lora_targets: tuple[str, ...] | None = None
     lora_dropout: float = 0.0
@@ -106,6 +107,7 @@ class Recipe:
 
     def __post_init__(self):
         check_chunks(self.chunked_loss)
+        object.__setattr__(self, "checkpointing", check_checkpointing(self.checkpointing))
         object.__setattr__(self, "optimizer", check_optimizer(self.optimizer, recipes=True))
         object.__setattr__(self, "implementation", check_implementation(self.implementation))
         if self.zero_grad not in ZERO_GRAD:
@@ -148,15 +150,14 @@ def recipe_options(arguments: dict[str, Any]) -> dict[str, Any]:
 def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, clip_grad_norm: float | None = None,
                 grad_scaler: bool = False, set_to_none: bool = True, optimizer_in_backward: bool = False,
                 offload_activations: bool = False, chunked_loss: int = 0, use_cache: bool | None = None,
-                compile: bool = False, implementation: str = "default", checkpointing: bool = False, lora: int = 0,
+                compile: bool = False, implementation: str = "default", checkpointing: bool | str = False, lora: int = 0,
                 lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0,
                 quantize: str | None = None) -> Recipe:
     """The ``Recipe`` of ``gpulab.step`` / ``gpulab.fit`` from their arguments (``amp``: "fp16",
     "bf16" or None). Bad values raise ``ValueError`` saying what is allowed."""
     for name, value in (("grad_scaler", grad_scaler), ("set_to_none", set_to_none),
                         ("optimizer_in_backward", optimizer_in_backward), ("offload_activations", offload_activations),
-                        ("use_cache", True if use_cache is None else use_cache), ("compile", compile),
-                        ("checkpointing", checkpointing)):
+                        ("use_cache", True if use_cache is None else use_cache), ("compile", compile)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
     if lora:
