@@ -130,13 +130,14 @@ def cards_needed(model: str = "llama-3-8b", card: str = "H100", k: int = 12, max
     """How many cards of ``card`` hold the model states of a full fine-tune under each stage: the
     smallest N with the per-device bytes ≤ card − CUDA context, by the paper's formula
     (``zero_bytes_per_device``) and as the framework holds them (``predict.sharding``).
-    A card name (H100: 80 GiB) or a size: "80GB" is 80·10⁹ bytes, "80GiB" 80·2³⁰."""
+    A card name (H100: the 79.18 GiB CUDA reports, ``Card.reported_total_bytes``) or a size: "80GB"
+    is 80·10⁹ bytes, "80GiB" 80·2³⁰."""
     from gpulab.predict import sharding as SH
     psi = model_params(model)
     with torch.device("meta"):
         layers = SH.count_layers(hf_configs.build_model(model.removeprefix(hf_configs.HF_PREFIX)))
     c = parse_gpu(card)
-    usable = c.memory_bytes - CUDA_CONTEXT_ASSUMED
+    usable = c.reported_total_bytes - CUDA_CONTEXT_ASSUMED
     needed: dict[int, int | None] = {}
     per_device: dict[int, int] = {}
     fneeded: dict[int, int | None] = {}

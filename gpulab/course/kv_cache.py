@@ -697,7 +697,7 @@ def inference_fit(config_or_name: Any, card: str | Card, context_len: int, batch
     kv = kv_cache_for(config, context_len, batch, dt).bytes
     act = decode_step_estimate(config, context_len, batch, dt)
     terms = {k: v for k, v in act.items() if k != "estimate"}
-    return InferenceFit(name, c.name, c.memory_bytes, CUDA_CONTEXT_ASSUMED, context_len, batch, dtype_name(dt),
+    return InferenceFit(name, c.name, c.reported_total_bytes, CUDA_CONTEXT_ASSUMED, context_len, batch, dtype_name(dt),
                         params, params * dt.itemsize, kv, act["estimate"], terms)
 
 

@@ -3,7 +3,9 @@
 Convention: a vendor's "N GB" of GPU memory is counted here as N GiB (N * 2**30 bytes),
 as ``gpulab.course.sweeps.CARDS_GIB`` already does ("the vendors' '16 GB' cards hold
 16 GiB"). It is a teaching simplification and an upper bound: what the device reports
-is somewhat less. Public ``nvidia-smi`` output shows 81,559 MiB (79.6 GiB) on an
+is somewhat less. Where CUDA's own total is known (measured here, or printed by published
+out-of-memory messages: ``Card.cuda_total_bytes``), plans use that instead
+(``Card.reported_total_bytes``). Public ``nvidia-smi`` output shows 81,559 MiB (79.6 GiB) on an
 "H100 80GB HBM3" and 15,360 MiB (15.0 GiB) on a "Tesla T4" sold as 16 GB, and the CUDA
 context takes its share of that before any tensor exists.
 
@@ -70,8 +72,17 @@ class Card:
 
     @property
     def reported_total_bytes(self) -> int:
-        """The total an out-of-memory message on this card states: CUDA's own figure where known."""
+        """The total an out-of-memory message on this card states: CUDA's own figure where known.
+        ``gpulab fit``, ``serve`` and ``what_fits`` plan with it."""
         return self.cuda_total_bytes or self.memory_bytes
+
+    @property
+    def total_text(self) -> str:
+        """Where the total a plan uses comes from, in words."""
+        if self.cuda_total_bytes:
+            return (f"{format_bytes(self.cuda_total_bytes)}, the total CUDA reports ({self.cuda_total_note}); "
+                    f"not the advertised {format_bytes(self.memory_bytes)}")
+        return f"{format_bytes(self.memory_bytes)}" + (f": {self.note}" if self.note else "")
 
 
 def _card(name: str, gb: int, aliases: tuple[str, ...], spec: str, extra: str = "",
@@ -91,7 +102,12 @@ CARDS: tuple[Card, ...] = (
     _card("H100", 80, ("H100-80GB", "H100 80GB HBM3", "H100-SXM", "H100-SXM5", "H100-PCIe"),
           "(HBM3 on SXM5, HBM2e on PCIe)",
           "nvidia-smi on an H100 80GB HBM3 shows 81,559 MiB total (79.6 GiB); "
-          "the 94 GB H100 NVL is not this card"),
+          "the 94 GB H100 NVL is not this card",
+          cuda_total=(round(79.18 * GiB), "out-of-memory messages in prime-rl's benchmark report "
+                                          "(benchmarks/results/BENCHMARKS.md, PrimeIntellect-ai/prime-rl, early 2026) "
+                                          "print 'a total capacity of 79.18 GiB' on one H100 80GB HBM3 and 79.21 GiB "
+                                          "on 8-GPU H100 nodes (to 0.01 GiB; the smaller taken); the same report's "
+                                          "H200s print 139.80 GiB, the total measured here")),
     _card("H200", 141, ("H200-141GB", "H200-SXM", "H200 NVL"), "HBM3e",
           cuda_total=(150_109_880_320, "torch.cuda.mem_get_info() on an NVIDIA H200 (driver 580.159.04, "
                                        "CUDA 13.0), measured by this project's GPU validation on 2026-11-26: "

@@ -105,6 +105,7 @@ class FitResult(CardBudget):
     module_loading: str = "lazy"      # CUDA's module loading the context size assumes
     sharding: str = ""                # several GPUs: "8 GPUs, fsdp2 (...)"; the figures are one rank's
     sharding_label: str = ""
+    capacity_note: str = ""           # where capacity_bytes comes from (Card.total_text)
 
     @property
     def allocator_overhead_bytes(self) -> int:
@@ -137,7 +138,7 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         clip_grad_norm: float | None = None, grad_scaler: bool = False, set_to_none: bool = True,
         optimizer_in_backward: bool = False, offload_activations: bool = False, chunked_loss: int = 0,
         use_cache: bool | None = None, compile: bool = False, implementation: str = "default",
-        checkpointing: bool = False, lora: int = 0, lora_targets: Sequence[str] | None = None,
+        checkpointing: bool | str = False, lora: int = 0, lora_targets: Sequence[str] | None = None,
         lora_dropout: float = 0.0, quantize: str | None = None, module_loading: str = "lazy",
         gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
@@ -152,7 +153,7 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
     check_recipe_for(recipe, w)
     sharding, shard = _sharding(w, recipe, dt, gpus, strategy, offload_optimizer)
     place = place._replace(sharding=sharding)
-    usable = place.card.memory_bytes - place.context_bytes
+    usable = place.card.reported_total_bytes - place.context_bytes
     runs: dict[int, TrackingResult] = {}
     made: list[int] = []     # every fake run, in order (a batch run again counts again)
 
@@ -264,8 +265,9 @@ def _card_of(gpu: str | Card | int, context_bytes: int) -> Card:
     """The card asked for (a name, a size, a ``Card`` or bytes), with room for the context."""
     card = gpu if isinstance(gpu, Card) else (Card(f"{int(gpu):,} B", int(gpu), (), "") if isinstance(gpu, int)
                                               else parse_gpu(gpu))
-    if context_bytes < 0 or context_bytes >= card.memory_bytes:
-        raise ValueError(f"the CUDA context allowance must be between 0 and the card's {format_bytes(card.memory_bytes)}, "
+    if context_bytes < 0 or context_bytes >= card.reported_total_bytes:
+        raise ValueError(f"the CUDA context allowance must be between 0 and the card's "
+                         f"{format_bytes(card.reported_total_bytes)}, "
                          f"got {format_bytes(context_bytes)}")
     return card
 
@@ -337,13 +339,13 @@ def _result(w, place: _Place, recipe: Recipe, dt, batch, t: TrackingResult, chec
     else:       # nothing fits: what batch 1 would reserve on a card without a limit, what it needs
         reserved, _ = _replay(t, None)
     amp = next((k for k, v in AMP_DTYPES.items() if v == recipe.amp), None)
-    return FitResult(w.name, card.name, card.memory_bytes, context_bytes, recipe.optimizer, dtype_name(dt), amp,
+    return FitResult(w.name, card.name, card.reported_total_bytes, context_bytes, recipe.optimizer, dtype_name(dt), amp,
                      w.describe_input(max(batch, 1)), batch, t.peak_bytes, dict(t.peak_by_category), reserved,
                      sorted(checks, key=lambda c: (c.batch, c.source)), runs, live,
                      time.perf_counter() - t0, levers=levers, method=method, recipe=changed_options(recipe),
                      module_loading=place.module_loading,
                      sharding=place.sharding.describe() if place.sharding else "",
-                     sharding_label=_sharding_label() if place.sharding else "")
+                     sharding_label=_sharding_label() if place.sharding else "", capacity_note=card.total_text)
 
 
 def _sharding_label() -> str:

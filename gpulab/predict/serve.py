@@ -71,6 +71,7 @@ class ServeResult:
     paged_label: str = LABEL_FORMULA + " (vLLM's block arithmetic)"
     kv_label: str = LABEL_FAKE_CUDA
     module_loading: str = "lazy"
+    capacity_note: str = ""       # where capacity_bytes comes from (Card.total_text)
 
     @property
     def usable_bytes(self) -> int:
@@ -184,9 +185,10 @@ def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1
     kv = per_token * context_len * batch
     # the measured cache holds context_len tokens in the model's dtype: a KV dtype of its own, by formula
     decode = everyone.decode_peak_bytes - everyone.cache_bytes + kv
-    return ServeResult(shown, card.name, card.memory_bytes, context_bytes, context_len, batch, dtype_name(dt),
+    return ServeResult(shown, card.name, card.reported_total_bytes, context_bytes, context_len, batch, dtype_name(dt),
                        kind or dtype_name(dt), kv_dtype or dtype_name(dt), one.weights_bytes, per_token, kv,
                        one.prefill_peak_bytes, everyone.prefill_peak_bytes, decode, float(utilization), block_size,
                        time.perf_counter() - t0,
                        kv_label=LABEL_FAKE_CUDA if per_token == per_token_model
-                       else f"{LABEL_FAKE_CUDA}, the cache at {kv_dtype} by formula", module_loading=module_loading)
+                       else f"{LABEL_FAKE_CUDA}, the cache at {kv_dtype} by formula", module_loading=module_loading,
+                       capacity_note=card.total_text)
