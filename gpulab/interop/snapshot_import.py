@@ -4,9 +4,11 @@ A snapshot pickle (``torch.cuda.memory._dump_snapshot``, made on a GPU, or a fil
 ``gpulab.interop.snapshot`` exported) is read with an unpickler that builds only plain containers: no
 code in a file ever runs (``load_snapshot``). ``read_snapshot`` rebuilds one device's timeline
 from its trace (``ImportedSnapshot``: live requested bytes and reserved bytes after each entry,
-the final segments, gpulab's views); ``replay_snapshot`` replays its alloc/free trace through the
-simulated caching allocator (``SnapshotReplay``: simulated vs recorded reserved memory, segment
-by segment). The format is described in ``gpulab.interop.snapshot``.
+the final segments, gpulab's views, and the allocator's state at its first entry, rebuilt by
+``gpulab.interop.snapshot_start``); ``replay_snapshot`` replays its alloc/free trace through the
+simulated caching allocator from that state (``SnapshotReplay``: simulated vs recorded reserved
+memory, segment by segment, and each allocation's address vs the file's). The format is described
+in ``gpulab.interop.snapshot``.
 
 NB: a file gpulab exported holds the simulator's segments, not a GPU's; it says so in its
 ``"gpulab"`` entry and its ``ImportedSnapshot`` is labelled so (``from_gpu`` is False). Only a
@@ -523,6 +525,8 @@ class SnapshotReplay:
                           "the file's trace replayed through gpulab's simulator")
         segs = html_table(["#", "pool", "reserved: file", "reserved: simulated", "allocated: file",
                            "allocated: simulated", "simulated − file"], self.segment_rows(),
+                          "segments at the end: those at the same address side by side, then the rest in order of "
+                          "creation within each pool" if self.rebuilt_start else
                           "segments at the end, in order of creation within each pool")
         missing = self.imported.unmodelled_settings
         note = (f"<p>The file's settings the simulator does not model: {', '.join(missing)}.</p>" if missing else "")
