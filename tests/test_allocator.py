@@ -703,3 +703,16 @@ def test_add_segment_refuses_what_is_not_a_segment():
     with pytest.raises(ValueError, match="expandable"):
         CachingAllocator(expandable_segments=True).add_segment(0x7F0000000000, [(2 * MiB, None)])
     a.check_invariants()
+
+
+def test_release_segment_frees_only_a_wholly_free_segment_at_that_address():
+    """release_block: a segment whose one block is free is cudaFree'd; a split or busy one stays."""
+    a = CachingAllocator()
+    a.add_segment(0x7F0000000000, [(20 * MiB, None)])
+    busy = a.add_segment(0x7F1000000000, [(4 * MiB, 4 * MiB), (16 * MiB, None)])
+    assert not a.release_segment(0x7F1000000000) and not a.release_segment(0x7F2000000000)
+    assert a.release_segment(0x7F0000000000)
+    assert reserved(a) == 20 * MiB and a.stats()["num_device_free"] == 1
+    a.free(busy[0])
+    assert a.release_segment(0x7F1000000000) and reserved(a) == 0
+    a.check_invariants()

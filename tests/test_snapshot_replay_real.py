@@ -194,15 +194,21 @@ def _workload(seed, n=400):
     return events
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_a_trace_the_simulator_recorded_replays_exactly_from_any_entry(seed):
+@pytest.mark.parametrize("settings", [{}, {"max_split_size_mb": 40}], ids=["defaults", "max_split_size_mb=40"])
+@pytest.mark.parametrize("seed", range(8))
+def test_a_trace_the_simulator_recorded_replays_exactly_from_any_entry(seed, settings):
     """The simulator records a trace (with two empty_cache() calls) and the state at its end; cut
     the trace anywhere and what is left is a mid-run file whose start must be rebuilt: blocks freed
     before they are allocated, segments released before they are made, blocks split off with an
-    unsplit remainder. Its replay gives every address and the final layout back, block for block."""
-    snap = record_events(_workload(seed), empty_cache_at=[100, 250]).data
+    unsplit remainder. Its replay gives every address and the final layout back, block for block.
+    With max_split_size_mb, a cudaMalloc that needs room first frees oversize cached blocks
+    (release_available_cached_blocks): those releases are the very segments the file names."""
+    snap = record_events(_workload(seed), empty_cache_at=[100, 250], **settings).data
     trace = snap["device_traces"][0]
-    for cut in (0, 37, 150, 300, len(trace) // 2, len(trace) - 5):
+    cuts = [0, 37, 150, 300, len(trace) // 2, len(trace) - 5]
+    # NB: a cut between a segment_alloc and its alloc (inside one malloc) reads that segment as cached
+    cuts = [c for c in cuts if not c or trace[c - 1]["action"] != "segment_alloc"]
+    for cut in cuts:
         imp = read_snapshot(dict(snap, device_traces=[trace[cut:]]))
         assert imp.start_segments is not None, imp.start_problem
         rep = imp.replay()
@@ -213,6 +219,20 @@ def test_a_trace_the_simulator_recorded_replays_exactly_from_any_entry(seed):
         if cut and imp.mid_run:
             assert _layout(imp.replay(rebuild_start=False).segments) != _layout(imp.segments) or not any(
                 e["index"] < 0 for e in imp.events)
+
+
+def test_a_trace_that_begins_with_a_release_peaks_before_its_first_entry():
+    """The empty_cache() trace above, from its segment_free on: 32 MiB were reserved before the
+    first entry (the 12 MiB segment it releases and the 20 MiB one), 20 MiB after. That start is
+    the peak, in the file's figures and in the replay's, which releases the segment the file names."""
+    data = _trace_with_empty_cache()
+    data["device_traces"] = [data["device_traces"][0][6:]]
+    imp = read_snapshot(data)
+    assert imp.start_reserved == imp.peak_reserved == 32 * MiB and max(imp.recorded.reserved) == 20 * MiB
+    assert sorted(s.size for s in imp.start_segments) == [12 * MiB, 20 * MiB]
+    rep = imp.replay()
+    assert rep.stats["reserved_bytes.all.peak"] == 32 * MiB and rep.same_address == (1, 1)
+    assert _layout(rep.segments) == _layout(imp.segments)
 
 
 def test_an_expandable_mid_run_start_is_not_rebuilt_and_says_so():

@@ -602,6 +602,20 @@ class CachingAllocator:
         """
         self._release_cached_blocks()
 
+    def release_segment(self, address: int) -> bool:
+        """cudaFree the segment at ``address`` if it is wholly free (``release_block``), as a real
+        trace's ``segment_free`` entry says the allocator did (``release_cached_blocks``, or
+        ``release_available_cached_blocks`` freeing oversize blocks before a retry). Returns False,
+        changing nothing, when no such segment is there (or it is an expandable segment's)."""
+        for seg in self._segments.values():
+            if seg.base == address:
+                blk = seg.head
+                if seg.expandable or blk is None or blk.allocated or blk.next is not None:
+                    return False
+                self._release_block(blk)
+                return True
+        return False
+
     def add_segment(
         self, address: int, blocks: Iterable[tuple[int, int | None]], *,
         pool: PoolName | None = None,

@@ -152,6 +152,10 @@ class ImportedSnapshot:
     # cannot be rebuilt (``start_problem`` says why)
     start_segments: list[StartSegment] | None = None
     start_problem: str = ""
+    start_active: int = 0       # live requested bytes and reserved bytes before the first entry
+    start_reserved: int = 0
+    # each segment_free: (events before it, the segment's address, its stream)
+    segment_frees: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -166,12 +170,15 @@ class ImportedSnapshot:
 
     @property
     def peak_active(self) -> int:
-        """Peak of live requested bytes over the trace (the viewer's Active Memory Timeline)."""
-        return self.recorded.peak_allocated
+        """Peak of live requested bytes over the trace (the viewer's Active Memory Timeline), the
+        state before its first entry included."""
+        return max(self.recorded.peak_allocated, self.start_active)
 
     @property
     def peak_reserved(self) -> int:
-        return self.recorded.peak_reserved
+        """Peak of reserved bytes over the trace, the state before its first entry included (a trace
+        that begins with a release starts higher than after its first entry)."""
+        return max(self.recorded.peak_reserved, self.start_reserved)
 
     @property
     def source(self) -> str:
@@ -304,8 +311,8 @@ def read_snapshot(source: str | Path | bytes | dict | list, device: int | None =
     before.sort(key=lambda e: e["addr"])
     # the totals before the trace: what was live then, and the end's reserved minus the trace's changes
     reserved_end = sum(int(s["total_size"]) for s in segs)
-    act = sum(e["nbytes"] for e in before)
-    res = reserved_end - sum(walk.res_delta)
+    act = start_active = sum(e["nbytes"] for e in before)
+    res = start_reserved = reserved_end - sum(walk.res_delta)
     act_series, res_series = [], []
     for da, dr in zip(walk.act_delta, walk.res_delta):
         act += da
@@ -321,10 +328,12 @@ def read_snapshot(source: str | Path | bytes | dict | list, device: int | None =
         capacity = res_series[walk.oom_reserved[0]] + walk.oom_requests[0][2]
     settings = allocator_kwargs(data.get("allocator_settings"))[0]
     start, problem = start_state(segs, trace, before, settings)
-    return ImportedSnapshot(data, device, label, from_gpu, before + walk.events, recorded, segments, order,
-                            walk.ooms, max(1, len(streams)), [len(before) + k for k in walk.releases],
-                            [(len(before) + k, n, st) for k, n, _, st in walk.oom_requests], capacity,
-                            start, problem)
+    imported = ImportedSnapshot(data, device, label, from_gpu, before + walk.events, recorded, segments, order,
+                                walk.ooms, max(1, len(streams)), [len(before) + k for k in walk.releases],
+                                [(len(before) + k, n, st) for k, n, _, st in walk.oom_requests], capacity,
+                                start, problem, start_active, start_reserved)
+    imported.segment_frees = [(len(before) + k, addr, st) for k, addr, st in walk.segment_frees]
+    return imported
 
 
 def allocator_kwargs(settings: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
@@ -388,6 +397,7 @@ class _Walk:
     seg_created: dict[int, int] = field(default_factory=dict)
     ooms: int = 0
     releases: list[int] = field(default_factory=list)   # len(events) when a burst of segment releases began
+    segment_frees: list[tuple[int, int, int]] = field(default_factory=list)   # (len(events), addr, stream)
     oom_requests: list[tuple[int, int, int, int]] = field(default_factory=list)   # (len(events), bytes, device_free, stream)
     oom_reserved: list[int] = field(default_factory=list)   # index of the trace entry of each oom
 
@@ -434,6 +444,8 @@ def _walk_trace(trace: list[dict[str, Any]]) -> _Walk:
             w.seg_created[e["addr"]] = i
         elif a in ("segment_free", "segment_unmap"):
             d_res = -int(e["size"])
+            if a == "segment_free":
+                w.segment_frees.append((len(w.events), int(e["addr"]), int(e.get("stream", 0) or 0)))
             # a burst of releases is release_cached_blocks (empty_cache(), or a retry after a failed
             # cudaMalloc): one release where its first entry is
             if i == 0 or trace[i - 1].get("action") not in ("segment_free", "segment_unmap"):
@@ -546,7 +558,8 @@ class SnapshotReplay:
 def replay_snapshot(imported: ImportedSnapshot, *, rebuild_start: bool = True,
                     **allocator_kwargs: Any) -> SnapshotReplay:
     """See :meth:`ImportedSnapshot.replay`. The file's own allocator settings unless given here;
-    each burst of segment releases in the trace replayed as ``empty_cache()`` where it happened;
+    each burst of segment releases in the trace replayed where it happened (the segments it names,
+    where the simulator holds them at the file's addresses; else as ``empty_cache()``);
     one pool per stream, as the real allocator reuses a block only on the stream it was made for
     (a simulator per stream: their sums are the device's; a capacity is the device's, shared by
     them); a request the GPU refused (an ``oom`` entry) put to its own stream's. With
@@ -577,6 +590,9 @@ def replay_snapshot(imported: ImportedSnapshot, *, rebuild_start: bool = True,
     releases = set(imported.releases)
     for k, n, stream in imported.oom_requests:
         run.ooms.setdefault(k, []).append((n, stream))
+    if rebuilt and not kwargs.get("expandable_segments"):     # the simulator's segments are the file's: free those
+        for k, addr, stream in imported.segment_frees:
+            run.frees.setdefault(k, []).append((addr, stream))
     same_address = 0
     for k, e in enumerate(imported.events):
         run.before_event(k, k in releases)
@@ -614,6 +630,7 @@ class _Replay:
         self.live: dict[int, tuple[CachingAllocator, Any]] = {}
         self.ooms: dict[int, list[tuple[int, int]]] = {}     # events before it -> (bytes, stream) refused
         self.simulated_ooms = 0
+        self.frees: dict[int, list[tuple[int, int]]] = {}    # events before it -> (address, stream) released
         self.req = 0
         self.alloc: list[int] = []
         self.res: list[int] = []
@@ -628,11 +645,15 @@ class _Replay:
         return sim
 
     def before_event(self, k: int, release: bool) -> None:
-        """A release burst before event k (empty_cache), then the requests the GPU refused there:
-        does the simulator refuse each too, on its stream?"""
+        """A release burst before event k, then the requests the GPU refused there: does the
+        simulator refuse each too, on its stream? A burst releases the very segments the file
+        names where the simulator holds them (release_available_cached_blocks frees only oversize
+        ones); else it is replayed as empty_cache() (release_cached_blocks)."""
         if release:
-            for one in self.sims.values():
-                one.empty_cache()
+            named = self.frees.get(k, [])
+            if not named or not all(self.sim_of(stream).release_segment(addr) for addr, stream in named):
+                for one in self.sims.values():
+                    one.empty_cache()
         for n, stream in self.ooms.get(k, ()):
             sim = self.sim_of(stream)
             try:

@@ -55,7 +55,9 @@ def start_state(segs: list[dict[str, Any]], trace: list[dict[str, Any]], before:
     else ``round_size`` of its request, plus the room up to the next block when the allocator would
     not have split that room off (large pool: a remainder of 1 MiB or less, ``should_split``; a
     request of ``max_split_size`` or more is never split, up to kLargeBuffer of slack,
-    ``get_free_block``). Returns (None, why) when the start cannot be rebuilt."""
+    ``get_free_block``). Returns (None, why) when the start cannot be rebuilt.
+    NB: a trace that begins between a ``segment_alloc`` and its ``alloc`` (a ring buffer that
+    wrapped inside one ``malloc``) reads that new segment as one cached before the trace."""
     expandable = bool(settings.get("expandable_segments") or any(s.get("is_expandable") for s in segs)
                       or any(e.get("action") in ("segment_map", "segment_unmap") for e in trace))
     first: dict[int, dict[str, Any]] = {}
