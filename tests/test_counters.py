@@ -31,10 +31,10 @@ def two_steps(device, batch=4):
     optimizer = torch.optim.Adam(model.parameters())
     x = torch.randn(batch, 64, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
-    for _ in range(2):
+    for _ in range(2):     # the lesson's order: zero_grad() at the top of each step
+        optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
-        optimizer.zero_grad()
     return model, optimizer
 
 
@@ -61,8 +61,8 @@ def test_a_given_context_is_subtracted_and_said():
 
 @pytest.mark.parametrize("engine, target", [("cpu", "cpu"), ("fake", "cpu"), ("fake", "cuda")])
 def test_allocated_after_the_loop_is_what_the_returned_objects_hold(engine, target):
-    """Independent of the tracker: sum the 512-rounded storages of the model's parameters and
-    buffers and Adam's state tensors on the tracked device (Adam's ``step`` counters stay on the
+    """Independent of the tracker: sum the 512-rounded storages of the model's parameters,
+    buffers, gradients and Adam's state tensors on the tracked device (Adam's ``step`` counters stay on the
     CPU when the parameters are on a GPU: the CUDA target leaves them out)."""
     kept = {}
 
@@ -72,7 +72,8 @@ def test_allocated_after_the_loop_is_what_the_returned_objects_hold(engine, targ
 
     r = read_counters(train, engine=engine, fake_target=target)
     model, opt = kept["objs"]
-    tensors = list(model.parameters()) + list(model.buffers())
+    tensors = list(model.parameters()) + list(model.buffers()) + [p.grad for p in model.parameters()]
+    assert all(t is not None for t in tensors)   # the gradients are alive: zero_grad() comes first
     for state in opt.state.values():
         tensors += [v for k, v in state.items() if isinstance(v, torch.Tensor) and (target == "cpu" or k != "step")]
     assert r.simulated("allocated") == sum(_r512(t.untyped_storage().nbytes()) for t in tensors)
