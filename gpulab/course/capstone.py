@@ -404,14 +404,16 @@ class DecisionTable:
     def figure(self):
         """Largest batch against FLOPs per step (relative to the baseline), one point per row."""
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        fig, ax = plt.subplots(figsize=(7.2, 3.8))
         for r in self.rows:
             x, y = self.flops_ratio(r.name), r.largest_batch
             ax.scatter([x], [y], s=40)
             ax.annotate(r.name, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=9)
-        ax.set_xlabel(f"FLOPs per step ÷ the baseline's (FlopCounterMode, fake run at batch {self.batch})")
-        ax.set_ylabel(f"largest batch on {self.you.card.name}")
-        ax.set_title(f"{self.you.name}: memory bought, compute paid", fontsize=10)
+        ax.set_xlabel("FLOPs per step ÷ the baseline's (FlopCounterMode)")
+        ax.set_ylabel(f"largest batch on {self.you.card.name} (gpulab.fit)")
+        ax.set_title(f"{self.you.name}: batch bought, compute paid (FLOPs at batch {self.batch})", fontsize=10)
+        ax.margins(x=0.35, y=0.15)
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         plt.close(fig)
