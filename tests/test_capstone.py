@@ -138,6 +138,8 @@ def test_bad_input_says_what_to_do():
     with pytest.raises(ValueError, match="lora_targets"):
         decision_table(you, ["LoRA"])
     assert "no: " in available_techniques(you)._repr_html_()
+    with pytest.raises(ValueError, match="image model: pick bf16 autocast"):
+        decision_table(your_model("cnn", "T4"), ["bf16 autocast", "checkpointing"])
 
 
 def test_your_own_module_with_lora_on_named_layers():

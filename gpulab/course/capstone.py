@@ -494,6 +494,9 @@ def decision_table(you: YourModel, techniques: Sequence[Any] = ("bf16 autocast",
 def _check_applies(you: YourModel, t: Technique) -> None:
     """Refuse, before anything runs, a technique this model cannot take, saying which it can."""
     w = you.workload
+    if (t.options.get("lora") or t.options.get("checkpointing")) and w.kind == "image":
+        raise ValueError(f"{t.name} is for transformers (lesson 07 checkpoints a CNN by hand); {w.name} is an image "
+                         f"model: pick bf16 autocast, bf16 weights, 8-bit AdamW or offload activations")
     if t.options.get("checkpointing") and w.config is None:
         raise ValueError(f"{t.name} turns on a transformers model's own gradient checkpointing; {w.name} has none: "
                          f"pick another technique (bf16 autocast, LoRA with lora_targets, 8-bit AdamW, offload "
@@ -501,9 +504,6 @@ def _check_applies(you: YourModel, t: Technique) -> None:
     if t.options.get("lora") and w.config is None and not t.options.get("lora_targets"):
         raise ValueError(f"{t.name} on your own module needs the names of its Linear layers to adapt: give "
                          f"('LoRA', {{'lora': 8, 'lora_targets': ['fc1', 'fc2']}}) with your layers' names")
-    if (t.options.get("lora") or t.options.get("checkpointing")) and w.kind == "image":
-        raise ValueError(f"{t.name} is for transformers (lesson 07 checkpoints a CNN by hand); {w.name} is an image "
-                         f"model: pick bf16 autocast, bf16 weights, 8-bit AdamW or offload activations")
     opts = you.fit_options(t.options)
     opts.pop("dtype")
     check_recipe_for(user_recipe(opts.pop("optimizer"), opts.pop("amp", None), **opts), w)
