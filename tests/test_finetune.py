@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, parse_gpu
-from gpulab.course.finetune import custom_config, finetune_check, model_builder
+from gpulab.course.finetune import custom_config, finetune_check
 from gpulab.course.lora import qlora_formula
 from gpulab.formulas import lora_params
 from gpulab.models.hf_configs import make_config
-from gpulab.models.registry import build_skeleton
+from gpulab.models.hf_configs import build_causal_lm
 
 
 def test_lora_freezes_the_base_and_trains_the_adapters_only():
@@ -23,30 +23,40 @@ def test_lora_freezes_the_base_and_trains_the_adapters_only():
     assert lora.fits and full.fits and lora.margin_bytes > full.margin_bytes
 
 
-def test_qlora_replaces_the_base_weights_by_the_nf4_formula():
+def test_qlora_stores_the_base_weights_as_nf4_within_bytes_of_the_formula():
+    """QLoRA is a fake run of the model with bitsandbytes' NF4 storage (models.quantized), checked
+    against the NF4 formula of lesson 11 (course.lora.qlora_formula) applied to the LoRA run."""
     lora = finetune_check("llama-3-8b", "RTX4090", seq_len=2048, batch=1, method="lora", precision="bf16")
     q = finetune_check("llama-3-8b", "RTX4090", seq_len=2048, batch=1, method="qlora", precision="bf16")
     f = qlora_formula("llama-3-8b")
     # every Linear weight is quantized, but not the embedding, lm_head or the 65 RMSNorm weights
     assert f.quantized_params == 8_030_261_248 - 2 * 128256 * 4096 - (2 * 32 + 1) * 4096
     assert f.quantized_bytes < 0.52 * f.quantized_params
-    assert q.peak_by_category["parameters"] == lora.peak_by_category["parameters"] - (
-        2 * f.quantized_params - int(f.quantized_bytes))
-    assert q.label.startswith("fake run (LoRA") and "NF4" in q.label
+    # the packed weights are parameters, their quantization constants buffers
+    measured = q.peak_by_category["parameters"] + q.peak_by_category["buffers"] - lora.peak_by_category["buffers"]
+    predicted = lora.peak_by_category["parameters"] - (2 * f.quantized_params - int(f.quantized_bytes))
+    assert abs(measured - predicted) <= 512 * 32 * 7      # at most one 512-byte block per quantized layer
+    # rank 16 on q_proj (4096 -> 4096) and v_proj (4096 -> 1024) in 32 layers
+    assert q.trainable_params == lora.trainable_params == 32 * (16 * (4096 + 4096) + 16 * (4096 + 1024))
+    assert q.label == lora.label and "fake" in q.label
     assert q.fits and not lora.fits          # 8B at 2,048 tokens: 16 GB of bf16 weights and the activations do not fit 24 GiB
-    assert q.capacity_bytes == parse_gpu("RTX4090").memory_bytes and q.context_bytes == CUDA_CONTEXT_ASSUMED
+    assert q.capacity_bytes == parse_gpu("RTX4090").reported_total_bytes and q.context_bytes == CUDA_CONTEXT_ASSUMED
 
 
 def test_checkpointing_lowers_the_activations():
     plain = finetune_check("gpt2", "T4", seq_len=256, batch=4, method="full", precision="bf16")
     ckpt = finetune_check("gpt2", "T4", seq_len=256, batch=4, method="full", precision="bf16", checkpointing=True)
+    selective = finetune_check("gpt2", "T4", seq_len=256, batch=4, method="full", precision="bf16",
+                               checkpointing="selective")
     assert ckpt.peak_by_category["activations"] < plain.peak_by_category["activations"] / 2
+    assert ckpt.peak_bytes < selective.peak_bytes < plain.peak_bytes
+    assert (ckpt.checkpointing, selective.checkpointing, plain.checkpointing) == ("full", "selective", False)
 
 
 def test_custom_size_and_the_builder_is_shapes_only():
     cfg = custom_config(1024, 4)
-    model = build_skeleton(model_builder(cfg, "full", torch.bfloat16, False))
-    assert all(p.is_meta for p in model.parameters())
+    with torch.device("meta"):
+        model = build_causal_lm(cfg, torch.bfloat16)
     a = finetune_check("custom", "8GiB", seq_len=128, batch=1, method="full", precision="bf16", hidden=1024, layers=4)
     assert a.n_params == sum(p.numel() for p in model.parameters())
     assert "custom" in a._repr_html_() and ("fits" in a._repr_html_())
@@ -58,6 +68,7 @@ def test_custom_size_and_the_builder_is_shapes_only():
     (dict(precision="fp8"), ["unknown precision", "bf16"]),
     (dict(preset="custom", hidden=1000), ["multiple of 128"]),
     (dict(card="H1000"), ["cannot read", "H100"]),
+    (dict(checkpointing="some"), ["checkpointing", "selective", "every-K"]),
 ])
 def test_bad_settings_say_what_is_valid(kw, words):
     with pytest.raises(ValueError) as e:

@@ -2,15 +2,13 @@
 
 A transformer preset (GPT-2, Llama-3-8B, Mistral-7B from ``gpulab.models.hf_configs``, or a custom
 Llama-style size), a card, a sequence length and batch, a method (full fine-tuning, LoRA,
-QLoRA), an optimizer, a precision and activation checkpointing: the model is built from its
-config under fake tensors (no memory at any size), two training steps run on the fake engine
-following CUDA's kernels, the timeline is replayed through the simulated caching allocator, and
-an assumed CUDA context is added. The verdict is ``reserved + context <= card``, with the margin.
-
-QLoRA's 4-bit base weights need bitsandbytes' CUDA kernels, so they are not run here: a LoRA run
-with bf16 base weights is measured and the bytes of the weights 4-bit loading quantizes (the
-Linear layers' weights, not the embeddings, norms or lm_head: ``course.lora.nf4_quantized``)
-are replaced by the NF4 formula, labelled as such.
+QLoRA), an optimizer, a precision and an activation checkpointing policy: ``gpulab.step`` builds the
+model from its config under fake tensors (no memory at any size) as the recipe says
+(``models.adapt``: peft's LoRA adapters; QLoRA's base Linear weights stored as bitsandbytes stores
+NF4, ``models.quantized``; transformers' own checkpointing), runs two training steps on the fake
+engine following CUDA's kernels, the timeline is replayed through the simulated caching
+allocator, and an assumed CUDA context is added. The verdict is ``reserved + context <= card``
+(the total CUDA reports for the card where it is known), with the margin.
 """
 from __future__ import annotations
 
@@ -22,24 +20,25 @@ import torch
 from gpulab.allocator.simulator import CachingAllocator
 from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, CardBudget, parse_gpu
 from gpulab.measure.engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
+from gpulab.models.adapt import check_checkpointing
 from gpulab.models.hf_configs import build_causal_lm, hf_entry, make_config
 from gpulab.models.registry import build_skeleton
+from gpulab.models.workload import resolve_workload
 from gpulab.predict.step import step
+from gpulab.training.loop import recipe_workload, user_recipe
 from gpulab.units import format_bytes
-from gpulab.course.lora import nf4_quantized
-from gpulab.models.lora import wrap_lora
 
 __all__ = [
-    "FinetuneAnswer", "LABEL_QLORA", "LORA_TARGETS", "METHODS", "PRECISIONS", "PRESETS", "Progress",
-    "custom_config", "finetune_check", "model_builder", "preset_config"
+    "CHECKPOINTING_CHOICES", "FinetuneAnswer", "LORA_RANK", "LORA_TARGETS", "METHODS", "PRECISIONS", "PRESETS",
+    "Progress", "custom_config", "finetune_check", "preset_config", "recipe_options"
 ]
 
 PRESETS = ("gpt2", "llama-3-8b", "mistral-7b", "custom")
 METHODS = ("full", "lora", "qlora")
 PRECISIONS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "amp-bf16": (torch.float32, "bf16")}
 LORA_TARGETS = ("q_proj", "v_proj", "c_attn")   # Llama/Mistral's projections; GPT-2's fused q/k/v
-LABEL_QLORA = ("fake run (LoRA on bf16 base weights) with the quantized Linear weights' bytes replaced by the "
-               "NF4 formula: bitsandbytes' 4-bit kernels need CUDA")
+LORA_RANK = 16
+CHECKPOINTING_CHOICES = ("none", "full", "selective", "every-2")
 
 Progress = Callable[[float, str], None] | None
 
@@ -66,24 +65,18 @@ def preset_config(preset: str, hidden: int = 2048, layers: int = 16):
     return make_config(hf_entry(preset), use_cache=False)   # training without the KV cache, as the recipes run
 
 
-def model_builder(config, method: str, dtype: torch.dtype, checkpointing: bool, rank: int = 16):
-    """A zero-argument function that builds the model to fine-tune (called under fake tensors)."""
+def recipe_options(config, method: str, checkpointing: bool | str) -> dict[str, Any]:
+    """The recipe options of ``gpulab.step`` for ``method`` on ``config``: LoRA of rank ``LORA_RANK``
+    on the config's attention projections among ``LORA_TARGETS``, QLoRA as that on an NF4 base."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
-
-    def build():
-        model = build_causal_lm(config, dtype)
-        if checkpointing:   # transformers 5.x renamed it; the old name warns that it will go
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if method in ("lora", "qlora"):
-            names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-            model = wrap_lora(model, rank, [t for t in LORA_TARGETS if t in names], task_type="CAUSAL_LM")
-        return model
-    build.__name__ = f"{getattr(config, 'model_type', 'model')}-{method}"
-    return build
+    policy = check_checkpointing(False if checkpointing == "none" else checkpointing)
+    if method == "full":
+        return {"checkpointing": policy}
+    with torch.device("meta"):
+        names = {n.rsplit(".", 1)[-1] for n, _ in build_causal_lm(config).named_modules()}
+    return {"checkpointing": policy, "lora": LORA_RANK, "lora_targets": [t for t in LORA_TARGETS if t in names],
+            "quantize": "nf4" if method == "qlora" else None}
 
 
 @dataclass
@@ -96,7 +89,7 @@ class FinetuneAnswer(CardBudget):
     method: str
     optimizer: str
     precision: str
-    checkpointing: bool
+    checkpointing: bool | str         # False or the policy
     n_params: int
     trainable_params: int
     peak_by_category: dict[str, int]
@@ -127,44 +120,41 @@ class FinetuneAnswer(CardBudget):
                  ["needed", format_bytes(self.needed_bytes)], ["card", format_bytes(self.capacity_bytes)]]
         head = (f"<b>{self.preset}</b> ({self.n_params / 1e9:.2f} B parameters, {self.trainable_params:,} trained), "
                 f"{self.method}, {self.precision}, {self.optimizer}, seq {self.seq_len} × batch {self.batch}"
-                f"{', checkpointing' if self.checkpointing else ''} on <b>{self.card}</b>: {verdict}")
+                f"{f', {self.checkpointing} checkpointing' if self.checkpointing else ''} on <b>{self.card}</b>: "
+                f"{verdict}")
         return head + html_table(["", "bytes"], rows, self.label)
 
 
 def finetune_check(preset: str = "llama-3-8b", card: str = "H100", seq_len: int = 2048, batch: int = 1,
                    method: str = "lora", optimizer: str = "adamw", precision: str = "bf16",
-                   checkpointing: bool = False, hidden: int = 2048, layers: int = 16,
+                   checkpointing: bool | str = False, hidden: int = 2048, layers: int = 16,
                    context_bytes: int = CUDA_CONTEXT_ASSUMED, progress: Progress = None) -> FinetuneAnswer:
-    """Will this fine-tuning run fit the card? (module docstring)."""
+    """Will this fine-tuning run fit the card? (module docstring). ``checkpointing``: False or
+    "none", True or "full", "selective", "every-K" (``models.adapt``)."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
     c = parse_gpu(card)
     dtype, amp = PRECISIONS[precision]
     config = preset_config(preset, hidden, layers)
+    options = recipe_options(config, method, checkpointing)
     if progress:
         progress(0.1, "building the model under fake tensors and running two steps")
+    # QLoRA computes in bf16 on its 4-bit base (bnb_4bit_compute_dtype): an fp32 request runs the adapters in bf16
     run_dtype = torch.bfloat16 if method == "qlora" and dtype == torch.float32 else dtype
-    builder = model_builder(config, method, run_dtype, checkpointing)
-    result = step(builder, batch=batch, seq_len=seq_len, optimizer=optimizer, engine="fake", dtype=run_dtype, amp=amp)
+    result = step(config, batch=batch, seq_len=seq_len, optimizer=optimizer, engine="fake", dtype=run_dtype, amp=amp,
+                  **options)
     if progress:
         progress(0.8, "replaying the timeline through the simulated allocator")
-    tracking = result.measurement.tracking
-    by_cat = dict(result.peak_by_category)
-    peak = result.peak_bytes
-    skeleton = build_skeleton(builder)   # the counts, on the meta device
+    # the counts, from the same adapted model without its quantization (which packs two NF4 values a byte)
+    plain = recipe_workload(resolve_workload(config, seq_len=seq_len),
+                            user_recipe(optimizer, **{**options, "quantize": None, "checkpointing": False}))
+    skeleton = build_skeleton(lambda: plain.make(run_dtype))
     n_params = sum(p.numel() for p in skeleton.parameters())
     trainable = sum(p.numel() for p in skeleton.parameters() if p.requires_grad)
-    label = LABEL_FAKE_CUDA + " + " + LABEL_SIMULATED
-    reserved = CachingAllocator().replay(tracking.events, strict=False).peak_reserved
-    if method == "qlora":   # the Linear weights 4-bit loading quantizes (not embeddings, norms, lm_head)
-        quantized, nf4_bytes, _ = nf4_quantized(build_skeleton(model_builder(config, "full", run_dtype, False)))
-        saved = quantized * run_dtype.itemsize - int(nf4_bytes)
-        by_cat["parameters"] -= saved
-        peak -= saved
-        reserved -= saved
-        label = LABEL_QLORA
+    reserved = CachingAllocator().replay(result.measurement.tracking.events, strict=False).peak_reserved
     if progress:
         progress(1.0, "done")
-    return FinetuneAnswer(preset, c.name, c.memory_bytes, seq_len, batch, method, optimizer, precision,
-                          checkpointing, n_params, trainable, by_cat, peak, reserved, context_bytes, label,
+    return FinetuneAnswer(preset, c.name, c.reported_total_bytes, seq_len, batch, method, optimizer, precision,
+                          options["checkpointing"], n_params, trainable, dict(result.peak_by_category),
+                          result.peak_bytes, reserved, context_bytes, LABEL_FAKE_CUDA + " + " + LABEL_SIMULATED,
                           result.measurement.seconds)

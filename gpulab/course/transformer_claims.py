@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 from gpulab.measure.engines import LABEL_FORMULA
+from gpulab.predict.serve import ServeResult
 from gpulab.units import format_bytes
 from gpulab.course.claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
-from gpulab.course.kv_cache import InferenceFit
 from gpulab.course.transformer_memory import ActivationSweep, BytesPerParamRow
 
 __all__ = ["TOLERANCE_PERCENT", "transformer_claims"]
@@ -16,11 +16,12 @@ TOLERANCE_PERCENT = 10.0   # "the formula predicts the measurement" within this
 
 
 def transformer_claims(table: list[BytesPerParamRow], pure_bf16: BytesPerParamRow, sweep: ActivationSweep,
-                       serving: InferenceFit, layers: int = 12, hidden: int = 768, heads: int = 12,
+                       serving: ServeResult, layers: int = 12, hidden: int = 768, heads: int = 12,
                        n_params: int = 124_439_808) -> ClaimReport:
     """Four claims: 16 bytes per parameter for mixed-precision Adam; activations dominate at long
     sequences (GPT-2's shape: ``layers``, ``hidden``, ``heads``, ``n_params``); the KV cache, not
-    the weights, limits long-context serving; Korthikanti's formula against the measurement."""
+    the weights, limits long-context serving (``serving``: ``gpulab.predict.serve``'s answer, whose
+    prefill peaks are part of the verdict); Korthikanti's formula against the measurement."""
     checks = [_sixteen_bytes(table, pure_bf16), _activations_dominate(sweep, layers, hidden, heads, n_params),
               _kv_limits(serving), _korthikanti(sweep)]
     return ClaimReport("Transformers: the claims, tested", checks)
@@ -64,14 +65,27 @@ def _activations_dominate(sweep: ActivationSweep, layers: int, hidden: int, head
                       "Korthikanti et al. 2022 (arXiv 2205.05198)", verdict, why, ev)
 
 
-def _kv_limits(fit: InferenceFit) -> ClaimCheck:
+def _kv_limits(fit: ServeResult) -> ClaimCheck:
     ok = fit.kv_cache_bytes > fit.weights_bytes
-    ev = [Evidence("weights", format_bytes(fit.weights_bytes), fit.weights_label),
+    usable = format_bytes(fit.usable_bytes)
+
+    def verdict(needed: int) -> str:
+        m = format_bytes(abs(fit.usable_bytes - needed))
+        return f"{format_bytes(needed)} of {usable}: " + (f"fits, {m} to spare" if needed <= fit.usable_bytes
+                                                            else f"does not fit, {m} over")
+    ev = [Evidence("weights", format_bytes(fit.weights_bytes), fit.label),
           Evidence(f"KV cache, {fit.context_len:,} tokens × batch {fit.batch}", format_bytes(fit.kv_cache_bytes),
                    fit.kv_label),
-          Evidence(f"on {fit.card}", fit.verdict, "sum of the above")]
+          Evidence("prefill of one prompt (peak)", format_bytes(fit.prefill_one_bytes), fit.label),
+          Evidence(f"prefill of all {fit.batch} prompts at once (peak)", format_bytes(fit.prefill_all_bytes),
+                   fit.label),
+          Evidence(f"on {fit.card}, prompts prefilled one at a time", verdict(fit.needed_one_at_a_time_bytes),
+                   "the larger of the decode step and one prefill beside the others' caches"),
+          Evidence(f"on {fit.card}, all prompts prefilled at once", verdict(fit.needed_all_at_once_bytes),
+                   "the larger of the decode step and the whole batch's prefill")]
     why = (f"{fit.model} at {fit.context_len:,} tokens and batch {fit.batch}: the cache is "
-           f"{fit.kv_cache_bytes / fit.weights_bytes:.2f}× the weights.")
+           f"{fit.kv_cache_bytes / fit.weights_bytes:.2f}× the weights. Whether it fits depends on the prefill too: "
+           f"the prompt's pass through the model holds its activations on top of the caches already there.")
     return ClaimCheck("At long context, the KV cache, not the weights, limits serving.",
                       "Kwon et al. 2023, PagedAttention / vLLM (arXiv 2309.06180)", HOLDS if ok else BREAKS, why, ev)
 

@@ -1,14 +1,12 @@
 """Lesson 11's "will it fine-tune on my card?" panel: a transformer preset, a card, the sequence
-length and batch, the method, optimizer, precision and checkpointing; the fake engine runs the
+length and batch, the method, optimizer, precision and checkpointing policy; the fake engine runs the
 real model at full size in seconds (progress shown), the simulator adds the allocator."""
 from __future__ import annotations
 
 from typing import Any
 
-import ipywidgets as W
-
 from gpulab.predict.cards import card_names
-from gpulab.course.finetune import METHODS, PRECISIONS, PRESETS, FinetuneAnswer, finetune_check
+from gpulab.course.finetune import CHECKPOINTING_CHOICES, METHODS, PRECISIONS, PRESETS, FinetuneAnswer, finetune_check
 from gpulab.training.optimizers import OPTIMIZERS
 from gpulab.widgets.base import Panel, dropdown, slider
 
@@ -16,7 +14,7 @@ __all__ = ["compute_finetune", "finetune_panel", "render_finetune"]
 
 
 def compute_finetune(preset: str, card: str, seq_len: int, batch: int, method: str, optimizer: str,
-                     precision: str, checkpointing: bool, hidden: int, layers: int,
+                     precision: str, checkpointing: str, hidden: int, layers: int,
                      progress=None) -> FinetuneAnswer:
     return finetune_check(preset, card, seq_len, batch, method, optimizer, precision, checkpointing,
                           hidden=hidden, layers=layers, progress=progress)
@@ -28,7 +26,7 @@ def render_finetune(answer: FinetuneAnswer) -> list[Any]:
 
 def finetune_panel(preset: str = "llama-3-8b", card: str = "RTX 4090", seq_len: int = 2048, batch: int = 1,
                    method: str = "lora", optimizer: str = "adamw", precision: str = "bf16",
-                   checkpointing: bool = False, hidden: int = 2048, layers: int = 16) -> Panel:
+                   checkpointing: str = "none", hidden: int = 2048, layers: int = 16) -> Panel:
     controls = {
         "preset": dropdown("model", PRESETS, preset),
         "card": dropdown("card", card_names(), card),
@@ -37,7 +35,7 @@ def finetune_panel(preset: str = "llama-3-8b", card: str = "RTX 4090", seq_len: 
         "method": dropdown("method", METHODS, method),
         "optimizer": dropdown("optimizer", OPTIMIZERS, optimizer),
         "precision": dropdown("precision", list(PRECISIONS), precision),
-        "checkpointing": W.Checkbox(value=checkpointing, description="activation checkpointing", indent=False),
+        "checkpointing": dropdown("checkpointing", CHECKPOINTING_CHOICES, checkpointing),
         "hidden": slider("custom: hidden size", hidden, 256, 8192, step=256),
         "layers": slider("custom: layers", layers, 1, 80),
     }
