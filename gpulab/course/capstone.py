@@ -357,8 +357,8 @@ class DecisionTable:
             [f"micro-batches to {n}", f"{LABEL_ACCUMULATION}: gradient accumulation steps on one card, or GPUs with DDP"],
             ["also costs", "in words (predict.what_fits.CANDIDATES where the change is one of its candidates)"]])
         caption = (f"{self.you.name} on {self.you.card.name} ({format_bytes(self.baseline.fit.capacity_bytes)}), "
-                   f"{self.you.optimizer}, {self.you.dtype}: computed for this model, {len(self.rows)} fits and "
-                   f"{len(self.rows)} fake runs")
+                   f"{self.you.optimizer}, {self.you.dtype}: computed for this model, a gpulab.fit and two fake runs "
+                   f"(a two-step peak, a one-step FLOP count) per row")
         return html_table(header, rows, caption) + sources
 
     def by_category(self) -> "_Html":
