@@ -221,6 +221,25 @@ def test_a_trace_the_simulator_recorded_replays_exactly_from_any_entry(seed, set
                 e["index"] < 0 for e in imp.events)
 
 
+def test_a_start_block_whose_size_the_file_does_not_give_is_widened_until_the_replay_agrees(monkeypatch):
+    """A block live at the start and freed in the trace, with free room of more than 1 MiB after it
+    and nothing allocated there: the file does not say whether it kept an unsplit remainder. When
+    the replay puts a request in that room and the GPU's allocator did not, the room was smaller:
+    the block is widened and the trace replayed again, until every address agrees."""
+    import gpulab.interop.snapshot_import as S
+
+    snap = record_events(_workload(0, 8000), empty_cache_at=[2000, 5000]).data
+    trace = snap["device_traces"][0]
+    imp = read_snapshot(dict(snap, device_traces=[trace[len(trace) // 2:]]))
+    assert any(seg.guessed for seg in imp.start_segments)
+    rep = imp.replay()
+    assert rep.start_refinements >= 1 and rep.same_address[0] == rep.same_address[1]
+    assert _layout(rep.segments) == _layout(imp.segments)
+    monkeypatch.setattr(S, "_MAX_REFINEMENTS", 0)       # the first guess alone
+    first = imp.replay()
+    assert first.start_refinements == 0 and first.same_address[0] < first.same_address[1]
+
+
 def test_a_trace_that_begins_with_a_release_peaks_before_its_first_entry():
     """The empty_cache() trace above, from its segment_free on: 32 MiB were reserved before the
     first entry (the 12 MiB segment it releases and the 20 MiB one), 20 MiB after. That start is

@@ -25,7 +25,8 @@ from typing import Any
 
 from gpulab.allocator.simulator import BlockInfo, CachingAllocator, Segment, SimulatedOutOfMemoryError
 from gpulab.interop.snapshot import LABEL_EXPORTED
-from gpulab.interop.snapshot_start import StartSegment, adopt_start, start_state
+from gpulab.interop.snapshot_start import StartSegment, adopt_start, start_state, widened
+from gpulab.interop.snapshot_trace import LIVE_STATES, final_live, walk_trace
 from gpulab.interop.snapshot_viewer import blocks_at, device_trace
 from gpulab.tables import html_table
 from gpulab.categories import Category
@@ -38,8 +39,6 @@ __all__ = [
 ]
 
 LABEL_RECORDED = "recorded on a GPU by PyTorch (torch.cuda.memory._snapshot), device {device}"
-# blocks a tensor still holds (active_pending_free: freed, waiting for another stream's use)
-_LIVE_STATES = ("active_allocated", "active_pending_free")
 _HOW = ("make one on a GPU with torch.cuda.memory._record_memory_history(), then your code, then "
         "torch.cuda.memory._dump_snapshot('snapshot.pickle')")
 
@@ -274,7 +273,8 @@ class ImportedSnapshot:
         exact = sum(s.exact for s in segs)
         sizes = ("every block's size as the file gives it" if exact == len(before) else
                  f"{exact} of the blocks' sizes as the file gives them, the other {len(before) - exact} their "
-                 "requested bytes rounded as the allocator rounds them")
+                 "requested bytes rounded as the allocator rounds them, made larger where the replay finds the GPU's "
+                 "allocator had less free room after them")
         return (f"a mid-run trace: before its first entry, {live}, in {len(segs)} segments "
                 f"({format_bytes(sum(s.size for s in segs))}) the trace never made. The replay starts from that "
                 "state, rebuilt from the file (walking its final segments back through the trace): the segments at "
@@ -301,9 +301,9 @@ def read_snapshot(source: str | Path | bytes | dict | list, device: int | None =
     label = (LABEL_RECORDED.format(device=device) if from_gpu
              else str(meta.get("label") or LABEL_EXPORTED.format(source="source not stated")))
     segs = [s for s in data["segments"] if int(s.get("device", 0)) == device]
-    walk = _walk_trace(trace)
+    walk = walk_trace(trace)
     before = walk.before
-    for addr, (nbytes, size, stream) in sorted(_final_live(segs).items()):   # live at the end, never allocated in the trace
+    for addr, (nbytes, size, stream) in sorted(final_live(segs).items()):   # live at the end, never allocated in the trace
         if addr not in walk.live and addr not in walk.seen:
             sid, walk.next_sid = walk.next_sid, walk.next_sid + 1
             before.append({"kind": "alloc", "sid": sid, "nbytes": nbytes, "index": -1, "addr": addr,
@@ -371,101 +371,12 @@ def _default_device(data: dict[str, Any]) -> int:
                      "torch.cuda.memory._record_memory_history() before the code you want to see")
 
 
-def _final_live(segs: list[dict[str, Any]]) -> dict[int, tuple[int, int, int]]:
-    """Blocks live at the end, by address: (requested bytes, block size, the segment's stream)."""
-    final_live: dict[int, tuple[int, int, int]] = {}
-    for s in segs:
-        for addr, b in blocks_at(s):
-            if b.get("state") in _LIVE_STATES:
-                final_live[addr] = (int(b.get("requested_size", b["size"]) or b["size"]), int(b["size"]),
-                                    int(s.get("stream", 0) or 0))
-    return final_live
-
-
-@dataclass
-class _Walk:
-    """What one pass over a device trace finds: gpulab events, blocks freed that were allocated
-    before the trace began, and each entry's change to active and reserved bytes."""
-    events: list[dict[str, Any]] = field(default_factory=list)
-    before: list[dict[str, Any]] = field(default_factory=list)
-    live: dict[int, int] = field(default_factory=dict)        # addr -> sid
-    seen: set[int] = field(default_factory=set)                # addresses of every alloc and free in the trace
-    sizes: dict[int, int] = field(default_factory=dict)       # sid -> bytes
-    next_sid: int = 0
-    act_delta: list[int] = field(default_factory=list)
-    res_delta: list[int] = field(default_factory=list)
-    seg_created: dict[int, int] = field(default_factory=dict)
-    ooms: int = 0
-    releases: list[int] = field(default_factory=list)   # len(events) when a burst of segment releases began
-    segment_frees: list[tuple[int, int, int]] = field(default_factory=list)   # (len(events), addr, stream)
-    oom_requests: list[tuple[int, int, int, int]] = field(default_factory=list)   # (len(events), bytes, device_free, stream)
-    oom_reserved: list[int] = field(default_factory=list)   # index of the trace entry of each oom
-
-    def new_sid(self, nbytes: int) -> int:
-        sid, self.next_sid = self.next_sid, self.next_sid + 1
-        self.sizes[sid] = nbytes
-        return sid
-
-
-def _walk_trace(trace: list[dict[str, Any]]) -> _Walk:
-    w = _Walk()
-    for i, e in enumerate(trace):
-        a = e.get("action")
-        d_act = d_res = 0
-        if a == "alloc":
-            sid = w.new_sid(int(e["size"]))
-            w.live[e["addr"]] = sid
-            w.seen.add(e["addr"])
-            ev = {"kind": "alloc", "sid": sid, "nbytes": int(e["size"]), "index": i, "time_us": e.get("time_us", 0),
-                  "stream": int(e.get("stream", 0) or 0), "addr": e["addr"]}
-            prev = trace[i - 1] if i else {}
-            if prev.get("action") == "segment_alloc" and prev.get("stream") == e.get("stream"):
-                ev["segment_address"] = prev["addr"]      # the segment cudaMalloc gave this request
-            if e.get("category") is not None:
-                ev["category"] = e["category"]
-            if isinstance(e.get("gpulab"), dict):
-                ev["gpulab"] = e["gpulab"]
-            w.events.append(ev)
-            d_act = int(e["size"])
-        elif a == "free_completed":
-            sid = w.live.pop(e["addr"], None)
-            if sid is None:      # allocated before the trace began (or the ring buffer wrapped)
-                sid = w.new_sid(int(e["size"]))
-                w.before.append({"kind": "alloc", "sid": sid, "nbytes": int(e["size"]), "index": -1, "addr": e["addr"],
-                                 "stream": int(e.get("stream", 0) or 0), "freed_at": i})
-            w.seen.add(e["addr"])
-            ev = {"kind": "free", "sid": sid, "nbytes": w.sizes[sid], "index": i, "time_us": e.get("time_us", 0)}
-            if isinstance(e.get("gpulab"), dict):
-                ev["gpulab"] = e["gpulab"]
-            w.events.append(ev)
-            d_act = -w.sizes[sid]
-        elif a in ("segment_alloc", "segment_map"):
-            d_res = int(e["size"])
-            w.seg_created[e["addr"]] = i
-        elif a in ("segment_free", "segment_unmap"):
-            d_res = -int(e["size"])
-            if a == "segment_free":
-                w.segment_frees.append((len(w.events), int(e["addr"]), int(e.get("stream", 0) or 0)))
-            # a burst of releases is release_cached_blocks (empty_cache(), or a retry after a failed
-            # cudaMalloc): one release where its first entry is
-            if i == 0 or trace[i - 1].get("action") not in ("segment_free", "segment_unmap"):
-                w.releases.append(len(w.events))
-        elif a == "oom":
-            w.ooms += 1
-            w.oom_requests.append((len(w.events), int(e.get("size", 0)), int(e.get("device_free", 0) or 0),
-                                   int(e.get("stream", 0) or 0)))
-            w.oom_reserved.append(i)
-        w.act_delta.append(d_act)
-        w.res_delta.append(d_res)
-    return w
-
-
 def _segment(k: int, s: dict[str, Any]) -> Segment:
     """A segment of the file as the simulator's ``Segment`` (pool from ``segment_type``; files
     without it: a small segment is 2 MiB, kSmallBuffer)."""
     infos = []
     for addr, b in blocks_at(s):
-        alloc = b.get("state") in _LIVE_STATES
+        alloc = b.get("state") in LIVE_STATES
         infos.append(BlockInfo(addr=addr, offset=addr - s["address"], size=int(b["size"]), allocated=alloc,
                                requested=int(b.get("requested_size", b["size"]) or 0) if alloc else 0))
     pool = str(s.get("segment_type", "large" if s["total_size"] > 2 * 2**20 else "small"))
@@ -493,6 +404,7 @@ class SnapshotReplay:
     # (allocations the simulator put at the address the GPU's allocator did, allocations in the
     # trace); None when the simulator's addresses are its own (start not rebuilt)
     same_address: tuple[int, int] | None = None
+    start_refinements: int = 0        # guessed start blocks widened after a replay put a block in their room
 
     @property
     def label(self) -> str:
@@ -567,20 +479,46 @@ def replay_snapshot(imported: ImportedSnapshot, *, rebuild_start: bool = True,
     first entry (``imported.start_segments``: segments at their addresses, the blocks live then)
     and a segment the trace made goes where the GPU put it, so best fit breaks ties between equal
     free blocks by the same addresses; each allocation's address is then compared with the
-    file's. Without (or when the start cannot be rebuilt, ``imported.start_problem``) the blocks
-    live before the trace are allocated first, in address order, on an empty allocator.
+    file's. Where the simulator puts an allocation at the front of the free room after a start
+    block whose size the file does not give, the GPU's allocator did not, so that block kept an
+    unsplit remainder: it is widened just enough and the replay run again (``widened``; at most
+    ``_MAX_REFINEMENTS`` times, counted in ``start_refinements``). Without ``rebuild_start`` (or
+    when the start cannot be rebuilt, ``imported.start_problem``) the blocks live before the trace
+    are allocated first, in address order, on an empty allocator.
     NB: a retry after a failed cudaMalloc releases only the cache of the request's own stream here
     (the real allocator's ``release_cached_blocks`` frees every stream's)."""
     kwargs = dict(imported.settings)
     if imported.capacity is not None:
         kwargs["capacity_bytes"] = imported.capacity
     kwargs.update(allocator_kwargs)
+    starts = imported.start_segments if rebuild_start else None
+    replay, miss = _replay_from(imported, kwargs, starts)
+    for refined in range(1, _MAX_REFINEMENTS + 1):
+        # an allocation put in the free room after a block whose size the file does not give: the
+        # GPU did not, so that room was smaller (the block kept an unsplit remainder). Widen, retry.
+        wider = widened(starts, *miss) if replay.rebuilt_start and miss is not None else None
+        if wider is None:
+            break
+        starts = wider
+        replay, miss = _replay_from(imported, kwargs, starts)
+        replay.start_refinements = refined
+    return replay
+
+
+# at most this many replays more, each widening one guessed block of a rebuilt start
+_MAX_REFINEMENTS = 64
+
+
+def _replay_from(imported: ImportedSnapshot, kwargs: dict[str, Any],
+                 starts: list[StartSegment] | None) -> tuple[SnapshotReplay, tuple[int, int] | None]:
+    """One replay from ``starts`` (None: from an empty allocator), and the first allocation the
+    simulator put elsewhere than the file says: (its simulated address, its bytes), or None."""
     run = _Replay(kwargs)
     before_bytes = {e["sid"]: e["nbytes"] for e in imported.events if e["index"] < 0}
     rebuilt = False
-    if rebuild_start and imported.start_segments is not None:
+    if starts is not None:
         try:
-            run.live = adopt_start(imported.start_segments, run.sim_of, before_bytes)
+            run.live = adopt_start(starts, run.sim_of, before_bytes)
             rebuilt = True
         except ValueError:                  # a simulator refused the start: replay from empty
             run = _Replay(kwargs)
@@ -594,11 +532,15 @@ def replay_snapshot(imported: ImportedSnapshot, *, rebuild_start: bool = True,
         for k, addr, stream in imported.segment_frees:
             run.frees.setdefault(k, []).append((addr, stream))
     same_address = 0
+    miss: tuple[int, int] | None = None
     for k, e in enumerate(imported.events):
         run.before_event(k, k in releases)
         if e["kind"] == "alloc" and e["sid"] not in run.live:   # (a block in the rebuilt start is live already)
             block = run.malloc(e, e.get("segment_address") if rebuilt else None)
-            same_address += block is not None and e["index"] >= 0 and block.addr == e.get("addr")
+            placed = block is not None and e["index"] >= 0 and block.addr == e.get("addr")
+            same_address += placed
+            if not placed and miss is None and block is not None:
+                miss = (block.addr, e["nbytes"])
         elif e["kind"] == "free" and e["sid"] in run.live:
             sim, block = run.live.pop(e["sid"])
             sim.free(block)
@@ -617,7 +559,7 @@ def replay_snapshot(imported: ImportedSnapshot, *, rebuild_start: bool = True,
     compared = rebuilt and not kwargs.get("expandable_segments")   # else the addresses are the simulator's own
     return SnapshotReplay(imported, Series(run.alloc[1:], run.res[1:], "snapshot, replayed", "simulated allocator"),
                           segments, stats, settings, _pair_segments(imported, segments, by_address=rebuilt),
-                          run.simulated_ooms, rebuilt, (same_address, allocs) if compared else None)
+                          run.simulated_ooms, rebuilt, (same_address, allocs) if compared else None), miss
 
 
 class _Replay:

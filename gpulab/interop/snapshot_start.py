@@ -11,13 +11,14 @@ where PyTorch's allocator was.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from gpulab.allocator.simulator import (LARGE_BUFFER, SMALL_BUFFER, SMALL_SIZE, Block, CachingAllocator,
-                                       round_size)
+from gpulab.allocator.simulator import (LARGE_BUFFER, MIN_BLOCK_SIZE, SMALL_BUFFER, SMALL_SIZE, Block,
+                                       CachingAllocator, round_size)
 
-__all__ = ["StartSegment", "adopt_start", "start_state"]
+__all__ = ["StartSegment", "adopt_start", "start_state", "widened"]
 
 
 @dataclass(frozen=True)
@@ -29,15 +30,19 @@ class StartSegment:
     for free room. ``exact``: how many of the live blocks' sizes the file gives (blocks still live
     at the end, or an allocation in the trace placed right after one); the others are their
     requested bytes rounded as the allocator rounds them, with the room up to the next block when
-    the allocator would not have split it off (NB: a block freed in the trace that had an unsplit
+    the allocator would not have split it off. NB: a block freed in the trace that had an unsplit
     remainder, followed by free room larger than 1 MiB that nothing is allocated in before it is
-    freed, reads as its rounded request: the file does not say)."""
+    freed, reads as its rounded request (the file does not say): it is listed in ``guessed``, and
+    ``widened`` makes it larger when a replay shows the room after it was smaller."""
     address: int
     size: int
     pool: str
     stream: int
     blocks: tuple[tuple[int, int, int | None], ...]
     exact: int = 0
+    # live blocks whose size is a guess that may be short (large pool, free room of more than the
+    # allowed remainder after them, nothing allocated there): (sid, smallest size, largest size)
+    guessed: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def live_bytes(self) -> int:
@@ -80,14 +85,17 @@ def start_state(segs: list[dict[str, Any]], trace: list[dict[str, Any]], before:
     if expandable:
         return None, "expandable segments: the pages they had mapped before the trace are not modelled"
     split_limit = (settings.get("max_split_size_mb") or 0) * (1 << 20) or None
-    allocs = [(i, int(e["addr"])) for i, e in enumerate(trace) if e.get("action") == "alloc"]
+    allocs = sorted((int(e["addr"]), i) for i, e in enumerate(trace) if e.get("action") == "alloc")
+    before = sorted(before, key=lambda e: e["addr"])
+    addrs = [e["addr"] for e in before]
     starts: list[StartSegment] = []
     placed = 0
     for a in sorted(found):
         size, pool, stream = found[a]
-        inside = [e for e in before if a <= e["addr"] < a + size]
+        inside = before[bisect.bisect_left(addrs, a):bisect.bisect_left(addrs, a + size)]
         placed += len(inside)
         blocks: list[tuple[int, int, int | None]] = []
+        guessed: list[tuple[int, int, int]] = []
         pos, exact = a, 0
         for j, e in enumerate(inside):
             nxt = inside[j + 1]["addr"] if j + 1 < len(inside) else a + size
@@ -99,26 +107,64 @@ def start_state(segs: list[dict[str, Any]], trace: list[dict[str, Any]], before:
             else:
                 n = round_size(e["nbytes"])
                 gap = nxt - (e["addr"] + n)
-                slack = SMALL_SIZE if split_limit is None or e["nbytes"] < split_limit else LARGE_BUFFER - 1
+                slack = SMALL_SIZE if split_limit is None or n < split_limit else LARGE_BUFFER - 1
                 # the first block the trace allocates in the room after it, while it lives, begins
                 # where it ends: the room's front (alloc_found_block carves from the front)
-                after = [a for i, a in allocs if i < e.get("freed_at", len(trace)) and e["addr"] + n <= a < nxt]
-                if pool == "large" and after and min(after) - (e["addr"] + n) <= slack:
-                    n = min(after) - e["addr"]
+                front = _first_alloc_in(allocs, e["addr"] + n, nxt, e.get("freed_at", len(trace)))
+                if pool == "large" and front is not None and front - (e["addr"] + n) <= slack:
+                    n = front - e["addr"]
                     exact += 1
                 elif pool == "large" and 0 < gap <= slack:
                     n += gap      # a remainder the allocator would not split off (should_split)
+                elif pool == "large" and gap > slack:
+                    guessed.append((e["sid"], n, n + slack))
             if e["addr"] + n > nxt:
                 return None, f"the block at {e['addr']:#x} overlaps the next one: the file disagrees with itself"
             blocks.append((e["addr"], n, e["sid"]))
             pos = e["addr"] + n
         if pos < a + size:
             blocks.append((pos, a + size - pos, None))
-        starts.append(StartSegment(a, size, pool, stream, tuple(blocks), exact))
+        starts.append(StartSegment(a, size, pool, stream, tuple(blocks), exact, tuple(guessed)))
     if placed != len(before):
         return None, f"{len(before) - placed} of the blocks live before the trace lie in no segment the file names"
     return starts, ""
 
+
+def _first_alloc_in(allocs: list[tuple[int, int]], lo: int, hi: int, before: int) -> int | None:
+    """The lowest address in [lo, hi) that a trace entry before index ``before`` allocated
+    (``allocs``: (address, entry index), sorted), or None."""
+    k = bisect.bisect_left(allocs, (lo, -1))
+    while k < len(allocs) and allocs[k][0] < hi:
+        if allocs[k][1] < before:
+            return allocs[k][0]
+        k += 1
+    return None
+
+
+def widened(starts: list[StartSegment] | None, address: int, nbytes: int) -> list[StartSegment] | None:
+    """The start with one guessed block made larger, when a replay put a request of ``nbytes`` at
+    ``address``, the front of the free room right after that block, where the GPU's allocator did
+    not: the room was then too small for it (best fit takes the smallest free block that fits, and
+    the simulator's room was no larger than the block it chose instead), so the block kept at least
+    the room's bytes minus the request, plus 512 (``kMinBlockSize``), as an unsplit remainder. None
+    when no guessed block ends at ``address`` or the widening breaks the allocator's rules (a
+    remainder past what it leaves unsplit, or a free room of 1 MiB or less left after it)."""
+    for k, seg in enumerate(starts or ()):
+        if not seg.address <= address < seg.address + seg.size:
+            continue
+        limits = {sid: (low, high) for sid, low, high in seg.guessed}
+        for j, (a, n, sid) in enumerate(seg.blocks[:-1]):
+            room_addr, room, free = seg.blocks[j + 1]
+            if sid not in limits or a + n != address or free is not None:
+                continue
+            grow = room - round_size(nbytes) + MIN_BLOCK_SIZE
+            if grow <= 0 or n + grow > limits[sid][1] or room - grow <= SMALL_SIZE:
+                return None
+            blocks = list(seg.blocks)
+            blocks[j:j + 2] = [(a, n + grow, sid), (room_addr + grow, room - grow, None)]
+            return starts[:k] + [replace(seg, blocks=tuple(blocks))] + starts[k + 1:]
+        return None
+    return None
 
 
 def adopt_start(starts: list[StartSegment], sim_of: Callable[[int], CachingAllocator],
