@@ -30,7 +30,7 @@ import torch
 
 from gpulab.categories import CATEGORIES
 from gpulab.course.exercises import ChoiceExercise, Exercise
-from gpulab.measure.engines import LABEL_FAKE_CUDA, run
+from gpulab.measure.engines import run
 from gpulab.models.hf_configs import is_config, task_of
 from gpulab.models.workload import Workload, resolve_workload, step_failed
 from gpulab.predict.cards import Card, card_names, parse_gpu
@@ -149,8 +149,8 @@ class YourModel:
     def as_dict(self) -> dict[str, Any]:
         w = self.workload
         return {"model": w.name, "kind": w.kind, "description": w.description, "parameters": self.n_params,
-                "input": w.describe_input(1), "card": self.card.name, "card_bytes": self.card.memory_bytes,
-                "card_note": self.card.note, "optimizer": self.optimizer, "dtype": self.dtype,
+                "input": w.describe_input(1), "card": self.card.name, "card_bytes": self.card.reported_total_bytes,
+                "card_note": self.card.total_text, "optimizer": self.optimizer, "dtype": self.dtype,
                 "base_options": dict(self.base_options)}
 
     def __repr__(self) -> str:
@@ -161,7 +161,8 @@ class YourModel:
         rows = [["model", d["model"], d["description"]], ["kind", d["kind"], "what one batch is made of"],
                 ["parameters", f"{d['parameters']:,}", "counted on the meta device (numel of every parameter)"],
                 ["one sample", d["input"], "what gpulab feeds it (batch 1)"],
-                ["card", d["card"], d["card_note"] + "; gpulab.fit's table below gives the capacity it plans with"],
+                ["card", f"{d['card']} ({format_bytes(d['card_bytes'])})",
+                 d["card_note"] + "; gpulab.fit plans with this total less the CUDA context"],
                 ["optimizer, dtype", f"{d['optimizer']}, {d['dtype']}", "the baseline recipe"]]
         if self.base_options:
             rows.append(["every row also", ", ".join(f"{k}={v}" for k, v in self.base_options.items()),
