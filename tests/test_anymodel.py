@@ -92,6 +92,28 @@ def test_fake_cpu_target_equals_cpu_engine_for_your_module():
     assert fake.peak_by_category == cpu.peak_by_category
 
 
+class Encoder(nn.Module):
+    """nn.TransformerEncoder deep-copies its layer: under fake tensors the copies must belong to
+    the fake mode in force (registry._FakeDeepcopy), else the forward stops with 'Mixing fake modes'."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 2)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(self.enc(x).mean(1))
+
+
+def test_a_module_that_deep_copies_its_layers_runs_on_fake_tensors_as_on_the_cpu():
+    x = torch.randn(1, 16, 64)
+    cpu = gpulab.step(Encoder, x, batch=4, engine="cpu", optimizer="adam")
+    fake = gpulab.step(Encoder, x, batch=4, engine="fake", fake_target="cpu", optimizer="adam")
+    assert fake.step_peaks == cpu.step_peaks and fake.peak_by_category == cpu.peak_by_category
+    # two copies of the layer, each its own parameters (33,472 values), and the head
+    assert fake.tensor_bytes_by_category["parameters"] == (2 * 33_472 + 64 * 10 + 10) * 4
+
+
 def test_fake_engine_builds_a_callable_under_fake_tensors():
     from torch._subclasses.fake_tensor import FakeTensor
     made = []

@@ -167,7 +167,8 @@ def build_in_place(build: Callable[[], nn.Module], device: torch.device | str | 
     registered, and then given empty storages on the target (fake tensors under a fake mode)."""
     shapes_only = active_fake_mode() is not None or (device is not None and torch.device(device).type == "meta")
     try:
-        with _defaults(device, dtype), (_initialisers_skipped() if shapes_only else contextlib.nullcontext()):
+        with _defaults(device, dtype), (_initialisers_skipped() if shapes_only else contextlib.nullcontext()), \
+                (_FakeDeepcopy() if active_fake_mode() is not None else contextlib.nullcontext()):
             return build()
     except Exception:
         fake = active_fake_mode()
@@ -218,6 +219,29 @@ def _skipping(name: str, write):
     skip_or_write.__name__ = name
     skip_or_write.__wrapped__ = write
     return skip_or_write
+
+
+class _FakeDeepcopy(torch.overrides.TorchFunctionMode):
+    """``copy.deepcopy`` of a fake tensor while a model is built under a fake mode
+    (``nn.TransformerEncoder`` deep-copies its layer ``num_layers`` times). torch's
+    ``Tensor.__deepcopy__`` copies a fake tensor through its storage, which gives a fake tensor of
+    a fake mode of its own, and the first forward then stops with "Mixing fake modes NYI". Here
+    the copy is a new empty tensor of the same shape, strides, dtype and device under the fake
+    mode in force (a parameter stays a parameter, with its ``requires_grad``); the memo keeps a
+    tensor shared inside the copied module shared in the copy."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor
+        if func is torch.Tensor.__deepcopy__ and isinstance(args[0], FakeTensor):
+            t, memo = args
+            if id(t) not in memo:
+                with torch.no_grad():
+                    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                if isinstance(t, nn.Parameter) or getattr(t, "_is_param", False):
+                    out = nn.Parameter(out, requires_grad=t.requires_grad)
+                memo[id(t)] = out
+            return memo[id(t)]
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
