@@ -716,3 +716,25 @@ def test_release_segment_frees_only_a_wholly_free_segment_at_that_address():
     a.free(busy[0])
     assert a.release_segment(0x7F1000000000) and reserved(a) == 0
     a.check_invariants()
+
+
+def test_add_expandable_segment_takes_over_mapped_pages():
+    """An ExpandableSegment whose virtual range starts at 0x302000000: 20 MiB pages, the first
+    mapped (2 MiB live, 18 MiB free), the next two unmapped, the fourth mapped and free. A 30 MiB
+    request maps pages at the lowest address where free and unmapped room fits it
+    (find_expandable_block): right after the live block."""
+    a = CachingAllocator(expandable_segments=True)
+    base = 0x302000000
+    (live,) = a.add_expandable_segment(base, [(base, [(2 * MiB, 2 * MiB), (18 * MiB, None)]),
+                                             (base + 60 * MiB, [(20 * MiB, None)])], pool="large")
+    a.check_invariants()
+    assert live.addr == base and reserved(a) == 40 * MiB
+    assert [(s.address, s.size) for s in a.segment_map()] == [(base, 20 * MiB), (base + 60 * MiB, 20 * MiB)]
+    b = a.malloc(30 * MiB)
+    assert b.addr == base + 2 * MiB and reserved(a) == 60 * MiB     # one more page mapped: 18 + 20 MiB >= 30
+    a.check_invariants()
+    with pytest.raises(ValueError, match="whole pages"):
+        CachingAllocator(expandable_segments=True).add_expandable_segment(base, [(base, [(2 * MiB, None)])],
+                                                                          pool="large")
+    with pytest.raises(ValueError, match="does not use expandable"):
+        CachingAllocator().add_expandable_segment(base, [(base, [(20 * MiB, None)])], pool="large")

@@ -254,12 +254,50 @@ def test_a_trace_that_begins_with_a_release_peaks_before_its_first_entry():
     assert _layout(rep.segments) == _layout(imp.segments)
 
 
-def test_an_expandable_mid_run_start_is_not_rebuilt_and_says_so():
-    snap = record_events(_workload(3), expandable_segments=True).data
+@pytest.mark.parametrize("seed", range(4))
+def test_an_expandable_segments_trace_the_simulator_recorded_replays_exactly_from_any_entry(seed):
+    """With expandable segments the start is the pages mapped then (the final ones walked back
+    through segment_map / segment_unmap), in virtual ranges that begin at the lowest address the
+    file shows; new ranges begin where the trace maps them."""
+    snap = record_events(_workload(seed), empty_cache_at=[100, 250], expandable_segments=True).data
     trace = snap["device_traces"][0]
-    imp = read_snapshot(dict(snap, device_traces=[trace[150:]]))
-    assert imp.mid_run and imp.start_segments is None and "expandable" in imp.start_problem
-    assert "not rebuilt (expandable segments" in imp.start_text()
+    for cut in range(0, len(trace), 25):
+        if cut and trace[cut - 1]["action"] == "segment_map":
+            continue          # NB: inside one malloc
+        imp = read_snapshot(dict(snap, device_traces=[trace[cut:]]))
+        assert imp.start_segments is not None, imp.start_problem
+        rep = imp.replay()
+        assert rep.rebuilt_start and rep.same_address[0] == rep.same_address[1], cut
+        assert _layout(rep.segments) == _layout(imp.segments), cut
+        assert _reserved_after_each_entry_agrees(imp, rep), cut
+
+
+@pytest.mark.parametrize("name", ["allocator_default", "allocator_expandable"])
+def test_the_h200_allocator_files_cut_at_any_entry_replay_exactly(name):
+    """The H200 files with two streams, an empty_cache() and an out-of-memory request, with and
+    without expandable segments, made mid-run by dropping the first entries: each replays to the
+    GPU's addresses, segments and reserved bytes."""
+    data = pickle.load(open(H200 + name + ".pickle", "rb"))
+    trace = data["device_traces"][0]
+    for cut in range(len(trace)):
+        if cut and trace[cut - 1]["action"] in ("segment_alloc", "segment_map"):
+            continue          # NB: inside one malloc
+        imp = read_snapshot(dict(data, device_traces=[trace[cut:]]))
+        rep = imp.replay()
+        assert rep.rebuilt_start and rep.same_address[0] == rep.same_address[1], cut
+        assert _layout(rep.segments) == _layout(imp.segments), cut
+        assert rep.stats["reserved_bytes.all.peak"] == imp.peak_reserved, cut
+
+
+def test_a_start_that_cannot_be_rebuilt_says_so():
+    """Expandable and fixed segments in one file: that start is not modelled, and the replay says
+    it began from an empty allocator."""
+    data = pickle.load(open(H200 + "allocator_expandable.pickle", "rb"))
+    trace = data["device_traces"][0]
+    fixed = pickle.load(open(H200 + "step_cnn_b32_sgd.pickle", "rb"))["segments"][0]
+    imp = read_snapshot(dict(data, device_traces=[trace[30:]], segments=data["segments"] + [fixed]))
+    assert imp.mid_run and imp.start_segments is None and "expandable and fixed" in imp.start_problem
+    assert "not rebuilt (expandable and fixed" in imp.start_text()
     rep = imp.replay()
     assert not rep.rebuilt_start and rep.same_address is None
 

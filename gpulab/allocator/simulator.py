@@ -19,9 +19,11 @@ What is modelled (one default stream, one device):
   raises :class:`SimulatedOutOfMemoryError` with PyTorch's message;
 * ``empty_cache`` (``release_cached_blocks``), which returns only whole free segments;
 * a start that is not empty (:meth:`CachingAllocator.add_segment`: segments cudaMalloc'ed before
-  the simulation began, at their addresses, with their blocks), and new segments placed at given
-  addresses (``malloc(..., segment_address=)``), so that a replay of a real trace that began
-  mid-run starts from the real allocator's state and breaks best-fit ties by the same addresses;
+  the simulation began, at their addresses, with their blocks; ``add_expandable_segment``: an
+  expandable segment's mapped pages), new segments placed at given addresses
+  (``malloc(..., segment_address=)``) and a named segment released (``release_segment``), so that
+  a replay of a real trace that began mid-run starts from the real allocator's state and breaks
+  best-fit ties by the same addresses;
 * ``expandable_segments`` (``ExpandableSegment``, ``try_allocate_expandable_block``,
   ``map_block``, ``unmap_block``);
 * the statistics of ``torch.cuda.memory_stats()`` under the same key names.
@@ -510,8 +512,9 @@ class CachingAllocator:
         """Allocate ``nbytes`` (``DeviceCachingAllocator::malloc``) and return its :class:`Block`.
 
         ``segment_address``: where to put the segment if this request needs a new one (cudaMalloc's
-        answer, read from a real trace's ``segment_alloc``); ignored when that range overlaps a
-        segment the simulator holds, and for expandable segments.
+        answer, read from a real trace's ``segment_alloc``; for expandable segments, where a new
+        virtual range begins, its first ``segment_map``); ignored when that range overlaps a
+        segment the simulator holds.
 
         A 0-byte request returns a null block without touching the allocator: PyTorch's
         ``allocate()`` only calls ``malloc`` when ``size != 0`` and hands out a null pointer.
@@ -684,6 +687,76 @@ class CachingAllocator:
                         self._stats["inactive_split_bytes"][i].increase(size)
                 continue
             handles.append(self._hand_out(blk, requested))
+        return handles
+
+    def add_expandable_segment(
+        self, base: int, runs: Iterable[tuple[int, Iterable[tuple[int, int | None]]]], *,
+        pool: PoolName,
+    ) -> list[Block]:
+        """Take over an expandable segment that existed before the simulation began
+        (``ExpandableSegment``): its virtual range starts at ``base`` (as large as the ones this
+        simulator reserves), and ``runs`` are its mapped ranges, each ``(address, blocks)`` with
+        blocks as :meth:`add_segment` takes them; the rest is unmapped. Addresses and sizes are
+        whole pages (2 MiB small pool, 20 MiB large: ``find_expandable_block``'s
+        ``segment_size``). Returns the allocated blocks' handles, in address order. Needs
+        ``expandable_segments=True``; raises ``ValueError`` for what is not such a segment.
+        NB: the virtual range is cut short where a segment already held begins above ``base``
+        (take over the highest segments first)."""
+        if not self.expandable_segments:
+            raise ValueError("add_expandable_segment: this allocator does not use expandable segments")
+        the_pool = self._small if pool == "small" else self._large
+        page = EXPANDABLE_PAGE_SMALL if pool == "small" else EXPANDABLE_PAGE_LARGE
+        total = DEFAULT_VIRTUAL_BYTES if self.capacity_bytes is None else self.capacity_bytes
+        base = int(base)
+        # NB: the virtual range ends before the next segment held, where that comes first
+        virtual = min(_ceil_div(total + total // 8, page) * page, (self._room_at(base) or 0) // page * page)
+        parts = sorted((int(a), _segment_blocks(blocks)) for a, blocks in runs)
+        mapped = sum(n for _, blocks in parts for n, _ in blocks)
+        pos = base
+        for a, blocks in parts:
+            size = sum(n for n, _ in blocks)
+            if a < pos or (a - base) % page or size % page or a + size > base + virtual:
+                raise ValueError(f"add_expandable_segment: the run at {a:#x} is not whole pages of "
+                                 f"{format_size(page)} inside the segment, after the one before")
+            pos = a + size
+        if self._overlaps(base, virtual):
+            raise ValueError(f"add_expandable_segment: {base:#x} overlaps a segment the simulator holds")
+        if self.capacity_bytes is not None and self._total_reserved + mapped > self.capacity_bytes:
+            raise ValueError("add_expandable_segment: its mapped pages would exceed the capacity")
+        seg = _Seg(self._next_segment_id, the_pool, base, virtual, expandable=True, page=page)
+        self._next_segment_id += 1
+        self._segments[seg.id] = seg
+        self._next_address = max(self._next_address, base + virtual)
+        self._total_reserved += mapped
+        for i in (0, the_pool.stat_index):
+            self._stats["reserved_bytes"][i].increase(mapped)
+        pieces: list[tuple[int, int, int | None, bool]] = []  # (addr, size, requested, mapped)
+        pos = base
+        for a, blocks in parts:
+            if a > pos:
+                pieces.append((pos, a - pos, None, False))
+            for n, requested in blocks:
+                pieces.append((a, n, requested, True))
+                a += n
+            pos = a
+        if pos < base + virtual:
+            pieces.append((pos, base + virtual - pos, None, False))
+        handles: list[Block] = []
+        prev: _Blk | None = None
+        for addr, n, requested, is_mapped in pieces:
+            blk = _Blk(addr, n, the_pool, seg.id, mapped=is_mapped, expandable=True)
+            blk.prev = prev
+            if prev is None:
+                seg.head = blk
+            else:
+                prev.next = blk
+            prev = blk
+            if not is_mapped:
+                the_pool.insert_unmapped(blk)
+            elif requested is None:
+                the_pool.insert(blk)
+            else:
+                handles.append(self._hand_out(blk, requested))
         return handles
 
     def stats(self) -> dict[str, int]:
@@ -1198,7 +1271,10 @@ class CachingAllocator:
     def _new_segment(self, pool: _Pool, size: int, *, expandable: bool = False,
                      page: int = 0) -> _Seg:
         base = self._segment_address
-        if expandable or base is None or self._overlaps(base, size):
+        if expandable and base is not None and (self._room_at(base) or 0) >= page:
+            # NB: a virtual range placed where the trace says ends before the next segment held
+            size = min(size, (self._room_at(base) or 0) // page * page)
+        if base is None or self._overlaps(base, size):
             align = max(ROUND_LARGE, page)
             base = _ceil_div(self._next_address, align) * align
         self._segment_address = None
@@ -1207,6 +1283,16 @@ class CachingAllocator:
         self._next_segment_id += 1
         self._segments[seg.id] = seg
         return seg
+
+    def _room_at(self, base: int) -> int | None:
+        """Bytes from ``base`` to the next segment held above it (None: ``base`` is inside one)."""
+        room = None
+        for seg in self._segments.values():
+            if seg.base <= base < seg.base + seg.size:
+                return None
+            if seg.base > base:
+                room = seg.base - base if room is None else min(room, seg.base - base)
+        return DEFAULT_VIRTUAL_BYTES * 1024 if room is None else room
 
     def _overlaps(self, base: int, size: int) -> bool:
         """Whether [base, base + size) meets a segment the simulator holds."""

@@ -327,7 +327,7 @@ def read_snapshot(source: str | Path | bytes | dict | list, device: int | None =
     if walk.oom_requests and walk.oom_requests[0][2] > 0:   # the device's free memory, as cudaMemGetInfo said
         capacity = res_series[walk.oom_reserved[0]] + walk.oom_requests[0][2]
     settings = allocator_kwargs(data.get("allocator_settings"))[0]
-    start, problem = start_state(segs, trace, before, settings)
+    start, problem = start_state(segs, trace, before, settings, capacity)
     imported = ImportedSnapshot(data, device, label, from_gpu, before + walk.events, recorded, segments, order,
                                 walk.ooms, max(1, len(streams)), [len(before) + k for k in walk.releases],
                                 [(len(before) + k, n, st) for k, n, _, st in walk.oom_requests], capacity,
@@ -556,7 +556,7 @@ def _replay_from(imported: ImportedSnapshot, kwargs: dict[str, Any],
     segments = [seg for one in sims.values() for seg in one.segment_map()]
     settings = {k: v for k, v in kwargs.items() if v not in (None, False)}
     allocs = sum(1 for e in imported.events if e["kind"] == "alloc" and e["index"] >= 0)
-    compared = rebuilt and not kwargs.get("expandable_segments")   # else the addresses are the simulator's own
+    compared = rebuilt            # else the addresses are the simulator's own
     return SnapshotReplay(imported, Series(run.alloc[1:], run.res[1:], "snapshot, replayed", "simulated allocator"),
                           segments, stats, settings, _pair_segments(imported, segments, by_address=rebuilt),
                           run.simulated_ooms, rebuilt, (same_address, allocs) if compared else None), miss

@@ -5,9 +5,11 @@ ring buffer that wrapped): segments and live blocks existed before the first tra
 are in the file, walked backwards: the final ``segments`` hold every segment the trace never made
 (and a ``segment_free`` in the trace gives one it released before making it again), and the
 blocks live at entry 0 are those the trace frees without allocating them, or that are live at
-the end and never touched. ``start_state`` rebuilds them (addresses, sizes, blocks);
-``adopt_start`` hands them to simulators (``CachingAllocator.add_segment``), so a replay starts
-where PyTorch's allocator was.
+the end and never touched; with expandable segments, the pages mapped then are the final ones
+walked back through the trace's ``segment_map`` / ``segment_unmap`` entries. ``start_state``
+rebuilds them (addresses, sizes, blocks); ``adopt_start`` hands them to simulators
+(``CachingAllocator.add_segment``, ``add_expandable_segment``), so a replay starts where
+PyTorch's allocator was; ``widened`` corrects a block size the file does not give.
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import bisect
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from gpulab.allocator.simulator import (LARGE_BUFFER, MIN_BLOCK_SIZE, SMALL_BUFFER, SMALL_SIZE, Block,
-                                       CachingAllocator, round_size)
+from gpulab.allocator.simulator import (DEFAULT_VIRTUAL_BYTES, LARGE_BUFFER, MIN_BLOCK_SIZE, SMALL_BUFFER,
+                                       SMALL_SIZE, Block, CachingAllocator, round_size)
 
 __all__ = ["StartSegment", "adopt_start", "start_state", "widened"]
 
@@ -43,6 +45,8 @@ class StartSegment:
     # live blocks whose size is a guess that may be short (large pool, free room of more than the
     # allowed remainder after them, nothing allocated there): (sid, smallest size, largest size)
     guessed: tuple[tuple[int, int, int], ...] = ()
+    # a mapped range of an expandable segment: where that segment's virtual range begins
+    expandable_base: int | None = None
 
     @property
     def live_bytes(self) -> int:
@@ -50,7 +54,7 @@ class StartSegment:
 
 
 def start_state(segs: list[dict[str, Any]], trace: list[dict[str, Any]], before: list[dict[str, Any]],
-                 settings: dict[str, Any]) -> tuple[list[StartSegment] | None, str]:
+                settings: dict[str, Any], capacity: int | None = None) -> tuple[list[StartSegment] | None, str]:
     """The allocator's segments and live blocks at the trace's first entry, walked back from the end.
 
     A segment existed then when the trace never makes it (a final segment with no ``segment_alloc``
@@ -60,30 +64,23 @@ def start_state(segs: list[dict[str, Any]], trace: list[dict[str, Any]], before:
     else ``round_size`` of its request, plus the room up to the next block when the allocator would
     not have split that room off (large pool: a remainder of 1 MiB or less, ``should_split``; a
     request of ``max_split_size`` or more is never split, up to kLargeBuffer of slack,
-    ``get_free_block``). Returns (None, why) when the start cannot be rebuilt.
+    ``get_free_block``). With expandable segments, the mapped ranges then (``_expandable_runs``),
+    each block its rounded request (``should_split`` splits off any remainder of 512 bytes or more).
+    Returns (None, why) when the start cannot be rebuilt.
     NB: a trace that begins between a ``segment_alloc`` and its ``alloc`` (a ring buffer that
     wrapped inside one ``malloc``) reads that new segment as one cached before the trace."""
     expandable = bool(settings.get("expandable_segments") or any(s.get("is_expandable") for s in segs)
                       or any(e.get("action") in ("segment_map", "segment_unmap") for e in trace))
-    first: dict[int, dict[str, Any]] = {}
-    for e in trace:
-        if e.get("action") in ("segment_alloc", "segment_free", "segment_map", "segment_unmap"):
-            first.setdefault(int(e["addr"]), e)
-    found: dict[int, tuple[int, str, int]] = {}
-    for s in segs:
-        a = int(s["address"])
-        if a not in first:
-            size = int(s["total_size"])
-            found[a] = (size, str(s.get("segment_type", "small" if size <= SMALL_BUFFER else "large")),
-                        int(s.get("stream", 0) or 0))
-    for a, e in first.items():
-        if e["action"] in ("segment_free", "segment_unmap"):
-            size = int(e["size"])
-            found[a] = (size, "small" if size <= SMALL_BUFFER else "large", int(e.get("stream", 0) or 0))
+    if expandable:
+        runs, problem = _expandable_runs(segs, trace, capacity)
+        if runs is None:
+            return None, problem
+        found = {a: (size, pool, stream) for (stream, pool, _), spans in runs.items() for a, size in spans}
+        bases = {a: base for (_, _, base), spans in runs.items() for a, _ in spans}
+    else:
+        found = _fixed_segments(segs, trace)
     if not found and not before:
         return [], ""            # the trace starts from an empty allocator: nothing to rebuild
-    if expandable:
-        return None, "expandable segments: the pages they had mapped before the trace are not modelled"
     split_limit = (settings.get("max_split_size_mb") or 0) * (1 << 20) or None
     allocs = sorted((int(e["addr"]), i) for i, e in enumerate(trace) if e.get("action") == "alloc")
     before = sorted(before, key=lambda e: e["addr"])
@@ -111,12 +108,12 @@ def start_state(segs: list[dict[str, Any]], trace: list[dict[str, Any]], before:
                 # the first block the trace allocates in the room after it, while it lives, begins
                 # where it ends: the room's front (alloc_found_block carves from the front)
                 front = _first_alloc_in(allocs, e["addr"] + n, nxt, e.get("freed_at", len(trace)))
-                if pool == "large" and front is not None and front - (e["addr"] + n) <= slack:
+                if pool == "large" and not expandable and front is not None and front - (e["addr"] + n) <= slack:
                     n = front - e["addr"]
                     exact += 1
-                elif pool == "large" and 0 < gap <= slack:
+                elif pool == "large" and not expandable and 0 < gap <= slack:
                     n += gap      # a remainder the allocator would not split off (should_split)
-                elif pool == "large" and gap > slack:
+                elif pool == "large" and gap > slack and not expandable:
                     guessed.append((e["sid"], n, n + slack))
             if e["addr"] + n > nxt:
                 return None, f"the block at {e['addr']:#x} overlaps the next one: the file disagrees with itself"
@@ -124,10 +121,84 @@ def start_state(segs: list[dict[str, Any]], trace: list[dict[str, Any]], before:
             pos = e["addr"] + n
         if pos < a + size:
             blocks.append((pos, a + size - pos, None))
-        starts.append(StartSegment(a, size, pool, stream, tuple(blocks), exact, tuple(guessed)))
+        starts.append(StartSegment(a, size, pool, stream, tuple(blocks), exact, tuple(guessed),
+                                   bases[a] if expandable else None))
     if placed != len(before):
         return None, f"{len(before) - placed} of the blocks live before the trace lie in no segment the file names"
     return starts, ""
+
+
+def _fixed_segments(segs: list[dict[str, Any]], trace: list[dict[str, Any]]) -> dict[int, tuple[int, str, int]]:
+    """Segments (not expandable) that existed at the trace's first entry: address -> (bytes, pool,
+    stream). A final segment the trace never makes; a segment the trace releases before making one
+    at its address (its ``segment_free`` gives the size)."""
+    first: dict[int, dict[str, Any]] = {}
+    for e in trace:
+        if e.get("action") in ("segment_alloc", "segment_free"):
+            first.setdefault(int(e["addr"]), e)
+    found: dict[int, tuple[int, str, int]] = {}
+    for s in segs:
+        a = int(s["address"])
+        if a not in first:
+            size = int(s["total_size"])
+            found[a] = (size, str(s.get("segment_type", "small" if size <= SMALL_BUFFER else "large")),
+                        int(s.get("stream", 0) or 0))
+    for a, e in first.items():
+        if e["action"] == "segment_free":
+            size = int(e["size"])
+            found[a] = (size, "small" if size <= SMALL_BUFFER else "large", int(e.get("stream", 0) or 0))
+    return found
+
+
+def _expandable_runs(segs: list[dict[str, Any]], trace: list[dict[str, Any]], capacity: int | None
+                     ) -> tuple[dict[tuple[int, str, int], list[tuple[int, int]]] | None, str]:
+    """Expandable segments' mapped ranges at the trace's first entry: (stream, pool, base) ->
+    [(address, bytes)]. The final mapped pages, walked back through the trace (a ``segment_map``
+    had not happened yet, a ``segment_unmap`` had not either). A map or unmap entry belongs to the
+    pool whose pages its size is made of (20 MiB large, 2 MiB small) and, where both fit, whose
+    known pages on its stream are nearest. A segment's virtual range begins at the lowest address
+    the file shows for it (``find_expandable_block`` maps a new segment from its start, and always
+    the lowest free pages) and is as large as the simulator's (9/8 of the capacity); addresses
+    beyond it belong to another segment of the same pool."""
+    known: dict[tuple[int, str], list[int]] = {}
+    for s in segs:
+        if not s.get("is_expandable"):
+            return None, "expandable and fixed segments together: such a start is not modelled"
+        known.setdefault((int(s.get("stream", 0) or 0), str(s.get("segment_type", "large"))), []).append(
+            int(s["address"]))
+    page = {"small": SMALL_BUFFER, "large": LARGE_BUFFER}
+    entries = [e for e in trace if e.get("action") in ("segment_map", "segment_unmap")]
+    owner: list[tuple[int, str]] = []
+    for e in entries:
+        stream, addr = int(e.get("stream", 0) or 0), int(e["addr"])
+        pools = [p for p in ("large", "small") if int(e["size"]) % page[p] == 0]
+        near = [(min((abs(addr - a) for a in known.get((stream, p), ())), default=1 << 62), p) for p in pools]
+        owner.append((stream, min(near)[1]))
+    pages: dict[tuple[int, str], set[int]] = {key: set() for key in [*known, *owner]}
+    for s in segs:
+        key = (int(s.get("stream", 0) or 0), str(s.get("segment_type", "large")))
+        pages[key].update(range(int(s["address"]), int(s["address"]) + int(s["total_size"]), page[key[1]]))
+    for e, key in zip(reversed(entries), reversed(owner)):
+        span = set(range(int(e["addr"]), int(e["addr"]) + int(e["size"]), page[key[1]]))
+        pages[key] = pages[key] - span if e["action"] == "segment_map" else pages[key] | span
+    total = DEFAULT_VIRTUAL_BYTES if capacity is None else capacity
+    runs: dict[tuple[int, str, int], list[tuple[int, int]]] = {}
+    for key, got in pages.items():
+        size = page[key[1]]
+        virtual = -(-(total + total // 8) // size) * size
+        seen = sorted({*known.get(key, ()), *(int(e["addr"]) for e, k in zip(entries, owner) if k == key)} | got)
+        bases: list[int] = []
+        for a in seen:                    # a segment per virtual range, from the lowest address seen
+            if not bases or a >= bases[-1] + virtual:
+                bases.append(a)
+        for a in sorted(got):
+            base = max(b for b in bases if b <= a)
+            spans = runs.setdefault((key[0], key[1], base), [])
+            if spans and spans[-1][0] + spans[-1][1] == a:
+                spans[-1] = (spans[-1][0], spans[-1][1] + size)
+            else:
+                spans.append((a, size))
+    return runs, ""
 
 
 def _first_alloc_in(allocs: list[tuple[int, int]], lo: int, hi: int, before: int) -> int | None:
@@ -173,7 +244,19 @@ def adopt_start(starts: list[StartSegment], sim_of: Callable[[int], CachingAlloc
     allocated with their requested bytes (``requested[sid]``). Returns sid -> (simulator, block).
     Raises ``ValueError`` when a simulator refuses one (``CachingAllocator.add_segment``)."""
     live: dict[int, tuple[CachingAllocator, Block]] = {}
+    groups: dict[tuple[int, str, int], list[StartSegment]] = {}
     for seg in starts:
+        if seg.expandable_base is not None:
+            groups.setdefault((seg.stream, seg.pool, seg.expandable_base), []).append(seg)
+    for (stream, pool, base), runs in sorted(groups.items(), key=lambda g: -g[0][2]):   # highest first
+        sim = sim_of(stream)
+        handles = sim.add_expandable_segment(base, [(r.address, [(n, None if sid is None else requested[sid])
+                                                                 for _, n, sid in r.blocks]) for r in runs], pool=pool)
+        sids = [sid for r in sorted(runs, key=lambda r: r.address) for _, _, sid in r.blocks if sid is not None]
+        live.update({sid: (sim, handle) for sid, handle in zip(sids, handles)})
+    for seg in starts:
+        if seg.expandable_base is not None:
+            continue
         sim = sim_of(seg.stream)
         handles = sim.add_segment(seg.address, [(n, None if sid is None else requested[sid])
                                                 for _, n, sid in seg.blocks], pool=seg.pool)

@@ -70,6 +70,11 @@ def walk_trace(trace: list[dict[str, Any]]) -> Walk:
             prev = trace[i - 1] if i else {}
             if prev.get("action") == "segment_alloc" and prev.get("stream") == e.get("stream"):
                 ev["segment_address"] = prev["addr"]      # the segment cudaMalloc gave this request
+            elif prev.get("action") == "segment_map" and prev.get("stream") == e.get("stream"):
+                j = i - 1                                 # the first page this request mapped: where a
+                while j > 0 and trace[j - 1].get("action") == "segment_map":   # new virtual range begins
+                    j -= 1
+                ev["segment_address"] = trace[j]["addr"]
             if e.get("category") is not None:
                 ev["category"] = e["category"]
             if isinstance(e.get("gpulab"), dict):
