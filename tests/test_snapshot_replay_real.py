@@ -300,6 +300,10 @@ def test_a_start_that_cannot_be_rebuilt_says_so():
     assert "not rebuilt (expandable and fixed" in imp.start_text()
     rep = imp.replay()
     assert not rep.rebuilt_start and rep.same_address is None
+    # a card too small for the start (a capacity given by hand): the replay says why it began empty
+    small = read_snapshot(H200 + "step_vgg16_b1_sgd.pickle").replay(capacity_bytes=100 * MiB)
+    assert not small.rebuilt_start and "exceed the capacity" in small.start_refused
+    assert "the simulator refused the rebuilt start" in small._repr_html_()
 
 
 def test_an_oom_request_is_put_to_its_own_streams_pool():

@@ -405,6 +405,7 @@ class SnapshotReplay:
     # trace); None when the simulator's addresses are its own (start not rebuilt)
     same_address: tuple[int, int] | None = None
     start_refinements: int = 0        # guessed start blocks widened after a replay put a block in their room
+    start_refused: str = ""           # why the simulator did not take the rebuilt start (then: from empty)
 
     @property
     def label(self) -> str:
@@ -456,8 +457,10 @@ class SnapshotReplay:
         note = (f"<p>The file's settings the simulator does not model: {', '.join(missing)}.</p>" if missing else "")
         start = ""
         if self.imported.mid_run:
+            why = f"the simulator refused the rebuilt start: {self.start_refused}" if self.start_refused else \
+                "rebuild_start=False"
             start = self.imported.start_text() if self.rebuilt_start or self.imported.start_segments is None else (
-                "a mid-run trace, replayed here from an empty allocator (rebuild_start=False): the blocks live "
+                f"a mid-run trace, replayed here from an empty allocator ({why}): the blocks live "
                 "before its first entry are allocated first, in segments of the simulator's own")
             start = f"<p>{html.escape(start)}.</p>"
         return head + segs + note + start
@@ -515,13 +518,13 @@ def _replay_from(imported: ImportedSnapshot, kwargs: dict[str, Any],
     simulator put elsewhere than the file says: (its simulated address, its bytes), or None."""
     run = _Replay(kwargs)
     before_bytes = {e["sid"]: e["nbytes"] for e in imported.events if e["index"] < 0}
-    rebuilt = False
+    rebuilt, refused = False, ""
     if starts is not None:
         try:
             run.live = adopt_start(starts, run.sim_of, before_bytes)
             rebuilt = True
-        except ValueError:                  # a simulator refused the start: replay from empty
-            run = _Replay(kwargs)
+        except ValueError as exc:           # a simulator refused the start: replay from empty
+            run, refused = _Replay(kwargs), str(exc)
     run.sim_of(0)
     run.req = sum(before_bytes[sid] for sid in run.live)
     run.record()                            # the start (dropped from the series below)
@@ -559,7 +562,7 @@ def _replay_from(imported: ImportedSnapshot, kwargs: dict[str, Any],
     compared = rebuilt            # else the addresses are the simulator's own
     return SnapshotReplay(imported, Series(run.alloc[1:], run.res[1:], "snapshot, replayed", "simulated allocator"),
                           segments, stats, settings, _pair_segments(imported, segments, by_address=rebuilt),
-                          run.simulated_ooms, rebuilt, (same_address, allocs) if compared else None), miss
+                          run.simulated_ooms, rebuilt, (same_address, allocs) if compared else None, 0, refused), miss
 
 
 class _Replay:
