@@ -194,7 +194,8 @@ def _workload(seed, n=400):
     return events
 
 
-@pytest.mark.parametrize("settings", [{}, {"max_split_size_mb": 40}], ids=["defaults", "max_split_size_mb=40"])
+@pytest.mark.parametrize("settings", [{}, {"max_split_size_mb": 40}, {"capacity_bytes": 600 * MiB}],
+                         ids=["defaults", "max_split_size_mb=40", "a 600 MiB card"])
 @pytest.mark.parametrize("seed", range(8))
 def test_a_trace_the_simulator_recorded_replays_exactly_from_any_entry(seed, settings):
     """The simulator records a trace (with two empty_cache() calls) and the state at its end; cut
@@ -202,7 +203,9 @@ def test_a_trace_the_simulator_recorded_replays_exactly_from_any_entry(seed, set
     before they are allocated, segments released before they are made, blocks split off with an
     unsplit remainder. Its replay gives every address and the final layout back, block for block.
     With max_split_size_mb, a cudaMalloc that needs room first frees oversize cached blocks
-    (release_available_cached_blocks): those releases are the very segments the file names."""
+    (release_available_cached_blocks): those releases are the very segments the file names. On a
+    600 MiB card, out-of-memory entries give the capacity (a full card's device_free is 0), and
+    the simulator's own retries and refusals happen where the recording's did."""
     snap = record_events(_workload(seed), empty_cache_at=[100, 250], **settings).data
     trace = snap["device_traces"][0]
     cuts = [0, 37, 150, 300, len(trace) // 2, len(trace) - 5]
@@ -216,6 +219,9 @@ def test_a_trace_the_simulator_recorded_replays_exactly_from_any_entry(seed, set
         assert rep.same_address[0] == rep.same_address[1], cut
         assert _reserved_after_each_entry_agrees(imp, rep), cut
         assert rep.stats["reserved_bytes.all.peak"] == imp.peak_reserved, cut
+        assert rep.simulated_ooms == imp.ooms, cut
+        if imp.ooms:
+            assert imp.capacity == settings["capacity_bytes"]
         if cut and imp.mid_run:
             assert _layout(imp.replay(rebuild_start=False).segments) != _layout(imp.segments) or not any(
                 e["index"] < 0 for e in imp.events)

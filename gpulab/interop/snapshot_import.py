@@ -324,7 +324,7 @@ def read_snapshot(source: str | Path | bytes | dict | list, device: int | None =
     order = [walk.seg_created.get(s["address"], -1) for s in segs]
     streams = {int(e.get("stream", 0) or 0) for e in trace}
     capacity = None
-    if walk.oom_requests and walk.oom_requests[0][2] > 0:   # the device's free memory, as cudaMemGetInfo said
+    if walk.oom_requests and walk.oom_requests[0][2] >= 0:   # the device's free memory, as cudaMemGetInfo said
         capacity = res_series[walk.oom_reserved[0]] + walk.oom_requests[0][2]
     settings = allocator_kwargs(data.get("allocator_settings"))[0]
     start, problem = start_state(segs, trace, before, settings, capacity)

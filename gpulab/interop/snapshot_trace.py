@@ -47,7 +47,7 @@ class Walk:
     ooms: int = 0
     releases: list[int] = field(default_factory=list)   # len(events) when a burst of segment releases began
     segment_frees: list[tuple[int, int, int]] = field(default_factory=list)   # (len(events), addr, stream)
-    oom_requests: list[tuple[int, int, int, int]] = field(default_factory=list)   # (len(events), bytes, device_free, stream)
+    oom_requests: list[tuple[int, int, int, int]] = field(default_factory=list)   # (len(events), bytes, device_free or -1, stream)
     oom_reserved: list[int] = field(default_factory=list)   # index of the trace entry of each oom
 
     def new_sid(self, nbytes: int) -> int:
@@ -106,7 +106,8 @@ def walk_trace(trace: list[dict[str, Any]]) -> Walk:
                 w.releases.append(len(w.events))
         elif a == "oom":
             w.ooms += 1
-            w.oom_requests.append((len(w.events), int(e.get("size", 0)), int(e.get("device_free", 0) or 0),
+            free = e.get("device_free")          # -1: the entry does not say (0 is a full card)
+            w.oom_requests.append((len(w.events), int(e.get("size", 0)), -1 if free is None else int(free),
                                    int(e.get("stream", 0) or 0)))
             w.oom_reserved.append(i)
         w.act_delta.append(d_act)
