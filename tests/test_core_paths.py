@@ -1,7 +1,8 @@
 """Lessons 00-10 state their core path for the one-day workshop (issue #26): the first markdown
 cell's **Time:** line reads "about N minutes in full; core path about M minutes (...)", M is the
 day plan's figure, and where the core path is shorter than the lesson, headings marked
-"(optional)" show the student what it skips."""
+"(optional)" show the student what it skips. The appendix (15) states a core path of 0 minutes:
+reading after the workshop."""
 import re
 
 import nbformat
@@ -43,3 +44,12 @@ def test_time_line_states_the_core_path(number):
 def test_core_paths_of_lessons_00_to_10_add_up():
     total = sum(int(TIME.search(first_markdown(n)[1]).group(2)) for n in CORE_MINUTES)
     assert total == sum(CORE_MINUTES.values()) == 240
+
+
+def test_the_appendix_is_reading_after_the_workshop():
+    """Lesson 15, the reference articles' claims tested, is in no day's core path."""
+    _, first = first_markdown("15")
+    m = TIME.search(first)
+    assert m, "lesson 15: no '**Time:** about N minutes in full; core path about M minutes (...)' line"
+    assert int(m.group(1)) > 0 and int(m.group(2)) == 0
+    assert m.group(3) == "optional reading after the workshop"
