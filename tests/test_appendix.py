@@ -1,5 +1,5 @@
 """The reference articles' claims live in one appendix (issue #26): lesson 15 has one section per
-lesson 01-10 that calls that lesson's claims function(s) on evidence it computes itself, each
+lesson 01-11 that calls that lesson's claims function(s) on evidence it computes itself, each
 lesson points to its section instead of testing the claims, and the verdicts are still computed
 from the evidence (doctored evidence flips them). Executing the appendix is test_robustness.py's
 job, like every lesson's; the claims of lessons 01-08 are checked on real runs in the panel
@@ -23,6 +23,7 @@ CLAIMS = {
     "03": ["cs231n_claims(", "flops_claims(", ".claims()", "modelsize_claims("], "04": ["sweep_claims("],
     "05": ["optimizer_claims("], "06": ["inplace_claims(", "inference_claims("], "07": ["checkpoint_claims("],
     "08": ["precision_claims("], "09": ["allocator_claims("], "10": ["tracking_claims("],
+    "11": ["transformer_claims("],
 }
 
 
