@@ -39,3 +39,19 @@ def test_the_fastest_rows_land_inside_their_tolerance(name):
     predicted, how = row.predict()
     ratio = predicted / (row.published * source.unit)
     assert source.tolerance[0] <= ratio <= source.tolerance[1], (ratio, how)
+
+
+def test_a_lesson_shows_one_row_beside_its_prediction_with_both_labels():
+    from gpulab.record.published import published_check
+    c = published_check("Qwen2.5-0.5B-Instruct, input 1")
+    lo, hi = c.source.tolerance
+    assert c.within_tolerance == (lo <= c.predicted_bytes / (0.97 * 2 ** 30) <= hi)
+    html = c._repr_html_()
+    assert "published by Alibaba (Qwen), measured on NVIDIA A100 80GB" in html and "fake generation" in html
+    assert c.as_dict()["published_bytes"] == 0.97 * 2 ** 30
+
+
+def test_an_unknown_row_names_the_ones_there_are():
+    from gpulab.record.published import published_check
+    with pytest.raises(ValueError, match="no published figure called 'nope'; there are: vanilla, batch 4"):
+        published_check("nope")
