@@ -130,11 +130,14 @@ def cli_cases(tmp: pathlib.Path) -> list[Case]:
                   ["--offload-optimizer"], ["--gpus", "2", "--strategy", "zero4"],
                   ["--gpus", "2", "--strategy", "ddp", "--offload-optimizer"], ["--gpus", "2", "--strategy", "zero3"],
                   ["--gpus", "2", "--strategy", "zero2", "--dtype", "bf16", "--optimizer", "sgd"],
-                  ["--gpus", "2", "--strategy", "zero2", "--dtype", "bf16", "--optimizer", "adamw", "--lora", "4"]):
+                  ["--gpus", "2", "--strategy", "zero2", "--dtype", "bf16", "--optimizer", "adamw", "--lora", "4"],
+                  ["--checkpointing", "some"], ["--checkpointing", "every-0"], ["--checkpointing", "every-x"]):
         cases.append(Case("cli", f"fit tiny-llama {' '.join(extra)[:30]}",
                           lambda extra=extra: _cli("fit", "hf:tiny-llama", "--gpu", "24GiB", "--seq-len", "32",
                                                    *extra)))
     cases.append(Case("cli", "fit mlp --checkpointing", lambda: _cli("fit", "mlp", "--gpu", "24GiB", "--checkpointing")))
+    cases.append(Case("cli", "fit mlp --checkpointing selective",
+                      lambda: _cli("fit", "mlp", "--gpu", "24GiB", "--checkpointing", "selective")))
     cases.append(Case("cli", "step (no model)", lambda: _cli("step")))
     cases.append(Case("cli", "no command", lambda: _cli()))
     cases.append(Case("cli", "unknown command", lambda: _cli("train", "mlp")))
@@ -183,6 +186,12 @@ def api_cases(tmp: pathlib.Path) -> list[Case]:
         Case("api", "format_bytes('x')", lambda: gpulab.format_bytes("x")),
         Case("api", "run(non-callable)", lambda: gpulab.run(42, engine="cpu")),
         Case("api", "run(engine='tpu')", lambda: gpulab.run(lambda: torch.ones(2), engine="tpu")),
+        Case("api", "step(tiny-llama, checkpointing='half')",
+             lambda: gpulab.step("hf:tiny-llama", batch=1, engine="fake", checkpointing="half")),
+        Case("api", "step(tiny-llama, checkpointing=2)",
+             lambda: gpulab.step("hf:tiny-llama", batch=1, engine="fake", checkpointing=2)),
+        Case("api", "serve('hf:llama-3-8b', 'H100', context_len=32768)",
+             lambda: gpulab.serve("hf:llama-3-8b", "H100", context_len=32768)),
     ]
     for kw, v in (("batch", 0), ("batch", -3), ("batch", 1.5), ("batch", "8"), ("batch", 10 ** 30),
                   ("optimizer", "adamw9"), ("optimizer", None), ("engine", "tpu"), ("dtype", "float128"),

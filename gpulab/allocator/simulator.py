@@ -671,13 +671,7 @@ class CachingAllocator:
         prev: _Blk | None = None
         addr = seg.base
         for size, requested in merged:
-            blk = _Blk(addr, size, the_pool, seg.id)
-            blk.prev = prev
-            if prev is None:
-                seg.head = blk
-            else:
-                prev.next = blk
-            prev = blk
+            blk = prev = _append_block(seg, prev, _Blk(addr, size, the_pool, seg.id))
             addr += size
             if requested is None:
                 the_pool.insert(blk)
@@ -744,13 +738,7 @@ class CachingAllocator:
         handles: list[Block] = []
         prev: _Blk | None = None
         for addr, n, requested, is_mapped in pieces:
-            blk = _Blk(addr, n, the_pool, seg.id, mapped=is_mapped, expandable=True)
-            blk.prev = prev
-            if prev is None:
-                seg.head = blk
-            else:
-                prev.next = blk
-            prev = blk
+            blk = prev = _append_block(seg, prev, _Blk(addr, n, the_pool, seg.id, mapped=is_mapped, expandable=True))
             if not is_mapped:
                 the_pool.insert_unmapped(blk)
             elif requested is None:
@@ -1463,6 +1451,17 @@ class CachingAllocator:
             msg, requested=nbytes, alloc_size=alloc_size, capacity=self.capacity_bytes,
             free=free, allocated=allocated, reserved=reserved,
         )
+
+
+def _append_block(seg: "_Seg", prev: "_Blk | None", blk: "_Blk") -> "_Blk":
+    """``blk`` put after ``prev`` in ``seg``'s address-ordered list (first when ``prev`` is None),
+    as a segment taken over from a file is laid out; returns ``blk``."""
+    blk.prev = prev
+    if prev is None:
+        seg.head = blk
+    else:
+        prev.next = blk
+    return blk
 
 
 def _segment_blocks(blocks: Iterable[tuple[int, int | None]]) -> list[list[Any]]:
