@@ -37,11 +37,11 @@ def _positive_int(text: str) -> int:
 
 
 def _checkpointing(text: str) -> str:
-    from gpulab.models.adapt import check_checkpointing   # torch, only when the flag is used
+    from gpulab.models.adapt import POLICY_TEXT, check_checkpointing   # torch, only when the flag is used
     try:
         return check_checkpointing(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).replace("True or False, or a policy", "a policy")) from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"checkpointing must be a policy: {POLICY_TEXT}; got {text!r}") from None
 
 
 def _steps(text: str) -> int:

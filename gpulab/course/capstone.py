@@ -198,11 +198,10 @@ def your_model(model: Any, card: Any, *, optimizer: str = "adamw", dtype: Any = 
     base: dict[str, Any] = {}
     if w.config is not None and task_of(w.config) == "causal-lm" and getattr(w.config, "use_cache", False):
         base["use_cache"] = False
-    with torch.device("meta"):
-        try:
-            n = sum(p.numel() for p in w.build(torch.device("meta"), dt).parameters())
-        except Exception as exc:
-            raise ValueError(step_failed(w, 1, "to build on the meta device (shapes only)", exc)) from exc
+    try:
+        n, _ = w.parameter_counts(dt)
+    except Exception as exc:
+        raise ValueError(step_failed(w, 1, "to build on the meta device (shapes only)", exc)) from exc
     return YourModel(w, c, optimizer, dtype_name(dt), n, base)
 
 
@@ -442,10 +441,7 @@ def _trainable(you: YourModel, options: dict[str, Any]) -> int:
     opts = you.fit_options(options)
     recipe = user_recipe(opts.pop("optimizer"), opts.pop("amp", None), **{k: v for k, v in opts.items()
                                                                           if k in RECIPE_DEFAULTS})
-    w = recipe_workload(you.workload, recipe)
-    with torch.device("meta"):
-        net = w.build(torch.device("meta"), parse_dtype(you.dtype))
-    return sum(p.numel() for p in net.parameters() if p.requires_grad)
+    return recipe_workload(you.workload, recipe).parameter_counts(parse_dtype(you.dtype))[1]
 
 
 def _combined(techniques: list[Technique]) -> Technique | None:

@@ -154,9 +154,9 @@ def read_counters(train: Callable[[torch.device], Any], *, engine: str = "fake",
         raise ValueError(f"read_counters runs the tracker on the 'fake' or 'cpu' engine, not {engine!r}; "
                          "on a GPU, cuda_counters() reads PyTorch's own counters")
     m = run(lambda ctx: train(ctx.device), engine, fake_target=fake_target)
-    figures = simulated_counters(m.tracking.events, card, context_bytes)
     assumed = context_assumption("lazy")
     ctx = assumed.nbytes if context_bytes is None else int(context_bytes)
+    figures = simulated_counters(m.tracking.events, card, ctx)
     unrounded = m.tracking.peak_bytes
     if m.tracking.rounded:
         unrounded = type(m.tracking).build(m.tracking.records, m.tracking.events, m.tracking.device, False).peak_bytes

@@ -21,22 +21,20 @@ from gpulab.allocator.simulator import CachingAllocator
 from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, CardBudget, parse_gpu
 from gpulab.measure.engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
 from gpulab.models.adapt import check_checkpointing
-from gpulab.models.hf_configs import build_causal_lm, hf_entry, make_config
-from gpulab.models.registry import build_skeleton
+from gpulab.models.hf_configs import hf_entry, make_config
 from gpulab.models.workload import resolve_workload
 from gpulab.predict.step import step
 from gpulab.training.loop import recipe_workload, user_recipe
 from gpulab.units import format_bytes
 
 __all__ = [
-    "CHECKPOINTING_CHOICES", "FinetuneAnswer", "LORA_RANK", "LORA_TARGETS", "METHODS", "PRECISIONS", "PRESETS",
+    "CHECKPOINTING_CHOICES", "FinetuneAnswer", "LORA_RANK", "METHODS", "PRECISIONS", "PRESETS",
     "Progress", "custom_config", "finetune_check", "preset_config", "recipe_options"
 ]
 
 PRESETS = ("gpt2", "llama-3-8b", "mistral-7b", "custom")
 METHODS = ("full", "lora", "qlora")
 PRECISIONS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "amp-bf16": (torch.float32, "bf16")}
-LORA_TARGETS = ("q_proj", "v_proj", "c_attn")   # Llama/Mistral's projections; GPT-2's fused q/k/v
 LORA_RANK = 16
 CHECKPOINTING_CHOICES = ("none", "full", "selective", "every-2")
 
@@ -65,18 +63,16 @@ def preset_config(preset: str, hidden: int = 2048, layers: int = 16):
     return make_config(hf_entry(preset), use_cache=False)   # training without the KV cache, as the recipes run
 
 
-def recipe_options(config, method: str, checkpointing: bool | str) -> dict[str, Any]:
-    """The recipe options of ``gpulab.step`` for ``method`` on ``config``: LoRA of rank ``LORA_RANK``
-    on the config's attention projections among ``LORA_TARGETS``, QLoRA as that on an NF4 base."""
+def recipe_options(method: str, checkpointing: bool | str) -> dict[str, Any]:
+    """The recipe options of ``gpulab.step`` for ``method``: LoRA of rank ``LORA_RANK`` on the layers
+    peft adapts by default for the model type (``models.lora.default_targets``: Llama's and
+    Mistral's q_proj and v_proj, GPT-2's fused c_attn), QLoRA as that on an NF4 base."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
     policy = check_checkpointing(False if checkpointing == "none" else checkpointing)
     if method == "full":
         return {"checkpointing": policy}
-    with torch.device("meta"):
-        names = {n.rsplit(".", 1)[-1] for n, _ in build_causal_lm(config).named_modules()}
-    return {"checkpointing": policy, "lora": LORA_RANK, "lora_targets": [t for t in LORA_TARGETS if t in names],
-            "quantize": "nf4" if method == "qlora" else None}
+    return {"checkpointing": policy, "lora": LORA_RANK, "quantize": "nf4" if method == "qlora" else None}
 
 
 @dataclass
@@ -136,7 +132,7 @@ def finetune_check(preset: str = "llama-3-8b", card: str = "H100", seq_len: int 
     c = parse_gpu(card)
     dtype, amp = PRECISIONS[precision]
     config = preset_config(preset, hidden, layers)
-    options = recipe_options(config, method, checkpointing)
+    options = recipe_options(method, checkpointing)
     if progress:
         progress(0.1, "building the model under fake tensors and running two steps")
     # QLoRA computes in bf16 on its 4-bit base (bnb_4bit_compute_dtype): an fp32 request runs the adapters in bf16
@@ -148,9 +144,7 @@ def finetune_check(preset: str = "llama-3-8b", card: str = "H100", seq_len: int 
     # the counts, from the same adapted model without its quantization (which packs two NF4 values a byte)
     plain = recipe_workload(resolve_workload(config, seq_len=seq_len),
                             user_recipe(optimizer, **{**options, "quantize": None, "checkpointing": False}))
-    skeleton = build_skeleton(lambda: plain.make(run_dtype))
-    n_params = sum(p.numel() for p in skeleton.parameters())
-    trainable = sum(p.numel() for p in skeleton.parameters() if p.requires_grad)
+    n_params, trainable = plain.parameter_counts(run_dtype)
     reserved = CachingAllocator().replay(result.measurement.tracking.events, strict=False).peak_reserved
     if progress:
         progress(1.0, "done")

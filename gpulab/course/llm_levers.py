@@ -86,7 +86,8 @@ class LeverTable:
 
 
 def _row(name: str, r: StepResult) -> LeverRow:
-    return LeverRow(name, r.peak_bytes, dict(r.peak_by_category), int(r.as_dict().get("offloaded_peak_bytes") or 0), r)
+    offloaded = r.measurement.offloaded   # the host copies' timeline, when activations were offloaded
+    return LeverRow(name, r.peak_bytes, dict(r.peak_by_category), offloaded.peak_bytes if offloaded else 0, r)
 
 
 def logits_levers(vocab: int = LLAMA3_VOCAB, seq_len: int = 2048, batch: int = 1, chunks: int = 8,

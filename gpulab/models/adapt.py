@@ -38,7 +38,7 @@ from gpulab.models.quantized import quantize_linears
 from gpulab.models.registry import active_fake_mode, build_in_place, build_skeleton, materialize
 from gpulab.models.workload import Workload
 
-__all__ = ["CHECKPOINTING_KWARGS", "CHECKPOINTING_POLICIES", "SELECTIVE_SAVED_OPS", "adapted", "check_checkpointing",
+__all__ = ["CHECKPOINTING_KWARGS", "CHECKPOINTING_POLICIES", "POLICY_TEXT", "SELECTIVE_SAVED_OPS", "adapted", "check_checkpointing",
            "enable_checkpointing", "quantized_build"]
 
 # what transformers 5.x passes to torch.utils.checkpoint when none are given (modeling_utils.py,
@@ -46,6 +46,8 @@ __all__ = ["CHECKPOINTING_KWARGS", "CHECKPOINTING_POLICIES", "SELECTIVE_SAVED_OP
 CHECKPOINTING_KWARGS = {"use_reentrant": False}
 _PEFT_TASKS = {"causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM"}
 CHECKPOINTING_POLICIES = ("full", "selective", "every-K")
+POLICY_TEXT = ("full (every block), selective (matmul and attention outputs kept, the rest recomputed) or "
+               "every-K (every K-th block, e.g. every-2)")
 
 # the ops whose outputs selective checkpointing keeps: matrix multiplies (a linear layer runs
 # ``mm``, or ``addmm`` with a bias) and the fused attention kernels; everything else in a block is
@@ -71,9 +73,7 @@ def check_checkpointing(value) -> str | bool:
             return v
         if v.startswith("every-") and v[6:].isdigit() and int(v[6:]) >= 1:
             return "full" if int(v[6:]) == 1 else f"every-{int(v[6:])}"
-    raise ValueError(f"checkpointing must be True or False, or a policy: full (every block), selective (matmul and "
-                     f"attention outputs kept, the rest recomputed) or every-K (every K-th block, e.g. every-2); "
-                     f"got {value!r}")
+    raise ValueError(f"checkpointing must be True or False, or a policy: {POLICY_TEXT}; got {value!r}")
 
 
 def _selective_policy(ctx, func, *args, **kwargs):
@@ -147,9 +147,9 @@ def _check_rank_fits(config, rank: int, targets: Sequence[str]) -> None:
 
 def adapted(w: Workload, *, lora: int = 0, lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0,
             checkpointing: bool | str = False, quantize: str | None = None) -> Workload:
-    """``w`` with its model checkpointed (``checkpointing``: a policy, True for "full") and/or wrapped with rank-``lora``
-    adapters on ``lora_targets`` (None: the layers peft adapts by default for the config's model
-    type) with ``lora_dropout`` on their inputs, its linear layers but the head stored as
+    """``w`` with its model checkpointed (``checkpointing``: a policy, True for "full") and/or
+    wrapped with rank-``lora`` adapters on ``lora_targets`` (None: the layers peft adapts by
+    default for the config's model type) with ``lora_dropout`` on their inputs, its linear layers but the head stored as
     bitsandbytes stores them when ``quantize`` is "nf4" or "int8" (``models.quantized``: with LoRA,
     QLoRA); ``w`` itself when none is asked. ``ValueError`` for a workload that cannot take them."""
     checkpointing = check_checkpointing(checkpointing)

@@ -76,6 +76,13 @@ class Workload:
     def describe_input(self, batch: int) -> str:
         return re.sub(r"\bB\b", str(batch), self.input_text)   # every B: the inputs' and the labels' shapes
 
+    def parameter_counts(self, dtype: torch.dtype | None = None) -> tuple[int, int]:
+        """(parameters, trainable parameters) of the model as ``build`` makes it, on the meta device
+        (shapes only, nothing allocated)."""
+        with torch.device("meta"):
+            params = list(self.build(torch.device("meta"), dtype).parameters())
+        return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
 
 def resolve_workload(model: Any, inputs: Any = None, *, batch: int | None = None,
                      input_shape: tuple[int, ...] | None = None, seq_len: int | None = None,
