@@ -480,6 +480,10 @@ def _run_cuda(experiment, choice: EngineChoice, device: torch.device) -> Measure
     before = _cuda_counters(device)
     segments = allocator_segments(device)   # what was left (a cuBLAS workspace) and the room beside it
     tracker = MemoryTracker()
+    # The allocator's counters are this tracked run's: the tracker counts what it allocates, the
+    # accumulations its dispatch mode makes out of place included, so that the two agree
+    # (MemoryTracker._accumulation_candidate; the fake and cpu engines count them in place).
+    tracker.emulate_untracked = False
     tracker.cuda_addresses = []
     ctx = RunContext("cuda", device, tracker, baseline=before["allocated"], segments=segments)
     value, err, oom = None, None, False

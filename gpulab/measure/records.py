@@ -34,6 +34,7 @@ class StorageRecord:
     state_key: str = ""        # the optimizer.state key it was found under ("exp_avg", "step", ...)
     apart: str = ""            # memory outside the device's allocator: HOST_DEVICE (an offloaded activation's
                                # host copy) or UNIFIED_DEVICE (a paged optimizer's state), else ""
+    node: int = -1             # sequence number of the autograd node that made it (-1: not in backward)
 
     @property
     def alive(self) -> bool:

@@ -88,6 +88,12 @@ class MemoryTracker(TorchDispatchMode):
         self._closed = False
         self._offload: str | None = None   # saved tensors go to host memory: "copy back" or "alias back"
         self._paused = False
+        # Untracked autograd adds a gradient's contributions in place (``old.add_(new)``), but any
+        # dispatch mode, this tracker included, makes it add them out of place: see
+        # ``_accumulation_candidate``. ``emulate_untracked`` counts them as the untracked run does.
+        self.emulate_untracked = True
+        self._candidate: tuple[int, int, int] | None = None   # (key, sid) of an add's result, sid of its first input
+        self.inplace_accumulations = 0   # out-of-place accumulations counted in place
         # CUDA storages' addresses in the order they were seen (the cuda engine sets a list, to
         # tell the allocator's trace entries that are tensors from those that are not)
         self.cuda_addresses: list[tuple[int, int]] | None = None
@@ -130,9 +136,12 @@ class MemoryTracker(TorchDispatchMode):
     # training step), so the common outputs, one tensor or a flat tuple of tensors, are read
     # without building a pytree; anything nested goes through ``tree_flatten``, in the same order.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._candidate = None
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):
-            self._see(out, op=_op_name(func))
+            rec = self._see(out, op=_op_name(func))
+            if func is _ADD and rec is not None and self.emulate_untracked:
+                self._candidate = self._accumulation_candidate(args, kwargs, out, rec)
         elif isinstance(out, (tuple, list)):
             flat = out if not any(isinstance(o, (tuple, list, dict)) for o in out) else tree_flatten(out)[0]
             for t in flat:
@@ -218,17 +227,75 @@ class MemoryTracker(TorchDispatchMode):
         rec = StorageRecord(
             sid=sid, nbytes=st.nbytes(), device=name, dtype=_dtype_name(t.dtype), shape=tuple(t.shape),
             category=category, module=self._module(), phase=self._phase(), op=op,
-            created=len(self._events), preexisting=preexisting,
+            created=len(self._events), preexisting=preexisting, node=_node_seq(),
         )
         self._records[sid] = rec
         self._live[key] = sid
         self._refs[sid] = weakref.ref(st, functools.partial(_storage_freed, self._self_ref, key, sid))
+        self._candidate = None
         self._emit("alloc", rec, rec.nbytes, rec.nbytes)
         if self.cuda_addresses is not None and device.type == "cuda":
             self.cuda_addresses.append((st.data_ptr(), rec.nbytes))
         return rec
 
+    def _accumulation_candidate(self, args, kwargs, out: torch.Tensor, rec: StorageRecord):
+        """An ``add`` that may be autograd adding two contributions to one gradient, which it does
+        out of place only because a dispatch mode is on.
+
+        torch/csrc/autograd/input_buffer.cpp, ``accumulate``: with grad mode off, ``old_var.add_(var)``
+        when ``can_accumulate_inplace(old_var)`` (dense, the buffer holds its last reference and its
+        storage's) and ``var`` is not subclass-like, else ``old_var + var``; and
+        aten/src/ATen/TensorSubclassLikeUtils.h, ``isTensorSubclassLike``: true whenever
+        ``c10::impl::dispatch_mode_enabled()``. So under the tracker the buffer's add allocates a
+        new gradient and then drops the old one, where untracked code reuses it.
+
+        Candidate: in backward with grad mode off, ``add.Tensor(old, new)`` with alpha 1, the result
+        of ``old``'s shape, dtype and strides, ``old`` dense and made by an earlier autograd node
+        than the one running (the buffer's entries come from nodes that already ran: an add inside a
+        backward formula works on the node's own temporaries). ``_free`` completes it when ``old``'s
+        storage is freed right after, before any other op (the buffer held its last reference)."""
+        node = torch._C._current_autograd_node()
+        if node is None or torch.is_grad_enabled() or len(args) != 2 or (kwargs or {}).get("alpha", 1) != 1:
+            return None
+        old, new = args
+        if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) \
+                or is_traceable_wrapper_subclass(old) or is_traceable_wrapper_subclass(new) \
+                or old.is_sparse or new.is_sparse or old.shape != out.shape or old.dtype != out.dtype \
+                or old.stride() != out.stride() or not (old.is_contiguous() or _dense(old)):
+            return None
+        old_sid = self._live.get(id(self._storage(old)))
+        if old_sid is None or self._records[old_sid].node == node._sequence_nr():
+            return None
+        return (id(self._storage(out)), rec.sid, old_sid)
+
+    def _accumulated_in_place(self, old_sid: int) -> bool:
+        """``old``'s storage was freed right after the candidate add: count the add's result as
+        ``old``'s storage, as ``old.add_(new)`` keeps it (the result's alloc event is dropped, and
+        ``old``'s record lives on with the result's storage)."""
+        key, sid, cand_old = self._candidate
+        self._candidate = None
+        if cand_old != old_sid or not self._events or self._events[-1].sid != sid \
+                or self._events[-1].kind != "alloc" or sid != self._next_sid - 1:
+            return False
+        ref = self._refs.pop(sid)
+        storage = ref()
+        if storage is None:
+            return False
+        self._events.pop()
+        del self._records[sid]
+        self._next_sid -= 1
+        self._live[key] = old_sid
+        self._refs[old_sid] = weakref.ref(storage, functools.partial(_storage_freed, self._self_ref, key, old_sid))
+        self.inplace_accumulations += 1
+        return True
+
     def _free(self, key: int, sid: int) -> None:
+        if self._candidate is not None:
+            if self._candidate[2] == sid and self._accumulated_in_place(sid):
+                if self._live.get(key) == sid:   # the old storage's key, unless the result took it
+                    del self._live[key]
+                return
+            self._candidate = None
         if self._live.get(key) == sid:
             del self._live[key]
         rec = self._records.get(sid)
@@ -512,6 +579,26 @@ def _storage_freed(tracker_ref: "weakref.ref[MemoryTracker]", key: int, sid: int
     tracker = tracker_ref()
     if tracker is not None:
         tracker._free(key, sid)
+
+
+_ADD = torch.ops.aten.add.Tensor
+
+
+def _node_seq() -> int:
+    """The sequence number of the autograd node running now (-1 outside backward)."""
+    node = torch._C._current_autograd_node()
+    return -1 if node is None else node._sequence_nr()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense, as ``can_accumulate_inplace`` asks: some order of the dims is
+    contiguous (c10's ``compute_non_overlapping_and_dense``)."""
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 _OP_NAMES: dict[Any, str] = {}
