@@ -12,7 +12,13 @@ Beside it, paged serving as vLLM sizes it (formula, labelled): vLLM asks for
 ``gpu_memory_utilization`` of the card's memory, keeps the weights, the peak of a profiling
 forward and what lives outside PyTorch (the CUDA context), and cuts the rest into blocks of
 ``block_size`` tokens of every layer's keys and values; a sequence of the context length takes
-ceil(context / block_size) blocks. Here the profiling forward is the prefill of one sequence.
+ceil(context / block_size) blocks. Here the profiling forward is the prefill of one sequence, and
+what lives outside PyTorch is the CUDA context alone: vLLM's budget (vllm/v1/worker/gpu_worker.py
+``determine_available_memory``: ``self.requested_memory - profile_result.non_kv_cache_memory``,
+less ``cudagraph_memory_estimate_applied`` where VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS is on)
+also subtracts the other non-torch memory it sees grow (NCCL buffers, ...) and the CUDA graphs'
+estimate, so the block count here is an upper bound. vLLM's chunked prefill packs a token budget
+(``max_num_batched_tokens``) across requests each step rather than one prompt at a time.
 """
 from __future__ import annotations
 
