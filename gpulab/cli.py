@@ -261,8 +261,9 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
                    help="the optimizer's implementation (torch's default on the device, or one named)")
     p.add_argument("--checkpointing", nargs="?", const="full", default=False, type=_checkpointing, metavar="POLICY",
                    help="a transformers model's own activation checkpointing: full (the default: each block "
-                        "recomputed in backward), selective (matmul and attention outputs kept, the rest "
-                        "recomputed) or every-K (every K-th block, e.g. every-2)")
+                        "recomputed in backward), selective (PyTorch's op-level selective activation "
+                        "checkpointing, SAC: matmul and attention outputs kept, the rest recomputed) or "
+                        "every-K (every K-th block, e.g. every-2)")
     p.add_argument("--lora", type=_positive_int, default=0, metavar="R",
                    help="LoRA adapters of rank R (peft) on a frozen base; only they train")
     p.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",

@@ -11,7 +11,8 @@ backward) is trained for one step with ``torch.utils.checkpoint.checkpoint_seque
 
 ``time_fn`` is the timing helper: warm-up, synchronize on CUDA, repeat, keep every sample.
 
-Selective checkpointing (``selective_checkpoint``): a plain-PyTorch ``TransformerBlock`` trained
+Megatron-LM's selective recomputation (``selective_checkpoint``; not the op-level selective
+activation checkpointing of ``models.adapt``'s "selective" policy): a plain-PyTorch ``TransformerBlock`` trained
 with nothing, the whole block, only the attention core (scores, softmax, weighted sum: the
 saved tensors that grow with seq²) or only the MLP checkpointed; saved activations and step
 peak under the tracker against op-by-op formulas (``attention_saved_bytes``,

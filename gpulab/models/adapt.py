@@ -9,12 +9,14 @@ Checkpointing policies (``CHECKPOINTING_POLICIES``; ``check_checkpointing`` read
 * ``"every-K"``: every K-th block only (transformers' ``every_n_layers``; the blocks between keep
   their activations): less recompute, more memory (torchtitan's selective mode with a layer
   frequency, ``selective_ac_option=K``);
-* ``"selective"``: every block under PyTorch's selective activation checkpointing
-  (``torch.utils.checkpoint.create_selective_checkpoint_contexts``): inside a block the outputs of
+* ``"selective"``: every block under PyTorch's op-level selective activation checkpointing (SAC,
+  ``torch.utils.checkpoint.create_selective_checkpoint_contexts``): inside a block the outputs of
   the matrix multiplies and fused attention are saved, everything else (norms, activation
   functions, rotary embeddings, elementwise products) is recomputed in backward. torchtitan's
   op-level policy (``selective_ac_option="op"``, ``torchtitan/distributed/activation_checkpoint.py``)
-  is the same idea, but recomputes every second ``mm``; this one keeps them all.
+  is the same idea, but recomputes every second ``mm``; this one keeps them all. It is not
+  Megatron-LM's selective recomputation (lesson 07, ``course.checkpointing.selective_checkpoint``),
+  which checkpoints only the attention core and keeps everything else.
 
 ``adapted(w, lora=R, lora_targets=..., checkpointing="full")`` is the workload ``w`` built that way:
 the same inputs and loss, a model that is built, checkpointed and wrapped on the run's device
