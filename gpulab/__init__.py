@@ -1,16 +1,49 @@
 """gpulab: see where GPU memory goes in PyTorch.
 
 The handful of names a lesson uses; everything else lives in its submodule.
+
+The names are loaded on first use (PEP 562): ``from gpulab import step`` imports torch then, while
+``import gpulab.cli`` alone does not, so the command checks its arguments before torch loads.
 """
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:   # for type checkers and editors; at run time __getattr__ below loads them
+    from gpulab.categories import Category
+    from gpulab.measure.engines import run
+    from gpulab.measure.tracking import MemoryTracker
+    from gpulab.predict.breakdown import breakdown
+    from gpulab.predict.fit import fit
+    from gpulab.predict.serve import serve
+    from gpulab.predict.step import step
+    from gpulab.units import format_bytes
+
 __version__ = "0.1.0"
 
-from gpulab.measure.engines import run
-from gpulab.predict.breakdown import breakdown
-from gpulab.predict.fit import fit
-from gpulab.predict.serve import serve
-from gpulab.categories import Category
-from gpulab.measure.tracking import MemoryTracker
-from gpulab.predict.step import step
-from gpulab.units import format_bytes
+# each public name and the module it comes from
+_SOURCES = {
+    "Category": "gpulab.categories",
+    "MemoryTracker": "gpulab.measure.tracking",
+    "breakdown": "gpulab.predict.breakdown",
+    "fit": "gpulab.predict.fit",
+    "format_bytes": "gpulab.units",
+    "run": "gpulab.measure.engines",
+    "serve": "gpulab.predict.serve",
+    "step": "gpulab.predict.step",
+}
 
 __all__ = ["Category", "MemoryTracker", "breakdown", "fit", "format_bytes", "run", "serve", "step"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SOURCES:
+        value = getattr(importlib.import_module(_SOURCES[name]), name)
+        globals()[name] = value    # once: later look-ups are plain attribute reads
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -5,17 +5,23 @@ Bytes are the internal unit everywhere in gpulab. On display we use binary units
 ``torch.cuda.memory_summary()`` print (nvidia-smi writes "MiB"). Decimal units
 (KB = 1000 B, MB, GB) appear only where a lesson compares the two, and every
 formatted number carries its unit, so the two can never be confused.
+
+Importing this module does not import torch (the CLI checks its arguments before torch loads):
+``DTYPES`` is built from torch on first use, and the functions that take a ``torch.dtype``
+import it when called.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:   # torch is imported where it is used: ``import gpulab.units`` stays torch-free
+    import torch
 
 __all__ = [
     "DTYPES", "DtypeInfo", "GB", "GiB", "KB", "KiB", "MB", "MiB", "dtype_bytes", "dtype_name",
-    "format_bytes", "format_delta", "mib", "parse_dtype", "round_up"
+    "MODEL_DTYPES", "check_model_dtype_name", "format_bytes", "format_delta", "mib", "parse_dtype", "round_up"
 ]
 
 KiB = 1024
@@ -44,7 +50,7 @@ class DtypeInfo:
 
 
 def _kind(dtype: torch.dtype, name: str) -> str:
-    if dtype == torch.bool:
+    if str(dtype) == "torch.bool":
         return "bool"
     if name.startswith("float8") or name.startswith("float4"):
         return "float8"
@@ -72,6 +78,7 @@ def _installed_dtypes() -> dict[str, DtypeInfo]:
     their itemsize describes a packed container, which is not what a lesson on element
     sizes wants.
     """
+    import torch
     table: dict[str, DtypeInfo] = {}
     for attr in dir(torch):
         obj = getattr(torch, attr, None)
@@ -88,7 +95,20 @@ def _installed_dtypes() -> dict[str, DtypeInfo]:
     return table
 
 
-DTYPES: dict[str, DtypeInfo] = _installed_dtypes()
+def _dtypes() -> dict[str, DtypeInfo]:
+    table = globals().get("DTYPES")
+    if table is None:
+        table = globals()["DTYPES"] = _installed_dtypes()
+    return table
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES``: every dtype this torch build defines, keyed by canonical name (built, and
+    torch imported, on first use; PEP 562)."""
+    if name == "DTYPES":
+        return _dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Short names people type, mapped to canonical names.
 _ALIASES = {
@@ -107,14 +127,32 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
 
     Raises ``ValueError`` naming the accepted spellings when the name is unknown.
     """
+    import torch
     if isinstance(value, torch.dtype):
         return value
     key = str(value).strip().lower().removeprefix("torch.")
     key = _ALIASES.get(key, key)
-    if key in DTYPES:
-        return DTYPES[key].dtype
-    valid = ", ".join(sorted(set(DTYPES) | set(_ALIASES)))
+    dtypes = _dtypes()
+    if key in dtypes:
+        return dtypes[key].dtype
+    valid = ", ".join(sorted(set(dtypes) | set(_ALIASES)))
     raise ValueError(f"unknown dtype {value!r}; valid dtypes: {valid}")
+
+
+# the dtypes a model is built in (torch.set_default_dtype takes only these: models.registry)
+MODEL_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def check_model_dtype_name(text: str) -> str:
+    """The canonical name of a model's dtype typed as ``text`` ("bf16", "torch.float32" ...),
+    checked without importing torch; ``ValueError`` naming the valid spellings otherwise."""
+    key = str(text).strip().lower().removeprefix("torch.")
+    key = _ALIASES.get(key, key)
+    if key in MODEL_DTYPES:
+        return key
+    valid = ", ".join(f"{n} ({', '.join(a for a, c in _ALIASES.items() if c == n)})" for n in MODEL_DTYPES)
+    raise ValueError(f"unknown dtype {text!r} for a model; valid dtypes: {valid} (models are built in a "
+                     f"floating-point dtype)")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -39,6 +39,7 @@ from gpulab.models.lora import check_rank, check_targets, default_targets, wrap_
 from gpulab.models.quantized import quantize_linears
 from gpulab.models.registry import active_fake_mode, build_in_place, build_skeleton, materialize
 from gpulab.models.workload import Workload
+from gpulab.options import CHECKPOINTING_POLICIES, POLICY_TEXT, check_checkpointing   # torch-free: the CLI checks first
 
 __all__ = ["CHECKPOINTING_KWARGS", "CHECKPOINTING_POLICIES", "POLICY_TEXT", "SELECTIVE_SAVED_OPS", "adapted", "check_checkpointing",
            "enable_checkpointing", "quantized_build"]
@@ -47,10 +48,6 @@ __all__ = ["CHECKPOINTING_KWARGS", "CHECKPOINTING_POLICIES", "POLICY_TEXT", "SEL
 # ``_activation_checkpointing_enable``): the non-reentrant implementation
 CHECKPOINTING_KWARGS = {"use_reentrant": False}
 _PEFT_TASKS = {"causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM"}
-CHECKPOINTING_POLICIES = ("full", "selective", "every-K")
-POLICY_TEXT = ("full (every block), selective (matmul and attention outputs kept, the rest recomputed) or "
-               "every-K (every K-th block, e.g. every-2)")
-
 # the ops whose outputs selective checkpointing keeps: matrix multiplies (a linear layer runs
 # ``mm``, or ``addmm`` with a bias) and the fused attention kernels; everything else in a block is
 # recomputed in backward
@@ -59,23 +56,6 @@ SELECTIVE_SAVED_OPS = frozenset(op for op in (
     for name in ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"))
     if op is not None)
-
-
-def check_checkpointing(value) -> str | bool:
-    """A checkpointing choice as the recipe keeps it: False (none), "full", "selective" or
-    "every-K" with K ≥ 2 ("every-1" is "full"). True means "full". ``ValueError`` naming the
-    choices otherwise."""
-    if value is False or value is None:
-        return False
-    if value is True:
-        return "full"
-    if isinstance(value, str):
-        v = value.strip().lower()
-        if v in ("full", "selective"):
-            return v
-        if v.startswith("every-") and v[6:].isdigit() and int(v[6:]) >= 1:
-            return "full" if int(v[6:]) == 1 else f"every-{int(v[6:])}"
-    raise ValueError(f"checkpointing must be True or False, or a policy: {POLICY_TEXT}; got {value!r}")
 
 
 def _selective_policy(ctx, func, *args, **kwargs):

@@ -24,11 +24,11 @@ from gpulab.training.optimizers import check_optimizer
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
 from gpulab.predict.guard import check_fits
+from gpulab.options import MAX_STEPS   # torch-free: the CLI checks --steps first
 
 __all__ = ["DEFAULT_STEPS", "MAX_STEPS", "StepResult", "step"]
 
 DEFAULT_STEPS = 2
-MAX_STEPS = 10   # tracked steps of one call: each repeats the steady state of step 2
 
 
 def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shape: tuple[int, ...] | None = None,

@@ -19,17 +19,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpulab.options import check_chunks   # torch-free: the CLI checks first
+
 __all__ = ["IGNORE_INDEX", "chunked_lm_loss", "check_chunks"]
 
 IGNORE_INDEX = -100   # transformers' and torchtune's
-
-
-def check_chunks(chunks) -> int:
-    """0 (the model's own loss) or a number of chunks from 2 to 64; anything else is refused."""
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or not (chunks == 0 or 2 <= chunks <= 64):
-        raise ValueError(f"chunked_loss must be a number of chunks from 2 to 64 (torchtune uses 8), or 0 for the "
-                         f"model's own loss; got {chunks!r}")
-    return chunks
 
 
 def chunked_lm_loss(net: torch.nn.Module, data, chunks: int) -> torch.Tensor:
