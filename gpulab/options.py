@@ -19,8 +19,8 @@ AMP_NAMES = ("fp16", "bf16")       # the keys of training.loop.AMP_DTYPES
 MAX_STEPS = 10   # tracked steps of one call: each repeats the steady state of step 2
 
 CHECKPOINTING_POLICIES = ("full", "selective", "every-K")
-POLICY_TEXT = ("full (every block), selective (matmul and attention outputs kept, the rest recomputed) or "
-               "every-K (every K-th block, e.g. every-2)")
+POLICY_TEXT = ("full (every block), selective (op-level selective activation checkpointing, SAC: matmul and "
+               "attention outputs kept, the rest recomputed) or every-K (every K-th block, e.g. every-2)")
 
 
 def check_checkpointing(value) -> str | bool:
