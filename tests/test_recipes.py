@@ -270,10 +270,68 @@ def test_compile_measures_what_aotautograds_partitioner_saves(capsys):
     assert _max_live(cpu, "activations") < _max_live(eager, "activations")
     assert cpu.recipe == {"compile": True}
     with pytest.raises(ValueError, match="compile"):
-        gpulab.step("hf:tiny-gpt2", batch=2, engine="fake", compile=True, chunked_loss=4)
+        gpulab.step("hf:tiny-gpt2", batch=2, engine="fake", compile=True, offload_activations=True)
     assert cli.main(["step", "hf:tiny-gpt2", "--batch", "2", "--seq-len", "32", "--engine", "fake", "--compile"]) == 0
     assert "compile=True" in capsys.readouterr().out.splitlines()[0]
 
+
+
+def _largest_logits(r, vocab: int) -> int:
+    """The largest activation or temporary whose last dimension is the vocabulary (logits, their
+    float32 copy, log_softmax's output, their gradients)."""
+    return max(x.nbytes for x in r.measurement.tracking.records.values()
+               if x.shape and x.shape[-1] == vocab and x.category.value in ("activations", "temporaries"))
+
+
+def test_compile_with_a_chunked_loss_compiles_the_chunked_function(capsys):
+    """torchtune runs both: the chunked loss (body, head chunk by chunk, cross-entropy) compiled
+    whole. The partitioner's savings and the chunks' add up: below each alone; the largest tensor
+    over the vocabulary is one chunk's logits (b·s/K·V float32 values), as in the eager chunked loss,
+    where compile alone holds them all; the cpu and fake engines agree."""
+    from gpulab.models.workload import resolve_workload
+    kw = dict(batch=4, seq_len=64, guard=False, steps=1)
+    chunked = gpulab.step("hf:tiny-gpt2", engine="cpu", chunked_loss=8, **kw)
+    compiled = gpulab.step("hf:tiny-gpt2", engine="cpu", compile=True, **kw)
+    both = gpulab.step("hf:tiny-gpt2", engine="cpu", compile=True, chunked_loss=8, **kw)
+    fake = gpulab.step("hf:tiny-gpt2", engine="fake", fake_target="cpu", compile=True, chunked_loss=8, **kw)
+    assert both.peak_by_category == fake.peak_by_category and both.step_peaks == fake.step_peaks
+    assert both.recipe == {"chunked_loss": 8, "compile": True}
+    assert "native_layer_norm" not in {x.op for x in both.measurement.tracking.records.values()}   # compiled
+    assert both.peak_bytes < min(chunked.peak_bytes, compiled.peak_bytes)
+    assert _max_live(both, "activations") < _max_live(chunked, "activations")   # the partitioner's choice
+    vocab = resolve_workload("hf:tiny-gpt2", None).config.vocab_size
+    logits32 = 4 * 64 * vocab * 4
+    assert _largest_logits(compiled, vocab) == logits32
+    assert _largest_logits(both, vocab) == _largest_logits(chunked, vocab) == logits32 // 8
+    assert cli.main(["step", "hf:tiny-gpt2", "--batch", "2", "--seq-len", "32", "--engine", "fake", "--compile",
+                     "--chunked-loss", "4"]) == 0
+    assert "chunked_loss=4, compile=True" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_the_compiled_chunked_loss_is_the_models_own_loss_at_the_same_flops():
+    """The function the loop runs (``training.loop.recipe_loss``): compiled and chunked, the same
+    loss value as the model's own on real tensors, and the same FLOPs forward and backward
+    (FlopCounterMode: the head's matmuls are split, not repeated or recomputed)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from gpulab.models.workload import resolve_workload
+    from gpulab.training.loop import recipe_loss
+    w = resolve_workload("hf:tiny-gpt2", None, seq_len=64)
+    torch.manual_seed(0)
+    net = w.build(torch.device("cpu"), torch.float32).eval()   # no dropout: the forwards agree
+    data = w.inputs(4, torch.float32)
+    values, flops = [], []
+    for recipe in (Recipe(), Recipe(compile=True, chunked_loss=8)):
+        loss_of = recipe_loss(w, recipe, net)
+        loss_of(data).backward()   # compiled here (dynamo captures outside the counter)
+        with FlopCounterMode(display=False) as counter:
+            loss = loss_of(data)
+            loss.backward()
+        values.append(loss.detach())
+        flops.append(counter.get_total_flops())
+        net.zero_grad(set_to_none=True)
+    assert torch.allclose(values[0], values[1], rtol=1e-6, atol=1e-6)
+    assert flops[0] == flops[1] > 0
 
 # --- checkpointing, LoRA and the optimizer's implementation (models.adapt) ---------------------------
 

@@ -33,7 +33,10 @@ tracker's phase. Where lessons differ, the ``Recipe`` says how:
   capture and first run at each batch size happen with the tracker paused (a warm-up); the
   measured steps run the compiled graphs (the tracker sees their ops). Inductor would also fuse
   pointwise ops into kernels, so its temporaries would be fewer; what it saves is the same
-  partitioner's choice. Inside the compiled region ops are attributed to the whole model;
+  partitioner's choice. Inside the compiled region ops are attributed to the whole model. With
+  ``chunked_loss`` (torchtune compiles both) the chunked loss function is compiled whole: the
+  body, the head chunk by chunk and each chunk's cross-entropy, one graph partitioned as one
+  (``recipe_loss``);
 * ``checkpointing``: the model's own activation checkpointing (transformers' gradient checkpointing)
   under a policy (``models.adapt``): "full" (each block recomputed in backward from its saved
   input), "selective" (matmul and attention outputs kept, the rest recomputed) or "every-K"; ``lora`` (a rank) and ``lora_targets``:
@@ -73,7 +76,7 @@ from gpulab.training.chunked_loss import check_chunks, chunked_lm_loss
 from gpulab.training.optimizers import build_optimizer, check_implementation, check_optimizer, make_optimizer
 
 __all__ = ["AMP_DTYPES", "RECIPE_DEFAULTS", "ZERO_GRAD", "Recipe", "step_experiment", "step_peaks", "train_experiment",
-           "changed_options", "check_recipe_for", "user_recipe", "validate_amp"]
+           "changed_options", "check_recipe_for", "recipe_loss", "user_recipe", "validate_amp"]
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ZERO_GRAD = ("top", "top, optimizer phase", "after step")
@@ -121,10 +124,9 @@ class Recipe:
                                                     and 0 < self.clip_grad_norm < float("inf")):
             raise ValueError(f"clip_grad_norm must be a positive number (the largest total norm), "
                              f"got {self.clip_grad_norm!r}")
-        if self.compile and (self.offload_activations or self.chunked_loss):
-            raise ValueError("compile is measured on the model's own forward and loss: leave out "
-                             + ("offload_activations" if self.offload_activations else "chunked_loss")
-                             + " with it (torch.compile would trace that too, differently)")
+        if self.compile and self.offload_activations:
+            raise ValueError("compile is measured on the model's own forward and loss: leave out offload_activations "
+                             "with it (torch.compile would trace save_on_cpu's hooks too, differently)")
         if self.optimizer_in_backward:
             clash = [name for name, on in (("accumulate", self.accumulate > 1), ("clip_grad_norm", self.clip_grad_norm),
                                            ("grad_scaler", self.grad_scaler)) if on]
@@ -233,7 +235,7 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
             net = w.build(ctx.device, dtype)
             if r.register_model or r.compile:   # compile: the tracker's parameter hooks exist before dynamo guards
                 ctx.tracker.register(net)
-            run_net = _compiled(net) if r.compile else net
+            step_loss = recipe_loss(w, r, net)
             warmed = None
             opt = _optimizers(r, net, ctx.engine == "fake")
         scaler = torch.amp.GradScaler(ctx.device.type) if r.grad_scaler else None
@@ -248,7 +250,7 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
                             ctx.label(t)
                 data_batch = b
             if r.compile and b != warmed:   # capture and compile at this batch size, unrecorded
-                _warm_up(ctx, run_net, net, w, data, r)
+                _warm_up(ctx, step_loss, net, data, r)
                 warmed = b
             if i == 0:
                 moment(ctx, "after setup")
@@ -261,12 +263,7 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
                 with ctx.phase("forward"), _autocast(ctx.device, r.amp), \
                         ctx.offloading() if r.offload_activations else contextlib.nullcontext(), \
                         ctx.tracker.without_module_hooks() if r.compile else contextlib.nullcontext():
-                    if r.chunked_loss:
-                        loss = chunked_lm_loss(net, _forward_options(data, r), r.chunked_loss)
-                    else:
-                        output = forward(run_net, _forward_options(data, r))
-                        loss = w.loss(output, data)
-                        del output
+                    loss = step_loss(data)
                     if r.accumulate > 1:
                         loss = loss / r.accumulate
                 with ctx.phase("backward"):
@@ -289,7 +286,7 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
         if r.teardown:   # the run's end frees everything: not the optimizer's doing
             with ctx.phase("teardown"):
                 data, t = None, None
-                del opt, net
+                del opt, net, step_loss   # step_loss holds the model too
         return out
     return experiment
 
@@ -342,20 +339,39 @@ def _optimizers(r: Recipe, net: torch.nn.Module, fake: bool):
     return _InBackward(r, params, fake) if r.optimizer_in_backward else _one_optimizer(r, params)
 
 
-def _compiled(net: torch.nn.Module) -> torch.nn.Module:
-    """``net`` under ``torch.compile`` with AOTAutograd's partitioner and no code generation; dynamo's
-    caches emptied first (each run builds a fresh model, and dynamo would count every one as a
-    recompile of the same code, then fall back to eager after its limit)."""
+def recipe_loss(w: Workload, r: Recipe, net: torch.nn.Module) -> Callable[[Any], torch.Tensor]:
+    """What the loop's forward phase runs on one batch: ``data -> loss``. The model's own forward
+    and ``w.loss``, or ``chunked_lm_loss`` in ``r.chunked_loss`` chunks; with ``r.compile`` the
+    model, or with a chunked loss the whole chunked function (body, head chunk by chunk and
+    cross-entropy: one graph that AOTAutograd partitions), under ``torch.compile``."""
+    if r.chunked_loss:
+        chunked = _compiled(chunked_lm_loss) if r.compile else chunked_lm_loss
+        return lambda data: chunked(net, _forward_options(data, r), r.chunked_loss)
+    run_net = _compiled(net) if r.compile else net
+
+    def own_loss(data):
+        output = forward(run_net, _forward_options(data, r))
+        loss = w.loss(output, data)
+        del output
+        return loss
+    return own_loss
+
+
+def _compiled(fn: Callable) -> Callable:
+    """``fn`` (the model, or the chunked loss) under ``torch.compile`` with AOTAutograd's partitioner
+    and no code generation; dynamo's caches emptied first (each run builds a fresh model, and dynamo
+    would count every one as a recompile of the same code, then fall back to eager after its limit)."""
     torch._dynamo.reset()
-    return torch.compile(net, backend="aot_eager_decomp_partition")
+    return torch.compile(fn, backend="aot_eager_decomp_partition")
 
 
-def _warm_up(ctx: RunContext, run_net: torch.nn.Module, net: torch.nn.Module, w: Workload, data, r: Recipe) -> None:
+def _warm_up(ctx: RunContext, step_loss: Callable[[Any], torch.Tensor], net: torch.nn.Module, data,
+             r: Recipe) -> None:
     """One forward and backward of the compiled model with the tracker paused (dynamo captures,
     AOTAutograd partitions), then the gradients dropped: the measured steps run the compiled graphs."""
     with ctx.tracker.paused():
         with _autocast(ctx.device, r.amp):
-            loss = w.loss(forward(run_net, _forward_options(data, r)), data)
+            loss = step_loss(data)
         loss.backward()
         del loss
         net.zero_grad(set_to_none=True)
