@@ -1,0 +1,251 @@
+"""benchmarks/practitioner_validation.py (issue 33, item 3), without a GPU: the command refuses to
+run without one; under the CUDA stand-in (tests/cuda_standin.py) its --quick run goes end to end
+(the fake prediction, a plain untracked step, the fit check on an emulated card with b + 1 out of
+memory caught), says in its first line that no GPU measured anything, and writes its JSON and its
+section; a missed target is a MISS with its size, an out-of-memory or an error is that case's
+result and the run goes on, the time limits stop cases and say so."""
+import importlib.util
+import json
+import sys
+import time
+
+import pytest
+import torch
+from cuda_standin import STANDIN_NAME
+
+from conftest import ROOT
+
+SCRIPT = ROOT / "benchmarks" / "practitioner_validation.py"
+MiB, GiB = 1 << 20, 1 << 30
+
+
+@pytest.fixture(scope="module")
+def pv():
+    spec = importlib.util.spec_from_file_location("practitioner_validation", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["practitioner_validation"] = mod      # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("practitioner_validation", None)
+
+
+def _standin(mp, **kwargs):
+    """The stand-in, with ``set_per_process_memory_fraction`` limiting its simulated allocator as
+    the real one limits the caching allocator (fraction × the device's total)."""
+    from cuda_standin import standin_gpu
+    cm = standin_gpu(mp, **kwargs)
+    gpu = cm.__enter__()
+    full = gpu.sim.capacity_bytes
+
+    def set_fraction(fraction, device=None):
+        gpu.sim.capacity_bytes = min(full, int(fraction * gpu.total_bytes))
+    mp.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction, raising=False)
+    return cm, gpu
+
+
+# --- no GPU: exit 2, one line ----------------------------------------------------------------------
+
+def test_without_a_gpu_it_exits_2_with_one_line(pv, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pv.main(["--out", str(tmp_path / "v"), "--quick"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "needs a CUDA GPU" in err
+    assert not (tmp_path / "v").exists()
+
+
+def test_the_gpu_command_is_at_the_top_of_the_docstring(pv):
+    head = "\n".join(pv.__doc__.split("\n\n")[1:3])
+    assert "PYTHONPATH=. python benchmarks/practitioner_validation.py --out" in head and "--time-limit 480" in head
+    assert len(pv.CASES) >= 12 and len({c.name for c in pv.CASES}) == len(pv.CASES)
+    assert sum(1 for c in pv.CASES if c.fit_cards) >= 3
+    assert {"T4", "24GiB", "40GiB", "H100"} <= {x for c in pv.CASES for x in c.fit_cards}
+
+
+# --- the --quick command under the stand-in --------------------------------------------------------
+
+QUICK = "gpt2-fp32-adamw,llama1b-qlora,resnet50-fp32-momentum,llama8b-generate"
+
+
+@pytest.fixture(scope="module")
+def quick_run(pv, tmp_path_factory):
+    """The command itself (main), --quick on four cases: one with a fit check, one needing
+    bitsandbytes' CUDA kernels, an image model, generate(); --md into a file with other content."""
+    out = tmp_path_factory.mktemp("practitioner")
+    md = out / "docs" / "gpu-validation.md"
+    md.parent.mkdir()
+    md.write_text("# GPU validation\n\nThe other script's report.\n")
+    t0 = time.monotonic()
+    with pytest.MonkeyPatch.context() as mp:
+        cm, gpu = _standin(mp)
+        try:
+            rc = pv.main(["--out", str(out), "--md", str(md), "--quick", "--cases", QUICK, "--commit", "0123abc"])
+            left = gpu.sim.memory_allocated()
+        finally:
+            cm.__exit__(None, None, None)
+    return rc, out, md, time.monotonic() - t0, left
+
+
+def test_quick_run_under_the_standin_goes_end_to_end(pv, quick_run):
+    rc, out, md, seconds, left = quick_run
+    assert rc == 1          # the stand-in is no GPU: its plain steps differ from CUDA's (MISS)
+    assert seconds < 120
+    raw = json.loads((out / pv.JSON_NAME).read_text())
+    assert raw["quick"] is True and raw["device"]["gpu_name"] == STANDIN_NAME
+    assert raw["device"]["gpulab_commit"] == "0123abc"
+    assert [c["name"] for c in raw["cases"]] == QUICK.split(",")
+    gpt2, qlora, cnn, gen = raw["cases"]
+    assert gpt2["status"] == "ran" and gpt2["model"].startswith("tiny GPT-2")
+    for key in ("predicted_tensors", "predicted_allocated", "predicted_reserved", "real_allocated", "real_reserved",
+                "baseline_allocated", "baseline_reserved", "nvml_used", "predicted_process", "context_assumed",
+                "seeded_allocated", "seeded_reserved", "predict_seconds", "run_seconds"):
+        assert gpt2[key] is not None, key
+    assert gpt2["real_allocated"] > 0 and gpt2["baseline_allocated"] > 0    # the warm-up's workspace
+    assert gpt2["predicted_process"] == gpt2["baseline_reserved"] + gpt2["predicted_reserved"] + gpt2["context_assumed"]
+    assert qlora["status"] == "skipped: bitsandbytes CUDA kernels absent" and qlora["real_allocated"] is None
+    # the stand-in's "allocator" is gpulab's simulator: on the lessons' CNN the plain step is the prediction
+    assert cnn["status"] == "ran" and cnn["predicted_allocated"] == cnn["real_allocated"]
+    assert cnn["predicted_reserved"] == cnn["real_reserved"]
+    assert gen["status"] != "not run" and gen["predicted_allocated"] is not None
+    # the fit check: an emulated card, the allocator limited, b and b + 1 tried, an OOM caught
+    (fit,) = gpt2["fit"]
+    assert fit["card"] == "560MiB" and fit["card_bytes"] == 560 * MiB and fit["context_bytes"] == 500 * MiB
+    assert fit["limit_bytes"] == 60 * MiB and fit["fit_batch"] >= 1
+    assert str(fit["fit_batch"]) in fit["tried"] and "OOM" in fit["tried"].values()
+    assert fit["verdict"].startswith(("PASS", "MISS"))
+    assert left <= raw["cases"][-1]["baseline_allocated"]       # every case's memory was given back
+
+
+def test_quick_report_says_first_that_no_gpu_measured_anything(pv, quick_run):
+    _, out, md, _, _ = quick_run
+    text = (out / pv.MD_NAME).read_text()
+    first = text.splitlines()[0]
+    assert first.startswith("## ") and "NO GPU MEASURED ANYTHING" in first
+    assert "NVIDIA" not in text and "No GPU measured any figure" in text
+    assert "| check | target | result |" in text and "within ±1%" in text and "within ±3%" in text
+    assert "within ±5%" in text and "exact in ≥90%, never one too many" in text
+    assert "| llama1b-qlora |" in text and "skipped: bitsandbytes CUDA kernels absent" in text
+    assert "### Fit on emulated cards" in text and "| gpt2-fp32-adamw | 560MiB |" in text
+    # the section went into --md under its own heading, the file's own content kept
+    doc = md.read_text()
+    assert doc.startswith("# GPU validation\n\nThe other script's report.\n")
+    assert pv.MARK_START in doc and pv.MARK_END in doc and text.strip() in doc
+
+
+def test_a_missed_target_is_a_miss_with_its_size(pv, quick_run):
+    _, out, _, _, _ = quick_run
+    rep = json.loads((out / pv.JSON_NAME).read_text())
+    gpt2 = pv.CaseRun(**{k: v for k, v in rep["cases"][0].items() if k != "fit"})
+    check = pv.allocated_check(gpt2)
+    diff = gpt2.predicted_allocated - gpt2.real_allocated
+    assert diff != 0 and not check.passed       # the stand-in's for-loop AdamW is not CUDA's foreach
+    text = (out / pv.MD_NAME).read_text()
+    row = next(ln for ln in text.splitlines() if ln.startswith("| gpt2-fp32-adamw |"))   # the cases' table
+    assert f"MISS by {pv.gv._pct(check.difference)} ({pv.gv._signed_bytes(diff)})" in row
+    assert any(r.startswith("fake prediction") for r in pv.missed(_report(pv, rep)))
+
+
+def _report(pv, raw):
+    cases = []
+    for c in raw["cases"]:
+        fits = [pv.FitCheck(**f) for f in c["fit"]]
+        cases.append(pv.CaseRun(**{**c, "fit": fits}))
+    return pv.Report(**{**raw, "cases": cases})
+
+
+# --- out of memory, errors, time limits ------------------------------------------------------------
+
+def test_an_out_of_memory_case_is_caught_and_the_run_goes_on(pv, tmp_path):
+    """A batch the (1 GiB) stand-in cannot hold: the plain step raises torch.OutOfMemoryError,
+    which is that case's result; its memory is given back and the next case runs."""
+    huge = pv.Case("huge-batch", "tiny-gpt2", 2048, seq_len=256)
+    small = pv.Case("small-cnn", "cnn", 8, optimizer="momentum")
+    with pytest.MonkeyPatch.context() as mp:
+        cm, gpu = _standin(mp, total_bytes=GiB, context_bytes=100 * MiB)
+        try:
+            rep = pv.validate(tmp_path, cases=[huge, small])
+            left = gpu.sim.memory_allocated()
+        finally:
+            cm.__exit__(None, None, None)
+    first, second = rep.cases
+    assert first.status.startswith("out of memory: OutOfMemoryError") and "CUDA out of memory" in first.error
+    assert first.predicted_allocated > GiB and first.real_allocated is None
+    assert second.status == "ran" and second.real_allocated > 0
+    assert left == second.baseline_allocated
+    text = (tmp_path / pv.MD_NAME).read_text()
+    assert "| huge-batch |" in text and "out of memory: OutOfMemoryError" in text
+    assert "MISS: 1 ran, 0 skipped, 1 failed (huge-batch: out of memory" in text
+
+
+def test_time_limits_stop_cases_and_say_so(pv, tmp_path):
+    with pytest.raises(pv.CaseTimeout):
+        with pv.time_limit(0.2):
+            time.sleep(5)
+    with pytest.MonkeyPatch.context() as mp:
+        cm, _ = _standin(mp)
+        try:
+            rep = pv.validate(tmp_path, quick=True, names=["gpt2-fp32-adamw", "resnet50-fp32-momentum"],
+                              time_limit_s=0)
+            slow = pv.measure_case(pv.quick_cases()[0], stand_in=True, context_assumed=0, case_limit=0.05)
+        finally:
+            cm.__exit__(None, None, None)
+    assert rep.cases == [] and rep.not_run == ["gpt2-fp32-adamw: time limit reached",
+                                               "resnet50-fp32-momentum: time limit reached"]
+    assert pv.missed(rep)[-1] == "cases"
+    assert slow.status == "timed out" and "time limit" in slow.error
+
+
+# --- the renderer on hand-made data ----------------------------------------------------------------
+
+def _device():
+    return {"gpu_name": "NVIDIA H100 80GB HBM3", "gpu_total_bytes": 85 * 10**9, "driver": "570.1",
+            "cuda_runtime": "12.8", "cudnn": 91000, "compute_capability": "9.0", "torch": "2.15.0",
+            "torchvision": "0.29.2", "python": "3.12.3", "gpulab_version": "0.1.0", "gpulab_commit": "abc",
+            "time_utc": "2026-11-27 10:00 UTC", "stand_in": False}
+
+
+def _case(pv, name, predicted, real, **kw):
+    fields = dict(status="ran", predicted_tensors=predicted, predicted_allocated=predicted, real_allocated=real,
+                  predicted_reserved=real, real_reserved=real, predicted_process=real + GiB, nvml_used=real + GiB)
+    fields.update(kw)
+    return pv.CaseRun(name, "GPT-2", "adamw, float32", 8, 1024, **fields)
+
+
+def test_renderer_judges_targets_and_fit(pv):
+    base = 1000 * MiB
+    ok = _case(pv, "ok", int(base * 1.009), base)
+    bad = _case(pv, "bad", int(base * 1.011), base, predicted_reserved=int(base * 0.96))
+    exact = pv.FitCheck("T4", fit_batch=5, real_largest=5, real_largest_exact=True, verdict="PASS",
+                        tried={"5": "ran", "6": "OOM"})
+    over = pv.FitCheck("24GiB", fit_batch=7, real_largest=6, real_largest_exact=True,
+                       verdict="MISS: too many by 1 (batch 7 ran out of memory)", tried={"7": "OOM", "6": "ran"})
+    ok.fit, bad.fit = [exact], [over]
+    rep = pv.Report(_device(), "t", cases=[ok, bad])
+    text = pv.render(rep)
+    assert text.splitlines()[0] == pv.HEADING and "NOT A GPU" not in text
+    bad_row = next(ln for ln in text.splitlines() if ln.startswith("| bad |"))
+    assert f"MISS by +1.10% (+{(int(base * 1.011) - base) / MiB:,.2f} MiB)" in bad_row
+    assert "MISS by −4.00%" in bad_row
+    ok_row = next(ln for ln in text.splitlines() if ln.startswith("| ok |"))
+    assert ok_row.count("PASS") == 3
+    assert "MISS: 1 of 2 outside (bad)" in text
+    assert "MISS: exact in 1/2 (50%); one batch too many or more in 24GiB" in text
+    assert pv.missed(rep) == [r[0] for r in pv.summary_rows(rep)[:2]] + [pv.summary_rows(rep)[3][0]]
+    # all exact but one too few: 2/3 exact is below 90%
+    few = pv.FitCheck("40GiB", fit_batch=3, real_largest=4, real_largest_exact=True, verdict="MISS: too few by 1")
+    assert pv.fit_summary([exact, exact, few]).startswith("MISS: exact in 2/3 (67%)")
+    assert pv.fit_summary([exact] * 9 + [pv.FitCheck("x", verdict="not emulated: larger")]).startswith(
+        "PASS: exact in 9/9")
+    # the compile gap: reported, no target
+    gap = _case(pv, "gpt2-compile", int(base * 0.8), base, target=False, note="inductor vs aot_eager")
+    text = pv.render(pv.Report(_device(), "t", cases=[gap]))
+    assert "gap −20.00% (no target)" in text and "| gpt2-compile: inductor vs aot_eager | reported (no target) |" in text
+
+
+def test_the_section_replaces_an_earlier_one_and_keeps_the_rest(pv):
+    first = pv.insert_section("# Doc\n\nkept\n", "## A\n\nbody-1\n")
+    assert first.startswith("# Doc\n\nkept\n\n" + pv.MARK_START)
+    again = pv.insert_section(first + "\n## after\n", "## A\n\nbody-2\n")
+    assert "body-1" not in again and "body-2" in again and again.count(pv.MARK_START) == 1
+    assert pv.MARK_END + "\n\n## after" in again
+    assert again.startswith("# Doc\n\nkept\n") and again.rstrip().endswith("## after")
+    assert pv.insert_section("", "## A\n").startswith(pv.MARK_START)
