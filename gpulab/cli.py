@@ -5,6 +5,12 @@ MODEL is a lesson model, any torchvision classification model (``resnet50``,
 
 Each command prints a readable table, or with ``--json`` exactly one JSON object on stdout.
 Bad input gets one line on stderr naming what is valid, and exit code 2.
+
+The arguments are parsed, and every value that needs no torch checked (choices, numbers, the
+card and sizes, dtype names, checkpointing policies, loss chunks), before torch and transformers
+are imported: ``--help`` or a bad value answers in a fraction of a second; only a command that
+runs imports them. ``fit`` and ``serve`` say what they are doing on stderr as they go
+(``predict.progress``; ``--quiet``: nothing), never on stdout.
 """
 from __future__ import annotations
 
@@ -15,7 +21,10 @@ import platform
 import sys
 from typing import Any, Sequence
 
-from gpulab.units import format_bytes
+from gpulab.options import ALL_OPTIMIZERS, AMP_NAMES, MAX_STEPS, POLICY_TEXT, check_checkpointing, check_chunks
+from gpulab.predict.cards import parse_gpu
+from gpulab.predict.progress import StreamProgress
+from gpulab.units import check_model_dtype_name, format_bytes
 from gpulab.views import not_tensor_rows
 
 __all__ = ["MODEL_HELP", "REPORT", "build_parser", "env_info", "main"]
@@ -37,7 +46,6 @@ def _positive_int(text: str) -> int:
 
 
 def _checkpointing(text: str) -> str:
-    from gpulab.models.adapt import POLICY_TEXT, check_checkpointing   # torch, only when the flag is used
     try:
         return check_checkpointing(text)
     except ValueError:
@@ -45,11 +53,37 @@ def _checkpointing(text: str) -> str:
 
 
 def _steps(text: str) -> int:
-    from gpulab.predict.step import MAX_STEPS
     v = _positive_int(text)
     if v > MAX_STEPS:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_STEPS} (the steady state is reached at step 2; "
                                          f"later steps repeat it), got {v}")
+    return v
+
+
+def _chunks(text: str) -> int:
+    """--chunked-loss K: 0 (the default) is off, the model's own loss; else 2 to 64 chunks."""
+    try:
+        return check_chunks(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of chunks from 2 to 64 (torchtune uses 8), or 0 (the "
+                                         f"default) for the model's own loss; got {text!r}") from None
+
+
+def _dtype(text: str) -> str:
+    try:
+        check_model_dtype_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction of the card's memory in (0, 1], got {text!r}")
     return v
 
 
@@ -61,14 +95,12 @@ def _model_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("model", help=MODEL_HELP)
     s.add_argument("--image-size", type=_positive_int, default=None, help="image models: the image side in pixels")
     s.add_argument("--seq-len", type=_positive_int, default=None, help="transformers: tokens per sequence")
-    s.add_argument("--dtype", default=None, help="the model's dtype: float32 (default), bf16, fp16")
+    s.add_argument("--dtype", type=_dtype, default=None, help="the model's dtype: float32 (default), bf16, fp16")
     s.add_argument("--json", action="store_true")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gpulab.training.loop import AMP_DTYPES
-    from gpulab.training.optimizers import ALL_OPTIMIZERS
-
+    """The whole command line; building and using it imports no torch (``gpulab.options``)."""
     p = _Parser(prog="gpulab", description="Where does GPU memory go? Measure it. "
                 "(--debug anywhere: show the traceback of an error)")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -81,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(s)
     s.add_argument("--batch", type=_positive_int, default=None)
     s.add_argument("--optimizer", default="adam", choices=list(ALL_OPTIMIZERS))
-    s.add_argument("--amp", default=None, choices=list(AMP_DTYPES), help="run the forward under torch.autocast")
+    s.add_argument("--amp", default=None, choices=list(AMP_NAMES), help="run the forward under torch.autocast")
     s.add_argument("--engine", default="auto")
     s.add_argument("--steps", type=_steps, default=2,
                    help="training steps (default 2: the optimizer state exists from the first step on)")
@@ -92,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(f)
     f.add_argument("--gpu", required=True, help="a card (H100, A100-40GB, RTX4090, T4 ...) or a size (24GiB, 80GB)")
     f.add_argument("--optimizer", default="adam", choices=list(ALL_OPTIMIZERS))
-    f.add_argument("--amp", default=None, choices=list(AMP_DTYPES), help="run the forward under torch.autocast")
+    f.add_argument("--amp", default=None, choices=list(AMP_NAMES), help="run the forward under torch.autocast")
     f.add_argument("--context", default=None,
                    help="memory the CUDA context takes outside PyTorch's allocator (default: assumed from "
                         "--cuda-module-loading, with the published measurements it rests on)")
@@ -108,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
                         "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
     _recipe_options(f)
+    _quiet_option(f)
     v = sub.add_parser("serve", help="will a language model serve on a GPU: weights, KV cache, prefill and decode "
                                      "peaks (fake tensors at full size), vLLM-style paged blocks")
     v.add_argument("model", help="a built-in transformer config (hf:llama-3-8b, hf:qwen2.5-7b ...) or hf:path/config.json")
@@ -115,13 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--context", type=_positive_int, required=True, metavar="TOKENS",
                    help="tokens per sequence, prompt and output together")
     v.add_argument("--batch", type=_positive_int, default=1, help="sequences served at once (default 1)")
-    v.add_argument("--dtype", default="bf16", help="the model's dtype (default bf16)")
+    v.add_argument("--dtype", type=_dtype, default="bf16", help="the model's dtype (default bf16)")
     v.add_argument("--weights", default=None, choices=("int8", "int4", "nf4"),
                    help="weight-only quantization as bitsandbytes stores it (int4: its 4-bit NF4 layout)")
     v.add_argument("--kv-dtype", default=None, choices=("bf16", "fp16", "fp32", "fp8"),
                    help="the KV cache's dtype (default: the model's)")
     v.add_argument("--block-size", type=_positive_int, default=16, help="vLLM's KV block size in tokens (default 16)")
-    v.add_argument("--utilization", type=float, default=0.9,
+    v.add_argument("--utilization", type=_fraction, default=0.9,
                    help="vLLM's gpu_memory_utilization: the share of the card it plans with (default 0.9)")
     v.add_argument("--cuda-context", default=None, metavar="SIZE",
                    help="memory the CUDA context takes outside PyTorch's allocator (default: an assumed 512MiB)")
@@ -129,12 +162,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
                         "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
     v.add_argument("--json", action="store_true")
+    _quiet_option(v)
     r = sub.add_parser("record", help="on a GPU: measure the lessons' record set, write <out>/<gpu>.json")
     r.add_argument("--out", default=".", help="folder for the JSON file (default: the current folder)")
     r.add_argument("--quick", action="store_true", help="a small subset: checks the command, not for shipping")
     r.add_argument("--force", action="store_true", help="replace an existing record file for this GPU")
     r.add_argument("--json", action="store_true")
     return p
+
+
+def _quiet_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (by default a long answer says what it is doing there; "
+                        "stdout holds only the answer)")
 
 
 def _record(args) -> int:
@@ -249,8 +289,9 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
                    help="zero_grad(set_to_none=False): the gradients stay allocated, zeroed, between steps")
     p.add_argument("--optimizer-in-backward", action="store_true",
                    help="one optimizer per parameter, stepped as soon as its gradient exists (torchtune's optimizer_in_bwd)")
-    p.add_argument("--chunked-loss", type=int, default=0, metavar="K",
-                   help="a language model's head and loss K chunks of positions at a time (torchtune uses 8)")
+    p.add_argument("--chunked-loss", type=_chunks, default=0, metavar="K",
+                   help="a language model's head and loss K chunks of positions at a time, 2 to 64 (torchtune "
+                        "uses 8); 0, the default, is off: the model's own loss")
     p.add_argument("--no-kv-cache-in-training", action="store_true",
                    help="a language model's training forward with use_cache=False (by default its config decides)")
     p.add_argument("--compile", action="store_true",
@@ -325,56 +366,77 @@ def _one_line(exc: BaseException) -> str:
 
 def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    _check_values(args)   # still no torch: a bad card or size is refused here
     if args.command == "record":
         args.argv = list(argv)
         return _record(args)
+    progress = StreamProgress(sys.stderr) if args.command in ("fit", "serve") and not args.quiet else None
     try:
-        if args.command == "env":
-            data, text = env_info(), _print_env
-        elif args.command == "breakdown":
-            from gpulab.predict.breakdown import breakdown
-            data = breakdown(args.model, args.batch or 1, args.image_size, args.dtype or "float32",
-                             seq_len=args.seq_len).as_dict()
-            text = _print_breakdown
-        elif args.command == "step":
-            from gpulab.predict.step import step
-            data = step(args.model, batch=args.batch, optimizer=args.optimizer, steps=args.steps, engine=args.engine,
-                        dtype=args.dtype, amp=args.amp, seq_len=args.seq_len, image_size=args.image_size,
-                        fake_target=args.fake_target, **_recipe(args)).as_dict()
-            text = _print_step
-        elif args.command == "serve":
-            from gpulab.predict.serve import serve
-            data = serve(args.model, args.gpu, context_len=args.context, batch=args.batch, dtype=args.dtype,
-                         weights=args.weights, kv_dtype=args.kv_dtype, block_size=args.block_size,
-                         utilization=args.utilization, module_loading=args.cuda_module_loading,
-                         **({"context_bytes": _size(args.cuda_context, "--cuda-context")} if args.cuda_context else {})).as_dict()
-            text = _print_serve
-        else:
-            from gpulab.predict.fit import fit
-            data = fit(args.model, args.gpu, optimizer=args.optimizer, dtype=args.dtype, amp=args.amp,
-                       seq_len=args.seq_len, image_size=args.image_size, **_recipe(args),
-                       module_loading=args.cuda_module_loading, gpus=args.gpus, strategy=args.strategy,
-                       offload_optimizer=args.offload_optimizer,
-                       **({"context_bytes": _size(args.context)} if args.context else {})).as_dict()
-            text = _print_fit
-            if args.what_fits:
-                from gpulab.predict.what_fits import what_fits
-                data["what_fits"] = what_fits(args.model, args.gpu, batch=args.what_fits, optimizer=args.optimizer,
-                                              dtype=args.dtype, amp=args.amp, seq_len=args.seq_len,
-                                              image_size=args.image_size, module_loading=args.cuda_module_loading,
-                                              **({"context_bytes": _size(args.context)} if args.context else {}),
-                                              **_recipe(args)).as_dict()
+        if progress is not None and progress.tty:
+            progress(0.0, "importing torch and transformers")
+        data, text = _answer(args, progress)
     except (RuntimeError, TypeError) as exc:   # torch refusing a size (an overflowing shape): the input's doing
         if "overflow" in str(exc).lower() or "negative dimension" in str(exc):
             raise ValueError(f"a tensor of this size cannot be made ({_one_line(exc)}): use smaller "
                              "--batch, --image-size or --seq-len values") from exc
         raise
+    finally:
+        if progress is not None:
+            progress.close()
     return _emit(json.dumps(data) if args.json else text(data))
+
+
+def _check_values(args: argparse.Namespace) -> None:
+    """The values argparse's types cannot see together, checked before torch is imported: the
+    card, and the CUDA context's size on it."""
+    if args.command not in ("fit", "serve"):
+        return
+    card = parse_gpu(args.gpu)
+    flag, given = ("--context", args.context) if args.command == "fit" else ("--cuda-context", args.cuda_context)
+    if given:
+        nbytes = _size(given, flag)
+        if nbytes >= card.reported_total_bytes:
+            raise ValueError(f"{flag} {given} is the whole of {card.name}'s {format_bytes(card.reported_total_bytes)} "
+                             f"or more: the CUDA context takes part of the card, give a smaller size")
+
+
+def _answer(args: argparse.Namespace, progress: StreamProgress | None) -> tuple[dict[str, Any], Any]:
+    """(the answer as data, its text view): the one place a command imports torch and transformers."""
+    if args.command == "env":
+        return env_info(), _print_env
+    if args.command == "breakdown":
+        from gpulab.predict.breakdown import breakdown
+        return breakdown(args.model, args.batch or 1, args.image_size, args.dtype or "float32",
+                         seq_len=args.seq_len).as_dict(), _print_breakdown
+    if args.command == "step":
+        from gpulab.predict.step import step
+        return step(args.model, batch=args.batch, optimizer=args.optimizer, steps=args.steps, engine=args.engine,
+                    dtype=args.dtype, amp=args.amp, seq_len=args.seq_len, image_size=args.image_size,
+                    fake_target=args.fake_target, **_recipe(args)).as_dict(), _print_step
+    if args.command == "serve":
+        from gpulab.predict.serve import serve
+        return serve(args.model, args.gpu, context_len=args.context, batch=args.batch, dtype=args.dtype,
+                     weights=args.weights, kv_dtype=args.kv_dtype, block_size=args.block_size,
+                     utilization=args.utilization, module_loading=args.cuda_module_loading, progress=progress,
+                     **({"context_bytes": _size(args.cuda_context, "--cuda-context")} if args.cuda_context else {})
+                     ).as_dict(), _print_serve
+    from gpulab.predict.fit import fit
+    context = {"context_bytes": _size(args.context)} if args.context else {}
+    data = fit(args.model, args.gpu, optimizer=args.optimizer, dtype=args.dtype, amp=args.amp,
+               seq_len=args.seq_len, image_size=args.image_size, **_recipe(args),
+               module_loading=args.cuda_module_loading, gpus=args.gpus, strategy=args.strategy,
+               offload_optimizer=args.offload_optimizer, progress=progress, **context).as_dict()
+    if args.what_fits:
+        from gpulab.predict.what_fits import what_fits
+        data["what_fits"] = what_fits(args.model, args.gpu, batch=args.what_fits, optimizer=args.optimizer,
+                                      dtype=args.dtype, amp=args.amp, seq_len=args.seq_len,
+                                      image_size=args.image_size, module_loading=args.cuda_module_loading,
+                                      progress=progress, **context, **_recipe(args)).as_dict()
+    return data, _print_fit
 
 
 def _size(text: str, flag: str = "--context") -> int:
     """A size such as 512MiB (the same forms as --gpu's sizes), for ``flag``."""
-    from gpulab.predict.cards import parse_gpu
     try:
         return parse_gpu(text).memory_bytes
     except ValueError as exc:

@@ -21,6 +21,10 @@ live tensors alone, which is monotone.
 When batch 1 does not fit, the answer says by how much, and what each lever would give, as
 formulas from the measured categories at batch 1 (labelled so): bf16, 8-bit optimizer state,
 activation checkpointing, LoRA, and sharding over N GPUs (ZeRO-3 / FSDP).
+
+``fit(..., progress=callback)`` is told what runs (``predict.progress``: the CLI writes it on
+stderr). A fake run this process already made for the same question (workload, recipe, dtype,
+batch, card) is reused, not run again (``predict.run_cache``).
 """
 from __future__ import annotations
 
@@ -39,6 +43,8 @@ from gpulab.measure.engines import LABEL_SIMULATED, Measurement, run
 from gpulab.models.lora import adapter_params, default_targets
 from gpulab.training.loop import (AMP_DTYPES, Recipe, changed_options, check_recipe_for, recipe_options, train_experiment,
                                   user_recipe)
+from gpulab.predict import run_cache
+from gpulab.predict.progress import Progress, report
 from gpulab.predict.search import largest_fitting
 from gpulab.categories import Category
 from gpulab.measure.tracking import TrackingResult
@@ -54,8 +60,6 @@ LABEL_FIT = "fake tensors, CUDA kernels' allocations (no compute) + simulated al
 LABEL_LEVER = "formula (from the measured categories at batch 1)"
 MAX_BATCH = 1 << 20
 MAX_FALLBACK_RUNS = 12
-
-Progress = Callable[[float, str], None] | None
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,8 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         optimizer_in_backward: bool = False, offload_activations: bool = False, chunked_loss: int = 0,
         use_cache: bool | None = None, compile: bool = False, implementation: str = "default",
         checkpointing: bool | str = False, lora: int = 0, lora_targets: Sequence[str] | None = None,
-        lora_dropout: float = 0.0, quantize: str | None = None, module_loading: str = "lazy",
+        lora_dropout: float = 0.0, quantize: str | None = None, lora_dtype: str = "fp32", double_quant: bool = True,
+        quant_compute_dtype: str = "input", module_loading: str = "lazy",
         gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
     a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring. ``context_bytes``:
@@ -151,19 +156,20 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
     recipe = user_recipe(optimizer, amp, **recipe_options(locals()))   # checks them all
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
     check_recipe_for(recipe, w)
+    key = run_cache.workload_key(model, w, own_parts=inputs is not None or input_shape is not None or loss is not None)
     sharding, shard = _sharding(w, recipe, dt, gpus, strategy, offload_optimizer)
     place = place._replace(sharding=sharding)
     usable = place.card.reported_total_bytes - place.context_bytes
     runs: dict[int, TrackingResult] = {}
     made: list[int] = []     # every fake run, in order (a batch run again counts again)
 
-    def fake_run(b: int) -> TrackingResult:
+    def fake_run(b: int, fresh: bool = False) -> TrackingResult:
         if b not in runs:
-            if progress:
-                progress(min(0.9, 0.1 + 0.25 * len(runs)), f"fake run at batch {b}")
-            m = _run(w, b, dt, recipe)
+            report(progress, 0.2 * min(4, len(runs)), f"fake run at batch {b} (a training step on fake tensors), "
+                   f"then replaying it through the simulated allocator")
+            t = _tracked(w, key, b, dt, recipe, ("cuda", repr(place.card)), fresh)
             made.append(b)
-            runs[b] = m.tracking if shard is None else shard(m.tracking)
+            runs[b] = t if shard is None else shard(t)
         return runs[b]
 
     replayed: dict[tuple[int, str], BatchCheck] = {}   # each candidate replayed once
@@ -193,6 +199,7 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
             if (b, "extrapolated") not in replayed:
                 replayed[b, "extrapolated"] = line.check(b, usable)
             return replayed[b, "extrapolated"]
+        report(progress, 0.8, "searching: batches 2 and 3 extrapolated, replayed through the simulated allocator")
         best = largest_fitting(3, lambda b: line_check(b).fits, limit=MAX_BATCH)
         live = largest_fitting(best, lambda b: line.at(b).peak_bytes <= usable, limit=MAX_BATCH)
         checks += [line_check(b) for b in (best, best + 1)]
@@ -216,7 +223,7 @@ def _line(runs: dict[int, TrackingResult], fake_run, two: TrackingResult, three:
     line = _Extrapolation.make(two, three, 2)
     if line is None:
         del runs[2]
-        two = fake_run(2)
+        two = fake_run(2, True)   # made again, not reused: the kept one is the first build's
         line = _Extrapolation.make(two, three, 2)
     return two, line
 
@@ -270,6 +277,14 @@ def _card_of(gpu: str | Card | int, context_bytes: int) -> Card:
                          f"{format_bytes(card.reported_total_bytes)}, "
                          f"got {format_bytes(context_bytes)}")
     return card
+
+
+def _tracked(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe: Recipe, target: tuple,
+             fresh: bool = False) -> TrackingResult:
+    """The fake run's timeline at ``batch``, reused when this process made it already for the same
+    workload ``key`` (``run_cache.workload_key``), recipe, dtype and ``target`` (the card)."""
+    return run_cache.measured(run_cache.run_key(key, recipe, dt, batch, target),
+                              lambda: _run(w, batch, dt, recipe).tracking, fresh=fresh)[0]
 
 
 def _run(w: Workload, batch: int, dt: torch.dtype, recipe: Recipe) -> Measurement:

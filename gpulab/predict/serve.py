@@ -35,6 +35,7 @@ from gpulab.models import hf_configs
 from gpulab.predict.cards import Card, parse_gpu
 from gpulab.predict.context import context_assumption, context_label
 from gpulab.predict.generation import generation_peak
+from gpulab.predict.progress import Progress, report
 from gpulab.units import dtype_name, format_bytes, parse_dtype
 
 __all__ = ["KV_DTYPES", "ServeResult", "kv_bytes_per_token", "serve"]
@@ -158,12 +159,13 @@ def _config(model: Any) -> tuple[Any, str]:
 
 def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1, dtype: str | torch.dtype = "bf16",
           weights: str | None = None, kv_dtype: str | None = None, block_size: int = 16, utilization: float = 0.9,
-          context_bytes: int | None = None, module_loading: str = "lazy") -> ServeResult:
+          context_bytes: int | None = None, module_loading: str = "lazy", progress: Progress = None) -> ServeResult:
     """Serving ``model`` (a built-in config name or a transformers config) on ``gpu`` at
     ``context_len`` tokens per sequence (prompt and output together), ``batch`` sequences at
     once: see the module docstring. ``weights``: None (``dtype``), "int8" or "int4" / "nf4";
     ``kv_dtype``: None (``dtype``), "bf16", "fp16", "fp32" or "fp8". ``context_bytes``: the CUDA
-    context's size, by default the assumption for ``module_loading`` (``predict.context``)."""
+    context's size, by default the assumption for ``module_loading`` (``predict.context``).
+    ``progress(fraction, text)``: told before each fake run (``predict.progress``)."""
     t0 = time.perf_counter()
     assumed = context_assumption(module_loading)
     context_bytes = assumed.nbytes if context_bytes is None else context_bytes
@@ -183,7 +185,11 @@ def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1
                          f"ask for {longest:,} or fewer")
     dt = parse_dtype(dtype)
     kind = WEIGHTS.get(weights) if weights else None
+    report(progress, 0.1, f"fake run of one sequence: prefill of {context_len - 1:,} tokens and decode steps on "
+           f"fake tensors (CUDA's kernels)")
     one = generation_peak(config, prompt_len=context_len - 1, new_tokens=2, batch=1, dtype=dt, weights=kind)
+    if batch > 1:
+        report(progress, 0.5, f"fake run of all {batch} sequences at once: prefill and decode steps")
     everyone = one if batch == 1 else generation_peak(config, prompt_len=context_len - 1, new_tokens=2, batch=batch,
                                                       dtype=dt, weights=kind)
     per_token_model = kv_bytes_per_token(config, dt.itemsize)

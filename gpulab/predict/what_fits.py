@@ -21,7 +21,9 @@ import torch
 from gpulab.measure.engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
 from gpulab.models.hf_configs import task_of
 from gpulab.models.workload import resolve_workload
-from gpulab.predict.fit import _check, _place, _replay, _run
+from gpulab.predict import run_cache
+from gpulab.predict.fit import _check, _place, _replay, _tracked
+from gpulab.predict.progress import Progress, report
 from gpulab.training.loop import RECIPE_DEFAULTS, check_recipe_for, user_recipe
 from gpulab.units import dtype_name, format_bytes, parse_dtype
 
@@ -121,36 +123,42 @@ def _applies(c: Candidate, asked: dict[str, Any], kind: str, causal: bool) -> bo
 
 def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw", dtype: Any = None,
               amp: str | None = None, seq_len: int | None = None, image_size: int | None = None,
-              context_bytes: int | None = None, module_loading: str = "lazy", **options: Any) -> WhatFits:
+              context_bytes: int | None = None, module_loading: str = "lazy", progress: Progress = None,
+              **options: Any) -> WhatFits:
     """The asked recipe (``optimizer``, ``dtype``, ``amp`` and the recipe ``options`` of
     ``gpulab.fit``) at ``batch`` on ``gpu``, then each candidate change, then stacked changes (see the
-    module docstring). Every figure is a fake run replayed through the simulated allocator."""
+    module docstring). Every figure is a fake run replayed through the simulated allocator; a run this
+    process made already (``gpulab.fit`` at the same batch) is reused. ``progress(fraction, text)``: told
+    before each candidate (``predict.progress``)."""
     t0 = time.perf_counter()
     place = _place(gpu, context_bytes, module_loading)
     usable = place.card.reported_total_bytes - place.context_bytes
     w = resolve_workload(model, seq_len=seq_len, image_size=image_size)
+    key, target = run_cache.workload_key(model, w, own_parts=False), ("cuda", repr(place.card))
     base_dt = parse_dtype(dtype) if dtype is not None else torch.float32
     unknown = sorted(set(options) - set(RECIPE_DEFAULTS))
     if unknown:
         raise ValueError(f"unknown recipe option(s) {', '.join(unknown)}; valid: {', '.join(RECIPE_DEFAULTS)}")
     defaults = {**RECIPE_DEFAULTS, **options}
 
-    def attempt(changes: dict[str, Any]) -> tuple[int, bool]:
+    def attempt(changes: dict[str, Any], name: str = "the asked recipe") -> tuple[int, bool]:
         opts = {**defaults, **{k: v for k, v in changes.items() if k not in ("optimizer", "dtype")}}
         recipe = user_recipe(changes.get("optimizer", optimizer), amp, **opts)
         check_recipe_for(recipe, w)
         dt = parse_dtype(changes["dtype"]) if "dtype" in changes else base_dt
-        t = _run(w, batch, dt, recipe).tracking
+        report(progress, len(tried) / (len(CANDIDATES) + 2), f"what fits at batch {batch}: {name}, a fake run "
+               f"replayed through the simulated caching allocator")
+        t = _tracked(w, key, batch, dt, recipe, target)
         check = _check(t, usable, batch, "run")   # what it needs on a card without a limit, when it fails
         return (check.reserved_bytes if check.fits else _replay(t, None)[0]), check.fits
 
+    tried: list[Tried] = []
     asked_reserved, asked_fits = attempt({})
     asked = {"optimizer": optimizer, "dtype": base_dt, **defaults}
     causal = w.config is not None and task_of(w.config) == "causal-lm"
     usable_candidates = [c for c in CANDIDATES if _applies(c, asked, w.kind, causal)]
-    tried: list[Tried] = []
     for c in usable_candidates:
-        reserved, fits = attempt(c.changes)
+        reserved, fits = attempt(c.changes, c.name)
         tried.append(Tried(c.name, c.cost, c.changes, reserved, fits, asked_reserved - reserved))
     if not any(t.fits for t in tried):   # stack them, cheapest first, until the stack fits
         chosen: list[Candidate] = []
@@ -161,7 +169,7 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
             if len(chosen) < 2:
                 continue
             stacked = {k: v for c2 in chosen for k, v in c2.changes.items()}
-            reserved, fits = attempt(stacked)
+            reserved, fits = attempt(stacked, " + ".join(c2.name for c2 in chosen))
             tried.append(Tried(" + ".join(c2.name for c2 in chosen), "all of: " + "; ".join(c2.cost for c2 in chosen),
                                stacked, reserved, fits, asked_reserved - reserved))
             if fits:

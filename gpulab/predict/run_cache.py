@@ -1,0 +1,88 @@
+"""Fake runs measured once per process: what one answer measured, the next reuses.
+
+``gpulab.fit`` runs the same step at batches 2 and 3, then the answer's batch; ``what_fits``
+runs the asked recipe and its candidates at one batch; a notebook asks the same question twice.
+A fake run's timeline depends only on what was run, so each is kept, in this process, under a key
+naming all of it: the workload (its name, kind, inputs, sizes and a transformer's whole config),
+the recipe (every field), the dtype, the batch, the card and target whose kernels were followed,
+and the versions of gpulab and torch. A workload of the user's own (an ``nn.Module``, a builder,
+their inputs or loss) has no key and is always run: gpulab cannot tell when it changes.
+
+The cache holds at most ``MAX_ENTRIES`` timelines (the least recently used goes first) and hands
+out copies, so a caller that changes what it got changes nothing kept here.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import OrderedDict
+from typing import Any, Callable
+
+from gpulab.measure.tracking import TrackingResult
+
+__all__ = ["MAX_ENTRIES", "clear", "info", "measured", "run_key", "workload_key"]
+
+MAX_ENTRIES = 64
+
+_kept: OrderedDict[tuple, TrackingResult] = OrderedDict()
+_counts = {"hits": 0, "runs": 0}
+
+
+def workload_key(model: Any, w: Any, *, own_parts: bool) -> tuple | None:
+    """What makes two workloads the same fake step, or None when it cannot be told: ``model`` as
+    the caller gave it (a registered name or a transformers config), ``w`` the workload made from
+    it; ``own_parts``: the caller gave inputs, an input shape or a loss of their own."""
+    from gpulab.models import hf_configs
+    if own_parts or not (isinstance(model, str) or hf_configs.is_config(model)):
+        return None
+    config = w.config.to_json_string(use_diff=False) if w.config is not None else None
+    return (w.name, w.kind, w.input_text, w.image_size, w.seq_len, w.source, config)
+
+
+def run_key(workload: tuple | None, recipe: Any, dtype: Any, batch: int, target: tuple) -> tuple | None:
+    """The whole key of one fake run (None: not kept). ``target``: the card and the kernels
+    followed, e.g. ``("cuda", "H100")``."""
+    if workload is None:
+        return None
+    import torch
+
+    from gpulab import __version__
+    fields = tuple((f.name, repr(getattr(recipe, f.name))) for f in dataclasses.fields(recipe))
+    return (workload, type(recipe).__name__, fields, str(dtype), int(batch), tuple(target),
+            __version__, torch.__version__)
+
+
+def measured(key: tuple | None, run: Callable[[], TrackingResult], *, fresh: bool = False) -> tuple[TrackingResult, bool]:
+    """(a copy of the timeline kept under ``key``, or of ``run()``'s, now kept; whether it was
+    reused). ``fresh``: run again and keep the new timeline (a process's first build can differ)."""
+    if key is not None and not fresh and key in _kept:
+        _kept.move_to_end(key)
+        _counts["hits"] += 1
+        return _copied(_kept[key]), True
+    t = run()
+    _counts["runs"] += 1
+    if key is not None:
+        _kept[key] = _copied(t)
+        _kept.move_to_end(key)
+        while len(_kept) > MAX_ENTRIES:
+            _kept.popitem(last=False)
+    return t, False
+
+
+def clear() -> None:
+    """Forget every kept timeline (and the counts)."""
+    _kept.clear()
+    _counts.update(hits=0, runs=0)
+
+
+def info() -> dict[str, int]:
+    """{"entries", "hits", "runs"}: timelines kept, reuses, and fake runs made through the cache."""
+    return {"entries": len(_kept), **_counts}
+
+
+def _copied(t: TrackingResult) -> TrackingResult:
+    """A copy that shares nothing mutable with ``t`` (events are frozen and shared)."""
+    return dataclasses.replace(
+        t, records={sid: copy.copy(r) for sid, r in t.records.items()}, events=list(t.events),
+        series=[dict(s) for s in t.series], peak_by_category=dict(t.peak_by_category),
+        final_by_category=dict(t.final_by_category))
