@@ -17,7 +17,7 @@ if TYPE_CHECKING:   # for type checkers and editors; at run time __getattr__ bel
     from gpulab.predict.breakdown import breakdown
     from gpulab.predict.fit import fit
     from gpulab.predict.serve import serve
-    from gpulab.predict.step import step
+    from gpulab.record.workspaces import step
     from gpulab.units import format_bytes
 
 __version__ = "0.1.0"
@@ -31,7 +31,7 @@ _SOURCES = {
     "format_bytes": "gpulab.units",
     "run": "gpulab.measure.engines",
     "serve": "gpulab.predict.serve",
-    "step": "gpulab.predict.step",
+    "step": "gpulab.record.workspaces",   # predict.step's, with cuDNN workspaces recorded on the card asked for
 }
 
 __all__ = ["Category", "MemoryTracker", "breakdown", "fit", "format_bytes", "run", "serve", "step"]

@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--utilization", type=_fraction, default=0.9,
                    help="vLLM's gpu_memory_utilization: the share of the card it plans with (default 0.9)")
     v.add_argument("--cuda-context", default=None, metavar="SIZE",
-                   help="memory the CUDA context takes outside PyTorch's allocator (default: an assumed 512MiB)")
+                   help="memory the CUDA context takes outside PyTorch's allocator (default: gpulab's H200 "
+                        "measurement, 1,383.88 MiB with lazy loading)")
     v.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
                    help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
                         "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
@@ -464,12 +465,16 @@ def _print_fit(d: dict[str, Any]) -> str:
     lines += [f"  {'live tensors (peak)':<24}{format_bytes(d['peak_bytes']):>12}   {d['label'].split(' + ')[0]}",
               f"  {'allocator overhead':<24}{format_bytes(d['allocator_overhead_bytes']):>12}   {d['allocator_label']}",
               f"  {'CUDA context':<24}{format_bytes(d['context_bytes']):>12}   {d['context_label']}",
+              f"  {'cuBLAS workspaces':<24}{format_bytes(d.get('workspace_bytes', 0)):>12}   "
+              f"{d.get('workspace_label', '')}",
               f"  {'needed':<24}{format_bytes(d['needed_bytes']):>12}",
               f"  {'margin':<24}{format_bytes(d['margin_bytes']):>12}   of {format_bytes(d['capacity_bytes'])}"]
     for lever in d["levers"]:
         lines.append(f"  if {lever['name']}: {format_bytes(lever['peak_bytes'])} at batch 1 "
                      f"({'fits' if lever['fits'] else 'still too big'}) [{lever['label']}: {lever['formula']}]")
     lines.append(f"how: {d['method']}; {d['runs']} fake runs, {d['seconds']:.1f} s")
+    if d.get("kernels"):
+        lines.append(f"kernels: {d['kernels']}")
     if d.get("context_warning"):
         lines.append(f"warning: {d['context_warning']}")
     if d.get("what_fits"):
@@ -491,10 +496,13 @@ def _print_serve(d: dict[str, Any]) -> str:
              row.format("needed, prefilling one at a time", format_bytes(d["needed_one_at_a_time_bytes"]), ""),
              row.format("needed, prefilling all at once", format_bytes(d["needed_all_at_once_bytes"]), ""),
              row.format("CUDA context", format_bytes(d["context_bytes"]), d["context_label"]),
-             row.format("usable (card - CUDA context)", format_bytes(d["usable_bytes"]), ""),
+             row.format("cuBLAS workspace", format_bytes(d.get("workspace_bytes", 0)), "formula (CublasHandlePool.cpp)"),
+             row.format("usable (card - CUDA context - cuBLAS workspace)", format_bytes(d["usable_bytes"]), ""),
              f"vLLM-style at {d['utilization']:.0%}: {d['paged_blocks']:,} blocks of {d['block_size']} tokens, "
              f"{d['max_sequences']} sequences of {d['context_len']:,} tokens at once [{d['paged_label']}]",
              f"how: fake runs of the model's forward at full size, {d['seconds']:.1f} s"]
+    if d.get("kernels"):
+        lines.append(f"kernels: {d['kernels']}")
     if d.get("capacity_note"):
         lines.insert(1, f"card total: {d['capacity_note']}")
     if d.get("context_warning"):

@@ -108,6 +108,8 @@ def fit_html(r) -> str:
     rows += [["live tensors (peak)", format_bytes(r.peak_bytes), "fake tensors, CUDA kernels' allocations"],
              ["allocator overhead", format_bytes(r.allocator_overhead_bytes), "simulated allocator"],
              ["CUDA context", format_bytes(r.context_bytes), html.escape(r.as_dict()["context_label"])],
+             ["cuBLAS workspaces", format_bytes(getattr(r, "workspace_bytes", 0)),
+              html.escape(r.as_dict().get("workspace_label", ""))],
              ["needed", format_bytes(r.needed_bytes), ""],
              ["margin", format_bytes(r.margin_bytes), f"of {format_bytes(r.capacity_bytes)}"]]
     table = html_table(["at batch " + str(max(1, r.largest_batch)), "bytes", "source"], rows,
@@ -117,7 +119,8 @@ def fit_html(r) -> str:
         levers = html_table(["lever", "batch 1 would need", "fits?", "formula"],
                             [[html.escape(lv.name), format_bytes(lv.peak_bytes), "yes" if lv.fits else "no",
                               html.escape(lv.formula)] for lv in r.levers], r.levers[0].label)
-    return head + table + levers
+    kernels = f"<p>{html.escape(r.kernels)}</p>" if getattr(r, "kernels", "") else ""
+    return head + table + kernels + levers
 
 
 def breakdown_html(bd, max_rows: int = 60) -> str:

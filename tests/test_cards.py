@@ -33,7 +33,8 @@ def test_table_convention_vendor_gb_is_gib():
     assert sizes["RTX 4070"] == sizes["RTX 3060"] == 12 * GiB
     assert sizes["RTX 5090"] == 32 * GiB
     assert sizes["MI300X"] == 192 * GiB
-    assert len(sizes) == len(CARDS) == 18  # names are unique
+    assert sizes["B200"] == 180 * GiB
+    assert len(sizes) == len(CARDS) == 19  # names are unique (B200 added with the compute capabilities)
     for c in CARDS:
         assert isinstance(c, Card) and c.memory_bytes % GiB == 0
         assert f"counted here as {c.memory_bytes // GiB} GiB" in c.note
@@ -105,3 +106,17 @@ def test_bad_inputs_say_what_is_wrong():
     msg = str(pytest.raises(ValueError, parse_gpu, "A100").value)
     assert "did you mean A100-40GB or A100-80GB?" in msg
     assert "unknown unit 'parsecs'" in str(pytest.raises(ValueError, parse_gpu, "24 parsecs").value)
+
+
+def test_every_nvidia_card_carries_its_compute_capability():
+    """NVIDIA's compute capabilities (its CUDA GPUs list; the H200 recorded here reported 9.0): they decide
+    the attention kernel and the cuBLAS workspace a question about the card follows."""
+    cc = {c.name: c.capability for c in CARDS}
+    assert cc["T4"] == (7, 5) and cc["V100-16GB"] == cc["V100-32GB"] == (7, 0)
+    assert cc["A100-40GB"] == cc["A100-80GB"] == (8, 0)
+    assert cc["A10"] == cc["A10G"] == cc["RTX 3090"] == cc["RTX 3060"] == (8, 6)
+    assert cc["L4"] == cc["L40S"] == cc["RTX 4090"] == cc["RTX 4080"] == cc["RTX 4070"] == (8, 9)
+    assert cc["H100"] == cc["H200"] == (9, 0) and cc["B200"] == (10, 0) and cc["RTX 5090"] == (12, 0)
+    assert cc["MI300X"] is None     # not a CUDA card: its questions say sm80 rules were assumed
+    assert parse_gpu("T4").kernel_target.text == "a T4 (sm75)"
+    assert "no compute capability known for 24 GiB" in parse_gpu("24GiB").kernel_target.text

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from gpulab.allocator.simulator import CachingAllocator, rebuilt_allocator
+from gpulab.measure.cuda_card import KernelTarget
 from gpulab.measure.fake_mode import FakeMode
 from gpulab.formulas import cuda_rounded_bytes
 from gpulab.categories import Category
@@ -28,7 +29,7 @@ __all__ = [
     "AllocatorBlocks", "DEFAULT_MAX_CPU_BYTES", "DEFAULT_MAX_CPU_FLOPS", "ENGINES", "EngineChoice",
     "EngineUnavailable", "FAKE_CUDA_DEVICE", "FAKE_TARGETS", "LABEL_BLOCKS", "LABEL_CPU",
     "LABEL_FAKE", "LABEL_FAKE_CPU", "LABEL_FAKE_CUDA", "LABEL_FORMULA", "LABEL_SIMULATED",
-    "LABEL_TENSOR_BYTES", "Measured", "Measurement", "RunContext", "Snapshot", "allocator_blocks",
+    "LABEL_TENSOR_BYTES", "Measured", "Measurement", "RunContext", "Snapshot", "allocator_blocks", "label_fake_cuda",
     "beyond_tensors", "choose_engine", "cuda_run_counters", "engine_status", "label_cuda",
     "label_recorded", "release_cuda_memory", "run", "validate_fake_target"
 ]
@@ -235,6 +236,7 @@ class Measurement:
     kernels: str = ""  # whose kernels the numbers follow: "cuda" or "cpu" (filled in if not given)
     offloaded: TrackingResult | None = None   # activation offloading: the host copies, apart
     paged: TrackingResult | None = None       # a paged optimizer's state in unified memory, apart
+    kernels_note: str = ""   # fake CUDA target: the card whose kernels were followed, the attention kernels chosen
 
     def __post_init__(self) -> None:
         if not self.kernels:
@@ -319,8 +321,18 @@ def _run_fake_cuda(experiment, choice: EngineChoice, fake_mode) -> Measurement:
     without a GPU), CUDA's kernel choices made explicitly, storages recorded as ``cuda:0``
     with 512-byte blocks, and what CUDA keeps in host memory counted on the CPU."""
     from gpulab.measure.fake_cuda import cuda_kernels
-    return _run_host(experiment, choice, LABEL_FAKE_CUDA, _stacked(fake_mode(), cuda_kernels()),
-                     tracker=MemoryTracker(device_alias={"cpu": FAKE_CUDA_DEVICE}), kernels="cuda")
+    kernels = cuda_kernels()
+    m = _run_host(experiment, choice, label_fake_cuda(kernels.target), _stacked(fake_mode(), kernels),
+                  tracker=MemoryTracker(device_alias={"cpu": FAKE_CUDA_DEVICE}), kernels="cuda")
+    m.kernels_note = kernels.target.note()
+    return m
+
+
+def label_fake_cuda(target: KernelTarget) -> str:
+    """A fake CUDA-target run's label: ``LABEL_FAKE_CUDA`` when no card was named (sm80 rules,
+    which ``Measurement.kernels_note`` says), else the card's: "fake tensors, CUDA kernels of a T4
+    (sm75) (no compute)"."""
+    return LABEL_FAKE_CUDA if not target.name else f"fake tensors, CUDA kernels of {target.text} (no compute)"
 
 
 @contextlib.contextmanager

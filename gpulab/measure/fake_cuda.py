@@ -33,10 +33,12 @@ choices explicitly (``cuda_kernels()``), each one checked against PyTorch's sour
   up to the caching allocator's 512-byte block (``c10/cuda/CUDACachingAllocator.cpp``
   ``kMinBlockSize``), as the tracker does for a real CUDA run.
 * **attention**: ``F.scaled_dot_product_attention`` (patched for the duration) runs the CUDA
-  kernel ``select_sdp_backend`` would pick on an A100/H100 (flash for fp16/bf16 without a mask,
-  else memory-efficient, else math), whose saved tensors are the output and a float32 softmax
-  statistic per row, not the s×s scores (``cuda_sdpa_backend``); transformers' mask builder is
-  told the sequences are not packed, as it finds on real positions (``unpacked_sequences``).
+  kernel ``select_sdp_backend`` picks on the card the run answers for (``measure.cuda_card``: its
+  compute capability and the input dtype decide between cuDNN, flash, memory-efficient and math;
+  no card named: an A100/H100-class GPU's sm80 rules). cuDNN, flash and memory-efficient save the
+  output and a float32 softmax statistic per row; math saves the s×s attention weights, in float32
+  (``cuda_sdpa_backend``). Transformers' mask builder is told the sequences are not packed, as it
+  finds on real positions (``unpacked_sequences``).
 * **RMSNorm**: ``aten::rms_norm`` on a CUDA tensor runs the fused kernel ``_fused_rms_norm``
   (one output and a float32 ``rstd`` per row, saved with the input and weight), while on the CPU
   it decomposes into pow / mean / rsqrt / mul, which save three input-sized tensors. Inside
@@ -61,6 +63,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from gpulab.measure.cuda_autocast import cuda_autocast_policy
+from gpulab.measure.cuda_card import DEFAULT_TARGET, KernelTarget, current_target, kernel_target, sdpa_backend
 
 __all__ = [
     "STILL_DIFFERS", "cuda_kernels", "emulating_cuda", "cuda_sdpa_backend", "on_host_under_cuda", "unpacked_sequences"
@@ -77,9 +80,10 @@ STILL_DIFFERS: tuple[tuple[str, str], ...] = (
                           "the allocator simulator, not from the fake run"),
     ("kernel-internal buffers", "memory a CUDA kernel allocates inside itself (cuDNN conv algorithms, "
                                 "NCCL, flash attention's scratch) is invisible to fake tensors"),
-    ("attention kernels", "F.scaled_dot_product_attention is sent to the kernel an A100/H100 picks (flash, "
-                          "memory-efficient or math, by sdp_utils.cpp's rules); a GPU with another compute "
-                          "capability, or cuDNN attention, may choose differently"),
+    ("attention kernels", "F.scaled_dot_product_attention is sent to the kernel the card's compute capability "
+                          "picks (cuDNN, flash, memory-efficient or math, by sdp_utils.cpp's rules; no card named: "
+                          "an A100/H100's); cuDNN attention is assumed newer than 9.15 on sm90/sm100, and its "
+                          "allocations are the flash kernel's kind (output and a float32 statistic per row)"),
     ("fused / capturable optimizers", "their step counters live on the GPU but are counted as host memory "
                                       "(one 512-byte block per parameter tensor)"),
 )
@@ -146,46 +150,43 @@ def _cuda_dropout_functions() -> Iterator[None]:
 
 
 def cuda_sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> str:
-    """The kernel ``F.scaled_dot_product_attention`` picks on an sm80+ GPU (A100, H100), per
-    ``select_sdp_backend`` in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (priority:
-    flash, memory-efficient, math):
-
-    * "flash" (``can_use_flash_attention``): fp16/bf16, no ``attn_mask``, equal head dims of at
-      most 256, a causal mask only with as many queries as keys; grouped-query k/v allowed;
-    * "efficient" (``can_use_mem_efficient_attention``): fp16, bf16 or fp32 with the head dims
-      a multiple of the GEMM alignment (8 for 16-bit, 4 for fp32 on sm80+); masks allowed;
-    * "math": anything else (the composite that stores the s×s scores).
-
-    NB: with cuDNN newer than 9.15 on sm90/sm100 (H100, B200) torch puts cuDNN attention first
-    (``check_prefer_cudnn_attention``); it saves the same kinds of tensors as flash (q, k, v,
-    output and a float32 softmax statistic per row), so the bytes agree."""
-    dt = query.dtype
-    dq, dk, dv = query.shape[-1], key.shape[-1], value.shape[-1]
-    if (dt in (torch.float16, torch.bfloat16) and attn_mask is None and dq == dk == dv and dq <= 256
-            and not (is_causal and query.shape[-2] != key.shape[-2])):
-        return "flash"
-    align = 8 if dt in (torch.float16, torch.bfloat16) else 4
-    if dt in (torch.float16, torch.bfloat16, torch.float32) and dq == dk and dq % align == 0 and dv % align == 0:
-        return "efficient"
-    return "math"
+                      attn_mask: torch.Tensor | None = None, is_causal: bool = False, dropout_p: float = 0.0,
+                      capability: tuple[int, int] | None = None) -> str:
+    """The kernel ``F.scaled_dot_product_attention`` picks on a GPU of ``capability`` (default: the
+    card the run answers for, ``cuda_card.current_target``; no card: sm80, an A100), per
+    ``select_sdp_backend`` in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: "cudnn",
+    "flash", "efficient" or "math" (``cuda_card.sdpa_backend`` gives each rule)."""
+    cc = capability or current_target().rules
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return sdpa_backend(cc, query.dtype, tuple(query.shape), tuple(key.shape), tuple(value.shape),
+                        mask=attn_mask is not None, is_causal=is_causal, dropout_p=float(dropout_p), requires_grad=grad)
 
 
 def _cuda_sdpa(original):
-    """``F.scaled_dot_product_attention`` as CUDA runs it (``cuda_sdpa_backend``): the CUDA flash /
-    memory-efficient ATen ops, whose fake kernels give the outputs (and so the saved tensors) the
-    CUDA kernels allocate. On fake CPU tensors torch would pick the CPU's choice instead (with
-    dropout, the math composite in float32, storing the s×s scores). Math passes through."""
+    """``F.scaled_dot_product_attention`` as CUDA runs it on the target card (``cuda_sdpa_backend``):
+    the CUDA cuDNN / flash / memory-efficient ATen ops, whose fake kernels give the outputs (and so
+    the saved tensors) the CUDA kernels allocate, or the math composite (``_scaled_dot_product_attention_math``,
+    the s×s weights saved). Grouped-query k/v with ``enable_gqa`` on a fused kernel pass through
+    (CPU's choice). Each choice is counted on the target (``KernelTarget.seen``) for the answer's label."""
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        backend = cuda_sdpa_backend(query, key, value, attn_mask, bool(is_causal))
-        if backend == "flash" and (not enable_gqa or key.shape[-3] == query.shape[-3]):
+        backend = cuda_sdpa_backend(query, key, value, attn_mask, bool(is_causal), dropout_p)
+        current_target().seen[backend] += 1
+        same_heads = not enable_gqa or key.shape[-3] == query.shape[-3]
+        if backend == "math":
+            return torch.ops.aten._scaled_dot_product_attention_math(
+                query, key, value, attn_mask, float(dropout_p), bool(is_causal), None, scale=scale,
+                enable_gqa=bool(enable_gqa))[0]
+        if backend == "flash" and same_heads:
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, float(dropout_p), bool(is_causal), False, scale=scale)[0]
-        if backend == "efficient" and (not enable_gqa or key.shape[-3] == query.shape[-3]):
-            mask = attn_mask
-            if mask is not None and mask.dtype == torch.bool:   # convert_boolean_attn_mask (attention.cpp)
-                mask = torch.zeros((), dtype=query.dtype).masked_fill(~mask, float("-inf"))
-            lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        mask = attn_mask
+        if mask is not None and mask.dtype == torch.bool:   # convert_boolean_attn_mask (attention.cpp)
+            mask = torch.zeros((), dtype=query.dtype).masked_fill(~mask, float("-inf"))
+        lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        if backend == "cudnn" and same_heads:
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(
+                query, key, value, mask, lse, float(dropout_p), bool(is_causal), False, scale=scale)[0]
+        if backend == "efficient" and same_heads:
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, mask, lse, float(dropout_p), bool(is_causal), scale=scale)[0]
         return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -282,16 +283,37 @@ def emulating_cuda() -> bool:
     return _EMULATING.get()
 
 
-@contextlib.contextmanager
-def cuda_kernels() -> Iterator[None]:
-    """Run the code inside with CUDA's kernel choices (see the module docstring)."""
-    token = _EMULATING.set(True)
-    try:
-        with _cuda_optimizer_defaults(), _cuda_dropout_functions(), _cuda_attention(), _cuda_rms_norm(), \
-                cuda_autocast_policy():
-            yield
-    finally:
-        _EMULATING.reset(token)
+class cuda_kernels(contextlib.AbstractContextManager):
+    """Run the code inside with CUDA's kernel choices (see the module docstring) for the card the
+    caller named (``cuda_card.kernel_target``; none: sm80 rules). ``target`` is that card with a
+    fresh count of the attention kernels chosen inside; after the run, ``target.note()`` says them."""
+
+    def __init__(self) -> None:
+        self._outer = current_target()
+        self.target = KernelTarget(self._outer.name, self._outer.capability)
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> "cuda_kernels":
+        stack = contextlib.ExitStack()
+        token = _EMULATING.set(True)
+        stack.callback(_EMULATING.reset, token)
+        try:
+            stack.enter_context(kernel_target(self.target))
+            for cm in (_cuda_optimizer_defaults(), _cuda_dropout_functions(), _cuda_attention(), _cuda_rms_norm(),
+                       cuda_autocast_policy()):
+                stack.enter_context(cm)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.__exit__(*exc)
+        if self._outer is not DEFAULT_TARGET:   # a named card's question adds up its runs' kernels
+            self._outer.seen.update(self.target.seen)
 
 
 def on_host_under_cuda(record) -> bool:

@@ -18,25 +18,30 @@ returned card's ``note``.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any, Callable
 
+from gpulab.measure.cuda_card import KernelTarget, kernel_target, step_workspace_bytes
 from gpulab.units import GB, KB, MB, GiB, KiB, MiB, format_bytes
 
 __all__ = [
-    "CARDS", "CUDA_CONTEXT_ASSUMED", "Card", "CardBudget", "TB", "TiB", "card_names", "parse_gpu"
+    "CARDS", "CUDA_CONTEXT_ASSUMED", "Card", "CardBudget", "TB", "TiB", "card_names", "card_target",
+    "follows_card", "parse_gpu"
 ]
 
 TiB = 1024 * GiB
 TB = 1000 * GB
 
-# NB: an assumption, not a measurement: what a CUDA process holds outside the caching
-# allocator (the CUDA context with its kernels, cuBLAS/cuDNN handles). Ref 003
-# (docs/references.md) reports an unexplained ~400 MB beyond the tensors; recent CUDA versions
-# with lazy module loading sit in the few-hundred-MiB range too. A GPU run replaces it with a
-# measurement (``gpulab record``: NVML used − memory_reserved).
-CUDA_CONTEXT_ASSUMED = 512 * MiB
+# What a CUDA process holds outside the caching allocator while it trains (the CUDA context with
+# the kernels loaded so far, cuBLAS/cuDNN handles), measured by gpulab's own GPU validation
+# (docs/gpu-validation.md, "CUDA context"): NVML used − memory_reserved on an NVIDIA H200 after the
+# model runs, torch 2.11.0+cu130, CUDA runtime 13.0, driver 580.159.04, lazy module loading,
+# 2026-11-26 (1,197,342,720 bytes right after start). ``predict.context`` labels it; a GPU run
+# replaces it with its own measurement (``gpulab record``).
+CUDA_CONTEXT_ASSUMED = 1_451_098_112
 
 
 class CardBudget:
@@ -49,7 +54,9 @@ class CardBudget:
 
     @property
     def needed_bytes(self) -> int:
-        return self.reserved_bytes + self.context_bytes
+        """Reserved peak + CUDA context + the cuBLAS workspaces, where the result counts them apart
+        (a ``workspace_bytes`` field: ``Card.workspace_bytes``)."""
+        return self.reserved_bytes + self.context_bytes + getattr(self, "workspace_bytes", 0)
 
     @property
     def margin_bytes(self) -> int:
@@ -69,6 +76,20 @@ class Card:
     # out-of-memory message), where it is known, and where that figure comes from
     cuda_total_bytes: int | None = None
     cuda_total_note: str = ""
+    # the compute capability (major, minor) CUDA reports (torch.cuda.get_device_capability); it
+    # decides the attention kernel and the cuBLAS workspace (``measure.cuda_card``). None: a plain
+    # size, or a card CUDA does not run (AMD)
+    capability: tuple[int, int] | None = None
+
+    @property
+    def kernel_target(self) -> KernelTarget:
+        """What a fake CUDA-target run answering for this card follows (``measure.cuda_card``)."""
+        return KernelTarget(self.name, self.capability)
+
+    def workspace_bytes(self, training: bool = True) -> int:
+        """The cuBLAS (and cuBLASLt) workspaces a step's matmuls leave allocated on this card
+        (``measure.cuda_card.step_workspace_bytes``; ``CUBLAS_WORKSPACE_CONFIG`` honoured)."""
+        return step_workspace_bytes(self.capability, training)
 
     @property
     def reported_total_bytes(self) -> int:
@@ -86,15 +107,16 @@ class Card:
 
 
 def _card(name: str, gb: int, aliases: tuple[str, ...], spec: str, extra: str = "",
-          cuda_total: tuple[int, str] | None = None) -> Card:
+          cuda_total: tuple[int, str] | None = None, cc: tuple[int, int] | None = None) -> Card:
     note = f"advertised {gb} GB {spec}, counted here as {gb} GiB"
     return Card(name, gb * GiB, aliases, note + (f"; {extra}" if extra else ""),
-                *(cuda_total or (None, "")))
+                *(cuda_total or (None, "")), capability=cc)
 
 
 # Sizes and memory types are as the vendors advertise them (not re-checked against their
 # product pages when this table was written); the two nvidia-smi figures are from public
-# nvidia-smi output of those cards.
+# nvidia-smi output of those cards. Compute capabilities (``cc``) are NVIDIA's ("CUDA GPUs"
+# list; the H200 recorded here reported 9.0); B200's 180 GB is DGX B200's 1,440 GB over 8 GPUs.
 # Aliases include the names ``torch.cuda.get_device_name()`` / nvidia-smi print, so a
 # student can paste those; the "NVIDIA", "GeForce", "Tesla", "AMD" and "Instinct" prefixes
 # are dropped before matching.
@@ -107,30 +129,32 @@ CARDS: tuple[Card, ...] = (
                                           "(benchmarks/results/BENCHMARKS.md, PrimeIntellect-ai/prime-rl, early 2026) "
                                           "print 'a total capacity of 79.18 GiB' on one H100 80GB HBM3 and 79.21 GiB "
                                           "on 8-GPU H100 nodes (to 0.01 GiB; the smaller taken); the same report's "
-                                          "H200s print 139.80 GiB, the total measured here")),
+                                          "H200s print 139.80 GiB, the total measured here"), cc=(9, 0)),
     _card("H200", 141, ("H200-141GB", "H200-SXM", "H200 NVL"), "HBM3e",
           cuda_total=(150_109_880_320, "torch.cuda.mem_get_info() on an NVIDIA H200 (driver 580.159.04, "
                                        "CUDA 13.0), measured by this project's GPU validation on 2026-11-26: "
-                                       "139.80 GiB, which its out-of-memory message printed as the total capacity")),
-    _card("A100-40GB", 40, ("A100-SXM4-40GB", "A100-PCIE-40GB"), "HBM2"),
-    _card("A100-80GB", 80, ("A100-SXM4-80GB", "A100 80GB PCIe", "A100-PCIE-80GB"), "HBM2e"),
-    _card("L4", 24, (), "GDDR6"),
-    _card("L40S", 48, (), "GDDR6"),
-    _card("A10", 24, (), "GDDR6"),
-    _card("A10G", 24, (), "GDDR6", "the AWS variant of the A10 (G5 instances)"),
+                                       "139.80 GiB, which its out-of-memory message printed as the total capacity"),
+          cc=(9, 0)),
+    _card("A100-40GB", 40, ("A100-SXM4-40GB", "A100-PCIE-40GB"), "HBM2", cc=(8, 0)),
+    _card("A100-80GB", 80, ("A100-SXM4-80GB", "A100 80GB PCIe", "A100-PCIE-80GB"), "HBM2e", cc=(8, 0)),
+    _card("B200", 180, ("B200-180GB", "B200-SXM"), "HBM3e", cc=(10, 0)),
+    _card("L4", 24, (), "GDDR6", cc=(8, 9)),
+    _card("L40S", 48, (), "GDDR6", cc=(8, 9)),
+    _card("A10", 24, (), "GDDR6", cc=(8, 6)),
+    _card("A10G", 24, (), "GDDR6", "the AWS variant of the A10 (G5 instances)", cc=(8, 6)),
     _card("T4", 16, ("T4-16GB",), "GDDR6",
           "nvidia-smi on a Tesla T4 shows 15,360 MiB total (15.0 GiB)",
           cuda_total=(round(14.74 * GiB), "out-of-memory messages published from T4s (Google Colab) print "
-                                          "'GPU 0 has a total capacity of 14.74 GiB' (to 0.01 GiB)")),
-    _card("V100-16GB", 16, ("V100-SXM2-16GB", "V100-PCIE-16GB"), "HBM2"),
-    _card("V100-32GB", 32, ("V100-SXM2-32GB", "V100-PCIE-32GB"), "HBM2"),
-    _card("RTX 3090", 24, ("3090",), "GDDR6X"),
-    _card("RTX 4090", 24, ("4090",), "GDDR6X"),
-    _card("RTX 4080", 16, ("4080",), "GDDR6X"),
-    _card("RTX 4070", 12, ("4070",), "GDDR6X"),
-    _card("RTX 3060", 12, ("3060",), "GDDR6", "an 8 GB RTX 3060 exists too: give 8GiB for it"),
-    _card("RTX 5090", 32, ("5090",), "GDDR7"),
-    _card("MI300X", 192, (), "HBM3", "AMD Instinct"),
+                                          "'GPU 0 has a total capacity of 14.74 GiB' (to 0.01 GiB)"), cc=(7, 5)),
+    _card("V100-16GB", 16, ("V100-SXM2-16GB", "V100-PCIE-16GB"), "HBM2", cc=(7, 0)),
+    _card("V100-32GB", 32, ("V100-SXM2-32GB", "V100-PCIE-32GB"), "HBM2", cc=(7, 0)),
+    _card("RTX 3090", 24, ("3090",), "GDDR6X", cc=(8, 6)),
+    _card("RTX 4090", 24, ("4090",), "GDDR6X", cc=(8, 9)),
+    _card("RTX 4080", 16, ("4080",), "GDDR6X", cc=(8, 9)),
+    _card("RTX 4070", 12, ("4070",), "GDDR6X", cc=(8, 9)),
+    _card("RTX 3060", 12, ("3060",), "GDDR6", "an 8 GB RTX 3060 exists too: give 8GiB for it", cc=(8, 6)),
+    _card("RTX 5090", 32, ("5090",), "GDDR7", cc=(12, 0)),
+    _card("MI300X", 192, (), "HBM3", "AMD Instinct; no CUDA compute capability (ROCm's kernels are not modelled)"),
 )
 
 _PREFIXES = ("nvidia", "geforce", "tesla", "amd", "instinct")
@@ -248,3 +272,35 @@ def _guesses(key: str) -> tuple[str, ...]:
         if ratio >= max(0.6, best - 0.1) and name not in names:
             names.append(name)
     return tuple(names[:2])
+
+
+def card_target(gpu: Any) -> KernelTarget | None:
+    """The kernels a question about ``gpu`` (a card name or size, a ``Card``, bytes) follows: the
+    card's compute capability, or none known (a size: sm80 rules, and the label says so). None for
+    what ``parse_gpu`` cannot read (the caller then raises its own error)."""
+    if isinstance(gpu, Card):
+        return gpu.kernel_target
+    if isinstance(gpu, int) and not isinstance(gpu, bool):
+        return KernelTarget(f"{gpu:,} B")
+    try:
+        return parse_gpu(gpu).kernel_target
+    except ValueError:
+        return None
+
+
+def follows_card(fn: Callable | None = None, *, positional: bool = True) -> Callable:
+    """``fn(model, gpu, ...)`` (``gpulab.fit``, ``gpulab.serve``; ``positional=False``: ``gpu=`` by
+    keyword only, ``gpulab.step``) with its fake CUDA-target runs following ``gpu``'s kernels
+    (``measure.cuda_card.kernel_target``); inside, ``measure.cuda_card.current_target()`` is that
+    card's target, with the attention kernels its runs chose. No ``gpu``: ``fn`` runs as it is."""
+    if fn is None:
+        return functools.partial(follows_card, positional=positional)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        gpu = kwargs.get("gpu", args[1] if positional and len(args) > 1 else None)
+        if gpu is None:
+            return fn(*args, **kwargs)
+        with kernel_target(card_target(gpu)):
+            return fn(*args, **kwargs)
+    return wrapper

@@ -5,9 +5,14 @@ The context holds the driver's state and the kernels loaded into it. Before CUDA
 kernel of every loaded library (PyTorch's own, cuBLAS, cuDNN ...) was loaded when the context was
 made; CUDA 11.7 added lazy module loading, each kernel loaded when first used, and PyTorch turns
 it on (``CUDA_MODULE_LOADING=LAZY`` unless the user set it: pytorch#86509, in PyTorch 1.13). So
-the size depends mostly on the module loading, then on the GPU, the driver and the libraries: the
-published measurements below are what the assumptions rest on, each with its setting. A GPU run
-replaces the assumption with a measurement (``gpulab record``: NVML used − memory_reserved).
+the size depends mostly on the module loading, then on the GPU, the driver and the libraries. The
+measurements below are what the assumptions rest on, each with its GPU, software and setting;
+gpulab's own come first: on an NVIDIA H200 (torch 2.11.0+cu130, CUDA runtime 13.0, driver
+580.159.04, lazy loading) NVML used − memory_reserved was 1,141.88 MiB right after start and
+1,383.88 MiB after the validation's training steps had loaded their kernels (docs/gpu-validation.md,
+"CUDA context", 2026-11-26). The lazy assumption is the second: what a training process holds outside
+the allocator once its kernels are loaded. A GPU run replaces the assumption with a measurement
+(``gpulab record``: NVML used − memory_reserved).
 """
 from __future__ import annotations
 
@@ -29,7 +34,13 @@ class ContextMeasurement:
     source: str
 
 
+_OURS = "gpulab's GPU validation (docs/gpu-validation.md, CUDA context), 2026-11-26"
+_H200 = "torch 2.11.0+cu130, CUDA runtime 13.0, driver 580.159.04"
 CONTEXT_MEASUREMENTS = (
+    ContextMeasurement("NVIDIA H200", _H200, "lazy", 1_451_098_112,
+                       "NVML used - memory_reserved after the validation's training steps", _OURS),
+    ContextMeasurement("NVIDIA H200", _H200, "lazy", 1_197_342_720,
+                       "NVML used - memory_reserved right after start, before any kernel ran", _OURS),
     ContextMeasurement("an unnamed GPU", "PyTorch 1.13 (its PR), CUDA >= 11.7", "lazy", 287_047_680,
                        "cudaMemGetInfo total - free after one 6.4 MB tensor", "pytorch/pytorch#86509"),
     ContextMeasurement("an unnamed GPU", "PyTorch 1.13 (its PR), CUDA_MODULE_LOADING=DEFAULT", "eager", 666_632_192,
@@ -50,9 +61,14 @@ class ContextAssumption:
     warning: str | None = None
 
 
+def _mib(nbytes: int) -> str:
+    """1,383.88 MiB: the figure as the GPU validation printed it."""
+    return f"{nbytes / MiB:,.2f} MiB"
+
+
 def _range(loading: str) -> str:
     found = [m for m in CONTEXT_MEASUREMENTS if m.loading == loading]
-    return "; ".join(f"{format_bytes(m.nbytes)} on {m.gpu} ({m.software}: {m.source})" for m in found)
+    return "; ".join(f"{_mib(m.nbytes)} on {m.gpu} ({m.software}: {m.source})" for m in found)
 
 
 def context_assumption(module_loading: str = "lazy") -> ContextAssumption:
@@ -62,12 +78,19 @@ def context_assumption(module_loading: str = "lazy") -> ContextAssumption:
         raise ValueError(f"module_loading must be one of {', '.join(MODULE_LOADING)} (lazy: PyTorch's default "
                          f"with CUDA 11.7 or later), got {module_loading!r}")
     if module_loading == "lazy":
-        return ContextAssumption(CUDA_CONTEXT_ASSUMED, f"assumed {format_bytes(CUDA_CONTEXT_ASSUMED)} with lazy module "
-                                 "loading, above the published "
-                                 f"measurements ({_range('lazy')}): kernels loaded on first use add to them")
-    largest = max(m.nbytes for m in CONTEXT_MEASUREMENTS if m.loading == "eager")
-    return ContextAssumption(largest, f"assumed {format_bytes(largest)} with eager module loading, the largest "
-                             f"published measurement ({_range('eager')})",
+        after, start = CONTEXT_MEASUREMENTS[0], CONTEXT_MEASUREMENTS[1]
+        published = "; ".join(f"{_mib(m.nbytes)} on {m.gpu} ({m.software}: {m.source})"
+                              for m in CONTEXT_MEASUREMENTS[2:] if m.loading == "lazy")
+        return ContextAssumption(CUDA_CONTEXT_ASSUMED, f"measured: {_mib(after.nbytes)} on an {after.gpu} after "
+                                 f"training steps ({after.software}; lazy module loading; NVML used − "
+                                 f"memory_reserved: {after.source}), {_mib(start.nbytes)} right after start; "
+                                 f"published: {published}")
+    eager = [m.nbytes for m in CONTEXT_MEASUREMENTS if m.loading == "eager"]
+    # eager loading loads every kernel lazy loading would, and more: never below the lazy figure
+    largest = max(*eager, CUDA_CONTEXT_ASSUMED)
+    return ContextAssumption(largest, f"assumed {_mib(largest)} with eager module loading: the largest "
+                             f"measurement, eager ({_range('eager')}) or lazy (the NVIDIA H200's above, which "
+                             "eager loading can only add to)",
                              "eager module loading (CUDA before 11.7, or CUDA_MODULE_LOADING=EAGER) loads every "
                              "library's kernels into the context: it varies from GPU to GPU and library to library; "
                              "measure yours (nvidia-smi after the first tensor) and pass it as the context size")

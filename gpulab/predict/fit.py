@@ -37,7 +37,8 @@ import torch
 
 from gpulab import formulas as F
 from gpulab.allocator.simulator import CachingAllocator
-from gpulab.predict.cards import Card, CardBudget, parse_gpu
+from gpulab.measure.cuda_card import current_target
+from gpulab.predict.cards import Card, CardBudget, follows_card, parse_gpu
 from gpulab.predict.context import context_assumption, context_label
 from gpulab.measure.engines import LABEL_SIMULATED, Measurement, run
 from gpulab.models.lora import adapter_params, default_targets
@@ -53,11 +54,14 @@ from gpulab.models.workload import Workload, resolve_workload, step_failed
 
 __all__ = [
     "BatchCheck", "FitResult", "LABEL_FIT", "LABEL_LEVER", "Lever", "MAX_BATCH",
-    "MAX_FALLBACK_RUNS", "Progress", "fit"
+    "MAX_FALLBACK_RUNS", "Progress", "WORKSPACE_LABEL", "fit"
 ]
 
 LABEL_FIT = "fake tensors, CUDA kernels' allocations (no compute) + simulated allocator + assumed CUDA context"
 LABEL_LEVER = "formula (from the measured categories at batch 1)"
+WORKSPACE_LABEL = ("formula: cuBLAS's workspace for the card's compute capability (CublasHandlePool.cpp, "
+                   "getChosenWorkspaceSize; CUBLAS_WORKSPACE_CONFIG honoured) for the forward's thread and "
+                   "autograd's, and cuBLASLt's; cuDNN workspaces: not predicted")
 MAX_BATCH = 1 << 20
 MAX_FALLBACK_RUNS = 12
 
@@ -110,6 +114,10 @@ class FitResult(CardBudget):
     sharding: str = ""                # several GPUs: "8 GPUs, fsdp2 (...)"; the figures are one rank's
     sharding_label: str = ""
     capacity_note: str = ""           # where capacity_bytes comes from (Card.total_text)
+    # the cuBLAS (and cuBLASLt) workspaces the step's matmuls keep allocated on this card
+    # (Card.workspace_bytes: two cuBLAS workspaces, the forward's thread and autograd's, and cuBLASLt's)
+    workspace_bytes: int = 0
+    kernels: str = ""                 # the card whose CUDA kernels the fake runs followed, the attention kernels chosen
 
     @property
     def allocator_overhead_bytes(self) -> int:
@@ -123,7 +131,7 @@ class FitResult(CardBudget):
         d.update(allocator_overhead_bytes=self.allocator_overhead_bytes, needed_bytes=self.needed_bytes,
                  margin_bytes=self.margin_bytes, allocator_label=LABEL_SIMULATED,
                  context_label=context_label(self.context_bytes, self.module_loading),
-                 context_warning=context_assumption(self.module_loading).warning)
+                 context_warning=context_assumption(self.module_loading).warning, workspace_label=WORKSPACE_LABEL)
         return d
 
     def __repr__(self) -> str:
@@ -135,6 +143,7 @@ class FitResult(CardBudget):
         return fit_html(self)
 
 
+@follows_card   # the fake runs follow the card's kernels (compute capability: attention kernel)
 def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: str | torch.dtype | None = None,
         amp: str | None = None, seq_len: int | None = None, image_size: int | None = None, inputs: Any = None,
         input_shape: tuple[int, ...] | None = None, loss: Callable | None = None,
@@ -159,7 +168,7 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
     key = run_cache.workload_key(model, w, own_parts=inputs is not None or input_shape is not None or loss is not None)
     sharding, shard = _sharding(w, recipe, dt, gpus, strategy, offload_optimizer)
     place = place._replace(sharding=sharding)
-    usable = place.card.reported_total_bytes - place.context_bytes
+    usable = place.card.reported_total_bytes - place.context_bytes - place.card.workspace_bytes()
     runs: dict[int, TrackingResult] = {}
     made: list[int] = []     # every fake run, in order (a batch run again counts again)
 
@@ -360,7 +369,9 @@ def _result(w, place: _Place, recipe: Recipe, dt, batch, t: TrackingResult, chec
                      time.perf_counter() - t0, levers=levers, method=method, recipe=changed_options(recipe),
                      module_loading=place.module_loading,
                      sharding=place.sharding.describe() if place.sharding else "",
-                     sharding_label=_sharding_label() if place.sharding else "", capacity_note=card.total_text)
+                     sharding_label=_sharding_label() if place.sharding else "", capacity_note=card.total_text,
+                     workspace_bytes=card.workspace_bytes(), kernels=current_target().note(),
+                     label=f"{LABEL_FIT}; {current_target().note()}")
 
 
 def _sharding_label() -> str:

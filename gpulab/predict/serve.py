@@ -32,7 +32,8 @@ import torch
 from gpulab import formulas as F
 from gpulab.measure.engines import LABEL_FORMULA, LABEL_FAKE_CUDA
 from gpulab.models import hf_configs
-from gpulab.predict.cards import Card, parse_gpu
+from gpulab.measure.cuda_card import current_target
+from gpulab.predict.cards import Card, follows_card, parse_gpu
 from gpulab.predict.context import context_assumption, context_label
 from gpulab.predict.generation import generation_peak
 from gpulab.predict.progress import Progress, report
@@ -79,10 +80,13 @@ class ServeResult:
     kv_label: str = LABEL_FAKE_CUDA
     module_loading: str = "lazy"
     capacity_note: str = ""       # where capacity_bytes comes from (Card.total_text)
+    # the cuBLAS workspace the forward's matmuls keep allocated (one thread: Card.workspace_bytes(training=False))
+    workspace_bytes: int = 0
+    kernels: str = ""             # the card whose CUDA kernels the fake runs followed, the attention kernels chosen
 
     @property
     def usable_bytes(self) -> int:
-        return self.capacity_bytes - self.context_bytes
+        return self.capacity_bytes - self.context_bytes - self.workspace_bytes
 
     @property
     def needed_one_at_a_time_bytes(self) -> int:   # prefill each sequence alone, then decode them all
@@ -129,8 +133,9 @@ class ServeResult:
                 ["prefill, one sequence at a time (peak)", format_bytes(self.prefill_one_bytes), self.label],
                 ["prefill, all at once (peak)", format_bytes(self.prefill_all_bytes), self.label],
                 ["last decode step (peak)", format_bytes(self.decode_bytes), self.kv_label],
-                ["usable (card − CUDA context)", format_bytes(self.usable_bytes),
-                 context_label(self.context_bytes, self.module_loading)],
+                ["usable (card − CUDA context − cuBLAS workspace)", format_bytes(self.usable_bytes),
+                 context_label(self.context_bytes, self.module_loading)
+                 + f"; cuBLAS workspace {format_bytes(self.workspace_bytes)} by formula"],
                 [f"vLLM-style: blocks of {self.block_size} tokens at {self.utilization:.0%}",
                  f"{self.paged_blocks:,} blocks: {self.max_sequences} sequences", self.paged_label]]
         return html_table(["", "bytes", "source"], rows, repr(self))
@@ -157,6 +162,7 @@ def _config(model: Any) -> tuple[Any, str]:
     return hf_configs.config_and_name(model)
 
 
+@follows_card   # the fake runs follow the card's kernels (compute capability: attention kernel)
 def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1, dtype: str | torch.dtype = "bf16",
           weights: str | None = None, kv_dtype: str | None = None, block_size: int = 16, utilization: float = 0.9,
           context_bytes: int | None = None, module_loading: str = "lazy", progress: Progress = None) -> ServeResult:
@@ -203,4 +209,5 @@ def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1
                        time.perf_counter() - t0,
                        kv_label=LABEL_FAKE_CUDA if per_token == per_token_model
                        else f"{LABEL_FAKE_CUDA}, the cache at {kv_dtype} by formula", module_loading=module_loading,
-                       capacity_note=card.total_text)
+                       capacity_note=card.total_text, workspace_bytes=card.workspace_bytes(training=False),
+                       kernels=current_target().note(), label=f"{LABEL_FAKE_CUDA}; {current_target().note()}")

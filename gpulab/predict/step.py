@@ -23,14 +23,17 @@ from gpulab.training.loop import (changed_options, check_recipe_for, recipe_opti
 from gpulab.training.optimizers import check_optimizer
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
+from gpulab.predict.cards import follows_card
 from gpulab.predict.guard import check_fits
 from gpulab.options import MAX_STEPS   # torch-free: the CLI checks --steps first
 
-__all__ = ["DEFAULT_STEPS", "MAX_STEPS", "StepResult", "step"]
+__all__ = ["DEFAULT_STEPS", "MAX_STEPS", "NOT_PREDICTED", "StepResult", "step"]
 
 DEFAULT_STEPS = 2
+NOT_PREDICTED = "cuDNN workspaces: not predicted (they depend on the algorithm cuDNN picks at run time)"
 
 
+@follows_card(positional=False)   # gpu=: the fake CUDA target follows that card's kernels
 def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shape: tuple[int, ...] | None = None,
          optimizer: str = "adam", steps: int = DEFAULT_STEPS, engine: str = "auto", dtype: str | torch.dtype | None = None,
          amp: str | None = None, loss: Callable | None = None, seq_len: int | None = None,
@@ -39,7 +42,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
          set_to_none: bool = True, optimizer_in_backward: bool = False, offload_activations: bool = False,
          chunked_loss: int = 0, use_cache: bool | None = None, compile: bool = False,
          implementation: str = "default", checkpointing: bool | str = False, lora: int = 0,
-         lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0, quantize: str | None = None, **engine_limits) -> StepResult:
+         lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0, quantize: str | None = None, gpu: Any = None, **engine_limits) -> StepResult:
     """Track ``steps`` training steps of ``model`` and return them by category, next to the
     formulas' prediction (see the module docstring for what ``model``, ``inputs`` and ``loss``
     may be).
@@ -61,6 +64,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     ``models.adapt`` says), ``lora=R`` with ``lora_targets`` (peft's LoRA adapters of rank R on a frozen base; None: peft's default layers for the model type; ``lora_dropout`` on the
     adapters' inputs), ``quantize`` ("nf4" with lora: QLoRA; or "int8": the base's linear layers as
     bitsandbytes stores them). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
+    ``gpu``: the fake CUDA target's card (``predict.cards.follows_card``).
     Bad input raises ``ValueError`` with what to do instead."""
     if batch is not None:
         validate_batch(batch)
@@ -145,6 +149,20 @@ class StepResult(Measured):
     seq_len: int | None = None
     amp: str | None = None
     recipe: dict[str, Any] = field(default_factory=dict)   # options set away from the plain loop
+    # a fake CUDA-target run: cuDNN's convolution workspaces at the peak, where a run of these settings
+    # was recorded on the card asked for (``record.workspaces``), else None and NOT_PREDICTED
+    cudnn_workspace_bytes: int | None = None
+    cudnn_workspace_label: str = ""
+
+    def __post_init__(self) -> None:
+        m = self.measurement
+        if not self.cudnn_workspace_label and m.engine == "fake" and m.kernels == "cuda":
+            self.cudnn_workspace_label = NOT_PREDICTED
+
+    @property
+    def peak_with_workspaces_bytes(self) -> int:
+        """The live tensors' peak plus the recorded cuDNN workspaces at the peak (where known)."""
+        return self.peak_bytes + (self.cudnn_workspace_bytes or 0)
 
     @property
     def first_step_peak_bytes(self) -> int:
@@ -176,7 +194,7 @@ class StepResult(Measured):
             "model": self.model, "batch": self.batch, "image_size": self.image_size,
             "optimizer": self.optimizer, "dtype": self.dtype, "steps": self.steps,
             "engine": m.engine, "engine_reason": m.reason, "device": m.device, "label": m.label,
-            "kernels": m.kernels,
+            "kernels": m.kernels, "kernels_note": m.kernels_note,
             "peak_bytes": m.peak_bytes, "peak_phase": m.tracking.peak_phase if m.tracking else "",
             "peak_by_category": m.peak_by_category,
             "peak_tensor_bytes_by_category": self.tensor_bytes_by_category,   # unrounded, vs formulas
@@ -193,6 +211,9 @@ class StepResult(Measured):
         }
         if self.recipe:
             d["recipe"] = dict(self.recipe)
+        if self.cudnn_workspace_label:
+            d.update(cudnn_workspace_bytes=self.cudnn_workspace_bytes, cudnn_workspace_label=self.cudnn_workspace_label,
+                     peak_with_workspaces_bytes=self.peak_with_workspaces_bytes)
         if m.offloaded is not None:   # activation offloading: the host copies' peak, apart
             d["offloaded_peak_bytes"] = m.offloaded.peak_bytes
         if m.paged is not None:       # a paged optimizer: its unified-memory state, apart
