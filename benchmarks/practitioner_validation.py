@@ -189,7 +189,11 @@ class FitCheck:
     fraction: float | None = None
     fit_batch: int | None = None
     fit_seconds: float | None = None
-    tried: dict[str, str] = field(default_factory=dict)   # batch -> "ran" / "OOM: ..." / "error: ..."
+    predicted_reserved: dict[str, int] = field(default_factory=dict)   # fit's simulated reserved, b and b + 1 ...
+    predicted_fits: dict[str, bool] = field(default_factory=dict)      # ... and whether it fitted (else: where it stopped)
+    baseline_reserved: int | None = None  # inside the limit: the warm-up's workspaces, which fit does not model
+    tried: dict[str, str] = field(default_factory=dict)   # batch -> "ran" / "OOM" / "error: ..."
+    real_reserved: dict[str, int] = field(default_factory=dict)   # batch -> max_memory_reserved - baseline
     real_largest: int | None = None      # the largest batch that ran, as far as the probes went
     real_largest_exact: bool = False     # False: only a bound (the probes stopped) ...
     bound: str = ""                      # ... "≥" (the last batch tried ran) or "≤" (it did not)
@@ -402,12 +406,18 @@ def render(report: Report) -> str:
               "(`torch.cuda.set_per_process_memory_fraction`) to the card's total less the CUDA context measured "
               "here; plain steps at fit's batch b (must run two steps) and b + 1 (must raise "
               "`torch.OutOfMemoryError`, caught, memory freed); further batches only to say by how much a "
-              f"miss missed (at most {FIT_PROBES}).", ""]
-        L += gv._table(["case", "card", "card total", "context (measured)", "allocator limit", "fit's batch",
-                        "batches tried", "real largest", "verdict"],
+              f"miss missed (at most {FIT_PROBES}). The limit holds what the process already reserved (the "
+              "cuBLAS workspaces' segments), which fit's simulated allocator does not; fit's simulated reserved "
+              "peaks at b and b + 1 and the real runs' reserved peaks (above that) are beside it.", ""]
+        L += gv._table(["case", "card", "card total", "context (measured)", "allocator limit",
+                        "… of it held before (workspaces)", "fit's batch", "fit's reserved at b, b + 1",
+                        "batches tried (real reserved)", "real largest", "verdict"],
                        [[r.name, f.card, gv._mib(f.card_bytes), gv._mib(f.context_bytes), gv._mib(f.limit_bytes),
-                         "—" if f.fit_batch is None else f.fit_batch,
-                         "; ".join(f"{b}: {t}" for b, t in f.tried.items()) or "—",
+                         gv._mib(f.baseline_reserved), "—" if f.fit_batch is None else f.fit_batch,
+                         "; ".join(f"{b}: {gv._mib(v)}" + ("" if f.predicted_fits.get(b, True) else " (out of memory there)")
+                                   for b, v in f.predicted_reserved.items()) or "—",
+                         "; ".join(f"{b}: {t}" + (f" ({gv._mib(f.real_reserved[b])})" if b in f.real_reserved else "")
+                                   for b, t in f.tried.items()) or "—",
                          "—" if f.real_largest is None else (f"{f.real_largest}" if f.real_largest_exact
                                                              else f"{f.bound} {f.real_largest}"),
                          f.verdict] for r, f in fits]) + [""]
@@ -778,10 +788,14 @@ def _reset_fraction() -> None:
         pass
 
 
-def _try_batch(case: Case, model, batch: int, stand_in: bool) -> str:
-    """"ran", "OOM: ..." or "error: ..." for two plain steps at ``batch``; memory freed after."""
+def _try_batch(case: Case, model, batch: int, stand_in: bool, f: FitCheck | None = None) -> str:
+    """"ran", "OOM" or "error: ..." for two plain steps at ``batch``; memory freed after. A run
+    that ran leaves its reserved peak (above ``f.baseline_reserved``) in ``f.real_reserved``."""
+    import torch
     try:
         plain_run(case, model, batch, stand_in)
+        if f is not None and f.baseline_reserved is not None:
+            f.real_reserved[str(batch)] = torch.cuda.max_memory_reserved() - f.baseline_reserved
         return "ran"
     except CaseTimeout:
         raise
@@ -809,6 +823,7 @@ def fit_check(case: Case, card_name: str, stand_in: bool, seconds: float) -> Fit
                 f.verdict = "not measured: no NVML (the context cannot be measured)"
                 return f
             f.context_bytes = int(ctx)
+            f.baseline_reserved = torch.cuda.memory_reserved()
             total = torch.cuda.get_device_properties(0).total_memory
             # the card this device is (an H100 on an H100): CUDA's totals differ by a few MiB between boards
             f.limit_bytes = min(f.card_bytes, total) - f.context_bytes
@@ -822,13 +837,17 @@ def fit_check(case: Case, card_name: str, stand_in: bool, seconds: float) -> Fit
                              context_bytes=f.context_bytes, **_step_options(case))
             f.fit_seconds = round(time.monotonic() - t0, 2)
             f.fit_batch = b = res.largest_batch
+            for c in res.checks:
+                if c.batch in (b, b + 1):
+                    f.predicted_reserved[str(c.batch)] = c.reserved_bytes
+                    f.predicted_fits[str(c.batch)] = c.fits
             f.fraction = f.limit_bytes / total
             torch.cuda.set_per_process_memory_fraction(f.fraction)
 
             def attempt(n: int) -> bool:
                 if n < 1:
                     return True   # batch 0 "runs": nothing to run
-                f.tried[str(n)] = _try_batch(case, model, n, stand_in)
+                f.tried[str(n)] = _try_batch(case, model, n, stand_in, f)
                 if f.tried[str(n)].startswith("error"):
                     raise RuntimeError(f"batch {n}: {f.tried[str(n)]}")
                 return f.tried[str(n)] == "ran"

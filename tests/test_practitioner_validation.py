@@ -111,6 +111,11 @@ def test_quick_run_under_the_standin_goes_end_to_end(pv, quick_run):
     assert fit["card"] == "560MiB" and fit["card_bytes"] == 560 * MiB and fit["context_bytes"] == 500 * MiB
     assert fit["limit_bytes"] == 60 * MiB and fit["fit_batch"] >= 1
     assert str(fit["fit_batch"]) in fit["tried"] and "OOM" in fit["tried"].values()
+    assert fit["baseline_reserved"] == 20 * MiB        # the stand-in's cuBLAS-like workspace segment
+    b = str(fit["fit_batch"])
+    assert fit["predicted_fits"][b] is True and fit["predicted_fits"][str(fit["fit_batch"] + 1)] is False
+    assert 0 < fit["predicted_reserved"][b] <= fit["limit_bytes"]
+    assert all(fit["real_reserved"][n] > 0 for n, t in fit["tried"].items() if t == "ran")
     assert fit["verdict"].startswith(("PASS", "MISS"))
     assert left <= raw["cases"][-1]["baseline_allocated"]       # every case's memory was given back
 
