@@ -1,0 +1,417 @@
+"""Exact at any depth: a deep stack's training timeline built from fake runs of a few blocks.
+
+A transformer's blocks are alike, so a step of N blocks makes the same storages, in the same order,
+as a step of k blocks, with one block's events repeated at a few places (its forward, its
+backward, and its share of each optimizer loop). From fake runs with k, k+1 and k+2 blocks this
+module learns where those places are and how each repeated event refers to the others, then lays
+the N-block timeline out event for event, which the allocator simulator replays as it replays a
+run's:
+
+1. **Where.** The k-block timeline aligns with the (k+1)-block one by insertions only (events
+   compared by kind, bytes, category, phase, and module with its block numbers taken out:
+   ``difflib.SequenceMatcher``); the inserted runs are the *groups*. The (k+2)-block timeline must
+   hold each group twice, at the same places.
+2. **Which storage.** A free (or resize) refers to the storage an alloc made. A repeated event's
+   storage is found by a *rule* learned from the (k+2)-block run, where each group appears twice:
+   the same copy (a block's own temporaries), the mirrored copy (what a block's forward saves, its
+   backward frees: backward runs the blocks in reverse), the previous or next copy (what passes from
+   block to block: the hidden state, its gradient), or an event of the k-block run.
+3. **Checked.** The rules must rebuild both the (k+1)- and the (k+2)-block timelines exactly
+   (every event, every storage); otherwise there is no layout, and the caller runs the full depth
+   and says so.
+
+The layout at N blocks takes its bytes from the k- and (k+1)-block runs *at the same batch*
+(``expand``), so one learned layout serves every batch of a ``gpulab fit`` search.
+
+NB: this holds where every block is alike. A config whose layers differ (``layer_types`` that are
+not all the same, checkpointing every K-th layer) is not repeated: ``not_repeatable`` says why.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from gpulab.measure.records import Event, StorageRecord, TrackingResult
+from gpulab.models import hf_configs
+from gpulab.models.registry import build_in_place
+from gpulab.models.workload import Workload
+
+__all__ = ["BASE_BLOCKS", "Deep", "Layout", "MIN_REPEAT_DEPTH", "learn", "not_repeatable", "same_timeline",
+           "with_depth", "workload_with_depth"]
+
+BASE_BLOCKS = 2          # k: the first and the last block; k+1 and k+2 add middle ones
+MIN_REPEAT_DEPTH = BASE_BLOCKS + 4   # shallower stacks run at full depth (no cheaper)
+
+_DIGITS = re.compile(r"\d+")
+
+
+def _depth_attr(config: Any) -> str | None:
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        if isinstance(getattr(config, name, None), int):
+            return name
+    return None
+
+
+def not_repeatable(config: Any, checkpointing: Any = False) -> str | None:
+    """Why this model's step cannot be built from a few blocks (None: it can)."""
+    if config is None:
+        return "not a transformer config (no stack of identical blocks to repeat)"
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder (two stacks)"
+    attr = _depth_attr(config)
+    if attr is None:
+        return "the config names no number of layers"
+    depth = getattr(config, attr)
+    if depth < MIN_REPEAT_DEPTH:
+        return f"{depth} layers: the full depth is as cheap"
+    for name, value in vars(config).items():
+        if isinstance(value, (list, tuple)) and len(value) == depth and len({repr(v) for v in value}) > 1:
+            return f"its layers are not all alike ({name})"
+    if isinstance(checkpointing, str) and checkpointing.startswith("every-"):
+        return f"checkpointing {checkpointing} treats layers differently"
+    return None
+
+
+def with_depth(config: Any, depth: int) -> Any:
+    """A copy of ``config`` with ``depth`` layers (per-layer lists cut to that length)."""
+    attr = _depth_attr(config)
+    full = getattr(config, attr)
+    cfg = copy.deepcopy(config)
+    setattr(cfg, attr, depth)
+    for name, value in vars(cfg).items():
+        if isinstance(value, (list, tuple)) and len(value) == full:
+            setattr(cfg, name, type(value)(value[:depth]))
+    return cfg
+
+
+def workload_with_depth(w: Workload, depth: int) -> Workload:
+    """``w`` (a transformer's workload) with ``depth`` layers, everything else as it is."""
+    cfg = with_depth(w.config, depth)
+
+    def build(device, dtype):
+        return build_in_place(lambda: hf_configs.build_model(cfg, dtype), device, dtype)
+    return dataclasses.replace(w, build=build, config=cfg, make=lambda dtype: hf_configs.build_model(cfg, dtype))
+
+
+class Deep:
+    """A deep stack's step at any batch, laid out from fake runs of a few blocks.
+
+    ``run(workload, batch)`` makes one fake run (the caller's: its recipe, dtype, card and cache).
+    ``at(batch)`` runs k and k+1 blocks at that batch (and k+2 once, to learn the layout) and lays
+    out the full depth; None when the layout cannot be learned or does not hold at that batch
+    (``why`` then says why, and the caller runs the full depth)."""
+
+    def __init__(self, w: Workload, run: Callable[[Workload, int], TrackingResult], k: int = BASE_BLOCKS):
+        self.depth = getattr(w.config, _depth_attr(w.config))
+        self.k = k
+        self._run = run
+        self._small = {n: workload_with_depth(w, n) for n in (k, k + 1, k + 2)}
+        self.layout: Layout | None = None
+        self.why = ""
+        self.runs = 0
+
+    def _small_run(self, n: int, batch: int) -> TrackingResult:
+        self.runs += 1
+        return self._run(self._small[n], batch)
+
+    def at(self, batch: int) -> TrackingResult | None:
+        if self.why:
+            return None
+        base, more = self._small_run(self.k, batch), self._small_run(self.k + 1, batch)
+        if self.layout is None:
+            learned = learn(base, more, self._small_run(self.k + 2, batch), self.k)
+            if isinstance(learned, str):
+                self.why = learned
+                return None
+            self.layout = learned
+        deep = self.layout.expand(base, more, self.depth - self.k)
+        if deep is None:
+            self.why = f"the runs at batch {batch} did not have the learned layout"
+        return deep
+
+    def describe(self) -> str:
+        """What the answer's timelines are, in a sentence."""
+        if self.layout is None:
+            return f"all {self.depth} layers run (layer repeat not used: {self.why or 'not tried'})"
+        return (f"{self.depth} layers laid out from fake runs of {self.k} and {self.k + 1} layers (each block's "
+                f"events repeated, learned with {self.k + 2} layers; exact where the blocks are alike)")
+
+
+def _sig(t: TrackingResult, e: Event) -> tuple:
+    r = t.records[e.sid]
+    return (e.kind, e.nbytes, r.category.value, e.phase, e.device, _DIGITS.sub("#", e.module))
+
+
+def _allocs(t: TrackingResult) -> dict[int, int] | None:
+    """sid -> index of its alloc event (None when a storage has none in the timeline)."""
+    first: dict[int, int] = {}
+    for i, e in enumerate(t.events):
+        if e.kind == "alloc":
+            first.setdefault(e.sid, i)
+        elif e.sid not in first:
+            return None
+    return first
+
+
+def _diff_points(sa: list, sb: list) -> list[tuple[int, int]] | None:
+    """b as a with insertions only: [(insertion point in a, length)], or None."""
+    points = []
+    for tag, i1, _, j1, j2 in difflib.SequenceMatcher(None, sa, sb, autojunk=False).get_opcodes():
+        if tag == "insert":
+            points.append((i1, j2 - j1))
+        elif tag != "equal":
+            return None
+    return points
+
+
+def _place(sa: list, sb: list, points: list[tuple[int, int]]) -> tuple[list[int], list[tuple[int, int, int]]] | None:
+    """(matched: a's event i is b's event matched[i]; groups: (point, start, end in b)) for b = a with
+    ``points``' insertions, or None when b's events are not a's there."""
+    matched, groups, j, i = [], [], 0, 0
+    for point, n in points:
+        while i < point:
+            matched.append(j)
+            i, j = i + 1, j + 1
+        groups.append((point, j, j + n))
+        j += n
+    matched.extend(range(j, j + len(sa) - i))
+    if j + len(sa) - i != len(sb) or any(sa[x] != sb[y] for x, y in enumerate(matched)):
+        return None
+    return matched, groups
+
+
+def _split_loops(points: list[tuple[int, int]], sb: list) -> list[tuple[int, int]]:
+    """An inserted run of allocations followed by one of frees is two loops that met (a foreach
+    op's outputs made block by block, then freed in reverse): split, so each can take its place."""
+    out, offset = [], 0
+    for point, n in points:
+        kinds = [sb[offset + point + j][0] for j in range(n)]
+        cut = kinds.index("free") if "free" in kinds else n
+        if 0 < cut < n and all(k == "alloc" for k in kinds[:cut]) and all(k == "free" for k in kinds[cut:]):
+            out += [(point, cut), (point, n - cut)]
+        else:
+            out.append((point, n))
+        offset += n
+    return out
+
+
+def _slides(sb: list, groups: list[tuple[int, int, int]], lo: int, hi: int) -> tuple[int, int]:
+    """How far each way (in a's events) one inserted run can move and leave b's events the same:
+    where alike blocks follow each other, it could sit at any of their boundaries."""
+    _, start, end = groups[0]
+    back = 0
+    while start - back > lo and sb[start - back - 1] == sb[end - back - 1]:
+        back += 1
+    ahead = 0
+    while end + ahead < hi and sb[start + ahead] == sb[end + ahead]:
+        ahead += 1
+    return back, ahead
+
+
+# A position in a laid-out timeline: ("M", i) is the k-block run's event i; ("G", g, c, o) is event o of
+# group g's copy c (1-based). A rule says where a free's storage was made, as a function of (c, m).
+Pos = tuple
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one block's events repeat in the k-block timeline, and which storage each event
+    refers to: learned by ``learn``, laid out at any depth by ``expand``."""
+    k: int
+    n_base: int                                  # events in the k-block run
+    groups: tuple[tuple[int, int, int], ...]     # (insertion point, start, end in the (k+1)-block run)
+    matched: tuple[int, ...] = field(repr=False)  # k-block event i -> its index in the (k+1)-block run
+    rules: dict = field(repr=False)               # position (copy 1 for groups) -> rule
+
+    def positions(self, m: int):
+        """Every position of the timeline with ``m`` repeated blocks, in order."""
+        at: dict[int, list[int]] = {}
+        for g, (point, _, _) in enumerate(self.groups):
+            at.setdefault(point, []).append(g)
+        for i in range(self.n_base + 1):
+            for g in at.get(i, ()):
+                n = self.groups[g][2] - self.groups[g][1]
+                for c in range(1, m + 1):
+                    for o in range(n):
+                        yield ("G", g, c, o)
+            if i < self.n_base:
+                yield ("M", i)
+
+    def _target(self, pos: Pos, m: int) -> Pos:
+        """The position of the alloc that the free or resize at ``pos`` refers to, with ``m`` copies."""
+        g, o, a, b, gamma, past = self.rules[pos if pos[0] == "M" else ("G", pos[1], 1, pos[3])]
+        f = a * (pos[2] if pos[0] == "G" else 0) + b * m + gamma
+        return ("G", g, f, o) if g is not None and 1 <= f <= m else past
+
+    def expand(self, base: TrackingResult, one_more: TrackingResult, m: int) -> TrackingResult | None:
+        """The timeline with ``m`` more blocks than ``base`` (the k-block run), its bytes from
+        ``base`` and ``one_more`` (the (k+1)-block run at the same batch). None when these runs do not
+        have the learned shape (then the caller runs the full depth)."""
+        if len(base.events) != self.n_base or len(one_more.events) != len(self.matched) + sum(
+                e - s for _, s, e in self.groups):
+            return None
+        source: dict[Pos, tuple[TrackingResult, Event]] = {}
+
+        def event_at(pos: Pos) -> tuple[TrackingResult, Event]:
+            if pos[0] == "M":
+                return base, base.events[pos[1]]
+            return one_more, one_more.events[self.groups[pos[1]][1] + pos[3]]
+        sids: dict[Pos, int] = {}
+        records: dict[int, StorageRecord] = {}
+        order = list(self.positions(m))
+        for pos in order:
+            t, e = event_at(pos)
+            if e.kind == "alloc":
+                sid = sids[pos] = len(sids)
+                records[sid] = dataclasses.replace(t.records[e.sid], sid=sid)
+        events = []
+        for pos in order:
+            t, e = event_at(pos)
+            sid = sids.get(pos) if e.kind == "alloc" else sids.get(self._target(pos, m))
+            if sid is None:
+                return None
+            events.append(dataclasses.replace(e, index=len(events), sid=sid))
+        return TrackingResult.build(records, events, device=base.device, rounded=base.rounded)
+
+
+def _refs(t: TrackingResult, matched: list[int], groups: list[tuple[int, int, int]], size: list[int]) -> dict | None:
+    """position -> position of the alloc it refers to, in run ``t`` (``size[g]``: one copy's length)."""
+    allocs = _allocs(t)
+    if allocs is None:
+        return None
+    where: dict[int, Pos] = {j: ("M", i) for i, j in enumerate(matched)}
+    for g, (_, start, end) in enumerate(groups):
+        for j in range(start, end):
+            where[j] = ("G", g, (j - start) // size[g] + 1, (j - start) % size[g])
+    return {where[j]: where[allocs[e.sid]] for j, e in enumerate(t.events) if e.kind != "alloc"}
+
+
+# A repeated event refers to copy f(c, m) = alpha·c + beta·m + gamma of a group's event (c its own copy,
+# 0 for a k-block event; m the copies laid out), and to a k-block event where f falls outside 1..m:
+# alpha = 1, beta = 0 is the same block (gamma = 0) or the one before it (gamma = -1: what one block
+# hands the next); alpha = -1, beta = 1 mirrors it (backward visits the blocks in reverse). Simplest first.
+_COPY_RULES = tuple((a, b, g) for g in (0, -1, 1, 2, -2) for b in (0, 1) for a in (1, -1, 0))
+
+
+def _rule(observed: list[tuple[int, int, Pos]]) -> tuple | None:
+    """The rule that explains every observation (m, c, the alloc position referred to) of one event:
+    (group, offset, alpha, beta, gamma, the k-block event past the copies), or None."""
+    if any(t is None for _, _, t in observed):
+        return None
+    groups = {(t[1], t[3]) for _, _, t in observed if t[0] == "G"}
+    fixed = {t for _, _, t in observed if t[0] == "M"}
+    if len(groups) > 1 or len(fixed) > 1:
+        return None
+    g, o = next(iter(groups)) if groups else (None, None)
+    past = next(iter(fixed)) if fixed else None
+    if g is None:
+        return (None, None, 0, 0, 0, past)
+    for a, b, gamma in _COPY_RULES:
+        if all((t[0] == "G" and t[2] == a * c + b * m + gamma) or
+               (t[0] == "M" and not 1 <= a * c + b * m + gamma <= m) for m, c, t in observed):
+            return (g, o, a, b, gamma, past)
+    return None
+
+
+def learn(k_run: TrackingResult, k1_run: TrackingResult, k2_run: TrackingResult, k: int = BASE_BLOCKS) -> Layout | str:
+    """The layout that rebuilds the (k+1)- and (k+2)-block runs from the k-block run, or a
+    sentence saying why there is none.
+
+    Where an inserted run could sit at several block boundaries (a loop over alike blocks), each
+    boundary is tried, one run at a time, keeping the placement under which the most events have a
+    rule (a forward loop's new block goes after the first block, a loop that visits the blocks in
+    reverse puts it before)."""
+    sa, s1, s2 = ([_sig(t, e) for e in t.events] for t in (k_run, k1_run, k2_run))
+    first = _diff_points(sa, s1)
+    if first is not None:
+        first = _split_loops(first, s1)
+    if first is None or _place(sa, s1, first) is None:
+        return "one more block changed the timeline by more than insertions"
+    placed = _place(sa, s1, first)[1]
+    candidates = []
+    for g, (point, n) in enumerate(first):
+        lo = placed[g - 1][2] if g else 0
+        hi = placed[g + 1][1] if g + 1 < len(first) else len(s1)
+        back, ahead = _slides(s1, [placed[g]], lo, hi)
+        ends = {point - back + t * n for t in range((back + ahead) // n + 1)}
+        ends |= {point + ahead - t * n for t in range((back + ahead) // n + 1)}
+        candidates.append(sorted(ends))
+    points = [p for p, _ in first]
+    sizes = [n for _, n in first]
+    result = _learn_at(list(zip(points, sizes)), k_run, k1_run, k2_run, sa, s1, s2, k)
+    for _ in range(3):
+        if not isinstance(result, set):
+            return result
+        for g in sorted(result):
+            tried = {}
+            for c in candidates[g]:
+                trial = points[:g] + [c] + points[g + 1:]
+                tried[c] = _learn_at(list(zip(trial, sizes)), k_run, k1_run, k2_run, sa, s1, s2, k)
+                if not isinstance(tried[c], set) or g not in tried[c]:
+                    break
+            best = min(tried, key=lambda c: len(tried[c]) if isinstance(tried[c], set) else -1)
+            points[g], result = best, tried[best]
+            if not isinstance(result, set):
+                break
+    if isinstance(result, set):
+        return f"no placement of the repeated blocks explains every event (groups {sorted(result)})"
+    return result
+
+
+def _learn_at(points, k_run, k1_run, k2_run, sa, s1, s2, k) -> "Layout | str | set[int]":
+    """The layout with the repeated runs at ``points``; a sentence when there is none; the groups
+    whose events no rule explains when the placement is wrong."""
+    one = _place(sa, s1, points)
+    two = _place(sa, s2, [(p, 2 * n) for p, n in points])
+    if one is None or two is None:
+        return "two more blocks did not repeat one more block's events at the same places"
+    (m1, g1), (m2, g2) = one, two
+    size = [n for _, n in points]
+    r1 = _refs(k1_run, m1, g1, size)
+    r2 = _refs(k2_run, m2, g2, size)
+    if r1 is None or r2 is None:
+        return "a storage is freed without its allocation in the timeline"
+    rules: dict = {}
+    failing: set[int] = set()
+    for pos, target in r1.items():
+        if pos[0] == "M":
+            rule = _rule([(1, 0, target), (2, 0, r2.get(pos))])
+        else:
+            rule = _rule([(1, 1, target), (2, 1, r2.get(pos)), (2, 2, r2.get(("G", pos[1], 2, pos[3])))])
+        if rule is None:
+            involved = {x[1] for x in (pos, target) if x[0] == "G"}
+            if not involved:   # k-block events that refer to different storages: a group between them is misplaced
+                seen = [x[1] for x in (pos, target, r2.get(pos)) if x is not None and x[0] == "M"]
+                involved = {g for g, (p, _) in enumerate(points) if min(seen) <= p <= max(seen)}
+            if not involved:
+                return f"no repeat rule explains event {pos} of the deeper runs"
+            failing |= involved
+        rules[pos] = rule
+    if failing:
+        return failing
+    layout = Layout(k, len(k_run.events), tuple(g1), tuple(m1), rules)
+    for m, run in ((1, k1_run), (2, k2_run)):
+        if not same_timeline(layout.expand(k_run, k1_run, m), run):
+            return f"the learned layout does not rebuild the {k + m}-block run"
+    return layout
+
+
+def same_timeline(a: TrackingResult | None, b: TrackingResult) -> bool:
+    """Equal event for event (kind, bytes, category, phase, device), with the same storages (sids
+    matched by their first appearance)."""
+    if a is None or len(a.events) != len(b.events):
+        return False
+    names_a: dict[int, int] = {}
+    names_b: dict[int, int] = {}
+    for x, y in zip(a.events, b.events):
+        if (x.kind, x.nbytes, x.phase, x.device) != (y.kind, y.nbytes, y.phase, y.device):
+            return False
+        if a.records[x.sid].category != b.records[y.sid].category:
+            return False
+        if names_a.setdefault(x.sid, len(names_a)) != names_b.setdefault(y.sid, len(names_b)):
+            return False
+    return True

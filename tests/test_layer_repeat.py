@@ -1,0 +1,99 @@
+"""Exact at any depth: a step laid out from fake runs of 2, 3 and 4 blocks equals the full-depth
+fake run event for event (same storages, bytes, categories, phases), so the same peak, the same
+categories at the peak and the same simulated reserved memory (gpulab.predict.layer_repeat)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpulab.allocator.simulator import CachingAllocator
+from gpulab.models import hf_configs
+from gpulab.models.workload import resolve_workload
+from gpulab.predict import layer_repeat as L
+from gpulab.predict.fit import _run
+from gpulab.training.loop import user_recipe
+
+
+def _workload(name: str, depth: int, seq_len: int = 32):
+    cfg = hf_configs.make_config(name)
+    cfg.num_hidden_layers = depth
+    return resolve_workload(cfg, seq_len=seq_len)
+
+
+def _both(w, recipe, dtype=torch.bfloat16, batch: int = 2):
+    def run(wk, b):
+        return _run(wk, b, dtype, recipe).tracking
+    deep = L.Deep(w, run)
+    return deep, deep.at(batch), run(w, batch)
+
+
+def _assert_same(laid, full):
+    assert laid is not None
+    assert L.same_timeline(laid, full)
+    assert laid.peak_bytes == full.peak_bytes
+    assert laid.peak_by_category == full.peak_by_category
+    reserved = [CachingAllocator().replay(t.events, strict=False).peak_reserved for t in (laid, full)]
+    assert reserved[0] == reserved[1]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_plain_step_equals_full_depth(name):
+    deep, laid, full = _both(_workload(name, 7), user_recipe("adamw", None))
+    _assert_same(laid, full)
+    assert deep.runs == 3 and "7 layers laid out" in deep.describe()
+
+
+RECIPES = {
+    "full checkpointing": dict(checkpointing="full"),
+    "selective (SAC)": dict(checkpointing="selective"),
+    "LoRA": dict(lora=8),
+    "QLoRA": dict(lora=8, quantize="nf4"),
+    "offload": dict(offload_activations=True),
+    "accumulation": dict(accumulate=2),
+    "chunked loss": dict(chunked_loss=4),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", list(RECIPES.values()), ids=list(RECIPES))
+def test_recipes_equal_full_depth(options):
+    deep, laid, full = _both(_workload("tiny-llama", 7), user_recipe("adamw", None, **options))
+    _assert_same(laid, full)
+
+
+def test_a_deeper_batch_reuses_the_layout():
+    """One layout serves every batch: batch 3 costs two small runs, and still equals the full depth."""
+    w = _workload("tiny-llama", 6)
+    recipe = user_recipe("adamw", None)
+    runs = []
+
+    def run(wk, b):
+        runs.append(b)
+        return _run(wk, b, torch.bfloat16, recipe).tracking
+    deep = L.Deep(w, run)
+    deep.at(2)
+    n = len(runs)
+    _assert_same(deep.at(3), _run(w, 3, torch.bfloat16, recipe).tracking)
+    assert len(runs) - n == 2
+
+
+def test_layers_not_alike_are_not_repeated():
+    cfg = hf_configs.make_config("tiny-llama")
+    cfg.num_hidden_layers = 8
+    assert L.not_repeatable(cfg) is None
+    assert "every-2" in L.not_repeatable(cfg, "every-2")
+    cfg.layer_types = ["sliding_attention", "full_attention"] * 4
+    assert "not all alike (layer_types)" in L.not_repeatable(cfg)
+    cfg.num_hidden_layers = 4
+    assert "full depth is as cheap" in L.not_repeatable(cfg)
+    assert "not a transformer" in L.not_repeatable(None)
+
+
+def test_a_timeline_that_does_not_repeat_is_refused():
+    """Runs whose deeper versions are not insertions of one block (here: three unrelated runs)
+    give a reason, never a layout."""
+    recipe = user_recipe("adamw", None)
+    a = _run(_workload("tiny-llama", 2), 2, torch.bfloat16, recipe).tracking
+    b = _run(_workload("tiny-gpt2", 3), 2, torch.bfloat16, recipe).tracking
+    c = _run(_workload("tiny-llama", 4), 2, torch.bfloat16, recipe).tracking
+    assert isinstance(L.learn(a, b, c), str)
