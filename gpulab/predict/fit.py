@@ -168,7 +168,7 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
     key = run_cache.workload_key(model, w, own_parts=inputs is not None or input_shape is not None or loss is not None)
     sharding, shard = _sharding(w, recipe, dt, gpus, strategy, offload_optimizer)
     place = place._replace(sharding=sharding)
-    usable = place.card.reported_total_bytes - place.context_bytes - place.card.workspace_bytes()
+    usable = max(0, place.card.reported_total_bytes - place.context_bytes - place.card.workspace_bytes())
     runs: dict[int, TrackingResult] = {}
     made: list[int] = []     # every fake run, in order (a batch run again counts again)
 
