@@ -88,16 +88,15 @@ def test_python_dash_m_gpulab_imports_no_torch_for_help_or_a_bad_card():
 
 
 def test_the_public_names_still_come_from_gpulab():
+    import importlib
+
     import gpulab
     from gpulab import Category, MemoryTracker, breakdown, fit, format_bytes, run, serve, step
-    from gpulab.categories import Category as C
-    from gpulab.measure.engines import run as r
-    from gpulab.predict.fit import fit as f
-    from gpulab.predict.serve import serve as s
-    from gpulab.predict.step import step as st
-    assert (Category, run, fit, serve, step) == (C, r, f, s, st)
-    assert callable(breakdown) and callable(format_bytes) and MemoryTracker is gpulab.MemoryTracker
-    assert set(gpulab.__all__) <= set(dir(gpulab))
+    given = dict(Category=Category, MemoryTracker=MemoryTracker, breakdown=breakdown, fit=fit,
+                 format_bytes=format_bytes, run=run, serve=serve, step=step)
+    assert set(given) == set(gpulab.__all__) <= set(dir(gpulab))
+    for name, value in given.items():   # each the same object as in the module it comes from
+        assert value is getattr(importlib.import_module(gpulab._SOURCES[name]), name) is getattr(gpulab, name)
     with pytest.raises(AttributeError):
         gpulab.no_such_name
 
