@@ -118,7 +118,7 @@ def test_fit_takes_the_recipe_and_says_so():
 ])
 def test_bad_recipes_are_refused_with_what_to_do(kw, words):
     for call in (lambda: gpulab.step("mlp", batch=2, engine="fake", **kw),
-                 lambda: gpulab.fit("mlp", "1GiB", **kw)):
+                 lambda: gpulab.fit("mlp", "2GiB", **kw)):   # room for the measured CUDA context
         with pytest.raises(ValueError) as e:
             call()
         assert all(w in str(e.value) for w in words), str(e.value)
