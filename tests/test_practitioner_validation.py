@@ -63,7 +63,7 @@ def test_the_gpu_command_is_at_the_top_of_the_docstring(pv):
 
 # --- the --quick command under the stand-in --------------------------------------------------------
 
-QUICK = "gpt2-fp32-adamw,llama1b-qlora,resnet50-fp32-momentum,llama8b-generate"
+QUICK = "gpt2-fp32-adamw,llama8b-generate,llama1b-qlora,resnet50-fp32-momentum"
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +93,10 @@ def test_quick_run_under_the_standin_goes_end_to_end(pv, quick_run):
     assert raw["quick"] is True and raw["device"]["gpu_name"] == STANDIN_NAME
     assert raw["device"]["gpulab_commit"] == "0123abc"
     assert [c["name"] for c in raw["cases"]] == QUICK.split(",")
-    gpt2, qlora, cnn, gen = raw["cases"]
+    gpt2, gen, qlora, cnn = raw["cases"]
     assert gpt2["status"] == "ran" and gpt2["model"].startswith("tiny GPT-2")
     for key in ("predicted_tensors", "predicted_allocated", "predicted_reserved", "real_allocated", "real_reserved",
-                "baseline_allocated", "baseline_reserved", "nvml_used", "predicted_process", "context_assumed",
+                "baseline_allocated", "baseline_reserved", "free_bytes", "nvml_used", "predicted_process", "context_assumed",
                 "seeded_allocated", "seeded_reserved", "predict_seconds", "run_seconds"):
         assert gpt2[key] is not None, key
     assert gpt2["real_allocated"] > 0 and gpt2["baseline_allocated"] > 0    # the warm-up's workspace
