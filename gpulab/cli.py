@@ -312,8 +312,17 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
                    help="with --lora: the layers to adapt (default: peft's for the model type, e.g. q_proj v_proj)")
     p.add_argument("--lora-dropout", type=float, default=0.0, metavar="P",
                    help="with --lora: dropout on the adapters' inputs (peft's lora_dropout)")
-    p.add_argument("--quantize", choices=("nf4", "int8"), default=None,
-                   help="with --lora: the base's linear layers stored as bitsandbytes stores them (4-bit NF4 or int8)")
+    p.add_argument("--lora-dtype", choices=("fp32", "base"), default="fp32",
+                   help="with --lora: the adapters in fp32 (peft's default) or in the model's dtype (base: torchtune's)")
+    p.add_argument("--quantize", choices=("nf4", "fp4", "int8"), default=None,
+                   help="with --lora: the base's linear layers stored as bitsandbytes stores them (4-bit NF4, "
+                        "4-bit FP4: Linear4bit's default type, or int8)")
+    p.add_argument("--no-double-quant", action="store_true",
+                   help="with a 4-bit --quantize: one fp32 absmax per 64 weights instead of double quantization "
+                        "(transformers' BitsAndBytesConfig default; Linear4bit's is double)")
+    p.add_argument("--quant-compute-dtype", choices=("input", "fp32", "bf16", "fp16"), default="input",
+                   help="with a 4-bit --quantize: bnb_4bit_compute_dtype (transformers' default fp32); "
+                        "input (the default): the input's dtype, as Linear4bit computes without one")
     p.add_argument("--qlora", action="store_true",
                    help="QLoRA: --quantize nf4 with --lora (rank 8 unless --lora says otherwise)")
 
@@ -330,7 +339,8 @@ def _recipe(args: argparse.Namespace) -> dict[str, Any]:
             "use_cache": False if args.no_kv_cache_in_training else None, "compile": args.compile,
             "implementation": args.optimizer_impl, "checkpointing": args.checkpointing, "lora": args.lora or (8 if args.qlora else 0),
             "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
-            "quantize": "nf4" if args.qlora else args.quantize}
+            "quantize": "nf4" if args.qlora else args.quantize, "lora_dtype": args.lora_dtype,
+            "double_quant": not args.no_double_quant, "quant_compute_dtype": args.quant_compute_dtype}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

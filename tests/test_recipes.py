@@ -351,7 +351,7 @@ def test_checkpointing_lora_and_the_implementation_agree_on_cpu_and_fake(model, 
     # untied output weight a real build from the config makes and drops at setup)
     cpu, fake = _llama("cpu", model, **kw), _llama("fake", model, **kw)
     assert cpu.step_peaks == fake.step_peaks
-    assert cpu.recipe == kw
+    assert cpu.recipe == {**kw, **({"lora_dtype": "fp32"} if "lora" in kw else {})}   # the adapters' dtype named
 
 
 def test_checkpointing_keeps_each_blocks_input_and_recomputes_the_rest():
@@ -415,6 +415,36 @@ def test_lora_trains_only_the_adapters():
     assert _max_live(lora, Category.GRADIENTS.value) <= 4 * n
 
 
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_lora_adapters_in_the_bases_dtype_halve_their_weights_gradients_and_state(quantize, capsys):
+    """peft keeps LoRA adapters in float32 on a bf16 model (autocast_adapter_dtype=True); torchtune
+    keeps them in bf16 (lora_dtype="base"). The adapters' parameters, gradients and AdamW moments
+    change by the dtype ratio, 4 → 2 bytes per adapter value (counted by models.lora's formula);
+    the answer names the choice."""
+    import torch
+    from gpulab.models.lora import adapter_params
+    from gpulab.models.workload import resolve_workload
+    from gpulab.training.loop import recipe_workload
+    n = adapter_params("tiny-llama", 4, ("q_proj", "v_proj"))
+    kw = dict(dtype="bf16", steps=1, lora=4, quantize=quantize)
+    fp32, base = _llama("fake", **kw), _llama("fake", lora_dtype="base", **kw)
+    p, g, s = (c.value for c in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE))
+    assert fp32.peak_by_category[p] - base.peak_by_category[p] == n * (4 - 2)
+    assert (_max_live(fp32, g), _max_live(base, g)) == (4 * n, 2 * n)
+    assert _max_live(fp32, s) - _max_live(base, s) == 2 * n * (4 - 2)   # exp_avg, exp_avg_sq
+    assert base.recipe["lora_dtype"] == "base" and fp32.recipe["lora_dtype"] == "fp32"
+    w = resolve_workload("hf:tiny-llama", None, seq_len=64)
+    for lora_dtype, dtype in (("fp32", torch.float32), ("base", torch.bfloat16)):   # real peft, real tensors
+        adapted = recipe_workload(w, user_recipe("adamw", lora=4, lora_dtype=lora_dtype, quantize=quantize))
+        model = adapted.build(torch.device("cpu"), torch.bfloat16)
+        trained = [q for q in model.parameters() if q.requires_grad]
+        assert sum(q.numel() for q in trained) == n and {q.dtype for q in trained} == {dtype}
+        assert ("fp32 adapters" if lora_dtype == "fp32" else "adapters in the base's dtype") in adapted.description
+    assert cli.main(["step", "hf:tiny-llama", "--seq-len", "32", "--batch", "1", "--engine", "fake", "--dtype", "bf16",
+                     "--lora", "4", "--lora-dtype", "base"]) == 0
+    assert "lora=4, lora_dtype=base" in capsys.readouterr().out.splitlines()[0]
+
+
 @pytest.mark.parametrize("kw, words", [
     ({"lora": -1}, ["rank", "positive"]),
     ({"lora": 2.5}, ["rank"]),
@@ -424,6 +454,8 @@ def test_lora_trains_only_the_adapters():
     ({"checkpointing": "every-0"}, ["checkpointing", "every-K"]),
     ({"implementation": "fast"}, ["implementation", "for-loop"]),
     ({"lora_dropout": 0.1}, ["lora=RANK"]),
+    ({"lora_dtype": "base"}, ["lora_dtype", "lora=RANK"]),
+    ({"lora": 4, "lora_dtype": "bf16"}, ["lora_dtype", "fp32", "base"]),
     ({"lora": 4, "lora_dropout": 1.0}, ["lora_dropout", "probability"]),
 ])
 def test_bad_adaptations_are_refused_with_what_to_do(kw, words):

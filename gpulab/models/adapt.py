@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from gpulab.models import hf_configs
-from gpulab.models.lora import check_rank, check_targets, default_targets, wrap_lora
-from gpulab.models.quantized import quantize_linears
+from gpulab.models.lora import LORA_DTYPES, check_lora_dtype, check_rank, check_targets, default_targets, wrap_lora
+from gpulab.models.quantized import quantization_text, quantize_linears
 from gpulab.models.registry import active_fake_mode, build_in_place, build_skeleton, materialize
 from gpulab.models.workload import Workload
 from gpulab.options import CHECKPOINTING_POLICIES, POLICY_TEXT, check_checkpointing   # torch-free: the CLI checks first
@@ -100,16 +100,19 @@ def enable_checkpointing(model: nn.Module, policy: str = "full") -> nn.Module:
                      f"yourself and pass the function that builds it, or leave checkpointing out")
 
 
-def quantized_build(build: Callable[[], nn.Module], kind: str) -> nn.Module:
+def quantized_build(build: Callable[[], nn.Module], kind: str, double_quant: bool = True,
+                    compute_dtype: torch.dtype | None = None) -> nn.Module:
     """``build()`` with its linear layers but the head quantized (``models.quantized``). Shapes only
     (a fake mode, or the meta device): built on meta and quantized there, then given storages, so
     the full-precision weights never exist at once (transformers quantizes layer by layer while it
     loads); real tensors (the cpu engine's small models) are built, then quantized, so a cpu run's
-    setup briefly holds the full-precision weights too (its training steps are the fake run's)."""
+    setup briefly holds the full-precision weights too (its training steps are the fake run's).
+    ``double_quant`` and ``compute_dtype``: 4-bit's (``models.quantized``)."""
+    quantize = functools.partial(quantize_linears, kind=kind, double_quant=double_quant, compute_dtype=compute_dtype)
     if active_fake_mode() is None and torch.get_default_device().type != "meta":
-        return quantize_linears(build(), kind)
+        return quantize(build())
     device = torch.get_default_device()
-    return materialize(build_skeleton(lambda: quantize_linears(build(), kind)), device)
+    return materialize(build_skeleton(lambda: quantize(build())), device)
 
 
 def _check_rank_fits(config, rank: int, targets: Sequence[str]) -> None:
@@ -128,18 +131,23 @@ def _check_rank_fits(config, rank: int, targets: Sequence[str]) -> None:
 
 
 def adapted(w: Workload, *, lora: int = 0, lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0,
-            checkpointing: bool | str = False, quantize: str | None = None) -> Workload:
+            checkpointing: bool | str = False, quantize: str | None = None, lora_dtype: str = "fp32",
+            double_quant: bool = True, quant_compute_dtype: torch.dtype | None = None) -> Workload:
     """``w`` with its model checkpointed (``checkpointing``: a policy, True for "full") and/or
     wrapped with rank-``lora`` adapters on ``lora_targets`` (None: the layers peft adapts by
-    default for the config's model type) with ``lora_dropout`` on their inputs, its linear layers but the head stored as
-    bitsandbytes stores them when ``quantize`` is "nf4" or "int8" (``models.quantized``: with LoRA,
-    QLoRA); ``w`` itself when none is asked. ``ValueError`` for a workload that cannot take them."""
+    default for the config's model type) with ``lora_dropout`` on their inputs, in ``lora_dtype``
+    ("fp32", peft's default, or "base": the model's dtype, torchtune's), its linear layers but the
+    head stored as bitsandbytes stores them when ``quantize`` is "nf4", "fp4" or "int8"
+    (``models.quantized``, 4-bit with or without ``double_quant``, computing in
+    ``quant_compute_dtype``, None for the input's dtype: with LoRA, QLoRA); ``w`` itself when none
+    is asked. The description names each choice. ``ValueError`` for a workload that cannot take them."""
     checkpointing = check_checkpointing(checkpointing)
     if not lora and not checkpointing and not quantize:
         return w
     if w.make is None:
         raise ValueError(f"{w.name} is a module instance, which gpulab copies as it is: to add "
                          + ("LoRA" if lora else "checkpointing") + ", pass the function that builds it")
+    check_lora_dtype(lora_dtype)
     if lora:
         check_rank(lora)
         targets = check_targets(lora_targets) if lora_targets is not None else default_targets(w.config)
@@ -149,13 +157,15 @@ def adapted(w: Workload, *, lora: int = 0, lora_targets: Sequence[str] | None = 
     inner = w.make
 
     def make(dtype):
-        model = quantized_build(lambda: inner(dtype), quantize) if quantize else inner(dtype)
+        model = (quantized_build(lambda: inner(dtype), quantize, double_quant, quant_compute_dtype) if quantize
+                 else inner(dtype))
         if checkpointing:
             enable_checkpointing(model, checkpointing)
             if getattr(getattr(model, "config", None), "use_cache", False):
                 model.config.use_cache = False   # what transformers' forward does itself then, with a log line
         if lora:
-            model = wrap_lora(model, lora, targets, task_type=task, dropout=lora_dropout)
+            adapter_dtype = None if lora_dtype == "fp32" else (dtype or torch.float32)
+            model = wrap_lora(model, lora, targets, task_type=task, dropout=lora_dropout, adapter_dtype=adapter_dtype)
         return model
 
     def build(device, dtype):
@@ -165,6 +175,7 @@ def adapted(w: Workload, *, lora: int = 0, lora_targets: Sequence[str] | None = 
             return materialize(build_skeleton(lambda: make(dtype), dtype), device or "cpu")
         return build_in_place(lambda: make(dtype), device, dtype)
 
-    parts = (([f"{quantize} base"] if quantize else []) + ([f"LoRA rank {lora} on {', '.join(targets)}"] if lora else [])
+    parts = (([quantization_text(quantize, double_quant, quant_compute_dtype)] if quantize else [])
+             + ([f"LoRA rank {lora} on {', '.join(targets)}, {LORA_DTYPES[lora_dtype]}"] if lora else [])
              + ([f"checkpointed ({checkpointing})"] if checkpointing else []))
     return dataclasses.replace(w, build=build, make=make, description=f"{w.description} ({'; '.join(parts)})")

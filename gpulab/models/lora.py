@@ -16,10 +16,16 @@ from torch import nn
 from gpulab import formulas as F
 from gpulab.models import hf_configs
 
-__all__ = ["DEFAULT_TARGETS", "adapter_params", "check_rank", "check_targets", "default_targets", "import_peft",
+__all__ = ["DEFAULT_TARGETS", "LORA_DTYPES", "adapter_params", "check_lora_dtype", "check_rank", "check_targets",
+           "default_targets", "import_peft",
            "is_target", "linear_shape", "targeted_linears", "wrap_lora"]
 
 DEFAULT_TARGETS = ("q_proj", "v_proj")
+# the adapters' dtype: "fp32", peft's default (get_peft_model(autocast_adapter_dtype=True) upcasts
+# fp16/bf16 adapters to float32: peft/tuners/tuners_utils.py cast_adapter_dtype), or "base", the
+# dtype the model is built in (torchtune's LoRALinear on a bf16 model; peft with
+# autocast_adapter_dtype=False on a float base, whose dtype its adapters take)
+LORA_DTYPES = {"fp32": "fp32 adapters (peft's default)", "base": "adapters in the base's dtype (torchtune's)"}
 # peft's default targets where they are not q_proj / v_proj (peft/utils/constants.py
 # TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING): GPT-2's fused q/k/v projection, BERT's and
 # T5's own names for the query and value projections
@@ -73,6 +79,13 @@ def targeted_linears(config_or_name: Any, targets: Sequence[str] = DEFAULT_TARGE
     return found
 
 
+def check_lora_dtype(value: Any) -> str:
+    if value not in LORA_DTYPES:
+        raise ValueError(f"lora_dtype must be 'fp32' (peft's default: adapters upcast to float32) or 'base' (the "
+                         f"adapters in the model's dtype, as torchtune keeps them), got {value!r}")
+    return value
+
+
 def check_rank(rank: Any) -> int:
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"rank must be a positive whole number, got {rank!r}")
@@ -103,14 +116,19 @@ def import_peft():
 
 
 def wrap_lora(base: nn.Module, rank: int, targets: Sequence[str], alpha: int | None = None,
-              task_type: str | None = None, dropout: float = 0.0) -> nn.Module:
+              task_type: str | None = None, dropout: float = 0.0,
+              adapter_dtype: torch.dtype | None = None) -> nn.Module:
     """``base`` wrapped by ``peft.get_peft_model`` with rank-``rank`` adapters on ``targets``
     (``lora_alpha`` ``alpha``, 2·rank when None; peft's ``task_type``, e.g. "CAUSAL_LM"; ``lora_dropout``
     ``dropout``, which peft applies to each adapted layer's input, its mask and output saved for backward;
     ``fan_in_fan_out`` for GPT-2's
     ``Conv1D``, which stores its weight (in, out)): the base frozen, the adapters trainable. peft's
     FutureWarning about transformers' renamed ``is_gradient_checkpointing`` is silenced (peft's
-    code, not the caller's). A layer list that names no linear layer raises ``ValueError``."""
+    code, not the caller's). ``adapter_dtype`` None: peft's default, fp16/bf16 adapters upcast to
+    float32 (``autocast_adapter_dtype=True``); a dtype: ``autocast_adapter_dtype=False`` and the
+    adapters in that dtype (peft gives them a float base layer's dtype; a quantized base's
+    weight is uint8, so they are cast here). A layer list that names no linear layer raises
+    ``ValueError``."""
     peft = import_peft()
     from transformers.pytorch_utils import Conv1D
     targets = check_targets(targets)
@@ -123,4 +141,10 @@ def wrap_lora(base: nn.Module, rank: int, targets: Sequence[str], alpha: int | N
                            task_type=task_type)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return peft.get_peft_model(base, lora)
+        model = peft.get_peft_model(base, lora, autocast_adapter_dtype=adapter_dtype is None)
+    if adapter_dtype is not None:
+        for module in model.modules():
+            if isinstance(module, peft.tuners.lora.LoraLayer):
+                for name in module.adapter_layer_names:
+                    getattr(module, name).to(adapter_dtype)
+    return model

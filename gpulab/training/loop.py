@@ -41,8 +41,11 @@ tracker's phase. Where lessons differ, the ``Recipe`` says how:
   under a policy (``models.adapt``): "full" (each block recomputed in backward from its saved
   input), "selective" (matmul and attention outputs kept, the rest recomputed) or "every-K"; ``lora`` (a rank) and ``lora_targets``:
   peft's LoRA adapters on a frozen base, only they trained, ``lora_dropout`` on their inputs;
+  ``lora_dtype``: the adapters in fp32 (peft's default) or in the model's dtype ("base", torchtune's);
   ``quantize``: the base's linear layers stored as bitsandbytes stores them, "nf4" (with LoRA:
-  QLoRA) or "int8" (``models.adapt``, ``models.quantized``);
+  QLoRA), "fp4" (``Linear4bit``'s own default type) or "int8" (``models.adapt``,
+  ``models.quantized``), 4-bit with or without ``double_quant`` and computing in
+  ``quant_compute_dtype`` ("fp32", transformers' default, "bf16" or "fp16"; "input": the input's dtype);
 * ``fresh_batch``: a new batch every step, dropped right after backward (lesson 09's replays,
   whose batch size changes from step to step), or one batch kept while the size stays;
 * ``seed``, ``register_model`` (label the model before the optimizer exists), ``teardown`` (free
@@ -68,8 +71,8 @@ from gpulab.measure.engines import Measurement, RunContext
 from gpulab.measure.fake_mode import scalars_read_as_one
 from gpulab.models.adapt import adapted, check_checkpointing
 from gpulab.models.hf_configs import task_of
-from gpulab.models.lora import check_rank, check_targets
-from gpulab.models.quantized import QUANTIZATIONS
+from gpulab.models.lora import check_lora_dtype, check_rank, check_targets
+from gpulab.models.quantized import COMPUTE_DTYPES, FOUR_BIT, QUANTIZATIONS
 from gpulab.models.registry import ModelSpec
 from gpulab.models.workload import Workload, forward, image_workload
 from gpulab.training.chunked_loss import check_chunks, chunked_lm_loss
@@ -107,6 +110,9 @@ class Recipe:
     lora_targets: tuple[str, ...] | None = None
     lora_dropout: float = 0.0
     quantize: str | None = None
+    lora_dtype: str = "fp32"
+    double_quant: bool = True
+    quant_compute_dtype: str = "input"
 
     def __post_init__(self):
         check_chunks(self.chunked_loss)
@@ -140,7 +146,8 @@ class Recipe:
 RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False, "set_to_none": True,
                    "optimizer_in_backward": False, "offload_activations": False, "chunked_loss": 0,
                    "use_cache": None, "compile": False, "implementation": "default", "checkpointing": False,
-                   "lora": 0, "lora_targets": None, "lora_dropout": 0.0, "quantize": None}
+                   "lora": 0, "lora_targets": None, "lora_dropout": 0.0, "quantize": None, "lora_dtype": "fp32",
+                   "double_quant": True, "quant_compute_dtype": "input"}
 
 
 def recipe_options(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -154,12 +161,14 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
                 offload_activations: bool = False, chunked_loss: int = 0, use_cache: bool | None = None,
                 compile: bool = False, implementation: str = "default", checkpointing: bool | str = False, lora: int = 0,
                 lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0,
-                quantize: str | None = None) -> Recipe:
+                quantize: str | None = None, lora_dtype: str = "fp32", double_quant: bool = True,
+                quant_compute_dtype: str | None = "input") -> Recipe:
     """The ``Recipe`` of ``gpulab.step`` / ``gpulab.fit`` from their arguments (``amp``: "fp16",
     "bf16" or None). Bad values raise ``ValueError`` saying what is allowed."""
     for name, value in (("grad_scaler", grad_scaler), ("set_to_none", set_to_none),
                         ("optimizer_in_backward", optimizer_in_backward), ("offload_activations", offload_activations),
-                        ("use_cache", True if use_cache is None else use_cache), ("compile", compile)):
+                        ("use_cache", True if use_cache is None else use_cache), ("compile", compile),
+                        ("double_quant", double_quant)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
     if lora:
@@ -178,12 +187,31 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
     if quantize and not lora:
         raise ValueError(f"a {quantize} base is frozen: it trains through adapters; add lora=RANK (QLoRA: "
                          f"quantize='nf4', lora=8; on the command line --lora R, or --qlora)")
+    quant_compute_dtype = "input" if quant_compute_dtype is None else quant_compute_dtype
+    _check_adapter_options(lora, quantize, lora_dtype, double_quant, quant_compute_dtype)
     key = validate_amp(amp)
     return Recipe(optimizer, amp=AMP_DTYPES[key] if key else None, grad_scaler=grad_scaler, set_to_none=set_to_none,
                   accumulate=accumulate, clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward,
                   offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache, compile=compile,
                   implementation=implementation, checkpointing=checkpointing, lora=lora, lora_targets=lora_targets,
-                  lora_dropout=float(lora_dropout), quantize=quantize)
+                  lora_dropout=float(lora_dropout), quantize=quantize, lora_dtype=lora_dtype, double_quant=double_quant,
+                  quant_compute_dtype=quant_compute_dtype)
+
+
+def _check_adapter_options(lora: int, quantize: str | None, lora_dtype: str, double_quant: bool,
+                           quant_compute_dtype: str) -> None:
+    """The adapters' dtype and a 4-bit base's two choices: valid, and only with what they change."""
+    check_lora_dtype(lora_dtype)
+    if lora_dtype != "fp32" and not lora:
+        raise ValueError("lora_dtype is the LoRA adapters' dtype: give lora=RANK too (e.g. lora=8)")
+    if quant_compute_dtype != "input" and quant_compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"quant_compute_dtype must be one of {', '.join(COMPUTE_DTYPES)} (bitsandbytes' "
+                         f"bnb_4bit_compute_dtype; transformers' default is fp32), or 'input' for the input's dtype "
+                         f"(Linear4bit's own default); got {quant_compute_dtype!r}")
+    for name, on in (("double_quant=False", not double_quant), ("quant_compute_dtype", quant_compute_dtype != "input")):
+        if on and quantize not in FOUR_BIT:
+            raise ValueError(f"{name} is a choice of a 4-bit base (bitsandbytes' Linear4bit): give "
+                             f"quantize='nf4' or 'fp4' with it")
 
 
 def check_recipe_for(r: Recipe, w: Workload) -> None:
@@ -210,12 +238,20 @@ def recipe_workload(w: Workload, r: Recipe) -> Workload:
     (``models.adapt.adapted``). ``train_experiment`` builds through it; a caller that reads the
     model's shapes (``predict.breakdown``) uses it too."""
     return adapted(w, lora=r.lora, lora_targets=r.lora_targets, lora_dropout=r.lora_dropout,
-                   checkpointing=r.checkpointing, quantize=r.quantize)
+                   checkpointing=r.checkpointing, quantize=r.quantize, lora_dtype=r.lora_dtype,
+                   double_quant=r.double_quant, quant_compute_dtype=COMPUTE_DTYPES.get(r.quant_compute_dtype))
 
 
 def changed_options(r: Recipe) -> dict[str, Any]:
-    """The user-facing options ``r`` sets away from their defaults (empty for the plain loop)."""
-    return {k: getattr(r, k) for k, v in RECIPE_DEFAULTS.items() if getattr(r, k) != v}
+    """The user-facing options ``r`` sets away from their defaults (empty for the plain loop), and
+    the choices an answer depends on whenever their option is on, defaults included: LoRA's
+    ``lora_dtype``, a 4-bit base's ``double_quant`` and ``quant_compute_dtype``."""
+    shown = {k: getattr(r, k) for k, v in RECIPE_DEFAULTS.items() if getattr(r, k) != v}
+    if r.lora:
+        shown["lora_dtype"] = r.lora_dtype
+    if r.quantize in FOUR_BIT:
+        shown.update(double_quant=r.double_quant, quant_compute_dtype=r.quant_compute_dtype)
+    return shown
 
 
 def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | None, recipe: Recipe = Recipe(), *,
