@@ -951,6 +951,10 @@ def _model_sections(report: Report) -> list[str]:
 
 # ---- the command ---------------------------------------------------------------------------------
 
+# a section benchmarks/practitioner_validation.py wrote into the same file (--md): kept, after the report
+KEPT_SECTION = re.compile(r"<!-- PRACTITIONER_START.*?<!-- PRACTITIONER_END -->\n?", re.S)
+
+
 def write_report(report: Report, out: pathlib.Path, md: pathlib.Path | None = None) -> str:
     out.mkdir(parents=True, exist_ok=True)
     (out / JSON_NAME).write_text(json.dumps(report.as_dict(), indent=1, sort_keys=True) + "\n")
@@ -958,7 +962,8 @@ def write_report(report: Report, out: pathlib.Path, md: pathlib.Path | None = No
     (out / MD_NAME).write_text(text)
     if md is not None:
         md.parent.mkdir(parents=True, exist_ok=True)
-        md.write_text(text)
+        kept = "".join(m.group(0) for m in KEPT_SECTION.finditer(md.read_text())) if md.exists() else ""
+        md.write_text(text + ("\n" + kept if kept else ""))
     return text
 
 

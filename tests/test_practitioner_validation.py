@@ -254,3 +254,17 @@ def test_the_section_replaces_an_earlier_one_and_keeps_the_rest(pv):
     assert pv.MARK_END + "\n\n## after" in again
     assert again.startswith("# Doc\n\nkept\n") and again.rstrip().endswith("## after")
     assert pv.insert_section("", "## A\n").startswith(pv.MARK_START)
+
+
+def test_the_gpu_validation_keeps_the_section_when_it_rewrites_the_file(pv, tmp_path):
+    """benchmarks/gpu_validation.py --md rewrites the same file: the practitioner section stays."""
+    md = tmp_path / "gpu-validation.md"
+    pv.write_report(pv.Report(_device(), "t", cases=[_case(pv, "ok", MiB, MiB)]), tmp_path / "p", md)
+    section = md.read_text()
+    gv = pv.gv
+    text = gv.write_report(gv.Report(_device(), "t"), tmp_path / "g", md)
+    doc = md.read_text()
+    assert doc.startswith(text) and doc.endswith(section) and doc.count(pv.MARK_START) == 1
+    pv.write_report(pv.Report(_device(), "t2", cases=[_case(pv, "again", MiB, MiB)]), tmp_path / "p", md)
+    doc = md.read_text()
+    assert doc.startswith(text) and "| again |" in doc and "| ok |" not in doc
