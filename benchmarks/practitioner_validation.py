@@ -767,6 +767,8 @@ def measure_case(case: Case, *, stand_in: bool, context_assumed: int, do_fit: bo
     except Exception as exc:  # noqa: BLE001 - the case's result, the run goes on
         run.status = ("out of memory: " if is_oom(exc) else "error: ") + _short(exc)
         run.error = gv._error(exc)
+        if stand_in and "meta tensor" in run.error:
+            run.error += " (a limit of the stand-in: its GPU tensors are meta tensors, whose values cannot be read)"
     finally:
         _reset_fraction()
         free_memory()

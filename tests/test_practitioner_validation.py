@@ -53,6 +53,16 @@ def test_without_a_gpu_it_exits_2_with_one_line(pv, capsys, monkeypatch, tmp_pat
     assert not (tmp_path / "v").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the command would run the whole validation")
+def test_the_command_line_without_a_gpu(tmp_path):
+    import os
+    import subprocess
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "v")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "" and proc.stderr.count("\n") == 1 and "needs a CUDA GPU" in proc.stderr
+
+
 def test_the_gpu_command_is_at_the_top_of_the_docstring(pv):
     head = "\n".join(pv.__doc__.split("\n\n")[1:3])
     assert "PYTHONPATH=. python benchmarks/practitioner_validation.py --out" in head and "--time-limit 480" in head
