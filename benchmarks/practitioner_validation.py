@@ -3,7 +3,16 @@ checked on one GPU against plain PyTorch.
 
 The command a GPU session runs (one H100 or H200; it stops starting cases after --time-limit):
 
-    PYTHONPATH=. python benchmarks/practitioner_validation.py --out /tmp/practitioner --md docs/gpu-validation.md --time-limit 480
+    PYTHONPATH=. python benchmarks/practitioner_validation.py --out "$OUT/practitioner" --md docs/gpu-validation.md --time-limit 480 --commit SHA; cp docs/gpu-validation.md "$OUT/practitioner/"
+
+(``$OUT``: the folder the device machine sends back; ``SHA``: ``git rev-parse HEAD`` where the
+command is prepared, since that machine's copy has no .git; the ``cp`` brings the updated doc back.
+Anywhere else: ``--out DIR`` and drop the ``cp``.)
+
+It needs torch with CUDA, transformers, peft and NVML (pynvml), and bitsandbytes for the QLoRA and
+8-bit AdamW cases (without its CUDA kernels they are skipped, and said so). On an H100 the cases
+take about 5 to 7 minutes (estimated from the fake predictions' and fits' times on a 2-core CPU;
+the compile case runs last, and what the time limit leaves out is reported as not run).
 
 Options: ``--quick`` (tiny configs and small batches: what the test suite runs under the CUDA
 stand-in, tests/cuda_standin.py), ``--cases a,b`` (a subset, by name), ``--case-limit S`` (seconds
@@ -499,7 +508,8 @@ def _short(exc: BaseException) -> str:
 
 def is_oom(exc: BaseException) -> bool:
     import torch
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError   # torch.OutOfMemoryError: 2.5+
+    return isinstance(exc, oom) or "out of memory" in str(exc).lower()
 
 
 def warm_up() -> dict[str, Any]:
