@@ -645,7 +645,6 @@ def plain_train(case: Case, model, batch: int, stand_in: bool, after_build: Call
     else:   # LoRA and checkpointing as the prediction's workload builds them (peft, transformers)
         recipe = user_recipe(case.optimizer if case.optimizer != "adamw8bit" else "adamw", **opts)
         net = recipe_workload(w, recipe).build(dev, dt)
-    net.train()
     opt = _plain_optimizer(case, [p for p in net.parameters() if p.requires_grad])
     run_net = net
     with torch.device(dev):
