@@ -35,7 +35,9 @@ def test_qlora_stores_the_base_weights_as_nf4_within_bytes_of_the_formula():
     # the packed weights are parameters, their quantization constants buffers
     measured = q.peak_by_category["parameters"] + q.peak_by_category["buffers"] - lora.peak_by_category["buffers"]
     predicted = lora.peak_by_category["parameters"] - (2 * f.quantized_params - int(f.quantized_bytes))
-    assert abs(measured - predicted) <= 512 * 32 * 7      # at most one 512-byte block per quantized layer
+    # per quantized layer, what the formula leaves out: bitsandbytes' float32 code tables (the 16 NF4
+    # values, the 256-value dynamic map) and offset, and the rounding of its six storages to 512-byte blocks
+    assert abs(measured - predicted) <= (4 * (16 + 256 + 1) + 6 * 512) * 32 * 7
     # rank 16 on q_proj (4096 -> 4096) and v_proj (4096 -> 1024) in 32 layers
     assert q.trainable_params == lora.trainable_params == 32 * (16 * (4096 + 4096) + 16 * (4096 + 1024))
     assert q.label == lora.label and "fake" in q.label

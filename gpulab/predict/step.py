@@ -64,12 +64,9 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     optimizer's: "default", "for-loop", "foreach" or "fused"), ``checkpointing`` (a transformers
     model's own gradient checkpointing: True or "full", "selective" or "every-K", as
     ``models.adapt`` says), ``lora=R`` with ``lora_targets`` (peft's LoRA adapters of rank R on a frozen base; None: peft's default layers for the model type; ``lora_dropout`` on the
-    adapters' inputs; ``lora_dtype`` "fp32", peft's default, or "base": the adapters in the model's dtype,
-    torchtune's), ``quantize`` ("nf4" with lora: QLoRA; "fp4", bitsandbytes' Linear4bit default; or
-    "int8": the base's linear layers as bitsandbytes stores them; 4-bit with ``double_quant`` or not,
-    computing in ``quant_compute_dtype``: "fp32" (transformers' default), "bf16", "fp16" or "input", the
-    input's dtype). A result's ``recipe`` names these choices whenever LoRA or a 4-bit base is on.
-    ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
+    adapters' inputs; ``lora_dtype``: "fp32" as peft, "base" as torchtune), ``quantize`` ("nf4", "fp4" or
+    "int8", the base as bitsandbytes stores it; ``double_quant``, ``quant_compute_dtype``: ``training.loop``;
+    ``recipe`` names them). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
     ``gpu``: the fake CUDA target's card (``predict.cards.follows_card``).
     Bad input raises ``ValueError`` with what to do instead."""
     if batch is not None:
