@@ -127,3 +127,17 @@ def test_fresh_runs_again_and_keeps_the_new_one(fake_runs):
     fit_module._tracked(w, key, 2, torch.float32, recipe, ("cuda", "T4"), fresh=True)
     fit_module._tracked(w, key, 2, torch.float32, recipe, ("cuda", "T4"))
     assert fake_runs == [2, 2] and run_cache.info()["entries"] == 1
+
+
+def test_the_oldest_go_first_when_the_events_pass_the_bound(fake_runs, monkeypatch):
+    w = resolve_workload("mlp")
+    one = _tracked(w)
+    monkeypatch.setattr(run_cache, "MAX_EVENTS", 2 * len(one.events) + 1)
+    _tracked(w, batch=3)
+    assert run_cache.info()["entries"] == 2
+    _tracked(w, batch=4)                         # three timelines pass the bound: batch 2's goes
+    assert run_cache.info()["entries"] == 2 and len(fake_runs) == 3
+    _tracked(w, batch=3)
+    assert len(fake_runs) == 3
+    _tracked(w)
+    assert len(fake_runs) == 4

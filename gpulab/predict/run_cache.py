@@ -8,8 +8,9 @@ the recipe (every field), the dtype, the batch, the card and target whose kernel
 and the versions of gpulab and torch. A workload of the user's own (an ``nn.Module``, a builder,
 their inputs or loss) has no key and is always run: gpulab cannot tell when it changes.
 
-The cache holds at most ``MAX_ENTRIES`` timelines (the least recently used goes first) and hands
-out copies, so a caller that changes what it got changes nothing kept here.
+The cache holds at most ``MAX_ENTRIES`` timelines and ``MAX_EVENTS`` events in all (about 470 bytes
+each with their records and series: some 100 MB; the least recently used goes first, the newest
+always stays) and hands out copies, so a caller that changes what it got changes nothing kept here.
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from typing import Any, Callable
 
 from gpulab.measure.tracking import TrackingResult
 
-__all__ = ["MAX_ENTRIES", "clear", "info", "measured", "run_key", "workload_key"]
+__all__ = ["MAX_ENTRIES", "MAX_EVENTS", "clear", "info", "measured", "run_key", "workload_key"]
 
 MAX_ENTRIES = 64
+MAX_EVENTS = 200_000     # an 8B transformer's two-step timeline: some 15,000 events
 
 _kept: OrderedDict[tuple, TrackingResult] = OrderedDict()
 _counts = {"hits": 0, "runs": 0}
@@ -52,7 +54,8 @@ def run_key(workload: tuple | None, recipe: Any, dtype: Any, batch: int, target:
             __version__, torch.__version__)
 
 
-def measured(key: tuple | None, run: Callable[[], TrackingResult], *, fresh: bool = False) -> tuple[TrackingResult, bool]:
+def measured(key: tuple | None, run: Callable[[], TrackingResult], *,
+             fresh: bool = False) -> tuple[TrackingResult, bool]:
     """(a copy of the timeline kept under ``key``, or of ``run()``'s, now kept; whether it was
     reused). ``fresh``: run again and keep the new timeline (a process's first build can differ)."""
     if key is not None and not fresh and key in _kept:
@@ -64,7 +67,7 @@ def measured(key: tuple | None, run: Callable[[], TrackingResult], *, fresh: boo
     if key is not None:
         _kept[key] = _copied(t)
         _kept.move_to_end(key)
-        while len(_kept) > MAX_ENTRIES:
+        while len(_kept) > 1 and (len(_kept) > MAX_ENTRIES or sum(len(k.events) for k in _kept.values()) > MAX_EVENTS):
             _kept.popitem(last=False)
     return t, False
 
