@@ -62,9 +62,14 @@ def test_config_keeps_every_field(name):
     default = getattr(transformers, entry.config_class)().use_cache   # the class's own default, as from the Hub
     assert config.use_cache is default is True
     assert make_config(entry, use_cache=False).use_cache is False
+    rope = getattr(config, "rope_parameters", None) or {}
     for key, value in entry.kwargs.items():
         if key == "rope_theta":  # transformers 5.x keeps it in rope_parameters
-            assert config.rope_parameters["rope_theta"] == value
+            assert (rope["full_attention"] if "full_attention" in rope else rope)["rope_theta"] == value
+        elif key == "rope_local_base_freq":  # Gemma 3's sliding layers' theta
+            assert rope["sliding_attention"]["rope_theta"] == value
+        elif key == "rope_scaling":  # also in rope_parameters, with rope_theta and rope_type added
+            assert value.items() <= rope.items()
         elif key == "sliding_window" and entry.kwargs.get("use_sliding_window") is False:
             assert config.sliding_window is None  # Qwen2Config drops an unused window
         else:
@@ -76,6 +81,29 @@ def test_make_config_is_fresh():
     assert a is not b and a.to_dict() == b.to_dict()
     a.n_layer = 1
     assert make_config("gpt2").n_layer == 12 and HF_CONFIGS["gpt2"].kwargs["n_layer"] == 12
+    # transformers writes rope_theta and rope_type into the rope_scaling dict it is given: the table's stays as published
+    make_config("llama-3.1-70b")
+    assert "rope_theta" not in HF_CONFIGS["llama-3.1-70b"].kwargs["rope_scaling"]
+
+
+@pytest.mark.parametrize("name", [n for n, e in HF_CONFIGS.items() if e.rounded])
+def test_rounded_published_counts(name):
+    """Where the card gives a rounded figure ("46.7B"), the exact meta-device count in the table rounds to it."""
+    entry = hf_entry(name)
+    figure = entry.rounded
+    assert figure.endswith("B")
+    decimals = len(figure[:-1].partition(".")[2])
+    assert f"{entry.published_params / 1e9:.{decimals}f}B" == figure
+
+
+def test_gemma3_1b_as_its_report_counts():
+    # Gemma 3 report (arXiv 2503.19786), table 1: 1B = 302 M embedding + 698 M non-embedding parameters.
+    with torch.device("meta"):
+        model = build_model(make_config("gemma-3-1b"))
+    embedding = model.get_input_embeddings().weight.numel()
+    assert (round(embedding / 1e6), round((n_params(model) - embedding) / 1e6)) == (302, 698)
+    layers = make_config("gemma-3-1b").layer_types
+    assert layers[:6] == ["sliding_attention"] * 5 + ["full_attention"]  # 5 local : 1 global
 
 
 def test_names_and_prefix():

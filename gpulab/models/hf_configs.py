@@ -47,7 +47,9 @@ class HFConfigEntry:
     count (a tied embedding counted once; ``None`` for the tiny configs), ``tiny`` whether this
     is one of gpulab's own small configs rather than a published model. ``published_class``: the
     transformers Auto class the published count is of, when not the trained model's (BERT's
-    110 M / 335 M are ``BertModel``'s: the encoder and its pooler, without the masked-LM head)."""
+    110 M / 335 M are ``BertModel``'s: the encoder and its pooler, without the masked-LM head).
+    ``rounded``: the figure as the model card rounds it (``"46.7B"``) where no exact count is
+    published; ``published_params`` is then the exact count of a meta-device build."""
     name: str
     config_class: str
     kwargs: dict[str, Any] = field(hash=False)
@@ -56,6 +58,7 @@ class HFConfigEntry:
     description: str
     tiny: bool = False
     published_class: str | None = None
+    rounded: str | None = None
 
 
 # What a config is trained as (``task_of``): the transformers Auto class that builds it.
@@ -82,6 +85,31 @@ def _gpt2_kwargs(n_embd: int, n_layer: int, n_head: int) -> dict[str, Any]:
         "layer_norm_epsilon": 1e-05, "initializer_range": 0.02,
         "bos_token_id": 50256, "eos_token_id": 50256, "tie_word_embeddings": True,
     }
+
+
+def _gemma2_kwargs(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int) -> dict[str, Any]:
+    # google/gemma-2-{2b,9b}/config.json: every other layer (the even ones) attends within a
+    # 4096-token window; attention logits soft-capped at 50, final logits at 30.
+    return {"vocab_size": 256000, "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 256,
+            "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0, "max_position_embeddings": 8192, "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-06, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+            "initializer_range": 0.02, "attention_bias": False, "attention_dropout": 0.0,
+            "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
+
+
+def _llama31_kwargs(hidden: int, intermediate: int, layers: int, heads: int) -> dict[str, Any]:
+    # meta-llama/Llama-3.1-{70B,405B}/config.json: 8 KV heads, RoPE stretched from 8 K to 128 K
+    # positions by the "llama3" scaling.
+    return {"vocab_size": 128256, "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+            "rope_theta": 500000.0,
+            "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+            "rms_norm_eps": 1e-05, "hidden_act": "silu", "initializer_range": 0.02, "attention_bias": False,
+            "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
+            "bos_token_id": 128000, "eos_token_id": 128001, "tie_word_embeddings": False}
 
 
 _ENTRIES = [
@@ -174,6 +202,111 @@ _ENTRIES = [
         "T5 base (Google, 2019): an encoder-decoder, 12 + 12 layers, 768 wide, tied embeddings; trained here "
         "on the same tokens as input and target"),
     HFConfigEntry(
+        # Its config.json also has "sliding_window": null (Mixtral has no sliding window) and
+        # "output_router_logits": false. The model card's 46.7 B total / 12.9 B active are
+        # 46,702,792,704 / 12,879,925,248 exactly (a meta-device build; gpulab.models.moe).
+        "mixtral-8x7b", "MixtralConfig",
+        {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+         "max_position_embeddings": 32768, "sliding_window": None, "rope_theta": 1000000.0, "rms_norm_eps": 1e-05,
+         "hidden_act": "silu", "initializer_range": 0.02, "attention_dropout": 0.0, "router_aux_loss_coef": 0.02,
+         "output_router_logits": False, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False},
+        "https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json", 46_702_792_704,
+        "Mixtral 8x7B v0.1 (Mistral AI, 2023): a mixture of experts, 32 layers, 4096 wide, 8 experts per layer of "
+        "which each token uses 2 (46.7 B parameters, 12.9 B per token), grouped-query attention (8 KV heads)",
+        rounded="46.7B"),
+    HFConfigEntry(
+        # Its config.json also has "rope_scaling": null and "sliding_window": null. The model
+        # card's 30.5 B total / 3.3 B activated are 30,532,122,624 / 3,353,032,704 exactly.
+        "qwen3-30b-a3b", "Qwen3MoeConfig",
+        {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+         "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+         "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+         "norm_topk_prob": True, "router_aux_loss_coef": 0.001, "output_router_logits": False,
+         "max_position_embeddings": 40960, "max_window_layers": 48, "use_sliding_window": False,
+         "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "hidden_act": "silu", "initializer_range": 0.02,
+         "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+         "tie_word_embeddings": False},
+        "https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json", 30_532_122_624,
+        "Qwen3 30B-A3B (Alibaba, 2025): a mixture of experts, 48 layers, 2048 wide, 128 small experts per layer "
+        "of which each token uses 8 (30.5 B parameters, 3.3 B per token), 4 KV heads of 128", rounded="30.5B"),
+    HFConfigEntry(
+        # Multi-head latent attention (keys and values through a 512-wide latent, 64 rotary dims)
+        # and DeepSeekMoE (layer 0 dense, then 64 routed experts, 6 per token, + 2 shared).
+        # Its config.json also names its remote code (auto_map) and has "moe_layer_freq": 1,
+        # "seq_aux": true, "aux_loss_alpha": 0.001, "pretraining_tp": 1, which DeepseekV2Config
+        # keeps and its model does not read. 15.7 B total (the card) is 15,706,484,224 exactly;
+        # the card's 2.4 B activated is the active count without the input embedding (2.45 B;
+        # 2.66 B with it): see gpulab.models.moe.
+        "deepseek-v2-lite", "DeepseekV2Config",
+        {"vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+         "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None,
+         "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+         "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+         "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1, "scoring_func": "softmax",
+         "norm_topk_prob": False, "routed_scaling_factor": 1.0, "aux_loss_alpha": 0.001, "seq_aux": True,
+         "max_position_embeddings": 163840, "rope_theta": 10000,
+         "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                          "original_max_position_embeddings": 4096, "type": "yarn"},
+         "rms_norm_eps": 1e-06, "hidden_act": "silu", "initializer_range": 0.02, "attention_bias": False,
+         "attention_dropout": 0.0, "pretraining_tp": 1, "bos_token_id": 100000, "eos_token_id": 100001,
+         "tie_word_embeddings": False},
+        "https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json", 15_706_484_224,
+        "DeepSeek-V2-Lite (DeepSeek, 2024): multi-head latent attention and a mixture of experts, 27 layers, 2048 "
+        "wide, 64 routed experts of which each token uses 6, plus 2 shared (15.7 B parameters, 2.4 B per token)",
+        rounded="15.7B"),
+    HFConfigEntry(
+        # Its config.json also has "cache_implementation": "hybrid" (a generation setting).
+        "gemma-2-2b", "Gemma2Config", _gemma2_kwargs(2304, 9216, 26, 8, 4),
+        "https://huggingface.co/google/gemma-2-2b/blob/main/config.json", 2_614_341_888,
+        "Gemma 2 2B (Google, 2024): 26 layers, 2304 wide, sliding-window (4096) and global attention layers "
+        "alternating, attention and final logits soft-capped, 256 K vocabulary, tied embeddings"),
+    HFConfigEntry(
+        # Its config.json also has "cache_implementation": "hybrid" and "sliding_window_size": 4096
+        # (an old alias of sliding_window).
+        "gemma-2-9b", "Gemma2Config", _gemma2_kwargs(3584, 14336, 42, 16, 8),
+        "https://huggingface.co/google/gemma-2-9b/blob/main/config.json", 9_241_705_984,
+        "Gemma 2 9B (Google, 2024): 42 layers, 3584 wide, sliding-window (4096) and global attention layers "
+        "alternating, attention and final logits soft-capped, 256 K vocabulary, tied embeddings"),
+    HFConfigEntry(
+        # Gemma 3 1B is text only: its config.json is a whole Gemma3TextConfig (the 4B, 12B and
+        # 27B configs are multimodal, their text_config mostly left to the class defaults). It
+        # also has "rope_scaling": null, "attn_logit_softcapping": null, "final_logit_softcapping":
+        # null, "cache_implementation": "hybrid". The Gemma 3 report (arXiv 2503.19786, table 1)
+        # gives 302 M embedding + 698 M non-embedding parameters: 301,989,888 + 697,896,064.
+        "gemma-3-1b", "Gemma3TextConfig",
+        {"vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+         "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256,
+         "sliding_window": 512, "sliding_window_pattern": 6, "rope_local_base_freq": 10000, "rope_theta": 1000000,
+         "max_position_embeddings": 32768, "rms_norm_eps": 1e-06, "hidden_activation": "gelu_pytorch_tanh",
+         "initializer_range": 0.02, "attention_bias": False, "attention_dropout": 0.0,
+         "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0},
+        "https://huggingface.co/google/gemma-3-1b-pt/blob/main/config.json", 999_885_952,
+        "Gemma 3 1B (Google, 2025): 26 layers, 1152 wide, five sliding-window (512) layers to one global, "
+        "1 KV head of 256, 262 K vocabulary: the embedding is 30 % of the parameters, tied"),
+    HFConfigEntry(
+        "llama-3.1-70b", "LlamaConfig", _llama31_kwargs(8192, 28672, 80, 64),
+        "https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json", 70_553_706_496,
+        "Meta Llama 3.1 70B (2024): 80 layers, 8192 wide, grouped-query attention (8 KV heads), 128 K context "
+        "(llama3 RoPE scaling), untied embeddings"),
+    HFConfigEntry(
+        "llama-3.1-405b", "LlamaConfig", _llama31_kwargs(16384, 53248, 126, 128),
+        "https://huggingface.co/meta-llama/Llama-3.1-405B/blob/main/config.json", 405_853_388_800,
+        "Meta Llama 3.1 405B (2024): 126 layers, 16384 wide, grouped-query attention (8 KV heads), 128 K context "
+        "(llama3 RoPE scaling), untied embeddings"),
+    HFConfigEntry(
+        # The instruct model's config.json (the base model has the same shapes). Its card's
+        # 72.7 B is 72,706,203,648 exactly (a meta-device build).
+        "qwen2.5-72b-instruct", "Qwen2Config",
+        {"vocab_size": 152064, "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,
+         "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 32768,
+         "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "hidden_act": "silu", "initializer_range": 0.02,
+         "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": 131072,
+         "max_window_layers": 70, "bos_token_id": 151643, "eos_token_id": 151645, "tie_word_embeddings": False},
+        "https://huggingface.co/Qwen/Qwen2.5-72B-Instruct/blob/main/config.json", 72_706_203_648,
+        "Qwen2.5 72B Instruct (Alibaba, 2024): 80 layers, 8192 wide, grouped-query attention (8 KV heads), "
+        "152 K vocabulary, untied embeddings", rounded="72.7B"),
+    HFConfigEntry(
         "tiny-gpt2", "GPT2Config",
         # GPT-2's <|endoftext|> is its last token; GPT2Config's default (50256) is outside 1000.
         {"vocab_size": 1000, "n_positions": 256, "n_embd": 64, "n_layer": 2, "n_head": 4,
@@ -222,7 +355,8 @@ def make_config(entry: HFConfigEntry | str, use_cache: bool | None = None) -> tr
 
     if not isinstance(entry, HFConfigEntry):
         entry = hf_entry(entry)
-    config = getattr(transformers, entry.config_class)(**dict(entry.kwargs))
+    # a deep copy: transformers 5 writes into a nested rope_scaling dict (rope_theta, rope_type)
+    config = getattr(transformers, entry.config_class)(**copy.deepcopy(dict(entry.kwargs)))
     if use_cache is not None and hasattr(config, "use_cache"):
         config.use_cache = use_cache
     return config
