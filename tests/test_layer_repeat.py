@@ -21,7 +21,7 @@ def _workload(name: str, depth: int, seq_len: int = 32):
 
 
 def _both(w, recipe, dtype=torch.bfloat16, batch: int = 2):
-    def run(wk, b):
+    def run(wk, b, fresh=False):
         return _run(wk, b, dtype, recipe).tracking
     deep = L.Deep(w, run)
     return deep, deep.at(batch), run(w, batch)
@@ -67,7 +67,7 @@ def test_a_deeper_batch_reuses_the_layout():
     recipe = user_recipe("adamw", None)
     runs = []
 
-    def run(wk, b):
+    def run(wk, b, fresh=False):
         runs.append(b)
         return _run(wk, b, torch.bfloat16, recipe).tracking
     deep = L.Deep(w, run)
@@ -79,10 +79,10 @@ def test_a_deeper_batch_reuses_the_layout():
 
 def test_layers_not_alike_are_not_repeated():
     cfg = hf_configs.make_config("tiny-llama")
-    cfg.num_hidden_layers = 8
+    cfg.num_hidden_layers = 16
     assert L.not_repeatable(cfg) is None
     assert "every-2" in L.not_repeatable(cfg, "every-2")
-    cfg.layer_types = ["sliding_attention", "full_attention"] * 4
+    cfg.layer_types = ["sliding_attention", "full_attention"] * 8
     assert "not all alike (layer_types)" in L.not_repeatable(cfg)
     cfg.num_hidden_layers = 4
     assert "full depth is as cheap" in L.not_repeatable(cfg)
@@ -97,3 +97,23 @@ def test_a_timeline_that_does_not_repeat_is_refused():
     b = _run(_workload("tiny-gpt2", 3), 2, torch.bfloat16, recipe).tracking
     c = _run(_workload("tiny-llama", 4), 2, torch.bfloat16, recipe).tracking
     assert isinstance(L.learn(a, b, c), str)
+
+
+@pytest.mark.slow
+def test_fit_answers_the_same_with_and_without_layer_repeat(monkeypatch):
+    """gpulab.fit of a 12-layer stack: the answer laid out from a few layers equals the answer from
+    full-depth runs (batch, peak, categories, simulated reserved), and says how it was made."""
+    from gpulab.predict import fit as fit_module, run_cache
+    cfg = hf_configs.make_config("tiny-llama")
+    cfg.num_hidden_layers = 12
+    options = dict(optimizer="adamw", dtype="bf16", seq_len=64, context_bytes=0)
+    run_cache.clear()
+    laid = fit_module.fit(cfg, "96MiB", **options)
+    assert "12 layers laid out from fake runs of 2 and 3 layers" in laid.layers
+    run_cache.clear()
+    monkeypatch.setattr(fit_module.layer_repeat, "not_repeatable", lambda *a, **k: "switched off by the test")
+    full = fit_module.fit(cfg, "96MiB", **options)
+    assert full.layers == "switched off by the test"
+    assert (laid.largest_batch, laid.peak_bytes, laid.reserved_bytes) == (full.largest_batch, full.peak_bytes,
+                                                                            full.reserved_bytes)
+    assert laid.peak_by_category == full.peak_by_category

@@ -44,7 +44,7 @@ from gpulab.measure.engines import LABEL_SIMULATED, Measurement, run
 from gpulab.models.lora import adapter_params, default_targets
 from gpulab.training.loop import (AMP_DTYPES, Recipe, changed_options, check_recipe_for, recipe_options, train_experiment,
                                   user_recipe)
-from gpulab.predict import run_cache
+from gpulab.predict import layer_repeat, run_cache
 from gpulab.predict.progress import Progress, report
 from gpulab.predict.search import largest_fitting
 from gpulab.categories import Category
@@ -118,6 +118,7 @@ class FitResult(CardBudget):
     # (Card.workspace_bytes: two cuBLAS workspaces, the forward's thread and autograd's, and cuBLASLt's)
     workspace_bytes: int = 0
     kernels: str = ""                 # the card whose CUDA kernels the fake runs followed, the attention kernels chosen
+    layers: str = ""                  # how the depth was run: laid out from a few layers (predict.layer_repeat), or why not
 
     @property
     def allocator_overhead_bytes(self) -> int:
@@ -170,16 +171,29 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
     place = place._replace(sharding=sharding)
     usable = max(0, place.card.reported_total_bytes - place.context_bytes - place.card.workspace_bytes())
     runs: dict[int, TrackingResult] = {}
-    made: list[int] = []     # every fake run, in order (a batch run again counts again)
+    made: list[int] = []     # every full-depth fake run, in order (a batch run again counts again)
+    target = ("cuda", repr(place.card))
+    deep = _deep(w, key, dt, recipe, target)
 
     def fake_run(b: int, fresh: bool = False) -> TrackingResult:
         if b not in runs:
-            report(progress, 0.2 * min(4, len(runs)), f"fake run at batch {b} (a training step on fake tensors), "
+            report(progress, 0.2 * min(4, len(runs)), f"fake run at batch {b} (a training step on fake tensors"
+                   f"{f', {deep.k} and {deep.k + 1} of its {deep.depth} layers' if deep and not deep.why else ''}), "
                    f"then replaying it through the simulated allocator")
-            t = _tracked(w, key, b, dt, recipe, ("cuda", repr(place.card)), fresh)
-            made.append(b)
+            t = deep.at(b, fresh) if deep is not None else None
+            if t is None:
+                t = _tracked(w, key, b, dt, recipe, target, fresh)
+                made.append(b)
             runs[b] = t if shard is None else shard(t)
         return runs[b]
+
+    def count() -> int:
+        return len(made) + (deep.runs if deep is not None else 0)
+
+    def done(result: FitResult) -> FitResult:
+        result.layers = deep.describe() if deep is not None else layer_repeat.not_repeatable(
+            w.config, recipe.checkpointing) or ""
+        return result
 
     replayed: dict[tuple[int, str], BatchCheck] = {}   # each candidate replayed once
 
@@ -193,15 +207,15 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         one = fake_run(1)
         checks.append(run_check(1))
         if checks[-1].fits:
-            return _result(w, place, recipe, dt, 1, one, checks, len(made), t0, [],
-                           "fake runs at batches 2 (does not fit) and 1 (fits)")
-        return _result(w, place, recipe, dt, 0, one, checks, len(made), t0,
-                       _levers(w, one, recipe.optimizer, dt, usable), "batch 1 does not fit (fake run): levers below, as formulas")
+            return done(_result(w, place, recipe, dt, 1, one, checks, count(), t0, [],
+                           "fake runs at batches 2 (does not fit) and 1 (fits)"))
+        return done(_result(w, place, recipe, dt, 0, one, checks, count(), t0,
+                       _levers(w, one, recipe.optimizer, dt, usable), "batch 1 does not fit (fake run): levers below, as formulas"))
     three = fake_run(3)
     checks.append(run_check(3))
     if not checks[-1].fits:
-        return _result(w, place, recipe, dt, 2, two, checks, len(made), t0, [],
-                       "fake runs at batches 2 (fits) and 3 (does not fit)")
+        return done(_result(w, place, recipe, dt, 2, two, checks, count(), t0, [],
+                       "fake runs at batches 2 (fits) and 3 (does not fit)"))
     two, line = _line(runs, fake_run, two, three)
     if line is not None:
         def line_check(b: int) -> BatchCheck:
@@ -216,13 +230,13 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         predicted = line.at(best)
         if [e.nbytes for e in real.events] == [e.nbytes for e in predicted.events]:
             checks.append(run_check(best))
-            return _result(w, place, recipe, dt, best, real, checks, len(made), t0, [],
+            return done(_result(w, place, recipe, dt, best, real, checks, count(), t0, [],
                            f"extrapolated from fake runs at batches 2 and 3 (every storage a + b·c), replayed "
                            f"through the simulated allocator; confirmed by a fake run at batch {best} (the same "
-                           f"bytes, event for event)", live)
+                           f"bytes, event for event)", live))
     best = _bisect(runs, run_check, checks)   # fall back: bracketed bisection over fake runs
-    return _result(w, place, recipe, dt, best, fake_run(best), checks, len(made), t0, [],
-                   "bisection over fake runs (the batch-2 and batch-3 timelines did not extrapolate)")
+    return done(_result(w, place, recipe, dt, best, fake_run(best), checks, count(), t0, [],
+                   "bisection over fake runs (the batch-2 and batch-3 timelines did not extrapolate)"))
 
 
 def _line(runs: dict[int, TrackingResult], fake_run, two: TrackingResult, three: TrackingResult):
@@ -286,6 +300,18 @@ def _card_of(gpu: str | Card | int, context_bytes: int) -> Card:
                          f"{format_bytes(card.reported_total_bytes)}, "
                          f"got {format_bytes(context_bytes)}")
     return card
+
+
+def _deep(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, target: tuple) -> "layer_repeat.Deep | None":
+    """The full depth laid out from runs of a few layers (``predict.layer_repeat``), where the
+    model's layers are alike; None where they are not (then every run has the full depth)."""
+    if layer_repeat.not_repeatable(w.config, recipe.checkpointing) is not None:
+        return None
+
+    def small(wk: Workload, b: int, fresh: bool) -> TrackingResult:
+        wkey = run_cache.workload_key(wk.config, wk, own_parts=False) if key is not None else None
+        return _tracked(wk, wkey, b, dt, recipe, target, fresh)
+    return layer_repeat.Deep(w, small)
 
 
 def _tracked(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe: Recipe, target: tuple,

@@ -23,6 +23,8 @@ run's:
 The layout at N blocks takes its bytes from the k- and (k+1)-block runs *at the same batch*
 (``expand``), so one learned layout serves every batch of a ``gpulab fit`` search.
 
+``GPULAB_LAYER_REPEAT=0`` in the environment switches it off (every run at full depth: for comparing).
+
 NB: this holds where every block is alike. A config whose layers differ (``layer_types`` that are
 not all the same, checkpointing every K-th layer) is not repeated: ``not_repeatable`` says why.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -44,7 +47,7 @@ __all__ = ["BASE_BLOCKS", "Deep", "Layout", "MIN_REPEAT_DEPTH", "learn", "not_re
            "with_depth", "workload_with_depth"]
 
 BASE_BLOCKS = 2          # k: the first and the last block; k+1 and k+2 add middle ones
-MIN_REPEAT_DEPTH = BASE_BLOCKS + 4   # shallower stacks run at full depth (no cheaper)
+MIN_REPEAT_DEPTH = 12   # shallower stacks run at full depth: 7 runs of 2-4 layers cost about what 3 full-depth runs do
 
 _DIGITS = re.compile(r"\d+")
 
@@ -58,6 +61,8 @@ def _depth_attr(config: Any) -> str | None:
 
 def not_repeatable(config: Any, checkpointing: Any = False) -> str | None:
     """Why this model's step cannot be built from a few blocks (None: it can)."""
+    if os.environ.get("GPULAB_LAYER_REPEAT") == "0":
+        return "switched off (GPULAB_LAYER_REPEAT=0)"
     if config is None:
         return "not a transformer config (no stack of identical blocks to repeat)"
     if getattr(config, "is_encoder_decoder", False):
@@ -100,12 +105,12 @@ def workload_with_depth(w: Workload, depth: int) -> Workload:
 class Deep:
     """A deep stack's step at any batch, laid out from fake runs of a few blocks.
 
-    ``run(workload, batch)`` makes one fake run (the caller's: its recipe, dtype, card and cache).
-    ``at(batch)`` runs k and k+1 blocks at that batch (and k+2 once, to learn the layout) and lays
-    out the full depth; None when the layout cannot be learned or does not hold at that batch
-    (``why`` then says why, and the caller runs the full depth)."""
+    ``run(workload, batch, fresh)`` makes one fake run (the caller's: its recipe, dtype, card and
+    cache; ``fresh``: not reused). ``at(batch)`` runs k and k+1 blocks at that batch (and k+2 once,
+    to learn the layout) and lays out the full depth; None when the layout cannot be learned or does
+    not hold at that batch (``why`` then says why, and the caller runs the full depth)."""
 
-    def __init__(self, w: Workload, run: Callable[[Workload, int], TrackingResult], k: int = BASE_BLOCKS):
+    def __init__(self, w: Workload, run: Callable[[Workload, int, bool], TrackingResult], k: int = BASE_BLOCKS):
         self.depth = getattr(w.config, _depth_attr(w.config))
         self.k = k
         self._run = run
@@ -114,16 +119,23 @@ class Deep:
         self.why = ""
         self.runs = 0
 
-    def _small_run(self, n: int, batch: int) -> TrackingResult:
+    def _small_run(self, n: int, batch: int, fresh: bool = False) -> TrackingResult:
         self.runs += 1
-        return self._run(self._small[n], batch)
+        return self._run(self._small[n], batch, fresh)
 
-    def at(self, batch: int) -> TrackingResult | None:
+    def at(self, batch: int, fresh: bool = False) -> TrackingResult | None:
+        """The full depth at ``batch`` (``fresh``: its small runs made again, not reused)."""
         if self.why:
             return None
-        base, more = self._small_run(self.k, batch), self._small_run(self.k + 1, batch)
+        base, more = self._small_run(self.k, batch, fresh), self._small_run(self.k + 1, batch, fresh)
         if self.layout is None:
-            learned = learn(base, more, self._small_run(self.k + 2, batch), self.k)
+            deeper = self._small_run(self.k + 2, batch, fresh)
+            learned = learn(base, more, deeper, self.k)
+            if isinstance(learned, str):
+                # a process's first build can make a few storages once (peft's adapters): the first
+                # small run again, now built like the others
+                base = self._small_run(self.k, batch, True)
+                learned = learn(base, more, deeper, self.k)
             if isinstance(learned, str):
                 self.why = learned
                 return None
@@ -324,42 +336,66 @@ def learn(k_run: TrackingResult, k1_run: TrackingResult, k2_run: TrackingResult,
     Where an inserted run could sit at several block boundaries (a loop over alike blocks), each
     boundary is tried, one run at a time, keeping the placement under which the most events have a
     rule (a forward loop's new block goes after the first block, a loop that visits the blocks in
-    reverse puts it before)."""
+    reverse puts it before); a run that cannot move may be two loops' runs that met, and is tried
+    cut in two."""
     sa, s1, s2 = ([_sig(t, e) for e in t.events] for t in (k_run, k1_run, k2_run))
-    first = _diff_points(sa, s1)
-    if first is not None:
-        first = _split_loops(first, s1)
-    if first is None or _place(sa, s1, first) is None:
+    state = _diff_points(sa, s1)
+    if state is None or _place(sa, s1, state) is None:
         return "one more block changed the timeline by more than insertions"
-    placed = _place(sa, s1, first)[1]
-    candidates = []
-    for g, (point, n) in enumerate(first):
-        lo = placed[g - 1][2] if g else 0
-        hi = placed[g + 1][1] if g + 1 < len(first) else len(s1)
-        back, ahead = _slides(s1, [placed[g]], lo, hi)
-        ends = {point - back + t * n for t in range((back + ahead) // n + 1)}
-        ends |= {point + ahead - t * n for t in range((back + ahead) // n + 1)}
-        candidates.append(sorted(ends))
-    points = [p for p, _ in first]
-    sizes = [n for _, n in first]
-    result = _learn_at(list(zip(points, sizes)), k_run, k1_run, k2_run, sa, s1, s2, k)
-    for _ in range(3):
+    state = _split_loops(state, s1)
+
+    def attempt(points):
+        return _learn_at(points, k_run, k1_run, k2_run, sa, s1, s2, k)
+
+    def worse(found) -> int:
+        return len(found) if isinstance(found, set) else (-1 if isinstance(found, Layout) else 1 << 30)
+    result = attempt(state)
+    for _ in range(4):
         if not isinstance(result, set):
             return result
-        for g in sorted(result):
-            tried = {}
-            for c in candidates[g]:
-                trial = points[:g] + [c] + points[g + 1:]
-                tried[c] = _learn_at(list(zip(trial, sizes)), k_run, k1_run, k2_run, sa, s1, s2, k)
-                if not isinstance(tried[c], set) or g not in tried[c]:
-                    break
-            best = min(tried, key=lambda c: len(tried[c]) if isinstance(tried[c], set) else -1)
-            points[g], result = best, tried[best]
+        for g in sorted(result, reverse=True):
+            if g >= len(state):
+                continue
+            options = [state[:g] + [(c, state[g][1])] + state[g + 1:] for c in _candidates(sa, s1, state, g)]
+            if len(options) == 1:
+                options += _cuts(sa, s1, state, g)
+            tried = [(worse(found), n, option, found) for n, option in enumerate(options)
+                     for found in [attempt(option)] if _place(sa, s1, option) is not None]
+            if tried:
+                _, _, state, result = min(tried, key=lambda t: t[:2])
             if not isinstance(result, set):
                 break
     if isinstance(result, set):
         return f"no placement of the repeated blocks explains every event (groups {sorted(result)})"
     return result
+
+
+def _candidates(sa: list, sb: list, points: list[tuple[int, int]], g: int) -> list[int]:
+    """The insertion points where run ``g`` could sit with b's events unchanged, a block apart."""
+    placed = _place(sa, sb, points)[1]
+    point, n = points[g]
+    lo = placed[g - 1][2] if g else 0
+    hi = placed[g + 1][1] if g + 1 < len(points) else len(sb)
+    back, ahead = _slides(sb, [placed[g]], lo, hi)
+    ends = {point - back + t * n for t in range((back + ahead) // n + 1)}
+    return sorted(ends | {point + ahead - t * n for t in range((back + ahead) // n + 1)})
+
+
+def _cuts(sa: list, sb: list, points: list[tuple[int, int]], g: int) -> list[list[tuple[int, int]]]:
+    """Run ``g`` cut in two at every place, each piece at each of its candidate points."""
+    point, n = points[g]
+    out = []
+    for cut in range(1, n):
+        split = points[:g] + [(point, cut), (point, n - cut)] + points[g + 1:]
+        if _place(sa, sb, split) is None:
+            continue
+        for a in _candidates(sa, sb, split, g):
+            moved = split[:g] + [(a, cut)] + split[g + 1:]
+            if _place(sa, sb, moved) is None:
+                continue
+            for b in _candidates(sa, sb, moved, g + 1):
+                out.append(moved[:g + 1] + [(b, n - cut)] + moved[g + 2:])
+    return out
 
 
 def _learn_at(points, k_run, k1_run, k2_run, sa, s1, s2, k) -> "Layout | str | set[int]":

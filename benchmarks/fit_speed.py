@@ -1,0 +1,96 @@
+"""`gpulab fit` at scale against the time of an import (issue 34): 8B on one card, a 70B shape on 8
+GPUs (FSDP2), a 405B shape on 64 GPUs (ZeRO-3), with checkpointing where the issue asks, with and
+without ``--what-fits``, and a bad option; each a whole command in a fresh process, as a user runs it.
+
+    PYTHONPATH=. python benchmarks/fit_speed.py [--quick] [--repeat-off]
+
+It prints each command's seconds and its ratio to the import floor (``python -c "import torch,
+transformers"``) measured in the same run, and whether the answer's depth was laid out from a few
+layers (``FitResult.layers``). ``--repeat-off`` runs the same commands with the layer repeat switched
+off (``GPULAB_LAYER_REPEAT=0``), to print the ratio of the two. Ratios, not absolute times: the
+machine's load moves both. The 70B and 405B configs are written as config.json files with the
+published configs' shapes (meta-llama/Llama-3.1-70B and -405B: hidden 8192 / 16384, 80 / 126 layers,
+64 / 128 heads, 8 KV heads, MLP 28672 / 53248, vocabulary 128256). A benchmark: it prints, it
+asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+SHAPES = {   # the published config.json fields that differ from Llama-3-8B's
+    "llama-3.1-70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                          intermediate_size=28672),
+    "llama-3.1-405b": dict(hidden_size=16384, num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
+                           intermediate_size=53248),
+}
+
+
+def _config_file(folder: str, name: str) -> str:
+    from gpulab.models import hf_configs
+    cfg = hf_configs.make_config("llama-3-8b").to_dict()
+    cfg.update(SHAPES[name])
+    path = os.path.join(folder, name)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def _timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    seconds = time.perf_counter() - t0
+    if p.returncode not in (0, 2):
+        return seconds, f"failed ({p.returncode}): {p.stderr.strip().splitlines()[-1:]}"
+    try:
+        answer = json.loads(p.stdout)
+        return seconds, (f"batch {answer.get('largest_batch')}, {answer.get('runs')} fake runs; "
+                         f"{answer.get('layers') or 'depth: full'}")
+    except (json.JSONDecodeError, TypeError):
+        return seconds, (p.stderr.strip().splitlines() or ["(no output)"])[-1][:120]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="the 8B command only")
+    ap.add_argument("--repeat-off", action="store_true", help="also run every command with the layer repeat off")
+    args = ap.parse_args()
+    py = sys.executable
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    folder = tempfile.mkdtemp(prefix="gpulab-fit-speed-")
+    commands = [("8B, 80 GiB, bf16 AdamW, 2048",
+                 ["fit", "hf:llama-3-8b", "--gpu", "80GiB", "--dtype", "bf16", "--optimizer", "adamw",
+                  "--seq-len", "2048", "--json"])]
+    if not args.quick:
+        commands += [
+            ("70B shape, 8 H100, FSDP2, checkpointing, 4096",
+             ["fit", "hf:" + _config_file(folder, "llama-3.1-70b"), "--gpu", "H100", "--gpus", "8", "--strategy", "fsdp2",
+              "--dtype", "bf16", "--optimizer", "adamw", "--checkpointing", "--seq-len", "4096", "--json"]),
+            ("405B shape, 64 H100, ZeRO-3, checkpointing, 4096",
+             ["fit", "hf:" + _config_file(folder, "llama-3.1-405b"), "--gpu", "H100", "--gpus", "64", "--strategy", "zero3",
+              "--dtype", "bf16", "--optimizer", "adamw", "--checkpointing", "--seq-len", "4096", "--json"]),
+            ("8B, 24 GiB, --what-fits",
+             ["fit", "hf:llama-3-8b", "--gpu", "24GiB", "--dtype", "bf16", "--optimizer", "adamw", "--seq-len",
+              "2048", "--what-fits", "--json"]),
+        ]
+    commands.append(("a bad option", ["fit", "hf:llama-3-8b", "--gpu", "H100", "--optimiser", "adamw"]))
+    floor, _ = _timed([py, "-c", "import torch, transformers"], env)
+    print(f"import floor (python -c 'import torch, transformers'): {floor:.1f} s")
+    for what, cmd in commands:
+        seconds, answer = _timed([py, "-m", "gpulab", *cmd], env)
+        line = f"{what:48s} {seconds:7.1f} s  {seconds / floor:5.2f}x the floor  {answer}"
+        if args.repeat_off and "bad option" not in what:
+            off, _ = _timed([py, "-m", "gpulab", *cmd], {**env, "GPULAB_LAYER_REPEAT": "0"})
+            line += f"\n{'':48s} {off:7.1f} s  {off / floor:5.2f}x with the layer repeat off ({off / seconds:.2f}x slower)"
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
