@@ -70,10 +70,13 @@ __all__ = [
 ]
 
 STILL_DIFFERS: tuple[tuple[str, str], ...] = (
-    ("CUDA context", "the driver's and PyTorch's own memory on the card (hundreds of MiB): not a tensor, "
-                     "so never counted; lesson 04 adds an assumed figure"),
+    ("CUDA context", "the driver's and PyTorch's own memory on the card (1,383.88 MiB on gpulab's H200 after "
+                     "training steps): not a tensor, so never counted; fit, serve and lesson 04 add the measured "
+                     "figure (predict.context)"),
     ("cuBLAS / cuDNN workspaces", "matmul and convolution workspaces the libraries allocate through the "
-                                  "caching allocator; they depend on the algorithm cuDNN picks at run time"),
+                                  "caching allocator: fit and serve add cuBLAS's by the card's compute capability "
+                                  "(measure.cuda_card); cuDNN's depend on the algorithm it picks at run time, and "
+                                  "are added only from a step recorded on the card asked for (record.workspaces)"),
     ("cuDNN batch norm reserve", "cudnn_batch_norm's reserve tensor is empty on fake tensors; its real size "
                                  "comes from cuDNN"),
     ("caching allocator", "live tensors only: reserved memory, fragmentation and cached blocks come from "
