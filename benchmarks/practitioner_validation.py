@@ -528,8 +528,17 @@ def warm_up() -> dict[str, Any]:
     return {"kept_bytes": torch.cuda.memory_allocated() - before, "reserved_bytes": torch.cuda.memory_reserved()}
 
 
+_BNB: dict[str, str | None] = {}
+
+
 def bitsandbytes_cuda() -> str | None:
-    """None when bitsandbytes' CUDA kernels run here, else why not."""
+    """None when bitsandbytes' CUDA kernels run here, else why not (asked once a process)."""
+    if "answer" not in _BNB:
+        _BNB["answer"] = _probe_bitsandbytes()
+    return _BNB["answer"]
+
+
+def _probe_bitsandbytes() -> str | None:
     import torch
     try:
         import bitsandbytes.functional as F
