@@ -31,14 +31,18 @@ its capability. Each rule below follows PyTorch's source, cited by file and func
 * **cuBLAS workspace** (aten/src/ATen/cuda/CublasHandlePool.cpp, ``parseChosenWorkspaceSize``
   behind ``getChosenWorkspaceSize``): ``CUBLAS_WORKSPACE_CONFIG`` (":SIZE:COUNT" pairs, SIZE in
   KiB) when set; else ":4096:2:16:8" (4096 KiB × 2 + 16 KiB × 8 = 8,519,680 bytes), or 32 MiB
-  (``4096 * 8 * 1024``) on Hopper: ``sm90`` (major 9, minor 0) in PyTorch 2.11's file, majors 9, 10,
-  11 and 12 in later ones (pytorch#175344; "32MiB for Hopper and Blackwell"). Here: 32 MiB for
+  (``4096 * 8 * 1024``) on Hopper: ``sm90`` only (major 9, minor 0) in older files, majors 9, 10,
+  11 and 12 since pytorch#175344 ("32MiB for Hopper and Blackwell", 2026). Here: 32 MiB for
   majors 9 and up. ``setWorkspaceForHandle`` allocates one through the caching allocator per
-  (cuBLAS handle, stream); handles are per thread (``getCurrentCUDABlasHandle``'s thread-local
-  pool window), and autograd runs backward on its own device thread, so a training step holds two.
-  ``parseCUDABlasLtWorkspaceSize`` adds cuBLASLt's own (``CUBLASLT_WORKSPACE_SIZE``, default
-  1024 KiB). NB: on the H200 recorded here (torch 2.11) the first step kept 68,157,440 bytes
-  allocated after it: 2 × 32 MiB + 1 MiB, as these rules give.
+  (cuBLAS handle, stream) and keeps it; handles are per thread (``getCurrentCUDABlasHandle``'s
+  thread-local pool window), and autograd runs backward on its own device thread, so a training
+  step holds two. ``parseCUDABlasLtWorkspaceSize`` adds cuBLASLt's own (``CUBLASLT_WORKSPACE_SIZE``,
+  default 1024 KiB). On the H200 recorded here (torch 2.11.0+cu130) the first step kept 68,157,440
+  bytes allocated after it: 2 × 32 MiB + 1 MiB, as these rules give. NB: PyTorch's newest file keeps
+  workspaces only with ``TORCH_CUBLAS_WORKSPACE_CACHE=1`` (``isCUDABlasWorkspaceCachingEnabled``,
+  off by default on CUDA); otherwise a matmul allocates one for its own duration
+  (``getCurrentCUDABlasHandleWithWorkspace``) or leaves cuBLAS its default workspace, so there these
+  kept figures are an upper bound.
 """
 from __future__ import annotations
 
