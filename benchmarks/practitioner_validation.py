@@ -719,6 +719,12 @@ def _after_build() -> None:
 
 
 def plain_run(case: Case, model, batch: int, stand_in: bool) -> None:
+    """The case's plain run at ``batch``; refused if a dispatch mode is on (on a GPU none may be:
+    the stand-in is one itself)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    mode = _get_current_dispatch_mode()
+    if mode is not None and not stand_in:
+        raise RuntimeError(f"a dispatch mode ({type(mode).__name__}) is on: the plain step would not be plain")
     if case.kind == "generate":
         plain_generate(case, model, _after_build)
     else:
