@@ -54,7 +54,7 @@ from gpulab.models.workload import Workload, resolve_workload, step_failed
 
 __all__ = [
     "BatchCheck", "FitResult", "LABEL_FIT", "LABEL_LEVER", "Lever", "MAX_BATCH",
-    "MAX_FALLBACK_RUNS", "Progress", "WORKSPACE_LABEL", "fit"
+    "MAX_FALLBACK_RUNS", "Progress", "WORKSPACE_LABEL", "fit", "tracked_at_depth"
 ]
 
 LABEL_FIT = "fake tensors, CUDA kernels' allocations (no compute) + simulated allocator + assumed CUDA context"
@@ -170,29 +170,11 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
     sharding, shard = _sharding(w, recipe, dt, gpus, strategy, offload_optimizer)
     place = place._replace(sharding=sharding)
     usable = max(0, place.card.reported_total_bytes - place.context_bytes - place.card.workspace_bytes())
-    runs: dict[int, TrackingResult] = {}
-    made: list[int] = []     # every full-depth fake run, in order (a batch run again counts again)
-    target = ("cuda", repr(place.card))
-    deep = _deep(w, key, dt, recipe, target)
-
-    def fake_run(b: int, fresh: bool = False) -> TrackingResult:
-        if b not in runs:
-            report(progress, 0.2 * min(4, len(runs)), f"fake run at batch {b} (a training step on fake tensors"
-                   f"{f', {deep.k} and {deep.k + 1} of its {deep.depth} layers' if deep and not deep.why else ''}), "
-                   f"then replaying it through the simulated allocator")
-            t = deep.at(b, fresh) if deep is not None else None
-            if t is None:
-                t = _tracked(w, key, b, dt, recipe, target, fresh)
-                made.append(b)
-            runs[b] = t if shard is None else shard(t)
-        return runs[b]
-
-    def count() -> int:
-        return len(made) + (deep.runs if deep is not None else 0)
+    fake_run = _FakeRuns(w, key, dt, recipe, ("cuda", repr(place.card)), shard, progress)
+    runs, count = fake_run.runs, fake_run.count
 
     def done(result: FitResult) -> FitResult:
-        result.layers = deep.describe() if deep is not None else layer_repeat.not_repeatable(
-            w.config, recipe.checkpointing) or ""
+        result.layers = fake_run.layers()
         return result
 
     replayed: dict[tuple[int, str], BatchCheck] = {}   # each candidate replayed once
@@ -302,6 +284,42 @@ def _card_of(gpu: str | Card | int, context_bytes: int) -> Card:
     return card
 
 
+class _FakeRuns:
+    """``fit``'s fake runs by batch (``self(b)``), each made once: laid out from a few layers where
+    the layers are alike (``_deep``), else at full depth; one rank's when ``shard`` is given."""
+
+    def __init__(self, w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, target: tuple, shard,
+                 progress: Progress):
+        self.w, self.key, self.dt, self.recipe, self.target = w, key, dt, recipe, target
+        self.shard, self.progress = shard, progress
+        self.runs: dict[int, TrackingResult] = {}
+        self.made: list[int] = []     # every full-depth fake run, in order (a batch run again counts again)
+        self.deep = _deep(w, key, dt, recipe, target)
+
+    def __call__(self, b: int, fresh: bool = False) -> TrackingResult:
+        if b not in self.runs:
+            deep = self.deep
+            report(self.progress, 0.2 * min(4, len(self.runs)), f"fake run at batch {b} (a training step on fake "
+                   f"tensors{f', {deep.k} and {deep.k + 1} of its {deep.depth} layers' if deep and not deep.why else ''})"
+                   f", then replaying it through the simulated allocator")
+            t = deep.at(b, fresh) if deep is not None else None
+            if t is None:
+                t = _tracked(self.w, self.key, b, self.dt, self.recipe, self.target, fresh)
+                self.made.append(b)
+            self.runs[b] = t if self.shard is None else self.shard(t)
+        return self.runs[b]
+
+    def count(self) -> int:
+        """Fake runs made: full-depth ones and the few-layer ones the layouts came from."""
+        return len(self.made) + (self.deep.runs if self.deep is not None else 0)
+
+    def layers(self) -> str:
+        """How the depth was run (``FitResult.layers``)."""
+        if self.deep is not None:
+            return self.deep.describe()
+        return layer_repeat.not_repeatable(self.w.config, self.recipe.checkpointing) or ""
+
+
 def _deep(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, target: tuple) -> "layer_repeat.Deep | None":
     """The full depth laid out from runs of a few layers (``predict.layer_repeat``), where the
     model's layers are alike; None where they are not (then every run has the full depth)."""
@@ -312,6 +330,17 @@ def _deep(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, targe
         wkey = run_cache.workload_key(wk.config, wk, own_parts=False) if key is not None else None
         return _tracked(wk, wkey, b, dt, recipe, target, fresh)
     return layer_repeat.Deep(w, small)
+
+
+def tracked_at_depth(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe: Recipe,
+                     target: tuple) -> tuple[TrackingResult, str]:
+    """One fake run's full-depth timeline at ``batch``, laid out from a few layers where the layers
+    are alike (``_deep``), else run at full depth; and how (``layer_repeat.Deep.describe``)."""
+    deep = _deep(w, key, dt, recipe, target)
+    t = deep.at(batch) if deep is not None else None
+    if t is None:
+        t = _tracked(w, key, batch, dt, recipe, target)
+    return t, deep.describe() if deep is not None else layer_repeat.not_repeatable(w.config, recipe.checkpointing) or ""
 
 
 def _tracked(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe: Recipe, target: tuple,

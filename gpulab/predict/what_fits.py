@@ -22,7 +22,7 @@ from gpulab.measure.engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
 from gpulab.models.hf_configs import task_of
 from gpulab.models.workload import resolve_workload
 from gpulab.predict import run_cache
-from gpulab.predict.fit import _check, _place, _replay, _tracked
+from gpulab.predict.fit import _check, _place, _replay, tracked_at_depth
 from gpulab.predict.progress import Progress, report
 from gpulab.training.loop import RECIPE_DEFAULTS, check_recipe_for, user_recipe
 from gpulab.units import dtype_name, format_bytes, parse_dtype
@@ -148,7 +148,7 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
         dt = parse_dtype(changes["dtype"]) if "dtype" in changes else base_dt
         report(progress, len(tried) / (len(CANDIDATES) + 2), f"what fits at batch {batch}: {name}, a fake run "
                f"replayed through the simulated caching allocator")
-        t = _tracked(w, key, batch, dt, recipe, target)
+        t, _ = tracked_at_depth(w, key, batch, dt, recipe, target)
         check = _check(t, usable, batch, "run")   # what it needs on a card without a limit, when it fails
         return (check.reserved_bytes if check.fits else _replay(t, None)[0]), check.fits
 
