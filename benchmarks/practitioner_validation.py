@@ -170,12 +170,14 @@ CASES: tuple[Case, ...] = (   # in the order they run: past the time limit, the 
 # --quick: the same recipes on tiny configs, small batches (the stand-in runs them in seconds)
 QUICK_MODEL = {"gpt2": "tiny-gpt2", "qwen": "tiny-llama", "llama-1b": "tiny-llama", "llama-8b": "tiny-llama",
                "resnet50": "cnn"}
-QUICK_CARDS = {"T4": "560MiB", "24GiB": "580MiB", "40GiB": "600MiB", "H100": "620MiB"}
+# "context+N": a card N larger than the CUDA context measured here (tiny runs fit there on any GPU)
+QUICK_CARDS = {"T4": "context+60MiB", "24GiB": "context+80MiB", "40GiB": "context+100MiB", "H100": "context+120MiB"}
+RELATIVE = "context+"
 
 
 def quick_cases(cases: Sequence[Case] = CASES) -> list[Case]:
     """``cases`` scaled down: tiny configs, batch 2 (8 for images), 64 positions, LoRA rank 4, small
-    emulated cards."""
+    emulated cards (a few tens of MiB beyond the CUDA context measured on the device)."""
     out = []
     for c in cases:
         opts = {k: (4 if k == "lora" else v) for k, v in c.options.items()}
@@ -858,14 +860,18 @@ def fit_check(case: Case, card_name: str, stand_in: bool, seconds: float) -> Fit
     f = FitCheck(card_name)
     try:
         with time_limit(seconds):
-            card = parse_gpu(card_name)
-            f.card_bytes = card.reported_total_bytes
             free_memory()
             ctx = beyond_allocator_bytes(0).get("bytes")
             if ctx is None:
                 f.verdict = "not measured: no NVML (the context cannot be measured)"
                 return f
             f.context_bytes = int(ctx)
+            if card_name.startswith(RELATIVE):   # --quick: the context measured here + a small size
+                extra = parse_gpu(card_name[len(RELATIVE):]).reported_total_bytes
+                card = parse_gpu(f"{(f.context_bytes + extra) // 1024}KiB")
+            else:
+                card = parse_gpu(card_name)
+            f.card_bytes = card.reported_total_bytes
             f.baseline_reserved = torch.cuda.memory_reserved()
             total = torch.cuda.get_device_properties(0).total_memory
             # the card this device is (an H100 on an H100): CUDA's totals differ by a few MiB between boards
