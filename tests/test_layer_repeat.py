@@ -84,6 +84,11 @@ def test_layers_not_alike_are_not_repeated():
     assert "every-2" in L.not_repeatable(cfg, "every-2")
     cfg.layer_types = ["sliding_attention", "full_attention"] * 8
     assert "not all alike (layer_types)" in L.not_repeatable(cfg)
+    cfg.layer_types = None
+    cfg.first_k_dense_replace = 3      # DeepSeek's dense first layers: 2-4 layer runs would not show the rest
+    assert "first_k_dense_replace" in L.not_repeatable(cfg)
+    cfg.first_k_dense_replace = 1      # only the first differs: the runs' first block shows it
+    assert L.not_repeatable(cfg) is None
     cfg.num_hidden_layers = 4
     assert "full depth is as cheap" in L.not_repeatable(cfg)
     assert "not a transformer" in L.not_repeatable(None)

@@ -76,8 +76,30 @@ def not_repeatable(config: Any, checkpointing: Any = False) -> str | None:
     for name, value in vars(config).items():
         if isinstance(value, (list, tuple)) and len(value) == depth and len({repr(v) for v in value}) > 1:
             return f"its layers are not all alike ({name})"
+    mixed = _mixed_layers(config)
+    if mixed:
+        return mixed
     if isinstance(checkpointing, str) and checkpointing.startswith("every-"):
         return f"checkpointing {checkpointing} treats layers differently"
+    return None
+
+
+# Config fields that make some layers differ from the rest (mixtures of experts with dense layers):
+# (field, the values under which every layer past the first is alike, what it means)
+_LAYER_PATTERNS = (
+    ("first_k_dense_replace", (None, 0, 1), "the first {} layers are dense, the rest mixtures of experts"),
+    ("moe_layer_freq", (None, 1), "a mixture of experts every {} layers"),
+    ("decoder_sparse_step", (None, 1), "a mixture of experts every {} layers"),
+    ("interleave_moe_layer_step", (None, 1), "a mixture of experts every {} layers"),
+    ("mlp_only_layers", (None, [], ()), "dense layers at {}"),
+)
+
+
+def _mixed_layers(config: Any) -> str | None:
+    for name, alike, what in _LAYER_PATTERNS:
+        value = getattr(config, name, None)
+        if value not in alike:
+            return f"its layers are not all alike ({name}: {what.format(value)})"
     return None
 
 
