@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training steps (default 2: the optimizer state exists from the first step on)")
     s.add_argument("--fake-target", default="cuda", choices=["cuda", "cpu"],
                    help="fake engine: follow CUDA's kernels (default: a GPU's answer) or this CPU's")
+    s.add_argument("--gpu", default=None, help="fake engine, CUDA target: the card whose kernels it follows (T4, "
+                                               "H100 ...: its compute capability picks the attention kernel); on "
+                                               "the card a step was recorded on, that step's cuDNN workspaces")
     _recipe_options(s)
     f = sub.add_parser("fit", help="the largest batch whose training step fits a GPU (fake engine + allocator simulator)")
     _model_options(f)
@@ -273,6 +276,12 @@ def _print_step(d: dict[str, Any]) -> str:
         lines.append(f"{b['label']}: {format_bytes(b['bytes'])}")
         lines.append(f"{b['kept_label']}: {format_bytes(b['kept_after_run'])}")
         lines += [f"{k}: {v}" for k, v in not_tensor_rows(b.get("not_tensors"))]
+    if d.get("kernels_note"):
+        lines.append(f"kernels: {d['kernels_note']}")
+    if d.get("cudnn_workspace_label"):
+        found = d.get("cudnn_workspace_bytes")
+        lines.append(f"{d['cudnn_workspace_label']}" + (f": {format_bytes(found)}, peak with them "
+                                                         f"{format_bytes(d['peak_with_workspaces_bytes'])}" if found else ""))
     return "\n".join(lines)
 
 
@@ -400,6 +409,8 @@ def _main(argv: list[str]) -> int:
 def _check_values(args: argparse.Namespace) -> None:
     """The values argparse's types cannot see together, checked before torch is imported: the
     card, and the CUDA context's size on it."""
+    if args.command == "step" and args.gpu is not None:
+        parse_gpu(args.gpu)
     if args.command not in ("fit", "serve"):
         return
     card = parse_gpu(args.gpu)
@@ -420,10 +431,10 @@ def _answer(args: argparse.Namespace, progress: StreamProgress | None) -> tuple[
         return breakdown(args.model, args.batch or 1, args.image_size, args.dtype or "float32",
                          seq_len=args.seq_len).as_dict(), _print_breakdown
     if args.command == "step":
-        from gpulab.predict.step import step
+        from gpulab.record.workspaces import step   # gpulab.step: predict.step's, with recorded cuDNN workspaces
         return step(args.model, batch=args.batch, optimizer=args.optimizer, steps=args.steps, engine=args.engine,
                     dtype=args.dtype, amp=args.amp, seq_len=args.seq_len, image_size=args.image_size,
-                    fake_target=args.fake_target, **_recipe(args)).as_dict(), _print_step
+                    fake_target=args.fake_target, gpu=args.gpu, **_recipe(args)).as_dict(), _print_step
     if args.command == "serve":
         from gpulab.predict.serve import serve
         return serve(args.model, args.gpu, context_len=args.context, batch=args.batch, dtype=args.dtype,

@@ -140,3 +140,16 @@ def test_recorded_cudnn_workspace_on_the_recorded_card_only():
     assert t4.peak_with_workspaces_bytes == t4.peak_bytes == h200.peak_bytes
     other = gpulab.step("cnn", gpu="H200", engine="fake", batch=7, optimizer="sgd", steps=1)
     assert other.cudnn_workspace_bytes is None and "no step of these settings" in other.cudnn_workspace_label
+
+
+def test_the_cli_step_takes_a_card(capsys):
+    from gpulab import cli
+    assert cli.main(["step", "cnn", "--engine", "fake", "--batch", "32", "--optimizer", "sgd", "--steps", "1",
+                     "--gpu", "H200", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert "an H200 (sm90)" in d["label"] and d["cudnn_workspace_bytes"] == 2_203_648
+    assert cli.main(["step", "cnn", "--engine", "fake", "--batch", "32", "--optimizer", "sgd", "--gpu", "T4"]) == 0
+    out = capsys.readouterr().out
+    assert "kernels: CUDA kernels of a T4 (sm75)" in out and "cuDNN workspaces: not predicted" in out
+    assert cli.main(["step", "cnn", "--engine", "fake", "--gpu", "H1000"]) == 2
+    assert "cannot read --gpu" in capsys.readouterr().err
