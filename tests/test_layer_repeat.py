@@ -122,3 +122,13 @@ def test_fit_answers_the_same_with_and_without_layer_repeat(monkeypatch):
     assert (laid.largest_batch, laid.peak_bytes, laid.reserved_bytes) == (full.largest_batch, full.peak_bytes,
                                                                             full.reserved_bytes)
     assert laid.peak_by_category == full.peak_by_category
+
+
+def test_a_stack_too_deep_to_replay_is_refused_in_one_line():
+    """100,000 tiny layers: the small runs answer quickly, then a ValueError says how many layers fit
+    the replay, instead of a timeline of tens of millions of events."""
+    w = _workload("tiny-llama", 100_000, seq_len=8)
+    recipe = user_recipe("adamw", None)
+    deep = L.Deep(w, lambda wk, b, fresh=False: _run(wk, b, torch.float32, recipe).tracking)
+    with pytest.raises(ValueError, match="100,000 layers make a timeline of .* ask for at most"):
+        deep.at(2)

@@ -43,10 +43,11 @@ from gpulab.models import hf_configs
 from gpulab.models.registry import build_in_place
 from gpulab.models.workload import Workload
 
-__all__ = ["BASE_BLOCKS", "Deep", "Layout", "MIN_REPEAT_DEPTH", "learn", "not_repeatable", "same_timeline",
+__all__ = ["BASE_BLOCKS", "Deep", "Layout", "MAX_EVENTS", "MIN_REPEAT_DEPTH", "learn", "not_repeatable", "same_timeline",
            "with_depth", "workload_with_depth"]
 
 BASE_BLOCKS = 2          # k: the first and the last block; k+1 and k+2 add middle ones
+MAX_EVENTS = 4_000_000   # a laid-out timeline longer than this is refused (memory: about 1 KiB an event)
 MIN_REPEAT_DEPTH = 12   # shallower stacks run at full depth: 7 runs of 2-4 layers cost about what 3 full-depth runs do
 
 _DIGITS = re.compile(r"\d+")
@@ -162,6 +163,12 @@ class Deep:
                 self.why = learned
                 return None
             self.layout = learned
+        events = self.layout.n_base + (self.depth - self.k) * sum(e - s for _, s, e in self.layout.groups)
+        if events > MAX_EVENTS:
+            raise ValueError(f"{self.depth:,} layers make a timeline of {events:,} events (about "
+                             f"{(events - self.layout.n_base) // (self.depth - self.k):,} a layer), more than gpulab "
+                             f"replays ({MAX_EVENTS:,}); ask for at most "
+                             f"{self.k + (MAX_EVENTS - self.layout.n_base) // max(1, events // self.depth):,} layers")
         deep = self.layout.expand(base, more, self.depth - self.k)
         if deep is None:
             self.why = f"the runs at batch {batch} did not have the learned layout"
