@@ -8,7 +8,8 @@ Outcomes:
             the API: ValueError / TypeError / KeyError / FileNotFoundError with a message)
   answer    taken and answered (a value the input admits, e.g. a size written another way)
   BAD       a traceback, an exception of another type (AttributeError, IndexError, ...), a message
-            of several lines, or a case that ran past its time limit
+            of several lines, the CLI's "internal error" (a bug's line, not a refusal), or a case that
+            ran past its time limit
 
 Each case runs in this process under a time limit (SIGALRM), the CLI through `gpulab.cli.main`
 with its stdout and stderr captured. Exit status: the number of BAD cases (0 when none).
@@ -70,7 +71,7 @@ def run_case(case: Case) -> tuple[str, str]:
         if code == 0:
             return "answer", "exit 0"
         lines = [ln for ln in err.splitlines() if ln.strip()]
-        ok = code in (2, 130) and len(lines) == 1 and "Traceback" not in err
+        ok = code in (2, 130) and len(lines) == 1 and "Traceback" not in err and "internal error" not in err
         return ("clean" if ok else "BAD"), f"exit {code}: {' | '.join(lines)[:160]}"
     return "answer", repr(out)[:120]
 
@@ -147,6 +148,17 @@ def cli_cases(tmp: pathlib.Path) -> list[Case]:
     afile.write_text("x")
     cases.append(Case("cli", "record --out is a file", lambda: _cli("record", "--out", str(afile))))
     cases.append(Case("cli", "record (no GPU)", lambda: _cli("record", "--out", str(tmp / "rec"))))
+    # config.json files transformers refuses: a field of the wrong type, fields that do not fit together
+    llama = ('{"model_type": "llama", "vocab_size": %s, "hidden_size": %s, "intermediate_size": 128, '
+             '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}')
+    for what, values in (("vocab_size a string", ('"500"', 64)), ("hidden_size 66, 4 heads", (500, 66))):
+        folder = tmp / what.replace(" ", "_").replace(",", "")
+        folder.mkdir()
+        (folder / "config.json").write_text(llama % values)
+        cases.append(Case("cli", f"step config.json, {what}",
+                          lambda f=folder: _cli("step", f"hf:{f / 'config.json'}", "--engine", "fake")))
+        cases.append(Case("cli", f"fit config folder, {what}",
+                          lambda f=folder: _cli("fit", f"hf:{f}", "--gpu", "24GiB")))
     return cases
 
 
@@ -170,6 +182,8 @@ def api_cases(tmp: pathlib.Path) -> list[Case]:
     cases = [
         Case("api", "step(None)", lambda: gpulab.step(None)),
         Case("api", "step(42)", lambda: gpulab.step(42)),
+        Case("api", "step(a builder returning 5)", lambda: gpulab.step(lambda: 5, batch=2)),
+        Case("api", "fit(a builder returning None)", lambda: gpulab.fit(lambda: None, "24GiB")),
         Case("api", "step('nosuch')", lambda: gpulab.step("nosuch")),
         Case("api", "step(Linear, wrong input shape)", lambda: gpulab.step(lin, torch.randn(1, 3), engine="cpu")),
         Case("api", "step(Linear) without input", lambda: gpulab.step(lin)),

@@ -81,7 +81,7 @@ def test_make_config_is_fresh():
     assert a is not b and a.to_dict() == b.to_dict()
     a.n_layer = 1
     assert make_config("gpt2").n_layer == 12 and HF_CONFIGS["gpt2"].kwargs["n_layer"] == 12
-    # transformers writes rope_theta and rope_type into the rope_scaling dict it is given: the table's stays as published
+    # transformers writes rope_theta and rope_type into the rope_scaling dict it is given: the table's stays
     make_config("llama-3.1-70b")
     assert "rope_theta" not in HF_CONFIGS["llama-3.1-70b"].kwargs["rope_scaling"]
 
@@ -212,3 +212,29 @@ def test_a_local_config_json_and_a_cache_id(tmp_path):
     (tmp_path / "bad.json").write_text("{ not json")
     with pytest.raises(ValueError, match="could not read"):
         local_config(str(tmp_path / "bad.json"))
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"vocab_size": "500"}, ["field 'vocab_size' expected int, got str (value: '500')", "correct that field"]),
+    ({"hidden_size": 66}, ["the hidden size (66) is not a multiple of the number of attention heads (4)",
+                           "fields hidden_size = 66, num_attention_heads = 4", "correct them"]),
+])
+def test_a_config_transformers_refuses_says_which_field_and_why(tmp_path, capsys, change, words):
+    import json
+
+    from gpulab import cli
+    raw = {"model_type": "llama", "vocab_size": 500, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**raw, **change}))
+    for key in (str(path), str(tmp_path)):   # the file or its folder
+        with pytest.raises(ValueError) as info:
+            local_config(key)
+        text = str(info.value)
+        assert text.startswith(f"{key}: ") and "\n" not in text and "StrictDataclass" not in text, text
+        assert all(w in text for w in words), text
+    # the command line says it in one line, as bad input (exit 2), not as an internal error
+    assert cli.main(["step", f"hf:{path}", "--engine", "fake"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith(f"gpulab: error: {path}: "), err
+    assert all(w in err for w in words), err

@@ -438,12 +438,19 @@ def local_config(key: str) -> transformers.PretrainedConfig:
 
     import transformers
 
+    try:
+        from huggingface_hub.errors import StrictDataclassError   # transformers 5's config validation
+    except ImportError:   # an older huggingface_hub: its configs raise ValueError
+        StrictDataclassError = ValueError  # noqa: N806
+
     path = os.path.expanduser(key)
     try:
         if os.path.exists(path):
             return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         if "/" in key and not key.endswith(".json"):
             return transformers.AutoConfig.from_pretrained(key, local_files_only=True)
+    except StrictDataclassError as exc:
+        raise _refused(key, path, exc) from None
     except (OSError, ValueError, KeyError) as exc:
         where = "that file" if os.path.exists(path) else "the local Hugging Face cache"
         raise ValueError(f"could not read a transformers config for {key!r} from {where}: {exc} "
@@ -451,6 +458,31 @@ def local_config(key: str) -> transformers.PretrainedConfig:
                          f"path or a transformers config object)") from None
     raise ValueError(f"{key!r} is neither a file nor a folder here; for a model from the Hugging Face cache name it "
                      f"as org/name (gpulab never downloads), or use a built-in config: {', '.join(HF_CONFIGS)}")
+
+
+def _refused(key: str, path: str, exc: Exception) -> ValueError:
+    """transformers refusing the user's config (a field of the wrong type, fields that do not fit
+    together), said in one line: which field of ``key`` is wrong, and why."""
+    import json
+    import os
+    import re
+
+    why = " ".join(str(exc.__cause__ or exc).split()).rstrip(".")
+    field = re.search(r"field '([^']+)'", str(exc))
+    if field:   # huggingface_hub's "Field 'vocab_size' expected int, got str (value: '500')"
+        why = why.removeprefix(f"Field '{field.group(1)}' ")
+        return ValueError(f"{key}: field {field.group(1)!r} {why}; transformers refuses the config: correct that field")
+    try:   # a check across fields: name those whose values the message quotes
+        with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        raw = {}
+    quoted = set(re.findall(r"\(([^()]+)\)", why))
+    fields = [f"{k} = {v!r}" for k, v in (raw.items() if isinstance(raw, dict) else ())
+              if isinstance(v, (int, float, str)) and not isinstance(v, bool) and str(v) in quoted]
+    which = f" (fields {', '.join(fields)})" if fields else ""
+    fix = "correct them" if len(fields) > 1 else "correct it"
+    return ValueError(f"{key}: {why[:1].lower()}{why[1:]}{which}; transformers refuses the config: {fix}")
 
 
 def config_summary(config: transformers.PretrainedConfig | HFConfigEntry | str) -> dict[str, Any]:

@@ -231,8 +231,25 @@ def loss_of(loss: Callable | None) -> Callable[[Any, Batch], torch.Tensor]:
 
 # --- your module ------------------------------------------------------------------------------------
 
+def _returning_a_module(builder: Callable[[], Any], name: str) -> Callable[[], nn.Module]:
+    """``builder``, with a ``ValueError`` when what it returns is not an ``nn.Module``."""
+    def build() -> nn.Module:
+        module = builder()
+        if not isinstance(module, nn.Module):
+            shown = repr(module)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            got = "None (no return statement?)" if module is None else f"{type(module).__name__} {shown}"
+            raise ValueError(f"the builder {name}() must return an nn.Module (the model), but it returned {got}: "
+                             f"pass a function that builds and returns the model (e.g. lambda: MyNet()), or the "
+                             f"model itself")
+        return module
+    return build
+
+
 def _module_workload(name: str, builder: Callable[[], nn.Module] | None, instance: nn.Module | None, inputs,
                      input_shape, seq_len, image_size, loss, description: str) -> Workload:
+    if builder is not None:
+        builder = _returning_a_module(builder, name)
     if instance is not None:
         def build(device, dtype):
             return copy_module(instance, device, dtype)
