@@ -35,9 +35,12 @@ from gpulab.measure.engines import Measured, Measurement, RunContext, run
 from gpulab.models import hf_configs
 from gpulab.models.adapt import quantized_build
 from gpulab.models.quantized import QUANTIZATIONS
+from gpulab.predict.kv_layout import kv_layout
 from gpulab.units import dtype_name, parse_dtype
 
-__all__ = ["GenerationPeak", "cache_keyword", "generation_peak"]
+__all__ = ["GenerationPeak", "KV_CACHES", "cache_keyword", "generation_peak"]
+
+KV_CACHES = ("dynamic", "fp8")   # transformers' DynamicCache, its QuantizedCache("fp8")
 
 
 @dataclass
@@ -53,6 +56,7 @@ class GenerationPeak(Measured):
     prefill_peak_bytes: int
     decode_peak_bytes: int
     measurement: Measurement
+    kv_cache: str = "dynamic"   # transformers' cache class measured: "dynamic" or "fp8" (KV_CACHES)
 
     @property
     def peak_bytes(self) -> int:   # the whole generation's (the tracker's own peak includes the fill)
@@ -67,7 +71,7 @@ class GenerationPeak(Measured):
                 "batch": self.batch, "dtype": self.dtype, "weights_bytes": self.weights_bytes,
                 "cache_bytes": self.cache_bytes, "prefill_peak_bytes": self.prefill_peak_bytes,
                 "decode_peak_bytes": self.decode_peak_bytes, "peak_bytes": self.peak_bytes,
-                "peak_at": self.peak_at, "label": self.label}
+                "peak_at": self.peak_at, "kv_cache": self.kv_cache, "label": self.label}
 
     def __repr__(self) -> str:
         return (f"GenerationPeak({self.model}, prompt {self.prompt_len:,} + {self.new_tokens:,} new tokens × "
@@ -82,7 +86,45 @@ def cache_keyword(fn) -> str:
     return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
-def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: torch.dtype, weights: str | None):
+def _layer_tensors(layer) -> list[torch.Tensor]:
+    """Every tensor a transformers cache layer holds: its keys and values, and a quantized layer's
+    stored states and scales (``Fp8QuantizedLayer._quantized_keys``: (float8 states, scale))."""
+    out = [t for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor)]
+    for q in (getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)):
+        out += [t for t in (q if isinstance(q, tuple) else (q,)) if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the storages under ``tensors``, each storage once (a sliding layer's keys are a
+    view of a longer storage: the storage is what the allocator holds)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen[id(t.untyped_storage())] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _fill(cache, batch: int, fill: int) -> None:
+    """Add ``fill`` positions to every layer as the decode steps between the two measured windows
+    would: in one update, then the last position alone, so that a sliding layer is left as a decode
+    step leaves it (``window - 1`` kept positions, a view of a ``window``-position storage) rather
+    than as a view of one long concatenation. Shapes follow the layer's own states (MLA's keys and
+    values differ in their last dimension; an FP8 layer keeps them in ``_quantized_keys``)."""
+    if fill <= 0:
+        return
+    for i, layer in enumerate(cache.layers):
+        states = [getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)]
+        keys, values = (s[0] for s in states) if states[0] is not None else (layer.keys, layer.values)
+        if keys is None or keys.dim() != 4:
+            continue
+        dtype = layer.keys.dtype
+        for n in ((fill - 1, 1) if fill > 1 else (1,)):
+            cache.update(torch.empty((batch, keys.shape[1], n, keys.shape[-1]), dtype=dtype),
+                         torch.empty((batch, values.shape[1], n, values.shape[-1]), dtype=dtype), i)
+
+
+def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: torch.dtype, weights: str | None,
+                kv_cache: str = "dynamic"):
     def experiment(ctx: RunContext) -> dict[str, Any]:
         import transformers
         with ctx.phase("setup"), torch.device(ctx.device):
@@ -91,7 +133,8 @@ def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: tor
             model.eval()
             ctx.tracker.register(model)
             vocab = hf_configs.vocab_size(config)
-            cache = transformers.DynamicCache(config=config)
+            cache = (transformers.QuantizedCache("fp8", config) if kv_cache == "fp8"
+                     else transformers.DynamicCache(config=config))
         kwargs: dict[str, Any] = {cache_keyword(model.forward): cache, "use_cache": True}
         if "logits_to_keep" in inspect.signature(model.forward).parameters:
             kwargs["logits_to_keep"] = 1
@@ -106,11 +149,7 @@ def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: tor
             last = prompt_len + new_tokens - 1           # tokens the cache holds after the last step
             fill = last - 1 - prompt_len                  # what the decode steps before it added
             with ctx.phase("setup"), torch.device(ctx.device):
-                for i, layer in enumerate(cache.layers):
-                    if fill > 0 and layer.keys is not None:
-                        shape = (batch, layer.keys.shape[1], fill, layer.keys.shape[-1])
-                        cache.update(torch.empty(shape, dtype=layer.keys.dtype),
-                                     torch.empty(shape, dtype=layer.values.dtype), i)
+                _fill(cache, batch, fill)
             decode_start = ctx.mark()
             with ctx.phase("forward"), torch.device(ctx.device):
                 step = ctx.label(torch.randint(0, vocab, (batch, 1)))
@@ -118,21 +157,26 @@ def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: tor
                 scores = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
                 del out, scores
         weights_bytes = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
-        cache_bytes = sum(t.untyped_storage().nbytes() for layer in cache.layers
-                          for t in (layer.keys, layer.values) if t is not None)
+        cache_bytes = sum(_storage_bytes(_layer_tensors(layer)) for layer in cache.layers)
         return {"marks": (start, prefill_end, decode_start), "weights": weights_bytes, "cache": cache_bytes}
     return experiment
 
 
 def generation_peak(model: Any, *, prompt_len: int, new_tokens: int, batch: int = 1,
                     dtype: str | torch.dtype = "bf16", attn_implementation: str | None = None,
-                    weights: str | None = None) -> GenerationPeak:
+                    weights: str | None = None, kv_cache: str = "dynamic") -> GenerationPeak:
     """The peak of generating ``new_tokens`` tokens (at least 2) after a prompt of ``prompt_len``
     for ``batch`` sequences: a built-in config name (``"hf:qwen2.5-7b"``) or a transformers config,
     its weights in ``dtype``, measured on fake tensors following CUDA's kernels (module docstring).
     ``attn_implementation``: the config's (None) or e.g. ``"eager"``, ``"sdpa"``. ``weights``: "nf4"
     or "int8" stores the linear layers but the head as bitsandbytes does (weight-only quantization,
-    ``models.quantized``), computing in ``dtype``."""
+    ``models.quantized``), computing in ``dtype``. ``kv_cache``: "dynamic" (transformers'
+    ``DynamicCache(config=...)``: sliding layers as the config marks them) or "fp8" (transformers'
+    ``QuantizedCache("fp8", config)``: float8_e4m3fn states with a per-tensor float32 scale, every
+    layer dequantized whole to ``dtype`` in its forward; transformers takes it for models with full
+    attention only)."""
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
     if weights is not None and weights not in QUANTIZATIONS:
         raise ValueError(f"weights must be one of {', '.join(QUANTIZATIONS)} or None (the dtype's own), got {weights!r}")
     for name, value, low in (("prompt_len", prompt_len, 1), ("new_tokens", new_tokens, 2), ("batch", batch, 1)):
@@ -147,12 +191,15 @@ def generation_peak(model: Any, *, prompt_len: int, new_tokens: int, batch: int 
     if longest and prompt_len + new_tokens - 1 > longest:   # the last token chosen is never fed back
         raise ValueError(f"{shown} takes {longest:,} positions; prompt_len + new_tokens - 1 is "
                          f"{prompt_len + new_tokens - 1:,}: ask for fewer tokens")
+    if kv_cache == "fp8" and kv_layout(config).sliding_layers:
+        raise ValueError(f"{shown} has sliding-window layers: transformers' fp8 QuantizedCache takes models with "
+                         f"full attention only; ask for kv_cache='dynamic'")
     dt = parse_dtype(dtype)
-    m = run(_experiment(config, prompt_len, new_tokens, batch, dt, weights), "fake", fake_target="cuda")
+    m = run(_experiment(config, prompt_len, new_tokens, batch, dt, weights, kv_cache), "fake", fake_target="cuda")
     if m.oom or m.tracking is None:
         raise MemoryError(m.error or "the generation did not run")
     start, prefill_end, decode_start = m.value["marks"]
     prefill_peak, _, _ = m.tracking.peak_between(start, prefill_end)
     decode_peak, _, _ = m.tracking.peak_between(decode_start)
     return GenerationPeak(shown, prompt_len, new_tokens, batch, dtype_name(dt), m.value["weights"], m.value["cache"],
-                          prefill_peak, decode_peak, m)
+                          prefill_peak, decode_peak, m, kv_cache)

@@ -4,15 +4,24 @@ sequences at once?
 Measured on fake tensors at full size (``predict.generation``: the model's real forward, CUDA's
 kernels): the weights (in the dtype, or weight-only int8 / NF4 as bitsandbytes stores them), the
 prefill's peak of one sequence at a time and of the whole batch at once, and the last decode step's
-peak with every sequence's KV cache at the full context. The KV cache's bytes per token come from
-the config (2 · layers · KV heads · head dim · bytes); a KV dtype other than the model's (an fp8
-cache) is applied to the measured decode step as that formula, labelled so.
+peak with every sequence's KV cache at the full context. The KV cache is what transformers' own cache
+objects hold on those fake tensors (``predict.kv_layout`` says it layer by layer, and names the
+assumption in every answer): a sliding-window layer min(context, window) positions (Gemma-2/3,
+Mistral: transformers' ``DynamicSlidingWindowLayer``), an MLA layer (DeepSeek-V2/V3) the compressed
+latent and the rope key, every other layer every position. An fp8 cache is measured too, where
+transformers has one (``QuantizedCache("fp8")``: float8_e4m3fn states, a float32 scale per tensor,
+full-attention models only); a KV dtype it cannot measure is applied to the measured decode step
+by formula, labelled so. NB: transformers' sliding layer keeps a view of its last concatenation, so
+right after a prompt longer than the window it still holds the whole prompt until its first decode
+step (the prefill's and first decode step's peaks include it; ``kv_cache_bytes`` is after that step).
 
 Beside it, paged serving as vLLM sizes it (formula, labelled): vLLM asks for
 ``gpu_memory_utilization`` of the card's memory, keeps the weights, the peak of a profiling
 forward and what lives outside PyTorch (the CUDA context), and cuts the rest into blocks of
 ``block_size`` tokens of every layer's keys and values; a sequence of the context length takes
-ceil(context / block_size) blocks. Here the profiling forward is the prefill of one sequence, and
+ceil(context / block_size) blocks in each full layer and no more than its window's in a sliding
+one (``kv_layout.KVLayout.vllm_bytes``, vllm/v1/kv_cache_interface.py); an MLA layer's page is one
+latent of kv_lora_rank + qk_rope_head_dim per token (``MLAAttentionSpec``). Here the profiling forward is the prefill of one sequence, and
 what lives outside PyTorch is the CUDA context alone: vLLM's budget (vllm/v1/worker/gpu_worker.py
 ``determine_available_memory``: ``self.requested_memory - profile_result.non_kv_cache_memory``,
 less ``cudagraph_memory_estimate_applied`` where VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS is on)
@@ -29,29 +38,28 @@ from typing import Any
 
 import torch
 
-from gpulab import formulas as F
 from gpulab.measure.engines import LABEL_FORMULA, LABEL_FAKE_CUDA
 from gpulab.models import hf_configs
 from gpulab.measure.cuda_card import current_target
 from gpulab.predict.cards import Card, follows_card, parse_gpu
 from gpulab.predict.context import context_assumption, context_label
 from gpulab.predict.generation import generation_peak
+from gpulab.predict.kv_layout import KVLayout, kv_layout
+from gpulab.predict.search import largest_fitting
 from gpulab.predict.progress import Progress, report
 from gpulab.units import dtype_name, format_bytes, parse_dtype
 
-__all__ = ["KV_DTYPES", "ServeResult", "kv_bytes_per_token", "serve"]
+__all__ = ["KV_DTYPES", "LongestContext", "ServeResult", "kv_bytes_per_token", "longest_context", "serve"]
 
 KV_DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 WEIGHTS = {"int8": "int8", "int4": "nf4", "nf4": "nf4"}   # int4: bitsandbytes' 4-bit (NF4) layout
 
 
 def kv_bytes_per_token(config: Any, nbytes: int) -> int:
-    """One token of one sequence in every layer's keys and values: 2 · layers · KV heads · head dim · bytes."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return F.kv_cache_bytes(text.num_hidden_layers, kv_heads, head_dim, 1, 1, nbytes)
+    """One token of one sequence in every layer that caches it, while every layer still grows (below
+    any window): 2 · layers · KV heads · head dim · bytes (``formulas.kv_cache_bytes``), MLA's latent
+    and rope key per layer instead of K and V (``predict.kv_layout``)."""
+    return kv_layout(config).per_token_bytes(nbytes)
 
 
 @dataclass
@@ -83,6 +91,9 @@ class ServeResult:
     # the cuBLAS workspace the forward's matmuls keep allocated (one thread: Card.workspace_bytes(training=False))
     workspace_bytes: int = 0
     kernels: str = ""             # the card whose CUDA kernels the fake runs followed, the attention kernels chosen
+    kv_assumption: str = ""       # which layers slide, the window, MLA latent or K and V, the KV dtype (kv_layout)
+    kv_all_global_bytes: int = 0  # the same cache if every layer kept every position (formula)
+    vllm_sequence_bytes: int = 0  # one sequence's pages at the context in vLLM (formula; 0: kv_per_token_bytes's)
 
     @property
     def usable_bytes(self) -> int:
@@ -110,8 +121,11 @@ class ServeResult:
 
     @property
     def max_sequences(self) -> int:
-        """Sequences of the full context that fit in those blocks at once."""
-        return self.paged_blocks // math.ceil(self.context_len / self.block_size)
+        """Sequences of the full context that fit in those blocks at once (a sliding layer takes no
+        more pages than its window's: ``vllm_sequence_bytes``)."""
+        pages = self.vllm_sequence_bytes or (math.ceil(self.context_len / self.block_size) * self.block_size
+                                             * self.kv_per_token_bytes)
+        return self.paged_blocks * self.block_size * self.kv_per_token_bytes // pages
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -129,7 +143,8 @@ class ServeResult:
         from gpulab.views import html_table
         rows = [["weights (" + self.weights + ")", format_bytes(self.weights_bytes), self.label],
                 [f"KV cache, {self.batch} × {self.context_len:,} tokens ({self.kv_dtype})",
-                 format_bytes(self.kv_cache_bytes), self.kv_label],
+                 format_bytes(self.kv_cache_bytes), f"{self.kv_label}; {self.kv_assumption}"],
+                ["KV cache if no layer slid", format_bytes(self.kv_all_global_bytes), LABEL_FORMULA],
                 ["prefill, one sequence at a time (peak)", format_bytes(self.prefill_one_bytes), self.label],
                 ["prefill, all at once (peak)", format_bytes(self.prefill_all_bytes), self.label],
                 ["last decode step (peak)", format_bytes(self.decode_bytes), self.kv_label],
@@ -149,6 +164,21 @@ def _check(context_len: int, batch: int, block_size: int, utilization: float) ->
         raise ValueError("context_len must be at least 2 tokens (a prompt and one generated token)")
     if not (isinstance(utilization, (int, float)) and 0 < utilization <= 1):
         raise ValueError(f"utilization must be a fraction of the card's memory in (0, 1], got {utilization!r}")
+
+
+def _kv_plan(layout: KVLayout, dt: torch.dtype, kv_dtype: str | None) -> tuple[str, int, str]:
+    """(the transformers cache the fake runs measure, bytes per KV element, the KV cache's label):
+    the model's dtype and fp8 are measured in transformers' own cache objects; fp8 on a model with
+    sliding layers (transformers' fp8 cache refuses them) and any other KV dtype are by formula."""
+    what = ("transformers' MLA latent cache" if layout.mla else "transformers' DynamicCache"
+            + (" with its sliding-window layers" if layout.sliding_layers else ""))
+    if kv_dtype is None or (kv_dtype != "fp8" and KV_DTYPES[kv_dtype] == dt.itemsize):
+        return "dynamic", dt.itemsize, f"{LABEL_FAKE_CUDA}: {what}"
+    if kv_dtype == "fp8" and not layout.sliding_layers:
+        return "fp8", 1, (f"{LABEL_FAKE_CUDA}: transformers' QuantizedCache('fp8'), float8_e4m3fn states and a "
+                          f"float32 scale per layer's keys and per layer's values")
+    why = " (transformers' fp8 cache takes full-attention models only)" if kv_dtype == "fp8" else ""
+    return "dynamic", KV_DTYPES[kv_dtype], f"{LABEL_FAKE_CUDA}, the cache at {kv_dtype} by formula{why}"
 
 
 def _config(model: Any) -> tuple[Any, str]:
@@ -191,23 +221,122 @@ def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1
                          f"ask for {longest:,} or fewer")
     dt = parse_dtype(dtype)
     kind = WEIGHTS.get(weights) if weights else None
+    layout = kv_layout(config)
+    cache, nbytes, kv_label = _kv_plan(layout, dt, kv_dtype)
     report(progress, 0.1, f"fake run of one sequence: prefill of {context_len - 1:,} tokens and decode steps on "
            f"fake tensors (CUDA's kernels)")
-    one = generation_peak(config, prompt_len=context_len - 1, new_tokens=2, batch=1, dtype=dt, weights=kind)
+    one = generation_peak(config, prompt_len=context_len - 1, new_tokens=2, batch=1, dtype=dt, weights=kind,
+                          kv_cache=cache)
     if batch > 1:
         report(progress, 0.5, f"fake run of all {batch} sequences at once: prefill and decode steps")
     everyone = one if batch == 1 else generation_peak(config, prompt_len=context_len - 1, new_tokens=2, batch=batch,
-                                                      dtype=dt, weights=kind)
-    per_token_model = kv_bytes_per_token(config, dt.itemsize)
-    per_token = kv_bytes_per_token(config, KV_DTYPES[kv_dtype]) if kv_dtype else per_token_model
-    kv = per_token * context_len * batch
-    # the measured cache holds context_len tokens in the model's dtype: a KV dtype of its own, by formula
+                                                      dtype=dt, weights=kind, kv_cache=cache)
+    measured = kv_label.startswith(LABEL_FAKE_CUDA + ":")
+    kv = everyone.cache_bytes if measured else layout.bytes(context_len, batch, nbytes)
+    # a KV dtype transformers' cache could not be measured in: the measured decode step with the formula's cache
     decode = everyone.decode_peak_bytes - everyone.cache_bytes + kv
     return ServeResult(shown, card.name, card.reported_total_bytes, context_bytes, context_len, batch, dtype_name(dt),
-                       kind or dtype_name(dt), kv_dtype or dtype_name(dt), one.weights_bytes, per_token, kv,
-                       one.prefill_peak_bytes, everyone.prefill_peak_bytes, decode, float(utilization), block_size,
-                       time.perf_counter() - t0,
-                       kv_label=LABEL_FAKE_CUDA if per_token == per_token_model
-                       else f"{LABEL_FAKE_CUDA}, the cache at {kv_dtype} by formula", module_loading=module_loading,
-                       capacity_note=card.total_text, workspace_bytes=card.workspace_bytes(training=False),
+                       kind or dtype_name(dt), kv_dtype or dtype_name(dt), one.weights_bytes,
+                       layout.per_token_bytes(nbytes), kv, one.prefill_peak_bytes, everyone.prefill_peak_bytes, decode,
+                       float(utilization), block_size, time.perf_counter() - t0, kv_label=kv_label,
+                       module_loading=module_loading, capacity_note=card.total_text,
+                       workspace_bytes=card.workspace_bytes(training=False),
+                       kv_assumption=layout.assumption(kv_dtype or dtype_name(dt)),
+                       kv_all_global_bytes=layout.all_global_bytes(context_len, batch, nbytes),
+                       vllm_sequence_bytes=layout.vllm_bytes(context_len, 1, nbytes, block_size),
                        kernels=current_target().note(), label=f"{LABEL_FAKE_CUDA}; {current_target().note()}")
+
+
+@dataclass
+class LongestContext:
+    """``longest_context``'s answer: the longest context (prompt and output together) that fits
+    ``batch`` sequences on the card, the serving answer there and, where it is not the model's own
+    limit, the one a token longer that does not fit."""
+    model: str
+    card: str
+    batch: int
+    context_len: int               # 0: not even 2 tokens fit
+    limit: str                     # "memory" or "the model's positions (N)"
+    at: ServeResult | None         # the answer at context_len
+    beyond: ServeResult | None     # the answer at context_len + 1 (None at the model's limit)
+    runs: int                      # serving answers computed (each one or two fake runs)
+
+    @property
+    def assumption(self) -> str:
+        return self.at.kv_assumption if self.at else ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "card": self.card, "batch": self.batch, "context_len": self.context_len,
+                "limit": self.limit, "runs": self.runs, "assumption": self.assumption,
+                "at": self.at.as_dict() if self.at else None,
+                "beyond": self.beyond.as_dict() if self.beyond else None}
+
+    def __repr__(self) -> str:
+        return (f"LongestContext({self.model} on {self.card}: {self.batch} × {self.context_len:,} tokens, "
+                f"limited by {self.limit}; {self.assumption})")
+
+
+def _secant_bracket(at, first: int, longest: int | None, steps: int = 5) -> tuple[int | None, int | None]:
+    """(the longest context seen to fit, the shortest seen not to) after a few secant steps on
+    needed − usable bytes over the context, from ``first`` and twice it (the model's limit bounds
+    every try): what the bisection then narrows."""
+    lo = hi = None
+    points: list[tuple[int, int]] = []
+    context = first
+    for _ in range(steps):
+        r = at(context)
+        points.append((context, r.needed_one_at_a_time_bytes - r.usable_bytes))
+        if r.fits:
+            lo = context if lo is None else max(lo, context)
+        else:
+            hi = context if hi is None else min(hi, context)
+        if (lo is not None and hi is not None and hi - lo <= 1) or (longest and lo == longest):
+            break
+        if len(points) == 1:
+            guess = 2 * context if r.fits else max(2, context // 2)
+        else:
+            (c0, e0), (c1, e1) = points[-2], points[-1]
+            guess = c1 - e1 * (c1 - c0) / (e1 - e0) if e1 != e0 else 2 * c1
+        low, high = (lo or 1) + 1, (hi or (longest + 1 if longest else 1 << 24)) - 1
+        if low > high:
+            break
+        context = min(max(int(guess), low), high)
+        if context in (c for c, _ in points):
+            break
+    return lo, hi
+
+
+def longest_context(model: Any, gpu: str | Card | int, *, batch: int = 1, start: int = 1024,
+                    progress: Progress = None, **kwargs: Any) -> LongestContext:
+    """The longest context (prompt and output together, tokens per sequence) at which ``batch``
+    sequences of ``model`` serve on ``gpu``: the largest ``context_len`` whose ``serve`` answer
+    fits (one sequence's prefill at a time, then every sequence's decode step, in the usable
+    memory), every answer measured on fake tensors at full size. ``kwargs``: ``serve``'s (dtype,
+    weights, kv_dtype, ...). The search: ``serve`` at ``start`` tokens and at twice it, a few
+    secant steps on the measured bytes over the context (``_secant_bracket``), then gallop and
+    bisect (``predict.search.largest_fitting``), each context tried once; the model's position
+    limit bounds it. NB: assumes the answer grows with the context (the cache, the prefill's
+    activations)."""
+    config, shown = _config(model)
+    card = gpu if isinstance(gpu, Card) else parse_gpu(gpu)
+    longest = hf_configs.max_positions(config)
+    answers: dict[int, ServeResult] = {}
+
+    def at(context: int) -> ServeResult:
+        if context not in answers:
+            report(progress, min(0.95, 0.05 * (len(answers) + 1)), f"serving {batch} × {context:,} tokens")
+            answers[context] = serve(model, card, context_len=context, batch=batch, **kwargs)
+        return answers[context]
+
+    lo, hi = _secant_bracket(at, max(2, min(start, longest or start)), longest)
+    if hi is not None and lo is not None and hi - lo <= 1:
+        found = lo
+    else:
+        upper = hi if hi is not None else (longest + 1 if longest else None)
+        found = largest_fitting(max(2, lo or 2), lambda c: c >= 2 and at(c).fits, upper=upper, limit=1 << 24)
+    if found < 2:
+        return LongestContext(shown, card.name, batch, 0, "memory", None, at(2), len(answers))
+    at_model_limit = longest is not None and found == longest
+    limit = f"the model's positions ({longest:,})" if at_model_limit else "memory"
+    return LongestContext(shown, card.name, batch, found, limit, at(found), None if at_model_limit else at(found + 1),
+                          len(answers))
