@@ -23,8 +23,8 @@ not measured, 2 without a CUDA GPU (one line on stderr).
 For each case (a model from gpulab's own configs with random weights, a recipe of the one training
 loop ``gpulab.training.loop.Recipe``, a batch) it compares:
 
-* the fake engine's prediction (``gpulab.step(..., engine="fake")``, CUDA target, the same number
-  of steps), its events replayed as allocator blocks, with ``torch.cuda.max_memory_allocated`` of a
+* the fake engine's prediction (``gpulab.step(..., engine="fake", gpu=<this device's card>)``, CUDA
+  target: this device's attention kernels; the same number of steps), its events replayed as allocator blocks, with ``torch.cuda.max_memory_allocated`` of a
   PLAIN step: the model, the optimizer and a batch built and trained with plain PyTorch (no
   tracker, no dispatch mode, no hooks), the build's transients freed (``empty_cache``) and the peaks
   reset before the steps, the baseline (the cuBLAS workspaces a warm-up made) subtracted;
@@ -35,7 +35,8 @@ loop ``gpulab.training.loop.Recipe``, a batch) it compares:
 * the predicted whole process (baseline reserved + simulated reserved + the CUDA context gpulab
   assumes, ``gpulab.predict.context``) with NVML's used memory after the steps; target within 5%;
 * fit (some cases): ``gpulab.fit`` for an emulated card (T4's 14.74 GiB, 24 GiB, 40 GiB, the
-  H100's 79.18 GiB), given the context measured here; the allocator limited by
+  H100's 79.18 GiB: each card's memory with this device's kernels and cuBLAS workspaces), given
+  the CUDA context measured here; the allocator limited by
   ``torch.cuda.set_per_process_memory_fraction`` to what that card leaves after the measured
   context; fit's batch b must run two steps and b + 1 must raise ``torch.OutOfMemoryError``;
   target: exact in at least 90% of the checks, never one batch too many; a miss says by how much.
@@ -203,7 +204,9 @@ class FitCheck:
     fit_seconds: float | None = None
     predicted_reserved: dict[str, int] = field(default_factory=dict)   # fit's simulated reserved, b and b + 1 ...
     predicted_fits: dict[str, bool] = field(default_factory=dict)      # ... and whether it fitted (else: where it stopped)
-    baseline_reserved: int | None = None  # inside the limit: the warm-up's workspaces, which fit does not model
+    baseline_reserved: int | None = None  # inside the limit: the warm-up's workspaces' segments ...
+    fit_workspace_bytes: int | None = None  # ... and the workspaces fit predicts for the card
+    kernels: str = ""                     # whose kernels fit's fake runs followed
     tried: dict[str, str] = field(default_factory=dict)   # batch -> "ran" / "OOM" / "error: ..."
     real_reserved: dict[str, int] = field(default_factory=dict)   # batch -> max_memory_reserved - baseline
     real_largest: int | None = None      # the largest batch that ran, as far as the probes went
@@ -266,6 +269,7 @@ class Report:
     quick: bool = False
     context_before: dict[str, Any] | None = None
     warm_up: dict[str, Any] | None = None
+    kernels: str = ""                     # whose CUDA kernels the predictions followed
     cases: list[CaseRun] = field(default_factory=list)
     not_run: list[str] = field(default_factory=list)
     seconds: float | None = None
@@ -371,7 +375,8 @@ def render(report: Report) -> str:
     if report.not_run:
         L += ["Not run: " + "; ".join(report.not_run) + ".", ""]
     L += ["### Each case against a plain PyTorch step", "",
-          f"*predicted*: `gpulab.step(..., engine=\"fake\", steps={STEPS})` (fake tensors, CUDA's kernels), its "
+          f"*predicted*: `gpulab.step(..., engine=\"fake\", steps={STEPS})` (fake tensors, the CUDA kernels of "
+          f"{report.kernels or 'the device'}), its "
           "events replayed through gpulab's allocator simulator from an empty cache (allocated: blocks; reserved: "
           "segments, the simulator allowed the device's free memory as the real allocator is). *real*: the same model, optimizer and batch built and trained with plain PyTorch, no tracker, "
           f"{STEPS} steps, after the build's transients were freed (`empty_cache`) and the peaks reset: "
@@ -415,18 +420,22 @@ def render(report: Report) -> str:
     fits = [(r, f) for r in report.cases for f in r.fit]
     if fits:
         L += ["### Fit on emulated cards", "",
-              "`gpulab.fit(..., context_bytes=<measured>)` for the card; the allocator limited "
-              "(`torch.cuda.set_per_process_memory_fraction`) to the card's total less the CUDA context measured "
-              "here; plain steps at fit's batch b (must run two steps) and b + 1 (must raise "
-              "`torch.OutOfMemoryError`, caught, memory freed); further batches only to say by how much a "
-              f"miss missed (at most {FIT_PROBES}). The limit holds what the process already reserved (the "
-              "cuBLAS workspaces' segments), which fit's simulated allocator does not; fit's simulated reserved "
-              "peaks at b and b + 1 and the real runs' reserved peaks (above that) are beside it.", ""]
+              "The allocator limited (`torch.cuda.set_per_process_memory_fraction`) to the card's total less the "
+              "CUDA context measured here (NVML used − `memory_reserved`); `gpulab.fit(card, context_bytes=<that "
+              "context>)` for the card's memory with this device's kernels (its compute capability: attention "
+              "kernel, cuBLAS workspaces). The limit also holds the segments the process already reserved (the "
+              "warm-up's cuBLAS workspaces), which fit predicts itself (its workspaces beside them). Plain steps at "
+              "fit's batch b (must run two steps) and b + 1 (must raise `torch.OutOfMemoryError`, caught, memory "
+              f"freed); further batches only to say by how much a miss missed (at most {FIT_PROBES}). Fit's "
+              "simulated reserved peaks at b and b + 1 and the real runs' reserved peaks (above the held "
+              "segments) are beside it.", ""]
         L += gv._table(["case", "card", "card total", "context (measured)", "allocator limit",
-                        "… of it held before (workspaces)", "fit's batch", "fit's reserved at b, b + 1",
+                        "… of it held before (workspaces)", "fit's workspaces", "fit's batch",
+                        "fit's reserved at b, b + 1",
                         "batches tried (real reserved)", "real largest", "verdict"],
                        [[r.name, f.card, gv._mib(f.card_bytes), gv._mib(f.context_bytes), gv._mib(f.limit_bytes),
-                         gv._mib(f.baseline_reserved), "—" if f.fit_batch is None else f.fit_batch,
+                         gv._mib(f.baseline_reserved), gv._mib(f.fit_workspace_bytes),
+                         "—" if f.fit_batch is None else f.fit_batch,
                          "; ".join(f"{b}: {gv._mib(v)}" + ("" if f.predicted_fits.get(b, True) else " (out of memory there)")
                                    for b, v in f.predicted_reserved.items()) or "—",
                          "; ".join(f"{b}: {t}" + (f" ({gv._mib(f.real_reserved[b])})" if b in f.real_reserved else "")
@@ -563,20 +572,60 @@ def _step_options(case: Case) -> dict[str, Any]:
     return dict(case.options)
 
 
+def device_card():
+    """The card this device is (``gpulab.predict.cards``, by the name CUDA gives it), with the
+    compute capability CUDA reports: the kernels every prediction here follows. None when gpulab
+    does not know the name (the stand-in): predictions then follow gpulab's default (sm80 rules)."""
+    import torch
+    from gpulab.predict.cards import parse_gpu
+    try:
+        card = parse_gpu(torch.cuda.get_device_name(0))
+    except ValueError:
+        return None
+    cc = tuple(torch.cuda.get_device_capability(0))
+    if getattr(card, "capability", cc) != cc:
+        card = dataclasses.replace(card, capability=cc)
+    return card
+
+
+def emulated_card(name: str, device, context: int):
+    """The card a fit check asks about: ``name``'s memory (``"context+N"``: the measured context
+    plus N) with this device's kernels and cuBLAS workspaces, which the emulated run has."""
+    from gpulab.predict.cards import parse_gpu
+    if name.startswith(RELATIVE):   # --quick: the context measured here + a small size
+        card = parse_gpu(f"{(context + parse_gpu(name[len(RELATIVE):]).reported_total_bytes) // 1024}KiB")
+    else:
+        card = parse_gpu(name)
+    if device is not None and hasattr(card, "capability") and card.capability != device.capability:
+        card = dataclasses.replace(card, name=f"{card.name}-sized {device.name}", aliases=(),
+                                   capability=device.capability)
+    return card
+
+
+def _gpu_keyword(fn, device) -> dict[str, Any]:
+    """``gpu=device`` for a prediction that takes the card whose kernels it follows."""
+    import inspect
+    return {"gpu": device} if device is not None and "gpu" in inspect.signature(fn).parameters else {}
+
+
 # ---- the prediction (fake engine, CUDA target) ---------------------------------------------------
 
-def predict(case: Case, model) -> dict[str, Any]:
-    """The fake engine's answer for the case: tracker peak, blocks, and its events (replayed for
-    the reserved peak by ``simulated_reserved``, once the device's free memory is known)."""
+def predict(case: Case, model, device=None) -> dict[str, Any]:
+    """The fake engine's answer for the case, following ``device``'s kernels (``device_card``):
+    tracker peak, blocks, and its events (replayed for the reserved peak by ``simulated_reserved``,
+    once the device's free memory is known)."""
     import gpulab
     from gpulab.measure.engines import allocator_blocks
     if case.kind == "generate":
+        from gpulab.measure.cuda_card import kernel_target
         from gpulab.predict.generation import generation_peak
-        g = generation_peak(model, prompt_len=case.prompt_len, new_tokens=case.new_tokens, batch=case.batch,
-                            dtype=case.dtype or "bf16")
+        with kernel_target(getattr(device, "kernel_target", None)):
+            g = generation_peak(model, prompt_len=case.prompt_len, new_tokens=case.new_tokens, batch=case.batch,
+                                dtype=case.dtype or "bf16")
         return {"tensors": g.peak_bytes, "allocated": g.peak_bytes, "events": g.measurement.tracking.events}
     res = gpulab.step(model, batch=case.batch, seq_len=case.seq_len, optimizer=case.optimizer, steps=STEPS,
-                      engine="fake", dtype=case.dtype, guard=False, **_step_options(case))
+                      engine="fake", dtype=case.dtype, guard=False, **_step_options(case),
+                      **_gpu_keyword(gpulab.step, device))
     m = res.measurement
     if m.oom:
         raise RuntimeError(f"the fake run ran out of memory: {m.error}")
@@ -736,7 +785,8 @@ def plain_run(case: Case, model, batch: int, stand_in: bool) -> None:
 # ---- one case ------------------------------------------------------------------------------------
 
 def measure_case(case: Case, *, stand_in: bool, context_assumed: int, do_fit: bool = True,
-                 case_limit: float = DEFAULT_CASE_LIMIT_S, say: Callable[[str], None] = lambda _m: None) -> CaseRun:
+                 case_limit: float = DEFAULT_CASE_LIMIT_S, say: Callable[[str], None] = lambda _m: None,
+                 device=None) -> CaseRun:
     """One case: prediction, plain run, comparisons, fit checks. Never raises (but
     KeyboardInterrupt): every failure is the case's result."""
     import torch
@@ -757,7 +807,7 @@ def measure_case(case: Case, *, stand_in: bool, context_assumed: int, do_fit: bo
         with time_limit(case_limit):
             _, model = model_arg(case)
             t0 = time.monotonic()
-            pred = predict(case, model)
+            pred = predict(case, model, device)
             run.predict_seconds = round(time.monotonic() - t0, 2)
             run.predicted_tensors, run.predicted_allocated = pred["tensors"], pred["allocated"]
             free_memory()
@@ -786,7 +836,7 @@ def measure_case(case: Case, *, stand_in: bool, context_assumed: int, do_fit: bo
                 run.context_now = int(used) - torch.cuda.memory_reserved()
             run.predicted_process = run.baseline_reserved + run.predicted_reserved + context_assumed
             if case.kind == "generate":
-                run.serve = serve_figures(case, model)
+                run.serve = serve_figures(case, model, device)
             run.status = "ran"
     except CaseTimeout as exc:
         run.status, run.error = "timed out", str(exc)
@@ -806,17 +856,18 @@ def measure_case(case: Case, *, stand_in: bool, context_assumed: int, do_fit: bo
                 continue
             say(f"  fit check on {card}")
             t2 = time.monotonic()
-            run.fit.append(fit_check(case, card, stand_in, left))
+            run.fit.append(fit_check(case, card, stand_in, left, device))
             left -= time.monotonic() - t2
     return run
 
 
-def serve_figures(case: Case, model) -> dict[str, int] | None:
-    """``gpulab.serve``'s figures for the generation's whole context (beside the comparison)."""
+def serve_figures(case: Case, model, device=None) -> dict[str, int] | None:
+    """``gpulab.serve``'s figures for the generation's whole context (beside the comparison), for
+    this device's card (else an H100)."""
     import gpulab
     try:
-        s = gpulab.serve(model, "H100", context_len=case.prompt_len + case.new_tokens, batch=case.batch,
-                         dtype=case.dtype or "bf16")
+        s = gpulab.serve(model, device if device is not None else "H100",
+                         context_len=case.prompt_len + case.new_tokens, batch=case.batch, dtype=case.dtype or "bf16")
     except Exception:  # noqa: BLE001 - a figure beside the check, not the check
         return None
     return {"weights_bytes": s.weights_bytes, "kv_cache_bytes": s.kv_cache_bytes,
@@ -850,12 +901,11 @@ def _try_batch(case: Case, model, batch: int, stand_in: bool, f: FitCheck | None
         free_memory()
 
 
-def fit_check(case: Case, card_name: str, stand_in: bool, seconds: float) -> FitCheck:
+def fit_check(case: Case, card_name: str, stand_in: bool, seconds: float, device=None) -> FitCheck:
     """fit's batch b for ``card_name``, then plain steps at b and b + 1 with the allocator limited
     to the card's total less the context measured now; further probes say by how much it missed."""
     import gpulab
     import torch
-    from gpulab.predict.cards import parse_gpu
     from gpulab.predict.replay import beyond_allocator_bytes
     f = FitCheck(card_name)
     try:
@@ -866,13 +916,9 @@ def fit_check(case: Case, card_name: str, stand_in: bool, seconds: float) -> Fit
                 f.verdict = "not measured: no NVML (the context cannot be measured)"
                 return f
             f.context_bytes = int(ctx)
-            if card_name.startswith(RELATIVE):   # --quick: the context measured here + a small size
-                extra = parse_gpu(card_name[len(RELATIVE):]).reported_total_bytes
-                card = parse_gpu(f"{(f.context_bytes + extra) // 1024}KiB")
-            else:
-                card = parse_gpu(card_name)
+            card = emulated_card(card_name, device, f.context_bytes)
             f.card_bytes = card.reported_total_bytes
-            f.baseline_reserved = torch.cuda.memory_reserved()
+            f.baseline_reserved = int(torch.cuda.memory_reserved())
             total = torch.cuda.get_device_properties(0).total_memory
             # the card this device is (an H100 on an H100): CUDA's totals differ by a few MiB between boards
             f.limit_bytes = min(f.card_bytes, total) - f.context_bytes
@@ -882,8 +928,12 @@ def fit_check(case: Case, card_name: str, stand_in: bool, seconds: float) -> Fit
                 return f
             _, model = model_arg(case)
             t0 = time.monotonic()
+            # fit is given the context measured here; the cuBLAS workspaces (inside the limit below,
+            # in baseline_reserved) it predicts itself for the card's capability
             res = gpulab.fit(model, card, optimizer=case.optimizer, dtype=case.dtype, seq_len=case.seq_len,
                              context_bytes=f.context_bytes, **_step_options(case))
+            f.fit_workspace_bytes = getattr(res, "workspace_bytes", None)
+            f.kernels = getattr(res, "kernels", "") or ""
             f.fit_seconds = round(time.monotonic() - t0, 2)
             f.fit_batch = b = res.largest_batch
             for c in res.checks:
@@ -967,6 +1017,12 @@ def validate(out: pathlib.Path, md: pathlib.Path | None = None, *, cases: Sequen
     except Exception as exc:  # noqa: BLE001
         report.device = {"gpu_name": "unknown", "error": gv._error(exc)}
     stand_in = gv.is_stand_in(report.device)
+    try:
+        device = device_card()
+    except Exception:  # noqa: BLE001 - predictions then follow gpulab's default kernels
+        device = None
+    report.kernels = (device.kernel_target.text if device is not None and hasattr(device, "kernel_target")
+                      else "gpulab's default (sm80 rules): this device is no card gpulab knows")
 
     def save() -> None:
         report.seconds = time.monotonic() - t0
@@ -986,7 +1042,7 @@ def validate(out: pathlib.Path, md: pathlib.Path | None = None, *, cases: Sequen
             continue
         say(f"case {case.name} ({case.recipe_text()}, batch {case.batch})")
         r = measure_case(case, stand_in=stand_in, context_assumed=context_assumed, do_fit=do_fit,
-                         case_limit=min(case_limit, left), say=say)
+                         case_limit=min(case_limit, left), say=say, device=device)
         report.cases.append(r)
         say(f"  {r.status}" + (f": allocated {gv._pct(allocated_check(r).difference)}, reserved "
                                f"{gv._pct(reserved_check(r).difference)}, process {gv._pct(process_check(r).difference)}"

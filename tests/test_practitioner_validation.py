@@ -112,6 +112,8 @@ def test_quick_run_under_the_standin_goes_end_to_end(pv, quick_run):
     assert fit["limit_bytes"] == 60 * MiB and fit["fit_batch"] >= 1
     assert str(fit["fit_batch"]) in fit["tried"] and "OOM" in fit["tried"].values()
     assert fit["baseline_reserved"] == 20 * MiB        # the stand-in's cuBLAS-like workspace segment
+    assert fit["fit_workspace_bytes"] > 0 and "CUDA kernels of" in fit["kernels"]
+    assert raw["kernels"].startswith("gpulab's default")   # the stand-in is no card gpulab knows
     b = str(fit["fit_batch"])
     assert fit["predicted_fits"][b] is True and fit["predicted_fits"][str(fit["fit_batch"] + 1)] is False
     assert 0 < fit["predicted_reserved"][b] <= fit["limit_bytes"]
@@ -295,3 +297,21 @@ def test_the_gpu_validation_keeps_the_section_when_it_rewrites_the_file(pv, tmp_
     pv.write_report(pv.Report(_device(), "t2", cases=[_case(pv, "again", MiB, MiB)]), tmp_path / "p", md)
     doc = md.read_text()
     assert doc.startswith(text) and "| again |" in doc and "| ok |" not in doc
+
+
+def test_emulated_cards_have_this_devices_kernels(pv, monkeypatch):
+    """On an H100, a T4 check asks fit about a T4's memory with the H100's kernels and cuBLAS
+    workspaces (what the emulated run has); the H100 check is the device's own card."""
+    from gpulab.predict.cards import parse_gpu
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    h100 = pv.device_card()
+    assert h100 == parse_gpu("H100") and h100.capability == (9, 0)
+    t4 = pv.emulated_card("T4", h100, 1200 * MiB)
+    assert t4.reported_total_bytes == parse_gpu("T4").reported_total_bytes and t4.capability == (9, 0)
+    assert t4.workspace_bytes() == h100.workspace_bytes() and "T4" in t4.name and "H100" in t4.name
+    assert pv.emulated_card("H100", h100, 1200 * MiB) == h100
+    quick = pv.emulated_card("context+60MiB", h100, 1200 * MiB)
+    assert quick.reported_total_bytes == 1260 * MiB and quick.capability == (9, 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: STANDIN_NAME)
+    assert pv.device_card() is None and pv.emulated_card("T4", None, 0) == parse_gpu("T4")
