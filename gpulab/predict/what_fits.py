@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 
+from gpulab.measure.cuda_card import current_target
 from gpulab.measure.engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
 from gpulab.models.hf_configs import task_of
 from gpulab.models.workload import resolve_workload
 from gpulab.predict import run_cache
+from gpulab.predict.cards import follows_card
 from gpulab.predict.fit import _check, _place, _replay, tracked_at_depth
 from gpulab.predict.progress import Progress, report
 from gpulab.training.loop import RECIPE_DEFAULTS, check_recipe_for, user_recipe
@@ -121,6 +123,7 @@ def _applies(c: Candidate, asked: dict[str, Any], kind: str, causal: bool) -> bo
     return all(asked.get(k) != v for k, v in c.changes.items())
 
 
+@follows_card   # the candidates' fake runs follow the card's kernels, as fit's do
 def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw", dtype: Any = None,
               amp: str | None = None, seq_len: int | None = None, image_size: int | None = None,
               context_bytes: int | None = None, module_loading: str = "lazy", progress: Progress = None,
@@ -132,7 +135,7 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
     before each candidate (``predict.progress``)."""
     t0 = time.perf_counter()
     place = _place(gpu, context_bytes, module_loading)
-    usable = place.card.reported_total_bytes - place.context_bytes
+    usable = max(0, place.card.reported_total_bytes - place.context_bytes - place.card.workspace_bytes())
     w = resolve_workload(model, seq_len=seq_len, image_size=image_size)
     key, target = run_cache.workload_key(model, w, own_parts=False), ("cuda", repr(place.card))
     base_dt = parse_dtype(dtype) if dtype is not None else torch.float32
@@ -177,4 +180,5 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
     return WhatFits(w.name, place.card.name, place.card.reported_total_bytes, place.context_bytes, batch,
                     {k: (dtype_name(v) if isinstance(v, torch.dtype) else v) for k, v in asked.items()
                      if k in ("optimizer", "dtype") or v != RECIPE_DEFAULTS.get(k)},
-                    asked_reserved, asked_fits, tried, time.perf_counter() - t0)
+                    asked_reserved, asked_fits, tried, time.perf_counter() - t0,
+                    label=f"{LABEL_FAKE_CUDA}, replayed through the {LABEL_SIMULATED}; {current_target().note()}")
