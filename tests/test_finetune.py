@@ -104,7 +104,7 @@ def test_activation_panel_shows_the_square_term():
 
 def test_activation_panel_opens_with_the_lessons_sweep_when_the_settings_match(monkeypatch):
     """Lesson 11 measures the sweep, then shows the panel at the same settings: measured once."""
-    from gpulab.course.transformer_memory import activation_vs_seq
+    from gpulab.course.transformer_activations import activation_vs_seq
     from gpulab.widgets import activation_seq_panel
     from gpulab.widgets import transformers as T
     sweep = activation_vs_seq("tiny-gpt2", seq_lens=(32, 64, 128))

@@ -1,4 +1,4 @@
-"""gpulab.course.kv_cache (lesson 11, part 2) against independent references: the configs' own
+"""gpulab.course.kv_cache and .serving (lesson 11, part 2) against independent references: the configs' own
 fields, the published parameter count, the caches a real ``generate()`` and a fake-tensor
 prefill hold, peft's own count of trainable parameters, and a model's layers counted directly."""
 from __future__ import annotations
@@ -11,6 +11,7 @@ from gpulab import formulas as F
 from gpulab.models import hf_configs
 from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, parse_gpu
 from gpulab.course import kv_cache as K
+from gpulab.course import serving as S
 from gpulab.course import lora as KL
 from gpulab.measure.engines import LABEL_CPU, LABEL_FAKE_CUDA, LABEL_FORMULA
 from gpulab.units import GiB, MiB
@@ -88,36 +89,36 @@ def test_fake_prefill_of_llama_3_8b_holds_the_formula_exactly():
 
 
 def test_decode_step_estimate_against_a_fake_decode_step():
-    d = K.fake_decode_step("hf:llama-3-8b", context_len=8192, batch=1)
+    d = S.fake_decode_step("hf:llama-3-8b", context_len=8192, batch=1)
     assert d.cache_growth_bytes == K.kv_cache_for("llama-3-8b", 1, dtype="bf16").bytes   # one token more
     assert d.estimate["estimate"] == d.estimate["cache_append"] == 8 * 128 * 8192 * 2   # one layer's keys again
     assert abs(d.working_set_bytes - d.estimate["estimate"]) / d.working_set_bytes < 0.05
-    assert "self_attn" in d.peak_module and d.as_dict()["estimate_label"] == K.LABEL_ESTIMATE
+    assert "self_attn" in d.peak_module and d.as_dict()["estimate_label"] == S.LABEL_ESTIMATE
 
 
 # --- does it fit? ----------------------------------------------------------------------------------
 
 def test_llama_3_8b_on_a_24_gib_card_at_8k():
-    fit = K.inference_fit("llama-3-8b", "24GiB", 8192, batch=1)
+    fit = S.inference_fit("llama-3-8b", "24GiB", 8192, batch=1)
     published = hf_configs.hf_entry("llama-3-8b").published_params
     assert fit.params == published and fit.weights_bytes == 2 * published
     assert fit.kv_cache_bytes == GiB
     assert fit.usable_bytes == parse_gpu("24GiB").memory_bytes - CUDA_CONTEXT_ASSUMED
     assert fit.total_bytes == fit.weights_bytes + fit.kv_cache_bytes + fit.activation_bytes
     assert fit.fits and fit.margin_bytes == fit.usable_bytes - fit.total_bytes and "to spare" in fit.verdict
-    assert fit.activation_label == K.LABEL_ESTIMATE and fit.as_dict()["labels"]["weights"] == LABEL_FORMULA
-    assert not K.inference_fit("llama-3-8b", "24GiB", 8192, batch=32).fits
+    assert fit.activation_label == S.LABEL_ESTIMATE and fit.as_dict()["labels"]["weights"] == LABEL_FORMULA
+    assert not S.inference_fit("llama-3-8b", "24GiB", 8192, batch=32).fits
     assert "margin" in fit._repr_html_()
 
 
 def test_max_context_is_the_last_token_that_fits():
     for batch in (1, 8):
-        mc = K.max_context("llama-3-8b", "RTX 4090", batch=batch)
-        assert mc.fit.fits and not K.inference_fit("llama-3-8b", "RTX 4090", mc.tokens + 1, batch).fits
-    assert K.max_context("llama-3-8b", "24GiB").limited_by == "the model's position limit"
-    assert K.max_context("llama-3-8b", "24GiB").usable_tokens == 8192
-    assert K.max_context("llama-3-8b", "24GiB", batch=16).limited_by == "memory"
-    none = K.max_context("llama-3-8b", "8GiB")
+        mc = S.max_context("llama-3-8b", "RTX 4090", batch=batch)
+        assert mc.fit.fits and not S.inference_fit("llama-3-8b", "RTX 4090", mc.tokens + 1, batch).fits
+    assert S.max_context("llama-3-8b", "24GiB").limited_by == "the model's position limit"
+    assert S.max_context("llama-3-8b", "24GiB").usable_tokens == 8192
+    assert S.max_context("llama-3-8b", "24GiB", batch=16).limited_by == "memory"
+    none = S.max_context("llama-3-8b", "8GiB")
     assert none.tokens == 0 and none.fit is None and "weights" in none.limited_by
 
 
@@ -188,8 +189,8 @@ def test_qlora_formula_counts_the_linear_weights_as_nf4():
     (lambda: K.measured_kv_cache("tiny-llama", prompt_len=250, new_tokens=16), ["longer than", "256"]),
     (lambda: KL.adapter_params_formula("tiny-llama", 8, ("w_proj",)), ["no linear layer", "w_proj"]),
     (lambda: KL.lora_step("tiny-llama", targets="q_proj"), ["targets must be"]),
-    (lambda: K.inference_fit("llama-3-8b", "H1000", 16), ["cannot read", "H100"]),
-    (lambda: K.max_context("llama-3-8b", "H100", batch=0), ["batch must be a positive integer"]),
+    (lambda: S.inference_fit("llama-3-8b", "H1000", 16), ["cannot read", "H100"]),
+    (lambda: S.max_context("llama-3-8b", "H100", batch=0), ["batch must be a positive integer"]),
 ])
 def test_bad_input_says_what_to_do(call, words):
     with pytest.raises(ValueError) as e:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from gpulab.course import checkpointing as C
+from gpulab.course import selective_checkpointing as C
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpulab.course import activations as A
+from gpulab.course import flops as FL
+from gpulab.course import modelsize as MS
 from gpulab.course import parameters as P
 from gpulab.measure.engines import LABEL_CPU, LABEL_FAKE_CPU
 from gpulab.models.registry import small_cnn
@@ -314,7 +316,7 @@ def test_flops_panel_alexnet_against_flop_counter():
     conv_p, conv_f = r.share(("Conv2d",))
     fc_p, fc_f = r.share(("Linear",))
     assert conv_p < 5 and conv_f > 90 and fc_p > 95 and math.isclose(conv_f + fc_f, 100)
-    assert [c.verdict for c in A.flops_claims(r)] == ["holds", "holds"]
+    assert [c.verdict for c in FL.flops_claims(r)] == ["holds", "holds"]
     p.set(batch=4)
     assert p.result.total_flops == 4 * r.total_flops
     p.set(batch=1, model="vgg16")
@@ -371,8 +373,8 @@ def test_depthwise_panel_each_control(change):
 
 
 def test_depthwise_claims_depend_on_shape():
-    early = A.depthwise_vs_standard(32, 64, 112, 8, engine="fake").claims()
-    late = A.depthwise_vs_standard(512, 512, 7, 8, engine="fake").claims()
+    early = FL.depthwise_vs_standard(32, 64, 112, 8, engine="fake").claims()
+    late = FL.depthwise_vs_standard(512, 512, 7, 8, engine="fake").claims()
     assert [c.verdict for c in early] == ["holds", "holds", "holds"]
     assert [c.verdict for c in late][:2] == ["holds", "holds"]
     assert late[2].verdict.startswith("holds for saved activations, breaks")
@@ -380,9 +382,9 @@ def test_depthwise_claims_depend_on_shape():
 
 def test_depthwise_bad_input():
     with pytest.raises(ValueError, match="in channels"):
-        A.depthwise_vs_standard(in_channels=0)
+        FL.depthwise_vs_standard(in_channels=0)
     with pytest.raises(ValueError, match="batch size"):
-        A.depthwise_vs_standard(batch=0)
+        FL.depthwise_vs_standard(batch=0)
 
 
 # --- lesson 03: modelsize() vs saved ---------------------------------------------------------------------
@@ -412,7 +414,7 @@ def test_modelsize_panel():
     assert rows["cnn"].label == (LABEL_CPU if NO_CUDA else LABEL_FAKE_CPU) and rows["vgg16"].label == LABEL_FAKE_CPU
     assert all(r.error_percent > 20 for r in c.rows)          # modelsize() x2 overestimates every model
     assert all(r.saved_with_input <= r.backward_peak < 1.5 * r.saved_with_input for r in c.rows)
-    assert [x.verdict for x in A.modelsize_claims(c)] == ["breaks", "breaks"]
+    assert [x.verdict for x in MS.modelsize_claims(c)] == ["breaks", "breaks"]
     p.set(batch=2)
     rows2 = {r.model: r for r in p.result.rows}
     assert rows2["vgg16"].modelsize_x2 == 2 * rows["vgg16"].modelsize_x2
@@ -437,7 +439,7 @@ def test_render_gives_figures_that_show_as_png_and_carry_labels():
     p.run()
     items = p._render(p.result)
     assert isinstance(items[1], Figure) and items[1]._repr_png_()[:4] == b"\x89PNG"
-    fig = A.depthwise_figure(p.result)
+    fig = FL.depthwise_figure(p.result)
     assert isinstance(fig, Figure) and LABEL_CPU in fig._suptitle.get_text()
     t = A.forward_table("cnn", engine=AUTO)
     assert LABEL_CPU in A.forward_table_figure(t)._suptitle.get_text()

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from gpulab.predict.serve import serve
 from gpulab.course.transformer_claims import transformer_claims
-from gpulab.course.transformer_memory import (activation_vs_seq, bytes_per_param_table, counted_params,
-                                              measured_bytes_per_param)
+from gpulab.course.transformer_activations import activation_vs_seq
+from gpulab.course.transformer_memory import bytes_per_param_table, measured_bytes_per_param
+from gpulab.course.transformer_params import counted_params
 
 
 def test_claims_verdicts_are_computed():

@@ -21,7 +21,7 @@ OPTIONS = {
 def which_breaks_checks() -> dict[str, ClaimCheck]:
     """The claim card behind each option, computed as in the appendix's sections 05, 03 and 09
     (the small MLP at batch 8; every lesson model at batch 1; the small CNN at batch 32)."""
-    from gpulab.course.activations import modelsize_claims, modelsize_vs_saved
+    from gpulab.course.modelsize import modelsize_claims, modelsize_vs_saved
     from gpulab.course.allocator_claims import allocator_claims
     from gpulab.course.optimizers import compare_optimizers, optimizer_claims
     from gpulab.predict import replay as R

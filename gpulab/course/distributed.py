@@ -18,7 +18,7 @@ from gpulab.tables import html_table
 from gpulab.categories import Category
 from gpulab.units import format_bytes
 from gpulab.course.exercises import Exercise
-from gpulab.course.transformer_memory import counted_params
+from gpulab.course.transformer_params import counted_params
 
 __all__ = [
     "AccumulationResult", "CardsNeeded", "GB", "GROUP_COLORS", "STAGE_FORMULAS", "STAGE_NAMES",

@@ -28,7 +28,7 @@ from gpulab.course.inplace import validate_positive
 
 from gpulab.models.lora import (DEFAULT_TARGETS, adapter_params, check_targets, linear_shape, targeted_linears,
                                  wrap_lora)
-from gpulab.course.kv_cache import _param_counts
+from gpulab.course.serving import _param_counts
 from gpulab.models.hf_configs import config_and_name
 
 __all__ = [

@@ -8,7 +8,8 @@ from gpulab.measure.engines import LABEL_FORMULA
 from gpulab.predict.serve import ServeResult
 from gpulab.units import format_bytes
 from gpulab.course.claims import BREAKS, HOLDS, ClaimCheck, ClaimReport, Evidence
-from gpulab.course.transformer_memory import ActivationSweep, BytesPerParamRow
+from gpulab.course.transformer_activations import ActivationSweep
+from gpulab.course.transformer_memory import BytesPerParamRow
 
 __all__ = ["TOLERANCE_PERCENT", "transformer_claims"]
 

@@ -8,10 +8,10 @@ from typing import Any
 
 from IPython.display import HTML
 
-from gpulab.course.activations import (ACT_DTYPES, ForwardTable, InferenceVsTraining, ModelsizeComparison,
-                           forward_table, forward_table_figure, inference_training_figure,
-                           inference_vs_training, modelsize_figure, modelsize_vs_saved,
-                           predicted_forward_bytes)
+from gpulab.course.activations import (ACT_DTYPES, ForwardTable, InferenceVsTraining, forward_table,
+                                       forward_table_figure, inference_training_figure, inference_vs_training,
+                                       predicted_forward_bytes)
+from gpulab.course.modelsize import ModelsizeComparison, modelsize_figure, modelsize_vs_saved
 from gpulab.models.registry import MODELS
 from gpulab.record.lookup import RecordLookup, find_record
 from gpulab.record.views import counter_text, allocator_rows, recorded_html

@@ -8,8 +8,9 @@ from typing import Any
 import ipywidgets as W
 from IPython.display import HTML
 
-from gpulab.course.activations import (ACT_DTYPES, DepthwiseResult, ParamsFlops, depthwise_figure, depthwise_vs_standard,
-                           params_flops_figure, params_vs_flops)
+from gpulab.course.activations import ACT_DTYPES
+from gpulab.course.flops import (DepthwiseResult, ParamsFlops, depthwise_figure, depthwise_vs_standard,
+                                 params_flops_figure, params_vs_flops)
 from gpulab.record.lookup import RecordLookup, find_record
 from gpulab.record.views import recorded_html
 from gpulab.units import format_bytes

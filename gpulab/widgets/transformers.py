@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from gpulab.predict.cards import card_names
-from gpulab.course.kv_cache import InferenceFit, inference_fit, max_context
-from gpulab.course.transformer_memory import ActivationSweep, activation_vs_seq
+from gpulab.course.serving import InferenceFit, inference_fit, max_context
+from gpulab.course.transformer_activations import ActivationSweep, activation_vs_seq
 from gpulab.plots import to_png
 from gpulab.widgets.base import Panel, dropdown, reuse_first, slider
 
