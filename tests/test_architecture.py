@@ -5,8 +5,9 @@ packages stand in an order, bottom to top (base, allocator, measure, ... front):
 only modules of its own package or of packages below it, each only what its row in the doc
 allows, with no cycle between modules or between packages. Every module is under a size ceiling
 (the allocator simulator, a mirror of one C++ file, is the one exception), declares ``__all__``,
-and every package says what is in it. Each check is a pure function of data, so a planted
-violation is shown to fail it."""
+and every package says what is in it. The course (gpulab/course/, where a teacher edits) stands
+under the same ceilings, one module per question, each named in the doc's course table. Each check
+is a pure function of data, so a planted violation is shown to fail it."""
 from __future__ import annotations
 
 import ast
@@ -65,15 +66,23 @@ def short(dotted: str) -> str:
     return rest
 
 
-def library_files() -> dict[str, pathlib.Path]:
-    """Every library module by its short name (course and widgets excluded)."""
+def module_files(inside: str | None = None) -> dict[str, pathlib.Path]:
+    """Every module by its short name: the library's (course and widgets excluded), or with
+    ``inside`` one side's (``"course"``: course.start, course.kv_cache, ...)."""
     out = {}
     for p in PKG.rglob("*.py"):
         rel = p.relative_to(PKG).with_suffix("").parts
-        if rel[0] in SIDES or (len(rel) > 1 and rel[-1] == "__init__"):   # a package's docstring
-            continue
-        out[".".join(rel)] = p
+        if (rel[0] == inside if inside else rel[0] not in SIDES) and not (len(rel) > 1 and rel[-1] == "__init__"):
+            out[".".join(rel)] = p                                    # (a package's __init__: its docstring)
     return out
+
+
+def library_files() -> dict[str, pathlib.Path]:
+    return module_files()
+
+
+def line_counts(files: dict[str, pathlib.Path]) -> dict[str, int]:
+    return {m: len(p.read_text().splitlines()) for m, p in files.items()}
 
 
 def library_graph() -> dict[str, set[str]]:
@@ -102,6 +111,13 @@ def read_doc(text: str) -> tuple[list[str], dict[str, str], dict[str, set[str]]]
             unit_of[m.group(1)] = unit
             allowed[m.group(1)] = set(re.findall(r"`([\w.]+)`", m.group(2)))
     return order, unit_of, allowed
+
+
+def read_course_doc(text: str) -> set[str]:
+    """docs/architecture.md's course section: the modules its table names (first column)."""
+    section = text.split("## The course", 1)[1].split("\n## ", 1)[0]
+    return {m for line in section.splitlines() if (first := re.match(r"\|([^|]*)\|", line))
+            for m in re.findall(r"`(course\.[\w.]+)`", first.group(1))}
 
 
 # --- the checks, as pure functions ----------------------------------------------------------------
@@ -231,8 +247,7 @@ def test_the_library_never_imports_the_course_or_widgets_and_the_course_never_th
 
 
 def test_modules_stay_under_the_size_ceiling_and_functions_short():
-    lines = {m: len(p.read_text().splitlines()) for m, p in library_files().items()}
-    assert not too_long(lines)
+    assert not too_long(line_counts(library_files()))
     assert not [f for p in PKG.rglob("*.py") for f in long_functions(p)]
 
 
@@ -243,6 +258,14 @@ def test_every_module_declares_all_and_every_package_says_what_is_in_it():
     for init in PKG.rglob("__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and len(doc) > 40, f"{init.relative_to(ROOT)}: say what is in this package"
+
+
+def test_every_course_module_has_a_row_and_stays_under_the_library_ceilings():
+    """The course, one module per question: each named in the course table, under 700 lines
+    (its functions under 80 and its __all__: the two tests above cover all of gpulab)."""
+    files = module_files("course")
+    assert not undocumented(set(files), dict.fromkeys(read_course_doc(DOC.read_text()), "course"))
+    assert not too_long(line_counts(files))
 
 
 def test_top_level_keeps_to_ten_modules():
@@ -269,6 +292,12 @@ Order, bottom to top: `base` → `measure` → `predict` → `front`.
 ### front
 | `cli` | the command | `predict.fit` |
 
+## The course
+
+| module | lesson | what it holds |
+|---|---|---|
+| `course.a`, `course.b` | 01 | a question about `course.c`'s result |
+
 ## Next
 """
 
@@ -292,6 +321,10 @@ def test_planted_violations_fail_every_check(tmp_path):
     assert misplaced({**unit_of, "predict.step": "measure"}, order)
     # too long, and no __all__
     assert too_long({"measure.engines": MAX_MODULE_LINES + 1}) and not too_long({"allocator.simulator": 5000})
+    # the course: a module without a row, and one over the ceiling
+    course = dict.fromkeys(read_course_doc(PLANTED_DOC), "course")
+    assert set(course) == {"course.a", "course.b"} and not undocumented({"course.a", "course.b"}, course)
+    assert undocumented({"course.a", "course.b", "course.c"}, course) and too_long({"course.a": MAX_MODULE_LINES + 1})
     planted = tmp_path / "planted.py"
     planted.write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES + "    return x\n")
     assert long_functions(planted) and not declares_all(planted)
