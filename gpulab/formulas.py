@@ -431,7 +431,10 @@ def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, seq_len: int, batc
     Each attention layer keeps one key and one value tensor of shape (batch, kv_heads, seq_len,
     head_dim): transformers/cache_utils.py, ``DynamicLayer`` ("tensors of shape `[batch_size,
     num_heads, seq_len, head_dim]`"), grown by ``torch.cat`` along the sequence in ``update``.
-    E.g. Llama-2-7B in fp16 at 4096 tokens: 2 · 32 · 32 · 128 · 4096 · 1 · 2 = 2 GiB per sequence."""
+    E.g. Llama-2-7B in fp16 at 4096 tokens: 2 · 32 · 32 · 128 · 4096 · 1 · 2 = 2 GiB per sequence.
+    NB: every layer global, full K and V: a sliding-window layer (Gemma-2/3, Mistral) holds
+    min(seq_len, window) positions and an MLA layer (DeepSeek-V2/V3) one latent of kv_lora_rank +
+    qk_rope_head_dim per token instead of 2 · kv_heads · head_dim (``predict.kv_layout``)."""
     for what, v in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim), ("seq_len", seq_len),
                     ("batch", batch), ("dtype_bytes", dtype_bytes)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
