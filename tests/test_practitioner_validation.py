@@ -108,8 +108,8 @@ def test_quick_run_under_the_standin_goes_end_to_end(pv, quick_run):
     assert gen["status"] != "not run" and gen["predicted_allocated"] is not None
     # the fit check: an emulated card, the allocator limited, b and b + 1 tried, an OOM caught
     (fit,) = gpt2["fit"]
-    assert fit["card"] == "context+60MiB" and fit["card_bytes"] == 560 * MiB and fit["context_bytes"] == 500 * MiB
-    assert fit["limit_bytes"] == 60 * MiB and fit["fit_batch"] >= 1
+    assert fit["card"] == "context+100MiB" and fit["card_bytes"] == 600 * MiB and fit["context_bytes"] == 500 * MiB
+    assert fit["limit_bytes"] == 100 * MiB and fit["fit_batch"] >= 1
     assert str(fit["fit_batch"]) in fit["tried"] and "OOM" in fit["tried"].values()
     assert fit["baseline_reserved"] == 20 * MiB        # the stand-in's cuBLAS-like workspace segment
     assert fit["fit_workspace_bytes"] > 0 and "CUDA kernels of" in fit["kernels"]
@@ -131,7 +131,7 @@ def test_quick_report_says_first_that_no_gpu_measured_anything(pv, quick_run):
     assert "| check | target | result |" in text and "within ±1%" in text and "within ±3%" in text
     assert "within ±5%" in text and "exact in ≥90%, never one too many" in text
     assert "| llama1b-qlora |" in text and "skipped: bitsandbytes CUDA kernels absent" in text
-    assert "### Fit on emulated cards" in text and "| gpt2-fp32-adamw | context+60MiB | 560.00 MiB |" in text
+    assert "### Fit on emulated cards" in text and "| gpt2-fp32-adamw | context+100MiB | 600.00 MiB |" in text
     # the section went into --md under its own heading, the file's own content kept
     doc = md.read_text()
     assert doc.startswith("# GPU validation\n\nThe other script's report.\n")
