@@ -168,3 +168,12 @@ def test_the_built_in_configs_against_transformers_cache_objects():
     held = _meta_cache_bytes(deepseek, 4096, (1, 512, 1, 64))
     assert held == layout.bytes(4096, 1, 2) == 27 * (512 + 64) * 4096 * 2 == layout.vllm_bytes(4096, 1, 2, 16)
     assert layout.full_kv_bytes(4096, 1, 2) == 27 * 16 * (128 + 64 + 128) * 4096 * 2   # 8.9 × the latent
+
+
+def test_a_sliding_layer_saves_nothing_at_the_prefill_in_transformers():
+    # DynamicSlidingWindowLayer keeps a view of the prefill's concatenation: the whole prompt's storage
+    config = gemma2()
+    layout = kv_layout(config)
+    g = generation_peak(config, prompt_len=100, new_tokens=2, dtype="float32")
+    assert g.prefill_cache_bytes == layout.all_global_bytes(100, 1, 4) > layout.bytes(100, 1, 4)
+    assert g.cache_bytes == layout.bytes(101, 1, 4) and g.as_dict()["prefill_cache_bytes"] == g.prefill_cache_bytes

@@ -18,9 +18,16 @@ cannot see on fake tensors, where it would build a (prompt × prompt) mask the G
 
 The decode steps in between are not run one by one (a 2,048-token generation would be 2,047
 forwards): the cache is filled to its last length between the two measured windows, and that fill
-is not part of either window. ``peak_bytes`` is the larger of the two windows' peaks: what
+is not part of either window; it leaves each layer as the decode steps would (a sliding-window layer
+keeps its window, ``predict.kv_layout``). ``peak_bytes`` is the larger of the two windows' peaks: what
 ``torch.cuda.max_memory_allocated`` reports for the whole generation, up to the allocator's rounding
 and the attention kernel's workspace (``measure.fake_cuda.STILL_DIFFERS``).
+
+The cache is transformers' own: ``DynamicCache(config=...)`` (its sliding-window layers where the
+config marks them; DeepSeek's MLA layers cache the latent) or, with ``kv_cache="fp8"``, its
+``QuantizedCache("fp8")``. NB: a sliding layer saves nothing at the prefill: after a prompt longer
+than its window it keeps a view of the prefill's whole concatenation (``prefill_cache_bytes``) until
+its first decode step replaces it with the window.
 """
 from __future__ import annotations
 
@@ -57,6 +64,9 @@ class GenerationPeak(Measured):
     decode_peak_bytes: int
     measurement: Measurement
     kv_cache: str = "dynamic"   # transformers' cache class measured: "dynamic" or "fp8" (KV_CACHES)
+    # the cache right after the prefill: a sliding layer still holds the whole prompt's storage there
+    # (DynamicSlidingWindowLayer keeps a view of the prefill's concatenation until its next update)
+    prefill_cache_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:   # the whole generation's (the tracker's own peak includes the fill)
@@ -71,7 +81,8 @@ class GenerationPeak(Measured):
                 "batch": self.batch, "dtype": self.dtype, "weights_bytes": self.weights_bytes,
                 "cache_bytes": self.cache_bytes, "prefill_peak_bytes": self.prefill_peak_bytes,
                 "decode_peak_bytes": self.decode_peak_bytes, "peak_bytes": self.peak_bytes,
-                "peak_at": self.peak_at, "kv_cache": self.kv_cache, "label": self.label}
+                "peak_at": self.peak_at, "kv_cache": self.kv_cache,
+                "prefill_cache_bytes": self.prefill_cache_bytes, "label": self.label}
 
     def __repr__(self) -> str:
         return (f"GenerationPeak({self.model}, prompt {self.prompt_len:,} + {self.new_tokens:,} new tokens × "
@@ -146,6 +157,7 @@ def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: tor
                 scores = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
                 del out, scores
             prefill_end = ctx.mark()
+            after_prefill = sum(_storage_bytes(_layer_tensors(layer)) for layer in cache.layers)
             last = prompt_len + new_tokens - 1           # tokens the cache holds after the last step
             fill = last - 1 - prompt_len                  # what the decode steps before it added
             with ctx.phase("setup"), torch.device(ctx.device):
@@ -158,7 +170,8 @@ def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: tor
                 del out, scores
         weights_bytes = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
         cache_bytes = sum(_storage_bytes(_layer_tensors(layer)) for layer in cache.layers)
-        return {"marks": (start, prefill_end, decode_start), "weights": weights_bytes, "cache": cache_bytes}
+        return {"marks": (start, prefill_end, decode_start), "weights": weights_bytes, "cache": cache_bytes,
+                "after_prefill": after_prefill}
     return experiment
 
 
@@ -202,4 +215,4 @@ def generation_peak(model: Any, *, prompt_len: int, new_tokens: int, batch: int 
     prefill_peak, _, _ = m.tracking.peak_between(start, prefill_end)
     decode_peak, _, _ = m.tracking.peak_between(decode_start)
     return GenerationPeak(shown, prompt_len, new_tokens, batch, dtype_name(dt), m.value["weights"], m.value["cache"],
-                          prefill_peak, decode_peak, m, kv_cache)
+                          prefill_peak, decode_peak, m, kv_cache, m.value["after_prefill"])
