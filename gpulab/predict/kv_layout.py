@@ -100,7 +100,8 @@ class KVLayout:
         of full keys and values would hold; neither transformers nor vLLM keeps it)."""
         if not self.mla:
             return self.bytes(context, batch, nbytes)
-        return sum(1 for layer in self.layers if layer.kind != "none") * self.full_kv_elements * context * batch * nbytes
+        caching = sum(1 for layer in self.layers if layer.kind != "none")
+        return caching * self.full_kv_elements * context * batch * nbytes
 
     def vllm_bytes(self, context: int, batch: int, nbytes: int, block_size: int = 16) -> int:
         """vLLM's pages for ``batch`` sequences of ``context`` tokens (module docstring)."""

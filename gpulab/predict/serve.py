@@ -21,13 +21,16 @@ forward and what lives outside PyTorch (the CUDA context), and cuts the rest int
 ``block_size`` tokens of every layer's keys and values; a sequence of the context length takes
 ceil(context / block_size) blocks in each full layer and no more than its window's in a sliding
 one (``kv_layout.KVLayout.vllm_bytes``, vllm/v1/kv_cache_interface.py); an MLA layer's page is one
-latent of kv_lora_rank + qk_rope_head_dim per token (``MLAAttentionSpec``). Here the profiling forward is the prefill of one sequence, and
-what lives outside PyTorch is the CUDA context alone: vLLM's budget (vllm/v1/worker/gpu_worker.py
-``determine_available_memory``: ``self.requested_memory - profile_result.non_kv_cache_memory``,
-less ``cudagraph_memory_estimate_applied`` where VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS is on)
+latent of kv_lora_rank + qk_rope_head_dim per token (``MLAAttentionSpec``). Here the profiling
+forward is the prefill of one sequence, and what lives outside PyTorch is the CUDA context alone:
+vLLM's budget (vllm/v1/worker/gpu_worker.py ``determine_available_memory``:
+``self.requested_memory - profile_result.non_kv_cache_memory``, less ``cudagraph_memory_estimate_applied`` where VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS is on)
 also subtracts the other non-torch memory it sees grow (NCCL buffers, ...) and the CUDA graphs'
 estimate, so the block count here is an upper bound. vLLM's chunked prefill packs a token budget
 (``max_num_batched_tokens``) across requests each step rather than one prompt at a time.
+
+``longest_context``: the longest context that fits a card and a batch, each context it tries a
+``serve`` answer (measured), the assumption named in its answer.
 """
 from __future__ import annotations
 
