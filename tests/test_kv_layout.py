@@ -177,3 +177,8 @@ def test_a_sliding_layer_saves_nothing_at_the_prefill_in_transformers():
     g = generation_peak(config, prompt_len=100, new_tokens=2, dtype="float32")
     assert g.prefill_cache_bytes == layout.all_global_bytes(100, 1, 4) > layout.bytes(100, 1, 4)
     assert g.cache_bytes == layout.bytes(101, 1, 4) and g.as_dict()["prefill_cache_bytes"] == g.prefill_cache_bytes
+
+
+def test_the_longest_context_renders_in_a_notebook():
+    r = longest_context("tiny-llama", "24GiB")
+    assert "256 tokens" in r._repr_html_() and "fits" in r._repr_html_()

@@ -278,6 +278,13 @@ class LongestContext:
         return (f"LongestContext({self.model} on {self.card}: {self.batch} × {self.context_len:,} tokens, "
                 f"limited by {self.limit}; {self.assumption})")
 
+    def _repr_html_(self) -> str:
+        from gpulab.views import html_table
+        rows = [[f"{r.context_len:,} tokens", "fits" if r.fits else "does not fit",
+                 format_bytes(r.needed_one_at_a_time_bytes), format_bytes(r.usable_bytes), r.label]
+                for r in (self.at, self.beyond) if r is not None]
+        return html_table(["context", "", "needed", "usable", "source"], rows, repr(self))
+
 
 def _secant_bracket(at, first: int, longest: int | None, steps: int = 5) -> tuple[int | None, int | None]:
     """(the longest context seen to fit, the shortest seen not to) after a few secant steps on
