@@ -74,7 +74,8 @@ def memtrack_where() -> TrackWhere:
                                                    "on a GPU they put their tensors on it and measure there")
     return TrackWhere("cuda", "cuda", label_cuda(name),
                       f"a GPU is here: the cells below put their tensors on it and %%memtrack runs on the cuda "
-                      f"engine ({label_cuda(name)}; torch.cuda.memory_allocated() read after each line)")
+                      f"engine ({label_cuda(name)}; torch.cuda.memory_allocated() read after each line). Each storage counts "
+                      f"there in the allocator's 512-byte blocks: the 4-byte loss shows as 512 B")
 
 
 # --- lesson 11: a tiny transformer on the GPU ----------------------------------------------------------
@@ -118,8 +119,9 @@ class KVGrowth:
 
 
 def _kv_experiment(config, prompt_len: int, new_tokens: int, dtype: torch.dtype):
-    from gpulab.course.kv_cache import _cache_keyword, _eos_id, cache_storage_bytes
+    from gpulab.course.kv_cache import _eos_id, cache_storage_bytes
     from gpulab.models import hf_configs
+    from gpulab.predict.generation import cache_keyword
 
     def experiment(ctx: RunContext) -> dict[str, Any]:
         import transformers
@@ -142,7 +144,7 @@ def _kv_experiment(config, prompt_len: int, new_tokens: int, dtype: torch.dtype)
             with ctx.phase("forward"), torch.no_grad():
                 model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
                                min_new_tokens=new_tokens, pad_token_id=eos, eos_token_id=eos,
-                               **{_cache_keyword(model.prepare_inputs_for_generation): cache})
+                               **{cache_keyword(model.prepare_inputs_for_generation): cache})
         finally:
             handle.remove()
         weights = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
@@ -294,6 +296,16 @@ def _snapshot_step(model: str, batch: int):
     return experiment
 
 
+def _start_recording() -> None:
+    """``_record_memory_history`` with Python stacks, clearing what an earlier recording left
+    (``clear_history``, where this torch has it)."""
+    kwargs = dict(enabled="all", context="all", stacks="python", max_entries=1_000_000)
+    try:
+        torch.cuda.memory._record_memory_history(**kwargs, clear_history=True)
+    except TypeError:
+        torch.cuda.memory._record_memory_history(**kwargs)
+
+
 def own_step_snapshot(model: str = "cnn", batch: int = 16) -> OwnSnapshot:
     """Record the step with ``torch.cuda.memory._record_memory_history``, take
     ``torch.cuda.memory._snapshot()``, stop recording; read the snapshot back
@@ -303,7 +315,7 @@ def own_step_snapshot(model: str = "cnn", batch: int = 16) -> OwnSnapshot:
         return OwnSnapshot(LABEL_CPU, f"{NO_GPU}: no snapshot of this lesson's own step was recorded; the files "
                                       "above are the shipped ones (their provenance says where they came from)")
     from gpulab.interop.snapshot_import import read_snapshot
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    _start_recording()
     try:
         m: Measurement = run(_snapshot_step(model, batch), "cuda")
         snap = torch.cuda.memory._snapshot()
