@@ -21,6 +21,7 @@ from gpulab.models.workload import Workload, resolve_workload, step_failed
 from gpulab.training.loop import (changed_options, check_recipe_for, recipe_options, recipe_workload, step_peaks,
                                   train_experiment, user_recipe, validate_amp)
 from gpulab.training.optimizers import check_optimizer
+from gpulab.training.routing import Routing, is_moe
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
 from gpulab.predict.cards import follows_card
@@ -44,7 +45,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
          implementation: str = "default", checkpointing: bool | str = False, lora: int = 0,
          lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0, quantize: str | None = None,
          lora_dtype: str = "fp32", double_quant: bool = True, quant_compute_dtype: str = "input", gpu: Any = None,
-         **engine_limits) -> StepResult:
+         routing: Any = None, **engine_limits) -> StepResult:
     """Track ``steps`` training steps of ``model`` and return them by category, next to the
     formulas' prediction (see the module docstring for what ``model``, ``inputs`` and ``loss``
     may be).
@@ -66,7 +67,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     ``models.adapt`` says), ``lora=R`` with ``lora_targets`` (peft's LoRA adapters of rank R on a frozen base; None: peft's default layers for the model type; ``lora_dropout`` on the
     adapters' inputs; ``lora_dtype``: "fp32" as peft, "base" as torchtune), ``quantize`` ("nf4", "fp4" or
     "int8", the base as bitsandbytes stores it; ``double_quant``, ``quant_compute_dtype``: ``training.loop``;
-    ``recipe`` names them). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
+    ``recipe`` names them). ``routing``: an MoE's routing, stated in the answer (``training.routing``). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
     ``gpu``: the fake CUDA target's card (``predict.cards.follows_card``).
     Bad input raises ``ValueError`` with what to do instead."""
     if batch is not None:
@@ -113,7 +114,18 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
                                  input_bytes=input_bytes)
     return StepResult(w.name, batch, w.image_size or 0, opt, dtype_name(dt), steps, m, predicted,
                       step_peaks=step_peaks(m), kind=w.kind, input_text=w.describe_input(batch),
-                      seq_len=w.seq_len, amp=amp_key, recipe=changed_options(recipe))
+                      seq_len=w.seq_len, amp=amp_key, recipe=_routing_stated(m, w, recipe))
+
+
+def _routing_stated(m: Measurement, w: Workload, recipe) -> dict[str, Any]:
+    """The recipe's options as the result shows them; a mixture of experts' answer states the routing
+    it assumed (balanced by default) in them and in its label."""
+    shown = changed_options(recipe)
+    if w.config is not None and is_moe(w.config):
+        routing = recipe.routing or Routing()
+        m.label = f"{m.label}; {routing.label}"
+        shown["routing"] = routing.text
+    return shown
 
 
 class _Refused(Exception):

@@ -46,6 +46,9 @@ tracker's phase. Where lessons differ, the ``Recipe`` says how:
   QLoRA), "fp4" (``Linear4bit``'s own default type) or "int8" (``models.adapt``,
   ``models.quantized``), 4-bit with or without ``double_quant`` and computing in
   ``quant_compute_dtype`` ("fp32", transformers' default, "bf16" or "fp16"; "input": the input's dtype);
+* ``routing``: a mixture of experts' routing, a named assumption (``training.routing``: None or
+  "balanced", "capacity:F", "worst", exact counts): the experts run on that many token rows each,
+  static shapes a fake run can follow; refused for a model without routed experts;
 * ``fresh_batch``: a new batch every step, dropped right after backward (lesson 09's replays,
   whose batch size changes from step to step), or one batch kept while the size stays;
 * ``seed``, ``register_model`` (label the model before the optimizer exists), ``teardown`` (free
@@ -77,6 +80,7 @@ from gpulab.models.registry import ModelSpec
 from gpulab.models.workload import Workload, forward, image_workload
 from gpulab.training.chunked_loss import check_chunks, chunked_lm_loss
 from gpulab.training.optimizers import build_optimizer, check_implementation, check_optimizer, make_optimizer
+from gpulab.training.routing import Routing, install_routing, is_moe, parse_routing
 
 __all__ = ["AMP_DTYPES", "RECIPE_DEFAULTS", "ZERO_GRAD", "Recipe", "step_experiment", "step_peaks", "train_experiment",
            "changed_options", "check_recipe_for", "recipe_loss", "user_recipe", "validate_amp"]
@@ -113,9 +117,11 @@ class Recipe:
     lora_dtype: str = "fp32"
     double_quant: bool = True
     quant_compute_dtype: str = "input"
+    routing: Routing | str | None = None   # None: balanced where the model has routed experts
 
     def __post_init__(self):
         check_chunks(self.chunked_loss)
+        object.__setattr__(self, "routing", parse_routing(self.routing))
         object.__setattr__(self, "checkpointing", check_checkpointing(self.checkpointing))
         object.__setattr__(self, "optimizer", check_optimizer(self.optimizer, recipes=True))
         object.__setattr__(self, "implementation", check_implementation(self.implementation))
@@ -147,13 +153,13 @@ RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False
                    "optimizer_in_backward": False, "offload_activations": False, "chunked_loss": 0,
                    "use_cache": None, "compile": False, "implementation": "default", "checkpointing": False,
                    "lora": 0, "lora_targets": None, "lora_dropout": 0.0, "quantize": None, "lora_dtype": "fp32",
-                   "double_quant": True, "quant_compute_dtype": "input"}
+                   "double_quant": True, "quant_compute_dtype": "input", "routing": None}
 
 
 def recipe_options(arguments: dict[str, Any]) -> dict[str, Any]:
     """The recipe options among a function's arguments (``gpulab.step`` and ``gpulab.fit`` pass
     their ``locals()``): one list, ``RECIPE_DEFAULTS``, names them for every caller."""
-    return {name: arguments[name] for name in RECIPE_DEFAULTS}
+    return {name: arguments.get(name, default) for name, default in RECIPE_DEFAULTS.items()}
 
 
 def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, clip_grad_norm: float | None = None,
@@ -162,7 +168,7 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
                 compile: bool = False, implementation: str = "default", checkpointing: bool | str = False, lora: int = 0,
                 lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0,
                 quantize: str | None = None, lora_dtype: str = "fp32", double_quant: bool = True,
-                quant_compute_dtype: str | None = "input") -> Recipe:
+                quant_compute_dtype: str | None = "input", routing: Any = None) -> Recipe:
     """The ``Recipe`` of ``gpulab.step`` / ``gpulab.fit`` from their arguments (``amp``: "fp16",
     "bf16" or None). Bad values raise ``ValueError`` saying what is allowed."""
     for name, value in (("grad_scaler", grad_scaler), ("set_to_none", set_to_none),
@@ -195,7 +201,7 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
                   offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache, compile=compile,
                   implementation=implementation, checkpointing=checkpointing, lora=lora, lora_targets=lora_targets,
                   lora_dropout=float(lora_dropout), quantize=quantize, lora_dtype=lora_dtype, double_quant=double_quant,
-                  quant_compute_dtype=quant_compute_dtype)
+                  quant_compute_dtype=quant_compute_dtype, routing=routing)
 
 
 def _check_adapter_options(lora: int, quantize: str | None, lora_dtype: str, double_quant: bool,
@@ -228,6 +234,8 @@ def check_recipe_for(r: Recipe, w: Workload) -> None:
                          f"model: leave quantize out")
     if r.lora and w.kind == "image":
         raise ValueError(f"LoRA adapts a transformer's linear layers; {w.name} is an image model: leave lora out")
+    if r.routing is not None and (w.kind == "image" or w.config is not None and not is_moe(w.config)):
+        raise ValueError(f"routing is a mixture of experts' assumption; {w.name} has no routed experts: leave routing out")
     if r.chunked_loss and task_of(w.config) != "causal-lm":
         raise ValueError(f"chunked_loss splits a causal language model's head from its body; {w.name} is trained "
                          f"as a {task_of(w.config)}: leave chunked_loss out")
@@ -247,6 +255,8 @@ def changed_options(r: Recipe) -> dict[str, Any]:
     the choices an answer depends on whenever their option is on, defaults included: LoRA's
     ``lora_dtype``, a 4-bit base's ``double_quant`` and ``quant_compute_dtype``."""
     shown = {k: getattr(r, k) for k, v in RECIPE_DEFAULTS.items() if getattr(r, k) != v}
+    if r.routing is not None:
+        shown["routing"] = r.routing.text
     if r.lora:
         shown["lora_dtype"] = r.lora_dtype
     if r.quantize in FOUR_BIT:
@@ -269,6 +279,7 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
             if r.seed is not None:
                 torch.manual_seed(r.seed)
             net = w.build(ctx.device, dtype)
+            _assume_routing(net, w, r)
             if r.register_model or r.compile:   # compile: the tracker's parameter hooks exist before dynamo guards
                 ctx.tracker.register(net)
             step_loss = recipe_loss(w, r, net)
@@ -325,6 +336,14 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
                 del opt, net, step_loss   # step_loss holds the model too
         return out
     return experiment
+
+
+def _assume_routing(net: torch.nn.Module, w: Workload, r: Recipe) -> None:
+    """A mixture of experts runs under its routing assumption (``training.routing``); a model
+    without routed experts refuses an explicit one."""
+    if install_routing(net, r.routing) is None and r.routing is not None:
+        raise ValueError(f"routing is a mixture of experts' assumption; {w.name} has no routed experts: "
+                         f"leave routing out")
 
 
 class _InBackward:

@@ -1,0 +1,170 @@
+"""MoE routing as a named assumption (``training.routing``): the fake engine against a real CPU
+step of a tiny Mixtral with the same per-expert counts, balanced vs worst, Megatron's formula."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gpulab.measure.engines import run
+from gpulab.models.workload import resolve_workload
+from gpulab.training.loop import Recipe, train_experiment
+from gpulab.training.routing import (Routing, counts_of_run, eager_expert_bytes, expert_rows, megatron_layer_bytes,
+                                     parse_routing)
+
+transformers = pytest.importorskip("transformers")
+
+H, I, E, K, B, S = 32, 64, 4, 2, 2, 16   # hidden, expert intermediate, experts, top-k, batch, sequence
+T = B * S                                # tokens per MoE layer call
+
+
+def tiny_mixtral(implementation: str | None = None):
+    cfg = transformers.MixtralConfig(hidden_size=H, intermediate_size=I, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=E, num_experts_per_tok=K,
+                                     vocab_size=128, max_position_embeddings=64)
+    if implementation:
+        cfg._experts_implementation = implementation
+    return cfg
+
+
+def tiny_qwen3_moe(implementation: str | None = None):
+    cfg = transformers.Qwen3MoeConfig(hidden_size=H, intermediate_size=2 * I, moe_intermediate_size=I,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      num_experts=E, num_experts_per_tok=K, decoder_sparse_step=1, mlp_only_layers=[],
+                                      vocab_size=128, max_position_embeddings=64)
+    if implementation:
+        cfg._experts_implementation = implementation
+    return cfg
+
+
+def _step(w, routing, engine: str):
+    return run(train_experiment(w, [B, B], torch.float32, Recipe("adam", seed=0, routing=routing)), engine,
+               fake_target="cpu")
+
+
+def _expert_activations(m, layer: int = 0, phase: str = "forward") -> dict[int, int]:
+    """Saved activations filed under each expert's module in one MoE layer (the first step's)."""
+    out: dict[int, int] = {}
+    first_step_end = m.value["step_marks"][1]
+    for rec in m.tracking.records.values():
+        tail = f"layers.{layer}.mlp.experts.routed."
+        if (tail in rec.module and rec.phase == phase and rec.category.value == "activations"
+                and rec.created < first_step_end):
+            e = int(rec.module.split(tail)[1].split(".")[0])
+            out[e] = out.get(e, 0) + rec.nbytes
+    return out
+
+
+def test_parse_routing():
+    assert parse_routing(None) is None
+    assert parse_routing("capacity:1.25") == Routing("capacity", capacity_factor=1.25)
+    assert parse_routing("worst").kind == "worst"
+    assert parse_routing([[1, 2], [3, 0]]).counts == ((1, 2), (3, 0))
+    for bad in ("even", "capacity", "capacity:0", "capacity:x"):
+        with pytest.raises(ValueError, match="routing"):
+            parse_routing(bad)
+
+
+def test_rows_per_expert():
+    assert expert_rows(Routing(), 10, 2, 3) == [7, 7, 6]               # 20 rows, remainder spread
+    assert expert_rows(Routing("worst"), 10, 2, 4) == [10, 10, 0, 0]
+    assert expert_rows(parse_routing("capacity:1.25"), 10, 2, 4) == [7] * 4   # ceil(1.25 * 20 / 4)
+    assert expert_rows(parse_routing("capacity:9"), 10, 2, 4) == [10] * 4     # at most every token once
+    assert sum(expert_rows(Routing(), 1000, 8, 128)) == 8000
+
+
+@pytest.mark.parametrize("make", [tiny_mixtral, tiny_qwen3_moe])
+def test_fake_equals_real_cpu_step_with_the_routers_counts(make):
+    """A real CPU step (eager experts, the router's random choice) and the fake engine told the same
+    per-expert counts hold the same bytes: the peak and every category's peak, and at the end."""
+    w = resolve_workload(make("eager"), None, batch=B, seq_len=S)
+    box = {}
+
+    def build(device, dtype):
+        net = w.build(device, dtype)
+        box["counts"], _ = counts_of_run(net)
+        return net
+    real = _step(dataclasses.replace(w, build=build), "router", "cpu")
+    counts = box["counts"]
+    assert len(counts) == 4 and all(sum(c) == T * K for c in counts)   # 2 layers x 2 steps
+    assert len({tuple(c) for c in counts}) > 1                          # not all balanced: a real test
+    for engine in ("cpu", "fake"):
+        m = _step(w, Routing.exact(counts), engine)
+        assert m.peak_bytes == real.peak_bytes, engine
+        assert m.peak_by_category == real.peak_by_category, engine
+        assert m.tracking.final_by_category == real.tracking.final_by_category, engine
+    # each expert's saved activations, filed under it, are what the eager loop saves for its rows
+    per_expert = _expert_activations(m)
+    assert per_expert == {e: eager_expert_bytes(n, H, I, 4) - n * I * 4 for e, n in enumerate(counts[0]) if n}
+
+
+def test_balanced_vs_worst():
+    """Worst routing (every token to the same k experts) holds more in its busiest experts, by the
+    eager loop's per-row bytes times the extra rows; the experts left idle hold nothing."""
+    w = resolve_workload(tiny_mixtral(), None, batch=B, seq_len=S)
+    bal, worst = _step(w, "balanced", "fake"), _step(w, "worst", "fake")
+    b, wo = _expert_activations(bal), _expert_activations(worst)
+    per_row = eager_expert_bytes(1, H, I, 4) - I * 4   # SiLU's own saved output aside (see below)
+    assert b == {e: T * K // E * per_row for e in range(E)}
+    assert wo == {e: T * per_row for e in range(K)}
+    assert max(wo.values()) - max(b.values()) == (T - T * K // E) * per_row
+    # the activation's output is saved too, filed under act_fn (a module of its own): I per row
+    assert sum(wo.values()) == sum(b.values())   # the same rows in all: k per token
+    # Yet the step's peak is lower under worst: in backward each expert the loop ran takes its weights'
+    # gradient through select_backward (``gate_up_proj[e]``), a zero tensor the whole parameter's size
+    # per expert, so the more experts are hit, the more of them (steps x MoE layers x hit experts).
+    for m, hit in ((bal, E), (worst, K)):
+        full = [r for r in m.tracking.records.values() if r.op == "select_backward" and r.shape == (E, 2 * I, H)]
+        assert len(full) == 2 * 2 * hit
+    assert bal.tracking.peak_phase == "backward" and worst.peak_bytes < bal.peak_bytes
+    assert "worst" in Routing("worst").label
+
+
+def test_capacity_pads_and_drops():
+    w = resolve_workload(tiny_mixtral(), None, batch=B, seq_len=S)
+    per_row = eager_expert_bytes(1, H, I, 4) - I * 4
+    for factor, rows in ((1.5, 24), (0.5, 8)):   # ceil(F * 32 * 2 / 4)
+        m = _step(w, f"capacity:{factor}", "fake")
+        assert _expert_activations(m) == {e: rows * per_row for e in range(E)}
+
+
+def test_step_labels_the_routing_and_non_moe_refuses():
+    import gpulab
+    r = gpulab.step(tiny_mixtral(), batch=B, seq_len=S, engine="fake", steps=1, routing="capacity:1.25")
+    assert "capacity 1.25" in r.measurement.label and r.recipe["routing"] == "capacity:1.25"
+    r = gpulab.step(tiny_mixtral(), batch=B, seq_len=S, engine="fake", steps=1)
+    assert "balanced" in r.measurement.label and r.recipe["routing"] == "balanced"
+    dense = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="no routed experts") as exc:
+        gpulab.step(dense, batch=B, seq_len=S, engine="fake", routing="worst")
+    assert "\n" not in str(exc.value)
+
+
+def test_megatron_formula_and_where_gpulab_differs():
+    """Megatron-LM's ``compute_activation_memory`` (``theoretical_memory_usage.py``) counts a layer as
+    ``s·b·h·(18 + 4·ffn/h)`` bytes; its MLP term, ``4·ffn/h``, is a dense GeLU MLP's and reads
+    neither ``num_experts`` nor ``moe_router_topk``. Read with ffn = k·moe_ffn (the routed rows as one
+    wide MLP), it differs from what the eager experts loop saves, term by term:
+
+    * the input: Megatron counts the layer's input once (2 bytes per h, inside the 18); each routed
+      row gathers its own copy (``hidden_states[token_idx]``): k copies per token;
+    * a gated MLP: the gate/up output is 2·I wide (Megatron's GeLU input: ffn), and SiLU's output
+      and the product are saved too (Megatron: one ffn-wide input of the second linear);
+    * the weighting: the down output (h per row) is saved for the multiply by the routing weight,
+      the weighted output (h per row) by ``index_add_``'s derivative, and the routing weight itself
+      (fp32) and ``torch.where``'s int64 index per row: none in Megatron;
+    * the router (fp32 softmax, top-k indices) and what the layer's attention saves are in Megatron's 18.
+    """
+    k, moe_ffn, h, b2 = K, I, H, 2   # 16-bit activations, as Megatron's formula assumes
+    rows = T * k
+    eager = eager_expert_bytes(rows, h, moe_ffn, b2, weight_itemsize=4)
+    megatron_mlp = T * h * 4 * (k * moe_ffn / h)                  # the MLP term of Megatron's formula
+    megatron_input = T * h * 2                                      # the first linear's input, in the 18
+    assert megatron_layer_bytes(S, B, h, k * moe_ffn) == T * h * 18 + megatron_mlp
+    # the gated MLP's 4 intermediate-wide tensors per row vs Megatron's 2 (4·ffn bytes = 2 of 2 bytes)
+    gated = rows * (2 * moe_ffn + moe_ffn + moe_ffn) * b2
+    assert gated == 2 * megatron_mlp
+    # the rest: k gathered inputs (Megatron: 1), the down output, routing weight and index per row
+    assert eager - gated == k * megatron_input + 2 * rows * h * b2 + rows * (4 + 16)
