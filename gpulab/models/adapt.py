@@ -15,7 +15,7 @@ Checkpointing policies (``CHECKPOINTING_POLICIES``; ``check_checkpointing`` read
   functions, rotary embeddings, elementwise products) is recomputed in backward. torchtitan's
   op-level policy (``selective_ac_option="op"``, ``torchtitan/distributed/activation_checkpoint.py``)
   is the same idea, but recomputes every second ``mm``; this one keeps them all. It is not
-  Megatron-LM's selective recomputation (lesson 07, ``course.checkpointing.selective_checkpoint``),
+  Megatron-LM's selective recomputation (lesson 07, ``course.selective_checkpointing.selective_checkpoint``),
   which checkpoints only the attention core and keeps everything else.
 
 ``adapted(w, lora=R, lora_targets=..., checkpointing="full")`` is the workload ``w`` built that way:
