@@ -10,7 +10,7 @@ import torch
 from gpulab.measure.engines import run
 from gpulab.models.workload import resolve_workload
 from gpulab.training.loop import Recipe, train_experiment
-from gpulab.training.routing import (Routing, counts_of_run, eager_expert_bytes, expert_rows, megatron_layer_bytes,
+from gpulab.training.routing import (Routing, activations_by_expert, counts_of_run, eager_expert_bytes, expert_rows, megatron_layer_bytes,
                                      parse_routing)
 
 transformers = pytest.importorskip("transformers")
@@ -43,17 +43,11 @@ def _step(w, routing, engine: str):
                fake_target="cpu")
 
 
-def _expert_activations(m, layer: int = 0, phase: str = "forward") -> dict[int, int]:
+def _expert_activations(m, layer: int = 0) -> dict[int, int]:
     """Saved activations filed under each expert's module in one MoE layer (the first step's)."""
-    out: dict[int, int] = {}
-    first_step_end = m.value["step_marks"][1]
-    for rec in m.tracking.records.values():
-        tail = f"layers.{layer}.mlp.experts.routed."
-        if (tail in rec.module and rec.phase == phase and rec.category.value == "activations"
-                and rec.created < first_step_end):
-            e = int(rec.module.split(tail)[1].split(".")[0])
-            out[e] = out.get(e, 0) + rec.nbytes
-    return out
+    marks = m.value["step_marks"]
+    return {e: n for (owner, e), n in activations_by_expert(m.tracking, marks[0], marks[1]).items()
+            if owner.endswith(f"layers.{layer}.mlp.experts")}
 
 
 def test_parse_routing():

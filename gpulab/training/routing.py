@@ -15,7 +15,8 @@ the counts instead, an explicit assumption every MoE answer carries (``Routing.l
 * ``"worst"``: every token to the same ``k`` experts (``tokens`` rows each, the others none);
 * exact counts (``Routing.exact(counts)``, a list of per-expert row counts per call of an MoE
   layer, in the order the run calls them, repeated if the run calls more): what a real run's router
-  chose, read off it (``counts_of_run``) to check the fake engine against it;
+  chose, read off it (``counts_of_run``) to check the fake engine against it (NB: checkpointing
+  runs a layer's forward again in backward, a call of its own);
 * ``"router"``: no assumption: the model's own experts implementation and router run (on a real
   engine, what the router chose; on the fake engine only where that implementation has static
   shapes, transformers' default ``grouped_mm``).
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["KINDS", "ROUTED", "Routing", "counts_of_run", "eager_expert_bytes", "expert_rows", "experts_modules",
+__all__ = ["KINDS", "ROUTED", "Routing", "activations_by_expert", "counts_of_run", "eager_expert_bytes", "expert_rows", "experts_modules",
            "install_routing", "is_moe", "megatron_layer_bytes", "parse_routing", "register_routed_experts",
            "routed_experts_forward"]
 
@@ -274,6 +275,18 @@ def counts_of_run(model: "nn.Module") -> tuple[list[list[int]], list]:
     def hook(mod, args):
         counts.append(torch.bincount(args[1].reshape(-1), minlength=mod.num_experts).tolist())
     return counts, [m.register_forward_pre_hook(hook) for _, m in experts_modules(model)]
+
+
+def activations_by_expert(tracking: Any, start: int = 0, end: int | None = None) -> dict[tuple[str, int], int]:
+    """Saved activations (bytes) each expert's module created between events ``start`` and ``end``
+    of a tracked run (``TrackingResult``; e.g. one step's marks), by (experts module, expert)."""
+    out: dict[tuple[str, int], int] = {}
+    for rec in tracking.records.values():
+        owner, sep, rest = rec.module.rpartition(".routed.")
+        if (sep and rest.isdigit() and rec.category.value == "activations" and rec.created >= start
+                and (end is None or rec.created < end)):
+            out[(owner, int(rest))] = out.get((owner, int(rest)), 0) + rec.nbytes
+    return out
 
 
 def eager_expert_bytes(rows: int, hidden: int, moe_ffn: int, itemsize: int, weight_itemsize: int = 4) -> int:
