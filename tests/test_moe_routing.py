@@ -137,7 +137,7 @@ def test_step_labels_the_routing_and_non_moe_refuses():
 
 
 def test_megatron_formula_and_where_gpulab_differs():
-    """Megatron-LM's ``compute_activation_memory`` (``theoretical_memory_usage.py``) counts a layer as
+    """A layer's experts measured, against Megatron-LM's formula. Megatron-LM's ``compute_activation_memory`` (``theoretical_memory_usage.py``) counts a layer as
     ``s·b·h·(18 + 4·ffn/h)`` bytes; its MLP term, ``4·ffn/h``, is a dense GeLU MLP's and reads
     neither ``num_experts`` nor ``moe_router_topk``. Read with ffn = k·moe_ffn (the routed rows as one
     wide MLP), it differs from what the eager experts loop saves, term by term:
@@ -153,7 +153,15 @@ def test_megatron_formula_and_where_gpulab_differs():
     """
     k, moe_ffn, h, b2 = K, I, H, 2   # 16-bit activations, as Megatron's formula assumes
     rows = T * k
+    # measured: one bf16 step on the fake engine (CUDA's kernels), layer 0's experts under balanced
+    # routing, each expert's saved activations plus the activation function's outputs
+    w = resolve_workload(tiny_mixtral(), None, batch=B, seq_len=S)
+    m = run(train_experiment(w, [B], torch.bfloat16, Recipe("adam", seed=0)), "fake", fake_target="cuda")
+    experts = sum(n for (owner, _), n in activations_by_expert(m.tracking).items() if ".layers.0." in owner)
+    act_fn = sum(r.nbytes for r in m.tracking.records.values()
+                 if r.module.endswith("layers.0.mlp.experts.act_fn") and r.category.value == "activations")
     eager = eager_expert_bytes(rows, h, moe_ffn, b2, weight_itemsize=4)
+    assert experts + act_fn == eager
     megatron_mlp = T * h * 4 * (k * moe_ffn / h)                  # the MLP term of Megatron's formula
     megatron_input = T * h * 2                                      # the first linear's input, in the 18
     assert megatron_layer_bytes(S, B, h, k * moe_ffn) == T * h * 18 + megatron_mlp
