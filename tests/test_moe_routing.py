@@ -134,6 +134,8 @@ def test_step_labels_the_routing_and_non_moe_refuses():
     with pytest.raises(ValueError, match="no routed experts") as exc:
         gpulab.step(dense, batch=B, seq_len=S, engine="fake", routing="worst")
     assert "\n" not in str(exc.value)
+    r = gpulab.step(dense, batch=B, seq_len=S, engine="fake", steps=1)
+    assert "routing" not in r.recipe and "routing" not in r.measurement.label
 
 
 def test_megatron_formula_and_where_gpulab_differs():

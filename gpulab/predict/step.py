@@ -21,7 +21,7 @@ from gpulab.models.workload import Workload, resolve_workload, step_failed
 from gpulab.training.loop import (changed_options, check_recipe_for, recipe_options, recipe_workload, step_peaks,
                                   train_experiment, user_recipe, validate_amp)
 from gpulab.training.optimizers import check_optimizer
-from gpulab.training.routing import Routing, is_moe
+from gpulab.training.routing import Routing, ran_routed
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
 from gpulab.predict.cards import follows_card
@@ -119,10 +119,12 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
 
 def _routing_stated(m: Measurement, w: Workload, recipe) -> dict[str, Any]:
     """The recipe's options as the result shows them; a mixture of experts' answer states the routing
-    it assumed (balanced by default) in them and in its label."""
+    it assumed (balanced by default) in them and in its label: where its experts ran under it, or
+    the router's own choice was asked for."""
     shown = changed_options(recipe)
-    if w.config is not None and is_moe(w.config):
-        routing = recipe.routing or Routing()
+    routing = recipe.routing
+    if (routing is not None and routing.kind == "router") or ran_routed(m.tracking):
+        routing = routing or Routing()
         m.label = f"{m.label}; {routing.label}"
         shown["routing"] = routing.text
     return shown

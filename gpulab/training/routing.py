@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["KINDS", "ROUTED", "Routing", "activations_by_expert", "counts_of_run", "eager_expert_bytes", "expert_rows", "experts_modules",
+__all__ = ["KINDS", "ROUTED", "Routing", "activations_by_expert", "counts_of_run", "ran_routed", "eager_expert_bytes", "expert_rows", "experts_modules",
            "install_routing", "is_moe", "megatron_layer_bytes", "parse_routing", "register_routed_experts",
            "routed_experts_forward"]
 
@@ -287,6 +287,11 @@ def activations_by_expert(tracking: Any, start: int = 0, end: int | None = None)
                 and (end is None or rec.created < end)):
             out[(owner, int(rest))] = out.get((owner, int(rest)), 0) + rec.nbytes
     return out
+
+
+def ran_routed(tracking: Any) -> bool:
+    """Whether a tracked run ran experts under a routing assumption (their modules made tensors)."""
+    return tracking is not None and any(".routed." in rec.module for rec in tracking.records.values())
 
 
 def eager_expert_bytes(rows: int, hidden: int, moe_ffn: int, itemsize: int, weight_itemsize: int = 4) -> int:
