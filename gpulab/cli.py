@@ -334,6 +334,16 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
                         "input (the default): the input's dtype, as Linear4bit computes without one")
     p.add_argument("--qlora", action="store_true",
                    help="QLoRA: --quantize nf4 with --lora (rank 8 unless --lora says otherwise)")
+    p.add_argument("--routing", default=None, metavar="ASSUMPTION",
+                   help="a mixture of experts' routing, an assumption the answer states: balanced (the default: "
+                        "tokens*k/E rows per expert), capacity:F (each expert F times that, dropped or padded), "
+                        "worst (every token to the same k experts) or router (the model's own experts kernel)")
+    p.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+                   help="tensor parallelism over N GPUs (the model's own transformers plan, on PyTorch's fake "
+                        "process group, fake tensors): the answer is one rank's; with --gpus, N divides it")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: Megatron-style sequence parallelism (norms and the residual stream on a "
+                        "sequence shard)")
 
 
 def _recipe_text(d: dict[str, Any]) -> str:
@@ -349,7 +359,8 @@ def _recipe(args: argparse.Namespace) -> dict[str, Any]:
             "implementation": args.optimizer_impl, "checkpointing": args.checkpointing, "lora": args.lora or (8 if args.qlora else 0),
             "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
             "quantize": "nf4" if args.qlora else args.quantize, "lora_dtype": args.lora_dtype,
-            "double_quant": not args.no_double_quant, "quant_compute_dtype": args.quant_compute_dtype}
+            "double_quant": not args.no_double_quant, "quant_compute_dtype": args.quant_compute_dtype,
+            "tp": args.tp, "sequence_parallel": args.sequence_parallel, "routing": args.routing}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

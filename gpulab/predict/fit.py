@@ -47,6 +47,7 @@ from gpulab.training.loop import (AMP_DTYPES, Recipe, changed_options, check_rec
 from gpulab.predict import layer_repeat, run_cache
 from gpulab.predict.progress import Progress, report
 from gpulab.predict.search import largest_fitting
+from gpulab.training.routing import Routing, is_moe
 from gpulab.categories import Category
 from gpulab.measure.tracking import TrackingResult
 from gpulab.units import dtype_name, format_bytes, parse_dtype
@@ -154,7 +155,8 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         use_cache: bool | None = None, compile: bool = False, implementation: str = "default",
         checkpointing: bool | str = False, lora: int = 0, lora_targets: Sequence[str] | None = None,
         lora_dropout: float = 0.0, quantize: str | None = None, lora_dtype: str = "fp32", double_quant: bool = True,
-        quant_compute_dtype: str = "input", module_loading: str = "lazy",
+        quant_compute_dtype: str = "input", routing: Any = None, tp: int = 1, sequence_parallel: bool = False,
+        module_loading: str = "lazy",
         gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
     a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring. ``context_bytes``:
@@ -175,6 +177,9 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
 
     def done(result: FitResult) -> FitResult:
         result.layers = fake_run.layers()
+        if w.config is not None and is_moe(w.config):   # the routing every MoE answer assumed
+            result.label = f"{result.label}; {(recipe.routing or Routing()).label}"
+            result.recipe = {**result.recipe, "routing": (recipe.routing or Routing()).text}
         return result
 
     replayed: dict[tuple[int, str], BatchCheck] = {}   # each candidate replayed once
@@ -252,6 +257,11 @@ def _sharding(w: Workload, recipe: Recipe, dt: torch.dtype, gpus, strategy, offl
     """(None, None) for one GPU; else the ``predict.sharding.Sharding`` and the function that turns
     a one-GPU run into one rank's."""
     from gpulab.predict import sharding as S
+    if recipe.tp > 1 and gpus is not None:   # the GPUs are tp-way groups: the strategy spreads over the groups
+        if not isinstance(gpus, int) or gpus % recipe.tp:
+            raise ValueError(f"gpus={gpus} is not a multiple of tp={recipe.tp}: each tensor-parallel group takes "
+                             f"{recipe.tp} GPUs; give gpus as a multiple of {recipe.tp}")
+        gpus = gpus // recipe.tp
     sh = S.check_sharding(gpus, strategy, offload_optimizer, recipe.optimizer, dt)
     if sh is None:
         return None, None

@@ -45,7 +45,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
          implementation: str = "default", checkpointing: bool | str = False, lora: int = 0,
          lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0, quantize: str | None = None,
          lora_dtype: str = "fp32", double_quant: bool = True, quant_compute_dtype: str = "input", gpu: Any = None,
-         routing: Any = None, **engine_limits) -> StepResult:
+         routing: Any = None, tp: int = 1, sequence_parallel: bool = False, **engine_limits) -> StepResult:
     """Track ``steps`` training steps of ``model`` and return them by category, next to the
     formulas' prediction (see the module docstring for what ``model``, ``inputs`` and ``loss``
     may be).
@@ -96,7 +96,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     predicted = predict_step(w.name, batch, optimizer=opt, dtype=dt, bd=bd, input_bytes=input_bytes)
     known = sum(v for v in predicted.values() if v)
     flops = 3 * bd.forward_flops * steps
-    choice = choose_engine(engine, known, flops, **engine_limits)
+    choice = choose_engine("fake" if recipe.tp > 1 and engine == "auto" else engine, known, flops, **engine_limits)
     try:
         if guard and choice.name != "fake":
             fake = run(train_experiment(w, [batch] * steps, dt, recipe), "fake",

@@ -81,6 +81,7 @@ from gpulab.models.workload import Workload, forward, image_workload
 from gpulab.training.chunked_loss import check_chunks, chunked_lm_loss
 from gpulab.training.optimizers import build_optimizer, check_implementation, check_optimizer, make_optimizer
 from gpulab.training.routing import Routing, install_routing, is_moe, parse_routing
+from gpulab.training.tensor_parallel import check_tensor_parallel, check_tp_options, fake_world, tensor_parallel
 
 __all__ = ["AMP_DTYPES", "RECIPE_DEFAULTS", "ZERO_GRAD", "Recipe", "step_experiment", "step_peaks", "train_experiment",
            "changed_options", "check_recipe_for", "recipe_loss", "user_recipe", "validate_amp"]
@@ -118,9 +119,15 @@ class Recipe:
     double_quant: bool = True
     quant_compute_dtype: str = "input"
     routing: Routing | str | None = None   # None: balanced where the model has routed experts
+    tp: int = 1                          # tensor-parallel ranks (training.tensor_parallel: a fake process group)
+    sequence_parallel: bool = False      # with tp: the norms and the residual stream on a sequence shard
 
     def __post_init__(self):
         check_chunks(self.chunked_loss)
+        check_tp_options(self.tp, self.sequence_parallel)
+        if self.tp > 1 and (self.lora or self.quantize or self.compile or self.offload_activations):
+            raise ValueError("tensor parallelism is measured on the model's own linear layers: leave out lora, quantize, "
+                             "compile and offload_activations with tp")
         object.__setattr__(self, "routing", parse_routing(self.routing))
         object.__setattr__(self, "checkpointing", check_checkpointing(self.checkpointing))
         object.__setattr__(self, "optimizer", check_optimizer(self.optimizer, recipes=True))
@@ -153,7 +160,8 @@ RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False
                    "optimizer_in_backward": False, "offload_activations": False, "chunked_loss": 0,
                    "use_cache": None, "compile": False, "implementation": "default", "checkpointing": False,
                    "lora": 0, "lora_targets": None, "lora_dropout": 0.0, "quantize": None, "lora_dtype": "fp32",
-                   "double_quant": True, "quant_compute_dtype": "input", "routing": None}
+                   "double_quant": True, "quant_compute_dtype": "input", "routing": None, "tp": 1,
+                   "sequence_parallel": False}
 
 
 def recipe_options(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -168,7 +176,8 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
                 compile: bool = False, implementation: str = "default", checkpointing: bool | str = False, lora: int = 0,
                 lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0,
                 quantize: str | None = None, lora_dtype: str = "fp32", double_quant: bool = True,
-                quant_compute_dtype: str | None = "input", routing: Any = None) -> Recipe:
+                quant_compute_dtype: str | None = "input", routing: Any = None, tp: int = 1,
+                sequence_parallel: bool = False) -> Recipe:
     """The ``Recipe`` of ``gpulab.step`` / ``gpulab.fit`` from their arguments (``amp``: "fp16",
     "bf16" or None). Bad values raise ``ValueError`` saying what is allowed."""
     for name, value in (("grad_scaler", grad_scaler), ("set_to_none", set_to_none),
@@ -201,7 +210,7 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
                   offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache, compile=compile,
                   implementation=implementation, checkpointing=checkpointing, lora=lora, lora_targets=lora_targets,
                   lora_dropout=float(lora_dropout), quantize=quantize, lora_dtype=lora_dtype, double_quant=double_quant,
-                  quant_compute_dtype=quant_compute_dtype, routing=routing)
+                  quant_compute_dtype=quant_compute_dtype, routing=routing, tp=tp, sequence_parallel=sequence_parallel)
 
 
 def _check_adapter_options(lora: int, quantize: str | None, lora_dtype: str, double_quant: bool,
@@ -236,6 +245,8 @@ def check_recipe_for(r: Recipe, w: Workload) -> None:
         raise ValueError(f"LoRA adapts a transformer's linear layers; {w.name} is an image model: leave lora out")
     if r.routing is not None and (w.kind == "image" or w.config is not None and not is_moe(w.config)):
         raise ValueError(f"routing is a mixture of experts' assumption; {w.name} has no routed experts: leave routing out")
+    if r.tp > 1:
+        check_tensor_parallel(w.config, r.tp, r.sequence_parallel)
     if r.chunked_loss and task_of(w.config) != "causal-lm":
         raise ValueError(f"chunked_loss splits a causal language model's head from its body; {w.name} is trained "
                          f"as a {task_of(w.config)}: leave chunked_loss out")
@@ -275,10 +286,13 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
     moment = moment or (lambda ctx, name: None)
 
     def experiment(ctx: RunContext) -> dict[str, Any]:
+        return _in_layout(r, ctx, steps)
+
+    def steps(ctx: RunContext, parallel: Callable[[torch.nn.Module], torch.nn.Module]) -> dict[str, Any]:
         with ctx.phase("setup"):
             if r.seed is not None:
                 torch.manual_seed(r.seed)
-            net = w.build(ctx.device, dtype)
+            net = parallel(w.build(ctx.device, dtype))
             _assume_routing(net, w, r)
             if r.register_model or r.compile:   # compile: the tracker's parameter hooks exist before dynamo guards
                 ctx.tracker.register(net)
@@ -344,6 +358,18 @@ def _assume_routing(net: torch.nn.Module, w: Workload, r: Recipe) -> None:
     if install_routing(net, r.routing) is None and r.routing is not None:
         raise ValueError(f"routing is a mixture of experts' assumption; {w.name} has no routed experts: "
                          f"leave routing out")
+
+
+def _in_layout(r: Recipe, ctx: RunContext, steps: Callable) -> dict[str, Any]:
+    """``steps(ctx, parallel)`` on one device, or as rank 0 of ``r.tp`` tensor-parallel ranks in a fake
+    process group (``parallel`` splits the model built; every rank of the group is alike)."""
+    if r.tp == 1:
+        return steps(ctx, lambda net: net)
+    if ctx.engine != "fake":
+        raise ValueError("tensor parallelism is measured on the fake engine, in PyTorch's fake process group "
+                         "(training.tensor_parallel): use engine='fake'")
+    with fake_world(r.tp) as mesh:
+        return steps(ctx, lambda net: tensor_parallel(net, mesh, r.sequence_parallel))
 
 
 class _InBackward:

@@ -1,0 +1,135 @@
+"""Tensor and sequence parallelism measured per rank on PyTorch's fake process group
+(gpulab.training.tensor_parallel), against counts made independently of the run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gpulab
+from gpulab.models import hf_configs
+from gpulab.training.tensor_parallel import check_tensor_parallel
+
+SEQ, BATCH = 64, 2
+
+
+def _config(layers: int = 2):
+    cfg = hf_configs.make_config("tiny-llama")
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size = 4, 4, 176
+    cfg.num_hidden_layers = layers
+    return cfg
+
+
+def _step(tp: int, sp: bool = False):
+    return gpulab.step(_config(), batch=BATCH, seq_len=SEQ, optimizer="adamw", dtype="bf16", engine="fake",
+                       tp=tp, sequence_parallel=sp)
+
+
+def _split_params(cfg, tp: int, embedding_split: bool) -> int:
+    """One rank's parameter bytes in bf16, counted from the config: q, k, v, o, gate, up, down and the
+    head split tp ways; the norms whole on every rank; the embedding split by vocabulary with
+    sequence parallelism (torchtitan's plan), whole without (transformers' plan leaves it)."""
+    h, f, v, n = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    split = n * (h * h + 2 * h * kv + h * h + 3 * h * f) + v * h * (0 if cfg.tie_word_embeddings else 1)
+    whole = n * 2 * h + h
+    embedding = v * h
+    return 2 * (split // tp + whole + (embedding // tp if embedding_split else embedding))
+
+
+@pytest.mark.parametrize("tp,sp", [(2, False), (4, False), (2, True), (4, True)])
+def test_parameters_and_adam_state_per_rank(tp, sp):
+    r = _step(tp, sp)
+    params = _split_params(_config(), tp, embedding_split=sp)
+    by = r.tensor_bytes_by_category
+    assert by["parameters"] == pytest.approx(params, abs=512 * 40)     # 512-byte blocks, one per tensor
+    assert by["optimizer_state"] == pytest.approx(2 * params, abs=512 * 80)
+    assert r.as_dict()["recipe"]["tp"] == tp
+
+
+def test_activations_are_a_replicated_part_plus_a_split_part():
+    """Without sequence parallelism the norms' inputs and the residual stream are whole on every rank
+    and the attention and MLP insides are split: A(t) = R + S/t (Korthikanti et al. 2022, Table 2:
+    sbh(10 + 24/t + 5as/(ht)) for GPT-3's block), so A(1) - A(2) = 2 (A(2) - A(4))."""
+    a = {tp: _step(tp).tensor_bytes_by_category["activations"] for tp in (1, 2, 4)}
+    assert a[1] - a[2] == 2 * (a[2] - a[4])
+    assert a[2] - a[4] > 0
+
+
+def test_sequence_parallelism_splits_what_tensor_parallelism_leaves_whole():
+    """With sequence parallelism every activation of the blocks is split t ways, except what PyTorch's
+    DTensor keeps that Megatron-LM does not: the all-gathered input of each column-wise projection
+    is saved for its backward (Megatron saves its sequence shard and gathers again in backward) and the
+    gathered logits; so A_sp(t) = G + (R + S)/t, and A_sp(2) - A_sp(4) = (R + S)/4 exactly, with
+    R + S the non-SP run's A(1) less what it does not split (its G-like terms)."""
+    sp = {tp: _step(tp, True).tensor_bytes_by_category["activations"] for tp in (2, 4)}
+    plain = {tp: _step(tp).tensor_bytes_by_category["activations"] for tp in (2, 4)}
+    assert sp[2] < plain[2] and sp[4] < plain[4]
+    split_part = 4 * (sp[2] - sp[4])            # R + S
+    assert sp[2] - split_part // 2 == sp[4] - split_part // 4     # the same G at both degrees
+
+
+def test_layouts_that_do_not_divide_are_refused_in_one_line():
+    cfg = _config()
+    with pytest.raises(ValueError, match="--tp 3 does not divide num_attention_heads = 4"):
+        check_tensor_parallel(cfg, 3)
+    with pytest.raises(ValueError, match="give --tp 2 or more"):
+        check_tensor_parallel(cfg, 1, sequence_parallel=True)
+    with pytest.raises(ValueError, match="no tensor-parallel plan"):
+        check_tensor_parallel(hf_configs.make_config("tiny-gpt2"), 2)
+    with pytest.raises(ValueError, match="fake engine"):
+        gpulab.step(cfg, batch=2, seq_len=16, optimizer="adamw", engine="cpu", tp=2)
+    with pytest.raises(ValueError, match="leave out lora"):
+        gpulab.step(cfg, batch=2, seq_len=16, optimizer="adamw", engine="fake", tp=2, lora=4)
+
+
+def test_fit_answers_per_rank_with_tp_over_the_gpus():
+    """gpulab.fit with tp: the batch one rank of the tensor-parallel group fits; with gpus, tp divides it."""
+    cfg = _config()
+    one = gpulab.fit(cfg, "24MiB", optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0)
+    four = gpulab.fit(cfg, "24MiB", optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0, tp=4)
+    assert four.largest_batch > one.largest_batch
+    with pytest.raises(ValueError, match="not a multiple of tp=4"):
+        gpulab.fit(cfg, "24MiB", optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0, tp=4, gpus=6,
+                   strategy="fsdp2")
+
+
+def _megatron_shard(cfg, tp: int) -> float:
+    """Parameters on one rank as Megatron-LM's theoretical_memory_usage.py counts them
+    (compute_weight_and_optimizer_memory, pipeline size 1): the transformer layers'
+    2·L·h²·((1 + g/a)·q/h + (f/h)·3/2 + 2/h + 1/(L·h)), with SwiGLU's 3/2, plus the embedding and an
+    untied output layer, all divided by the tensor-parallel size."""
+    L, h, f, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    a, g = cfg.num_attention_heads, cfg.num_key_value_heads
+    layers = 2 * L * h * h * ((1 + g / a) * 1 + (f / h) * 1.5 + 2 / h + 1 / (L * h))
+    embeddings = h * V * (1 if cfg.tie_word_embeddings else 2)
+    return (layers + embeddings) / tp
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_parameters_per_rank_against_megatrons_formula(tp):
+    """The split model's own parameters on rank 0 (DTensors' local shards, counted from the module)
+    against Megatron-LM's count. The terms that differ, documented: Megatron counts each norm as a
+    LayerNorm's weight and bias (2h; a Llama RMSNorm has h) and divides every parameter by the
+    tensor-parallel size, where sequence parallelism keeps the norms whole on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    from gpulab.training.tensor_parallel import fake_world, tensor_parallel
+    cfg = _config()
+    with fake_world(tp) as mesh, torch.device("meta"):
+        model = tensor_parallel(hf_configs.build_model(cfg, torch.bfloat16), mesh, sequence_parallel=True)
+        ours = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    L, h = cfg.num_hidden_layers, cfg.hidden_size
+    megatron_norms, our_norms = (2 * L * 2 * h + 2 * h) / tp, 2 * L * h + h
+    assert ours == pytest.approx(_megatron_shard(cfg, tp) - megatron_norms + our_norms, abs=0.5)
+
+
+def test_lesson_12s_table_and_exercise():
+    from gpulab.course.tensor_parallel import exercise_tp_activations, tp_table
+    table = tp_table()
+    assert [(r.tp, r.sequence_parallel) for r in table.rows] == [(1, False), (2, False), (2, True), (4, False),
+                                                                  (4, True)]
+    assert table.row(4, True).activations < table.row(4).activations < table.row(2).activations
+    ex = exercise_tp_activations(table)
+    assert ex.check(table.row(4).activations).ok
+    assert not ex.check(table.row(2).activations).ok
+    assert "fake process group" in table._repr_html_()
