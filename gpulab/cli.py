@@ -148,8 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      "peaks (fake tensors at full size), vLLM-style paged blocks")
     v.add_argument("model", help="a built-in transformer config (hf:llama-3-8b, hf:qwen2.5-7b ...) or hf:path/config.json")
     v.add_argument("--gpu", required=True, help="a card (H100, A100-40GB, RTX4090, T4 ...) or a size (24GiB, 80GB)")
-    v.add_argument("--context", type=_positive_int, required=True, metavar="TOKENS",
-                   help="tokens per sequence, prompt and output together")
+    v.add_argument("--context", type=_positive_int, default=None, metavar="TOKENS",
+                   help="tokens per sequence, prompt and output together (or --longest-context)")
+    v.add_argument("--longest-context", action="store_true",
+                   help="instead of --context: the longest context at which --batch sequences fit the card "
+                        "(each context tried measured on fake tensors at full size)")
     v.add_argument("--batch", type=_positive_int, default=1, help="sequences served at once (default 1)")
     v.add_argument("--dtype", type=_dtype, default="bf16", help="the model's dtype (default bf16)")
     v.add_argument("--weights", default=None, choices=("int8", "int4", "nf4"),
@@ -447,12 +450,15 @@ def _answer(args: argparse.Namespace, progress: StreamProgress | None) -> tuple[
                     dtype=args.dtype, amp=args.amp, seq_len=args.seq_len, image_size=args.image_size,
                     fake_target=args.fake_target, gpu=args.gpu, **_recipe(args)).as_dict(), _print_step
     if args.command == "serve":
-        from gpulab.predict.serve import serve
-        return serve(args.model, args.gpu, context_len=args.context, batch=args.batch, dtype=args.dtype,
-                     weights=args.weights, kv_dtype=args.kv_dtype, block_size=args.block_size,
-                     utilization=args.utilization, module_loading=args.cuda_module_loading, progress=progress,
-                     **({"context_bytes": _size(args.cuda_context, "--cuda-context")} if args.cuda_context else {})
-                     ).as_dict(), _print_serve
+        from gpulab.predict.serve import longest_context, serve
+        kw = dict(dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype, block_size=args.block_size,
+                  utilization=args.utilization, module_loading=args.cuda_module_loading, progress=progress,
+                  **({"context_bytes": _size(args.cuda_context, "--cuda-context")} if args.cuda_context else {}))
+        if args.longest_context:
+            return longest_context(args.model, args.gpu, batch=args.batch, **kw).as_dict(), _print_longest
+        if args.context is None:
+            raise ValueError("serve needs --context TOKENS (tokens per sequence) or --longest-context")
+        return serve(args.model, args.gpu, context_len=args.context, batch=args.batch, **kw).as_dict(), _print_serve
     from gpulab.predict.fit import fit
     context = {"context_bytes": _size(args.context)} if args.context else {}
     data = fit(args.model, args.gpu, optimizer=args.optimizer, dtype=args.dtype, amp=args.amp,
@@ -512,6 +518,14 @@ def _print_fit(d: dict[str, Any]) -> str:
     if d.get("what_fits"):
         lines += _what_fits_lines(d["what_fits"])
     return "\n".join(lines)
+
+
+def _print_longest(d: dict[str, Any]) -> str:
+    head = (f"{d['model']} on {d['card']}: the longest context for {d['batch']} sequences is "
+            f"{d['context_len']:,} tokens, limited by {d['limit']} ({d['runs']} serving answers)")
+    if d["at"] is None:
+        return head + "\n" + _print_serve(d["beyond"])
+    return "\n".join([head, f"assumption: {d['assumption']}", _print_serve(d["at"])])
 
 
 def _print_serve(d: dict[str, Any]) -> str:

@@ -81,3 +81,13 @@ def test_the_cli_serves(capsys):
     assert d["fits"] and d["kv_cache_bytes"] == kv_cache_for("tiny-llama", 64, 1, "bfloat16").bytes
     assert cli.main(["serve", "hf:tiny-llama", "--gpu", "24GiB", "--context", "100000"]) == 2
     assert "256 positions" in capsys.readouterr().err
+
+
+def test_the_cli_finds_the_longest_context(capsys):
+    assert cli.main(["serve", "hf:tiny-llama", "--gpu", "24GiB", "--longest-context", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["context_len"] == 256 and "positions (256)" in d["limit"] and d["at"]["fits"]
+    assert cli.main(["serve", "hf:tiny-llama", "--gpu", "24GiB", "--longest-context"]) == 0
+    assert "the longest context for 1 sequences is 256 tokens" in capsys.readouterr().out
+    assert cli.main(["serve", "hf:tiny-llama", "--gpu", "24GiB"]) == 2
+    assert "--longest-context" in capsys.readouterr().err
