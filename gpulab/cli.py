@@ -525,7 +525,7 @@ def _print_longest(d: dict[str, Any]) -> str:
             f"{d['context_len']:,} tokens, limited by {d['limit']} ({d['runs']} serving answers)")
     if d["at"] is None:
         return head + "\n" + _print_serve(d["beyond"])
-    return "\n".join([head, f"assumption: {d['assumption']}", _print_serve(d["at"])])
+    return head + "\n" + _print_serve(d["at"])
 
 
 def _print_serve(d: dict[str, Any]) -> str:
@@ -536,6 +536,7 @@ def _print_serve(d: dict[str, Any]) -> str:
              row.format("weights", format_bytes(d["weights_bytes"]), d["label"]),
              row.format(f"KV cache ({format_bytes(d['kv_per_token_bytes'])} per token)",
                         format_bytes(d["kv_cache_bytes"]), d["kv_label"]),
+             f"  KV cache assumption: {d.get('kv_assumption', '')}",
              row.format("prefill, one sequence (peak)", format_bytes(d["prefill_one_bytes"]), d["label"]),
              row.format(f"prefill, all {d['batch']} at once (peak)", format_bytes(d["prefill_all_bytes"]), d["label"]),
              row.format("last decode step, all (peak)", format_bytes(d["decode_bytes"]), d["kv_label"]),
