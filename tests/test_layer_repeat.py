@@ -132,3 +132,18 @@ def test_a_stack_too_deep_to_replay_is_refused_in_one_line():
     deep = L.Deep(w, lambda wk, b, fresh=False: _run(wk, b, torch.float32, recipe).tracking)
     with pytest.raises(ValueError, match="100,000 layers make a timeline of .* ask for at most"):
         deep.at(2)
+
+
+def test_batch_one_gets_a_layout_of_its_own_where_it_differs():
+    """Batch 1's size-1 dimensions can make other copies than larger batches: a layout learned at
+    batch 2 serves batch 1 only if it rebuilds batch 1's 3-layer run exactly, else one is learned
+    there; either way the full depth equals the full-depth run."""
+    w = _workload("tiny-llama", 7)
+    recipe = user_recipe("adamw", None)
+
+    def run(wk, b, fresh=False):
+        return _run(wk, b, torch.bfloat16, recipe).tracking
+    deep = L.Deep(w, run)
+    deep.at(2)
+    _assert_same(deep.at(1), run(w, 1))
+    assert not deep.why and 1 <= len(deep.layouts) <= 2

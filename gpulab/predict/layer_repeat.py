@@ -138,7 +138,7 @@ class Deep:
         self.k = k
         self._run = run
         self._small = {n: workload_with_depth(w, n) for n in (k, k + 1, k + 2)}
-        self.layout: Layout | None = None
+        self.layouts: list[Layout] = []   # learned, each serving the batches whose runs it rebuilds
         self.why = ""
         self.runs = 0
 
@@ -147,39 +147,54 @@ class Deep:
         return self._run(self._small[n], batch, fresh)
 
     def at(self, batch: int, fresh: bool = False) -> TrackingResult | None:
-        """The full depth at ``batch`` (``fresh``: its small runs made again, not reused)."""
+        """The full depth at ``batch`` (``fresh``: its small runs made again, not reused). A layout
+        learned at another batch serves when it rebuilds this batch's (k+1)-block run exactly; else
+        one is learned here (batch 1's size-1 dimensions can make other copies than larger batches)."""
         if self.why:
             return None
         base, more = self._small_run(self.k, batch, fresh), self._small_run(self.k + 1, batch, fresh)
-        if self.layout is None:
-            deeper = self._small_run(self.k + 2, batch, fresh)
-            learned = learn(base, more, deeper, self.k)
-            if isinstance(learned, str):
-                # a process's first build can make a few storages once (peft's adapters): the first
-                # small run again, now built like the others
-                base = self._small_run(self.k, batch, True)
-                learned = learn(base, more, deeper, self.k)
-            if isinstance(learned, str):
-                self.why = learned
+        layout = next((lay for lay in self.layouts if same_timeline(lay.expand(base, more, 1), more)), None)
+        if layout is None:
+            layout, base = self._learn(base, more, batch, fresh)
+            if layout is None:
                 return None
-            self.layout = learned
-        events = self.layout.n_base + (self.depth - self.k) * sum(e - s for _, s, e in self.layout.groups)
+        self._check_size(layout)
+        return layout.expand(base, more, self.depth - self.k)
+
+    def _learn(self, base: TrackingResult, more: TrackingResult, batch: int, fresh: bool):
+        deeper = self._small_run(self.k + 2, batch, fresh)
+        learned = learn(base, more, deeper, self.k)
+        if isinstance(learned, str):
+            # a process's first build can make a few storages once (peft's adapters): the first
+            # small run again, now built like the others
+            base = self._small_run(self.k, batch, True)
+            learned = learn(base, more, deeper, self.k)
+        if isinstance(learned, str):
+            self.why = learned if not self.layouts else f"at batch {batch}: {learned}"
+            return None, base
+        self.layouts.append(learned)
+        return learned, base
+
+    def _check_size(self, layout: Layout) -> None:
+        events = layout.n_base + (self.depth - self.k) * sum(e - s for _, s, e in layout.groups)
         if events > MAX_EVENTS:
             raise ValueError(f"{self.depth:,} layers make a timeline of {events:,} events (about "
-                             f"{(events - self.layout.n_base) // (self.depth - self.k):,} a layer), more than gpulab "
+                             f"{(events - layout.n_base) // (self.depth - self.k):,} a layer), more than gpulab "
                              f"replays ({MAX_EVENTS:,}); ask for at most "
-                             f"{self.k + (MAX_EVENTS - self.layout.n_base) // max(1, events // self.depth):,} layers")
-        deep = self.layout.expand(base, more, self.depth - self.k)
-        if deep is None:
-            self.why = f"the runs at batch {batch} did not have the learned layout"
-        return deep
+                             f"{self.k + (MAX_EVENTS - layout.n_base) // max(1, events // self.depth):,} layers")
+
+    @property
+    def layout(self) -> Layout | None:
+        """The first layout learned (None before any, or when none could be)."""
+        return self.layouts[0] if self.layouts else None
 
     def describe(self) -> str:
         """What the answer's timelines are, in a sentence."""
         if self.layout is None:
             return f"all {self.depth} layers run (layer repeat not used: {self.why or 'not tried'})"
-        return (f"{self.depth} layers laid out from fake runs of {self.k} and {self.k + 1} layers (each block's "
+        text = (f"{self.depth} layers laid out from fake runs of {self.k} and {self.k + 1} layers (each block's "
                 f"events repeated, learned with {self.k + 2} layers; exact where the blocks are alike)")
+        return text + (f"; all {self.depth} layers run {self.why}" if self.why else "")
 
 
 def _sig(t: TrackingResult, e: Event) -> tuple:
