@@ -325,9 +325,7 @@ class _FakeRuns:
 
     def layers(self) -> str:
         """How the depth was run (``FitResult.layers``)."""
-        if self.deep is not None:
-            return self.deep.describe()
-        return layer_repeat.not_repeatable(self.w.config, self.recipe.checkpointing) or ""
+        return _depth_text(self.deep, self.w, self.recipe)
 
 
 def _deep(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, target: tuple) -> "layer_repeat.Deep | None":
@@ -350,7 +348,14 @@ def tracked_at_depth(w: Workload, key: tuple | None, batch: int, dt: torch.dtype
     t = deep.at(batch) if deep is not None else None
     if t is None:
         t = _tracked(w, key, batch, dt, recipe, target)
-    return t, deep.describe() if deep is not None else layer_repeat.not_repeatable(w.config, recipe.checkpointing) or ""
+    return t, _depth_text(deep, w, recipe)
+
+
+def _depth_text(deep: "layer_repeat.Deep | None", w: Workload, recipe: Recipe) -> str:
+    """How a timeline's depth was run: laid out from a few layers (``Deep.describe``), or why not."""
+    if deep is not None:
+        return deep.describe()
+    return layer_repeat.not_repeatable(w.config, recipe.checkpointing) or ""
 
 
 def _tracked(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe: Recipe, target: tuple,

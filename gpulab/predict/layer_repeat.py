@@ -255,10 +255,10 @@ def _split_loops(points: list[tuple[int, int]], sb: list) -> list[tuple[int, int
     return out
 
 
-def _slides(sb: list, groups: list[tuple[int, int, int]], lo: int, hi: int) -> tuple[int, int]:
+def _slides(sb: list, group: tuple[int, int, int], lo: int, hi: int) -> tuple[int, int]:
     """How far each way (in a's events) one inserted run can move and leave b's events the same:
     where alike blocks follow each other, it could sit at any of their boundaries."""
-    _, start, end = groups[0]
+    _, start, end = group
     back = 0
     while start - back > lo and sb[start - back - 1] == sb[end - back - 1]:
         back += 1
@@ -310,8 +310,6 @@ class Layout:
         if len(base.events) != self.n_base or len(one_more.events) != len(self.matched) + sum(
                 e - s for _, s, e in self.groups):
             return None
-        source: dict[Pos, tuple[TrackingResult, Event]] = {}
-
         def event_at(pos: Pos) -> tuple[TrackingResult, Event]:
             if pos[0] == "M":
                 return base, base.events[pos[1]]
@@ -420,7 +418,7 @@ def _candidates(sa: list, sb: list, points: list[tuple[int, int]], g: int) -> li
     point, n = points[g]
     lo = placed[g - 1][2] if g else 0
     hi = placed[g + 1][1] if g + 1 < len(points) else len(sb)
-    back, ahead = _slides(sb, [placed[g]], lo, hi)
+    back, ahead = _slides(sb, placed[g], lo, hi)
     ends = {point - back + t * n for t in range((back + ahead) // n + 1)}
     return sorted(ends | {point + ahead - t * n for t in range((back + ahead) // n + 1)})
 
