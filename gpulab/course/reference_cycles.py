@@ -45,24 +45,24 @@ class Holder:
 # Each kind: the lines that make the tensor and drop the last name for it (the collect line is appended).
 _BODIES = {
     "self": """\
-        holder = Holder(torch.zeros({n}))     # {size} held by an object
+        holder = Holder(torch.zeros({n}))  # {size} held by an object
         holder.me = holder                    # the object refers to itself: a cycle
         del holder                            # no name is left, but the count never reaches 0
         """,
     "break": """\
-        holder = Holder(torch.zeros({n}))     # {size} held by an object
+        holder = Holder(torch.zeros({n}))  # {size} held by an object
         holder.me = holder                    # the same cycle
         holder.me = None                      # the fix: break the cycle before letting go
         del holder                            # the count reaches 0: freed now
         """,
     "weakref": """\
-        holder = Holder(torch.zeros({n}))     # {size} held by an object
+        holder = Holder(torch.zeros({n}))  # {size} held by an object
         holder.me = weakref.ref(holder)       # the fix: a weak back reference does not count
         del holder                            # the count reaches 0: freed now
         """,
     "traceback": """\
         def step():
-            activations = torch.zeros({n})    # {size}, a local of this frame
+            activations = torch.zeros({n}) # {size}, a local of this frame
             try:
                 raise RuntimeError("bad batch")
             except RuntimeError as err:
@@ -72,7 +72,7 @@ _BODIES = {
         """,
     "message": """\
         def step():
-            activations = torch.zeros({n})    # {size}, a local of this frame
+            activations = torch.zeros({n}) # {size}, a local of this frame
             try:
                 raise RuntimeError("bad batch")
             except RuntimeError as err:
