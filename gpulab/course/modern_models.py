@@ -66,7 +66,7 @@ class MoEParams:
                  format_bytes(r["training_state_bytes"]), format_bytes(r["active_state_bytes"])] for r in self.rows]
         head = ["model", "routed experts", "total (formula)", "active per token", "active as the card counts",
                 "card: total / active", f"training state held ({self.bytes_per_param} B × total)",
-                f"{self.bytes_per_param} B × active (what is NOT enough)"]
+                f"{self.bytes_per_param} B × active (an undercount)"]
         return html_table(head, body, caption=(
             "counts: formula from the config (gpulab.models.moe, equal to a meta-device build); card: published by "
             "each model card (" + ", ".join(r["card_url"] for r in self.rows) + "); training state: formula, "
@@ -281,13 +281,13 @@ class KVTable:
         body = [[r.model, r.kind, f"{r.context:,}", format_bytes(r.measured), format_bytes(r.dense_formula),
                  format_bytes(r.below_dense), format_bytes(r.sliding_share) if r.kind == "sliding" else "—"]
                 for r in self.rows]
-        head = ["model", "attention", "context", "cache (measured)", "dense formula", "below the formula",
+        head = ["model", "attention", "context", "cache (DynamicCache, meta)", "dense formula", "below the formula",
                 "sliding layers' share"]
         notes = "; ".join(dict.fromkeys(f"{r.model}: {r.assumption}" for r in self.rows))
         skipped = f" Not shown (beyond the model's positions): {', '.join(self.skipped)}." if self.skipped else ""
         return html_table(head, body, caption=(
-            f"batch {self.batch}, {self.dtype}. Measured: transformers' DynamicCache(config=...) on the meta device "
-            f"(storage bytes after a prompt and one decode step, no memory used); dense formula: 2·L·a_kv·d·s·b·bytes "
+            f"batch {self.batch}, {self.dtype}. Cache: read off transformers' DynamicCache(config=...) built on the meta "
+            f"device (its storage bytes after a prompt and one decode step; no memory used); dense formula: 2·L·a_kv·d·s·b·bytes "
             f"(MLA: full K and V). {notes}.{skipped}"))
 
 
@@ -340,7 +340,7 @@ def plot_kv_caches(table: KVTable, max_context: int = 8192, ax: Any = None):
                     label=f"{name}: " + ("full K and V" if rows[0].kind == "MLA" else "dense formula"))
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel(f"KV cache, batch {table.batch} (GiB)")
-    ax.set_title("KV cache: lines kv_layout, dots measured (DynamicCache, meta device)", fontsize=10)
+    ax.set_title("KV cache: lines kv_layout, dots transformers' DynamicCache (meta device)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
@@ -357,7 +357,7 @@ def exercise_gemma_cache(model: str = "gemma-2-9b", context: int = 8192, dtype: 
 
     def explain() -> str:
         held, sliding = meta_cache_bytes(text, context, 1, dtype)
-        return (f"Measured in transformers' DynamicCache on the meta device: {held:,} bytes. The dense formula "
+        return (f"Read off transformers' DynamicCache built on the meta device: {held:,} bytes. The dense formula "
                 f"gives {dense_formula_bytes(text, context):,}; the {sliding} sliding layers keep {window:,} "
                 f"positions, not {context:,}, so the cache is below it by {sliding}·2·{kv}·{d}·"
                 f"({context:,} − {window:,})·2 bytes.")
@@ -407,7 +407,7 @@ class ContextBounds:
         return html_table(head, body, caption=(
             f"{self.card}, {self.dtype}. Formula: weights (parameters × bytes) + KV cache (predict.kv_layout) ≤ usable "
             f"(the card less the assumed CUDA context and the cuBLAS workspace, as gpulab.serve counts it). The "
-            f"prefill's working set is left out: the measured answer (longest_context) is at most this. {notes}."))
+            f"prefill's working set is left out: longest_context's answer (fake runs) is at most this. {notes}."))
 
 
 def _usable(card: Any, context_bytes: int | None) -> int:
@@ -417,12 +417,12 @@ def _usable(card: Any, context_bytes: int | None) -> int:
 
 
 def _bound(model: Any, card: Any, batch: int, nbytes: int, context_bytes: int | None) -> ContextBound:
+    from gpulab.course.transformer_params import counted_params
     from gpulab.models import hf_configs
-    from gpulab.models.moe import param_counts
     from gpulab.predict.kv_layout import kv_layout
     text, shown = _text_config(model)
     layout = kv_layout(text)
-    weights = param_counts(text).total * nbytes
+    weights = counted_params(model if isinstance(model, str) else text)[0] * nbytes   # a name: counted once a session
     usable = _usable(card, context_bytes)
     longest = hf_configs.max_positions(text) or 1 << 24
     assumption = layout.assumption()
@@ -472,18 +472,18 @@ class MeasuredContext:
         return at.needed_one_at_a_time_bytes - at.weights_bytes - at.kv_cache_bytes
 
     def __repr__(self) -> str:
-        return (f"MeasuredContext(bound {self.bound.context:,} tokens, measured {self.measured.context_len:,} "
+        return (f"MeasuredContext(bound {self.bound.context:,} tokens, longest_context {self.measured.context_len:,} "
                 f"tokens on {self.measured.card})")
 
     def _repr_html_(self) -> str:
         at = self.measured.at
         body = [["weights + KV cache (formula)", f"{self.bound.context:,}", format_bytes(self.bound.weights),
                  format_bytes(self.bound.kv_at_context), "—", format_bytes(self.bound.usable)],
-                ["longest_context (measured)", f"{self.measured.context_len:,}", format_bytes(at.weights_bytes),
+                ["longest_context (fake tensors)", f"{self.measured.context_len:,}", format_bytes(at.weights_bytes),
                  format_bytes(at.kv_cache_bytes), format_bytes(self.prefill_gap), format_bytes(at.usable_bytes)]]
         head = ["answer", "longest context", "weights", "KV cache", "prefill / decode working set", "usable"]
         return html_table(head, body, caption=(
-            f"{self.bound.model} on {self.measured.card}, batch {self.measured.batch}; measured: {at.label}; "
+            f"{self.bound.model} on {self.measured.card}, batch {self.measured.batch}; longest_context: {at.label}; "
             f"{self.measured.runs} contexts tried, each a fake prefill and decode run. {self.bound.assumption}."))
 
 
