@@ -21,7 +21,8 @@ import platform
 import sys
 from typing import Any, Sequence
 
-from gpulab.options import ALL_OPTIMIZERS, AMP_NAMES, MAX_STEPS, POLICY_TEXT, check_checkpointing, check_chunks
+from gpulab.options import (ALL_OPTIMIZERS, AMP_NAMES, FP8_RECIPES, MAX_STEPS, POLICY_TEXT, check_checkpointing,
+                            check_chunks, check_fp8)
 from gpulab.predict.cards import parse_gpu
 from gpulab.predict.progress import StreamProgress
 from gpulab.units import check_model_dtype_name, format_bytes
@@ -67,6 +68,13 @@ def _chunks(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number of chunks from 2 to 64 (torchtune uses 8), or 0 (the "
                                          f"default) for the model's own loss; got {text!r}") from None
+
+
+def _fp8(text: str) -> str:
+    try:
+        return check_fp8(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _dtype(text: str) -> str:
@@ -347,6 +355,9 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: Megatron-style sequence parallelism (norms and the residual stream on a "
                         "sequence shard)")
+    p.add_argument("--fp8", type=_fp8, default=None, metavar="RECIPE",
+                   help=f"FP8 training as torchao converts it ({' or '.join(FP8_RECIPES)} scaling): the linear "
+                        f"layers but the output head cast input and weight to float8 for each matmul")
 
 
 def _recipe_text(d: dict[str, Any]) -> str:
@@ -363,7 +374,8 @@ def _recipe(args: argparse.Namespace) -> dict[str, Any]:
             "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
             "quantize": "nf4" if args.qlora else args.quantize, "lora_dtype": args.lora_dtype,
             "double_quant": not args.no_double_quant, "quant_compute_dtype": args.quant_compute_dtype,
-            "tp": args.tp, "sequence_parallel": args.sequence_parallel, "routing": args.routing}
+            "tp": args.tp, "sequence_parallel": args.sequence_parallel, "routing": args.routing,
+            "fp8": args.fp8}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

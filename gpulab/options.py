@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from gpulab.formulas import OPTIMIZER_STATES, RECIPE_OPTIMIZERS
 
-__all__ = ["ALL_OPTIMIZERS", "AMP_NAMES", "CHECKPOINTING_POLICIES", "MAX_STEPS", "POLICY_TEXT",
-           "check_checkpointing", "check_chunks"]
+__all__ = ["ALL_OPTIMIZERS", "AMP_NAMES", "CHECKPOINTING_POLICIES", "FP8_RECIPES", "MAX_STEPS", "POLICY_TEXT",
+           "check_checkpointing", "check_chunks", "check_fp8"]
 
 # what gpulab.step / gpulab.fit / the CLI take: the lessons' optimizers, then the recipe optimizers
 # (training.optimizers.ALL_OPTIMIZERS is the same tuple)
@@ -46,3 +46,16 @@ def check_chunks(chunks) -> int:
         raise ValueError(f"chunked_loss must be a number of chunks from 2 to 64 (torchtune uses 8), or 0 for the "
                          f"model's own loss; got {chunks!r}")
     return chunks
+
+
+FP8_RECIPES = ("tensorwise", "rowwise")   # torchao.float8's Float8LinearRecipeName values gpulab runs
+
+
+def check_fp8(fp8) -> str | None:
+    """None (off) or one of torchao's float8 training recipes; anything else is refused in one line."""
+    if fp8 is None or fp8 is False:
+        return None
+    if fp8 not in FP8_RECIPES:
+        raise ValueError(f"fp8 must be one of {', '.join(FP8_RECIPES)} (torchao's float8 training recipes), "
+                         f"got {fp8!r}")
+    return fp8

@@ -156,7 +156,7 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         checkpointing: bool | str = False, lora: int = 0, lora_targets: Sequence[str] | None = None,
         lora_dropout: float = 0.0, quantize: str | None = None, lora_dtype: str = "fp32", double_quant: bool = True,
         quant_compute_dtype: str = "input", routing: Any = None, tp: int = 1, sequence_parallel: bool = False,
-        module_loading: str = "lazy",
+        fp8: str | None = None, module_loading: str = "lazy",
         gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
     a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring. ``context_bytes``:
@@ -167,7 +167,7 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
     recipe = user_recipe(optimizer, amp, **recipe_options(locals()))   # checks them all
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
-    check_recipe_for(recipe, w)
+    check_recipe_for(recipe, w, dt)
     key = run_cache.workload_key(model, w, own_parts=inputs is not None or input_shape is not None or loss is not None)
     sharding, shard = _sharding(w, recipe, dt, gpus, strategy, offload_optimizer)
     place = place._replace(sharding=sharding)

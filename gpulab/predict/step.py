@@ -45,10 +45,10 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
          implementation: str = "default", checkpointing: bool | str = False, lora: int = 0,
          lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0, quantize: str | None = None,
          lora_dtype: str = "fp32", double_quant: bool = True, quant_compute_dtype: str = "input", gpu: Any = None,
-         routing: Any = None, tp: int = 1, sequence_parallel: bool = False, **engine_limits) -> StepResult:
+         routing: Any = None, tp: int = 1, sequence_parallel: bool = False, fp8: str | None = None,
+         **engine_limits) -> StepResult:
     """Track ``steps`` training steps of ``model`` and return them by category, next to the
-    formulas' prediction (see the module docstring for what ``model``, ``inputs`` and ``loss``
-    may be).
+    formulas' prediction (see the module docstring for what ``model``, ``inputs`` and ``loss`` may be).
 
     ``dtype``: the model's (and a float input's) dtype, e.g. "bf16" for pure bf16 training;
     None keeps float32. ``amp``: "fp16" or "bf16" runs the forward under ``torch.autocast``.
@@ -68,7 +68,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     adapters' inputs; ``lora_dtype``: "fp32" as peft, "base" as torchtune), ``quantize`` ("nf4", "fp4" or
     "int8", the base as bitsandbytes stores it; ``double_quant``, ``quant_compute_dtype``: ``training.loop``;
     ``recipe`` names them). ``routing``: an MoE's routing, stated in the answer (``training.routing``). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
-    ``gpu``: the fake CUDA target's card (``predict.cards.follows_card``).
+    ``gpu``: the fake CUDA target's card (``predict.cards.follows_card``). ``fp8``: "tensorwise" or "rowwise", the linear layers as torchao's float8 training converts them (``training.fp8``).
     Bad input raises ``ValueError`` with what to do instead."""
     if batch is not None:
         validate_batch(batch)
@@ -85,7 +85,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
     amp_key = validate_amp(amp)
     recipe = user_recipe(opt, amp_key, **recipe_options(locals()))
-    check_recipe_for(recipe, w)
+    check_recipe_for(recipe, w, dt)
     try:
         bd = breakdown(recipe_workload(w, recipe), batch, dtype=dt)
     except ValueError:

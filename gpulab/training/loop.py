@@ -49,6 +49,10 @@ tracker's phase. Where lessons differ, the ``Recipe`` says how:
 * ``routing``: a mixture of experts' routing, a named assumption (``training.routing``: None or
   "balanced", "capacity:F", "worst", exact counts): the experts run on that many token rows each,
   static shapes a fake run can follow; refused for a model without routed experts;
+* ``fp8``: None, "tensorwise" or "rowwise": the model's linear layers (not the output head, nor one
+  whose dims do not divide by 16, as torchtitan) swapped for torchao's ``Float8Linear`` right after
+  the model is built (``training.fp8``): each matmul casts its input and weight to float8 with
+  their scales, and backward casts again;
 * ``fresh_batch``: a new batch every step, dropped right after backward (lesson 09's replays,
   whose batch size changes from step to step), or one batch kept while the size stays;
 * ``seed``, ``register_model`` (label the model before the optimizer exists), ``teardown`` (free
@@ -79,6 +83,7 @@ from gpulab.models.quantized import COMPUTE_DTYPES, FOUR_BIT, QUANTIZATIONS
 from gpulab.models.registry import ModelSpec
 from gpulab.models.workload import Workload, forward, image_workload
 from gpulab.training.chunked_loss import check_chunks, chunked_lm_loss
+from gpulab.training.fp8 import check_fp8, check_fp8_for, check_fp8_workload, fp8_convert
 from gpulab.training.optimizers import build_optimizer, check_implementation, check_optimizer, make_optimizer
 from gpulab.training.routing import Routing, install_routing, is_moe, parse_routing
 from gpulab.training.tensor_parallel import check_tensor_parallel, check_tp_options, fake_world, tensor_parallel
@@ -121,9 +126,14 @@ class Recipe:
     routing: Routing | str | None = None   # None: balanced where the model has routed experts
     tp: int = 1                          # tensor-parallel ranks (training.tensor_parallel: a fake process group)
     sequence_parallel: bool = False      # with tp: the norms and the residual stream on a sequence shard
+    fp8: str | None = None               # torchao's float8 training recipe: "tensorwise" or "rowwise"
 
     def __post_init__(self):
         check_chunks(self.chunked_loss)
+        object.__setattr__(self, "fp8", check_fp8(self.fp8))
+        if self.fp8 and (self.lora or self.quantize or self.tp > 1):
+            raise ValueError("fp8 converts the model's own linear layers to torchao's Float8Linear: leave out lora, "
+                             "quantize and tp with fp8 (their layers are not plain nn.Linear)")
         check_tp_options(self.tp, self.sequence_parallel)
         if self.tp > 1 and (self.lora or self.quantize or self.compile or self.offload_activations):
             raise ValueError("tensor parallelism is measured on the model's own linear layers: leave out lora, quantize, "
@@ -161,7 +171,7 @@ RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False
                    "use_cache": None, "compile": False, "implementation": "default", "checkpointing": False,
                    "lora": 0, "lora_targets": None, "lora_dropout": 0.0, "quantize": None, "lora_dtype": "fp32",
                    "double_quant": True, "quant_compute_dtype": "input", "routing": None, "tp": 1,
-                   "sequence_parallel": False}
+                   "sequence_parallel": False, "fp8": None}
 
 
 def recipe_options(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -177,7 +187,7 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
                 lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0,
                 quantize: str | None = None, lora_dtype: str = "fp32", double_quant: bool = True,
                 quant_compute_dtype: str | None = "input", routing: Any = None, tp: int = 1,
-                sequence_parallel: bool = False) -> Recipe:
+                sequence_parallel: bool = False, fp8: str | None = None) -> Recipe:
     """The ``Recipe`` of ``gpulab.step`` / ``gpulab.fit`` from their arguments (``amp``: "fp16",
     "bf16" or None). Bad values raise ``ValueError`` saying what is allowed."""
     for name, value in (("grad_scaler", grad_scaler), ("set_to_none", set_to_none),
@@ -210,7 +220,8 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
                   offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache, compile=compile,
                   implementation=implementation, checkpointing=checkpointing, lora=lora, lora_targets=lora_targets,
                   lora_dropout=float(lora_dropout), quantize=quantize, lora_dtype=lora_dtype, double_quant=double_quant,
-                  quant_compute_dtype=quant_compute_dtype, routing=routing, tp=tp, sequence_parallel=sequence_parallel)
+                  quant_compute_dtype=quant_compute_dtype, routing=routing, tp=tp, sequence_parallel=sequence_parallel,
+                  fp8=fp8)
 
 
 def _check_adapter_options(lora: int, quantize: str | None, lora_dtype: str, double_quant: bool,
@@ -229,8 +240,10 @@ def _check_adapter_options(lora: int, quantize: str | None, lora_dtype: str, dou
                              f"quantize='nf4' or 'fp4' with it")
 
 
-def check_recipe_for(r: Recipe, w: Workload) -> None:
-    """Refuse, before anything runs, a recipe this workload cannot take (ValueError saying why)."""
+def check_recipe_for(r: Recipe, w: Workload, dtype: torch.dtype | None = None) -> None:
+    """Refuse, before anything runs, a recipe this workload cannot take in ``dtype`` (ValueError saying why)."""
+    if r.fp8:   # torchao's float8 linear layers: a model or dtype they cannot train (built on meta: free)
+        check_fp8_workload(w, dtype)
     for name, on in (("chunked_loss", r.chunked_loss), ("use_cache", r.use_cache is not None)):
         if on and w.kind != "tokens":
             raise ValueError(f"{name} is for language models (an hf: model or a transformers config); {w.name} "
@@ -292,7 +305,11 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
         with ctx.phase("setup"):
             if r.seed is not None:
                 torch.manual_seed(r.seed)
-            net = parallel(w.build(ctx.device, dtype))
+            net = w.build(ctx.device, dtype)
+            if r.fp8:   # torchao's Float8Linear in place of the linear layers, before anything reads them
+                check_fp8_for(net, dtype, w.name)
+                fp8_convert(net, r.fp8)
+            net = parallel(net)
             _assume_routing(net, w, r)
             if r.register_model or r.compile:   # compile: the tracker's parameter hooks exist before dynamo guards
                 ctx.tracker.register(net)
