@@ -82,16 +82,76 @@ def test_layers_not_alike_are_not_repeated():
     cfg.num_hidden_layers = 16
     assert L.not_repeatable(cfg) is None
     assert "every-2" in L.not_repeatable(cfg, "every-2")
-    cfg.layer_types = ["sliding_attention", "full_attention"] * 8
-    assert "not all alike (layer_types)" in L.not_repeatable(cfg)
+    cfg.layer_types = ["full_attention"] * 15 + ["sliding_attention"]   # no period short enough to repeat
+    assert "not all alike (layer_types" in L.not_repeatable(cfg)
     cfg.layer_types = None
-    cfg.first_k_dense_replace = 3      # DeepSeek's dense first layers: 2-4 layer runs would not show the rest
-    assert "first_k_dense_replace" in L.not_repeatable(cfg)
-    cfg.first_k_dense_replace = 1      # only the first differs: the runs' first block shows it
-    assert L.not_repeatable(cfg) is None
+    cfg.mlp_only_layers = [3, 7]
+    assert "mlp_only_layers" in L.not_repeatable(cfg)
+    cfg.mlp_only_layers = []
     cfg.num_hidden_layers = 4
     assert "full depth is as cheap" in L.not_repeatable(cfg)
     assert "not a transformer" in L.not_repeatable(None)
+
+
+def test_periodic_and_prefixed_layers_are_patterns():
+    """Layers that repeat every few (Gemma's sliding and global layers, a mixture of experts every K
+    layers) repeat by periods; DeepSeek's dense first layers are a prefix every small run holds."""
+    cfg = hf_configs.make_config("tiny-llama")
+    cfg.num_hidden_layers = 16
+    assert L.block_pattern(cfg) == L.Pattern()
+    cfg.layer_types = ["sliding_attention", "full_attention"] * 8   # found, then run at full depth (named)
+    assert "not all alike (layer_types every 2: sliding_attention, full_attention)" in L.block_pattern(cfg)
+    assert "one-layer blocks only, so all 16 layers run" in L.not_repeatable(cfg)
+    cfg.layer_types = None
+    cfg.first_k_dense_replace = 3
+    assert L.block_pattern(cfg) == L.Pattern(3, 1, "the first 3 layers dense")
+    cfg.first_k_dense_replace = 1      # only the first differs: the runs' first block shows it
+    assert L.block_pattern(cfg) == L.Pattern()
+    cfg.first_k_dense_replace, cfg.decoder_sparse_step = None, 2
+    assert "decoder_sparse_step 2" in L.block_pattern(cfg)
+    assert "layer_types every 2" in L.not_repeatable(hf_configs.make_config("gemma-2-9b"))
+    gemma3 = hf_configs.make_config("gemma-3-1b")
+    assert "layer_types every 6: sliding_attention, sliding_attention" in L.not_repeatable(gemma3)
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite"):
+        assert L.block_pattern(hf_configs.make_config(name)) == L.Pattern()
+
+
+def _shrunk(name: str, depth: int, seq_len: int = 32, **fields):
+    """A built-in config's real layer pattern (``layer_types`` cut to ``depth``) at small sizes."""
+    cfg = hf_configs.make_config(name)
+    types = list(cfg.layer_types or []) if getattr(cfg, "layer_types", None) else None
+    sizes = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 vocab_size=256)
+    for key, value in {**sizes, **fields}.items():
+        if hasattr(cfg, key):
+            setattr(cfg, key, value)
+    cfg.num_hidden_layers = depth
+    if types:
+        period = next(p for p in range(1, len(types)) if types[p:] == types[:-p])
+        cfg.layer_types = [types[i % period] for i in range(depth)]
+    return resolve_workload(cfg, seq_len=seq_len)
+
+
+PATTERNS = {   # each built-in's own layer pattern, small: (name, depth, fields)
+    "deepseek-v2 (2 dense, then MoE)": ("deepseek-v2-lite", 7, dict(
+        first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, head_dim=8)),
+    "mixtral (MoE alike)": ("mixtral-8x7b", 6, dict(num_local_experts=4)),
+    "qwen3-moe (MoE alike)": ("qwen3-30b-a3b", 6, dict(num_experts=8, moe_intermediate_size=32)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", list(PATTERNS.values()), ids=list(PATTERNS))
+def test_layer_patterns_equal_full_depth(spec):
+    """Mixtures of experts (all MoE layers alike, or after a dense prefix) laid out from a few layers equal the
+    full-depth run."""
+    name, depth, fields = spec
+    w = _shrunk(name, depth, **fields)
+    deep, laid, full = _both(w, user_recipe("adamw", None))
+    assert deep.copies >= 1 and deep.depths[2] < depth
+    _assert_same(laid, full)
+    assert f"{depth} layers laid out" in deep.describe()
 
 
 def test_a_timeline_that_does_not_repeat_is_refused():

@@ -25,14 +25,22 @@ The layout at N blocks takes its bytes from the k- and (k+1)-block runs *at the 
 
 ``GPULAB_LAYER_REPEAT=0`` in the environment switches it off (every run at full depth: for comparing).
 
-NB: this holds where every block is alike. A config whose layers differ (``layer_types`` that are
-not all the same, checkpointing every K-th layer) is not repeated: ``not_repeatable`` says why.
+Dense layers before the experts (DeepSeek's ``first_k_dense_replace``) are a prefix that every small
+run holds: the small runs have prefix + k, k+1 and k+2 layers (``block_pattern``). Layers that repeat
+every few (Gemma-2's sliding and global layers, period 2; Gemma-3's five local to one global, period
+6; a mixture of experts every K layers) are found (``Pattern.period``) but run at full depth: tried
+on Gemma-2's pattern with a 2-layer block, the placement search below found no layout that explains
+every event (the parameters' and gradients' runs can sit at any layer boundary, and the choices
+must agree across setup, backward and teardown). A config whose layers do not repeat so
+(``mlp_only_layers``, checkpointing every K-th layer, periods) is run at full depth, and
+``not_repeatable`` says why, in the answer's ``layers``.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import difflib
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -43,7 +51,8 @@ from gpulab.models import hf_configs
 from gpulab.models.registry import build_in_place
 from gpulab.models.workload import Workload
 
-__all__ = ["BASE_BLOCKS", "Deep", "Layout", "MAX_EVENTS", "MIN_REPEAT_DEPTH", "learn", "not_repeatable", "same_timeline",
+__all__ = ["BASE_BLOCKS", "Deep", "Layout", "MAX_EVENTS", "MIN_REPEAT_DEPTH", "Pattern", "block_pattern", "learn",
+           "not_repeatable", "same_timeline",
            "with_depth", "workload_with_depth"]
 
 BASE_BLOCKS = 2          # k: the first and the last block; k+1 and k+2 add middle ones
@@ -51,6 +60,9 @@ MAX_EVENTS = 4_000_000   # a laid-out timeline longer than this is refused (memo
 MIN_REPEAT_DEPTH = 12   # shallower stacks run at full depth: 7 runs of 2-4 layers cost about what 3 full-depth runs do
 
 _DIGITS = re.compile(r"\d+")
+# Events are made field by field (dataclasses.replace costs 10 times more) while Event has these fields
+_EVENT_FIELDS = [f.name for f in dataclasses.fields(Event)] == ["index", "kind", "sid", "nbytes", "delta", "device",
+                                                                "phase", "module", "time"]
 
 
 def _depth_attr(config: Any) -> str | None:
@@ -68,40 +80,66 @@ def not_repeatable(config: Any, checkpointing: Any = False) -> str | None:
         return "not a transformer config (no stack of identical blocks to repeat)"
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder (two stacks)"
-    attr = _depth_attr(config)
-    if attr is None:
+    if _depth_attr(config) is None:
         return "the config names no number of layers"
-    depth = getattr(config, attr)
-    if depth < MIN_REPEAT_DEPTH:
-        return f"{depth} layers: the full depth is as cheap"
-    for name, value in vars(config).items():
-        if isinstance(value, (list, tuple)) and len(value) == depth and len({repr(v) for v in value}) > 1:
-            return f"its layers are not all alike ({name})"
-    mixed = _mixed_layers(config)
-    if mixed:
-        return mixed
     if isinstance(checkpointing, str) and checkpointing.startswith("every-"):
         return f"checkpointing {checkpointing} treats layers differently"
-    return None
+    pattern = block_pattern(config)
+    return pattern if isinstance(pattern, str) else None
 
 
-# Config fields that make some layers differ from the rest (mixtures of experts with dense layers):
-# (field, the values under which every layer past the first is alike, what it means)
-_LAYER_PATTERNS = (
-    ("first_k_dense_replace", (None, 0, 1), "the first {} layers are dense, the rest mixtures of experts"),
-    ("moe_layer_freq", (None, 1), "a mixture of experts every {} layers"),
-    ("decoder_sparse_step", (None, 1), "a mixture of experts every {} layers"),
-    ("interleave_moe_layer_step", (None, 1), "a mixture of experts every {} layers"),
-    ("mlp_only_layers", (None, [], ()), "dense layers at {}"),
-)
+@dataclass(frozen=True)
+class Pattern:
+    """How a stack's layers repeat: the first ``prefix`` layers apart (DeepSeek's dense layers),
+    then every ``period`` layers alike (Gemma-2's sliding and global layers: 2; Gemma-3's five
+    local to one global: 6; a mixture of experts every K layers: K). ``why`` names the fields."""
+    prefix: int = 0
+    period: int = 1
+    why: str = ""
 
 
-def _mixed_layers(config: Any) -> str | None:
-    for name, alike, what in _LAYER_PATTERNS:
-        value = getattr(config, name, None)
-        if value not in alike:
-            return f"its layers are not all alike ({name}: {what.format(value)})"
-    return None
+# Config fields that make some layers differ from the rest: a mixture of experts every K layers
+# (the layer index decides, so the layers repeat every K), or dense layers before the experts.
+_STEPS = ("moe_layer_freq", "decoder_sparse_step", "interleave_moe_layer_step")
+
+
+def block_pattern(config: Any, min_depth: int = MIN_REPEAT_DEPTH) -> Pattern | str:
+    """The ``Pattern`` of the config's layers, or why its layers do not repeat in a few blocks
+    (or number fewer than ``min_depth``). Read from the per-layer lists (``layer_types``) and the
+    mixture-of-experts fields; the fake runs then check it: a layout that does not rebuild the
+    deeper runs is refused (``learn``)."""
+    depth = getattr(config, _depth_attr(config))
+    if depth < min_depth:
+        return f"{depth} layers: the full depth is as cheap"
+    dense = getattr(config, "first_k_dense_replace", None)
+    prefix = dense if isinstance(dense, int) and dense > 1 else 0   # one dense layer: the runs' first block shows it
+    period, why = 1, [f"the first {prefix} layers dense"] if prefix else []
+    only = getattr(config, "mlp_only_layers", None)
+    if only not in (None, [], ()):
+        return f"its layers are not all alike (mlp_only_layers: dense layers at {only})"
+    for name in _STEPS:
+        step = getattr(config, name, None)
+        if isinstance(step, int) and step > 1:
+            period, why = math.lcm(period, step), why + [f"{name} {step}"]
+        elif step not in (None, 0, 1):
+            return f"its layers are not all alike ({name}: {step!r})"
+    for name, value in vars(config).items():
+        if isinstance(value, (list, tuple)) and len(value) == depth and len({repr(v) for v in value}) > 1:
+            cycle = _cycle(value, prefix)
+            period, why = math.lcm(period, cycle), why + [f"{name} every {cycle}: " + ", ".join(map(str, value[prefix:prefix + cycle]))]
+    if period > 1:   # tried on Gemma-2's pattern: no placement of a 2-layer period explained every event
+        return (f"its layers are not all alike ({'; '.join(why)}): layer repeat lays out one-layer blocks only, "
+                f"so all {depth} layers run")
+    if prefix + (BASE_BLOCKS + 2) * period + (depth - prefix) % period >= depth:
+        return (f"its layers are not all alike ({'; '.join(why)}) and {depth} layers hold too few "
+                f"{'periods of ' + str(period) if period > 1 else 'layers past the first ' + str(prefix)} to repeat")
+    return Pattern(prefix, period, "; ".join(why))
+
+
+def _cycle(values: Any, start: int) -> int:
+    """The shortest period of ``values`` from ``start`` on (its length past ``start`` when none shorter)."""
+    reprs = [repr(v) for v in values[start:]]
+    return next(p for p in range(1, len(reprs) + 1) if all(reprs[i] == reprs[i + p] for i in range(len(reprs) - p)))
 
 
 def with_depth(config: Any, depth: int) -> Any:
@@ -128,6 +166,8 @@ def workload_with_depth(w: Workload, depth: int) -> Workload:
 class Deep:
     """A deep stack's step at any batch, laid out from fake runs of a few blocks.
 
+    A block is one layer, or one period of layers where they repeat every few (``Pattern``: Gemma's
+    sliding and global layers), after a prefix that is not repeated (DeepSeek's dense layers).
     ``run(workload, batch, fresh)`` makes one fake run (the caller's: its recipe, dtype, card and
     cache; ``fresh``: not reused). ``at(batch)`` runs k and k+1 blocks at that batch (and k+2 once,
     to learn the layout) and lays out the full depth; None when the layout cannot be learned or does
@@ -135,16 +175,23 @@ class Deep:
 
     def __init__(self, w: Workload, run: Callable[[Workload, int, bool], TrackingResult], k: int = BASE_BLOCKS):
         self.depth = getattr(w.config, _depth_attr(w.config))
+        pattern = block_pattern(w.config, min_depth=0)
+        self.pattern = pattern if isinstance(pattern, Pattern) else Pattern()
+        p = self.pattern.period
         self.k = k
+        # the k-block run: the prefix, k periods and what is left of a period at the end
+        self.depths = tuple(self.pattern.prefix + (k + j) * p + (self.depth - self.pattern.prefix) % p for j in range(3))
+        self.copies = (self.depth - self.depths[0]) // p   # blocks laid out past the k-block run
         self._run = run
-        self._small = {n: workload_with_depth(w, n) for n in (k, k + 1, k + 2)}
+        self._small = {n: workload_with_depth(w, n) for n in self.depths}
         self.layouts: list[Layout] = []   # learned, each serving the batches whose runs it rebuilds
-        self.why = ""
+        self.why = pattern if isinstance(pattern, str) else ""
         self.runs = 0
 
-    def _small_run(self, n: int, batch: int, fresh: bool = False) -> TrackingResult:
+    def _small_run(self, j: int, batch: int, fresh: bool = False) -> TrackingResult:
+        """The run with k + j blocks."""
         self.runs += 1
-        return self._run(self._small[n], batch, fresh)
+        return self._run(self._small[self.depths[j]], batch, fresh)
 
     def at(self, batch: int, fresh: bool = False) -> TrackingResult | None:
         """The full depth at ``batch`` (``fresh``: its small runs made again, not reused). A layout
@@ -152,22 +199,22 @@ class Deep:
         one is learned here (batch 1's size-1 dimensions can make other copies than larger batches)."""
         if self.why:
             return None
-        base, more = self._small_run(self.k, batch, fresh), self._small_run(self.k + 1, batch, fresh)
+        base, more = self._small_run(0, batch, fresh), self._small_run(1, batch, fresh)
         layout = next((lay for lay in self.layouts if same_timeline(lay.expand(base, more, 1), more)), None)
         if layout is None:
             layout, base = self._learn(base, more, batch, fresh)
             if layout is None:
                 return None
         self._check_size(layout)
-        return layout.expand(base, more, self.depth - self.k)
+        return layout.expand(base, more, self.copies)
 
     def _learn(self, base: TrackingResult, more: TrackingResult, batch: int, fresh: bool):
-        deeper = self._small_run(self.k + 2, batch, fresh)
+        deeper = self._small_run(2, batch, fresh)
         learned = learn(base, more, deeper, self.k)
         if isinstance(learned, str):
             # a process's first build can make a few storages once (peft's adapters): the first
             # small run again, now built like the others
-            base = self._small_run(self.k, batch, True)
+            base = self._small_run(0, batch, True)
             learned = learn(base, more, deeper, self.k)
         if isinstance(learned, str):
             self.why = learned if not self.layouts else f"at batch {batch}: {learned}"
@@ -176,12 +223,13 @@ class Deep:
         return learned, base
 
     def _check_size(self, layout: Layout) -> None:
-        events = layout.n_base + (self.depth - self.k) * sum(e - s for _, s, e in layout.groups)
+        per_block = sum(e - s for _, s, e in layout.groups)
+        events = layout.n_base + self.copies * per_block
         if events > MAX_EVENTS:
+            p = self.pattern.period
             raise ValueError(f"{self.depth:,} layers make a timeline of {events:,} events (about "
-                             f"{(events - layout.n_base) // (self.depth - self.k):,} a layer), more than gpulab "
-                             f"replays ({MAX_EVENTS:,}); ask for at most "
-                             f"{self.k + (MAX_EVENTS - layout.n_base) // max(1, events // self.depth):,} layers")
+                             f"{per_block // p:,} a layer), more than gpulab replays ({MAX_EVENTS:,}); ask for at "
+                             f"most {self.depths[0] + p * ((MAX_EVENTS - layout.n_base) // max(1, per_block)):,} layers")
 
     @property
     def layout(self) -> Layout | None:
@@ -192,8 +240,15 @@ class Deep:
         """What the answer's timelines are, in a sentence."""
         if self.layout is None:
             return f"all {self.depth} layers run (layer repeat not used: {self.why or 'not tried'})"
-        text = (f"{self.depth} layers laid out from fake runs of {self.k} and {self.k + 1} layers (each block's "
-                f"events repeated, learned with {self.k + 2} layers; exact where the blocks are alike)")
+        a, b, c = self.depths
+        if self.pattern.period == 1 and not self.pattern.prefix:
+            text = (f"{self.depth} layers laid out from fake runs of {a} and {b} layers (each block's "
+                    f"events repeated, learned with {c} layers; exact where the blocks are alike)")
+        else:
+            block = f"each period of {self.pattern.period} layers" if self.pattern.period > 1 else "each layer"
+            past = f" past the first {self.pattern.prefix} layers" if self.pattern.prefix else ""
+            text = (f"{self.depth} layers laid out from fake runs of {a} and {b} layers (the events of {block}"
+                    f"{past} repeated, learned with {c} layers; {self.pattern.why}; exact where the layers repeat so)")
         return text + (f"; all {self.depth} layers run {self.why}" if self.why else "")
 
 
@@ -317,18 +372,19 @@ class Layout:
         sids: dict[Pos, int] = {}
         records: dict[int, StorageRecord] = {}
         order = list(self.positions(m))
-        for pos in order:
-            t, e = event_at(pos)
+        picked = [event_at(pos) for pos in order]
+        for pos, (t, e) in zip(order, picked):
             if e.kind == "alloc":
                 sid = sids[pos] = len(sids)
-                records[sid] = dataclasses.replace(t.records[e.sid], sid=sid)
+                records[sid] = copy.copy(t.records[e.sid])
+                records[sid].sid = sid
         events = []
-        for pos in order:
-            t, e = event_at(pos)
+        for pos, (_, e) in zip(order, picked):   # Event's fields in order: index, kind, sid, then as they are
             sid = sids.get(pos) if e.kind == "alloc" else sids.get(self._target(pos, m))
             if sid is None:
                 return None
-            events.append(dataclasses.replace(e, index=len(events), sid=sid))
+            events.append(Event(len(events), e.kind, sid, e.nbytes, e.delta, e.device, e.phase, e.module, e.time)
+                          if _EVENT_FIELDS else dataclasses.replace(e, index=len(events), sid=sid))
         return TrackingResult.build(records, events, device=base.device, rounded=base.rounded)
 
 
