@@ -1,12 +1,15 @@
 """`gpulab fit` at scale against the time of an import (issue 34): 8B on one card, a 70B shape on 8
 GPUs (FSDP2), a 405B shape on 64 GPUs (ZeRO-3), with checkpointing where the issue asks, with and
-without ``--what-fits``, and a bad option; each a whole command in a fresh process, as a user runs it.
+without ``--what-fits``, and a bad option; with ``--new-models`` also issue 35's configs: Mixtral-8x7B
+and Qwen3-30B-A3B on 8 GPUs (FSDP2) and ``gpulab serve`` Gemma-2-9B at 32K; each a whole command in a
+fresh process, as a user runs it.
 
-    PYTHONPATH=. python benchmarks/fit_speed.py [--quick] [--repeat-off]
+    PYTHONPATH=. python benchmarks/fit_speed.py [--quick] [--repeat-off] [--new-models] [--only TEXT]
 
 It prints each command's seconds and its ratio to the import floor (``python -c "import torch,
 transformers"``) measured in the same run, and whether the answer's depth was laid out from a few
-layers (``FitResult.layers``). ``--repeat-off`` runs the same commands with the layer repeat switched
+layers (``FitResult.layers``), with the load average (``/proc/loadavg``) before and after: the
+machine is shared. ``--repeat-off`` runs the same commands with the layer repeat switched
 off (``GPULAB_LAYER_REPEAT=0``), to print the ratio of the two. Ratios, not absolute times: the
 machine's load moves both. The 70B and 405B configs are written as config.json files with the
 published configs' shapes (meta-llama/Llama-3.1-70B and -405B: hidden 8192 / 16384, 80 / 126 layers,
@@ -50,6 +53,8 @@ def _timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
         return seconds, f"failed ({p.returncode}): {p.stderr.strip().splitlines()[-1:]}"
     try:
         answer = json.loads(p.stdout)
+        if "largest_batch" not in answer:   # gpulab serve
+            return seconds, f"fits: {answer.get('fits')}, {answer.get('max_sequences')} sequences (vLLM-style)"
         return seconds, (f"batch {answer.get('largest_batch')}, {answer.get('runs')} fake runs; "
                          f"{answer.get('layers') or 'depth: full'}")
     except (json.JSONDecodeError, TypeError):
@@ -60,6 +65,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the 8B command only")
     ap.add_argument("--repeat-off", action="store_true", help="also run every command with the layer repeat off")
+    ap.add_argument("--new-models", action="store_true", help="also issue 35's MoE fits and Gemma-2's serve")
+    ap.add_argument("--only", default="", help="only the commands whose description holds this text")
     args = ap.parse_args()
     py = sys.executable
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
@@ -79,7 +86,15 @@ def main() -> int:
              ["fit", "hf:llama-3-8b", "--gpu", "24GiB", "--dtype", "bf16", "--optimizer", "adamw", "--seq-len",
               "2048", "--what-fits", "--json"]),
         ]
+    if args.new_models:
+        commands += [(f"{name}, 8 H100, FSDP2, bf16", ["fit", f"hf:{name}", "--gpu", "H100", "--gpus", "8", "--strategy",
+                                                        "fsdp2", "--dtype", "bf16", "--json"])
+                     for name in ("mixtral-8x7b", "qwen3-30b-a3b")]
+        commands.append(("serve gemma-2-9b, 24 GiB, 32768 tokens",
+                         ["serve", "hf:gemma-2-9b", "--gpu", "24GiB", "--context", "32768", "--json"]))
     commands.append(("a bad option", ["fit", "hf:llama-3-8b", "--gpu", "H100", "--optimiser", "adamw"]))
+    commands = [c for c in commands if args.only in c[0]]
+    print(f"load average before: {_load()}")
     floor, _ = _timed([py, "-c", "import torch, transformers"], env)
     print(f"import floor (python -c 'import torch, transformers'): {floor:.1f} s")
     for what, cmd in commands:
@@ -89,7 +104,17 @@ def main() -> int:
             off, _ = _timed([py, "-m", "gpulab", *cmd], {**env, "GPULAB_LAYER_REPEAT": "0"})
             line += f"\n{'':48s} {off:7.1f} s  {off / floor:5.2f}x with the layer repeat off ({off / seconds:.2f}x slower)"
         print(line, flush=True)
+    print(f"load average after: {_load()}")
     return 0
+
+
+def _load() -> str:
+    """The 1-, 5- and 15-minute load averages (the machine is shared: ratios, not seconds)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"
 
 
 if __name__ == "__main__":
