@@ -88,3 +88,48 @@ def test_a_failing_child_is_reported_and_the_folder_removed(monkeypatch):
     monkeypatch.setattr(host_ram, "_CHILD", "raise SystemExit(3)")
     with pytest.raises(RuntimeError, match="could not write the checkpoint"):
         loading_peaks(1, 8)
+
+
+# --- lesson 14's predict-first checker reads the measured numbers ------------------------------------
+
+def _synthetic(ratios: dict[str, tuple[float, float]], weights: int = 100 * 2**20):
+    from gpulab.measure.host_ram import HostRamResult, LoadPeak
+    base = 500 * 2**20
+    rows = [LoadPeak(m, base, base + int(a * weights), base + int(b * weights)) for m, (a, b) in ratios.items()]
+    return HostRamResult(1, 8, weights, rows)
+
+
+def test_the_checker_reads_the_measurement(peaks):
+    from gpulab.course.checkpoint_loading import copies, exercise_loading_copies
+    assert copies(peaks) == (2, 1, 0, 1)
+    q = exercise_loading_copies(peaks)
+    assert q.check("c").ok and not q.check("b").ok and not q.check("d").ok
+    assert f"{peaks.ratio('naive'):.2f}" in q.reveal().message
+
+
+def test_the_checker_follows_other_numbers():
+    from gpulab.course.checkpoint_loading import exercise_loading_copies
+    same = {"naive": (1.0, 1.0), "meta_assign": (1.0, 1.0), "mmap": (1.1, 1.1), "safetensors": (1.0, 1.0)}
+    assert exercise_loading_copies(_synthetic(same)).check("a").ok
+    odd = dict(same, naive=(3.0, 3.0))
+    q = exercise_loading_copies(_synthetic(odd))
+    assert not any(q.check(k).ok for k in "abcd")
+
+
+def test_the_checker_refuses_a_failed_child():
+    from gpulab.course.checkpoint_loading import copies
+    from gpulab.measure.host_ram import HostRamResult, LoadPeak
+    failed = HostRamResult(1, 8, 100, [LoadPeak("naive", error="timed out after 1 s: the child process was killed")])
+    with pytest.raises(ValueError, match="run loading_peaks again"):
+        copies(failed)
+
+
+def test_measured_once_per_session(monkeypatch):
+    from gpulab.course import checkpoint_loading as cl
+    calls = []
+    monkeypatch.setattr(cl, "_MEASURED", {})
+    monkeypatch.setattr(cl, "loading_peaks", lambda layers, width, methods: calls.append(1) or _synthetic(
+        {m: (1.0, 1.0) for m in methods}))
+    first = cl.measured_loading(1, 8)
+    assert cl.measured_loading(1, 8) is first and len(calls) == 1
+    assert cl.measured_loading(1, 8, fresh=True) is not first and len(calls) == 2
