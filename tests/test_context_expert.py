@@ -1,0 +1,172 @@
+"""Context parallelism (gpulab.training.context_parallel) and expert parallelism
+(gpulab.training.expert_parallel) per rank, against counts made independently of the runs."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import transformers
+
+import gpulab
+from gpulab.models import hf_configs
+from gpulab.training.context_parallel import ring_buffers
+from gpulab.training.expert_parallel import ep_buffers
+from gpulab.training.routing import parse_routing
+
+SEQ = 2048
+
+
+def _llama():
+    cfg = hf_configs.make_config("tiny-llama")
+    cfg.max_position_embeddings = 4 * SEQ
+    return cfg
+
+
+def _mixtral(experts: int = 8, k: int = 2):
+    return transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, num_local_experts=experts,
+                                      num_experts_per_tok=k, vocab_size=256, max_position_embeddings=256)
+
+
+def _cp(cp: int, **kw):
+    return gpulab.step(_llama(), batch=1, seq_len=SEQ, optimizer="adamw", dtype="bf16", engine="fake", cp=cp, **kw)
+
+
+def test_context_parallel_activations_fall_by_cp():
+    """SDPA (flash on the fake CUDA target) saves q, k, v, the output and a logsumexp per row, all
+    linear in the rank's tokens: a rank's activations are 1/cp of the whole sequence's, exactly;
+    parameters and optimizer state do not change."""
+    runs = {cp: _cp(cp) for cp in (1, 2, 4)}
+    act = {cp: r.tensor_bytes_by_category["activations"] for cp, r in runs.items()}
+    assert act[1] == 2 * act[2] == 4 * act[4]
+    assert runs[4].tensor_bytes_by_category["parameters"] == runs[1].tensor_bytes_by_category["parameters"]
+    note = runs[4].recipe["context_parallel"]
+    assert "formula" in note["label"] and "_AllGatherRotater" in note["label"]
+    assert "512 tokens" in runs[4].measurement.label
+
+
+def test_ring_buffers_counted_by_hand():
+    """Read off the tiny Llama config: the whole sequence's K and V gathered per layer,
+    2·s·b·kv·d bf16 values; backward adds float32 dq, dk, dv and the dK/dV rotation's send and receive."""
+    cfg = _llama()
+    a, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = cfg.hidden_size // a
+    r = ring_buffers(SEQ, 4, 1, a, kv, d, 2)
+    local = SEQ // 4
+    assert r.gathered_kv_bytes == 2 * SEQ * kv * d * 2
+    assert r.backward_bytes == r.gathered_kv_bytes + local * (a + 2 * kv) * d * 4 + 2 * 2 * local * kv * d * 4
+    assert r.forward_bytes == 2 * local * kv * d * 2 + r.gathered_kv_bytes + (local * a * d + a * local) * 4
+    assert r.peak_bytes == max(r.forward_bytes, r.backward_bytes)
+    assert ring_buffers(4 * SEQ, 4, 1, a, kv, d, 2).gathered_kv_bytes == 4 * r.gathered_kv_bytes   # not / cp
+
+
+def test_context_parallel_refusals_say_what_divides():
+    with pytest.raises(ValueError, match=r"does not split into 2·cp = 8 equal chunks.*8 divides"):
+        gpulab.step(_llama(), batch=1, seq_len=100, optimizer="adamw", engine="fake", cp=4)
+    with pytest.raises(ValueError, match=r"2·cp·tp = 16"):
+        gpulab.step(_llama(), batch=1, seq_len=72, optimizer="adamw", engine="fake", cp=4, tp=2,
+                    sequence_parallel=True)
+    with pytest.raises(ValueError, match="shards a language model's sequence"):
+        gpulab.step("resnet18", batch=2, optimizer="adamw", engine="fake", cp=2)
+    with pytest.raises(ValueError, match="whole number of ranks"):
+        gpulab.step(_llama(), batch=1, seq_len=64, optimizer="adamw", engine="fake", cp=0)
+    with pytest.raises(ValueError, match=r"not a multiple of tp × cp = 2 × 2 = 4"):
+        gpulab.fit(_llama(), "24MiB", optimizer="adamw", seq_len=64, context_bytes=0, cp=2, tp=2, gpus=6,
+                   strategy="ddp")
+
+
+def _expert_params(cfg, ep: int) -> int:
+    """One rank's parameter count from the config: the dense parts whole, each MoE layer's router
+    whole (E × h) and E/ep experts of (2·I·h + h·I)."""
+    h, i, L, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    E = cfg.num_local_experts
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    attention = h * h + 2 * h * kv + h * h
+    per_layer = attention + 2 * h + E * h + (E // ep) * 3 * h * i
+    return L * per_layer + h + v * h * (1 if cfg.tie_word_embeddings else 2)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_expert_parallel_rank_holds_its_experts(ep):
+    cfg = _mixtral()
+    r = gpulab.step(cfg, batch=2, seq_len=64, optimizer="adamw", dtype="bf16", engine="fake", ep=ep)
+    by = r.tensor_bytes_by_category
+    params = 2 * _expert_params(cfg, ep)
+    assert by["parameters"] == pytest.approx(params, abs=512 * 40)
+    assert by["optimizer_state"] == pytest.approx(2 * params, abs=512 * 80)
+
+
+@pytest.mark.parametrize("routing,rows", [("balanced", 2 * 64 * 2), ("worst", 4 * 2 * 64 * 2)])
+def test_all_to_all_buffers_are_in_the_run(routing, rows):
+    """The dispatch's receive buffer (rows × h) is made by the all-to-all on the fake group, once per
+    MoE layer; balanced: the rank's own tokens·k rows; worst: ep·tokens·k (every token of the group to
+    experts 0 and 1, both on rank 0)."""
+    cfg = _mixtral()
+    r = gpulab.step(cfg, batch=2, seq_len=64, optimizer="adamw", dtype="bf16", engine="fake", ep=4,
+                    routing=routing, steps=1)
+    made = Counter(tuple(rec.shape) for rec in r.measurement.tracking.records.values()
+                   if rec.op == "all_to_all_single" and rec.phase == "forward")
+    layers = cfg.num_hidden_layers   # per MoE layer: the dispatch's receive buffer, then the combine's (tokens·k rows)
+    assert made == Counter({(rows, 64): layers}) + Counter({(2 * 64 * 2, 64): layers})
+    note = r.recipe["expert_parallel"]
+    assert note["rows_received"] == rows and note["dispatch_receive"] == rows * 64 * 2
+    assert note["dispatch_send"] == 2 * 64 * 2 * 64 * 2
+    assert "rank 0 holds 2 of 8 experts" in r.measurement.label
+
+
+def test_ep_buffers_under_capacity():
+    b = ep_buffers(parse_routing("capacity:1.25"), 128, 2, 8, 4, 64, 2)
+    assert b.rows_received == 2 * 160   # ceil(1.25 · (4·128)·2 / 8) = 160 rows each for rank 0's 2 experts
+
+
+def test_expert_parallel_refusals_say_what_divides():
+    with pytest.raises(ValueError, match=r"--ep 3 does not divide the 8 experts.*--ep 2 or 4 or 8"):
+        gpulab.step(_mixtral(), batch=2, seq_len=64, optimizer="adamw", engine="fake", ep=3)
+    with pytest.raises(ValueError, match="dense model"):
+        gpulab.step(_llama(), batch=2, seq_len=64, optimizer="adamw", engine="fake", ep=2)
+    with pytest.raises(ValueError, match="routing assumption"):
+        gpulab.step(_mixtral(), batch=2, seq_len=64, optimizer="adamw", engine="fake", ep=2, routing="router")
+    with pytest.raises(ValueError, match="leave out --tp and --cp"):
+        gpulab.step(_mixtral(), batch=2, seq_len=64, optimizer="adamw", engine="fake", ep=2, tp=2)
+    with pytest.raises(ValueError, match=r"--ep 4 does not divide gpus=6"):
+        gpulab.fit(_mixtral(), "24MiB", optimizer="adamw", seq_len=64, context_bytes=0, ep=4, gpus=6,
+                   strategy="ddp")
+    with pytest.raises(ValueError, match="use --strategy ddp"):
+        gpulab.fit(_mixtral(), "24MiB", optimizer="adamw", seq_len=64, context_bytes=0, ep=2, gpus=4,
+                   strategy="fsdp2")
+
+
+def test_fit_per_rank_with_cp_and_ep():
+    one = gpulab.fit(_mixtral(), "24MiB", optimizer="adamw", dtype="bf16", seq_len=64, context_bytes=0)
+    four = gpulab.fit(_mixtral(), "24MiB", optimizer="adamw", dtype="bf16", seq_len=64, context_bytes=0, ep=4)
+    assert four.largest_batch >= one.largest_batch
+    assert "expert_parallel" in four.recipe and "rank 0 holds 2 of 8" in four.label
+    cp = gpulab.fit(_llama(), "24MiB", optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0, cp=4,
+                    gpus=8, strategy="ddp")
+    assert "ring attention" in cp.label and cp.recipe["cp"] == 4
+
+
+def test_lesson_12s_section_10():
+    import time
+
+    from gpulab.course.context_expert import (cp_table, ep_table, exercise_cp_activations, exercise_ep_parameters,
+                                              table2_rows)
+    t0 = time.perf_counter()
+    cps = cp_table()
+    assert cps.row(131072, 8).activations * 8 == cps.row(131072, 1).activations
+    assert cps.row(131072, 8).gathered_kv == 4 * cps.row(32768, 8).gathered_kv
+    ex = exercise_cp_activations(cps)
+    assert ex.check(cps.row(131072, 8).activations).ok and not ex.check(cps.row(131072, 1).activations).ok
+    eps = ep_table()
+    assert eps.row(4).parameters < eps.row(1).parameters
+    assert eps.row(4, "worst").dispatch_receive == 4 * eps.row(4).dispatch_receive
+    ex = exercise_ep_parameters(eps)
+    assert ex.check(eps.row(4).parameters).ok and not ex.check(eps.row(1).parameters // 4).ok
+    t2 = table2_rows()
+    a, h, s, t = 8, 512, 512, 4
+    assert t2.row("no parallelism").difference == 2 * a * s * s + 2 * 2 * s * 2
+    assert t2.row("tensor + sequence parallel t=4").difference == 2 * a * s * s // t + 2 * 2 * s * 2 // t + \
+        4 * s * h * (t - 1) // t
+    for table in (cps, eps, t2):
+        assert "<table" in table._repr_html_()
+    assert time.perf_counter() - t0 < 240
