@@ -165,16 +165,19 @@ def print_model() -> int:
     sys.path.insert(0, str(ROOT))
     from gpulab.course.day_model import lesson_time, stated_minutes
     record = json.loads(RECORD.read_text())
-    print(f"{'lesson':<28}{'words':>6}{'read':>6}{'quest':>6}{'pred':>6}{'run':>6}{'demo':>6}"
+    print(f"{'lesson':<30}{'words':>6}{'read':>6}{'quest':>6}{'pred':>6}{'run':>6}{'demo':>6}"
           f"{'model':>7}{'stated':>7}")
     for p in sorted(LESSONS.glob("[0-9][0-9]_*.ipynb")):
         stated = stated_minutes(p)[0]
+        if stated == 0:
+            print(f"{p.stem:<30}homework (a stated core path of 0): not in the day")
+            continue
         try:
             r = lesson_time(p, record).row()
         except ValueError as e:
-            print(f"{p.stem:<28}{str(e)}")
+            print(f"{p.stem:<30}{str(e)}")
             continue
-        print(f"{p.stem:<28}{r['words']:>6}{r['reading']:>6}{r['questions']:>6}{r['predicting']:>6}"
+        print(f"{p.stem:<30}{r['words']:>6}{r['reading']:>6}{r['questions']:>6}{r['predicting']:>6}"
               f"{r['running']:>6}{r['demo']:>6}{r['core path']:>7}{stated:>7}")
     return 0
 

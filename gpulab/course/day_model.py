@@ -16,7 +16,9 @@ measured, none typed in:
 
 **The core path.** A notebook is read top to bottom, line by line through its markdown cells. A
 heading whose text contains "(optional)" opens an optional section, which runs until the next
-heading of the same or a higher level (as many ``#`` or fewer) without "(optional)"; everything
+heading of the same or a higher level (as many ``#`` or fewer) without "(optional)" (a line in a
+fenced code block is no heading, and a heading that starts "Predict first" belongs to the section
+above it, whatever its level: it neither opens nor closes one); everything
 inside it (markdown lines and code cells) is off the core path. The heading "## Questions" ends
 the core path: the end-of-lesson questions and their collapsed answers are review, not the day.
 A code cell belongs to the section of the last heading above it.
@@ -48,6 +50,7 @@ RECORD_COMMAND = ".venv/bin/python benchmarks/lesson_times.py --record --only {n
 _HEADING = re.compile(r"^(#{1,6})\s+(.*)$")
 _QUESTIONS = re.compile(r"^##\s+Questions\b")
 _CHECK = re.compile(r"\.check\(")
+_PART_OF_SECTION = re.compile(r"predict first\b", re.I)   # "## Predict first" under "## 9. ... (optional)"
 _TAG = re.compile(r"<[^>]+>")
 _LINK_TARGET = re.compile(r"\]\([^)]*\)")
 _WORD = re.compile(r"[A-Za-z0-9]")
@@ -114,11 +117,14 @@ def core_path(cells: list[dict]) -> CoreSection:
             continue
         if cell["cell_type"] != "markdown":
             continue
+        fenced = False   # inside a ``` block a line starting with # is code, not a heading
         for line in source.splitlines():
-            if _QUESTIONS.match(line):
+            if line.lstrip().startswith(("```", "~~~")):
+                fenced = not fenced
+            if not fenced and _QUESTIONS.match(line):
                 return CoreSection(tuple(markdown), tuple(code), tuple(questions))
-            m = _HEADING.match(line)
-            if m:
+            m = None if fenced else _HEADING.match(line)
+            if m and not _PART_OF_SECTION.match(m.group(2)):
                 level, title = len(m.group(1)), m.group(2)
                 if "(optional)" in title:
                     optional_at = level if optional_at is None else min(optional_at, level)
