@@ -8,6 +8,7 @@ The names are loaded on first use (PEP 562): ``from gpulab import step`` imports
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:   # for type checkers and editors; at run time __getattr__ below loads them
@@ -21,6 +22,18 @@ if TYPE_CHECKING:   # for type checkers and editors; at run time __getattr__ bel
     from gpulab.units import format_bytes
 
 __version__ = "0.1.0"
+
+
+def _drop_torchao_enum_notice(record: logging.LogRecord) -> bool:
+    """torch 2.15's pytree logs a deprecation notice for each Enum torchao (>= 0.18) registers as a
+    constant (torch/utils/_pytree.py, ``register_constant``). transformers imports torchao whenever
+    it is installed (quantizers/quantizer_torchao.py), so the notice would land in whichever lesson
+    cell first builds a transformers model, once a kernel: noise about two libraries' versions, not
+    about memory. Only that message is dropped; every other pytree record passes."""
+    return "Calling register_constant() on Enum subclasses is deprecated" not in record.getMessage()
+
+
+logging.getLogger("torch.utils._pytree").addFilter(_drop_torchao_enum_notice)
 
 # each public name and the module it comes from
 _SOURCES = {
