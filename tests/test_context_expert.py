@@ -170,3 +170,15 @@ def test_lesson_12s_section_10():
     for table in (cps, eps, t2):
         assert "<table" in table._repr_html_()
     assert time.perf_counter() - t0 < 240
+
+
+def test_cli_cp_and_ep(capsys):
+    from gpulab import cli
+    assert cli.main(["step", "hf:tiny-llama", "--engine", "fake", "--batch", "1", "--seq-len", "100", "--cp", "4"]) == 2
+    assert "gpulab: error: --cp 4: sequence length 100 does not split into 2·cp = 8" in capsys.readouterr().err
+    assert cli.main(["step", "hf:tiny-llama", "--engine", "fake", "--batch", "1", "--ep", "2"]) == 2
+    assert "dense model" in capsys.readouterr().err
+    assert cli.main(["fit", "hf:tiny-llama", "--gpu", "64MiB", "--context", "1MiB", "--optimizer", "adamw",
+                     "--dtype", "bf16", "--seq-len", "256", "--cp", "2", "--gpus", "4", "--strategy", "ddp"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: cp=2: rank 0's sequence shard of 128 tokens measured" in out and "cp=2" in out.splitlines()[0]
