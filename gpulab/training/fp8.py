@@ -31,6 +31,7 @@ workspace. On CPU, torch's ``_scaled_mm`` runs too (gpulab's cpu engine measures
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -47,11 +48,18 @@ INSTALL = "pip install torchao"
 
 
 def _torchao_float8():
+    """``torchao.float8``, imported quietly: torchao 0.18 registers its enums with torch's pytree at import,
+    which torch 2.15 answers with a deprecation warning per enum (logged once per process)."""
+    pytree_log = logging.getLogger("torch.utils._pytree")
+    level = pytree_log.level
+    pytree_log.setLevel(logging.ERROR)
     try:
         import torchao.float8 as float8
     except ImportError:
         raise ValueError(f"fp8 training runs torchao's float8 conversion, and torchao is not installed: "
                          f"{INSTALL}") from None
+    finally:
+        pytree_log.setLevel(level)
     return float8
 
 
