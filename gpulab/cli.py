@@ -21,8 +21,8 @@ import platform
 import sys
 from typing import Any, Sequence
 
-from gpulab.options import (ALL_OPTIMIZERS, AMP_NAMES, FP8_RECIPES, MAX_STEPS, POLICY_TEXT, check_checkpointing,
-                            check_chunks, check_fp8)
+from gpulab.options import (ALL_OPTIMIZERS, AMP_NAMES, FP8_RECIPES, MAX_STEPS, POLICY_TEXT, SCHEDULES,
+                            check_checkpointing, check_chunks, check_fp8)
 from gpulab.predict.cards import parse_gpu
 from gpulab.predict.progress import StreamProgress
 from gpulab.units import check_model_dtype_name, format_bytes
@@ -355,6 +355,23 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: Megatron-style sequence parallelism (norms and the residual stream on a "
                         "sequence shard)")
+    p.add_argument("--cp", type=_positive_int, default=1, metavar="N",
+                   help="context parallelism over N ranks: the answer is one rank's sequence shard (seq_len/N), "
+                        "ring attention's K/V buffers stated as a formula; 2N (with --sequence-parallel 2N x tp) "
+                        "divides the sequence; with --gpus, tp x cp divides it")
+    p.add_argument("--ep", type=_positive_int, default=1, metavar="N",
+                   help="expert parallelism over N ranks for a mixture of experts: the rank holds experts/N "
+                        "experts per layer, tokens dispatched by all-to-all (buffers sized by --routing); "
+                        "N divides the experts and --gpus")
+    p.add_argument("--pp", type=_positive_int, default=1, metavar="N",
+                   help="pipeline parallelism over N stages (the layers split evenly: embedding on the first, "
+                        "norm, head and loss on the last): fit answers per stage; with --gpus, tp x pp divides it")
+    p.add_argument("--microbatches", type=_positive_int, default=None, metavar="M",
+                   help="with --pp: micro-batches per step (default: N); --batch / the answer is one micro-batch")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                   help="with --pp: 1f1b (stage i holds min(N - i, M) micro-batches) or gpipe (every stage holds M)")
+    p.add_argument("--pp-stage", type=int, default=0, metavar="S",
+                   help="step with --pp: the stage to measure, 0 (the first) to N-1 (the last)")
     p.add_argument("--fp8", type=_fp8, default=None, metavar="RECIPE",
                    help=f"FP8 training as torchao converts it ({' or '.join(FP8_RECIPES)} scaling): the linear "
                         f"layers but the output head cast input and weight to float8 for each matmul")
@@ -362,7 +379,7 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
 
 def _recipe_text(d: dict[str, Any]) -> str:
     """", accumulate=4, clip_grad_norm=1.0": the recipe options a result was measured with."""
-    return "".join(f", {k}={v}" for k, v in d.get("recipe", {}).items())
+    return "".join(f", {k}={v}" for k, v in d.get("recipe", {}).items() if not isinstance(v, dict))   # a layout's notes: in the label
 
 
 def _recipe(args: argparse.Namespace) -> dict[str, Any]:
@@ -375,7 +392,8 @@ def _recipe(args: argparse.Namespace) -> dict[str, Any]:
             "quantize": "nf4" if args.qlora else args.quantize, "lora_dtype": args.lora_dtype,
             "double_quant": not args.no_double_quant, "quant_compute_dtype": args.quant_compute_dtype,
             "tp": args.tp, "sequence_parallel": args.sequence_parallel, "routing": args.routing,
-            "fp8": args.fp8}
+            "pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule,
+            "fp8": args.fp8, "cp": args.cp, "ep": args.ep}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -460,7 +478,8 @@ def _answer(args: argparse.Namespace, progress: StreamProgress | None) -> tuple[
         from gpulab.record.workspaces import step   # gpulab.step: predict.step's, with recorded cuDNN workspaces
         return step(args.model, batch=args.batch, optimizer=args.optimizer, steps=args.steps, engine=args.engine,
                     dtype=args.dtype, amp=args.amp, seq_len=args.seq_len, image_size=args.image_size,
-                    fake_target=args.fake_target, gpu=args.gpu, **_recipe(args)).as_dict(), _print_step
+                    fake_target=args.fake_target, gpu=args.gpu, pp_stage=args.pp_stage,
+                    **_recipe(args)).as_dict(), _print_step
     if args.command == "serve":
         from gpulab.predict.serve import longest_context, serve
         kw = dict(dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype, block_size=args.block_size,
@@ -472,6 +491,8 @@ def _answer(args: argparse.Namespace, progress: StreamProgress | None) -> tuple[
             raise ValueError("serve needs --context TOKENS (tokens per sequence) or --longest-context")
         return serve(args.model, args.gpu, context_len=args.context, batch=args.batch, **kw).as_dict(), _print_serve
     from gpulab.predict.fit import fit
+    if args.pp_stage:
+        raise ValueError("--pp-stage picks the stage gpulab step measures; gpulab fit answers every stage: leave it out")
     context = {"context_bytes": _size(args.context)} if args.context else {}
     data = fit(args.model, args.gpu, optimizer=args.optimizer, dtype=args.dtype, amp=args.amp,
                seq_len=args.seq_len, image_size=args.image_size, **_recipe(args),
@@ -523,6 +544,10 @@ def _print_fit(d: dict[str, Any]) -> str:
         lines.append(f"  if {lever['name']}: {format_bytes(lever['peak_bytes'])} at batch 1 "
                      f"({'fits' if lever['fits'] else 'still too big'}) [{lever['label']}: {lever['formula']}]")
     lines.append(f"how: {d['method']}; {d['runs']} fake runs, {d['seconds']:.1f} s")
+    lines += [f"layout: {note['text']}" for note in d.get("recipe", {}).values() if isinstance(note, dict)]
+    if d.get("ranks"):   # pipeline stages: each that differs, at the pipeline's micro-batch
+        lines.append(f"pipeline: {d['pipeline']}")
+        lines += _stage_lines(d["ranks"], d["largest_batch"])
     if d.get("kernels"):
         lines.append(f"kernels: {d['kernels']}")
     if d.get("context_warning"):
@@ -530,6 +555,20 @@ def _print_fit(d: dict[str, Any]) -> str:
     if d.get("what_fits"):
         lines += _what_fits_lines(d["what_fits"])
     return "\n".join(lines)
+
+
+def _stage_lines(rows: list[dict[str, Any]], batch: int) -> list[str]:
+    """One line per pipeline stage shape of a fit answer (predict.pipeline_fit.StageFit)."""
+    out = []
+    for r in rows:
+        head = (f"  stage {', '.join(map(str, r['stages']))} ({r['role']}{', binds' if r['binds'] else ''}): "
+                f"{r['ranks']}; {r['holds']}; {r['in_flight']} micro-batches in flight")
+        if r["peak_bytes"] is None:
+            out.append(f"{head}: {r['note']}")
+        else:
+            out.append(f"{head}: at micro-batch {max(1, batch)} live {format_bytes(r['peak_bytes'])}, reserved "
+                       f"{format_bytes(r['reserved_bytes'])}" + (f" ({r['note']})" if r["note"] else ""))
+    return out
 
 
 def _print_longest(d: dict[str, Any]) -> str:

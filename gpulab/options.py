@@ -10,13 +10,14 @@ from __future__ import annotations
 from gpulab.formulas import OPTIMIZER_STATES, RECIPE_OPTIMIZERS
 
 __all__ = ["ALL_OPTIMIZERS", "AMP_NAMES", "CHECKPOINTING_POLICIES", "FP8_RECIPES", "MAX_STEPS", "POLICY_TEXT",
-           "check_checkpointing", "check_chunks", "check_fp8"]
+           "SCHEDULES", "check_checkpointing", "check_chunks", "check_fp8"]
 
 # what gpulab.step / gpulab.fit / the CLI take: the lessons' optimizers, then the recipe optimizers
 # (training.optimizers.ALL_OPTIMIZERS is the same tuple)
 ALL_OPTIMIZERS = (*OPTIMIZER_STATES, *RECIPE_OPTIMIZERS)
 AMP_NAMES = ("fp16", "bf16")       # the keys of training.loop.AMP_DTYPES
 MAX_STEPS = 10   # tracked steps of one call: each repeats the steady state of step 2
+SCHEDULES = ("1f1b", "gpipe")     # training.pipeline.SCHEDULES: the pipeline schedules gpulab measures
 
 CHECKPOINTING_POLICIES = ("full", "selective", "every-K")
 POLICY_TEXT = ("full (every block), selective (op-level selective activation checkpointing, SAC: matmul and "

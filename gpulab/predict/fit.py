@@ -47,6 +47,7 @@ from gpulab.training.loop import (AMP_DTYPES, Recipe, changed_options, check_rec
 from gpulab.predict import layer_repeat, run_cache
 from gpulab.predict.progress import Progress, report
 from gpulab.predict.search import largest_fitting
+from gpulab.training.context_parallel import layout_gpus, layout_notes
 from gpulab.training.routing import Routing, is_moe
 from gpulab.categories import Category
 from gpulab.measure.tracking import TrackingResult
@@ -120,6 +121,8 @@ class FitResult(CardBudget):
     workspace_bytes: int = 0
     kernels: str = ""                 # the card whose CUDA kernels the fake runs followed, the attention kernels chosen
     layers: str = ""                  # how the depth was run: laid out from a few layers (predict.layer_repeat), or why not
+    pipeline: str = ""                # pipeline parallelism: the layout, schedule and micro-batches (predict.pipeline_fit)
+    ranks: list = field(default_factory=list)   # with pipeline stages: one pipeline_fit.StageFit per stage shape
 
     @property
     def allocator_overhead_bytes(self) -> int:
@@ -156,31 +159,58 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         checkpointing: bool | str = False, lora: int = 0, lora_targets: Sequence[str] | None = None,
         lora_dropout: float = 0.0, quantize: str | None = None, lora_dtype: str = "fp32", double_quant: bool = True,
         quant_compute_dtype: str = "input", routing: Any = None, tp: int = 1, sequence_parallel: bool = False,
-        fp8: str | None = None, module_loading: str = "lazy",
+        pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b",
+        fp8: str | None = None, cp: int = 1, ep: int = 1, module_loading: str = "lazy",
         gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
     a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring. ``context_bytes``:
     the CUDA context, by default the assumption for ``module_loading`` (``predict.context``).
     ``gpus`` and ``strategy`` (``predict.sharding.STRATEGIES``): the answer is one rank's, its batch
-    the per-GPU batch, with ``offload_optimizer`` keeping the optimizer state on the host."""
+    the per-GPU batch, with ``offload_optimizer`` keeping the optimizer state on the host. ``pp`` pipeline
+    stages (``microbatches``, ``schedule``: ``training.pipeline``): the batch is the micro-batch, the
+    answer the stage that binds, every stage that differs in ``ranks`` (``predict.pipeline_fit``).
+    ``cp``, ``ep``: the answer is rank 0's of a context- / expert-parallel group (its sequence shard;
+    its experts), with gpus = dp × cp × tp and ep dividing gpus; its label and ``recipe`` name the
+    layout and the ring's or the all-to-all's buffers (``training.context_parallel.layout_notes``)."""
     t0, place = time.perf_counter(), _place(gpu, context_bytes, module_loading)
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
     recipe = user_recipe(optimizer, amp, **recipe_options(locals()))   # checks them all
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
     check_recipe_for(recipe, w, dt)
     key = run_cache.workload_key(model, w, own_parts=inputs is not None or input_shape is not None or loss is not None)
+    if recipe.pp > 1:   # one search per pipeline stage that differs (predict.pipeline_fit)
+        from gpulab.predict.pipeline_fit import StageSearch, fit_stages
+        return fit_stages(w, key, dt, recipe, place, (gpus, strategy, offload_optimizer), progress, t0,
+                          StageSearch(_search, _sharding, _check, usable_bytes))
+    gpus = layout_gpus(gpus, strategy, recipe.tp, recipe.cp, recipe.ep)
     sharding, shard = _sharding(w, recipe, dt, gpus, strategy, offload_optimizer)
-    place = place._replace(sharding=sharding)
-    usable = max(0, place.card.reported_total_bytes - place.context_bytes - place.card.workspace_bytes())
+    return _layout_stated(_search(w, key, dt, recipe, place._replace(sharding=sharding), shard, progress, t0)[0],
+                          w, recipe, dt)
+
+
+def _layout_stated(result: FitResult, w: Workload, recipe: Recipe, dt: torch.dtype) -> FitResult:
+    """A context- or expert-parallel answer names its layout and buffers at the batch it found."""
+    itemsize = torch.empty((), dtype=recipe.amp or dt).element_size()
+    for name, note in layout_notes(w, recipe, max(1, result.largest_batch), itemsize).items():
+        result.label = f"{result.label}; {note['text']}"
+        result.recipe = {**result.recipe, name: note}
+    return result
+
+
+def _search(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, place: "_Place", shard,
+            progress: Progress, t0: float) -> tuple[FitResult, "_FakeRuns"]:
+    """``fit``'s search for one workload and recipe (module docstring): the answer, and the fake runs
+    it made (a pipeline's other stages are read at the answer's batch from theirs)."""
+    usable = usable_bytes(place)
     fake_run = _FakeRuns(w, key, dt, recipe, ("cuda", repr(place.card)), shard, progress)
     runs, count = fake_run.runs, fake_run.count
 
-    def done(result: FitResult) -> FitResult:
+    def done(result: FitResult) -> tuple[FitResult, _FakeRuns]:
         result.layers = fake_run.layers()
         if w.config is not None and is_moe(w.config):   # the routing every MoE answer assumed
             result.label = f"{result.label}; {(recipe.routing or Routing()).label}"
             result.recipe = {**result.recipe, "routing": (recipe.routing or Routing()).text}
-        return result
+        return result, fake_run
 
     replayed: dict[tuple[int, str], BatchCheck] = {}   # each candidate replayed once
 
@@ -226,6 +256,11 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
                    "bisection over fake runs (the batch-2 and batch-3 timelines did not extrapolate)"))
 
 
+def usable_bytes(place: "_Place") -> int:
+    """What the step's tensors may take on the card: its memory less the CUDA context and the workspaces."""
+    return max(0, place.card.reported_total_bytes - place.context_bytes - place.card.workspace_bytes())
+
+
 def _line(runs: dict[int, TrackingResult], fake_run, two: TrackingResult, three: TrackingResult):
     """(batch 2's run, the a + b·c extrapolation or None). A process's first build can make a few
     storages once (seen with peft's adapters: constants lifted on the first build only): then
@@ -257,11 +292,13 @@ def _sharding(w: Workload, recipe: Recipe, dt: torch.dtype, gpus, strategy, offl
     """(None, None) for one GPU; else the ``predict.sharding.Sharding`` and the function that turns
     a one-GPU run into one rank's."""
     from gpulab.predict import sharding as S
-    if recipe.tp > 1 and gpus is not None:   # the GPUs are tp-way groups: the strategy spreads over the groups
-        if not isinstance(gpus, int) or gpus % recipe.tp:
-            raise ValueError(f"gpus={gpus} is not a multiple of tp={recipe.tp}: each tensor-parallel group takes "
-                             f"{recipe.tp} GPUs; give gpus as a multiple of {recipe.tp}")
-        gpus = gpus // recipe.tp
+    group = recipe.tp * recipe.pp   # the GPUs are tp × pp groups: the strategy spreads over the groups
+    if group > 1 and gpus is not None:
+        if not isinstance(gpus, int) or gpus % group:
+            what = f"tp={recipe.tp}" if recipe.pp == 1 else f"tp × pp = {recipe.tp} × {recipe.pp} = {group}"
+            raise ValueError(f"gpus={gpus} is not a multiple of {what}: each model replica takes {group} GPUs "
+                             f"(gpus = dp × tp × pp); give gpus as a multiple of {group}")
+        gpus = gpus // group
     sh = S.check_sharding(gpus, strategy, offload_optimizer, recipe.optimizer, dt)
     if sh is None:
         return None, None

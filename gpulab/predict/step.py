@@ -20,11 +20,13 @@ from gpulab.measure.engines import (FAKE_TARGETS, LABEL_FORMULA, Measured, Measu
 from gpulab.models.workload import Workload, resolve_workload, step_failed
 from gpulab.training.loop import (changed_options, check_recipe_for, recipe_options, recipe_workload, step_peaks,
                                   train_experiment, user_recipe, validate_amp)
+from gpulab.training.context_parallel import layout_notes
 from gpulab.training.optimizers import check_optimizer
 from gpulab.training.routing import Routing, ran_routed
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
 from gpulab.predict.cards import follows_card
+from gpulab.predict.layer_repeat import workload_with_depth
 from gpulab.predict.guard import check_fits
 from gpulab.options import MAX_STEPS   # torch-free: the CLI checks --steps first
 
@@ -46,29 +48,28 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
          lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0, quantize: str | None = None,
          lora_dtype: str = "fp32", double_quant: bool = True, quant_compute_dtype: str = "input", gpu: Any = None,
          routing: Any = None, tp: int = 1, sequence_parallel: bool = False, fp8: str | None = None,
-         **engine_limits) -> StepResult:
-    """Track ``steps`` training steps of ``model`` and return them by category, next to the
-    formulas' prediction (see the module docstring for what ``model``, ``inputs`` and ``loss`` may be).
+         pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b", pp_stage: int = 0,
+         cp: int = 1, ep: int = 1, **engine_limits) -> StepResult:
+    """Track ``steps`` training steps of ``model``, by category, beside the formulas' prediction
+    (the module docstring says what ``model``, ``inputs`` and ``loss`` may be).
 
-    ``dtype``: the model's (and a float input's) dtype, e.g. "bf16" for pure bf16 training;
-    None keeps float32. ``amp``: "fp16" or "bf16" runs the forward under ``torch.autocast``.
-    ``fake_target``: on the fake engine, follow CUDA's kernels ("cuda", the default) or this
-    CPU's. The recipe: ``accumulate`` micro-batches of ``batch`` per optimizer step (gradient
-    accumulation), ``clip_grad_norm`` (clip the gradients' total norm to it before the step),
-    ``grad_scaler`` (fp16 autocast's GradScaler), ``set_to_none=False`` (``zero_grad`` keeps the
-    gradients, zeroed, between steps), ``optimizer_in_backward`` (each parameter stepped as soon as
-    its gradient exists), ``offload_activations`` (saved activations in host memory: the result's
-    ``offloaded_peak_bytes``, apart from the device's), ``chunked_loss=K`` (a language model's
-    head and loss K chunks of positions at a time, torchtune's way), ``use_cache=False`` (a language
-    model's forward without its KV cache; None: as its config says), ``compile`` (the model under
-    torch.compile with AOTAutograd's partitioner, no code generation), ``implementation`` (the
-    optimizer's: "default", "for-loop", "foreach" or "fused"), ``checkpointing`` (a transformers
-    model's own gradient checkpointing: True or "full", "selective" or "every-K", as
-    ``models.adapt`` says), ``lora=R`` with ``lora_targets`` (peft's LoRA adapters of rank R on a frozen base; None: peft's default layers for the model type; ``lora_dropout`` on the
-    adapters' inputs; ``lora_dtype``: "fp32" as peft, "base" as torchtune), ``quantize`` ("nf4", "fp4" or
-    "int8", the base as bitsandbytes stores it; ``double_quant``, ``quant_compute_dtype``: ``training.loop``;
-    ``recipe`` names them). ``routing``: an MoE's routing, stated in the answer (``training.routing``). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError).
-    ``gpu``: the fake CUDA target's card (``predict.cards.follows_card``). ``fp8``: "tensorwise" or "rowwise", the linear layers as torchao's float8 training converts them (``training.fp8``).
+    ``dtype``: the model's (and a float input's) dtype, e.g. "bf16" for pure bf16 training; None keeps float32.
+    ``amp``: "fp16" or "bf16" runs the forward under ``torch.autocast``. ``fake_target``: on the fake engine, follow
+    CUDA's kernels ("cuda", the default) or this CPU's. The recipe: ``accumulate`` micro-batches of ``batch`` per
+    optimizer step (gradient accumulation), ``clip_grad_norm`` (clip the gradients' total norm to it before the step),
+    ``grad_scaler`` (fp16 autocast's GradScaler), ``set_to_none=False`` (``zero_grad`` keeps the gradients, zeroed,
+    between steps), ``optimizer_in_backward`` (each parameter stepped as soon as its gradient exists),
+    ``offload_activations`` (saved activations in host memory: the result's ``offloaded_peak_bytes``, apart from the
+    device's), ``chunked_loss=K`` (a language model's head and loss K chunks of positions at a time, torchtune's way),
+    ``use_cache=False`` (a language model's forward without its KV cache; None: as its config says), ``compile`` (the
+    model under torch.compile with AOTAutograd's partitioner, no code generation), ``implementation`` (the optimizer's:
+    "default", "for-loop", "foreach" or "fused"), ``checkpointing`` (a transformers model's own gradient checkpointing:
+    True or "full", "selective" or "every-K", as ``models.adapt`` says), ``lora=R`` with ``lora_targets`` (peft's LoRA
+    adapters of rank R on a frozen base; None: peft's default layers for the model type; ``lora_dropout`` on the
+    adapters' inputs; ``lora_dtype``: "fp32" as peft, "base" as torchtune), ``quantize`` ("nf4", "fp4" or "int8", the
+    base as bitsandbytes stores it; ``double_quant``, ``quant_compute_dtype``: ``training.loop``; ``recipe`` names
+    them). ``routing``: an MoE's routing, stated in the answer (``training.routing``). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError). ``gpu``: the fake CUDA target's card (``predict.cards.follows_card``). ``fp8``: "tensorwise" or "rowwise", the linear layers as torchao's float8 training converts them (``training.fp8``).
+    ``cp``, ``ep``: rank 0 of a context- / expert-parallel group, its layout in ``recipe`` (``training.context_parallel``).
     Bad input raises ``ValueError`` with what to do instead."""
     if batch is not None:
         validate_batch(batch)
@@ -86,6 +87,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     amp_key = validate_amp(amp)
     recipe = user_recipe(opt, amp_key, **recipe_options(locals()))
     check_recipe_for(recipe, w, dt)
+    w = _stage_share(w, recipe)
     try:
         bd = breakdown(recipe_workload(w, recipe), batch, dtype=dt)
     except ValueError:
@@ -96,7 +98,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     predicted = predict_step(w.name, batch, optimizer=opt, dtype=dt, bd=bd, input_bytes=input_bytes)
     known = sum(v for v in predicted.values() if v)
     flops = 3 * bd.forward_flops * steps
-    choice = choose_engine("fake" if recipe.tp > 1 and engine == "auto" else engine, known, flops, **engine_limits)
+    choice = choose_engine("fake" if recipe.tp * recipe.ep > 1 and engine == "auto" else engine, known, flops, **engine_limits)
     try:
         if guard and choice.name != "fake":
             fake = run(train_experiment(w, [batch] * steps, dt, recipe), "fake",
@@ -114,7 +116,14 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
                                  input_bytes=input_bytes)
     return StepResult(w.name, batch, w.image_size or 0, opt, dtype_name(dt), steps, m, predicted,
                       step_peaks=step_peaks(m), kind=w.kind, input_text=w.describe_input(batch),
-                      seq_len=w.seq_len, amp=amp_key, recipe=_routing_stated(m, w, recipe))
+                      seq_len=w.seq_len, amp=amp_key, recipe=_layout_stated(m, w, recipe, batch, dt))
+
+
+def _stage_share(w: Workload, recipe) -> Workload:
+    """With ``pp`` pipeline stages, the step of stage ``pp_stage`` alone: its share of the layers (the
+    loop cuts the rest of the model to the stage's and runs its micro-batches of ``batch`` in flight under
+    ``schedule`` and ``microbatches``: ``training.pipeline``); ``w`` itself without."""
+    return w if recipe.pp == 1 else workload_with_depth(w, w.config.num_hidden_layers // recipe.pp)
 
 
 def _routing_stated(m: Measurement, w: Workload, recipe) -> dict[str, Any]:
@@ -127,6 +136,17 @@ def _routing_stated(m: Measurement, w: Workload, recipe) -> dict[str, Any]:
         routing = routing or Routing()
         m.label = f"{m.label}; {routing.label}"
         shown["routing"] = routing.text
+    return shown
+
+
+def _layout_stated(m: Measurement, w: Workload, recipe, batch: int, dt: torch.dtype) -> dict[str, Any]:
+    """``_routing_stated``, and a context- or expert-parallel rank's layout in words and numbers
+    (``training.context_parallel.layout_notes``), in the recipe shown and the label."""
+    shown = _routing_stated(m, w, recipe)
+    itemsize = torch.empty((), dtype=recipe.amp or dt).element_size()
+    for name, note in layout_notes(w, recipe, batch, itemsize).items():
+        shown[name] = note
+        m.label = f"{m.label}; {note['text']}"
     return shown
 
 

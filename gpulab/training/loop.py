@@ -53,6 +53,9 @@ tracker's phase. Where lessons differ, the ``Recipe`` says how:
   whose dims do not divide by 16, as torchtitan) swapped for torchao's ``Float8Linear`` right after
   the model is built (``training.fp8``): each matmul casts its input and weight to float8 with
   their scales, and backward casts again;
+* ``cp`` / ``ep``: one rank of a context-parallel group (its sequence shard: ``training.context_parallel``)
+  or of an expert-parallel group (its experts, tokens dispatched by all-to-all on the fake process
+  group: ``training.expert_parallel``);
 * ``fresh_batch``: a new batch every step, dropped right after backward (lesson 09's replays,
   whose batch size changes from step to step), or one batch kept while the size stays;
 * ``seed``, ``register_model`` (label the model before the optimizer exists), ``teardown`` (free
@@ -83,8 +86,12 @@ from gpulab.models.quantized import COMPUTE_DTYPES, FOUR_BIT, QUANTIZATIONS
 from gpulab.models.registry import ModelSpec
 from gpulab.models.workload import Workload, forward, image_workload
 from gpulab.training.chunked_loss import check_chunks, chunked_lm_loss
+from gpulab.training.context_parallel import check_context_parallel, check_cp_ep_options, sequence_shard
+from gpulab.training.expert_parallel import (check_expert_parallel, expert_shard_workload, install_expert_parallel,
+                                             total_experts)
 from gpulab.training.fp8 import check_fp8, check_fp8_for, check_fp8_workload, fp8_convert
 from gpulab.training.optimizers import build_optimizer, check_implementation, check_optimizer, make_optimizer
+from gpulab.training.pipeline import StageStep, check_pipeline, check_pp_options, pipeline_stage, run_in_flight
 from gpulab.training.routing import Routing, install_routing, is_moe, parse_routing
 from gpulab.training.tensor_parallel import check_tensor_parallel, check_tp_options, fake_world, tensor_parallel
 
@@ -126,6 +133,12 @@ class Recipe:
     routing: Routing | str | None = None   # None: balanced where the model has routed experts
     tp: int = 1                          # tensor-parallel ranks (training.tensor_parallel: a fake process group)
     sequence_parallel: bool = False      # with tp: the norms and the residual stream on a sequence shard
+    cp: int = 1                          # context-parallel ranks: the run is one rank's sequence shard (training.context_parallel)
+    ep: int = 1                          # expert-parallel ranks: the run holds E/ep experts (training.expert_parallel)
+    pp: int = 1                          # pipeline stages (training.pipeline): the run is one stage's
+    microbatches: int | None = None      # with pp: micro-batches per step (None: pp)
+    schedule: str = "1f1b"               # with pp: "1f1b" or "gpipe" (how many micro-batches a stage holds)
+    pp_stage: int = 0                    # with pp: the stage this run measures (gpulab.fit runs each that differs)
     fp8: str | None = None               # torchao's float8 training recipe: "tensorwise" or "rowwise"
 
     def __post_init__(self):
@@ -134,7 +147,11 @@ class Recipe:
         if self.fp8 and (self.lora or self.quantize or self.tp > 1):
             raise ValueError("fp8 converts the model's own linear layers to torchao's Float8Linear: leave out lora, "
                              "quantize and tp with fp8 (their layers are not plain nn.Linear)")
+        check_pp_options(self.pp, self.microbatches, self.schedule, self.pp_stage)
+        if self.pp > 1:
+            _check_pipeline_recipe(self)
         check_tp_options(self.tp, self.sequence_parallel)
+        check_cp_ep_options(self.cp, self.ep, self.tp, self.pp)
         if self.tp > 1 and (self.lora or self.quantize or self.compile or self.offload_activations):
             raise ValueError("tensor parallelism is measured on the model's own linear layers: leave out lora, quantize, "
                              "compile and offload_activations with tp")
@@ -171,7 +188,22 @@ RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False
                    "use_cache": None, "compile": False, "implementation": "default", "checkpointing": False,
                    "lora": 0, "lora_targets": None, "lora_dropout": 0.0, "quantize": None, "lora_dtype": "fp32",
                    "double_quant": True, "quant_compute_dtype": "input", "routing": None, "tp": 1,
-                   "sequence_parallel": False, "fp8": None}
+                   "sequence_parallel": False, "pp": 1, "microbatches": None, "schedule": "1f1b", "pp_stage": 0,
+                   "fp8": None, "cp": 1, "ep": 1}
+
+
+def _check_pipeline_recipe(r: "Recipe") -> None:
+    """A pipeline stage runs its micro-batches itself: refuse what would run them otherwise; the
+    micro-batch count defaults to the number of stages."""
+    clash = [name for name, on in (("accumulate", r.accumulate > 1), ("lora", r.lora), ("quantize", r.quantize),
+                                   ("compile", r.compile), ("offload_activations", r.offload_activations),
+                                   ("chunked_loss", r.chunked_loss), ("optimizer_in_backward", r.optimizer_in_backward),
+                                   ("grad_scaler", r.grad_scaler)) if on]
+    if clash:
+        raise ValueError(f"pipeline parallelism is measured on the model's own stages, micro-batches given by "
+                         f"--microbatches: leave out {', '.join(clash)} with pp")
+    if r.microbatches is None:
+        object.__setattr__(r, "microbatches", r.pp)
 
 
 def recipe_options(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -187,7 +219,8 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
                 lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0,
                 quantize: str | None = None, lora_dtype: str = "fp32", double_quant: bool = True,
                 quant_compute_dtype: str | None = "input", routing: Any = None, tp: int = 1,
-                sequence_parallel: bool = False, fp8: str | None = None) -> Recipe:
+                sequence_parallel: bool = False, pp: int = 1, microbatches: int | None = None,
+                schedule: str = "1f1b", pp_stage: int = 0, fp8: str | None = None, cp: int = 1, ep: int = 1) -> Recipe:
     """The ``Recipe`` of ``gpulab.step`` / ``gpulab.fit`` from their arguments (``amp``: "fp16",
     "bf16" or None). Bad values raise ``ValueError`` saying what is allowed."""
     for name, value in (("grad_scaler", grad_scaler), ("set_to_none", set_to_none),
@@ -221,7 +254,7 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
                   implementation=implementation, checkpointing=checkpointing, lora=lora, lora_targets=lora_targets,
                   lora_dropout=float(lora_dropout), quantize=quantize, lora_dtype=lora_dtype, double_quant=double_quant,
                   quant_compute_dtype=quant_compute_dtype, routing=routing, tp=tp, sequence_parallel=sequence_parallel,
-                  fp8=fp8)
+                  pp=pp, microbatches=microbatches, schedule=schedule, pp_stage=pp_stage, fp8=fp8, cp=cp, ep=ep)
 
 
 def _check_adapter_options(lora: int, quantize: str | None, lora_dtype: str, double_quant: bool,
@@ -260,6 +293,12 @@ def check_recipe_for(r: Recipe, w: Workload, dtype: torch.dtype | None = None) -
         raise ValueError(f"routing is a mixture of experts' assumption; {w.name} has no routed experts: leave routing out")
     if r.tp > 1:
         check_tensor_parallel(w.config, r.tp, r.sequence_parallel)
+    if r.pp > 1:
+        check_pipeline(w.config if w.kind == "tokens" else None, r.pp)
+    if r.cp > 1:
+        check_context_parallel(w, r.cp, r.tp, r.sequence_parallel)
+    if r.ep > 1:
+        check_expert_parallel(w.config, r.ep, r.routing)
     if r.chunked_loss and task_of(w.config) != "causal-lm":
         raise ValueError(f"chunked_loss splits a causal language model's head from its body; {w.name} is trained "
                          f"as a {task_of(w.config)}: leave chunked_loss out")
@@ -268,7 +307,9 @@ def check_recipe_for(r: Recipe, w: Workload, dtype: torch.dtype | None = None) -
 def recipe_workload(w: Workload, r: Recipe) -> Workload:
     """The model ``r`` trains: ``w`` checkpointed and/or with LoRA adapters when ``r`` asks
     (``models.adapt.adapted``). ``train_experiment`` builds through it; a caller that reads the
-    model's shapes (``predict.breakdown``) uses it too."""
+    model's shapes (``predict.breakdown``) uses it too. With cp or ep: one rank's (its sequence
+    shard; its share of the experts)."""
+    w = expert_shard_workload(sequence_shard(w, r.cp), r.ep)
     return adapted(w, lora=r.lora, lora_targets=r.lora_targets, lora_dropout=r.lora_dropout,
                    checkpointing=r.checkpointing, quantize=r.quantize, lora_dtype=r.lora_dtype,
                    double_quant=r.double_quant, quant_compute_dtype=COMPUTE_DTYPES.get(r.quant_compute_dtype))
@@ -281,6 +322,8 @@ def changed_options(r: Recipe) -> dict[str, Any]:
     shown = {k: getattr(r, k) for k, v in RECIPE_DEFAULTS.items() if getattr(r, k) != v}
     if r.routing is not None:
         shown["routing"] = r.routing.text
+    if r.pp > 1:   # a pipeline's answer always names its schedule and micro-batches
+        shown.update(schedule=r.schedule, microbatches=r.microbatches)
     if r.lora:
         shown["lora_dtype"] = r.lora_dtype
     if r.quantize in FOUR_BIT:
@@ -309,11 +352,11 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
             if r.fp8:   # torchao's Float8Linear in place of the linear layers, before anything reads them
                 check_fp8_for(net, dtype, w.name)
                 fp8_convert(net, r.fp8)
-            net = parallel(net)
+            net = parallel(pipeline_stage(net, r.pp, r.pp_stage))
             _assume_routing(net, w, r)
             if r.register_model or r.compile:   # compile: the tracker's parameter hooks exist before dynamo guards
                 ctx.tracker.register(net)
-            step_loss = recipe_loss(w, r, net)
+            step_loss = recipe_loss(w, r, net) if r.pp == 1 else StageStep(net, w.config.hidden_size, r)
             warmed = None
             opt = _optimizers(r, net, ctx.engine == "fake")
         scaler = torch.amp.GradScaler(ctx.device.type) if r.grad_scaler else None
@@ -337,7 +380,8 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
                 with ctx.phase("optimizer") if r.zero_grad == "top, optimizer phase" else contextlib.nullcontext():
                     opt.zero_grad(set_to_none=r.set_to_none)
                 moment(ctx, f"after zero_grad {i}")
-            for _ in range(r.accumulate):   # micro-batches: each backward adds into the same gradients
+            run_in_flight(ctx, step_loss, data, r)   # a pipeline stage's micro-batches in flight (none without)
+            for _ in range(r.accumulate if r.pp == 1 else 0):   # micro-batches: each backward adds into the gradients
                 with ctx.phase("forward"), _autocast(ctx.device, r.amp), \
                         ctx.offloading() if r.offload_activations else contextlib.nullcontext(), \
                         ctx.tracker.without_module_hooks() if r.compile else contextlib.nullcontext():
@@ -375,18 +419,20 @@ def _assume_routing(net: torch.nn.Module, w: Workload, r: Recipe) -> None:
     if install_routing(net, r.routing) is None and r.routing is not None:
         raise ValueError(f"routing is a mixture of experts' assumption; {w.name} has no routed experts: "
                          f"leave routing out")
+    if r.ep > 1:   # rank 0 of the expert-parallel group: its experts, tokens dispatched by all-to-all
+        install_expert_parallel(net, r.ep, total_experts(w.config), r.routing)
 
 
 def _in_layout(r: Recipe, ctx: RunContext, steps: Callable) -> dict[str, Any]:
     """``steps(ctx, parallel)`` on one device, or as rank 0 of ``r.tp`` tensor-parallel ranks in a fake
     process group (``parallel`` splits the model built; every rank of the group is alike)."""
-    if r.tp == 1:
+    if r.tp == 1 and r.ep == 1:
         return steps(ctx, lambda net: net)
     if ctx.engine != "fake":
-        raise ValueError("tensor parallelism is measured on the fake engine, in PyTorch's fake process group "
+        raise ValueError("tensor and expert parallelism are measured on the fake engine, in PyTorch's fake process group "
                          "(training.tensor_parallel): use engine='fake'")
-    with fake_world(r.tp) as mesh:
-        return steps(ctx, lambda net: tensor_parallel(net, mesh, r.sequence_parallel))
+    with fake_world(r.tp * r.ep) as mesh:
+        return steps(ctx, lambda net: tensor_parallel(net, mesh, r.sequence_parallel) if r.tp > 1 else net)
 
 
 class _InBackward:

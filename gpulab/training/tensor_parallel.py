@@ -122,9 +122,11 @@ def tensor_parallel(model: nn.Module, mesh: Any, sequence_parallel: bool = False
                     input_layouts=None if part == "self_attn" else (Shard(1),),
                     desired_input_layouts=None if part == "self_attn" else (Replicate(),))
         # a DTensor of the whole sequence's shape: the rotary positions are the whole sequence's
-        layout["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                                 use_local_output=False)
-        layout["norm"] = SequenceParallel()
+        if getattr(base, "embed_tokens", None) is not None:   # (a later pipeline stage has none)
+            layout["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                     use_local_output=False)
+        if list(base.norm.parameters()):   # (before a pipeline's last stage: an Identity)
+            layout["norm"] = SequenceParallel()
     parallelize_module(base, mesh, layout)
     head = getattr(model, "lm_head", None)
     if head is not None and isinstance(head, nn.Linear):

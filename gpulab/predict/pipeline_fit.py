@@ -1,0 +1,180 @@
+"""``gpulab fit --pp N``: the largest micro-batch every pipeline stage fits, answered per stage.
+
+A pipeline's ranks are not alike: the first stage holds the embedding, the last the final norm, the
+output head and the loss, and under 1F1B the earlier stages hold more micro-batches in flight
+(``training.pipeline``). ``fit_stages`` searches each stage that differs the way ``fit`` searches one
+GPU's step (fake runs of that stage's own modules at ``layers / pp`` blocks, laid out from a few
+blocks by ``predict.layer_repeat``; the data-parallel strategy applied per rank as ``fit`` applies it),
+then reads every stage at the smallest answer, the micro-batch the whole pipeline runs. Ranks of the
+same shape run once: 64 GPUs of ``tp 8 × pp 4 × dp 2`` are at most four stage searches, not 64 runs.
+
+The micro-batches in flight: each search's fake runs push one micro-batch through the stage (so
+layer repeat lays a deep stage out from a few blocks, as for any step), and ``hold_in_flight`` adds
+the schedule's other ``k - 1`` micro-batches to the timeline: a copy of every storage the measured
+forward left for its backward (its saved activations, its output, the received input), made when the
+forward ends and freed when the backward ends. The stage's peak, the first backward with ``k - 1``
+micro-batches held, is then replayed through the simulated allocator; ``gpulab.step(pp=...)`` runs
+all ``k`` forwards for real, and the test checks the two peaks agree.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from gpulab.measure.records import Event, TrackingResult
+from gpulab.predict import layer_repeat
+from gpulab.predict.progress import Progress, report
+from gpulab.training.loop import Recipe
+from gpulab.training.pipeline import SCHEDULE_LABEL, StageShape, distinct_stages, in_flight, rank_range, stage_layers
+from gpulab.models.workload import Workload
+
+__all__ = ["DEFAULT_STRATEGY", "StageFit", "StageSearch", "fit_stages", "hold_in_flight"]
+
+# Megatron-LM's default for the data-parallel replicas of a pipeline (use_distributed_optimizer off)
+DEFAULT_STRATEGY = "ddp"
+
+
+class StageSearch(NamedTuple):
+    """``fit``'s own parts a stage search uses, handed in by ``fit`` (which imports this module): its
+    search, its data-parallel sharding, its replay check and the card's usable bytes."""
+    search: Callable
+    sharding: Callable
+    check: Callable
+    usable: Callable
+
+
+@dataclass(frozen=True)
+class StageFit:
+    """One stage shape of the answer: which stages and ranks, what they hold, the micro-batches in flight
+    (the schedule's count), and their memory at the pipeline's micro-batch (None where not run)."""
+    stages: tuple[int, ...]
+    ranks: str
+    role: str
+    holds: str
+    in_flight: int
+    largest_batch: int | None        # this stage alone (None: not run)
+    peak_bytes: int | None           # live tensors at the pipeline's micro-batch
+    reserved_bytes: int | None       # simulated allocator's reserved peak there
+    peak_by_category: dict[str, int] = field(default_factory=dict)
+    binds: bool = False
+    note: str = ""
+
+
+def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, place, dp_options: tuple,
+               progress: Progress, t0: float, fit_parts: StageSearch):
+    """``fit``'s answer (a ``FitResult``) for ``recipe.pp`` stages (module docstring); ``dp_options``:
+    (gpus, strategy, offload_optimizer) as ``fit`` got them."""
+    pp, layers = recipe.pp, w.config.num_hidden_layers
+    stage_w = layer_repeat.workload_with_depth(w, layers // pp)
+    gpus, strategy, offload = dp_options
+    group = recipe.tp * pp
+    assumed = gpus is not None and isinstance(gpus, int) and gpus > group and strategy is None
+    sharding, shard = fit_parts.sharding(stage_w, recipe, dt, gpus, DEFAULT_STRATEGY if assumed else strategy, offload)
+    place = place._replace(sharding=sharding)
+    per_stage = gpus // pp if gpus else recipe.tp   # (_sharding checked that tp × pp divides gpus)
+    shapes = distinct_stages(pp, recipe.microbatches, recipe.schedule)
+    searched: dict[int, tuple[Any, Any]] = {}
+    for n, shape in enumerate(s for s in shapes if s.bounded_by is None):
+        report(progress, 0.0, f"pipeline stage {shape.run} ({shape.role}: {stage_layers(shape.run, pp, layers)}, "
+                              f"{shape.in_flight} micro-batches in flight)")
+        one = replace(recipe, pp_stage=shape.run, microbatches=1)   # one micro-batch run, the rest held below
+        searched[shape.run] = fit_parts.search(stage_w, key, dt, one, place, _holding(shape.in_flight, shard),
+                                      _within(progress, n, len(shapes)), time.perf_counter())
+    batch = min(res.largest_batch for res, _ in searched.values())
+    check = functools.partial(fit_parts.check, usable=fit_parts.usable(place), source="run")
+    rows = [_row(shape, searched, batch, check, pp, layers, per_stage) for shape in shapes]
+    binding = max((r for r in rows if r.largest_batch is not None and r.largest_batch == batch),
+                  key=lambda r: r.reserved_bytes or 0)
+    rows = [replace(r, binds=r is binding) for r in rows]
+    answer, _ = searched[binding.stages[0]]
+    answer.ranks = rows
+    answer.runs = sum(res.runs for res, _ in searched.values())
+    answer.seconds = time.perf_counter() - t0
+    answer.pipeline = (f"pp {pp} × tp {recipe.tp} × dp {max(1, (gpus or group) // group)}: {layers} layers, "
+                       f"{layers // pp} a stage; {recipe.schedule}, {recipe.microbatches} micro-batches of the "
+                       f"batch below a step; the answer is the {binding.role} stage's (it binds)"
+                       + (f"; data parallel assumed {DEFAULT_STRATEGY} (Megatron-LM's default: no distributed "
+                          f"optimizer; --strategy changes it)" if assumed else ""))
+    answer.method = f"each pipeline stage that differs searched as one GPU's step; {answer.method}"
+    answer.label = f"{answer.label}; {SCHEDULE_LABEL}"
+    return answer
+
+
+def _holding(count: int, shard):
+    """A stage's timeline with ``count`` micro-batches in flight, then one data-parallel rank's."""
+    def one_rank(t: TrackingResult) -> TrackingResult:
+        held = hold_in_flight(t, count)
+        return held if shard is None else shard(held)
+    return one_rank
+
+
+def hold_in_flight(t: TrackingResult, count: int) -> TrackingResult:
+    """``t`` (one micro-batch through a stage, each step a forward then a backward) with ``count - 1``
+    more micro-batches held (module docstring): after each forward, a copy of every storage it made
+    that its backward frees; each copy freed at the backward's end."""
+    if count <= 1:
+        return t
+    events, records = t.events, dict(t.records)
+    freed = {e.sid: i for i, e in enumerate(events) if e.kind == "free"}
+    out: list[Event] = []
+    sid = max(records, default=0) + 1
+    i = 0
+    while i < len(events):
+        if events[i].phase != "forward":
+            out.append(events[i])
+            i += 1
+            continue
+        j = i
+        while j < len(events) and events[j].phase == "forward":
+            j += 1
+        k = j
+        while k < len(events) and events[k].phase == "backward":
+            k += 1
+        held = [e for e in events[i:j] if e.kind == "alloc" and j <= freed.get(e.sid, -1) < k]
+        out += events[i:j]
+        copies = []
+        for _ in range(count - 1):
+            for e in held:
+                records[sid] = replace(t.records[e.sid], sid=sid, created=events[j - 1].index, freed=None)
+                copies.append(replace(e, sid=sid, index=events[j - 1].index))
+                sid += 1
+        out += copies + events[j:k]
+        end = events[k - 1]
+        out += [replace(c, kind="free", delta=-c.nbytes, phase=end.phase, index=end.index, time=end.time)
+                for c in copies]
+        i = k
+    return TrackingResult.build(records, out, t.device, t.rounded)
+
+
+def _within(progress: Progress, n: int, of: int) -> Progress:
+    """The progress of the n-th of ``of`` stage searches, as a share of the whole."""
+    if progress is None:
+        return None
+    return lambda frac, text: progress((n + frac) / of, text)
+
+
+def _row(shape: StageShape, searched: dict, batch: int, check: Callable, pp: int, layers: int,
+         per_stage: int) -> StageFit:
+    """One stage shape at the pipeline's micro-batch ``batch``: its own search's run there, or the
+    stage that bounds it."""
+    ranks = ", ".join(rank_range(s, pp, per_stage) for s in shape.stages)
+    holds = stage_layers(shape.run, pp, layers) if len(shape.stages) == 1 else \
+        f"{layers // pp} layers each"
+    if shape.bounded_by is not None:
+        return StageFit(shape.stages, ranks, shape.role, holds, shape.in_flight, None, None, None,
+                        note=f"not run: the same modules as stage {shape.bounded_by} with fewer micro-batches in "
+                             f"flight, so at most its memory")
+    res, runs = searched[shape.run]
+    if batch == 0:   # nothing fits: each stage's batch-1 answer as its search left it
+        return StageFit(shape.stages, ranks, shape.role, holds, shape.in_flight, 0, res.peak_bytes,
+                        res.reserved_bytes, dict(res.peak_by_category), note="batch 1 does not fit this stage"
+                        if res.largest_batch == 0 else "")
+    t = runs(batch)
+    return StageFit(shape.stages, ranks, shape.role, holds, shape.in_flight, res.largest_batch, t.peak_bytes,
+                    check(t, batch=batch).reserved_bytes, dict(t.peak_by_category),
+                    note=f"alone it fits micro-batch {res.largest_batch}" if res.largest_batch != batch else "")
+
