@@ -3,6 +3,8 @@
 #   make test   create/update .venv with the test tools too, run the whole test suite
 # and one for developers:
 #   make quick  unit and panel tests only (no lesson execution, browser or Binder): a few minutes
+#   make test-colab  the lessons headless plus the quick suite under Google Colab's versions
+#          (colab/pins.txt), in their own .venv-colab: not part of `make test`
 #
 # Which PyTorch build goes into .venv (TORCH=auto, the default, decides by the machine):
 #   cpu    PyTorch's CPU-only wheels from PyTorch's CPU index (about 1 GB in the venv): the choice
@@ -37,7 +39,7 @@ TEST_STAMP  := $(VENV)/.gpulab-test
 # module-scoped fixture is built once. The slowest tests are listed at the end.
 PYTEST_PAR := -n auto --dist loadgroup --durations=20
 
-.PHONY: lab test quick venv clean chromium
+.PHONY: lab test quick test-colab venv clean chromium
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "gpulab needs Python 3.11 or newer; $(PYTHON) is " + sys.version.split()[0] + ". Run: make PYTHON=python3.11 (or python3.12, ...)")'
@@ -91,6 +93,40 @@ test: $(TEST_STAMP) chromium
 
 quick: $(TEST_STAMP)
 	$(PY) -m pytest $(PYTEST_PAR) -m "not notebook and not slow and not browser"
+
+# Google Colab's runtime, pinned (issue #37): colab/pins.txt holds the versions Colab ships
+# (torch, torchvision, transformers, ipywidgets 7, numpy, ...; its header names the source).
+# .venv-colab gets them on Colab's Python (COLAB_PYTHON), torch and torchvision from PyTorch's
+# CPU index when it answers (else the registry's default build), then gpulab and its test tools
+# with those versions as overrides (so they are tested even where gpulab's floors ask for more).
+# test-colab runs the lessons headless and the quick suite there, then checks with pip's dry run
+# that the lessons' Colab install line would download no torch, torchvision, transformers or
+# ipywidgets: today that last check fails, since Colab's torch 2.11 is below gpulab's floor.
+# Not in `make test`: a second torch and the lessons again (CI time).
+COLAB_VENV   ?= .venv-colab
+COLAB_PYTHON ?= python3.13
+COLAB_PY     := $(COLAB_VENV)/bin/python
+COLAB_PINS   := colab/pins.txt
+COLAB_STAMP  := $(COLAB_VENV)/.gpulab-colab
+
+$(COLAB_STAMP): $(COLAB_PINS) pyproject.toml | $(if $(filter $(UV_HOME)/bin/uv,$(UV)),$(UV_HOME)/bin/uv)
+	test -x $(COLAB_PY) || $(UV) venv --python $(COLAB_PYTHON) $(COLAB_VENV)
+	$(UV) pip install --compile-bytecode --python $(COLAB_PY) --index-url $(TORCH_CPU_INDEX) \
+	    -c $(COLAB_PINS) torch torchvision \
+	  || { echo "gpulab: PyTorch's CPU index could not be reached: Colab's torch from the registry's default build"; \
+	       $(UV) pip install --compile-bytecode --python $(COLAB_PY) -c $(COLAB_PINS) torch torchvision; }
+	$(UV) pip install --compile-bytecode --python $(COLAB_PY) --overrides $(COLAB_PINS) -e '.[test]' pip
+	touch $@
+
+test-colab: $(COLAB_STAMP)
+	$(COLAB_PY) -m pytest $(PYTEST_PAR) -m "not slow and not browser" tests/test_robustness.py tests/test_colab.py -p no:cacheprovider
+	$(COLAB_PY) -m pytest $(PYTEST_PAR) -m "not notebook and not slow and not browser" -p no:cacheprovider
+	@keep="torch==$$($(COLAB_PY) -c 'import importlib.metadata as m; print(m.version("torch"))') torchvision==$$($(COLAB_PY) -c 'import importlib.metadata as m; print(m.version("torchvision"))')"; \
+	out=$$($(COLAB_PY) -m pip install --dry-run --disable-pip-version-check "gpulab @ file://$(CURDIR)" $$keep 2>&1) \
+	  || { echo "$$out"; echo "gpulab: pip cannot install gpulab beside Colab's $$keep" >&2; exit 1; }; \
+	echo "$$out" | grep '^Would install' || echo "pip would install nothing new"; \
+	if echo "$$out" | grep '^Would install' | grep -qiE ' (torch|torchvision|transformers|ipywidgets)-[0-9]'; then \
+	  echo "gpulab: the Colab install line would replace one of Colab's torch, torchvision, transformers, ipywidgets" >&2; exit 1; fi
 
 # the browser test (tests/test_browser.py) drives Debian's chromium; install it when missing
 chromium:
