@@ -169,9 +169,7 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
     the per-GPU batch, with ``offload_optimizer`` keeping the optimizer state on the host. ``pp`` pipeline
     stages (``microbatches``, ``schedule``: ``training.pipeline``): the batch is the micro-batch, the
     answer the stage that binds, every stage that differs in ``ranks`` (``predict.pipeline_fit``).
-    ``cp``, ``ep``: the answer is rank 0's of a context- / expert-parallel group (its sequence shard;
-    its experts), with gpus = dp × cp × tp and ep dividing gpus; its label and ``recipe`` name the
-    layout and the ring's or the all-to-all's buffers (``training.context_parallel.layout_notes``)."""
+    ``cp``, ``ep``: rank 0 of a context- / expert-parallel group (``training.context_parallel``)."""
     t0, place = time.perf_counter(), _place(gpu, context_bytes, module_loading)
     dt = parse_dtype(dtype) if dtype is not None else torch.float32
     recipe = user_recipe(optimizer, amp, **recipe_options(locals()))   # checks them all

@@ -7,6 +7,9 @@ each step's own peak is reported (``StepResult.step_peaks``), the first beside t
 
 A real run (cpu or cuda engine) is first predicted on the fake engine and refused, with the
 numbers, when it would not fit in the memory that run may use (``gpulab.predict.guard``).
+
+``cp``, ``ep``: the step of rank 0 of a context- / expert-parallel group, its layout and buffers
+in the result's ``recipe`` and label (``training.context_parallel.layout_notes``).
 """
 from __future__ import annotations
 
@@ -69,7 +72,6 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     adapters' inputs; ``lora_dtype``: "fp32" as peft, "base" as torchtune), ``quantize`` ("nf4", "fp4" or "int8", the
     base as bitsandbytes stores it; ``double_quant``, ``quant_compute_dtype``: ``training.loop``; ``recipe`` names
     them). ``routing``: an MoE's routing, stated in the answer (``training.routing``). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError). ``gpu``: the fake CUDA target's card (``predict.cards.follows_card``). ``fp8``: "tensorwise" or "rowwise", the linear layers as torchao's float8 training converts them (``training.fp8``).
-    ``cp``, ``ep``: rank 0 of a context- / expert-parallel group, its layout in ``recipe`` (``training.context_parallel``).
     Bad input raises ``ValueError`` with what to do instead."""
     if batch is not None:
         validate_batch(batch)

@@ -118,7 +118,7 @@ def ring_buffers(seq_len: int, cp: int, batch: int, heads: int, kv_heads: int, h
     return RingBuffers(forward, backward, gathered)
 
 
-def check_cp_ep_options(cp: int, ep: int, tp: int, pp: int) -> None:
+def check_cp_ep_options(cp: int, ep: int, tp: int, pp: int = 1) -> None:
     """The context- and expert-parallel degrees, and the combinations measured: cp with tp; ep alone
     (the experts' own tensor-parallel plan is not measured); neither with pp yet."""
     from gpulab.training.expert_parallel import check_ep_options
