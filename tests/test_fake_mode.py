@@ -50,7 +50,12 @@ def answer(mode_cls, build, op):
 
 @pytest.fixture
 def answered(monkeypatch):
-    """How many calls of each op FakeMode answered itself (so an equality test is not vacuous)."""
+    """How many calls of each op FakeMode answered itself (so an equality test is not vacuous).
+    On a torch whose FakeTensorMode lacks the insides the shortcuts read (``SHORTCUTS`` False,
+    e.g. torch 2.11, Colab's), FakeMode is FakeTensorMode itself and answers nothing: the
+    shortcut tests skip, and test_without_torchs_insides_... checks that fallback."""
+    if not fake_mode.SHORTCUTS:
+        pytest.skip(f"torch {torch.__version__}: FakeMode's shortcuts are off (SHORTCUTS False); FakeMode is FakeTensorMode")
     counts = {}
 
     def counting(op, kernel):
@@ -562,6 +567,7 @@ def test_without_torchs_insides_the_fake_engine_is_fake_tensor_mode_with_the_sam
         p = subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr[-2000:]
         out[how] = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["with"][:2] == [True, False]
+    # on a torch with the insides the shortcuts read (2.15) they are on; on one without (2.11) off
+    assert out["with"][:2] == ([True, False] if fake_mode.SHORTCUTS else [False, True])
     assert out["without"][:2] == [False, True]
     assert out["with"][2:] == out["without"][2:]
