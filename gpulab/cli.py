@@ -562,7 +562,8 @@ def _stage_lines(rows: list[dict[str, Any]], batch: int) -> list[str]:
     out = []
     for r in rows:
         head = (f"  stage {', '.join(map(str, r['stages']))} ({r['role']}{', binds' if r['binds'] else ''}): "
-                f"{r['ranks']}; {r['holds']}; {r['in_flight']} micro-batches in flight")
+                f"{r['ranks']}; {r['holds']}; {r['in_flight']} micro-batch{'es' if r['in_flight'] != 1 else ''} "
+                f"in flight")
         if r["peak_bytes"] is None:
             out.append(f"{head}: {r['note']}")
         else:
@@ -588,6 +589,7 @@ def _print_serve(d: dict[str, Any]) -> str:
              row.format(f"KV cache ({format_bytes(d['kv_per_token_bytes'])} per token)",
                         format_bytes(d["kv_cache_bytes"]), d["kv_label"]),
              f"  KV cache assumption: {d.get('kv_assumption', '')}",
+             *([f"  positions: {d['positions_note']}"] if d.get("positions_note") else []),
              row.format("prefill, one sequence (peak)", format_bytes(d["prefill_one_bytes"]), d["label"]),
              row.format(f"prefill, all {d['batch']} at once (peak)", format_bytes(d["prefill_all_bytes"]), d["label"]),
              row.format("last decode step, all (peak)", format_bytes(d["decode_bytes"]), d["kv_label"]),

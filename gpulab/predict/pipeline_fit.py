@@ -28,7 +28,7 @@ import torch
 from gpulab.measure.records import Event, TrackingResult
 from gpulab.predict import layer_repeat
 from gpulab.predict.progress import Progress, report
-from gpulab.training.loop import Recipe
+from gpulab.training.loop import Recipe, changed_options
 from gpulab.training.pipeline import SCHEDULE_LABEL, StageShape, distinct_stages, in_flight, rank_range, stage_layers
 from gpulab.models.workload import Workload
 
@@ -80,7 +80,7 @@ def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, 
     searched: dict[int, tuple[Any, Any]] = {}
     for n, shape in enumerate(s for s in shapes if s.bounded_by is None):
         report(progress, 0.0, f"pipeline stage {shape.run} ({shape.role}: {stage_layers(shape.run, pp, layers)}, "
-                              f"{shape.in_flight} micro-batches in flight)")
+                              f"{shape.in_flight} in flight)")
         one = replace(recipe, pp_stage=shape.run, microbatches=1)   # one micro-batch run, the rest held below
         searched[shape.run] = fit_parts.search(stage_w, key, dt, one, place, _holding(shape.in_flight, shard),
                                       _within(progress, n, len(shapes)), time.perf_counter())
@@ -92,6 +92,8 @@ def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, 
     rows = [replace(r, binds=r is binding) for r in rows]
     answer, _ = searched[binding.stages[0]]
     answer.ranks = rows
+    answer.recipe = {**answer.recipe, **changed_options(recipe)}   # the pipeline's options, not its stage run's
+    answer.recipe.pop("pp_stage", None)
     answer.runs = sum(res.runs for res, _ in searched.values())
     answer.seconds = time.perf_counter() - t0
     answer.pipeline = (f"pp {pp} × tp {recipe.tp} × dp {max(1, (gpus or group) // group)}: {layers} layers, "

@@ -85,7 +85,7 @@ def stage_role(stage: int, pp: int) -> str:
 def stage_layers(stage: int, pp: int, layers: int) -> str:
     """What a stage holds, in words: "embedding + layers 0-19"."""
     n = layers // pp
-    text = f"layers {stage * n}-{(stage + 1) * n - 1}"
+    text = f"layer {stage}" if n == 1 else f"layers {stage * n}-{(stage + 1) * n - 1}"
     role = stage_role(stage, pp)
     return f"embedding + {text}" if role == "first" else f"{text} + norm + head + loss" if role == "last" else text
 
