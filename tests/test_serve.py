@@ -54,7 +54,6 @@ def test_a_card_too_small_does_not_fit():
 
 
 @pytest.mark.parametrize("kw, words", [
-    ({"context_len": 100_000}, ["256 positions", "or fewer"]),
     ({"context_len": 1}, ["at least 2"]),
     ({"context_len": 64, "batch": 0}, ["batch", "positive"]),
     ({"context_len": 64, "weights": "int3"}, ["weights", "int8", "int4"]),
@@ -65,6 +64,20 @@ def test_bad_input_says_what_to_do(kw, words):
     with pytest.raises(ValueError) as e:
         serve("tiny-llama", "24GiB", **kw)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_past_a_learned_position_table_is_refused_and_past_rotary_positions_is_answered_with_its_assumption():
+    with pytest.raises(ValueError) as e:
+        serve("tiny-gpt2", "24GiB", context_len=300)     # GPT-2's wpe has 256 rows: index 256 does not exist
+    assert all(w in str(e.value) for w in ("256 positions", "learned position table", "or fewer")), str(e.value)
+    within = serve("tiny-llama", "24GiB", context_len=256)
+    past = serve("tiny-llama", "24GiB", context_len=320)   # rotary: computed for any position
+    assert within.positions_note == "" and "past the 256 positions" in past.positions_note
+    # the cache grows with the context past the config's positions as within them: the measured
+    # transformers cache equals the formula at 320 tokens
+    assert past.kv_cache_bytes == kv_cache_for("tiny-llama", 320, 1, "bfloat16").bytes
+    assert past.kv_cache_bytes * 256 == within.kv_cache_bytes * 320
+    assert "past the 256 positions" in past._repr_html_()
 
 
 def test_an_encoder_is_not_served():
@@ -79,8 +92,10 @@ def test_the_cli_serves(capsys):
     assert cli.main(["serve", "hf:tiny-llama", "--gpu", "24GiB", "--context", "64", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["fits"] and d["kv_cache_bytes"] == kv_cache_for("tiny-llama", 64, 1, "bfloat16").bytes
-    assert cli.main(["serve", "hf:tiny-llama", "--gpu", "24GiB", "--context", "100000"]) == 2
+    assert cli.main(["serve", "hf:tiny-gpt2", "--gpu", "24GiB", "--context", "100000"]) == 2
     assert "256 positions" in capsys.readouterr().err
+    assert cli.main(["serve", "hf:tiny-llama", "--gpu", "24GiB", "--context", "300"]) == 0
+    assert "positions: 300 tokens is past the 256 positions" in capsys.readouterr().out
 
 
 def test_the_cli_finds_the_longest_context(capsys):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 __all__ = [
     "HFConfigEntry", "HF_CONFIGS", "HF_PREFIX", "TASKS", "TINY_SOURCE", "build_causal_lm", "build_model",
     "close_names", "config_and_name", "config_summary", "hf_entry", "hf_names", "is_config", "local_config",
-    "make_config", "max_positions", "names_local_config", "task_of", "vocab_size"
+    "make_config", "max_positions", "names_local_config", "rotary_positions", "task_of", "vocab_size"
 ]
 
 if TYPE_CHECKING:
@@ -530,6 +530,14 @@ def max_positions(config: transformers.PretrainedConfig) -> int | None:
     """The longest sequence the model's position table takes (None when it does not say)."""
     value = config_summary(config)["max_positions"]
     return int(value) if value else None
+
+
+def rotary_positions(config: transformers.PretrainedConfig) -> bool:
+    """Whether the model places tokens by rotary embeddings (RoPE: ``rope_parameters``, or the older
+    ``rope_theta``), computed for any position, rather than by a learned table of
+    ``max_position_embeddings`` rows (GPT-2, BERT) that a longer sequence would index past."""
+    text = getattr(config, "text_config", None) or config
+    return bool(getattr(text, "rope_parameters", None) or getattr(text, "rope_theta", None))
 
 
 def config_and_name(config_or_name: Any) -> tuple[Any, str]:

@@ -177,7 +177,8 @@ def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: tor
 
 def generation_peak(model: Any, *, prompt_len: int, new_tokens: int, batch: int = 1,
                     dtype: str | torch.dtype = "bf16", attn_implementation: str | None = None,
-                    weights: str | None = None, kv_cache: str = "dynamic") -> GenerationPeak:
+                    weights: str | None = None, kv_cache: str = "dynamic",
+                    beyond_positions: bool = False) -> GenerationPeak:
     """The peak of generating ``new_tokens`` tokens (at least 2) after a prompt of ``prompt_len``
     for ``batch`` sequences: a built-in config name (``"hf:qwen2.5-7b"``) or a transformers config,
     its weights in ``dtype``, measured on fake tensors following CUDA's kernels (module docstring).
@@ -187,7 +188,9 @@ def generation_peak(model: Any, *, prompt_len: int, new_tokens: int, batch: int 
     ``DynamicCache(config=...)``: sliding layers as the config marks them) or "fp8" (transformers'
     ``QuantizedCache("fp8", config)``: float8_e4m3fn states with a per-tensor float32 scale, every
     layer dequantized whole to ``dtype`` in its forward; transformers takes it for models with full
-    attention only)."""
+    attention only). ``beyond_positions``: measure past the config's ``max_position_embeddings``
+    where the model's positions are rotary (``hf_configs.rotary_positions``), as ``serve`` does with
+    that assumption named; a learned position table is always refused there."""
     if kv_cache not in KV_CACHES:
         raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
     if weights is not None and weights not in QUANTIZATIONS:
@@ -201,7 +204,8 @@ def generation_peak(model: Any, *, prompt_len: int, new_tokens: int, batch: int 
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     longest = hf_configs.max_positions(config)
-    if longest and prompt_len + new_tokens - 1 > longest:   # the last token chosen is never fed back
+    beyond = beyond_positions and hf_configs.rotary_positions(config)
+    if longest and prompt_len + new_tokens - 1 > longest and not beyond:   # the last token is never fed back
         raise ValueError(f"{shown} takes {longest:,} positions; prompt_len + new_tokens - 1 is "
                          f"{prompt_len + new_tokens - 1:,}: ask for fewer tokens")
     if kv_cache == "fp8" and kv_layout(config).sliding_layers:

@@ -97,6 +97,7 @@ class ServeResult:
     kv_assumption: str = ""       # which layers slide, the window, MLA latent or K and V, the KV dtype (kv_layout)
     kv_all_global_bytes: int = 0  # the same cache if every layer kept every position (formula)
     vllm_sequence_bytes: int = 0  # one sequence's pages at the context in vLLM (formula; 0: kv_per_token_bytes's)
+    positions_note: str = ""      # the assumption when the context is past the config's positions (rotary only)
 
     @property
     def usable_bytes(self) -> int:
@@ -148,6 +149,7 @@ class ServeResult:
                 [f"KV cache, {self.batch} × {self.context_len:,} tokens ({self.kv_dtype})",
                  format_bytes(self.kv_cache_bytes), f"{self.kv_label}; {self.kv_assumption}"],
                 ["KV cache if no layer slid", format_bytes(self.kv_all_global_bytes), LABEL_FORMULA],
+                *([["past the config's positions", "", self.positions_note]] if self.positions_note else []),
                 ["prefill, one sequence at a time (peak)", format_bytes(self.prefill_one_bytes), self.label],
                 ["prefill, all at once (peak)", format_bytes(self.prefill_all_bytes), self.label],
                 ["last decode step (peak)", format_bytes(self.decode_bytes), self.kv_label],
@@ -157,6 +159,21 @@ class ServeResult:
                 [f"vLLM-style: blocks of {self.block_size} tokens at {self.utilization:.0%}",
                  f"{self.paged_blocks:,} blocks: {self.max_sequences} sequences", self.paged_label]]
         return html_table(["", "bytes", "source"], rows, repr(self))
+
+
+def _beyond_positions(config: Any, shown: str, context_len: int) -> str:
+    """"" when the context is within the config's ``max_position_embeddings``; past it, the assumption
+    the answer then names (rotary positions are computed for any position, so the memory is that
+    context's) or, for a learned position table, a one-line error."""
+    longest = hf_configs.max_positions(config)
+    if not longest or context_len <= longest:
+        return ""
+    if not hf_configs.rotary_positions(config):
+        raise ValueError(f"{shown} takes {longest:,} positions (a learned position table); a context of "
+                         f"{context_len:,} tokens is longer: ask for {longest:,} or fewer")
+    return (f"{context_len:,} tokens is past the {longest:,} positions {shown}'s config gives: its rotary positions "
+            f"extend, so this is that context's memory; whether the model's output holds there (without RoPE "
+            f"scaling or long-context training) is not a memory question")
 
 
 def _check(context_len: int, batch: int, block_size: int, utilization: float) -> None:
@@ -218,10 +235,7 @@ def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1
     if hf_configs.task_of(config) != "causal-lm":
         raise ValueError(f"{shown} is trained as a {hf_configs.task_of(config)}: serving here is generating text "
                          f"with a causal language model (hf:llama-3-8b, hf:qwen2.5-7b ...)")
-    longest = hf_configs.max_positions(config)
-    if longest and context_len > longest:
-        raise ValueError(f"{shown} takes {longest:,} positions; a context of {context_len:,} tokens is longer: "
-                         f"ask for {longest:,} or fewer")
+    positions_note = _beyond_positions(config, shown, context_len)
     dt = parse_dtype(dtype)
     kind = WEIGHTS.get(weights) if weights else None
     layout = kv_layout(config)
@@ -229,11 +243,12 @@ def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1
     report(progress, 0.1, f"fake run of one sequence: prefill of {context_len - 1:,} tokens and decode steps on "
            f"fake tensors (CUDA's kernels)")
     one = generation_peak(config, prompt_len=context_len - 1, new_tokens=2, batch=1, dtype=dt, weights=kind,
-                          kv_cache=cache)
+                          kv_cache=cache, beyond_positions=bool(positions_note))
     if batch > 1:
         report(progress, 0.5, f"fake run of all {batch} sequences at once: prefill and decode steps")
     everyone = one if batch == 1 else generation_peak(config, prompt_len=context_len - 1, new_tokens=2, batch=batch,
-                                                      dtype=dt, weights=kind, kv_cache=cache)
+                                                      dtype=dt, weights=kind, kv_cache=cache,
+                                                      beyond_positions=bool(positions_note))
     measured = kv_label.startswith(LABEL_FAKE_CUDA + ":")
     kv = everyone.cache_bytes if measured else layout.bytes(context_len, batch, nbytes)
     # a KV dtype transformers' cache could not be measured in: the measured decode step with the formula's cache
@@ -244,7 +259,7 @@ def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1
                        float(utilization), block_size, time.perf_counter() - t0, kv_label=kv_label,
                        module_loading=module_loading, capacity_note=card.total_text,
                        workspace_bytes=card.workspace_bytes(training=False),
-                       kv_assumption=layout.assumption(kv_dtype or dtype_name(dt)),
+                       kv_assumption=layout.assumption(kv_dtype or dtype_name(dt)), positions_note=positions_note,
                        kv_all_global_bytes=layout.all_global_bytes(context_len, batch, nbytes),
                        vllm_sequence_bytes=layout.vllm_bytes(context_len, 1, nbytes, block_size),
                        kernels=current_target().note(), label=f"{LABEL_FAKE_CUDA}; {current_target().note()}")
