@@ -345,7 +345,7 @@ class _FakeRuns:
         if b not in self.runs:
             deep = self.deep
             report(self.progress, 0.2 * min(4, len(self.runs)), f"fake run at batch {b} (a training step on fake "
-                   f"tensors{f', {deep.k} and {deep.k + 1} of its {deep.depth} layers' if deep and not deep.why else ''})"
+                   f"tensors{f', {deep.depths[0]} and {deep.depths[1]} of its {deep.depth} layers' if deep and not deep.why else ''})"
                    f", then replaying it through the simulated allocator")
             t = deep.at(b, fresh) if deep is not None else None
             if t is None:
