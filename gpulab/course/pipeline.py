@@ -9,18 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpulab.course.exercises import Exercise
+from gpulab.course.tensor_parallel import tp_config
 
 __all__ = ["LayoutRow", "LayoutTable", "PPRow", "PPTable", "exercise_gpipe_first_stage", "layout_states",
            "pp_config", "pp_table"]
 
 
 def pp_config(layers: int = 4):
-    """A small Llama-style config (4 layers: one a stage at pp = 4)."""
-    from gpulab.models import hf_configs
-    cfg = hf_configs.make_config("tiny-llama")
-    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size = 4, 4, 176
-    cfg.num_hidden_layers = layers
-    return cfg
+    """Section 8's small Llama-style config (``tp_config``), 4 layers deep: one a stage at pp = 4."""
+    return tp_config(layers)
 
 
 @dataclass(frozen=True)
