@@ -207,3 +207,29 @@ def test_batch_one_gets_a_layout_of_its_own_where_it_differs():
     deep.at(2)
     _assert_same(deep.at(1), run(w, 1))
     assert not deep.why and 1 <= len(deep.layouts) <= 2
+
+
+def _tp_workload(depth: int):
+    """tiny-llama with heads and MLP width that tp=2 divides (as tests/test_tensor_parallel.py)."""
+    cfg = hf_configs.make_config("tiny-llama")
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size = 4, 4, 176
+    cfg.num_hidden_layers = depth
+    return resolve_workload(cfg, seq_len=32)
+
+
+TP = {
+    "tp=2": dict(tp=2),
+    "tp=2, sequence parallel": dict(tp=2, sequence_parallel=True),
+    "tp=2, sequence parallel, pp middle stage": dict(tp=2, sequence_parallel=True, pp=4, pp_stage=1, microbatches=1),
+    "tp=2, pp last stage": dict(tp=2, pp=4, pp_stage=3, microbatches=1),
+}
+
+
+@pytest.mark.parametrize("options", list(TP.values()), ids=list(TP))
+def test_tensor_parallel_equals_full_depth(options):
+    """A tensor-parallel rank's step (DTensor on the fake process group, with and without sequence
+    parallelism, alone and as a pipeline stage) laid out from a few layers equals the full-depth run:
+    the plan is applied layer by layer (training.tensor_parallel), so every layer's setup repeats alike."""
+    deep, laid, full = _both(_tp_workload(7), user_recipe("adamw", None, **options))
+    _assert_same(laid, full)
+    assert deep.runs == 3 and "7 layers laid out" in deep.describe()

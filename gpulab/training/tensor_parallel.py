@@ -127,7 +127,10 @@ def tensor_parallel(model: nn.Module, mesh: Any, sequence_parallel: bool = False
                                                      use_local_output=False)
         if list(base.norm.parameters()):   # (before a pipeline's last stage: an Identity)
             layout["norm"] = SequenceParallel()
-    parallelize_module(base, mesh, layout)
+    # module by module in the model's order (a layer's projections together, not each projection over all
+    # layers): every layer's setup events then follow each other alike, as layer repeat lays them out
+    order = {n: i for i, n in enumerate(names)}
+    parallelize_module(base, mesh, dict(sorted(layout.items(), key=lambda kv: order[kv[0]])))
     head = getattr(model, "lm_head", None)
     if head is not None and isinstance(head, nn.Linear):
         parallelize_module(head, mesh, ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
