@@ -11,7 +11,7 @@ from gpulab.measure.engines import run
 from gpulab.models.workload import resolve_workload
 from gpulab.training.loop import Recipe, train_experiment
 from gpulab.training.routing import (Routing, activations_by_expert, counts_of_run, eager_expert_bytes, expert_rows, megatron_layer_bytes,
-                                     parse_routing)
+                                     parse_routing, ran_routed)
 
 transformers = pytest.importorskip("transformers")
 
@@ -172,3 +172,30 @@ def test_megatron_formula_and_where_gpulab_differs():
     assert gated == 2 * megatron_mlp
     # the rest: k gathered inputs (Megatron: 1), the down output, routing weight and index per row
     assert eager - gated == k * megatron_input + 2 * rows * h * b2 + rows * (4 + 16)
+
+
+@pytest.mark.parametrize("make", [tiny_mixtral, tiny_qwen3_moe])
+def test_grouped_mm_fake_equals_real_cpu_step_whatever_the_router_chose(make):
+    """transformers' default experts implementation (a config that names none: ``grouped_mm``, torch's
+    ``_grouped_mm`` over the tokens·k rows sorted by expert) has no data-dependent shapes: the fake
+    engine runs it as it is (routing "router", no assumption) and holds what a real CPU step holds
+    (peak, every category, end), and two real steps whose routers chose differently hold the same."""
+    w = resolve_workload(make(), None, batch=B, seq_len=S)
+    assert w.build("meta", torch.float32).config._experts_implementation == "grouped_mm"
+    runs, counts = {}, {}
+    for seed in (0, 1):
+        def build(device, dtype, seed=seed):
+            net = w.build(device, dtype)
+            counts[seed], _ = counts_of_run(net)
+            return net
+        runs[seed] = run(train_experiment(dataclasses.replace(w, build=build), [B, B], torch.float32,
+                                          Recipe("adam", seed=seed, routing="router")), "cpu")
+    real = runs[0]
+    assert counts[0] != counts[1] and all(sum(c) == T * K for c in counts[0] + counts[1])
+    assert any(r.op == "_grouped_mm" for r in real.tracking.records.values())   # torch's kernel, not the fallback
+    fake = _step(w, "router", "fake")
+    for m in (fake, runs[1]):
+        assert m.peak_bytes == real.peak_bytes
+        assert m.peak_by_category == real.peak_by_category
+        assert m.tracking.final_by_category == real.tracking.final_by_category
+    assert not ran_routed(fake.tracking) and "router's own choice" in Routing("router").label
