@@ -11,6 +11,7 @@ from gpulab.models import hf_configs
 from gpulab.models.workload import resolve_workload
 from gpulab.predict import layer_repeat as L
 from gpulab.predict.fit import _run
+from gpulab.predict.sharding import one_step_gradients
 from gpulab.training.loop import user_recipe
 
 
@@ -34,6 +35,11 @@ def _assert_same(laid, full):
     assert laid.peak_by_category == full.peak_by_category
     reserved = [CachingAllocator().replay(t.events, strict=False).peak_reserved for t in (laid, full)]
     assert reserved[0] == reserved[1]
+    # the records' own alloc indices in the same order (data parallel's gradient buckets count by them)
+    made = [[(t.records[s].category, t.records[s].phase) for s in sorted(t.records, key=lambda s: t.records[s].created)]
+            for t in (laid, full)]
+    assert made[0] == made[1]
+    assert one_step_gradients(laid) == one_step_gradients(full) > 0
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])

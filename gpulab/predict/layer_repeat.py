@@ -25,6 +25,12 @@ The layout at N blocks takes its bytes from the k- and (k+1)-block runs *at the 
 
 ``GPULAB_LAYER_REPEAT=0`` in the environment switches it off (every run at full depth: for comparing).
 
+A tensor-parallel rank's step (DTensor on the fake process group, with or without sequence
+parallelism, alone or as a pipeline stage) repeats so too, because ``training.tensor_parallel``
+splits the model module by module in the model's order: split projection by projection over all
+layers (the plan's order), each layer's setup events would sit in as many places as the plan has
+entries, and no placement found explained them all.
+
 Dense layers before the experts (DeepSeek's ``first_k_dense_replace``) are a prefix that every small
 run holds: the small runs have prefix + k, k+1 and k+2 layers (``block_pattern``). Layers that repeat
 every few (Gemma-2's sliding and global layers, period 2; Gemma-3's five local to one global, period
@@ -377,12 +383,14 @@ class Layout:
             if e.kind == "alloc":
                 sid = sids[pos] = len(sids)
                 records[sid] = copy.copy(t.records[e.sid])
-                records[sid].sid = sid
+                records[sid].sid, records[sid].freed = sid, None
         events = []
         for pos, (_, e) in zip(order, picked):   # Event's fields in order: index, kind, sid, then as they are
             sid = sids.get(pos) if e.kind == "alloc" else sids.get(self._target(pos, m))
             if sid is None:
                 return None
+            if e.kind in ("alloc", "free"):   # the record's own alloc and free indices, this timeline's
+                setattr(records[sid], "created" if e.kind == "alloc" else "freed", len(events))
             events.append(Event(len(events), e.kind, sid, e.nbytes, e.delta, e.device, e.phase, e.module, e.time)
                           if _EVENT_FIELDS else dataclasses.replace(e, index=len(events), sid=sid))
         return TrackingResult.build(records, events, device=base.device, rounded=base.rounded)
