@@ -118,9 +118,11 @@ def test_snapshot_export_refuses_an_existing_file_before_any_work(tmp_path):
 
 def test_memtrack_snapshot_refuses_an_existing_file_before_running_the_cell(tmp_path):
     from IPython.core.error import UsageError
-    from IPython.testing.globalipapp import get_ipython
+    from IPython.core.interactiveshell import InteractiveShell
 
-    ip = get_ipython()
+    # the one in-process shell the other magic tests use (IPython keeps one singleton a process:
+    # globalipapp's TerminalInteractiveShell beside it fails in whichever test comes second)
+    ip = InteractiveShell.instance()
     ip.run_line_magic("load_ext", "gpulab.magic")
     target = tmp_path / "cell.pickle"
     target.write_bytes(b"someone's file")
