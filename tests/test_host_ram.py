@@ -2,6 +2,7 @@
 
 The references: the checkpoint's own byte count (the formula layers x (width² + width) x 4 bytes,
 checked against what the writer saved), and each child's resident memory before it loads."""
+import contextlib
 import glob
 import os
 import tempfile
@@ -15,12 +16,29 @@ from gpulab.measure.host_ram import LOAD_METHODS, loading_peaks
 LAYERS, WIDTH = 4, 4096          # 256 MiB of float32 weights
 
 
+@contextlib.contextmanager
+def _own_tempdir(folder):
+    """Python's temporary folder pointed at ``folder`` while the block runs: the checkpoints these
+    tests write land there alone, so other processes' runs (lesson 14's cells in a parallel test
+    worker write the same prefix in the shared /tmp) cannot make a left-behind folder seem ours."""
+    saved = tempfile.tempdir
+    tempfile.tempdir = str(folder)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
+
+
+def _left_behind(folder) -> list[str]:
+    return sorted(glob.glob(os.path.join(str(folder), "gpulab-host-ram-*")))
+
+
 @pytest.fixture(scope="module")
-def peaks():
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "gpulab-host-ram-*")))
-    result = loading_peaks(LAYERS, WIDTH, timeout_s=300)
-    after = set(glob.glob(os.path.join(tempfile.gettempdir(), "gpulab-host-ram-*")))
-    assert after <= before, f"temporary checkpoints left behind: {sorted(after - before)}"
+def peaks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("host-ram")
+    with _own_tempdir(folder):
+        result = loading_peaks(LAYERS, WIDTH, timeout_s=300)
+    assert _left_behind(folder) == [], f"temporary checkpoints left behind: {_left_behind(folder)}"
     return result
 
 
@@ -71,20 +89,23 @@ def test_bad_input(kwargs, match):
 
 def test_a_child_past_its_timeout_is_killed(tmp_path, monkeypatch):
     monkeypatch.setattr(host_ram, "_CHILD", "import time\ntime.sleep(60)")
+    # this worker may hold other tests' long-lived children (a JupyterLab server, a kernel): only
+    # a process started by this call counts
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     got, err = host_ram._child("naive", 1, 8, str(tmp_path), 0.5)
     assert got is None and "timed out after 0.5 s" in err and "killed" in err
-    assert psutil.Process().children(recursive=True) == []
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
 
-def test_a_failing_child_is_reported_and_the_folder_removed(monkeypatch):
+def test_a_failing_child_is_reported_and_the_folder_removed(monkeypatch, tmp_path):
     monkeypatch.setattr(host_ram, "_CHILD", "import json, sys\n"
                         "if sys.argv[1] == 'write': print(json.dumps({'weights': 8}))\n"
                         "else: raise SystemExit('no such checkpoint')")
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "gpulab-host-ram-*")))
-    result = loading_peaks(1, 8, methods=("naive", "mmap"))
+    with _own_tempdir(tmp_path):
+        result = loading_peaks(1, 8, methods=("naive", "mmap"))
     assert [r.error for r in result.rows] == ["the child process failed (exit 1): no such checkpoint"] * 2
     assert "failed" in result.table()
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "gpulab-host-ram-*"))) <= before
+    assert _left_behind(tmp_path) == []
     monkeypatch.setattr(host_ram, "_CHILD", "raise SystemExit(3)")
     with pytest.raises(RuntimeError, match="could not write the checkpoint"):
         loading_peaks(1, 8)
