@@ -31,7 +31,6 @@ workspace. On CPU, torch's ``_scaled_mm`` runs too (gpulab's cpu engine measures
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -48,18 +47,13 @@ INSTALL = "pip install torchao"
 
 
 def _torchao_float8():
-    """``torchao.float8``, imported quietly: torchao 0.18 registers its enums with torch's pytree at import,
-    which torch 2.15 answers with a deprecation warning per enum (logged once per process)."""
-    pytree_log = logging.getLogger("torch.utils._pytree")
-    level = pytree_log.level
-    pytree_log.setLevel(logging.ERROR)
+    """``torchao.float8``, or a one-line error naming the install. (The pytree deprecation notice
+    torchao's import makes torch 2.15 log is dropped for every importer by gpulab/__init__.py.)"""
     try:
         import torchao.float8 as float8
     except ImportError:
         raise ValueError(f"fp8 training runs torchao's float8 conversion, and torchao is not installed: "
                          f"{INSTALL}") from None
-    finally:
-        pytree_log.setLevel(level)
     return float8
 
 
