@@ -107,3 +107,14 @@ def standin_gpu(monkeypatch):
     from cuda_standin import standin_gpu as install
     with install(monkeypatch) as gpu:
         yield gpu
+
+
+def run_main(argv, capsys):
+    """gpulab.cli.main in-process: (exit code, stdout, stderr)."""
+    from gpulab import cli
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:       # argparse errors exit through SystemExit(2)
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -20,6 +20,8 @@ import torch
 
 from gpulab import cli
 
+from conftest import run_main
+
 # one worker runs this module: its module-scoped fixture (a minute of stand-in or CLI runs) is built once
 pytestmark = pytest.mark.xdist_group("cli")
 
@@ -150,16 +152,6 @@ def test_step_json_fields(procs):
     assert len(d["step_peaks"]) == 2 and d["steady_peak_bytes"] == d["step_peaks"][1]
     after = d["after_step_by_category"]
     assert after["optimizer_state"] == 2 * after["parameters"] + 4 * MLP_TENSORS
-
-
-def run_main(argv, capsys):
-    """gpulab.cli.main in-process: (exit code, stdout, stderr)."""
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:       # argparse errors exit through SystemExit(2)
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize("optimizer,steps,mult,step_counters", [

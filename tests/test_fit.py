@@ -7,12 +7,13 @@ import pytest
 import torch
 
 import gpulab
-from gpulab import cli
 from gpulab.predict.cards import parse_gpu
 from gpulab.predict.fit import _check, _Extrapolation, _run
 from gpulab.training.loop import Recipe
 from gpulab.units import MiB
 from gpulab.models.workload import resolve_workload
+
+from conftest import run_main
 
 
 def test_extrapolation_equals_a_fake_run_event_for_event():
@@ -67,15 +68,6 @@ def test_batch_one_does_not_fit_levers_as_formulas():
 def test_context_allowance_must_leave_room():
     with pytest.raises(ValueError, match="CUDA context allowance"):
         gpulab.fit("mlp", "256MiB", context_bytes=300 * MiB)
-
-
-def run_main(argv, capsys):
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_fit_json_fields(capsys):

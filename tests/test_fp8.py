@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 import gpulab
-from gpulab import cli
 from gpulab.training.fp8 import fp8_added, fp8_layers
+
+from conftest import run_main
 
 pytest.importorskip("torchao.float8")
 
@@ -98,22 +99,13 @@ def test_a_model_without_a_convertible_linear_layer_is_refused():
         gpulab.step(nn.Sequential(nn.Linear(10, 3)), input_shape=(10,), batch=2, engine="fake", fp8="tensorwise")
 
 
-def _main(argv, capsys):
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_cli_refuses_an_unknown_recipe_in_one_line(capsys):
-    code, out, err = _main(["step", "hf:tiny-llama", "--fp8", "blockwise"], capsys)
+    code, out, err = run_main(["step", "hf:tiny-llama", "--fp8", "blockwise"], capsys)
     assert code == 2 and err.count("\n") == 1 and "gpulab:" in err and "tensorwise, rowwise" in err
 
 
 def test_cli_step_with_fp8_shows_the_recipe(capsys):
-    code, out, err = _main(["step", "hf:tiny-llama", "--engine", "fake", "--batch", "1", "--dtype", "bf16",
+    code, out, err = run_main(["step", "hf:tiny-llama", "--engine", "fake", "--batch", "1", "--dtype", "bf16",
                             "--fp8", "rowwise", "--json"], capsys)
     import json
     assert code == 0, err
