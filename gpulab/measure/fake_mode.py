@@ -12,7 +12,8 @@ checked against torch's own answer over grids of cases in ``tests/test_fake_mode
 
 They use private parts of ``torch._subclasses.fake_tensor`` (written against torch 2.15). Where
 this torch lacks them or they have another shape (``SHORTCUTS`` is False), ``FakeMode`` is
-FakeTensorMode itself: the same numbers, at torch's speed.
+FakeTensorMode with none of them: the same numbers, at torch's speed (its fresh outputs are kept
+out of the converter's memo, as the shortcuts' are, so ``Module.to`` works: ``_PlainFakeMode``).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import logging
 import types
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConverter, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from gpulab.measure.fake_internals import (SingletonConstant, _BypassDispatchCache, _DISPATCH_HANDLE_DIRECTLY, _DISPATCH_META_HANDLERS, _DispatchCacheKey, _DispatchCacheValidEntry, _pin_device_index, get_proxy_mode, in_kernel_invocation_manager)
 from gpulab.measure.fake_internals import SHORTCUTS
@@ -200,8 +201,50 @@ class FakeMode(FakeTensorMode):
         return FakeTensor(self, empty, m.device)
 
 
-if not SHORTCUTS:   # this torch's FakeTensorMode has another inside: use it as it is
-    FakeMode = FakeTensorMode  # noqa: F811
+class _FreshOutputs(FakeTensorConverter):
+    """FakeTensorConverter whose fake tensors made around a kernel's fresh meta outputs are not
+    kept in its memo. torch keeps each one there (``from_meta_and_device``: ``set_tensor_memo``, a
+    weak reference), and ``Module._apply`` always swaps a fake parameter (``swap_tensors``, which
+    refuses a tensor with a weak reference): so under FakeTensorMode itself a module built in the
+    mode cannot be moved with ``.to(device)`` ("Couldn't swap Conv2d.weight"). A fresh meta output
+    is never looked up again, so the memo held nothing the run reads."""
+
+    def from_meta_and_device(self, fake_mode, t, device, pytype=None, dispatch_keys=None):
+        memo = self._get_memo(t)
+        if memo is not None:
+            return memo
+        return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)
+
+
+class _PlainFakeMode(FakeTensorMode):
+    """The fake engine's mode on a torch whose FakeTensorMode has other insides than the shortcuts
+    read: FakeTensorMode's own answers (no shortcut), its log of a raising op silenced while
+    entered, and fresh outputs kept out of the converter's memo (``_FreshOutputs``) so that
+    ``Module.to`` works on a model built in the mode."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        converter = self.fake_tensor_converter
+        if type(converter) is FakeTensorConverter and callable(getattr(converter, "_get_memo", None)):
+            converter.__class__ = _FreshOutputs
+
+    def __enter__(self):
+        self._quiet = quiet_fake_log().__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._quiet.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._quiet.__exit__(None, None, None)
+
+
+if not SHORTCUTS:   # this torch's FakeTensorMode has another inside: use its answers as they are
+    FakeMode = _PlainFakeMode  # noqa: F811
 
 
 
