@@ -94,6 +94,18 @@ def test_bad_fp8_settings_are_one_line_errors(kwargs, match):
     assert "\n" not in str(e.value)
 
 
+def test_a_torchao_older_than_the_one_read_is_refused_in_one_line(monkeypatch):
+    """Colab ships torchao 0.10: its float8 layers are not the ones the lesson's claims were read from."""
+    import importlib.metadata
+    from gpulab.training import fp8
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.10.0" if name == "torchao" else real(name))
+    with pytest.raises(ValueError, match=r"torchao >= 0\.18.*this has torchao 0\.10: pip install -U 'torchao>=0\.18'") as e:
+        _linear_step("fake", "rowwise")
+    assert "\n" not in str(e.value)
+    assert fp8._torchao_version() == (0, 10)
+
+
 def test_a_model_without_a_convertible_linear_layer_is_refused():
     with pytest.raises(ValueError, match="has none"):
         gpulab.step(nn.Sequential(nn.Linear(10, 3)), input_shape=(10,), batch=2, engine="fake", fp8="tensorwise")

@@ -44,11 +44,29 @@ from gpulab.options import FP8_RECIPES, check_fp8   # torch-free: the CLI checks
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # _scaled_mm's output dtypes
 INSTALL = "pip install torchao"
+TORCHAO_FLOOR = (0, 18)   # the release whose float8_linear.py the module docstring reads (what it saves)
+
+
+def _torchao_version() -> tuple[int, ...] | None:
+    """torchao's installed release as numbers (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        text = version("torchao")
+    except PackageNotFoundError:
+        return None
+    return tuple(int(p) for p in text.split("+")[0].split(".")[:2] if p.isdigit())
 
 
 def _torchao_float8():
-    """``torchao.float8``, or a one-line error naming the install. (The pytree deprecation notice
-    torchao's import makes torch 2.15 log is dropped for every importer by gpulab/__init__.py.)"""
+    """``torchao.float8``, or a one-line error naming the install: torchao missing, or older than the
+    release this module was read against (Colab ships torchao 0.10; gpulab's install asks for 0.18).
+    (The pytree deprecation notice torchao's import makes torch 2.15 log is dropped for every
+    importer by gpulab/__init__.py.)"""
+    have = _torchao_version()
+    floor = ".".join(map(str, TORCHAO_FLOOR))
+    if have is not None and have < TORCHAO_FLOOR:
+        raise ValueError(f"fp8 training follows torchao >= {floor}'s float8 layers (what they save for backward); "
+                         f"this has torchao {'.'.join(map(str, have))}: pip install -U 'torchao>={floor}'")
     try:
         import torchao.float8 as float8
     except ImportError:
