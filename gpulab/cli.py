@@ -346,9 +346,11 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--qlora", action="store_true",
                    help="QLoRA: --quantize nf4 with --lora (rank 8 unless --lora says otherwise)")
     p.add_argument("--routing", default=None, metavar="ASSUMPTION",
-                   help="a mixture of experts' routing, an assumption the answer states: balanced (the default: "
-                        "tokens*k/E rows per expert), capacity:F (each expert F times that, dropped or padded), "
-                        "worst (every token to the same k experts) or router (the model's own experts kernel)")
+                   help="a mixture of experts' routing, an assumption the answer states: left out, the model's own "
+                        "experts kernel where it is transformers' grouped_mm (its memory is the same however tokens "
+                        "are routed: no assumption needed), else balanced; balanced (tokens*k/E rows per expert), "
+                        "capacity:F (each expert F times that, dropped or padded), worst (every token to the same k "
+                        "experts) or router (the model's own experts kernel)")
     p.add_argument("--tp", type=_positive_int, default=1, metavar="N",
                    help="tensor parallelism over N GPUs (the model's own transformers plan, on PyTorch's fake "
                         "process group, fake tensors): the answer is one rank's; with --gpus, N divides it")
@@ -368,8 +370,10 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
                         "norm, head and loss on the last): fit answers per stage; with --gpus, tp x pp divides it")
     p.add_argument("--microbatches", type=_positive_int, default=None, metavar="M",
                    help="with --pp: micro-batches per step (default: N); --batch / the answer is one micro-batch")
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
-                   help="with --pp: 1f1b (stage i holds min(N - i, M) micro-batches) or gpipe (every stage holds M)")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="with --pp: 1f1b (stage i holds min(N - i, "
+                   "M) micro-batches), gpipe (every stage holds M) or interleaved (V chunks a rank, torch's order)")
+    p.add_argument("--virtual-stages", type=_positive_int, default=1, metavar="V", help="with --schedule "
+                   "interleaved: model chunks per rank (Megatron-LM's virtual pipeline size); N x V divides the layers")
     p.add_argument("--pp-stage", type=int, default=0, metavar="S",
                    help="step with --pp: the stage to measure, 0 (the first) to N-1 (the last)")
     p.add_argument("--fp8", type=_fp8, default=None, metavar="RECIPE",
@@ -393,7 +397,7 @@ def _recipe(args: argparse.Namespace) -> dict[str, Any]:
             "double_quant": not args.no_double_quant, "quant_compute_dtype": args.quant_compute_dtype,
             "tp": args.tp, "sequence_parallel": args.sequence_parallel, "routing": args.routing,
             "pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule,
-            "fp8": args.fp8, "cp": args.cp, "ep": args.ep}
+            "virtual_stages": args.virtual_stages, "fp8": args.fp8, "cp": args.cp, "ep": args.ep}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -590,6 +594,7 @@ def _print_serve(d: dict[str, Any]) -> str:
                         format_bytes(d["kv_cache_bytes"]), d["kv_label"]),
              f"  KV cache assumption: {d.get('kv_assumption', '')}",
              *([f"  positions: {d['positions_note']}"] if d.get("positions_note") else []),
+             *([f"  experts: {d['experts_note']}"] if d.get("experts_note") else []),
              row.format("prefill, one sequence (peak)", format_bytes(d["prefill_one_bytes"]), d["label"]),
              row.format(f"prefill, all {d['batch']} at once (peak)", format_bytes(d["prefill_all_bytes"]), d["label"]),
              row.format("last decode step, all (peak)", format_bytes(d["decode_bytes"]), d["kv_label"]),

@@ -17,7 +17,7 @@ __all__ = ["ALL_OPTIMIZERS", "AMP_NAMES", "CHECKPOINTING_POLICIES", "FP8_RECIPES
 ALL_OPTIMIZERS = (*OPTIMIZER_STATES, *RECIPE_OPTIMIZERS)
 AMP_NAMES = ("fp16", "bf16")       # the keys of training.loop.AMP_DTYPES
 MAX_STEPS = 10   # tracked steps of one call: each repeats the steady state of step 2
-SCHEDULES = ("1f1b", "gpipe")     # training.pipeline.SCHEDULES: the pipeline schedules gpulab measures
+SCHEDULES = ("1f1b", "gpipe", "interleaved")   # training.pipeline.SCHEDULES: the pipeline schedules gpulab measures
 
 CHECKPOINTING_POLICIES = ("full", "selective", "every-K")
 POLICY_TEXT = ("full (every block), selective (op-level selective activation checkpointing, SAC: matmul and "

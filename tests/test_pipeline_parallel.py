@@ -9,7 +9,8 @@ import torch
 import gpulab
 from gpulab.models import hf_configs
 from gpulab.predict.layer_repeat import with_depth
-from gpulab.training.pipeline import check_pipeline, distinct_stages, in_flight, pipeline_stage
+from gpulab.training.pipeline import (check_pipeline, check_pp_options, distinct_stages, in_flight,
+                                      interleaved_actions, pipeline_stage)
 
 SEQ = 32
 
@@ -200,3 +201,73 @@ def test_lesson_12s_pipeline_table_and_exercise():
     whole, staged = layouts.rows
     assert whole.first == whole.last and staged.middle < staged.first < whole.first / 3
     assert "formula" in layouts._repr_html_()
+
+
+def _megatron_interleaved_held(pp: int, v: int, m: int, rank: int) -> int:
+    """Chunk micro-batches an interleaved rank holds at its first backward, from Megatron-LM's
+    forward_backward_pipelining_with_interleaving (megatron/core/pipeline_parallel/schedules.py):
+    num_warmup_microbatches = (pp - rank - 1) * 2 + (num_model_chunks - 1) * pp capped at M·V (all M·V
+    when M == pp); the first steady-state forward, if any is left, adds one."""
+    total = m * v
+    warmup = total if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    return warmup + (1 if warmup < total else 0)
+
+
+@pytest.mark.parametrize("pp,v,m", [(4, 2, 8), (4, 3, 12), (8, 2, 16), (4, 2, 12), (2, 4, 4)])
+def test_interleaved_in_flight_follows_megatron_and_its_memory_penalty(pp, v, m):
+    """The count torch's schedule gives (interleaved_actions) against Megatron-LM's warm-up count, and on
+    the first rank against report_theoretical_memory's interleaved_schedule_memory_penalty,
+    1 + (pp - 1) / (pp·V), times pp micro-batches of a stage (formula; M a multiple of pp above it)."""
+    counts = [in_flight("interleaved", r, pp, m, v) for r in range(pp)]
+    if m == pp:   # the one difference: Megatron runs every forward first; torch keeps its warm-up, fewer held
+        assert all(c <= m * v == _megatron_interleaved_held(pp, v, m, r) for r, c in enumerate(counts))
+        assert counts[0] == m * v
+        return
+    assert counts == [_megatron_interleaved_held(pp, v, m, r) for r in range(pp)]
+    assert counts[0] / v == pytest.approx(pp * (1 + (pp - 1) / (pp * v)), abs=1e-12)
+    actions = interleaved_actions(pp, v, m, 0)
+    assert sorted(actions) == sorted((k, c * pp, mb) for k in "BF" for c in range(v) for mb in range(m))
+
+
+def test_torch_and_megatron_differ_where_micro_batches_equal_stages():
+    """M == pp: Megatron-LM's interleaved schedule runs all M·V forwards before any backward on every
+    rank; torch's ScheduleInterleaved1F1B (which gpulab runs) keeps each rank's warm-up, so later ranks
+    hold fewer: pp 4 × 2 chunks, M 4: 8, 8, 7, 5 against Megatron's 8 on each."""
+    assert [in_flight("interleaved", r, 4, 4, 2) for r in range(4)] == [8, 8, 7, 5]
+    assert [_megatron_interleaved_held(4, 2, 4, r) for r in range(4)] == [8, 8, 8, 8]
+
+
+def test_an_interleaved_rank_holds_its_schedules_chunk_micro_batches():
+    """Measured: a middle rank of pp 4 × 2 chunks (virtual stages 1 and 5 of 8, both middle) holds, at
+    once, in_flight chunk micro-batches' activations, each what one micro-batch through one middle stage
+    of an 8-stage pipeline keeps; its weights are a 4-stage pipeline's middle stage's."""
+    kw = dict(batch=2, seq_len=SEQ, optimizer="adamw", dtype="bf16", engine="fake", fake_target="cpu")
+    inter = gpulab.step(_config(8), pp=4, pp_stage=1, schedule="interleaved", virtual_stages=2, microbatches=8, **kw)
+    chunk = gpulab.step(_config(8), pp=8, pp_stage=1, microbatches=1, **kw)
+    stage = gpulab.step(_config(8), pp=4, pp_stage=1, microbatches=1, **kw)
+    assert in_flight("interleaved", 1, 4, 8, 2) == 9
+    assert _held(inter) == 9 * _held(chunk)
+    assert inter.tensor_bytes_by_category["parameters"] == stage.tensor_bytes_by_category["parameters"]
+    assert inter.recipe["virtual_stages"] == 2 and inter.recipe["schedule"] == "interleaved"
+
+
+def test_interleaved_layouts_that_do_not_divide_are_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"pp × virtual_stages = 2 × 3 = 6 does not divide num_hidden_layers = 4"):
+        gpulab.step(_config(), batch=2, seq_len=SEQ, engine="fake", pp=2, schedule="interleaved", virtual_stages=3)
+    with pytest.raises(ValueError, match=r"9 micro-batches make 2 rounds and 2 does not divide 9.*multiple of 4"):
+        check_pp_options(4, 9, "interleaved", 0, 2)
+    with pytest.raises(ValueError, match="add --schedule interleaved"):
+        check_pp_options(4, 8, "1f1b", 0, 2)
+    with pytest.raises(ValueError, match="--virtual-stages 2 or more"):
+        check_pp_options(4, 8, "interleaved", 0, 1)
+    with pytest.raises(ValueError, match="give --pp 2 or more"):
+        check_pp_options(1, None, "1f1b", 0, 2)
+
+
+def test_fit_answers_an_interleaved_pipeline_per_rank():
+    f = gpulab.fit(_config(8), "24MiB", optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0, pp=4,
+                   microbatches=8, schedule="interleaved", virtual_stages=2)
+    assert [(r.stages, r.in_flight) for r in f.ranks] == [((0,), 11), ((1,), 9), ((2,), 7), ((3,), 5)]
+    assert [r.holds for r in f.ranks][::3] == ["embedding + layers 0, 4", "layers 3, 7 + norm + head + loss"]
+    assert sum(r.binds for r in f.ranks) == 1 and f.largest_batch >= 1
+    assert "ScheduleInterleaved1F1B" in f.label and "in 2 chunks" in f.pipeline and "interleaved" in f.layers

@@ -14,7 +14,9 @@ the schedule's other ``k - 1`` micro-batches to the timeline: a copy of every st
 forward left for its backward (its saved activations, its output, the received input), made when the
 forward ends and freed when the backward ends. The stage's peak, the first backward with ``k - 1``
 micro-batches held, is then replayed through the simulated allocator; ``gpulab.step(pp=...)`` runs
-all ``k`` forwards for real, and the test checks the two peaks agree.
+all ``k`` forwards for real, and the test checks the two peaks agree. The interleaved schedule's
+runs are the rank's whole schedule instead (``training.pipeline``: its chunks take turns, so there is
+no one forward to copy), each at the rank's full depth.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from gpulab.measure.records import Event, TrackingResult
 from gpulab.predict import layer_repeat
 from gpulab.predict.progress import Progress, report
 from gpulab.training.loop import Recipe, changed_options
-from gpulab.training.pipeline import SCHEDULE_LABEL, StageShape, distinct_stages, in_flight, rank_range, stage_layers
+from gpulab.training.pipeline import (INTERLEAVED_LABEL, SCHEDULE_LABEL, StageShape, distinct_stages, in_flight,
+                                      rank_range, stage_layers)
 from gpulab.models.workload import Workload
 
 __all__ = ["DEFAULT_STRATEGY", "StageFit", "StageSearch", "fit_stages", "hold_in_flight"]
@@ -76,17 +79,18 @@ def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, 
     sharding, shard = fit_parts.sharding(stage_w, recipe, dt, gpus, DEFAULT_STRATEGY if assumed else strategy, offload)
     place = place._replace(sharding=sharding)
     per_stage = gpus // pp if gpus else recipe.tp   # (_sharding checked that tp × pp divides gpus)
-    shapes = distinct_stages(pp, recipe.microbatches, recipe.schedule)
+    v = recipe.virtual_stages
+    shapes = distinct_stages(pp, recipe.microbatches, recipe.schedule, v)
     searched: dict[int, tuple[Any, Any]] = {}
     for n, shape in enumerate(s for s in shapes if s.bounded_by is None):
-        report(progress, 0.0, f"pipeline stage {shape.run} ({shape.role}: {stage_layers(shape.run, pp, layers)}, "
+        report(progress, 0.0, f"pipeline stage {shape.run} ({shape.role}: {stage_layers(shape.run, pp, layers, v)}, "
                               f"{shape.in_flight} in flight)")
-        one = replace(recipe, pp_stage=shape.run, microbatches=1)   # one micro-batch run, the rest held below
-        searched[shape.run] = fit_parts.search(stage_w, key, dt, one, place, _holding(shape.in_flight, shard),
-                                      _within(progress, n, len(shapes)), time.perf_counter())
+        run, holding = _stage_run(recipe, shape, shard)
+        searched[shape.run] = fit_parts.search(stage_w, key, dt, run, place, holding,
+                                               _within(progress, n, len(shapes)), time.perf_counter())
     batch = min(res.largest_batch for res, _ in searched.values())
     check = functools.partial(fit_parts.check, usable=fit_parts.usable(place), source="run")
-    rows = [_row(shape, searched, batch, check, pp, layers, per_stage) for shape in shapes]
+    rows = [_row(shape, searched, batch, check, (pp, v), layers, per_stage) for shape in shapes]
     binding = max((r for r in rows if r.largest_batch is not None and r.largest_batch == batch),
                   key=lambda r: r.reserved_bytes or 0)
     rows = [replace(r, binds=r is binding) for r in rows]
@@ -97,13 +101,22 @@ def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, 
     answer.runs = sum(res.runs for res, _ in searched.values())
     answer.seconds = time.perf_counter() - t0
     answer.pipeline = (f"pp {pp} × tp {recipe.tp} × dp {max(1, (gpus or group) // group)}: {layers} layers, "
-                       f"{layers // pp} a stage; {recipe.schedule}, {recipe.microbatches} micro-batches of the "
+                       f"{layers // pp} a stage{f' in {v} chunks' if v > 1 else ''}; {recipe.schedule}, "
+                       f"{recipe.microbatches} micro-batches of the "
                        f"batch below a step; the answer is the {binding.role} stage's (it binds)"
                        + (f"; data parallel assumed {DEFAULT_STRATEGY} (Megatron-LM's default: no distributed "
                           f"optimizer; --strategy changes it)" if assumed else ""))
     answer.method = f"each pipeline stage that differs searched as one GPU's step; {answer.method}"
-    answer.label = f"{answer.label}; {SCHEDULE_LABEL}"
+    answer.label = f"{answer.label}; {INTERLEAVED_LABEL if v > 1 else SCHEDULE_LABEL}"
     return answer
+
+
+def _stage_run(recipe: Recipe, shape: StageShape, shard) -> tuple[Recipe, Callable]:
+    """The recipe a stage's search runs and what it makes of each run's timeline: one micro-batch, the
+    schedule's others held as copies (``hold_in_flight``); interleaved, the rank's whole schedule run."""
+    if recipe.schedule == "interleaved":
+        return replace(recipe, pp_stage=shape.run), _holding(1, shard)
+    return replace(recipe, pp_stage=shape.run, microbatches=1), _holding(shape.in_flight, shard)
 
 
 def _holding(count: int, shard):
@@ -159,12 +172,13 @@ def _within(progress: Progress, n: int, of: int) -> Progress:
     return lambda frac, text: progress((n + frac) / of, text)
 
 
-def _row(shape: StageShape, searched: dict, batch: int, check: Callable, pp: int, layers: int,
+def _row(shape: StageShape, searched: dict, batch: int, check: Callable, layout: tuple[int, int], layers: int,
          per_stage: int) -> StageFit:
     """One stage shape at the pipeline's micro-batch ``batch``: its own search's run there, or the
-    stage that bounds it."""
+    stage that bounds it. ``layout``: (pp, chunks per rank)."""
+    pp, v = layout
     ranks = ", ".join(rank_range(s, pp, per_stage) for s in shape.stages)
-    holds = stage_layers(shape.run, pp, layers) if len(shape.stages) == 1 else \
+    holds = stage_layers(shape.run, pp, layers, v) if len(shape.stages) == 1 else \
         f"{layers // pp} layers each"
     if shape.bounded_by is not None:
         return StageFit(shape.stages, ranks, shape.role, holds, shape.in_flight, None, None, None,

@@ -91,7 +91,7 @@ from gpulab.training.expert_parallel import (check_expert_parallel, expert_shard
                                              total_experts)
 from gpulab.training.fp8 import check_fp8, check_fp8_for, check_fp8_workload, fp8_convert
 from gpulab.training.optimizers import build_optimizer, check_implementation, check_optimizer, make_optimizer
-from gpulab.training.pipeline import StageStep, check_pipeline, check_pp_options, pipeline_stage, run_in_flight
+from gpulab.training.pipeline import check_pipeline, check_pp_options, pipeline_stage, run_in_flight, stage_step
 from gpulab.training.routing import Routing, install_routing, is_moe, parse_routing
 from gpulab.training.tensor_parallel import check_tensor_parallel, check_tp_options, fake_world, tensor_parallel
 
@@ -137,7 +137,8 @@ class Recipe:
     ep: int = 1                          # expert-parallel ranks: the run holds E/ep experts (training.expert_parallel)
     pp: int = 1                          # pipeline stages (training.pipeline): the run is one stage's
     microbatches: int | None = None      # with pp: micro-batches per step (None: pp)
-    schedule: str = "1f1b"               # with pp: "1f1b" or "gpipe" (how many micro-batches a stage holds)
+    schedule: str = "1f1b"               # with pp: "1f1b", "gpipe" or "interleaved" (how many micro-batches a stage holds)
+    virtual_stages: int = 1              # with the interleaved schedule: model chunks per rank (Megatron's virtual pipeline size)
     pp_stage: int = 0                    # with pp: the stage this run measures (gpulab.fit runs each that differs)
     fp8: str | None = None               # torchao's float8 training recipe: "tensorwise" or "rowwise"
 
@@ -147,7 +148,7 @@ class Recipe:
         if self.fp8 and (self.lora or self.quantize or self.tp > 1):
             raise ValueError("fp8 converts the model's own linear layers to torchao's Float8Linear: leave out lora, "
                              "quantize and tp with fp8 (their layers are not plain nn.Linear)")
-        check_pp_options(self.pp, self.microbatches, self.schedule, self.pp_stage)
+        check_pp_options(self.pp, self.microbatches, self.schedule, self.pp_stage, self.virtual_stages)
         if self.pp > 1:
             _check_pipeline_recipe(self)
         check_tp_options(self.tp, self.sequence_parallel)
@@ -189,7 +190,7 @@ RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False
                    "lora": 0, "lora_targets": None, "lora_dropout": 0.0, "quantize": None, "lora_dtype": "fp32",
                    "double_quant": True, "quant_compute_dtype": "input", "routing": None, "tp": 1,
                    "sequence_parallel": False, "pp": 1, "microbatches": None, "schedule": "1f1b", "pp_stage": 0,
-                   "fp8": None, "cp": 1, "ep": 1}
+                   "virtual_stages": 1, "fp8": None, "cp": 1, "ep": 1}
 
 
 def _check_pipeline_recipe(r: "Recipe") -> None:
@@ -220,7 +221,8 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
                 quantize: str | None = None, lora_dtype: str = "fp32", double_quant: bool = True,
                 quant_compute_dtype: str | None = "input", routing: Any = None, tp: int = 1,
                 sequence_parallel: bool = False, pp: int = 1, microbatches: int | None = None,
-                schedule: str = "1f1b", pp_stage: int = 0, fp8: str | None = None, cp: int = 1, ep: int = 1) -> Recipe:
+                schedule: str = "1f1b", pp_stage: int = 0, virtual_stages: int = 1, fp8: str | None = None, cp: int = 1,
+                ep: int = 1) -> Recipe:
     """The ``Recipe`` of ``gpulab.step`` / ``gpulab.fit`` from their arguments (``amp``: "fp16",
     "bf16" or None). Bad values raise ``ValueError`` saying what is allowed."""
     for name, value in (("grad_scaler", grad_scaler), ("set_to_none", set_to_none),
@@ -254,7 +256,8 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
                   implementation=implementation, checkpointing=checkpointing, lora=lora, lora_targets=lora_targets,
                   lora_dropout=float(lora_dropout), quantize=quantize, lora_dtype=lora_dtype, double_quant=double_quant,
                   quant_compute_dtype=quant_compute_dtype, routing=routing, tp=tp, sequence_parallel=sequence_parallel,
-                  pp=pp, microbatches=microbatches, schedule=schedule, pp_stage=pp_stage, fp8=fp8, cp=cp, ep=ep)
+                  pp=pp, microbatches=microbatches, schedule=schedule, pp_stage=pp_stage, virtual_stages=virtual_stages,
+                  fp8=fp8, cp=cp, ep=ep)
 
 
 def _check_adapter_options(lora: int, quantize: str | None, lora_dtype: str, double_quant: bool,
@@ -294,7 +297,7 @@ def check_recipe_for(r: Recipe, w: Workload, dtype: torch.dtype | None = None) -
     if r.tp > 1:
         check_tensor_parallel(w.config, r.tp, r.sequence_parallel)
     if r.pp > 1:
-        check_pipeline(w.config if w.kind == "tokens" else None, r.pp)
+        check_pipeline(w.config if w.kind == "tokens" else None, r.pp, r.virtual_stages)
     if r.cp > 1:
         check_context_parallel(w, r.cp, r.tp, r.sequence_parallel)
     if r.ep > 1:
@@ -324,6 +327,8 @@ def changed_options(r: Recipe) -> dict[str, Any]:
         shown["routing"] = r.routing.text
     if r.pp > 1:   # a pipeline's answer always names its schedule and micro-batches
         shown.update(schedule=r.schedule, microbatches=r.microbatches)
+        if r.schedule == "interleaved":
+            shown["virtual_stages"] = r.virtual_stages
     if r.lora:
         shown["lora_dtype"] = r.lora_dtype
     if r.quantize in FOUR_BIT:
@@ -356,7 +361,7 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
             _assume_routing(net, w, r)
             if r.register_model or r.compile:   # compile: the tracker's parameter hooks exist before dynamo guards
                 ctx.tracker.register(net)
-            step_loss = recipe_loss(w, r, net) if r.pp == 1 else StageStep(net, w.config.hidden_size, r)
+            step_loss = recipe_loss(w, r, net) if r.pp == 1 else stage_step(net, w.config.hidden_size, r)
             warmed = None
             opt = _optimizers(r, net, ctx.engine == "fake")
         scaler = torch.amp.GradScaler(ctx.device.type) if r.grad_scaler else None

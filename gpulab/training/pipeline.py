@@ -21,6 +21,17 @@ optimizer step: the stage's peak (weights, gradients, optimizer state, the held 
 backward's transient) is the run's, on whichever engine runs it. The remaining micro-batches of
 the step repeat the same shapes and are not run.
 
+Interleaved 1F1B (Narayanan et al. 2021 §2.2; ``torch.distributed.pipelining.ScheduleInterleaved1F1B``,
+Megatron-LM's ``forward_backward_pipelining_with_interleaving`` with a virtual pipeline size ``V``):
+each rank holds ``V`` chunks of ``layers / (pp·V)`` layers, chunk ``c`` of rank ``r`` being virtual
+stage ``c·pp + r`` of ``pp·V`` (the embedding on virtual stage 0, the norm, head and loss on the
+last). ``interleaved_actions`` is the rank's order of forwards and backwards as torch's schedule
+computes it (its own ``_calculate_single_rank_operations``: ``(V - 1)·rounds + 2·(pp - 1 - r)``
+warm-up forwards, then one forward and one backward at a time), and ``run_in_flight`` runs that
+whole order for real, chunk by chunk: the rank's peak is measured, not scaled. Its most chunk
+micro-batches in flight (``in_flight``) on rank 0, divided by ``V``, is Megatron-LM's
+``interleaved_schedule_memory_penalty`` times ``pp``: ``pp·(1 + (pp - 1)/(pp·V))`` stages' worth.
+
 NB: ``torch.distributed.pipelining``'s stages and schedules are not used: their send and receive
 go through the process group (the fake one returns nothing to receive into) and their shape
 inference exchanges objects between ranks, and one process plays one rank. The stage's modules
@@ -30,6 +41,7 @@ buffers above.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -38,16 +50,22 @@ from torch import nn
 
 from gpulab.options import SCHEDULES   # torch-free: the CLI offers the same names
 
-__all__ = ["SCHEDULES", "StageShape", "StageStep", "check_pipeline", "check_pp_options", "distinct_stages",
-           "in_flight", "pipeline_stage", "rank_range", "run_in_flight", "stage_layers", "stage_role"]
+__all__ = ["SCHEDULES", "InterleavedStep", "StageShape", "StageStep", "check_pipeline", "check_pp_options",
+           "distinct_stages", "in_flight", "interleaved_actions", "pipeline_stage", "rank_range", "run_in_flight",
+           "stage_layers", "stage_role", "stage_step"]
 
 SCHEDULE_LABEL = ("micro-batches in flight: the schedule's count (GPipe: all M; 1F1B: min(pp - stage, M)), not "
                   "measured; one micro-batch measured through each stage's own modules, the others held as copies "
                   "of what its forward kept for backward")
+INTERLEAVED_LABEL = ("interleaved 1F1B: each rank's V chunks run in the order torch.distributed.pipelining's "
+                     "ScheduleInterleaved1F1B gives that rank (every forward and backward of the step, measured); "
+                     "in flight: chunk micro-batches, each 1/V of a stage's layers")
 
 
-def check_pp_options(pp: int, microbatches: int | None = None, schedule: str = "1f1b", stage: int = 0) -> None:
-    """ValueError, in one line, for a pipeline degree, micro-batch count, schedule or stage that is not one."""
+def check_pp_options(pp: int, microbatches: int | None = None, schedule: str = "1f1b", stage: int = 0,
+                     virtual: int = 1) -> None:
+    """ValueError, in one line, for a pipeline degree, micro-batch count, schedule, stage or number of
+    virtual stages (chunks per rank) that is not one."""
     if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
         raise ValueError(f"pipeline parallelism must be a whole number of stages >= 1, got {pp!r}")
     if microbatches is not None and (not isinstance(microbatches, int) or isinstance(microbatches, bool)
@@ -57,24 +75,49 @@ def check_pp_options(pp: int, microbatches: int | None = None, schedule: str = "
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < pp:
         raise ValueError(f"pp_stage must be a stage from 0 to {pp - 1}, got {stage!r}")
-    if pp == 1 and (microbatches is not None or schedule != "1f1b" or stage):
-        raise ValueError("microbatches, schedule and pp_stage are a pipeline's: give --pp 2 or more")
+    if pp == 1 and (microbatches is not None or schedule != "1f1b" or stage or virtual != 1):
+        raise ValueError("microbatches, schedule, pp_stage and virtual_stages are a pipeline's: give --pp 2 or more")
+    _check_virtual(schedule, virtual, pp, microbatches)
 
 
-def check_pipeline(config: Any, pp: int) -> None:
-    """ValueError, in one line, when ``config``'s layers cannot be split into ``pp`` equal stages or the
-    model is not a decoder whose parts a stage can hold."""
+def _check_virtual(schedule: str, virtual: int, pp: int, microbatches: int | None) -> None:
+    """Chunks per rank go with the interleaved schedule only, two or more of them; its micro-batches
+    as torch's ScheduleInterleaved1F1B takes them (a multiple of its rounds, max(1, M // pp))."""
+    if not isinstance(virtual, int) or isinstance(virtual, bool) or not 1 <= virtual <= 64:
+        raise ValueError(f"virtual_stages must be a whole number of model chunks per rank from 1 to 64, got {virtual!r}")
+    if schedule != "interleaved":
+        if virtual != 1:
+            raise ValueError(f"virtual_stages (model chunks per rank) is the interleaved schedule's: add --schedule "
+                             f"interleaved, or leave virtual_stages out with {schedule}")
+        return
+    if virtual < 2:
+        raise ValueError("the interleaved schedule puts two or more model chunks on each rank: give --virtual-stages "
+                         "2 or more (Megatron-LM's virtual pipeline size)")
+    rounds = max(1, (microbatches or pp) // pp)
+    if microbatches is not None and microbatches % rounds:
+        raise ValueError(f"interleaved 1F1B runs micro-batches in rounds of pp: {microbatches} micro-batches make "
+                         f"{rounds} rounds and {rounds} does not divide {microbatches} (torch's "
+                         f"ScheduleInterleaved1F1B); use a multiple of {pp}, or fewer than {2 * pp}")
+
+
+def check_pipeline(config: Any, pp: int, virtual: int = 1) -> None:
+    """ValueError, in one line, when ``config``'s layers cannot be split into ``pp`` equal stages (``pp``
+    ranks of ``virtual`` equal chunks each) or the model is not a decoder whose parts a stage can hold."""
     if pp == 1:
         return
     layers = getattr(config, "num_hidden_layers", None) if config is not None else None
     if not isinstance(layers, int) or getattr(config, "is_encoder_decoder", False):
         raise ValueError("pipeline stages are measured for decoder language models (a transformers config with "
                          "num_hidden_layers: Llama, Mistral, Qwen2 ...)")
+    fits = [str(d) for d in range(1, layers + 1) if layers % d == 0]
+    shown = ", ".join(fits[:8]) + (" ..." if len(fits) > 8 else "")
     if layers % pp:
-        fits = [str(d) for d in range(1, layers + 1) if layers % d == 0]
-        shown = ", ".join(fits[:8]) + (" ..." if len(fits) > 8 else "")
         raise ValueError(f"--pp {pp} does not divide num_hidden_layers = {layers}: each stage holds the same "
                          f"number of layers; use a pp that divides {layers} ({shown})")
+    if layers % (pp * virtual):
+        raise ValueError(f"pp × virtual_stages = {pp} × {virtual} = {pp * virtual} does not divide num_hidden_layers "
+                         f"= {layers}: every chunk holds the same number of layers; use pp × virtual_stages dividing "
+                         f"{layers} ({shown})")
 
 
 def stage_role(stage: int, pp: int) -> str:
@@ -82,19 +125,46 @@ def stage_role(stage: int, pp: int) -> str:
     return "first" if stage == 0 else "last" if stage == pp - 1 else "middle"
 
 
-def stage_layers(stage: int, pp: int, layers: int) -> str:
-    """What a stage holds, in words: "embedding + layers 0-19"."""
-    n = layers // pp
-    text = f"layer {stage}" if n == 1 else f"layers {stage * n}-{(stage + 1) * n - 1}"
+def stage_layers(stage: int, pp: int, layers: int, virtual: int = 1) -> str:
+    """What a stage holds, in words: "embedding + layers 0-19"; a rank of ``virtual`` chunks lists each
+    chunk's: "embedding + layers 0-4, 20-24"."""
+    n = layers // (pp * virtual)
+    spans = [(c * pp + stage) * n for c in range(virtual)]
+    text = ("layer " if n == 1 and virtual == 1 else "layers ") + ", ".join(
+        str(lo) if n == 1 else f"{lo}-{lo + n - 1}" for lo in spans)
     role = stage_role(stage, pp)
     return f"embedding + {text}" if role == "first" else f"{text} + norm + head + loss" if role == "last" else text
 
 
-def in_flight(schedule: str, stage: int, pp: int, microbatches: int) -> int:
+def in_flight(schedule: str, stage: int, pp: int, microbatches: int, virtual: int = 1) -> int:
     """Micro-batches whose activations stage ``stage`` of ``pp`` holds at its peak, by the schedule's
-    definition (module docstring): GPipe all ``microbatches``, 1F1B ``min(pp - stage, microbatches)``."""
-    check_pp_options(pp, microbatches, schedule, stage)
+    definition (module docstring): GPipe all ``microbatches``, 1F1B ``min(pp - stage, microbatches)``;
+    interleaved: chunk micro-batches, the most its action list (``interleaved_actions``) holds at once."""
+    check_pp_options(pp, microbatches, schedule, stage, virtual)
+    if schedule == "interleaved":
+        held = most = 0
+        for kind, _, _ in interleaved_actions(pp, virtual, microbatches, stage):
+            held += 1 if kind == "F" else -1
+            most = max(most, held)
+        return most
     return microbatches if schedule == "gpipe" else min(pp - stage, microbatches)
+
+
+def interleaved_actions(pp: int, virtual: int, microbatches: int, rank: int) -> list[tuple[str, int, int]]:
+    """Rank ``rank``'s forwards and backwards under interleaved 1F1B, in order, as ("F" or "B", virtual
+    stage, micro-batch): computed by torch's own ``ScheduleInterleaved1F1B._calculate_single_rank_operations``
+    (torch/distributed/pipelining/schedules.py) on the attributes its constructor sets from the stages
+    (pp_group_size, n_local_stages, number_of_rounds, microbatches_per_round), its idle steps dropped."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+    check_pp_options(pp, microbatches, "interleaved", rank, virtual)
+    rounds = max(1, microbatches // pp)
+    state = SimpleNamespace(pp_group_size=pp, n_local_stages=virtual, number_of_rounds=rounds,
+                            microbatches_per_round=microbatches // rounds, _n_microbatches=microbatches)
+    ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(state, rank)
+    kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
+    return [(kinds[a.computation_type], a.stage_index, a.microbatch_index) for a in ops if a is not None]
 
 
 def rank_range(stage: int, pp: int, per_stage: int) -> str:
@@ -119,12 +189,12 @@ class StageShape:
         return self.stages[0]
 
 
-def distinct_stages(pp: int, microbatches: int, schedule: str) -> list[StageShape]:
+def distinct_stages(pp: int, microbatches: int, schedule: str, virtual: int = 1) -> list[StageShape]:
     """The stages that differ, each once: the first, the middle ones by micro-batches in flight, the
-    last. Middle stages of 1F1B hold fewer the later they are; only the busiest is run."""
+    last. Middle stages of 1F1B (and interleaved) hold fewer the later they are; only the busiest is run."""
     groups: dict[tuple[str, int], list[int]] = {}
     for s in range(pp):
-        groups.setdefault((stage_role(s, pp), in_flight(schedule, s, pp, microbatches)), []).append(s)
+        groups.setdefault((stage_role(s, pp), in_flight(schedule, s, pp, microbatches, virtual)), []).append(s)
     shapes = [StageShape(tuple(v), role, k) for (role, k), v in groups.items()]
     middles = [s for s in shapes if s.role == "middle"]
     if len(middles) > 1:
@@ -138,7 +208,8 @@ def pipeline_stage(model: nn.Module, pp: int, stage: int) -> nn.Module:
     """``model`` (a transformers causal LM built at one stage's depth) cut to stage ``stage``'s modules:
     no embedding past the first stage; before the last, the decoder alone (no head) with its final
     norm an ``nn.Identity`` (the norm belongs to the last stage). A tied head keeps its weight on the
-    last stage, as Megatron-LM's last stage keeps a copy of the embedding."""
+    last stage, as Megatron-LM's last stage keeps a copy of the embedding. Under the interleaved
+    schedule the same cut gives a rank's modules (its chunks are ``InterleavedStep``'s views of them)."""
     if pp == 1:   # no pipeline: the whole model
         return model
     base = getattr(model, "model", None)
@@ -153,12 +224,20 @@ def pipeline_stage(model: nn.Module, pp: int, stage: int) -> nn.Module:
     return base
 
 
+def stage_step(net: nn.Module, hidden: int, recipe: Any) -> "StageStep | InterleavedStep":
+    """What runs a stage's micro-batches: its ``StageStep``, or under the interleaved schedule the
+    rank's ``InterleavedStep`` (one ``StageStep`` per chunk)."""
+    return InterleavedStep(net, hidden, recipe) if recipe.schedule == "interleaved" else StageStep(net, hidden, recipe)
+
+
 class StageStep:
     """One micro-batch through a stage (module docstring): ``forward(data)`` returns what its backward
-    needs, ``backward(held)`` runs it."""
+    needs, ``backward(held)`` runs it. ``place``: (virtual stage, virtual stages) for one chunk of an
+    interleaved rank; the recipe's (pp_stage, pp) otherwise."""
 
-    def __init__(self, net: nn.Module, hidden: int, recipe: Any):
-        self.net, self.first, self.last = net, recipe.pp_stage == 0, recipe.pp_stage == recipe.pp - 1
+    def __init__(self, net: nn.Module, hidden: int, recipe: Any, place: tuple[int, int] | None = None):
+        stage, stages = place or (recipe.pp_stage, recipe.pp)
+        self.net, self.first, self.last = net, stage == 0, stage == stages - 1
         self.hidden, self.sequence_parallel = hidden, recipe.sequence_parallel
 
     def forward(self, data) -> tuple:
@@ -193,6 +272,40 @@ class StageStep:
         return DTensor.from_local(local, mesh, [Shard(1)], run_check=False), local
 
 
+class InterleavedStep:
+    """An interleaved rank's chunks (module docstring): ``chunks[v]`` runs virtual stage ``v``'s layers
+    as a ``StageStep``. Each chunk is a shallow copy of the rank's decoder (``net``, cut by
+    ``pipeline_stage``) holding its own slice of the layers, sharing the rank's parameters: the
+    embedding on virtual stage 0 only, the final norm, head and loss on the last only."""
+
+    def __init__(self, net: nn.Module, hidden: int, recipe: Any):
+        self.net, pp, v_count = net, recipe.pp, recipe.virtual_stages
+        top = net if hasattr(net, "model") else None
+        base = net.model if top is not None else net
+        n = len(base.layers) // v_count
+        self.chunks: dict[int, StageStep] = {}
+        for c in range(v_count):
+            v = c * pp + recipe.pp_stage
+            part = _shallow(base)
+            part.layers = nn.ModuleList(list(base.layers)[c * n:(c + 1) * n])
+            if v != 0:
+                part.embed_tokens = None
+            if v != pp * v_count - 1:
+                part.norm = nn.Identity()
+            else:   # the last virtual stage: the causal LM's head and loss around its layers
+                head = _shallow(top)
+                head.model = part
+                part = head
+            self.chunks[v] = StageStep(part, hidden, recipe, (v, pp * v_count))
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` sharing its parameters and submodules, whose submodules can be replaced."""
+    out = copy.copy(module)
+    out._modules = dict(module._modules)
+    return out
+
+
 def _autocast(device: torch.device, amp: torch.dtype | None):
     return contextlib.nullcontext() if amp is None else torch.autocast(device.type, dtype=amp)
 
@@ -202,11 +315,15 @@ def _mesh_of(net: nn.Module):
     return next(p.device_mesh for p in net.parameters() if isinstance(p, DTensor))
 
 
-def run_in_flight(ctx, stage: StageStep | Callable, data, recipe: Any) -> None:
+def run_in_flight(ctx, stage: StageStep | InterleavedStep | Callable, data, recipe: Any) -> None:
     """A pipeline stage's step (nothing without one: ``recipe.pp`` 1): its micro-batches in flight
     (``in_flight``) forward, each kept with its graph, then each backward in the order they went forward
-    (the schedule's peak); the received tensors go with their backward."""
+    (the schedule's peak); the received tensors go with their backward. Interleaved: the rank's whole
+    action list (``interleaved_actions``), chunk by chunk."""
     if recipe.pp == 1:
+        return
+    if recipe.schedule == "interleaved":
+        _run_interleaved(ctx, stage, data, recipe)
         return
     held = []
     for _ in range(in_flight(recipe.schedule, recipe.pp_stage, recipe.pp, recipe.microbatches)):
@@ -215,3 +332,15 @@ def run_in_flight(ctx, stage: StageStep | Callable, data, recipe: Any) -> None:
     while held:
         with ctx.phase("backward"):
             stage.backward(held.pop(0))
+
+
+def _run_interleaved(ctx, rank: InterleavedStep, data, recipe: Any) -> None:
+    """Every forward and backward of an interleaved rank's step, in its schedule's order."""
+    held: dict[tuple[int, int], tuple] = {}
+    for kind, v, mb in interleaved_actions(recipe.pp, recipe.virtual_stages, recipe.microbatches, recipe.pp_stage):
+        if kind == "F":
+            with ctx.phase("forward"), _autocast(ctx.device, recipe.amp):
+                held[v, mb] = rank.chunks[v].forward(data)
+        else:
+            with ctx.phase("backward"):
+                rank.chunks[v].backward(held.pop((v, mb)))
