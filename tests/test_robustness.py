@@ -1,7 +1,12 @@
 """Robustness: what students do to notebooks; and the one execution test of every lesson.
 
-* Run All twice in the same kernel: the second pass shows the same numbers as the first
-  (timings excluded: "done in 0.23 s", numbers with a time unit, table columns headed time/ms/s).
+* Run All, then rerun what a student reruns in the same kernel: the predict-first cells (the
+  exercise, the answer, its check) and the cells that show a panel (a student shows one again,
+  and its controls call the lesson's experiments). Each shows the same numbers as the first time,
+  in its outputs and in its panels' Output widgets (timings excluded: "done in 0.23 s", numbers
+  with a time unit, table columns headed time/ms/s). The measurement cells in between are not
+  rerun: a second Run All doubled each lesson's cost, the suite's largest, to rerun cells that
+  students run once.
 * A restart is a fresh kernel's Run All: the browser test (tests/test_browser.py) runs every
   lesson that way in the development environment and the Binder test in Binder's, so it is not
   run a third time here (each lesson's execution is the suite's largest cost).
@@ -10,6 +15,7 @@
 """
 from __future__ import annotations
 
+import ast
 import copy
 import html as htmllib
 import json
@@ -133,6 +139,35 @@ def _texts(outputs) -> list[str]:
     return [t for t in texts if t]
 
 
+def _widget_views(outputs) -> list[str]:
+    """The model ids of the widgets a cell's outputs display."""
+    views = []
+    for out in outputs:
+        view = out.get("data", {}).get("application/vnd.jupyter.widget-view+json")
+        if view and view.get("model_id"):
+            views.append(view["model_id"])
+    return views
+
+
+def _shown_widget_texts(outputs, state: dict) -> list[str]:
+    """Texts inside the Output widgets that a cell's displayed widgets hold (their children, and
+    theirs), in the order reached: a panel's result as the student sees it under that cell."""
+    texts, seen = [], set()
+    todo = list(reversed(_widget_views(outputs)))
+    while todo:
+        mid = todo.pop()
+        if mid in seen or mid not in state:
+            continue
+        seen.add(mid)
+        model = state[mid]
+        st = model.get("state", model) if isinstance(model, dict) else {}
+        if st.get("_model_name") == "OutputModel":
+            texts.append(" || ".join(_texts(st.get("outputs", []))))
+        refs = re.findall(r"IPY_MODEL_([\w-]+)", json.dumps({k: v for k, v in st.items() if k != "outputs"}))
+        todo.extend(reversed(refs))
+    return texts
+
+
 def _widget_texts(state: dict) -> list[str]:
     """Texts shown inside Output widgets (where panels render), in creation order."""
     texts = []
@@ -155,20 +190,53 @@ def _errors(outputs) -> list[str]:
     return errs
 
 
-def _run_pass(client: NotebookClient, nb) -> dict:
-    """Execute every code cell in the client's current kernel; return per-cell texts."""
+def _run_pass(client: NotebookClient, nb, only: set[int] | None = None) -> dict:
+    """Execute the code cells (those numbered in ``only``, else all) in the client's current
+    kernel; return per-cell texts, and per cell the texts of the panels it shows."""
     client.widget_state.clear() if hasattr(client, "widget_state") else None
-    texts, errors = {}, []
+    texts, errors, outputs = {}, [], {}
     for i, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
+        if cell.cell_type != "code" or (only is not None and i not in only):
             continue
         cell.outputs = []
         client.execute_cell(cell, i)
         texts[i] = _texts(cell.outputs)
+        outputs[i] = copy.deepcopy(cell.outputs)
         errors += [f"cell {i}: {e}" for e in _errors(cell.outputs)]
-    widgets = _widget_texts(copy.deepcopy(getattr(client, "widget_state", {})))
+    state = copy.deepcopy(getattr(client, "widget_state", {}))
+    widgets = _widget_texts(state)
     errors += [f"panel output {j}: a panel showed an error" for j, w in enumerate(widgets) if "Could not run" in w]
-    return {"cells": texts, "widgets": widgets, "errors": errors}
+    shown = {i: _shown_widget_texts(outs, state) for i, outs in outputs.items()}
+    return {"cells": texts, "widgets": widgets, "shown": shown, "errors": errors, "outputs": outputs}
+
+
+def _called_names(source: str) -> tuple[set[str], set[str]]:
+    """The names a cell calls (functions and methods) and the names it assigns at top level
+    (IPython magics left out)."""
+    src = "\n".join(ln for ln in source.splitlines() if not ln.lstrip().startswith(("%", "!")))
+    try:
+        tree = ast.parse(src)
+    except SyntaxError:
+        return set(), set()
+    calls = {n.func.id if isinstance(n.func, ast.Name) else n.func.attr
+             for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))}
+    assigned = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    return calls, assigned
+
+
+def student_reruns(nb, first: dict) -> set[int]:
+    """The code cells a student reruns: the predict-first cells (one that makes an exercise,
+    ``exercise_*(...)``, the ``answer = ...`` cell, the ``.check(answer)`` cell) and every cell
+    that showed a widget in the first pass (a panel, shown again)."""
+    cells = set()
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        calls, assigned = _called_names(cell.source)
+        if (any(c.startswith("exercise_") or c == "check" for c in calls) or "answer" in assigned
+                or _widget_views(first["outputs"].get(i, []))):
+            cells.add(i)
+    return cells
 
 
 def _around_first_difference(a: str, b: str, width: int = 200) -> tuple[str, str]:
@@ -208,12 +276,15 @@ def _diff(a: dict, b: dict, nb) -> list[str]:
             src = nb.cells[i].source.splitlines()[0][:60] if nb.cells[i].source else ""
             fa, fb = _around_first_difference(" / ".join(ta), " / ".join(tb))
             diffs.append(f"cell {i} ({src!r}):\n  first:  …{fa}\n  second: …{fb}")
-    for j, (wa, wb) in enumerate(zip(a["widgets"], b["widgets"])):
-        if wa != wb:
-            fa, fb = _around_first_difference(wa, wb)
-            diffs.append(f"output widget {j}:\n  first:  …{fa}\n  second: …{fb}")
-    if len(a["widgets"]) != len(b["widgets"]):
-        diffs.append(f"{len(a['widgets'])} output widgets the first time, {len(b['widgets'])} the second")
+    for i, wb in b["shown"].items():
+        wa = a["shown"].get(i, [])
+        src = nb.cells[i].source.splitlines()[0][:60] if nb.cells[i].source else ""
+        if len(wa) != len(wb):
+            diffs.append(f"cell {i} ({src!r}): {len(wa)} output widgets the first time, {len(wb)} the second")
+        for j, (x, y) in enumerate(zip(wa, wb)):
+            if x != y:
+                fa, fb = _around_first_difference(x, y)
+                diffs.append(f"cell {i} ({src!r}), output widget {j}:\n  first:  …{fa}\n  second: …{fb}")
     return diffs
 
 
@@ -251,6 +322,32 @@ def test_the_profilers_own_split_is_left_out_of_the_rerun_check_and_nothing_else
     assert _without_profiler_split([note]) != _without_profiler_split([note.replace("tracker 11,298,024", "tracker 11,298,536")])
 
 
+def test_a_student_reruns_the_predict_first_cells_and_the_panels_only():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in (
+        "%matplotlib inline\nfrom gpulab.course.x import measure, exercise_peak\nrun = measure()",  # 0: measures
+        "q = exercise_peak(run)\nprint(q.question)",                                               # 1: predict-first
+        "answer = ...  # bytes",                                                                   # 2
+        "q.check(answer)",                                                                         # 3
+        "from gpulab.widgets import step_panel\nstep_panel()",                                    # 4: a panel
+        "table = run.table()",                                                                     # 5
+    )]
+    view = {"output_type": "display_data", "data": {"application/vnd.jupyter.widget-view+json": {"model_id": "ab12"}}}
+    first = {"outputs": {4: [view]}}
+    assert student_reruns(nb, first) == {1, 2, 3, 4}
+    assert student_reruns(nb, {"outputs": {}}) == {1, 2, 3}     # a cell that showed no widget is not a panel
+
+
+def test_a_cells_panel_texts_are_those_its_widgets_hold():
+    out = lambda text: {"_model_name": "OutputModel", "outputs": [{"output_type": "stream", "name": "stdout", "text": text}]}
+    state = {"box": {"_model_name": "VBoxModel", "children": ["IPY_MODEL_c1", "IPY_MODEL_o1"]},
+             "c1": {"_model_name": "IntSliderModel", "value": 3}, "o1": out("peak 3 MiB"),
+             "o2": out("another cell's panel")}
+    view = {"output_type": "display_data", "data": {"application/vnd.jupyter.widget-view+json": {"model_id": "box"}}}
+    assert _shown_widget_texts([view], state) == ["peak 3 MiB"]
+    assert _shown_widget_texts([], state) == []
+
+
 def test_normalise_drops_timings_keeps_memory():
     assert normalise("done in 0.23 s; peak 12.5 MiB") == normalise("done in 1.70 s; peak 12.5 MiB")
     assert normalise("step took 31 ms, 4.0 GiB") == normalise("step took 45 ms, 4.0 GiB")
@@ -271,8 +368,8 @@ CELL_TIMEOUT_S = 300   # one cell; nbclient fails the test with CellTimeoutError
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_lesson_executes_and_reruns(path, monkeypatch):
     """One execution of each lesson, several properties checked on it: Run All works (no error
-    output, no traceback on stderr, no panel showing an error); Run All again in the same kernel
-    works and shows the same numbers."""
+    output, no traceback on stderr, no panel showing an error); rerunning what a student reruns
+    (``student_reruns``) in the same kernel works and shows the same numbers."""
     monkeypatch.delenv("MPLBACKEND", raising=False)  # as a student gets it: the inline backend
     nb = nbformat.read(path, as_version=4)
     client = notebook_client(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", store_widget_state=True,
@@ -284,11 +381,14 @@ def test_lesson_executes_and_reruns(path, monkeypatch):
         client.set_widgets_metadata()  # the widget state, where panels' Output widgets keep their contents
         errors = first["errors"] + notebook_errors(nb)
         assert not errors, f"{path.name}, Run All: " + "; ".join(errors)
-        print(f"{path.name}: Run All in {seconds:.1f} s")
-        second = _run_pass(client, nb)
-        assert not second["errors"], f"{path.name}, second Run All in the same kernel: " + "; ".join(second["errors"])
+        rerun = student_reruns(nb, first)
+        t0 = time.perf_counter()
+        second = _run_pass(client, nb, only=rerun)
+        print(f"{path.name}: Run All in {seconds:.1f} s; {len(rerun)} of {len(first['cells'])} code cells "
+              f"rerun in {time.perf_counter() - t0:.1f} s")
+        assert not second["errors"], f"{path.name}, rerun in the same kernel: " + "; ".join(second["errors"])
         rerun_diffs = _diff(first, second, nb)
-    assert not rerun_diffs, (f"{path.name}: numbers differ between two Run Alls in the same kernel:\n"
+    assert not rerun_diffs, (f"{path.name}: numbers differ between the first run and a rerun in the same kernel:\n"
                              + "\n".join(rerun_diffs))
 
 
