@@ -127,8 +127,11 @@ def test_step_labels_the_routing_and_non_moe_refuses():
     import gpulab
     r = gpulab.step(tiny_mixtral(), batch=B, seq_len=S, engine="fake", steps=1, routing="capacity:1.25")
     assert "capacity 1.25" in r.measurement.label and r.recipe["routing"] == "capacity:1.25"
-    r = gpulab.step(tiny_mixtral(), batch=B, seq_len=S, engine="fake", steps=1)
-    assert "balanced" in r.measurement.label and r.recipe["routing"] == "balanced"
+    r = gpulab.step(tiny_mixtral("eager"), batch=B, seq_len=S, engine="fake", steps=1)   # none stated, eager: balanced
+    assert "balanced" in r.measurement.label and r.recipe["routing"] == "balanced" and ran_routed(r.measurement.tracking)
+    r = gpulab.step(tiny_mixtral(), batch=B, seq_len=S, engine="fake", steps=1)   # none stated, grouped_mm: no assumption
+    assert "grouped_mm" in r.measurement.label and "needs no routing assumption" in r.measurement.label
+    assert r.recipe["routing"] == "router" and not ran_routed(r.measurement.tracking)
     dense = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
     with pytest.raises(ValueError, match="no routed experts") as exc:
@@ -158,7 +161,8 @@ def test_megatron_formula_and_where_gpulab_differs():
     # measured: one bf16 step on the fake engine (CUDA's kernels), layer 0's experts under balanced
     # routing, each expert's saved activations plus the activation function's outputs
     w = resolve_workload(tiny_mixtral(), None, batch=B, seq_len=S)
-    m = run(train_experiment(w, [B], torch.bfloat16, Recipe("adam", seed=0)), "fake", fake_target="cuda")
+    m = run(train_experiment(w, [B], torch.bfloat16, Recipe("adam", seed=0, routing="balanced")), "fake",
+            fake_target="cuda")
     experts = sum(n for (owner, _), n in activations_by_expert(m.tracking).items() if ".layers.0." in owner)
     act_fn = sum(r.nbytes for r in m.tracking.records.values()
                  if r.module.endswith("layers.0.mlp.experts.act_fn") and r.category.value == "activations")
@@ -199,3 +203,61 @@ def test_grouped_mm_fake_equals_real_cpu_step_whatever_the_router_chose(make):
         assert m.peak_by_category == real.peak_by_category
         assert m.tracking.final_by_category == real.tracking.final_by_category
     assert not ran_routed(fake.tracking) and "router's own choice" in Routing("router").label
+
+
+def _force_routers(net, forced: bool) -> None:
+    """Each router's top-k indices replaced, after it ran, by experts 0..k-1 for every token (forced:
+    the worst case) or kept as it chose: the same ops on the same shapes either way (a ``where``)."""
+    def hook(mod, args, out):
+        logits, weights, index = out
+        first = torch.arange(K, dtype=index.dtype).expand_as(index)
+        return logits, weights, torch.where(torch.full_like(index, forced, dtype=torch.bool), first, index)
+    for m in net.modules():
+        if hasattr(m, "top_k") and getattr(m, "weight", None) is not None and m.weight.shape[0] == E:
+            m.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("make", [tiny_mixtral, tiny_qwen3_moe])
+def test_grouped_mm_bytes_do_not_follow_the_routing(make):
+    """The default experts implementation's bytes under two forced routings: every token to the same
+    k experts (the routers' answers overwritten: the worst case) and the router's random choice, each a
+    real CPU step:
+    the same peak, every category, every tensor's size in the same order. This is why an answer with
+    no routing stated runs grouped_mm and names no routing assumption."""
+    w = resolve_workload(make(), None, batch=B, seq_len=S)
+    runs, counts = {}, {}
+    for forced in (True, False):
+        def build(device, dtype, forced=forced):
+            net = w.build(device, dtype)
+            _force_routers(net, forced)
+            counts[forced], _ = counts_of_run(net)
+            return net
+        runs[forced] = run(train_experiment(dataclasses.replace(w, build=build), [B], torch.float32,
+                                            Recipe("adam", seed=0)), "cpu")
+    assert all(c == [T] * K + [0] * (E - K) for c in counts[True])       # forced: the worst case
+    assert all(max(c) < T for c in counts[False])                        # the router's own: spread out
+    worst, spread = runs[True], runs[False]
+    assert worst.peak_bytes == spread.peak_bytes and worst.peak_by_category == spread.peak_by_category
+    sizes = [[(r.op, r.nbytes) for r in m.tracking.records.values()] for m in (worst, spread)]
+    assert sizes[0] == sizes[1]
+    assert not ran_routed(worst.tracking) and any(r.op == "_grouped_mm" for r in worst.tracking.records.values())
+
+
+def test_the_stated_default_is_what_the_run_took():
+    """No routing stated: the label's choice (from the config) is the one the built model ran, for the
+    built-in MoE configs (transformers' grouped_mm: no assumption) and an eager config (balanced)."""
+    from gpulab.models import hf_configs
+    from gpulab.training.routing import default_routing, experts_implementation, install_routing, stated_routing
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite"):
+        cfg = hf_configs.make_config(name)
+        cfg.num_hidden_layers = 2 if name != "deepseek-v2-lite" else cfg.first_k_dense_replace + 1
+        net = resolve_workload(cfg, None, batch=1, seq_len=8).build("meta", torch.bfloat16)
+        assert experts_implementation(cfg) == experts_implementation(net) == "grouped_mm", name
+        assert install_routing(net, None) == stated_routing(None, cfg) == Routing("router", implementation="grouped_mm")
+    eager = tiny_mixtral("eager")
+    net = resolve_workload(eager, None, batch=B, seq_len=S).build("meta", torch.float32)
+    assert experts_implementation(eager) == experts_implementation(net) == "eager"
+    assert install_routing(net, None) == stated_routing(None, eager) == Routing()
+    assert stated_routing(None, tiny_mixtral(), ep=2) == Routing()   # expert parallelism dispatches by counts
+    assert stated_routing(parse_routing("router"), tiny_mixtral()) == default_routing("grouped_mm")
+    assert stated_routing(parse_routing("worst"), tiny_mixtral()).kind == "worst"

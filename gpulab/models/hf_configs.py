@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "HFConfigEntry", "HF_CONFIGS", "HF_PREFIX", "TASKS", "TINY_SOURCE", "build_causal_lm", "build_model",
-    "close_names", "config_and_name", "config_summary", "hf_entry", "hf_names", "is_config", "local_config",
-    "make_config", "max_positions", "names_local_config", "rotary_positions", "task_of", "vocab_size"
+    "check_settings", "close_names", "config_and_name", "config_summary", "hf_entry", "hf_names", "is_config",
+    "local_config", "make_config", "max_positions", "names_local_config", "rotary_positions", "task_of", "vocab_size"
 ]
 
 if TYPE_CHECKING:
@@ -538,6 +538,37 @@ def rotary_positions(config: transformers.PretrainedConfig) -> bool:
     ``max_position_embeddings`` rows (GPT-2, BERT) that a longer sequence would index past."""
     text = getattr(config, "text_config", None) or config
     return bool(getattr(text, "rope_parameters", None) or getattr(text, "rope_theta", None))
+
+
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")   # Mixtral, Qwen3-MoE, DeepSeek-V2
+_SLIDING = ("sliding_attention", "chunked_attention", "hybrid_sliding")
+
+
+def check_settings(config: transformers.PretrainedConfig, shown: str) -> None:
+    """Settings transformers builds but no model can mean, refused in one line saying what to set:
+    more experts per token (``num_experts_per_tok``) than a layer routes to; a sliding window wider
+    than the positions (``max_position_embeddings``) where layers slide (as transformers' cache
+    decides them, ``cache_utils.get_layer_types_and_kwargs``: Qwen2.5's ``use_sliding_window: false``
+    has no sliding layer, whatever its ``sliding_window``)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    k = getattr(text, "num_experts_per_tok", None)
+    field = next((f for f in _EXPERTS if vars(text).get(f)), None)   # its own field, not an attribute_map alias
+    if k and field and k > getattr(text, field):
+        raise ValueError(f"{shown}: num_experts_per_tok {k} is larger than the {getattr(text, field)} routed experts "
+                         f"a layer has ({field}): each token goes to k of them: set num_experts_per_tok to "
+                         f"{getattr(text, field)} or fewer")
+    window, positions = getattr(text, "sliding_window", None), max_positions(text)
+    if not (window and positions and window > positions):
+        return
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+        slides = any(kind in _SLIDING for kind in get_layer_types_and_kwargs(text)[0])
+    except (ImportError, AttributeError):   # an older transformers: no sliding layers in its cache
+        slides = False
+    if slides:
+        raise ValueError(f"{shown}: sliding_window {window:,} is larger than its {positions:,} positions "
+                         f"(max_position_embeddings): its sliding layers would never slide; set sliding_window to "
+                         f"{positions:,} or less, or max_position_embeddings to {window:,} or more")
 
 
 def config_and_name(config_or_name: Any) -> tuple[Any, str]:

@@ -199,6 +199,7 @@ def default_loss(output: Any, data: Batch) -> torch.Tensor:
 
 def _language_workload(config, name: str, description: str, source: str, inputs, seq_len: int | None,
                        loss) -> Workload:
+    hf_configs.check_settings(config, name)
     max_len = hf_configs.max_positions(config)
     if seq_len is None:
         seq_len = min(DEFAULT_SEQ_LEN, max_len) if max_len else DEFAULT_SEQ_LEN

@@ -144,7 +144,9 @@ def breakdown(model: Any, batch: int = 1, image_size: int | None = None,
 
 
 def _shapes_only(w, batch: int, dt: torch.dtype, device: str):
+    from gpulab.training.routing import install_routing
     net = w.build(device, dt)
+    install_routing(net, None)   # eager experts (data-dependent shapes) under the default routing; grouped_mm as is
     with torch.device(device):
         data = w.inputs(batch, dt)
     return net, data

@@ -48,7 +48,7 @@ from gpulab.predict import layer_repeat, run_cache
 from gpulab.predict.progress import Progress, report
 from gpulab.predict.search import largest_fitting
 from gpulab.training.context_parallel import layout_gpus, layout_notes
-from gpulab.training.routing import Routing, is_moe
+from gpulab.training.routing import is_moe, stated_routing
 from gpulab.categories import Category
 from gpulab.measure.tracking import TrackingResult
 from gpulab.units import dtype_name, format_bytes, parse_dtype
@@ -205,9 +205,10 @@ def _search(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, pla
 
     def done(result: FitResult) -> tuple[FitResult, _FakeRuns]:
         result.layers = fake_run.layers()
-        if w.config is not None and is_moe(w.config):   # the routing every MoE answer assumed
-            result.label = f"{result.label}; {(recipe.routing or Routing()).label}"
-            result.recipe = {**result.recipe, "routing": (recipe.routing or Routing()).text}
+        if w.config is not None and is_moe(w.config):   # the routing every MoE answer took (or grouped_mm's none)
+            routing = stated_routing(recipe.routing, w.config, recipe.ep)
+            result.label = f"{result.label}; {routing.label}"
+            result.recipe = {**result.recipe, "routing": routing.text}
         return result, fake_run
 
     replayed: dict[tuple[int, str], BatchCheck] = {}   # each candidate replayed once

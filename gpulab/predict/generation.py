@@ -41,6 +41,7 @@ import torch
 from gpulab.measure.engines import Measured, Measurement, RunContext, run
 from gpulab.models import hf_configs
 from gpulab.models.adapt import quantized_build
+from gpulab.training.routing import install_routing
 from gpulab.models.quantized import QUANTIZATIONS
 from gpulab.predict.kv_layout import kv_layout
 from gpulab.units import dtype_name, parse_dtype
@@ -142,6 +143,7 @@ def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: tor
             model = (quantized_build(lambda: hf_configs.build_causal_lm(config, dtype), weights) if weights
                      else hf_configs.build_causal_lm(config, dtype))
             model.eval()
+            install_routing(model, None)   # a mixture of experts: transformers' grouped_mm as is, eager experts balanced
             ctx.tracker.register(model)
             vocab = hf_configs.vocab_size(config)
             cache = (transformers.QuantizedCache("fp8", config) if kv_cache == "fp8"

@@ -48,6 +48,7 @@ from gpulab.predict.cards import Card, follows_card, parse_gpu
 from gpulab.predict.context import context_assumption, context_label
 from gpulab.predict.generation import generation_peak
 from gpulab.predict.kv_layout import KVLayout, kv_layout
+from gpulab.training.routing import is_moe, stated_routing
 from gpulab.predict.search import largest_fitting
 from gpulab.predict.progress import Progress, report
 from gpulab.units import dtype_name, format_bytes, parse_dtype
@@ -98,6 +99,7 @@ class ServeResult:
     kv_all_global_bytes: int = 0  # the same cache if every layer kept every position (formula)
     vllm_sequence_bytes: int = 0  # one sequence's pages at the context in vLLM (formula; 0: kv_per_token_bytes's)
     positions_note: str = ""      # the assumption when the context is past the config's positions (rotary only)
+    experts_note: str = ""        # a mixture of experts: how its experts ran (training.routing.stated_routing's label)
 
     @property
     def usable_bytes(self) -> int:
@@ -150,6 +152,7 @@ class ServeResult:
                  format_bytes(self.kv_cache_bytes), f"{self.kv_label}; {self.kv_assumption}"],
                 ["KV cache if no layer slid", format_bytes(self.kv_all_global_bytes), LABEL_FORMULA],
                 *([["past the config's positions", "", self.positions_note]] if self.positions_note else []),
+                *([["experts", "", self.experts_note]] if self.experts_note else []),
                 ["prefill, one sequence at a time (peak)", format_bytes(self.prefill_one_bytes), self.label],
                 ["prefill, all at once (peak)", format_bytes(self.prefill_all_bytes), self.label],
                 ["last decode step (peak)", format_bytes(self.decode_bytes), self.kv_label],
@@ -232,6 +235,7 @@ def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     card = gpu if isinstance(gpu, Card) else parse_gpu(gpu)
     config, shown = _config(model)
+    hf_configs.check_settings(config, shown)
     if hf_configs.task_of(config) != "causal-lm":
         raise ValueError(f"{shown} is trained as a {hf_configs.task_of(config)}: serving here is generating text "
                          f"with a causal language model (hf:llama-3-8b, hf:qwen2.5-7b ...)")
@@ -260,6 +264,7 @@ def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1
                        module_loading=module_loading, capacity_note=card.total_text,
                        workspace_bytes=card.workspace_bytes(training=False),
                        kv_assumption=layout.assumption(kv_dtype or dtype_name(dt)), positions_note=positions_note,
+                       experts_note=stated_routing(None, config).label if is_moe(config) else "",
                        kv_all_global_bytes=layout.all_global_bytes(context_len, batch, nbytes),
                        vllm_sequence_bytes=layout.vllm_bytes(context_len, 1, nbytes, block_size),
                        kernels=current_target().note(), label=f"{LABEL_FAKE_CUDA}; {current_target().note()}")

@@ -25,7 +25,7 @@ from gpulab.training.loop import (changed_options, check_recipe_for, recipe_opti
                                   train_experiment, user_recipe, validate_amp)
 from gpulab.training.context_parallel import layout_notes
 from gpulab.training.optimizers import check_optimizer
-from gpulab.training.routing import Routing, ran_routed
+from gpulab.training.routing import Routing, is_moe, ran_routed, stated_routing
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
 from gpulab.predict.cards import follows_card
@@ -130,12 +130,14 @@ def _stage_share(w: Workload, recipe) -> Workload:
 
 def _routing_stated(m: Measurement, w: Workload, recipe) -> dict[str, Any]:
     """The recipe's options as the result shows them; a mixture of experts' answer states the routing
-    it assumed (balanced by default) in them and in its label: where its experts ran under it, or
-    the router's own choice was asked for."""
+    it took in them and in its label (``training.routing.stated_routing``: none stated, transformers'
+    grouped_mm where the experts run it, else balanced): where the model has routed experts, its
+    experts ran under an assumption, or the router's own choice was asked for."""
     shown = changed_options(recipe)
     routing = recipe.routing
-    if (routing is not None and routing.kind == "router") or ran_routed(m.tracking):
-        routing = routing or Routing()
+    moe = w.config is not None and is_moe(w.config)
+    if (routing is not None and routing.kind == "router") or ran_routed(m.tracking) or moe:
+        routing = stated_routing(routing, w.config, recipe.ep) if moe else (routing or Routing())
         m.label = f"{m.label}; {routing.label}"
         shown["routing"] = routing.text
     return shown

@@ -21,6 +21,14 @@ the counts instead, an explicit assumption every MoE answer carries (``Routing.l
   engine, what the router chose; on the fake engine only where that implementation has static
   shapes, transformers' default ``grouped_mm``).
 
+**No routing stated** (``None``): where the built model's experts run transformers' ``grouped_mm``
+(``experts_implementation``), they run it ("router", ``default_routing``): its bytes do not depend
+on the routing (below; tests/test_moe_routing.py shows two real steps whose routers chose
+differently holding the same bytes), so the answer needs no routing assumption and says so; it is
+also the fast path (one grouped kernel per projection instead of a module per expert: 128 experts
+are ~62x fewer tracked events). Elsewhere (an ``"eager"`` config, a model without transformers'
+decorator, expert parallelism's dispatch) balanced is assumed, as before.
+
 ``routed_experts_forward`` is an experts implementation registered in transformers'
 ``ExpertsInterface`` (``ALL_EXPERTS_FUNCTIONS``) under ``ROUTED``; ``install_routing(model, r)``
 selects it for a run (in the built model's config) and gives each experts module its counts.
@@ -30,7 +38,14 @@ selects it for a run (in the built model's config) and gives each experts module
 for none, on every class decorated by ``use_experts_implementation``; on CUDA it needs sm80+ and
 falls back to a custom op below). grouped_mm's shapes do not depend on the routing: it sorts the
 ``tokens·k`` (token, expert) pairs and runs every expert in one kernel over them, so its memory is
-the same whatever the router chooses (a fake run of it needs no assumption). The routing shows in
+the same whatever the router chooses (a fake run of it needs no assumption): ``grouped_mm_experts_forward``
+(transformers/integrations/moe.py) makes every tensor on the ``S = tokens·k`` sorted rows (the
+gather ``hidden_states[perm // k]``, the gate/up and down outputs, the weighting, the un-permute)
+and reads the per-expert counts only as ``offs`` (``histc``, ``cumsum``: E values), which size no
+tensor; ``torch._grouped_mm`` saves its input and weight for backward. On CUDA the kernel's own
+scratch (``GroupMM.cu``: per-group argument arrays and CUTLASS's workspace) is sized on the host
+from the group count and SM count, the per-group sizes living on the device, so it cannot follow
+the routing either (NB: that scratch is the allocator's, not a tracked tensor). The routing shows in
 memory in the eager loop (``experts_implementation="eager"``, what models without the decorator,
 remote code and older transformers run, and what the decorator falls back to): one expert at a
 time, each holding its own rows' gathered input, gate/up output, activation, down output and
@@ -68,21 +83,25 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["KINDS", "ROUTED", "Routing", "activations_by_expert", "counts_of_run", "ran_routed", "eager_expert_bytes", "expert_rows", "experts_modules",
+__all__ = ["GROUPED_MM", "KINDS", "ROUTED", "Routing", "activations_by_expert", "counts_of_run", "ran_routed",
+           "default_routing", "eager_expert_bytes", "expert_rows", "experts_implementation", "experts_modules",
            "install_routing", "is_moe", "megatron_layer_bytes", "parse_routing", "register_routed_experts",
-           "routed_experts_forward"]
+           "routed_experts_forward", "stated_routing"]
 
 ROUTED = "gpulab_routed"   # the name the implementation is registered under in transformers' ExpertsInterface
+GROUPED_MM = "grouped_mm"  # transformers' default experts implementation (integrations/moe.py)
 KINDS = ("balanced", "capacity", "worst", "exact", "router")
 
 
 @dataclass(frozen=True)
 class Routing:
     """How many token rows each expert gets (see the module docstring). ``capacity_factor`` for
-    "capacity"; ``counts`` (per MoE layer, per expert) for "exact"."""
+    "capacity"; ``counts`` (per MoE layer, per expert) for "exact"; ``implementation`` for "router":
+    the experts implementation that ran, where known (its label says what that means for memory)."""
     kind: str = "balanced"
     capacity_factor: float = 0.0
     counts: tuple[tuple[int, ...], ...] = ()
+    implementation: str = ""
 
     @classmethod
     def exact(cls, counts: Sequence[Sequence[int]]) -> "Routing":
@@ -102,6 +121,10 @@ class Routing:
                     f"ceil({self.capacity_factor:g}·tokens·k/E) rows (dropped above, padded below)")
         if self.kind == "worst":
             return "MoE routing assumed worst: every token to the same k experts"
+        if self.kind == "router" and self.implementation == GROUPED_MM:
+            return ("MoE experts: transformers' grouped_mm, the router's own choice: its tensors hold the tokens·k "
+                    "routed rows however they are routed, so memory needs no routing assumption "
+                    "(balanced, capacity:F or worst run the eager experts loop under one)")
         if self.kind == "router":
             return "MoE routing: the router's own choice (the model's experts implementation, no assumption)"
         return f"MoE routing: exact counts per expert given for {len(self.counts)} MoE-layer calls"
@@ -156,9 +179,52 @@ def expert_rows(r: Routing, tokens: int, top_k: int, experts: int, layer: int = 
 
 def experts_modules(model: "nn.Module") -> list[tuple[str, "nn.Module"]]:
     """The model's routed-experts modules (classes under transformers' ``use_experts_implementation``),
-    in order: one per MoE layer."""
+    in order: one per MoE layer. The decorator's ``__init__`` marks them: ``has_gate`` and
+    ``is_transposed`` in every transformers 5 release gpulab runs (5.15, Colab's, has no
+    ``_is_expert_parallel`` or ``has_post_expert_norm`` yet; 5.24 has both)."""
     return [(name, m) for name, m in model.named_modules()
-            if hasattr(m, "_is_expert_parallel") and hasattr(m, "num_experts") and hasattr(m, "down_proj")]
+            if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(m, "num_experts")
+            and hasattr(m, "down_proj")]
+
+
+def experts_implementation(model_or_config: Any) -> str:
+    """The experts implementation transformers runs: a built model's, as its experts modules' config
+    names it ("" where it has none); for a config, the one it asks for, else transformers' default
+    (``PreTrainedModel.get_correct_experts_implementation``: "grouped_mm" where the model class can
+    set one, i.e. its modeling module uses ``@use_experts_implementation``, the heuristic of
+    ``_can_set_experts_implementation``; else "eager")."""
+    if hasattr(model_or_config, "named_modules"):
+        found = experts_modules(model_or_config)
+        return (getattr(found[0][1].config, "_experts_implementation", None) or "") if found else ""
+    asked = getattr(model_or_config, "_experts_implementation", None)
+    if asked:
+        return asked
+    import importlib
+    import inspect
+    try:
+        module = importlib.import_module(type(model_or_config).__module__.replace(".configuration_", ".modeling_"))
+        source = inspect.getsource(module)
+    except (ImportError, OSError, TypeError):
+        return "eager"
+    return GROUPED_MM if "@use_experts_implementation" in source else "eager"
+
+
+def default_routing(implementation: str, ep: int = 1) -> Routing:
+    """The routing a run takes when none is stated (module docstring): transformers' own
+    ``grouped_mm`` where the experts run it ("router": its bytes do not depend on the routing),
+    else balanced (the eager loop, and expert parallelism's dispatch, need counts)."""
+    return Routing("router", implementation=GROUPED_MM) if implementation == GROUPED_MM and ep == 1 else Routing()
+
+
+def stated_routing(routing: Routing | None, config: Any, ep: int = 1) -> Routing:
+    """The routing an MoE answer states: the one asked for, else ``default_routing`` for the
+    config's experts implementation; "router" on grouped_mm says so."""
+    impl = experts_implementation(config)
+    if routing is None:
+        return default_routing(impl, ep)
+    if routing.kind == "router" and not routing.implementation and impl == GROUPED_MM:
+        return Routing("router", implementation=GROUPED_MM)
+    return routing
 
 
 def is_moe(model_or_config: Any) -> bool:
@@ -199,19 +265,20 @@ def register_routed_experts() -> None:
 
 
 def install_routing(model: "nn.Module", r: Routing | None) -> Routing | None:
-    """Make ``model``'s experts run ``routed_experts_forward`` under ``r`` (None: balanced), one
-    weightless module per expert; returns the routing installed, or None for a model without
-    routed experts (nothing changed)."""
+    """Make ``model``'s experts run ``routed_experts_forward`` under ``r`` (None: ``default_routing``
+    for the model's experts implementation), one weightless module per expert; returns the routing
+    installed (or "router": the model's own implementation left to run), or None for a model
+    without routed experts (nothing changed)."""
     found = experts_modules(model)
     if not found:
         return None
     from torch import nn
-    r = r or Routing()
+    r = r or default_routing(experts_implementation(model))
     if r.kind == "router":
         return r
     calls = {"n": 0}   # MoE-layer calls so far in this model's run (exact counts are per call)
     for _, m in found:
-        if m.has_bias or m.is_transposed or not m.has_gate or m.has_post_expert_norm:
+        if m.has_bias or m.is_transposed or not m.has_gate or getattr(m, "has_post_expert_norm", False):
             raise ValueError(f"routing: {type(m).__name__} is not the gated, untransposed, bias-free layout the "
                              f"eager loop gpulab mirrors (Mixtral, Qwen3-MoE, DeepSeek-V2 are)")
         m.gpulab_routing, m.gpulab_calls = r, calls
