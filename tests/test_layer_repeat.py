@@ -105,19 +105,25 @@ def test_periodic_and_prefixed_layers_are_patterns():
     cfg = hf_configs.make_config("tiny-llama")
     cfg.num_hidden_layers = 16
     assert L.block_pattern(cfg) == L.Pattern()
-    cfg.layer_types = ["sliding_attention", "full_attention"] * 8   # found, then run at full depth (named)
-    assert "not all alike (layer_types every 2: sliding_attention, full_attention)" in L.block_pattern(cfg)
-    assert "one-layer blocks only, so all 16 layers run" in L.not_repeatable(cfg)
+    cfg.layer_types = ["sliding_attention", "full_attention"] * 8
+    assert L.block_pattern(cfg) == L.Pattern(0, 2, "layer_types every 2: sliding_attention, full_attention")
+    assert L.not_repeatable(cfg) is None and L.Pattern(0, 2).blocks == 1
+    cfg.layer_types = (["sliding_attention"] * 7 + ["full_attention"]) * 2   # 3 periods of 8 do not fit in 16
+    assert "16 layers hold too few periods of 8 to repeat" in L.not_repeatable(cfg)
     cfg.layer_types = None
     cfg.first_k_dense_replace = 3
     assert L.block_pattern(cfg) == L.Pattern(3, 1, "the first 3 layers dense")
     cfg.first_k_dense_replace = 1      # only the first differs: the runs' first block shows it
     assert L.block_pattern(cfg) == L.Pattern()
     cfg.first_k_dense_replace, cfg.decoder_sparse_step = None, 2
-    assert "decoder_sparse_step 2" in L.block_pattern(cfg)
-    assert "layer_types every 2" in L.not_repeatable(hf_configs.make_config("gemma-2-9b"))
-    gemma3 = hf_configs.make_config("gemma-3-1b")
-    assert "layer_types every 6: sliding_attention, sliding_attention" in L.not_repeatable(gemma3)
+    assert L.block_pattern(cfg) == L.Pattern(0, 2, "decoder_sparse_step 2")
+    cfg.mlp_only_layers = [0, 1]       # dense first layers, then a mixture of experts every 2
+    assert L.block_pattern(cfg) == L.Pattern(2, 2, "mlp_only_layers: the first 2 layers dense; decoder_sparse_step 2")
+    cfg.mlp_only_layers = None
+    assert L.block_pattern(hf_configs.make_config("gemma-2-9b")) == L.Pattern(
+        0, 2, "layer_types every 2: sliding_attention, full_attention")
+    gemma3 = L.block_pattern(hf_configs.make_config("gemma-3-1b"))
+    assert (gemma3.period, gemma3.prefix) == (6, 0) and "every 6: sliding_attention, sliding_attention" in gemma3.why
     for name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite"):
         assert L.block_pattern(hf_configs.make_config(name)) == L.Pattern()
 
@@ -239,3 +245,50 @@ def test_tensor_parallel_equals_full_depth(options):
     deep, laid, full = _both(_tp_workload(7), user_recipe("adamw", None, **options))
     _assert_same(laid, full)
     assert deep.runs == 3 and "7 layers laid out" in deep.describe()
+
+
+PERIODIC = {   # layers that repeat every few, small: (name, depth, fields); each laid out by periods
+    "gemma-2 (sliding, global)": ("gemma-2-9b", 8, {}),
+    "gemma-3 (5 sliding : 1 global)": ("gemma-3-1b", 26, {}),
+    "qwen3-moe (MoE every 2)": ("qwen3-30b-a3b", 8, dict(num_experts=8, moe_intermediate_size=32,
+                                                         decoder_sparse_step=2, mlp_only_layers=[])),
+    "qwen3-moe (2 dense, then MoE every 2)": ("qwen3-30b-a3b", 10, dict(num_experts=8, moe_intermediate_size=32,
+                                                                       decoder_sparse_step=2, mlp_only_layers=[0, 1])),
+}
+
+
+def _periodic(spec, recipe, batch: int = 2):
+    name, depth, fields = spec
+    w = _shrunk(name, depth, **fields)
+    pattern = L.block_pattern(w.config, min_depth=0)
+    assert isinstance(pattern, L.Pattern) and pattern.period > 1, pattern
+    deep, laid, full = _both(w, recipe, batch=batch)
+    assert deep.why == "" and deep.copies >= 2 and deep.depths[2] < depth
+    assert deep.depths[0] == pattern.prefix + pattern.period + (depth - pattern.prefix) % pattern.period
+    _assert_same(laid, full)
+    assert f"each period of {pattern.period} layers" in deep.describe()
+    return deep
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", list(PERIODIC.values()), ids=list(PERIODIC))
+def test_periodic_layers_equal_full_depth(spec):
+    """Layers that repeat every few (Gemma-2's sliding and global layers, Gemma-3's five to one, a mixture of
+    experts every 2 layers, after dense first layers or not), laid out from 1, 2 and 3 periods, equal the
+    full-depth run: events, peak, categories, simulated reserved."""
+    _periodic(spec, user_recipe("adamw", None))
+
+
+PERIODIC_RECIPES = {name: {**RECIPES, **TP}[name] for name in (
+    "full checkpointing", "selective (SAC)", "LoRA", "offload", "accumulation", "tp=2", "tp=2, sequence parallel")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [PERIODIC[k] for k in ("gemma-2 (sliding, global)",
+                                                        "qwen3-moe (2 dense, then MoE every 2)")],
+                         ids=["gemma-2", "qwen3-moe prefix+every 2"])
+@pytest.mark.parametrize("options", list(PERIODIC_RECIPES.values()), ids=list(PERIODIC_RECIPES))
+def test_periodic_recipes_equal_full_depth(spec, options):
+    """Checkpointing (full, selective), LoRA, offload, accumulation and tensor parallelism (with and without
+    sequence parallelism) laid out by periods equal the full-depth run."""
+    _periodic(spec, user_recipe("adamw", None, **options))

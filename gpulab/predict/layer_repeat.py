@@ -31,15 +31,17 @@ splits the model module by module in the model's order: split projection by proj
 layers (the plan's order), each layer's setup events would sit in as many places as the plan has
 entries, and no placement found explained them all.
 
-Dense layers before the experts (DeepSeek's ``first_k_dense_replace``) are a prefix that every small
-run holds: the small runs have prefix + k, k+1 and k+2 layers (``block_pattern``). Layers that repeat
-every few (Gemma-2's sliding and global layers, period 2; Gemma-3's five local to one global, period
-6; a mixture of experts every K layers) are found (``Pattern.period``) but run at full depth: tried
-on Gemma-2's pattern with a 2-layer block, the placement search below found no layout that explains
-every event (the parameters' and gradients' runs can sit at any layer boundary, and the choices
-must agree across setup, backward and teardown). A config whose layers do not repeat so
-(``mlp_only_layers``, checkpointing every K-th layer, periods) is run at full depth, and
-``not_repeatable`` says why, in the answer's ``layers``.
+Dense layers before the experts (DeepSeek's ``first_k_dense_replace``, Qwen-MoE's ``mlp_only_layers``
+when they are the first ones) are a prefix that every small run holds. Layers that repeat every few
+(Gemma-2's sliding and global layers, period 2; Gemma-3's five local to one global, period 6; a
+mixture of experts every K layers) repeat by periods (``Pattern``): a block is one period, the small
+runs have prefix + 1, 2 and 3 periods (plus the layers the depth leaves past its last whole period).
+Where a period's layers make alike events (the parameters of a sliding and of a global layer), an
+inserted run can sit at several layer boundaries, and the runs of setup, forward, backward, the
+optimizer and teardown must agree on which layers are the new period: ``_linked`` places them by
+the storages they share before the search below. A config whose layers do not repeat so
+(``mlp_only_layers`` past the first layers, checkpointing every K-th layer, a period too long for
+the depth) is run at full depth, and ``not_repeatable`` says why, in the answer's ``layers``.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 from gpulab.measure.records import Event, StorageRecord, TrackingResult
 from gpulab.models import hf_configs
 from gpulab.models.registry import build_in_place
@@ -103,6 +106,14 @@ class Pattern:
     period: int = 1
     why: str = ""
 
+    @property
+    def blocks(self) -> int:
+        """k, the periods in the smallest run: the first and the last layer apart where every layer is
+        alike; one period where they repeat every few (two periods of Gemma-3's six layers cost 12 layers
+        a run; the (k+2)-period run that the layout is learned from still holds a first, a middle and a
+        last period)."""
+        return BASE_BLOCKS if self.period == 1 else 1
+
 
 # Config fields that make some layers differ from the rest: a mixture of experts every K layers
 # (the layer index decides, so the layers repeat every K), or dense layers before the experts.
@@ -122,7 +133,9 @@ def block_pattern(config: Any, min_depth: int = MIN_REPEAT_DEPTH) -> Pattern | s
     period, why = 1, [f"the first {prefix} layers dense"] if prefix else []
     only = getattr(config, "mlp_only_layers", None)
     if only not in (None, [], ()):
-        return f"its layers are not all alike (mlp_only_layers: dense layers at {only})"
+        if list(only) != list(range(len(only))):
+            return f"its layers are not all alike (mlp_only_layers: dense layers at {only})"
+        prefix, why = max(prefix, len(only)), why + [f"mlp_only_layers: the first {len(only)} layers dense"]
     for name in _STEPS:
         step = getattr(config, name, None)
         if isinstance(step, int) and step > 1:
@@ -133,10 +146,7 @@ def block_pattern(config: Any, min_depth: int = MIN_REPEAT_DEPTH) -> Pattern | s
         if isinstance(value, (list, tuple)) and len(value) == depth and len({repr(v) for v in value}) > 1:
             cycle = _cycle(value, prefix)
             period, why = math.lcm(period, cycle), why + [f"{name} every {cycle}: " + ", ".join(map(str, value[prefix:prefix + cycle]))]
-    if period > 1:   # tried on Gemma-2's pattern: no placement of a 2-layer period explained every event
-        return (f"its layers are not all alike ({'; '.join(why)}): layer repeat lays out one-layer blocks only, "
-                f"so all {depth} layers run")
-    if prefix + (BASE_BLOCKS + 2) * period + (depth - prefix) % period >= depth:
+    if prefix + (Pattern(prefix, period).blocks + 2) * period + (depth - prefix) % period >= depth:
         return (f"its layers are not all alike ({'; '.join(why)}) and {depth} layers hold too few "
                 f"{'periods of ' + str(period) if period > 1 else 'layers past the first ' + str(prefix)} to repeat")
     return Pattern(prefix, period, "; ".join(why))
@@ -179,12 +189,12 @@ class Deep:
     to learn the layout) and lays out the full depth; None when the layout cannot be learned or does
     not hold at that batch (``why`` then says why, and the caller runs the full depth)."""
 
-    def __init__(self, w: Workload, run: Callable[[Workload, int, bool], TrackingResult], k: int = BASE_BLOCKS):
+    def __init__(self, w: Workload, run: Callable[[Workload, int, bool], TrackingResult], k: int | None = None):
         self.depth = getattr(w.config, _depth_attr(w.config))
         pattern = block_pattern(w.config, min_depth=0)
         self.pattern = pattern if isinstance(pattern, Pattern) else Pattern()
         p = self.pattern.period
-        self.k = k
+        self.k = k = self.pattern.blocks if k is None else k
         # the k-block run: the prefix, k periods and what is left of a period at the end
         self.depths = tuple(self.pattern.prefix + (k + j) * p + (self.depth - self.pattern.prefix) % p for j in range(3))
         self.copies = (self.depth - self.depths[0]) // p   # blocks laid out past the k-block run
@@ -456,6 +466,11 @@ def learn(k_run: TrackingResult, k1_run: TrackingResult, k2_run: TrackingResult,
     def worse(found) -> int:
         return len(found) if isinstance(found, set) else (-1 if isinstance(found, Layout) else 1 << 30)
     result = attempt(state)
+    if isinstance(result, set):   # runs of alike layers placed apart: by the storages they share
+        linked = _linked(sa, s1, state, k1_run)
+        found = attempt(linked) if linked != state else result
+        if worse(found) < worse(result):
+            state, result = linked, found
     for _ in range(4):
         if not isinstance(result, set):
             return result
@@ -557,3 +572,49 @@ def same_timeline(a: TrackingResult | None, b: TrackingResult) -> bool:
         if names_a.setdefault(x.sid, len(names_a)) != names_b.setdefault(y.sid, len(names_b)):
             return False
     return True
+
+
+def _linked(sa: list, sb: list, points: list[tuple[int, int]], run: TrackingResult) -> list[tuple[int, int]]:
+    """The inserted runs moved where the storages they share say they belong (``run``: b's run).
+    Where layers repeat in periods, a run of alike events (parameters, gradients, a cache's tensors)
+    can sit at several layer boundaries, and all runs must agree on which layers are the new
+    period. The largest run goes where most of its frees find their allocations inside it; then the
+    run most linked to those placed (its frees refer to their allocations, theirs to it) goes where
+    it is most linked; a run linked to none starts anew as the largest did."""
+    allocs, placed = _allocs(run), _place(sa, sb, points)
+    if allocs is None or placed is None:
+        return points
+    placed = placed[1]
+    refs = np.array([allocs[e.sid] if e.kind != "alloc" else -1 for e in run.events])
+    has = refs >= 0
+    inside = np.zeros(len(sb), dtype=bool)     # b's events in the runs placed so far
+    shift, own, todo = [0] * len(points), [], set(range(len(points)))
+    for g, (_, start, end) in enumerate(placed):
+        lo = placed[g - 1][2] if g else 0
+        hi = placed[g + 1][1] if g + 1 < len(placed) else len(sb)
+        back, ahead = _slides(sb, placed[g], lo, hi)
+        x = np.zeros(back + ahead + 2, dtype=np.int64)   # frees inside the run when it starts at start - back + i
+        j = np.arange(start - back, end + ahead)
+        t = refs[j]
+        keep = t >= start - back
+        first = np.maximum(j[keep] - (end - start) + 1, start - back) - (start - back)
+        last = np.minimum(t[keep], start + ahead) - (start - back)
+        ok = first <= last
+        np.add.at(x, first[ok], 1)
+        np.add.at(x, last[ok] + 1, -1)
+        own.append((start, end, back, np.cumsum(x)[:back + ahead + 1]))
+    while todo:
+        referred = np.bincount(refs[inside & has], minlength=len(sb))
+        w = np.concatenate([[0], np.cumsum((has & inside[np.where(has, refs, 0)]) + referred)])
+        best = None
+        for g in todo:
+            start, end, back, mine = own[g]
+            cross = w[end - back:end - back + len(mine)] - w[start - back:start - back + len(mine)]
+            d = max(range(len(mine)), key=lambda i: (cross[i], mine[i], -abs(i - back)))
+            key = (cross[d] > 0, cross[d], end - start if cross[d] == 0 else 0, -g)
+            best = max(best, (key, g, d - back)) if best else (key, g, d - back)
+        _, g, d = best
+        shift[g] = d
+        todo.discard(g)
+        inside[own[g][0] + d:own[g][1] + d] = True
+    return [(p + shift[g], n) for g, (p, n) in enumerate(points)]
