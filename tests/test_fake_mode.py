@@ -545,8 +545,8 @@ def test_meta_forwards_give_the_same_shapes_with_shape_kernels(name):
 
 def test_without_torchs_insides_the_fake_engine_is_fake_tensor_mode_with_the_same_numbers():
     """On a torch whose FakeTensorMode has other insides (here: one private name removed before
-    gpulab is imported), ``FakeMode`` answers with FakeTensorMode's own dispatch and the prediction
-    is unchanged; a model built in the mode moves with ``.to(device)`` (plain FakeTensorMode keeps
+    gpulab is imported), ``FakeMode`` answers with FakeTensorMode's own cache key and kernels and the
+    prediction is unchanged; a model built in the mode moves with ``.to(device)`` (plain FakeTensorMode keeps
     each fresh output in its converter's memo, whose weak reference stops ``Module._apply``'s
     ``swap_tensors``: lesson 04's ``train`` failed so on torch 2.11)."""
     import json
@@ -566,7 +566,7 @@ def test_without_torchs_insides_the_fake_engine_is_fake_tensor_mode_with_the_sam
             "from gpulab.models.registry import resolve_model\n"
             "r = gpulab.step('cnn', batch=8, engine='fake')\n"
             "moved = run(lambda ctx: resolve_model('cnn').build().to(ctx.device), 'fake', fake_target='cuda')\n"
-            "print(json.dumps([fake_mode.SHORTCUTS, fake_mode.FakeMode.dispatch is ft.FakeTensorMode.dispatch,\n"
+            "print(json.dumps([fake_mode.SHORTCUTS, fake_mode.FakeMode._cache_key is ft.FakeTensorMode._cache_key,\n"
             "                  r.peak_bytes, {k: v for k, v in r.as_dict()['peak_by_category'].items()},\n"
             "                  moved.peak_bytes]))\n")
     out = {}

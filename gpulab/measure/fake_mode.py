@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gpulab.measure.fake_internals import (SingletonConstant, _BypassDispatchCache, _DISPATCH_HANDLE_DIRECTLY, _DISPATCH_META_HANDLERS, _DispatchCacheKey, _DispatchCacheValidEntry, _pin_device_index, get_proxy_mode, in_kernel_invocation_manager)
 from gpulab.measure.fake_internals import SHORTCUTS
 from gpulab.measure.fake_kernels import FAKE_KERNELS
+from gpulab.measure.grouped_mm_shapes import OLD_META, grouped_mm_output
 
 __all__ = ["FakeMode", "SHORTCUTS", "quiet_fake_log", "scalars_read_as_one"]
 
@@ -79,6 +80,8 @@ class FakeMode(FakeTensorMode):
 
     def dispatch(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if OLD_META and (out := _lagging_meta(self, func, args, kwargs)) is not NotImplemented:
+            return out
         if self.shape_env is None:
             kernel = FAKE_KERNELS.get(func)
             if kernel is not None:
@@ -201,6 +204,17 @@ class FakeMode(FakeTensorMode):
         return FakeTensor(self, empty, m.device)
 
 
+def _lagging_meta(mode, func, args, kwargs):
+    """An op whose meta kernel in this torch refuses what its kernels run (``grouped_mm_shapes``:
+    ``_grouped_mm`` in float32 on torch 2.11), answered as a newer torch's meta kernel does, as a
+    fake tensor on the first argument's device; else NotImplemented."""
+    first = args[0] if args else None
+    if not (isinstance(first, FakeTensor) and first.fake_mode is mode):
+        return NotImplemented
+    out = grouped_mm_output(func, args, kwargs)
+    return out if out is NotImplemented else FakeTensor(mode, out, first.fake_device)
+
+
 class _FreshOutputs(FakeTensorConverter):
     """FakeTensorConverter whose fake tensors made around a kernel's fresh meta outputs are not
     kept in its memo. torch keeps each one there (``from_meta_and_device``: ``set_tensor_memo``, a
@@ -221,6 +235,12 @@ class _PlainFakeMode(FakeTensorMode):
     read: FakeTensorMode's own answers (no shortcut), its log of a raising op silenced while
     entered, and fresh outputs kept out of the converter's memo (``_FreshOutputs``) so that
     ``Module.to`` works on a model built in the mode."""
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if OLD_META and (out := _lagging_meta(self, func, args, kwargs)) is not NotImplemented:
+            return out
+        return super().dispatch(func, types, args, kwargs)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpulab.measure.fake_kernels import _FLOATS, _batch_norm_layout, _batch_norm_statistics_ok
 from gpulab.measure.fake_mode import _KEY_SCALARS
+from gpulab.measure.grouped_mm_shapes import OLD_META, grouped_mm_output
 
 __all__ = ["shape_kernels"]
 
@@ -125,6 +126,10 @@ class _ShapeKernels(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.aten.native_batch_norm.default and not kwargs:
             out = _meta_batch_norm(*args)
+            if out is not NotImplemented:
+                return out
+        if OLD_META and all(_plain_meta(a) for a in args[:2]):   # torch 2.11: fp32 _grouped_mm (grouped_mm_shapes)
+            out = grouped_mm_output(func, args, kwargs)
             if out is not NotImplemented:
                 return out
         key = _meta_key(func, args, kwargs) if _answerable(func) else None
