@@ -261,3 +261,17 @@ def test_the_stated_default_is_what_the_run_took():
     assert stated_routing(None, tiny_mixtral(), ep=2) == Routing()   # expert parallelism dispatches by counts
     assert stated_routing(parse_routing("router"), tiny_mixtral()) == default_routing("grouped_mm")
     assert stated_routing(parse_routing("worst"), tiny_mixtral()).kind == "worst"
+
+
+@pytest.mark.slow
+def test_balanced_experts_laid_out_equal_full_depth():
+    """The eager mirror under a stated routing (balanced: each expert its own module, one call count
+    per MoE layer) laid out by layer repeat from a few layers equals the full-depth run, as the
+    default grouped_mm does (tests/test_layer_repeat.py's MoE patterns)."""
+    from test_layer_repeat import PATTERNS, _assert_same, _both, _shrunk
+
+    from gpulab.training.loop import user_recipe
+    name, depth, fields = PATTERNS["mixtral (MoE alike)"]
+    deep, laid, full = _both(_shrunk(name, depth, **fields), user_recipe("adamw", None, routing="balanced"))
+    assert deep.copies >= 1 and deep.depths[2] < depth and ran_routed(full)
+    _assert_same(laid, full)
