@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from gpulab.models import hf_configs
-from gpulab.predict.generation import generation_peak
+from gpulab.predict.generation import fp8_cache_exists, generation_peak
 from gpulab.predict.kv_layout import kv_layout
 from gpulab.predict.serve import longest_context, serve
 
@@ -102,6 +102,7 @@ def test_vllms_pages_for_full_and_sliding_layers():
     assert layout.vllm_bytes(10, 1, 2, 16) == 4 * 16 * per_layer   # short: one page each
 
 
+@pytest.mark.skipif(not fp8_cache_exists(), reason=f"transformers {transformers.__version__} has no fp8 QuantizedCache")
 def test_an_fp8_cache_is_measured_in_transformers_quantized_cache():
     config = mistral(None)
     with torch.device("meta"):   # transformers' own fp8 cache keeps float8_e4m3fn states
@@ -116,6 +117,12 @@ def test_an_fp8_cache_is_measured_in_transformers_quantized_cache():
         generation_peak(gemma2(), prompt_len=8, new_tokens=2, kv_cache="fp8")
     with pytest.raises(ValueError, match="kv_cache"):
         generation_peak(config, prompt_len=8, new_tokens=2, kv_cache="int2")
+
+
+@pytest.mark.skipif(fp8_cache_exists(), reason=f"transformers {transformers.__version__} has an fp8 QuantizedCache")
+def test_without_transformers_fp8_cache_an_fp8_kv_cache_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=f"transformers {transformers.__version__} has no fp8 QuantizedCache"):
+        generation_peak(mistral(None), prompt_len=8, new_tokens=2, kv_cache="fp8")
 
 
 def test_serve_names_its_assumption_and_keeps_the_sliding_saving():

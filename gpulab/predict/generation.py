@@ -46,7 +46,7 @@ from gpulab.models.quantized import QUANTIZATIONS
 from gpulab.predict.kv_layout import kv_layout
 from gpulab.units import dtype_name, parse_dtype
 
-__all__ = ["GenerationPeak", "KV_CACHES", "cache_keyword", "generation_peak"]
+__all__ = ["GenerationPeak", "KV_CACHES", "cache_keyword", "fp8_cache_exists", "generation_peak"]
 
 KV_CACHES = ("dynamic", "fp8")   # transformers' DynamicCache, its QuantizedCache("fp8")
 
@@ -177,6 +177,13 @@ def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: tor
     return experiment
 
 
+def fp8_cache_exists() -> bool:
+    """Whether this transformers has ``QuantizedCache("fp8")`` (``cache_utils.Fp8QuantizedLayer``;
+    5.15, Colab's, has the quanto and hqq backends only)."""
+    import transformers.cache_utils
+    return hasattr(transformers.cache_utils, "Fp8QuantizedLayer")
+
+
 def generation_peak(model: Any, *, prompt_len: int, new_tokens: int, batch: int = 1,
                     dtype: str | torch.dtype = "bf16", attn_implementation: str | None = None,
                     weights: str | None = None, kv_cache: str = "dynamic",
@@ -213,6 +220,10 @@ def generation_peak(model: Any, *, prompt_len: int, new_tokens: int, batch: int 
     if kv_cache == "fp8" and kv_layout(config).sliding_layers:
         raise ValueError(f"{shown} has sliding-window layers: transformers' fp8 QuantizedCache takes models with "
                          f"full attention only; ask for kv_cache='dynamic'")
+    if kv_cache == "fp8" and not fp8_cache_exists():
+        import transformers
+        raise ValueError(f"transformers {transformers.__version__} has no fp8 QuantizedCache (its backends: quanto, "
+                         f"hqq): ask for kv_cache='dynamic', or install a newer transformers")
     dt = parse_dtype(dtype)
     m = run(_experiment(config, prompt_len, new_tokens, batch, dt, weights, kv_cache), "fake", fake_target="cuda")
     if m.oom or m.tracking is None:

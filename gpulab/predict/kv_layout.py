@@ -126,13 +126,26 @@ def _text(config: Any) -> Any:
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+_SLIDING = ("sliding_attention", "chunked_attention", "hybrid_sliding")
+# transformers 5.15 (Colab's) names, as later releases name them: its moe/mlp layers keep no cache
+# (a LinearAttentionLayer left empty; later a DummyLayer), its DeepSeek sparse layers are indexed
+_OLD_NAMES = {"moe": "dummy", "mlp": "dummy", "deepseek_sparse_attention": "indexed_attention"}
+
+
 def _layer_types(text: Any) -> tuple[list[str], list[dict]]:
-    """Each layer's type and arguments, as transformers' ``DynamicCache(config=...)`` reads them."""
+    """Each layer's type and arguments, as transformers' ``DynamicCache(config=...)`` reads them.
+    transformers 5.15 returns one kwargs dict for every layer (its ``sliding_window`` read only by
+    the sliding layers); later releases one dict per layer: both come back per layer."""
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
-        return get_layer_types_and_kwargs(text)
+        kinds, kwargs = get_layer_types_and_kwargs(text)
     except (ImportError, AttributeError):   # an older transformers: every layer global
         return ["full_attention"] * text.num_hidden_layers, [{}] * text.num_hidden_layers
+    if isinstance(kwargs, dict):
+        window = {"sliding_window": kwargs.get("sliding_window")}
+        kwargs = [window if kind in _SLIDING else {} for kind in kinds]
+        kinds = [_OLD_NAMES.get(kind, kind) for kind in kinds]
+    return list(kinds), list(kwargs)
 
 
 def kv_layout(config: Any) -> KVLayout:
