@@ -52,7 +52,7 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
          lora_dtype: str = "fp32", double_quant: bool = True, quant_compute_dtype: str = "input", gpu: Any = None,
          routing: Any = None, tp: int = 1, sequence_parallel: bool = False, fp8: str | None = None,
          pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b", pp_stage: int = 0,
-         cp: int = 1, ep: int = 1, **engine_limits) -> StepResult:
+         virtual_stages: int = 1, cp: int = 1, ep: int = 1, **engine_limits) -> StepResult:
     """Track ``steps`` training steps of ``model``, by category, beside the formulas' prediction
     (the module docstring says what ``model``, ``inputs`` and ``loss`` may be).
 
