@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -447,7 +447,7 @@ class _Extrapolation:
 
     def at(self, batch: int) -> TrackingResult:
         k = batch - self.base_batch
-        events = [replace(e, nbytes=e.nbytes + k * s) for e, s in zip(self.base.events, self.slopes)]
+        events = [e.with_bytes(e.nbytes + k * s, e.delta) for e, s in zip(self.base.events, self.slopes)]
         return TrackingResult.build(self.base.records, events, self.base.device, self.base.rounded)
 
     def check(self, batch: int, usable: int) -> BatchCheck:

@@ -152,10 +152,10 @@ def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: 
     for e in t.events:
         if e.kind == "free":
             nbytes = sizes.get(e.sid, e.nbytes)
-            events.append(replace(e, nbytes=nbytes, delta=-nbytes))
+            events.append(e.with_bytes(nbytes, -nbytes))
         else:
             nbytes = size(cats[e.sid], e.nbytes)
-            events.append(replace(e, nbytes=nbytes, delta=nbytes - sizes.get(e.sid, 0)))
+            events.append(e.with_bytes(nbytes, nbytes - sizes.get(e.sid, 0)))
             sizes[e.sid] = nbytes
     records = dict(t.records)
     extra = _extra(sharding, layers, param_elem, t)
