@@ -91,13 +91,17 @@ def _libc10_cuda() -> pathlib.Path | None:
 
 @pytest.mark.skipif(_libc10_cuda() is None, reason="this torch build has no libc10_cuda.so")
 def test_current_format_is_the_installed_torchs():
-    """Every literal fragment of the current format is a string in the installed libc10_cuda.so."""
+    """Every literal fragment of the current format is a string in the installed libc10_cuda.so.
+    The advice is looked for in its two halves: torch 2.11's library holds it as two literals
+    (" ...try setting" and " PYTORCH_CUDA_ALLOC_CONF=..."), torch 2.15's as one."""
     lib = _libc10_cuda().read_bytes()
+    advice = O.ADVICE_CURRENT.format(url=O.DOCS_URL_CURRENT)
+    cut = advice.index(" PYTORCH_CUDA_ALLOC_CONF")
     fragments = ["CUDA out of memory. Tried to allocate ", ". GPU ", " has a total capacity of ", " of which ",
                  " is free. ", "Including non-PyTorch memory, this process", " memory in use. ", " allowed; ",
                  "Of the allocated memory ", " is allocated by PyTorch, ",
                  " allocated in private pools (e.g., CUDA Graphs), ", " is reserved by PyTorch but unallocated.",
-                 O.ADVICE_CURRENT.format(url=O.DOCS_URL_CURRENT)]
+                 advice[:cut], advice[cut:]]
     missing = [f for f in fragments if f.encode() not in lib]
     assert not missing, f"not in {torch.__version__}'s libc10_cuda.so: {missing}"
 
