@@ -1,6 +1,6 @@
 """Every lesson is stored clean (no outputs, no execution counts). The execution of every lesson
-(Run All with no error, Run All again, restart and Run All) is one test per lesson in
-test_robustness.py: one execution, several properties checked on it."""
+(a fresh kernel's Run All with no error, then what a student reruns, rerun and compared) is one
+test per lesson in test_robustness.py: one execution, several properties checked on it."""
 import nbformat
 import pytest
 

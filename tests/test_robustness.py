@@ -7,9 +7,10 @@
   with a time unit, table columns headed time/ms/s). The measurement cells in between are not
   rerun: a second Run All doubled each lesson's cost, the suite's largest, to rerun cells that
   students run once.
-* A restart is a fresh kernel's Run All: the browser test (tests/test_browser.py) runs every
-  lesson that way in the development environment and the Binder test in Binder's, so it is not
-  run a third time here (each lesson's execution is the suite's largest cost).
+* A restart is a fresh kernel's Run All: this test's first pass is one, and the browser test
+  (tests/test_browser.py) runs every lesson that way in JupyterLab, so it is not run again here
+  (each lesson's execution is the suite's largest cost). The Binder test runs lesson 00 so in
+  Binder's environment.
 * Click Run rapidly, or while a run is in progress: the panel runs once more with the newest
   values (one queued rerun, not one per click), re-enables the button, and shows no error.
 """
