@@ -133,3 +133,21 @@ def test_lesson_12s_table_and_exercise():
     assert ex.check(table.row(4).activations).ok
     assert not ex.check(table.row(2).activations).ok
     assert "fake process group" in table._repr_html_()
+
+
+def test_transformers_5_15s_tied_embedding_entry_is_not_applied():
+    """transformers 5.15 adds ``embed_tokens: embedding_rowwise`` to a tied-embedding config's plan (5.24
+    does not): the entry is skipped on either, so a tied model's ranks hold the whole embedding; another
+    style gpulab does not measure is still refused in one line."""
+    from gpulab.training.tensor_parallel import _tied_embedding_entry, fake_world, tensor_parallel
+    tied, untied = _config(), _config()
+    tied.tie_word_embeddings, untied.tie_word_embeddings = True, False
+    assert _tied_embedding_entry(tied, "embed_tokens", "embedding_rowwise")
+    assert not _tied_embedding_entry(untied, "embed_tokens", "embedding_rowwise")
+    assert not _tied_embedding_entry(tied, "layers.*.mlp.up_proj", "embedding_rowwise")
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(untied)
+    model.config.base_model_tp_plan = {**(model.config.base_model_tp_plan or {}), "embed_tokens": "embedding_rowwise"}
+    with fake_world(2) as mesh, pytest.raises(ValueError, match="'embedding_rowwise' of embed_tokens is not one"):
+        tensor_parallel(model, mesh)

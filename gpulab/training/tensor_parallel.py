@@ -19,6 +19,11 @@ reduce-scatter their output back to a sequence shard (``RowwiseParallel(output_l
 as torchtitan parallelizes Llama. Only for decoders whose blocks name ``input_layernorm``,
 ``self_attn``, ``post_attention_layernorm`` and ``mlp`` (Llama, Mistral, Qwen2 and kin); others say so.
 
+NB: the embedding is not split. transformers 5.15 (Colab's) adds ``embed_tokens: embedding_rowwise``
+(a vocabulary-parallel embedding) to every tied-embedding config's plan; 5.24 does not, and neither
+is measured here: that entry is skipped, so the answer is the same on both (every rank holds the
+whole embedding, as in the model's own plan).
+
 NB: the fake group's collectives allocate their outputs as the real ones do (all-gather,
 reduce-scatter, all-reduce results); NCCL's own buffers are not in it (GPU-only).
 """
@@ -86,6 +91,13 @@ def check_tensor_parallel(config: Any, tp: int, sequence_parallel: bool = False)
                              f"use a tp that divides {value}")
 
 
+def _tied_embedding_entry(config: Any, pattern: str, style: str) -> bool:
+    """transformers 5.15's own addition to a tied-embedding config's plan (``PretrainedConfig.__init__``:
+    ``"embed_tokens": "embedding_rowwise"`` when ``tie_word_embeddings``), which its later releases (5.24)
+    no longer make: not applied, so the embedding stays whole on every rank on both (module docstring)."""
+    return pattern == "embed_tokens" and style == "embedding_rowwise" and bool(getattr(config, "tie_word_embeddings", False))
+
+
 def tensor_parallel(model: nn.Module, mesh: Any, sequence_parallel: bool = False) -> nn.Module:
     """``model`` split over ``mesh`` in place by its transformers tensor-parallel plan (module
     docstring); returns it."""
@@ -100,6 +112,8 @@ def tensor_parallel(model: nn.Module, mesh: Any, sequence_parallel: bool = False
     names = [n for n, _ in base.named_modules()]
     layout: dict[str, Any] = {}
     for pattern, style in plan.items():
+        if _tied_embedding_entry(model.config, pattern, style):
+            continue
         if style not in styles:
             raise ValueError(f"tensor-parallel style {style!r} of {pattern} is not one gpulab measures ({', '.join(TP_STYLES)})")
         for name in fnmatch.filter(names, pattern):
