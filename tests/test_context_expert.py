@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 import transformers
 
 import gpulab
@@ -131,9 +132,51 @@ def test_expert_parallel_refusals_say_what_divides():
     with pytest.raises(ValueError, match=r"--ep 4 does not divide gpus=6"):
         gpulab.fit(_mixtral(), "24MiB", optimizer="adamw", seq_len=64, context_bytes=0, ep=4, gpus=6,
                    strategy="ddp")
-    with pytest.raises(ValueError, match="use --strategy ddp"):
-        gpulab.fit(_mixtral(), "24MiB", optimizer="adamw", seq_len=64, context_bytes=0, ep=2, gpus=4,
+    with pytest.raises(ValueError, match="leave out --tp and --cp"):
+        gpulab.fit(_mixtral(), "24MiB", optimizer="adamw", seq_len=64, context_bytes=0, ep=2, tp=2, gpus=4,
                    strategy="fsdp2")
+
+
+def _dense_and_expert_params(cfg, ep: int) -> tuple[int, int]:
+    """(every parameter but the experts', rank 0's experts' parameters), counted from the config: the
+    router whole (E × h), E/ep experts a layer (gate_up 2f × h and down h × f each)."""
+    h, f, v, L, E = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers,
+                     cfg.num_local_experts)
+    dense = L * (4 * h * h + 2 * h + E * h) + h + v * h * (1 if cfg.tie_word_embeddings else 2)
+    return dense, L * (E // ep) * 3 * h * f
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "zero1", "zero3"])
+def test_expert_parallel_under_a_sharding_strategy(strategy):
+    """ep 4 of 8 GPUs under FSDP2 / ZeRO: formula, as torchtitan's dp_shard_mod_ep and DeepSpeed-MoE's expert
+    data-parallel group lay it out: the rank's experts split over gpus/ep = 2 ranks, the rest over 8.
+    Parameters (bf16): FSDP2 and ZeRO-3 split them (2·dense/8 + 2·experts/2), ZeRO-1 keeps them whole;
+    optimizer state: FSDP2 the run's own bf16 moments split alike (4 bytes a parameter), ZeRO DeepSpeed's
+    16 bytes a parameter split alike. Each storage is split on its own (rounded up), hence the slack."""
+    from gpulab.measure.records import Category
+    from gpulab.predict import sharding as S
+    from gpulab.training.expert_parallel import expert_parameter_shapes, expert_rank_model
+    from gpulab.training.loop import Recipe
+    from gpulab.models.workload import resolve_workload
+    cfg = _mixtral()
+    t = gpulab.step(cfg, batch=2, seq_len=64, optimizer="adamw", dtype="bf16", engine="fake", ep=4,
+                    steps=1).measurement.tracking
+    w = resolve_workload(cfg, seq_len=64)
+    net = expert_rank_model(w, Recipe("adamw", ep=4), torch.bfloat16)
+    sh = S.Sharding(8, strategy, ep=4)
+    rank = S.per_rank(t, sh, S.count_layers(net), 2, expert_parameter_shapes(net))
+    dense, experts = _dense_and_expert_params(cfg, 4)
+
+    def held(cat):
+        return sum(e.nbytes for e in rank.events if e.kind == "alloc" and rank.records[e.sid].category is cat
+                   and not rank.records[e.sid].op.startswith(strategy))
+    split_params = 2 * dense / 8 + 2 * experts / 2
+    slack = 512 * 60
+    assert held(Category.PARAMETERS) == pytest.approx(2 * (dense + experts) if strategy == "zero1" else split_params,
+                                                      abs=slack)
+    per_param = 4 if strategy == "fsdp2" else 16
+    assert held(Category.OPTIMIZER_STATE) == pytest.approx(per_param * (dense / 8 + experts / 2), abs=2 * slack)
+    assert "expert data-parallel group of gpus/ep = 2 ranks" in sh.describe()
 
 
 def test_fit_per_rank_with_cp_and_ep():
@@ -182,3 +225,23 @@ def test_cli_cp_and_ep(capsys):
                      "--dtype", "bf16", "--seq-len", "256", "--cp", "2", "--gpus", "4", "--strategy", "ddp"]) == 0
     out = capsys.readouterr().out
     assert "layout: cp=2: rank 0's sequence shard of 128 tokens measured" in out and "cp=2" in out.splitlines()[0]
+
+
+def test_expert_parallel_pipeline_stages():
+    """ep with pp: each stage holds its layers' E/ep experts (formula: the config's counts, exact), its MoE
+    layers' all-to-all in its run; fit answers per stage under FSDP2 with the experts over gpus/(pp·ep)."""
+    cfg = _mixtral()
+    cfg.num_hidden_layers = 4
+    r = gpulab.step(cfg, batch=2, seq_len=64, optimizer="adamw", dtype="bf16", engine="fake", ep=4, pp=2,
+                    pp_stage=1, microbatches=2, steps=1)
+    h, f, v, E = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_local_experts
+    layer = 4 * h * h + 2 * h + E * h + (E // 4) * 3 * h * f
+    assert r.tensor_bytes_by_category["parameters"] == 2 * (2 * layer + h + v * h)   # last stage: norm and head
+    made = Counter(rec.op for rec in r.measurement.tracking.records.values() if rec.phase == "forward")
+    assert made["all_to_all_single"] == 2 * 2 * 1   # 2 MoE layers × dispatch and combine × the 1 in flight (last stage)
+    fit = gpulab.fit(cfg, "24MiB", optimizer="adamw", dtype="bf16", seq_len=64, context_bytes=0, ep=2, pp=2,
+                     gpus=8, strategy="fsdp2")
+    assert len(fit.ranks) == 2 and "gpus/ep = 2 ranks" in fit.sharding and "rank 0 holds 4 of 8" in fit.label
+    with pytest.raises(ValueError, match=r"--ep 4 does not divide the 2 data-parallel ranks of each stage"):
+        gpulab.fit(cfg, "24MiB", optimizer="adamw", dtype="bf16", seq_len=64, context_bytes=0, ep=4, pp=2, gpus=4,
+                   strategy="fsdp2")

@@ -159,7 +159,7 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         checkpointing: bool | str = False, lora: int = 0, lora_targets: Sequence[str] | None = None,
         lora_dropout: float = 0.0, quantize: str | None = None, lora_dtype: str = "fp32", double_quant: bool = True,
         quant_compute_dtype: str = "input", routing: Any = None, tp: int = 1, sequence_parallel: bool = False,
-        pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b",
+        pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1,
         fp8: str | None = None, cp: int = 1, ep: int = 1, module_loading: str = "lazy",
         gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
@@ -178,8 +178,8 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
     key = run_cache.workload_key(model, w, own_parts=inputs is not None or input_shape is not None or loss is not None)
     if recipe.pp > 1:   # one search per pipeline stage that differs (predict.pipeline_fit)
         from gpulab.predict.pipeline_fit import StageSearch, fit_stages
-        return fit_stages(w, key, dt, recipe, place, (gpus, strategy, offload_optimizer), progress, t0,
-                          StageSearch(_search, _sharding, _check, usable_bytes))
+        return _layout_stated(fit_stages(w, key, dt, recipe, place, (gpus, strategy, offload_optimizer), progress,
+                                         t0, StageSearch(_search, _sharding, _check, usable_bytes)), w, recipe, dt)
     gpus = layout_gpus(gpus, strategy, recipe.tp, recipe.cp, recipe.ep)
     sharding, shard = _sharding(w, recipe, dt, gpus, strategy, offload_optimizer)
     return _layout_stated(_search(w, key, dt, recipe, place._replace(sharding=sharding), shard, progress, t0)[0],
@@ -303,12 +303,17 @@ def _sharding(w: Workload, recipe: Recipe, dt: torch.dtype, gpus, strategy, offl
         return None, None
     if sh.strategy in S.DEEPSPEED and (recipe.lora or recipe.quantize):
         raise ValueError(f"{sh.strategy} follows DeepSpeed's full fine-tuning layout; with LoRA or QLoRA use fsdp2 or ddp")
-    with torch.device("meta"):
-        layers = S.count_layers(w.build(torch.device("meta"), dt))
+    from dataclasses import replace
+
+    from gpulab.training.expert_parallel import expert_parameter_shapes, expert_rank_model
+    sh = replace(sh, ep=recipe.ep)
+    with torch.device("meta"):   # the rank's own model: E/ep experts a layer under ep
+        net = w.build(torch.device("meta"), dt) if recipe.ep == 1 else expert_rank_model(w, recipe, dt)
+        layers, experts = S.count_layers(net), expert_parameter_shapes(net)
     elem = torch.empty((), dtype=dt).element_size()
 
     def one_rank(t: TrackingResult) -> TrackingResult:
-        return S.per_rank(t, sh, layers, elem)
+        return S.per_rank(t, sh, layers, elem, experts)
     return sh, one_rank
 
 
@@ -367,7 +372,7 @@ class _FakeRuns:
 def _deep(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, target: tuple) -> "layer_repeat.Deep | None":
     """The full depth laid out from runs of a few layers (``predict.layer_repeat``), where the
     model's layers are alike; None where they are not (then every run has the full depth)."""
-    if layer_repeat.not_repeatable(w.config, recipe.checkpointing) is not None:
+    if _not_laid_out(w, recipe) is not None:
         return None
 
     def small(wk: Workload, b: int, fresh: bool) -> TrackingResult:
@@ -391,7 +396,15 @@ def _depth_text(deep: "layer_repeat.Deep | None", w: Workload, recipe: Recipe) -
     """How a timeline's depth was run: laid out from a few layers (``Deep.describe``), or why not."""
     if deep is not None:
         return deep.describe()
-    return layer_repeat.not_repeatable(w.config, recipe.checkpointing) or ""
+    return _not_laid_out(w, recipe) or ""
+
+
+def _not_laid_out(w: Workload, recipe: Recipe) -> str | None:
+    """Why every run has the full depth (None: it is laid out from a few layers)."""
+    if recipe.virtual_stages > 1:
+        return ("interleaved pipeline: a rank's chunks take turns in its schedule, so every run has the rank's "
+                "full depth")
+    return layer_repeat.not_repeatable(w.config, recipe.checkpointing)
 
 
 def _tracked(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe: Recipe, target: tuple,

@@ -79,6 +79,10 @@ def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, 
     sharding, shard = fit_parts.sharding(stage_w, recipe, dt, gpus, DEFAULT_STRATEGY if assumed else strategy, offload)
     place = place._replace(sharding=sharding)
     per_stage = gpus // pp if gpus else recipe.tp   # (_sharding checked that tp × pp divides gpus)
+    if recipe.ep > 1 and gpus and (gpus // group) % recipe.ep:
+        raise ValueError(f"--ep {recipe.ep} does not divide the {gpus // group} data-parallel ranks of each stage "
+                         f"(gpus / (tp × pp)): expert parallelism borrows its ranks from them; give gpus as a "
+                         f"multiple of tp × pp × ep = {group * recipe.ep}")
     v = recipe.virtual_stages
     shapes = distinct_stages(pp, recipe.microbatches, recipe.schedule, v)
     searched: dict[int, tuple[Any, Any]] = {}

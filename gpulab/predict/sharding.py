@@ -28,6 +28,11 @@ simulated allocator as a one-GPU answer. The label says so: a formula over a mea
 ``offload_optimizer`` keeps the optimizer state (DeepSpeed: with the fp32 master weights and
 gradient partition) in host memory: off the GPU.
 
+With expert parallelism (``ep``: the run is rank 0's, holding E/ep experts a layer) the experts'
+parameters, gradients and optimizer state are split over the expert data-parallel group, N/ep
+ranks (torchtitan's ``dp_shard_mod_ep`` mesh for FSDP2; DeepSpeed-MoE's expert data-parallel
+group for ZeRO), the rest over all N: ``per_rank``'s ``experts``, the experts' parameter shapes.
+
 What only a GPU run adds is not here: NCCL's own buffers and communicator memory, the caching
 allocator's per-stream pools for FSDP2's all-gather and reduce-scatter streams, and DeepSpeed's
 bucket buffers (``reduce_bucket_size``, ``allgather_bucket_size``).
@@ -63,10 +68,13 @@ class Sharding:
     gpus: int
     strategy: str
     offload_optimizer: bool = False
+    ep: int = 1   # expert-parallel ranks among the gpus (module docstring)
 
     def describe(self) -> str:
         off = ", optimizer state offloaded to the host" if self.offload_optimizer else ""
-        return f"{self.gpus} GPUs, {self.strategy} ({STRATEGIES[self.strategy]}){off}"
+        experts = (f"; the experts' own share over the expert data-parallel group of gpus/ep = {self.gpus // self.ep} "
+                   f"ranks" if self.ep > 1 and self.strategy != "ddp" else "")
+        return f"{self.gpus} GPUs, {self.strategy} ({STRATEGIES[self.strategy]}){off}{experts}"
 
 
 def check_sharding(gpus: int | None, strategy: str | None, offload_optimizer: bool, optimizer: str,
@@ -124,16 +132,19 @@ def _shard(nbytes: int, n: int) -> int:
     return -(-nbytes // n)
 
 
-def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: int) -> TrackingResult:
-    """``t`` (one GPU's two-step run) as one rank holds it under ``sharding``."""
-    n, s = sharding.gpus, sharding.strategy
+def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: int,
+             experts: frozenset[tuple[int, ...]] = frozenset()) -> TrackingResult:
+    """``t`` (one GPU's two-step run) as one rank holds it under ``sharding``; storages of the shapes in
+    ``experts`` split over ``gpus / ep`` ranks (module docstring)."""
+    s = sharding.strategy
     cats = {sid: r.category for sid, r in t.records.items()}
+    ranks = {sid: sharding.gpus // sharding.ep for sid, r in t.records.items() if tuple(r.shape) in experts}
     state_bytes = sum(r.nbytes for r in t.records.values() if r.category is Category.OPTIMIZER_STATE)
     params = sum(r.nbytes for r in t.records.values() if r.category is Category.PARAMETERS)
     # DeepSpeed's fp32 state per parameter, in place of the run's own state storages (by their share)
     ds_scale = (DS_STATE_BYTES * params / param_elem) / state_bytes if s in DEEPSPEED and state_bytes else 1.0
 
-    def size(cat: Category, nbytes: int) -> int:
+    def size(cat: Category, nbytes: int, n: int) -> int:
         if cat is Category.OPTIMIZER_STATE:
             if sharding.offload_optimizer:
                 return 0
@@ -154,7 +165,7 @@ def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: 
             nbytes = sizes.get(e.sid, e.nbytes)
             events.append(e.with_bytes(nbytes, -nbytes))
         else:
-            nbytes = size(cats[e.sid], e.nbytes)
+            nbytes = size(cats[e.sid], e.nbytes, ranks.get(e.sid, sharding.gpus))
             events.append(e.with_bytes(nbytes, nbytes - sizes.get(e.sid, 0)))
             sizes[e.sid] = nbytes
     records = dict(t.records)

@@ -119,16 +119,17 @@ def ring_buffers(seq_len: int, cp: int, batch: int, heads: int, kv_heads: int, h
 
 
 def check_cp_ep_options(cp: int, ep: int, tp: int, pp: int = 1) -> None:
-    """The context- and expert-parallel degrees, and the combinations measured: cp with tp; ep alone
-    (the experts' own tensor-parallel plan is not measured); neither with pp yet."""
+    """The context- and expert-parallel degrees, and the combinations measured: cp with tp; ep with pp
+    (each stage's experts split) but not with tp or cp (the experts' own tensor-parallel plan is not
+    measured); cp not with pp yet."""
     from gpulab.training.expert_parallel import check_ep_options
     check_cp_options(cp)
     check_ep_options(ep)
     if ep > 1 and (tp > 1 or cp > 1):
         raise ValueError("--ep is measured on its own (experts split, the rest replicated): leave out --tp and --cp "
                          "with it (the experts' tensor-parallel plan is not measured)")
-    if pp > 1 and (cp > 1 or ep > 1):
-        raise ValueError("--cp and --ep are not measured with --pp yet: give one of them")
+    if pp > 1 and cp > 1:
+        raise ValueError("--cp is not measured with --pp yet: give one of them (--ep does combine with --pp)")
 
 
 def layout_notes(w: Any, r: Any, batch: int, itemsize: int) -> dict[str, dict[str, Any]]:
@@ -165,7 +166,8 @@ def layout_notes(w: Any, r: Any, batch: int, itemsize: int) -> dict[str, dict[st
 def layout_gpus(gpus: int | None, strategy: str | None, tp: int, cp: int, ep: int) -> int | None:
     """``gpus`` less the context-parallel dimension (what the data-parallel strategy spreads over,
     per tensor-parallel group), after the rank-count rules: gpus = dp × cp × tp, and ep divides
-    dp × cp × tp (torchtitan's ParallelDims: expert parallelism borrows its ranks from the others)."""
+    dp × cp × tp (torchtitan's ParallelDims: expert parallelism borrows its ranks from the others; a
+    sharding strategy splits the experts' share over the gpus / ep ranks of their data-parallel group)."""
     if gpus is None or (cp == 1 and ep == 1):
         return gpus
     if not isinstance(gpus, int) or gpus % (tp * cp):
@@ -174,7 +176,4 @@ def layout_gpus(gpus: int | None, strategy: str | None, tp: int, cp: int, ep: in
     if gpus % ep:
         raise ValueError(f"--ep {ep} does not divide gpus={gpus}: expert parallelism borrows its ranks from the "
                          f"data-parallel ones (ep divides dp × cp × tp = gpus); give gpus as a multiple of {ep}")
-    if ep > 1 and strategy not in (None, "ddp"):
-        raise ValueError(f"--ep with --strategy {strategy}: the experts sharded over dp/ep ranks is not measured yet; "
-                         f"use --strategy ddp (replicas of the rank's share) or leave --gpus out")
     return gpus // cp

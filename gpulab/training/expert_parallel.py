@@ -46,7 +46,8 @@ from torch import nn
 from gpulab.training.routing import Routing, expert_rows, experts_modules, is_moe
 
 __all__ = ["EP_ROUTED", "EpBuffers", "check_ep_options", "check_expert_parallel", "ep_buffers", "ep_experts_forward",
-           "expert_shard", "expert_shard_workload", "install_expert_parallel", "total_experts"]
+           "expert_parameter_shapes", "expert_rank_model", "expert_shard", "expert_shard_workload",
+           "install_expert_parallel", "total_experts"]
 
 EP_ROUTED = "gpulab_ep_routed"
 _EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -128,6 +129,21 @@ def install_expert_parallel(net: nn.Module, ep: int, experts: int, routing: Rout
     if EP_ROUTED not in ALL_EXPERTS_FUNCTIONS:
         ALL_EXPERTS_FUNCTIONS.register(EP_ROUTED, ep_experts_forward)
     return r
+
+
+def expert_rank_model(w: Any, recipe: Any, dtype: torch.dtype) -> nn.Module:
+    """Rank 0's model of ``recipe.ep`` expert-parallel ranks on the meta device, as the run builds it
+    (E/ep experts a layer, the routers whole): what a sharding strategy counts."""
+    net = expert_shard_workload(w, recipe.ep).build(torch.device("meta"), dtype)
+    install_expert_parallel(net, recipe.ep, total_experts(w.config), recipe.routing)
+    return net
+
+
+def expert_parameter_shapes(net: nn.Module) -> frozenset[tuple[int, ...]]:
+    """The shapes of the routed experts' own parameters in ``net`` (rank 0's model: E/ep experts a
+    layer, stacked in 3-D tensors), which a data-parallel strategy splits over the expert data-parallel
+    group; their gradients and optimizer state have the same shapes."""
+    return frozenset(tuple(p.shape) for _, m in experts_modules(net) for p in m.parameters(recurse=False))
 
 
 def _even(total: int, parts: int) -> list[int]:
