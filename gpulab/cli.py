@@ -404,11 +404,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; every failure is one line on stderr: bad input or a size this machine
     cannot hold (exit 2), an interrupt ("interrupted", exit 130), anything else an internal error
     that says so (exit 2; ``--debug`` shows its traceback)."""
+    own = argv is None   # this process's own command line: it only answers (models.lean_imports)
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     try:
-        return _main(argv)
+        return _main(argv, own)
     except KeyboardInterrupt:
         print("gpulab: interrupted", file=sys.stderr)
         return 130
@@ -432,7 +433,7 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= 400 else text[:397] + "..."
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], own: bool = False) -> int:
     args = build_parser().parse_args(argv)
     _check_values(args)   # still no torch: a bad card or size is refused here
     if args.command == "record":
@@ -442,6 +443,9 @@ def _main(argv: list[str]) -> int:
     try:
         if progress is not None and progress.tty:
             progress(0.0, "importing torch and transformers")
+        if own and args.command != "env":   # a process that only answers: transformers without torchvision, torchao
+            from gpulab.models.lean_imports import skip_unused
+            skip_unused()
         data, text = _answer(args, progress)
     except (RuntimeError, TypeError) as exc:   # torch refusing a size (an overflowing shape): the input's doing
         if "overflow" in str(exc).lower() or "negative dimension" in str(exc):
