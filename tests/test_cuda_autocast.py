@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpulab.measure import cuda_autocast
 from gpulab.measure.cuda_autocast import CUDA_AUTOCAST, POLICIES, cuda_autocast_policy, cuda_policy_of
 from gpulab.measure.fake_cuda import cuda_kernels
 
@@ -28,6 +29,10 @@ def test_the_table_is_cudas_registrations_op_for_op():
     registered = {n.removeprefix("aten::") for n in
                   torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA") if n.startswith("aten::")}
     table = set(CUDA_AUTOCAST)
+    written = set(cuda_autocast._TABLE_2_15) | set(cuda_autocast._OLDER_ONLY)
+    assert not registered - written, f"CUDA autocasts ops gpulab's written tables lack (torch {torch.__version__})"
+    if "rms_norm" in registered:   # torch 2.15's registrations: its table whole
+        assert CUDA_AUTOCAST == cuda_autocast._TABLE_2_15
     assert not registered - table, f"CUDA autocasts ops gpulab's table lacks (torch {torch.__version__})"
     assert not table - registered, f"gpulab's table has ops CUDA does not autocast (torch {torch.__version__})"
     assert set(CUDA_AUTOCAST.values()) == set(POLICIES)

@@ -33,10 +33,11 @@ of the allocations, which the allocator simulator replays.
 * ``banned``: ``binary_cross_entropy`` raises, as on CUDA.
 
 "Eligible" is ``is_eligible``: a defined floating tensor on the autocast's device that is not
-float64. ``CUDA_AUTOCAST`` is the table as data, written from ``autocast_mode.h`` of the PyTorch
-release in use (2.15); ``tests/test_cuda_autocast.py`` checks it op for op against the
-``AutocastCUDA`` kernels the installed torch registers, and checks the policies by running the
-real CUDA kernels on fake cuda tensors beside this emulation.
+float64. ``CUDA_AUTOCAST`` is the table as data, written from ``autocast_mode.h`` of torch 2.15
+(with torch 2.11's ops that 2.15 dropped), kept to the ops the installed torch registers;
+``tests/test_cuda_autocast.py`` checks the written tables cover every ``AutocastCUDA`` kernel the
+installed torch registers, and checks the policies by running the real CUDA kernels on fake cuda
+tensors beside this emulation.
 """
 from __future__ import annotations
 
@@ -79,14 +80,33 @@ _FP32_APPEND_DTYPE = ("norm.Scalar", "norm.ScalarOpt_dim")  # AT_FORALL_DIFFEREN
 _PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
             "tensordot", "scatter_add")  # AT_FORALL_PROMOTE
 
-CUDA_AUTOCAST: dict[str, str] = {
+_TABLE_2_15: dict[str, str] = {
     **{op: "lower_precision_fp" for op in _LOWER}, **{op: "fp32" for op in _FP32},
     **{op: "fp32_set_opt_dtype" for op in _FP32_SET_OPT_DTYPE},
     **{op: "fp32_append_dtype" for op in _FP32_APPEND_DTYPE}, **{op: "promote" for op in _PROMOTE},
     "binary_cross_entropy": "banned",
 }
+# torch 2.11 (Colab's) still registers AutocastCUDA kernels for the Dimname overloads of the
+# fp32_set_opt_dtype ops and for norm.names_ScalarOpt_dim, and none for rms_norm or
+# linalg_matrix_sqrth (its CUDA autocast lets them through in the dtype that arrives)
+_OLDER_ONLY = {**{op: "fp32_set_opt_dtype" for op in ("prod.dim_Dimname", "softmax.Dimname", "log_softmax.Dimname",
+                                                       "cumprod.dimname", "cumsum.dimname", "sum.dim_DimnameList")},
+               "norm.names_ScalarOpt_dim": "fp32_append_dtype"}
+
+
+def _installed_table() -> dict[str, str]:
+    """The written tables, kept to the ops the installed torch registers an ``AutocastCUDA`` kernel
+    for (``_dispatch_get_registrations_for_dispatch_key``; CPU-only builds register them too):
+    torch 2.15's table whole on torch 2.15, torch 2.11's ops on torch 2.11."""
+    registered = {n.removeprefix("aten::") for n in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")
+                  if n.startswith("aten::")}
+    written = {**_TABLE_2_15, **_OLDER_ONLY}
+    return {op: policy for op, policy in written.items() if op in registered} if registered else dict(_TABLE_2_15)
+
+
+CUDA_AUTOCAST: dict[str, str] = _installed_table()
 """Op (``name`` or ``name.overload``, as the dispatcher lists ``aten::`` registrations) → the
-policy CUDA's autocast applies to it."""
+policy CUDA's autocast applies to it in the installed torch."""
 
 # aten/src/ATen/native/SoftMax.cpp: softmax / log_softmax of a CUDA float16 tensor with dtype=float32
 # run the kernel that reads float16 and writes float32 (half_to_float), with no float32 copy of
@@ -94,7 +114,8 @@ policy CUDA's autocast applies to it."""
 _HALF_TO_FLOAT = {"softmax.int": torch.ops.aten._softmax.default,
                   "log_softmax.int": torch.ops.aten._log_softmax.default}
 
-_APPEND_TARGET = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype"}
+_APPEND_TARGET = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype",
+                  "norm.names_ScalarOpt_dim": "norm.names_ScalarOpt_dim_dtype"}
 
 _BANNED_MESSAGE = (
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"

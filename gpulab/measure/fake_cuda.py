@@ -262,13 +262,18 @@ class _FusedRMSNorm(torch.autograd.Function):
 def _cuda_rms_norm() -> Iterator[None]:
     """``aten::rms_norm`` as CUDA runs it (the fused kernel) for fake tensors, registered at the
     autograd key for the duration (below autocast, which has cast the inputs by then); real
-    tensors take the CPU's path unchanged."""
+    tensors take the CPU's path unchanged, and an input whose dtype differs from the weight's
+    its decomposition (``CompositeImplicitAutograd``), as CUDA does (``layer_norm.cpp``: "Mismatch
+    dtype between input and weight ... Cannot dispatch to fused implementation"): torch 2.11's
+    autocast (Colab's) leaves rms_norm's float16 input beside a float32 weight."""
     lib = torch.library.Library("aten", "IMPL")
     op = torch.ops.aten.rms_norm.default
 
     def rms_norm(keyset, input, normalized_shape, weight=None, eps=None):
         if is_fake(input):
-            return _FusedRMSNorm.apply(input, list(normalized_shape), weight, eps)
+            if weight is None or weight.dtype == input.dtype:
+                return _FusedRMSNorm.apply(input, list(normalized_shape), weight, eps)
+            return op.decompose(input, normalized_shape, weight, eps)   # the composite, under autograd
         return op.redispatch(keyset.remove(torch._C.DispatchKey.AutogradCPU), input, normalized_shape, weight, eps)
     try:
         lib.impl("rms_norm", rms_norm, "AutogradCPU", with_keyset=True)
