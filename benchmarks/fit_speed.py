@@ -97,6 +97,11 @@ def main() -> int:
     print(f"load average before: {_load()}")
     floor, _ = _timed([py, "-c", "import torch, transformers"], env)
     print(f"import floor (python -c 'import torch, transformers'): {floor:.1f} s")
+    # torch 2.15 imports torch._dynamo for any fake run (FakeTensorMode.__init__: import torch._dynamo.config;
+    # a TorchDispatchMode's __torch_dispatch__ wrapped by torch._disable_dynamo) and any optimizer step
+    dynamo, _ = _timed([py, "-c", "import torch, transformers, torch._dynamo"], env)
+    print(f"  + torch._dynamo, which every fake run and optimizer step imports: {dynamo:.1f} s "
+          f"({dynamo / floor:.2f}x the floor)")
     for what, cmd in commands:
         seconds, answer = _timed([py, "-m", "gpulab", *cmd], env)
         line = f"{what:48s} {seconds:7.1f} s  {seconds / floor:5.2f}x the floor  {answer}"
