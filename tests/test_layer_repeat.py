@@ -118,12 +118,20 @@ def test_periodic_and_prefixed_layers_are_patterns():
     cfg.first_k_dense_replace, cfg.decoder_sparse_step = None, 2
     assert L.block_pattern(cfg) == L.Pattern(0, 2, "decoder_sparse_step 2")
     cfg.mlp_only_layers = [0, 1]       # dense first layers, then a mixture of experts every 2
-    assert L.block_pattern(cfg) == L.Pattern(2, 2, "mlp_only_layers: the first 2 layers dense; decoder_sparse_step 2")
+    assert L.block_pattern(cfg, min_depth=0) == L.Pattern(2, 2, "mlp_only_layers: the first 2 layers dense; "
+                                                                "decoder_sparse_step 2")
+    # 16 layers from runs of 4 and 6 a batch: not worth it, said so; the pattern itself stands
+    assert "runs of 4 and 6 layers cost about what 16 layers do, so all 16 run" in L.not_repeatable(cfg)
     cfg.mlp_only_layers = None
     assert L.block_pattern(hf_configs.make_config("gemma-2-9b")) == L.Pattern(
         0, 2, "layer_types every 2: sliding_attention, full_attention")
-    gemma3 = L.block_pattern(hf_configs.make_config("gemma-3-1b"))
-    assert (gemma3.period, gemma3.prefix) == (6, 0) and "every 6: sliding_attention, sliding_attention" in gemma3.why
+    gemma3 = hf_configs.make_config("gemma-3-1b")
+    pattern = L.block_pattern(gemma3, min_depth=0)
+    assert (pattern.period, pattern.prefix) == (6, 0) and "every 6: sliding_attention, sliding_attention" in pattern.why
+    assert pattern.depths(26) == (8, 14, 20) and pattern.depths(62) == (8, 14, 20)
+    assert "runs of 8 and 14 layers cost about what 26 layers do, so all 26 run" in L.not_repeatable(gemma3)
+    gemma3.num_hidden_layers, gemma3.layer_types = 62, [gemma3.layer_types[i % 6] for i in range(62)]   # 27B's depth
+    assert L.not_repeatable(gemma3) is None
     for name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite"):
         assert L.block_pattern(hf_configs.make_config(name)) == L.Pattern()
 

@@ -114,6 +114,12 @@ class Pattern:
         last period)."""
         return BASE_BLOCKS if self.period == 1 else 1
 
+    def depths(self, depth: int) -> tuple[int, int, int]:
+        """The small runs' depths for a stack of ``depth``: the prefix, k, k+1 and k+2 periods, and what
+        the depth leaves past its last whole period."""
+        rest = (depth - self.prefix) % self.period
+        return tuple(self.prefix + (self.blocks + j) * self.period + rest for j in range(3))
+
 
 # Config fields that make some layers differ from the rest: a mixture of experts every K layers
 # (the layer index decides, so the layers repeat every K), or dense layers before the experts.
@@ -146,10 +152,15 @@ def block_pattern(config: Any, min_depth: int = MIN_REPEAT_DEPTH) -> Pattern | s
         if isinstance(value, (list, tuple)) and len(value) == depth and len({repr(v) for v in value}) > 1:
             cycle = _cycle(value, prefix)
             period, why = math.lcm(period, cycle), why + [f"{name} every {cycle}: " + ", ".join(map(str, value[prefix:prefix + cycle]))]
-    if prefix + (Pattern(prefix, period).blocks + 2) * period + (depth - prefix) % period >= depth:
-        return (f"its layers are not all alike ({'; '.join(why)}) and {depth} layers hold too few "
+    pattern = Pattern(prefix, period, "; ".join(why))
+    a, b, c = pattern.depths(depth)
+    if c >= depth:
+        return (f"its layers are not all alike ({pattern.why}) and {depth} layers hold too few "
                 f"{'periods of ' + str(period) if period > 1 else 'layers past the first ' + str(prefix)} to repeat")
-    return Pattern(prefix, period, "; ".join(why))
+    if min_depth and period > 1 and a + b > depth / 2:   # measured: Gemma-3-1B's 26 layers from 8 and 14, as slow as 26
+        return (f"its layers are not all alike ({pattern.why}): each batch's runs of {a} and {b} layers cost about "
+                f"what {depth} layers do, so all {depth} run")
+    return pattern
 
 
 def _cycle(values: Any, start: int) -> int:
@@ -196,7 +207,8 @@ class Deep:
         p = self.pattern.period
         self.k = k = self.pattern.blocks if k is None else k
         # the k-block run: the prefix, k periods and what is left of a period at the end
-        self.depths = tuple(self.pattern.prefix + (k + j) * p + (self.depth - self.pattern.prefix) % p for j in range(3))
+        self.depths = (self.pattern.depths(self.depth) if k == self.pattern.blocks else
+                       tuple(self.pattern.prefix + (k + j) * p + (self.depth - self.pattern.prefix) % p for j in range(3)))
         self.copies = (self.depth - self.depths[0]) // p   # blocks laid out past the k-block run
         self._run = run
         self._small = {n: workload_with_depth(w, n) for n in self.depths}
