@@ -1,10 +1,12 @@
 """`gpulab fit` at scale against the time of an import (issue 34): 8B on one card, a 70B shape on 8
 GPUs (FSDP2), a 405B shape on 64 GPUs (ZeRO-3), with checkpointing where the issue asks, with and
-without ``--what-fits``, and a bad option; with ``--new-models`` also issue 35's configs: Mixtral-8x7B
-and Qwen3-30B-A3B on 8 GPUs (FSDP2) and ``gpulab serve`` Gemma-2-9B at 32K; each a whole command in a
-fresh process, as a user runs it.
+without ``--what-fits``, and a bad option; with ``--new-models`` also issue 35's configs (``NEW_MODELS``:
+Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V2-Lite, Gemma-2-2B/9B, Gemma-3-1B, Llama-3.1-70B/405B,
+Qwen2.5-72B), each ``gpulab fit`` (bf16 AdamW, 2048 tokens, on the layout its size needs) and
+``gpulab serve`` (one H100, 8192 tokens) beside ``serve`` of 8B dense, and Gemma-2-9B at 32K on 24 GiB
+(issue 35's done-when); each a whole command in a fresh process, as a user runs it.
 
-    PYTHONPATH=. python benchmarks/fit_speed.py [--quick] [--repeat-off] [--new-models] [--only TEXT]
+    PYTHONPATH=. python benchmarks/fit_speed.py [--quick] [--repeat-off] [--new-models] [--only TEXT] [--floor-each]
 
 It prints each command's seconds and its ratio to the import floor (``python -c "import torch,
 transformers"``) measured in the same run, and whether the answer's depth was laid out from a few
@@ -34,6 +36,21 @@ SHAPES = {   # the published config.json fields that differ from Llama-3-8B's
 }
 
 
+# issue 35's configs and the layout each is fit on: one card where its bf16 AdamW state can fit one,
+# else the sharded layouts the 70B / 405B shapes above use
+_ONE = ("1 H100", ["--gpu", "H100"])
+_EIGHT = ("8 H100, FSDP2", ["--gpu", "H100", "--gpus", "8", "--strategy", "fsdp2"])
+NEW_MODELS = {"mixtral-8x7b": _EIGHT, "qwen3-30b-a3b": _EIGHT, "deepseek-v2-lite": _EIGHT, "gemma-2-2b": _ONE,
+              "gemma-2-9b": _EIGHT, "gemma-3-1b": _ONE, "llama-3.1-70b": _EIGHT,
+              "llama-3.1-405b": ("64 H100, ZeRO-3, checkpointing", ["--gpu", "H100", "--gpus", "64", "--strategy",
+                                                                    "zero3", "--checkpointing"]),
+              "qwen2.5-72b-instruct": _EIGHT}
+
+
+def _serve(name: str, gpu: str, context: int) -> list[str]:
+    return ["serve", f"hf:{name}", "--gpu", gpu, "--context", str(context), "--json"]
+
+
 def _config_file(folder: str, name: str) -> str:
     from gpulab.models import hf_configs
     cfg = hf_configs.make_config("llama-3-8b").to_dict()
@@ -53,10 +70,12 @@ def _timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
         return seconds, f"failed ({p.returncode}): {p.stderr.strip().splitlines()[-1:]}"
     try:
         answer = json.loads(p.stdout)
+        experts = _experts(answer)
         if "largest_batch" not in answer:   # gpulab serve
-            return seconds, f"fits: {answer.get('fits')}, {answer.get('max_sequences')} sequences (vLLM-style)"
+            return seconds, (f"fits: {answer.get('fits')}, {answer.get('max_sequences')} sequences (vLLM-style)"
+                             + experts)
         return seconds, (f"batch {answer.get('largest_batch')}, {answer.get('runs')} fake runs; "
-                         f"{answer.get('layers') or 'depth: full'}")
+                         f"{answer.get('layers') or 'depth: full'}" + experts)
     except (json.JSONDecodeError, TypeError):
         return seconds, (p.stderr.strip().splitlines() or ["(no output)"])[-1][:120]
 
@@ -67,6 +86,9 @@ def main() -> int:
     ap.add_argument("--repeat-off", action="store_true", help="also run every command with the layer repeat off")
     ap.add_argument("--new-models", action="store_true", help="also issue 35's MoE fits and Gemma-2's serve")
     ap.add_argument("--only", default="", help="only the commands whose description holds this text")
+    ap.add_argument("--floor-each", action="store_true",
+                    help="time the import floor again right before each command and give its ratio to that one "
+                         "(a shared machine's load moves between commands)")
     args = ap.parse_args()
     py = sys.executable
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
@@ -86,12 +108,14 @@ def main() -> int:
              ["fit", "hf:llama-3-8b", "--gpu", "24GiB", "--dtype", "bf16", "--optimizer", "adamw", "--seq-len",
               "2048", "--what-fits", "--json"]),
         ]
-    if args.new_models:
-        commands += [(f"{name}, 8 H100, FSDP2, bf16", ["fit", f"hf:{name}", "--gpu", "H100", "--gpus", "8", "--strategy",
-                                                        "fsdp2", "--dtype", "bf16", "--json"])
-                     for name in ("mixtral-8x7b", "qwen3-30b-a3b")]
-        commands += [(f"serve gemma-2-9b, 24 GiB, {n} tokens",   # issue 35 asks 32768, past the 8192 positions of its config.json: answered with that assumption named
-                      ["serve", "hf:gemma-2-9b", "--gpu", "24GiB", "--context", str(n), "--json"]) for n in (32768, 8192)]
+    if args.new_models:   # issue 35's configs, each fit (bf16 AdamW, 2048 tokens) and serve (8192 tokens) beside 8B dense
+        commands += [("serve 8B (dense), H100, 8192 tokens", _serve("llama-3-8b", "H100", 8192))]
+        for name, layout in NEW_MODELS.items():
+            commands.append((f"{name}, {layout[0]}", ["fit", f"hf:{name}", *layout[1], "--dtype", "bf16", "--optimizer",
+                                                       "adamw", "--seq-len", "2048", "--json"]))
+            commands.append((f"serve {name}, H100, 8192 tokens", _serve(name, "H100", 8192)))
+        # issue 35's done-when: 32768 is past the 8192 positions of gemma-2-9b's config.json, answered with that assumption named
+        commands.append(("serve gemma-2-9b, 24 GiB, 32768 tokens", _serve("gemma-2-9b", "24GiB", 32768)))
     commands.append(("a bad option", ["fit", "hf:llama-3-8b", "--gpu", "H100", "--optimiser", "adamw"]))
     commands = [c for c in commands if args.only in c[0]]
     print(f"load average before: {_load()}")
@@ -103,14 +127,24 @@ def main() -> int:
     print(f"  + torch._dynamo, which every fake run and optimizer step imports: {dynamo:.1f} s "
           f"({dynamo / floor:.2f}x the floor)")
     for what, cmd in commands:
+        if args.floor_each and "bad option" not in what:
+            floor, _ = _timed([py, "-c", "import torch, transformers"], env)
         seconds, answer = _timed([py, "-m", "gpulab", *cmd], env)
-        line = f"{what:48s} {seconds:7.1f} s  {seconds / floor:5.2f}x the floor  {answer}"
+        line = (f"{what:48s} {seconds:7.1f} s  {seconds / floor:5.2f}x the floor"
+                + (f" ({floor:.1f} s just before)" if args.floor_each else "") + f"  {answer}")
         if args.repeat_off and "bad option" not in what:
             off, _ = _timed([py, "-m", "gpulab", *cmd], {**env, "GPULAB_LAYER_REPEAT": "0"})
             line += f"\n{'':48s} {off:7.1f} s  {off / floor:5.2f}x with the layer repeat off ({off / seconds:.2f}x slower)"
         print(line, flush=True)
     print(f"load average after: {_load()}")
     return 0
+
+
+def _experts(answer: dict) -> str:
+    """A mixture of experts' answer: how its experts ran (the routing it states), shortened."""
+    label = answer.get("label") or ""
+    text = answer.get("experts_note") or next((part for part in label.split("; ") if part.startswith("MoE")), "")
+    return f"; experts: {text[:60]}" if text else ""
 
 
 def _load() -> str:
