@@ -203,10 +203,11 @@ def test_lesson_runs_in_binder_env(path, request, binder_kernel, monkeypatch):
     print(f"{path.name} ran in the binder env in {time.perf_counter() - t0:.1f} s")
 
 
-# What lessons 11 and 12 need from the environment at run time beyond their imports, each the
-# lesson's own call (lesson 12's at one strategy of its comparison): peft wrapping a transformers
-# model and training a step, generate() filling a transformers cache, and gloo workers started
-# with the kernel's own Python (sys.executable inside the Binder venv).
+# What lessons 11 and 12 need from the environment at run time beyond their imports: lesson 11's
+# own calls (peft wrapping a transformers model and training a step; generate() filling a
+# transformers cache), and for lesson 12 one sharded step measured in gloo workers started with
+# the kernel's own Python (sys.executable inside the Binder venv), through the runner that
+# lesson 12's compare_strategies uses (README's measure_strategy, one strategy, not four).
 DEEP_CALLS = {
     "11_transformers, peft": 'from gpulab.course.lora import lora_step\n'
                              'lora_step("tiny-llama", rank=8, batch=2, seq_len=32)',
