@@ -118,8 +118,9 @@ def _v(text: str) -> tuple[int, ...]:
 
 
 # Colab's versions below gpulab's floors today (colab/pins.txt, 2026-08-19): under them the quick
-# suite and lessons 04, 08, 11 and 12 fail (docs/architecture.md, "Supported versions"), so the
-# floors stay, and the install cell's == pins make pip stop instead of replacing Colab's torch.
+# suite fails (the lessons run there: 04, 08, 11 and 12 were fixed; docs/architecture.md,
+# "Supported versions"), so the floors stay, and the install cell's == pins make pip stop instead
+# of replacing Colab's torch.
 # strict: once a floor comes down to Colab's version this XPASSes and fails: take the name out.
 BELOW_FLOOR = {"torch", "torchvision", "ipywidgets"}
 
