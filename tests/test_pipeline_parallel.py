@@ -271,3 +271,17 @@ def test_fit_answers_an_interleaved_pipeline_per_rank():
     assert [r.holds for r in f.ranks][::3] == ["embedding + layers 0, 4", "layers 3, 7 + norm + head + loss"]
     assert sum(r.binds for r in f.ranks) == 1 and f.largest_batch >= 1
     assert "ScheduleInterleaved1F1B" in f.label and "in 2 chunks" in f.pipeline and "interleaved" in f.layers
+
+
+def test_other_stages_are_read_off_their_own_extrapolation(monkeypatch):
+    """fit reads each non-binding stage at the pipeline's micro-batch off its own search's a + b·c line
+    (confirmed there by a fake run at its own largest micro-batch) instead of running it: the same rows as
+    running them."""
+    from gpulab.predict import pipeline_fit
+    kw = dict(optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0, pp=4, microbatches=8)
+    read = gpulab.fit(_config(layers=8), "24MiB", **kw)
+    assert any("read off its search's extrapolation" in r.note for r in read.ranks)
+    monkeypatch.setattr(pipeline_fit, "stage_at", lambda runs, batch, largest: (runs(batch), False))
+    run = gpulab.fit(_config(layers=8), "24MiB", **kw)
+    assert [(r.peak_bytes, r.reserved_bytes, r.peak_by_category) for r in read.ranks] == \
+        [(r.peak_bytes, r.reserved_bytes, r.peak_by_category) for r in run.ranks]

@@ -245,6 +245,7 @@ def _search(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, pla
         real = fake_run(best)
         predicted = line.at(best)
         if [e.nbytes for e in real.events] == [e.nbytes for e in predicted.events]:
+            fake_run.line = line   # confirmed: a pipeline's other batches are read off it (predict.pipeline_fit)
             checks.append(run_check(best))
             return done(_result(w, place, recipe, dt, best, real, checks, count(), t0, [],
                            f"extrapolated from fake runs at batches 2 and 3 (every storage a + b·c), replayed "
@@ -346,6 +347,7 @@ class _FakeRuns:
         self.runs: dict[int, TrackingResult] = {}
         self.made: list[int] = []     # every full-depth fake run, in order (a batch run again counts again)
         self.deep = _deep(w, key, dt, recipe, target)
+        self.line: _Extrapolation | None = None   # the search's extrapolation, once a fake run confirmed it
 
     def __call__(self, b: int, fresh: bool = False) -> TrackingResult:
         if b not in self.runs:

@@ -5,7 +5,8 @@ output head and the loss, and under 1F1B the earlier stages hold more micro-batc
 (``training.pipeline``). ``fit_stages`` searches each stage that differs the way ``fit`` searches one
 GPU's step (fake runs of that stage's own modules at ``layers / pp`` blocks, laid out from a few
 blocks by ``predict.layer_repeat``; the data-parallel strategy applied per rank as ``fit`` applies it),
-then reads every stage at the smallest answer, the micro-batch the whole pipeline runs. Ranks of the
+then reads every stage at the smallest answer, the micro-batch the whole pipeline runs (off the stage
+search's own extrapolation where a fake run confirmed it: no new run). Ranks of the
 same shape run once: 64 GPUs of ``tp 8 × pp 4 × dp 2`` are at most four stage searches, not 64 runs.
 
 The micro-batches in flight: each search's fake runs push one micro-batch through the stage (so
@@ -176,6 +177,14 @@ def _within(progress: Progress, n: int, of: int) -> Progress:
     return lambda frac, text: progress((n + frac) / of, text)
 
 
+def stage_at(runs, batch: int, largest: int) -> tuple[TrackingResult, bool]:
+    """A searched stage's timeline at the pipeline's ``batch``, and whether it was read off the search's
+    extrapolation (confirmed by a fake run at ``largest``, so no new run) rather than run."""
+    if runs.line is not None and 2 <= batch != largest:
+        return runs.line.at(batch), True
+    return runs(batch), False
+
+
 def _row(shape: StageShape, searched: dict, batch: int, check: Callable, layout: tuple[int, int], layers: int,
          per_stage: int) -> StageFit:
     """One stage shape at the pipeline's micro-batch ``batch``: its own search's run there, or the
@@ -193,8 +202,10 @@ def _row(shape: StageShape, searched: dict, batch: int, check: Callable, layout:
         return StageFit(shape.stages, ranks, shape.role, holds, shape.in_flight, 0, res.peak_bytes,
                         res.reserved_bytes, dict(res.peak_by_category), note="batch 1 does not fit this stage"
                         if res.largest_batch == 0 else "")
-    t = runs(batch)
+    t, read = stage_at(runs, batch, res.largest_batch)
     return StageFit(shape.stages, ranks, shape.role, holds, shape.in_flight, res.largest_batch, t.peak_bytes,
                     check(t, batch=batch).reserved_bytes, dict(t.peak_by_category),
-                    note=f"alone it fits micro-batch {res.largest_batch}" if res.largest_batch != batch else "")
+                    note=f"alone it fits micro-batch {res.largest_batch}" + (
+                        f"; read off its search's extrapolation from batches 2 and 3 (confirmed by a fake run at "
+                        f"{res.largest_batch}, event for event)" if read else "") if res.largest_batch != batch else "")
 
