@@ -108,6 +108,15 @@ def test_per_rank_resizes_each_storage_as_the_strategy_holds_it():
         assert near(most(t, "parameters"), params + gathered, k["parameters"] + 1), strategy
         assert near(most(t, "optimizer_state"), state, k["optimizer_state"]), strategy
         assert near(most(t, "gradients"), grads, 2 * k["gradients"] + 1), strategy
+        # foreach AdamW's step makes parameter-sized copies: on a sharded optimizer, the shard's
+        assert stepped(one) >= 2 * p, stepped(one)
+        assert stepped(t) == (stepped(one) if strategy == "ddp" else stepped(one, n)), strategy
+
+
+def stepped(t, n=1):
+    """The bytes the optimizer step's temporaries are made with (each split ``n`` ways, rounded up)."""
+    ids = {sid for sid, r in t.records.items() if r.category.value == "temporaries" and r.phase == "optimizer"}
+    return sum(-(-e.nbytes // n) for e in t.events if e.kind == "alloc" and e.sid in ids)
 
 
 @pytest.mark.parametrize("kw,msg", [

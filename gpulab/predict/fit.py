@@ -225,8 +225,9 @@ def _search(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, pla
         if checks[-1].fits:
             return done(_result(w, place, recipe, dt, 1, one, checks, count(), t0, [],
                            "fake runs at batches 2 (does not fit) and 1 (fits)"))
-        return done(_result(w, place, recipe, dt, 0, one, checks, count(), t0,
-                       _levers(w, one, recipe.optimizer, dt, usable), "batch 1 does not fit (fake run): levers below, as formulas"))
+        levers = _levers(w, one, recipe.optimizer, dt, usable, sharded=place.sharding is not None)
+        return done(_result(w, place, recipe, dt, 0, one, checks, count(), t0, levers,
+                            "batch 1 does not fit (fake run): levers below, as formulas"))
     three = fake_run(3)
     checks.append(run_check(3))
     if not checks[-1].fits:
@@ -502,13 +503,31 @@ def _sharding_label() -> str:
 
 # --- levers -------------------------------------------------------------------------------------
 
-def _levers(w: Workload, t: TrackingResult, opt: str, dt: torch.dtype, usable: int) -> list[Lever]:
-    """Batch 1's peak with one change each, by formula from its categories at the peak."""
+def _optimizer_temporaries(t: TrackingResult) -> int:
+    """The bytes, at the peak, of temporaries the optimizer step made (foreach Adam's copies the size of
+    the parameters it steps): they go with the parameters the optimizer steps."""
+    if t.peak_index < 0 or t.peak_phase != "optimizer":
+        return 0
+    stepped = {sid for sid, r in t.records.items() if r.category is Category.TEMPORARIES and r.phase == "optimizer"}
+    alive: dict[int, int] = {}   # the events' bytes (a rank's timeline resizes events, not records)
+    for e in t.events[: t.peak_index + 1]:
+        if e.kind == "free":
+            alive.pop(e.sid, None)
+        elif e.sid in stepped:
+            alive[e.sid] = F.cuda_rounded_bytes(e.nbytes) if t.rounded else e.nbytes
+    return sum(alive.values())
+
+
+def _levers(w: Workload, t: TrackingResult, opt: str, dt: torch.dtype, usable: int,
+            sharded: bool = False) -> list[Lever]:
+    """Batch 1's peak with one change each, by formula from its categories at the peak (``sharded``:
+    ``t`` is already one rank's, so no lever shards it again)."""
     c = {k: int(v) for k, v in t.peak_by_category.items()}
     peak = t.peak_bytes
     params, grads, state = c.get(Category.PARAMETERS.value, 0), c.get(Category.GRADIENTS.value, 0), \
         c.get(Category.OPTIMIZER_STATE.value, 0)
     acts = c.get(Category.ACTIVATIONS.value, 0)
+    opt_temps = _optimizer_temporaries(t)
     elem = dt.itemsize
     n_params = params // elem if elem else 0
     out: list[Lever] = []
@@ -541,22 +560,26 @@ def _levers(w: Workload, t: TrackingResult, opt: str, dt: torch.dtype, usable: i
         lora = adapter_params(w.config, rank=16, targets=targets) if targets else 0
         if lora:
             lora_bytes = lora * 4 * (2 + k)   # fp32 adapter weights, gradients, optimizer state
+            stepped = (f" and no optimizer-step temporaries ({format_bytes(opt_temps)} at the peak)" if opt_temps
+                       else "")
             add(f"LoRA (rank 16 on {', '.join(targets)}, as peft adapts by default; base weights frozen)",
-                peak - grads - state + lora_bytes,
-                f"no gradients or optimizer state for the {n_params:,} base weights; {lora:,} adapter parameters "
-                f"with fp32 weights, gradients and state: {format_bytes(lora_bytes)}")
+                peak - grads - state - opt_temps + lora_bytes,
+                f"no gradients or optimizer state for the {'' if sharded else f'{n_params:,} '}base weights{stepped}; "
+                f"{lora:,} adapter "
+                f"parameters with fp32 weights, gradients and state: {format_bytes(lora_bytes)}")
             qlora = int(F.nf4_weight_bytes(n_params))
-            add("QLoRA (4-bit NF4 base weights + LoRA)", peak - grads - state - params + qlora + lora_bytes,
+            add("QLoRA (4-bit NF4 base weights + LoRA)", peak - grads - state - opt_temps - params + qlora + lora_bytes,
                 f"base weights {format_bytes(params)} → NF4 at about 0.52 bytes per parameter "
                 f"(double-quantized constants): {format_bytes(qlora)}")
-    model_states = params + grads + state
-    if model_states:
+    model_states = params + grads + state + opt_temps
+    if model_states and not sharded:
+        stepped = " + the optimizer step's temporaries" if opt_temps else ""
         for n in (2, 4, 8, 16, 32, 64):
             per_device = peak - model_states + math.ceil(model_states / n)
             if per_device <= usable or n == 64:
                 add(f"sharding over {n} GPUs (ZeRO-3 / FSDP: parameters, gradients and optimizer state split)",
-                    per_device, f"(parameters + gradients + optimizer state) / {n} + the rest of batch 1's peak; "
-                                "ignores the layer being gathered and communication buffers")
+                    per_device, f"(parameters + gradients + optimizer state{stepped}) / {n} + the rest of batch 1's "
+                                "peak; ignores the layer being gathered and communication buffers")
                 break
     return out
 

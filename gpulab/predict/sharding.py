@@ -25,6 +25,11 @@ simulated allocator as a one-GPU answer. The label says so: a formula over a mea
   its parameter bytes, counted as held for the whole step (an upper bound: FSDP2 frees them
   after each unit).
 
+The optimizer step's temporaries (torch's foreach Adam/AdamW makes copies the size of the
+parameters it steps: ``_foreach_sqrt`` of the second moments in ``_multi_tensor_adam``) are the
+shard's on every strategy but ddp: FSDP2's optimizer steps each rank's DTensor shards, DeepSpeed's
+its flat partition (DeepSpeed's fused Adam makes none: an upper bound there).
+
 ``offload_optimizer`` keeps the optimizer state (DeepSpeed: with the fp32 master weights and
 gradient partition) in host memory: off the GPU.
 
@@ -138,6 +143,8 @@ def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: 
     ``experts`` split over ``gpus / ep`` ranks (module docstring)."""
     s = sharding.strategy
     cats = {sid: r.category for sid, r in t.records.items()}
+    stepped = {sid for sid, r in t.records.items()   # the optimizer step's temporaries: the shard's (docstring)
+               if r.category is Category.TEMPORARIES and r.phase == "optimizer"} if s != "ddp" else set()
     ranks = {sid: sharding.gpus // sharding.ep for sid, r in t.records.items() if tuple(r.shape) in experts}
     state_bytes = sum(r.nbytes for r in t.records.values() if r.category is Category.OPTIMIZER_STATE)
     params = sum(r.nbytes for r in t.records.values() if r.category is Category.PARAMETERS)
@@ -165,7 +172,8 @@ def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: 
             nbytes = sizes.get(e.sid, e.nbytes)
             events.append(e.with_bytes(nbytes, -nbytes))
         else:
-            nbytes = size(cats[e.sid], e.nbytes, ranks.get(e.sid, sharding.gpus))
+            n = ranks.get(e.sid, sharding.gpus)
+            nbytes = _shard(e.nbytes, n) if e.sid in stepped else size(cats[e.sid], e.nbytes, n)
             events.append(e.with_bytes(nbytes, nbytes - sizes.get(e.sid, 0)))
             sizes[e.sid] = nbytes
     records = dict(t.records)
