@@ -25,8 +25,8 @@ the counts instead, an explicit assumption every MoE answer carries (``Routing.l
 (``experts_implementation``), they run it ("router", ``default_routing``): its bytes do not depend
 on the routing (below; tests/test_moe_routing.py shows two real steps whose routers chose
 differently holding the same bytes), so the answer needs no routing assumption and says so; it is
-also the fast path (one grouped kernel per projection instead of a module per expert: 128 experts
-are ~62x fewer tracked events). Elsewhere (an ``"eager"`` config, a model without transformers'
+also the fast path (one grouped kernel per projection instead of a module per expert: Qwen3-30B-A3B's
+8-GPU fit answers in under a minute, where the mirror of its 128 experts did not finish in 25). Elsewhere (an ``"eager"`` config, a model without transformers'
 decorator, expert parallelism's dispatch) balanced is assumed, as before.
 
 ``routed_experts_forward`` is an experts implementation registered in transformers'
