@@ -553,6 +553,7 @@ def _print_fit(d: dict[str, Any]) -> str:
                      f"({'fits' if lever['fits'] else 'still too big'}) [{lever['label']}: {lever['formula']}]")
     lines.append(f"how: {d['method']}; {d['runs']} fake runs, {d['seconds']:.1f} s")
     lines += [f"layout: {note['text']}" for note in d.get("recipe", {}).values() if isinstance(note, dict)]
+    lines += [part for part in d["label"].split("; ") if part.startswith("MoE ")]   # how the experts ran
     if d.get("ranks"):   # pipeline stages: each that differs, at the pipeline's micro-batch
         lines.append(f"pipeline: {d['pipeline']}")
         lines += _stage_lines(d["ranks"], d["largest_batch"])

@@ -275,3 +275,16 @@ def test_balanced_experts_laid_out_equal_full_depth():
     deep, laid, full = _both(_shrunk(name, depth, **fields), user_recipe("adamw", None, routing="balanced"))
     assert deep.copies >= 1 and deep.depths[2] < depth and ran_routed(full)
     _assert_same(laid, full)
+
+
+def test_the_cli_text_answer_says_how_the_experts_ran(tmp_path, capsys):
+    """gpulab fit's text answer prints the MoE part of its label on a line of its own: grouped_mm's
+    'no routing assumption' with no --routing, the assumption with one."""
+    from conftest import run_main
+    (tmp_path / "config.json").write_text(tiny_mixtral().to_json_string())
+    model = f"hf:{tmp_path / 'config.json'}"
+    for extra, said in (([], "MoE experts: transformers' grouped_mm, the router's own choice"),
+                        (["--routing", "worst"], "MoE routing assumed worst: every token to the same k experts")):
+        code, out, err = run_main(["fit", model, "--gpu", "24MiB", "--context", "1KiB", "--seq-len", "16", *extra], capsys)
+        assert code == 0, err
+        assert any(line.startswith(said) for line in out.splitlines()), out
