@@ -285,3 +285,22 @@ def test_other_stages_are_read_off_their_own_extrapolation(monkeypatch):
     run = gpulab.fit(_config(layers=8), "24MiB", **kw)
     assert [(r.peak_bytes, r.reserved_bytes, r.peak_by_category) for r in read.ranks] == \
         [(r.peak_bytes, r.reserved_bytes, r.peak_by_category) for r in run.ranks]
+
+
+def test_stages_whose_layers_differ_from_the_first_are_refused_in_one_line():
+    """Each stage is measured from a model built with the first layers/pp layers: where the config's
+    layers are not all alike, every stage (and interleaved chunk) must hold the same kinds, or the
+    answer would be another stage's. Gemma-2 alternates sliding and global layers (42: stages of an odd
+    number of layers differ); DeepSeek-V2-Lite's first layer alone is dense (no split works)."""
+    gemma, _ = hf_configs.config_and_name("gemma-2-9b")
+    for pp in (3, 7, 21):
+        check_pipeline(gemma, pp)
+    with pytest.raises(ValueError, match=r"not all alike \(layer_types\).*chunk 1 holds other layers.*3, 7, 21$"):
+        check_pipeline(gemma, 2)
+    with pytest.raises(ValueError, match="chunks of 7 layers"):
+        check_pipeline(gemma, 3, virtual=2)
+    deepseek, _ = hf_configs.config_and_name("deepseek-v2-lite")
+    with pytest.raises(ValueError, match=r"first_k_dense_replace 1.*measure it without --pp"):
+        check_pipeline(deepseek, 3)
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b", "llama-3-8b"):   # alike: every split that divides
+        check_pipeline(hf_configs.config_and_name(name)[0], 4)

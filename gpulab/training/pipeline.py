@@ -118,6 +118,45 @@ def check_pipeline(config: Any, pp: int, virtual: int = 1) -> None:
         raise ValueError(f"pp × virtual_stages = {pp} × {virtual} = {pp * virtual} does not divide num_hidden_layers "
                          f"= {layers}: every chunk holds the same number of layers; use pp × virtual_stages dividing "
                          f"{layers} ({shown})")
+    _check_alike_chunks(config, layers, pp * virtual)
+
+
+_MOE_STEPS = ("moe_layer_freq", "decoder_sparse_step", "interleave_moe_layer_step")   # a mixture of experts every K
+
+
+def layer_kinds(config: Any) -> tuple[list[tuple], list[str]]:
+    """Each layer's kind as the config lays it out (its entries in the per-layer lists such as
+    ``layer_types``; dense or not where the first layers are dense; its place in a every-K mixture of
+    experts), and the fields that make layers differ, in words."""
+    depth = config.num_hidden_layers
+    lists = {name: v for name, v in vars(config).items()
+             if isinstance(v, (list, tuple)) and len(v) == depth and len({repr(x) for x in v}) > 1}
+    dense = getattr(config, "first_k_dense_replace", None)
+    dense = dense if isinstance(dense, int) and dense > 0 else 0
+    only = set(getattr(config, "mlp_only_layers", None) or ())
+    steps = {n: getattr(config, n) for n in _MOE_STEPS if isinstance(getattr(config, n, None), int) and getattr(config, n) > 1}
+    why = (list(lists) + ([f"first_k_dense_replace {dense}"] if dense else []) + (["mlp_only_layers"] if only else [])
+           + [f"{n} {k}" for n, k in steps.items()])
+    kinds = [tuple(repr(v[i]) for v in lists.values()) + (i < dense or i in only,) + tuple(i % k for k in steps.values())
+             for i in range(depth)]
+    return kinds, why
+
+
+def _check_alike_chunks(config: Any, layers: int, chunks: int) -> None:
+    """ValueError when a stage's (or an interleaved chunk's) layers are not the first's: each stage is
+    measured from a model built with the first ``layers / chunks`` layers (``with_depth``)."""
+    kinds, why = layer_kinds(config)
+    size = layers // chunks
+    odd = next((j for j in range(1, chunks) if kinds[j * size:(j + 1) * size] != kinds[:size]), None)
+    if odd is None:
+        return
+    good = [d for d in range(2, layers + 1) if layers % d == 0
+            and all(kinds[j * (layers // d):(j + 1) * (layers // d)] == kinds[:layers // d] for j in range(1, d))]
+    hint = (f"use a pp (× virtual stages) of {', '.join(map(str, good[:8]))}" if good
+            else "no even split gives every stage the same layers: measure it without --pp")
+    raise ValueError(f"pipeline stages: its layers are not all alike ({'; '.join(why)}): split into {chunks} chunks of {size} layers, "
+                     f"chunk {odd} holds other layers than the first, and each stage is measured as one built from the "
+                     f"first {size}; {hint}")
 
 
 def stage_role(stage: int, pp: int) -> str:
