@@ -58,11 +58,9 @@ _KEY_TAG = object()   # marks FakeMode's cache keys: they never equal FakeTensor
 _KEY_SCALARS = (int, float, bool, str, complex, type(None), torch.dtype, torch.layout, torch.memory_format)
 
 
-class FakeMode(FakeTensorMode):
-    """The fake engine's mode: FakeTensorMode, answering a few ops directly (see above), with a
-    cheaper cache key and a shorter way to a cached answer. Static shapes only: with a ShapeEnv
-    (symbolic shapes) it is FakeTensorMode unchanged. While it is entered, FakeTensorMode's log
-    of an op that raises is silenced (``quiet_fake_log``)."""
+class _QuietMode:
+    """A fake mode whose FakeTensorMode log of an op that raises is silenced while it is entered
+    (``quiet_fake_log``): mixed in before FakeTensorMode."""
 
     def __enter__(self):
         self._quiet = quiet_fake_log().__enter__()
@@ -77,6 +75,13 @@ class FakeMode(FakeTensorMode):
             return super().__exit__(*exc)
         finally:
             self._quiet.__exit__(None, None, None)
+
+
+class FakeMode(_QuietMode, FakeTensorMode):
+    """The fake engine's mode: FakeTensorMode, answering a few ops directly (see above), with a
+    cheaper cache key and a shorter way to a cached answer. Static shapes only: with a ShapeEnv
+    (symbolic shapes) it is FakeTensorMode unchanged. While it is entered, FakeTensorMode's log
+    of an op that raises is silenced (``quiet_fake_log``)."""
 
     def dispatch(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -230,7 +235,7 @@ class _FreshOutputs(FakeTensorConverter):
         return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)
 
 
-class _PlainFakeMode(FakeTensorMode):
+class _PlainFakeMode(_QuietMode, FakeTensorMode):
     """The fake engine's mode on a torch whose FakeTensorMode has other insides than the shortcuts
     read: FakeTensorMode's own answers (no shortcut), its log of a raising op silenced while
     entered, and fresh outputs kept out of the converter's memo (``_FreshOutputs``) so that
@@ -247,20 +252,6 @@ class _PlainFakeMode(FakeTensorMode):
         converter = self.fake_tensor_converter
         if type(converter) is FakeTensorConverter and callable(getattr(converter, "_get_memo", None)):
             converter.__class__ = _FreshOutputs
-
-    def __enter__(self):
-        self._quiet = quiet_fake_log().__enter__()
-        try:
-            return super().__enter__()
-        except BaseException:
-            self._quiet.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._quiet.__exit__(None, None, None)
 
 
 if not SHORTCUTS:   # this torch's FakeTensorMode has another inside: use its answers as they are
