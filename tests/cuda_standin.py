@@ -225,9 +225,16 @@ class _Redirect(TorchFunctionMode):
             return func(*args, **kwargs)
         gpu._creating += 1
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
         finally:
             gpu._creating -= 1
+        # what a redirected call returns is on the GPU even where no op of its making reached the
+        # dispatch mode: torch 2.11's torch.tensor(..., device="meta") dispatches nothing (2.15
+        # dispatches lift_fresh), so BatchNorm's num_batches_tracked got no block there
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                gpu._see(t)
+        return out
 
 
 class _Observer(TorchDispatchMode):
