@@ -139,14 +139,18 @@ def _decode_experiment(config, context_len: int, batch: int, dtype: torch.dtype)
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         keep[_cache_keyword(model.forward)] = cache
         with ctx.phase("forward"), torch.no_grad():
-            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **keep)
+            # no attention mask, as in predict.generation: generate's all-ones mask lets a GPU's SDPA
+            # path skip the mask (masking_utils._ignore_causal_mask_sdpa reads its values), which
+            # fake tensors cannot show, so it would build one; with a mask, transformers before
+            # pack_gqa (5.15) repeats one decode step's keys and values to every head (8 x 16 MiB
+            # on llama-3-8b at 8k) where the GPU runs SDPA's enable_gqa on the cache itself
+            out = model(input_ids=ids, use_cache=True, **keep)
             del out
             cache_before = cache_storage_bytes(cache)
             mark = ctx.mark()
             before = ctx.snapshot("before the decode step").tracked_bytes
             step_ids = ctx.label(torch.randint(0, vocab, (batch, 1)))
-            out = model(input_ids=step_ids, attention_mask=torch.ones(batch, context_len, dtype=torch.long),
-                        use_cache=True, **keep)
+            out = model(input_ids=step_ids, use_cache=True, **keep)
             scores = out.logits[:, -1].to(copy=True, dtype=torch.float32)   # as generate's _sample does
             del out, scores
         return {"mark": mark, "before": before, "growth": cache_storage_bytes(cache) - cache_before}
@@ -156,8 +160,9 @@ def _decode_experiment(config, context_len: int, batch: int, dtype: torch.dtype)
 def fake_decode_step(name: Any = "hf:llama-3-8b", context_len: int = 8192, batch: int = 1,
                      dtype: str | torch.dtype = torch.bfloat16) -> DecodeStep:
     """One decode step measured on the fake engine (CUDA target): a prefill of context_len - 1
-    tokens, then one forward of one token per sequence with an all-ones attention mask and
-    ``logits_to_keep=1``, and generate's float32 copy of the logits. The working set is the
+    tokens, then one forward of one token per sequence (no attention mask: generate's all-ones
+    mask, which a GPU's SDPA path skips) and ``logits_to_keep=1``, and generate's float32 copy
+    of the logits. The working set is the
     step's peak minus what lived before it minus the cache's growth; ``decode_step_estimate``
     stands beside it. NB: fake tensors follow the CPU's attention path; a GPU's SDPA kernel may
     hold other buffers (``gpulab.measure.fake_cuda.STILL_DIFFERS``)."""
