@@ -71,7 +71,7 @@ def lora_model_builder(name: Any = "tiny-llama", rank: int = 8, targets: Sequenc
 
 def peft_on_fake(name: Any = "tiny-llama", rank: int = 8, targets: Sequence[str] = DEFAULT_TARGETS) -> dict[str, Any]:
     """Does peft's ``get_peft_model`` build under fake tensors? ``native``: called directly inside
-    a ``FakeTensorMode`` (the error it raised, if any); ``via_skeleton``: through
+    a ``FakeTensorMode`` with its dispatch cache off (the error it raised, if any); ``via_skeleton``: through
     ``gpulab.models.registry.build_in_place`` as the fake engine calls it (meta skeleton, then fake
     tensors), with whether every parameter came out a ``FakeTensor``. See ``lora_model_builder``."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -81,7 +81,13 @@ def peft_on_fake(name: Any = "tiny-llama", rank: int = 8, targets: Sequence[str]
     build = lora_model_builder(name, rank, targets)
     error = None
     try:
-        with FakeTensorMode():
+        mode = FakeTensorMode()
+        # torch's dispatch cache is shared by every FakeTensorMode: an op answered from it makes its
+        # fake output without the converter's memo (no weak reference, so swap_tensors succeeds),
+        # and whether it is there depends on what ran before in the process. Off, the answer is
+        # the one a fresh process gives on every torch (torch 2.11 and 2.15 alike).
+        mode.cache_enabled = False
+        with mode:
             build()
     except Exception as exc:   # noqa: BLE001 - reported, not hidden
         cause = f" ({exc.__cause__})" if exc.__cause__ else ""
