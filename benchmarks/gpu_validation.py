@@ -572,7 +572,7 @@ def execute_lesson(path: pathlib.Path, executed: pathlib.Path, result_json: path
             return [f"cell {i}: {o.get('ename')}: {o.get('evalue')}" for i, c in enumerate(nb.cells)
                     for o in c.get("outputs", []) if o.get("output_type") == "error"]
     nb = nbformat.read(path, as_version=4)
-    client = notebook_client(nb, timeout=cell_timeout, kernel_name="python3", store_widget_state=True,
+    client = notebook_client(nb, timeout=int(cell_timeout), kernel_name="python3", store_widget_state=True,
                              resources={"metadata": {"path": str(path.parent)}})
     t0 = time.monotonic()
     stopped = None
