@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
-    "HFConfigEntry", "HF_CONFIGS", "HF_PREFIX", "TASKS", "TINY_SOURCE", "build_causal_lm", "build_model",
-    "check_settings", "close_names", "config_and_name", "config_summary", "hf_entry", "hf_names", "is_config",
-    "local_config", "make_config", "max_positions", "names_local_config", "rotary_positions", "task_of", "vocab_size"
+    "HFConfigEntry", "HF_CONFIGS", "HF_PREFIX", "MOE_EVERY_K", "TASKS", "TINY_SOURCE", "build_causal_lm",
+    "build_model", "check_settings", "close_names", "config_and_name", "config_summary", "hf_entry", "hf_names",
+    "is_config", "local_config", "make_config", "max_positions", "names_local_config", "per_layer_lists",
+    "rotary_positions", "task_of", "vocab_size"
 ]
 
 if TYPE_CHECKING:
@@ -524,6 +525,17 @@ def close_names(name: str, n: int = 3) -> list[str]:
 def vocab_size(config: transformers.PretrainedConfig) -> int:
     """The vocabulary size: token ids are drawn below it."""
     return int(config_summary(config)["vocab_size"])
+
+
+# the fields that put a mixture-of-experts layer every K layers (DeepSeek, Qwen-MoE, Llama 4)
+MOE_EVERY_K = ("moe_layer_freq", "decoder_sparse_step", "interleave_moe_layer_step")
+
+
+def per_layer_lists(config: Any, depth: int) -> dict[str, Any]:
+    """The config's per-layer lists (``depth`` entries, such as ``layer_types``) whose entries are
+    not all the same: what makes its layers differ, by field name."""
+    return {name: value for name, value in vars(config).items()
+            if isinstance(value, (list, tuple)) and len(value) == depth and len({repr(v) for v in value}) > 1}
 
 
 def max_positions(config: transformers.PretrainedConfig) -> int | None:

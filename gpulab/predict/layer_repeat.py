@@ -126,7 +126,6 @@ class Pattern:
 
 # Config fields that make some layers differ from the rest: a mixture of experts every K layers
 # (the layer index decides, so the layers repeat every K), or dense layers before the experts.
-_STEPS = ("moe_layer_freq", "decoder_sparse_step", "interleave_moe_layer_step")
 
 
 def block_pattern(config: Any, min_depth: int = MIN_REPEAT_DEPTH) -> Pattern | str:
@@ -145,16 +144,15 @@ def block_pattern(config: Any, min_depth: int = MIN_REPEAT_DEPTH) -> Pattern | s
         if list(only) != list(range(len(only))):
             return f"its layers are not all alike (mlp_only_layers: dense layers at {only})"
         prefix, why = max(prefix, len(only)), why + [f"mlp_only_layers: the first {len(only)} layers dense"]
-    for name in _STEPS:
+    for name in hf_configs.MOE_EVERY_K:
         step = getattr(config, name, None)
         if isinstance(step, int) and step > 1:
             period, why = math.lcm(period, step), why + [f"{name} {step}"]
         elif step not in (None, 0, 1):
             return f"its layers are not all alike ({name}: {step!r})"
-    for name, value in vars(config).items():
-        if isinstance(value, (list, tuple)) and len(value) == depth and len({repr(v) for v in value}) > 1:
-            cycle = _cycle(value, prefix)
-            period, why = math.lcm(period, cycle), why + [f"{name} every {cycle}: " + ", ".join(map(str, value[prefix:prefix + cycle]))]
+    for name, value in hf_configs.per_layer_lists(config, depth).items():
+        cycle = _cycle(value, prefix)
+        period, why = math.lcm(period, cycle), why + [f"{name} every {cycle}: " + ", ".join(map(str, value[prefix:prefix + cycle]))]
     pattern = Pattern(prefix, period, "; ".join(why))
     a, b, c = pattern.depths(depth)
     if c >= depth:

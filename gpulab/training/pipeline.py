@@ -48,6 +48,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from gpulab.models.hf_configs import MOE_EVERY_K, per_layer_lists
 from gpulab.options import SCHEDULES   # torch-free: the CLI offers the same names
 
 __all__ = ["SCHEDULES", "InterleavedStep", "StageShape", "StageStep", "check_pipeline", "check_pp_options",
@@ -121,20 +122,16 @@ def check_pipeline(config: Any, pp: int, virtual: int = 1) -> None:
     _check_alike_chunks(config, layers, pp * virtual)
 
 
-_MOE_STEPS = ("moe_layer_freq", "decoder_sparse_step", "interleave_moe_layer_step")   # a mixture of experts every K
-
-
 def layer_kinds(config: Any) -> tuple[list[tuple], list[str]]:
     """Each layer's kind as the config lays it out (its entries in the per-layer lists such as
     ``layer_types``; dense or not where the first layers are dense; its place in a every-K mixture of
     experts), and the fields that make layers differ, in words."""
     depth = config.num_hidden_layers
-    lists = {name: v for name, v in vars(config).items()
-             if isinstance(v, (list, tuple)) and len(v) == depth and len({repr(x) for x in v}) > 1}
+    lists = per_layer_lists(config, depth)
     dense = getattr(config, "first_k_dense_replace", None)
     dense = dense if isinstance(dense, int) and dense > 0 else 0
     only = set(getattr(config, "mlp_only_layers", None) or ())
-    steps = {n: getattr(config, n) for n in _MOE_STEPS if isinstance(getattr(config, n, None), int) and getattr(config, n) > 1}
+    steps = {n: getattr(config, n) for n in MOE_EVERY_K if isinstance(getattr(config, n, None), int) and getattr(config, n) > 1}
     why = (list(lists) + ([f"first_k_dense_replace {dense}"] if dense else []) + (["mlp_only_layers"] if only else [])
            + [f"{n} {k}" for n, k in steps.items()])
     kinds = [tuple(repr(v[i]) for v in lists.values()) + (i < dense or i in only,) + tuple(i % k for k in steps.values())
