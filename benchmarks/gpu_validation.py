@@ -553,7 +553,9 @@ def run_record(out: pathlib.Path, record_dir: pathlib.Path, timeout: float) -> R
 
 
 def lesson_paths(pattern: str = "[0-9][0-9]_*.ipynb") -> list[pathlib.Path]:
-    return sorted(LESSONS_DIR.glob(pattern))
+    """The lessons matching ``pattern``: a glob in lessons/, or several separated by commas (the
+    groups a GPU session runs side by side, e.g. ``11_*,15_*``)."""
+    return sorted({p for one in pattern.split(",") if one.strip() for p in LESSONS_DIR.glob(one.strip())})
 
 
 def execute_lesson(path: pathlib.Path, executed: pathlib.Path, result_json: pathlib.Path,
@@ -1086,7 +1088,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-pytest", action="store_true")
     p.add_argument("--skip-models", action="store_true")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated (default: the CLI models)")
-    p.add_argument("--lessons", default="[0-9][0-9]_*.ipynb", help="a glob in lessons/ (default: all)")
+    p.add_argument("--lessons", default="[0-9][0-9]_*.ipynb", help="a glob in lessons/, or several separated by commas (default: all)")
     p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
                    help=f"seconds for the whole run (default {DEFAULT_TIME_LIMIT_S}); "
                         "parts past it are reported as not run")

@@ -283,3 +283,11 @@ def test_seeded_replay_uses_the_free_room_of_the_baseline_segments(gv):
     plain = CachingAllocator().replay(events)
     assert (plain.peak_allocated, plain.peak_reserved) == (6 * MiB, 20 * MiB)
     assert gv.seeded_replay(events, [("large", [(12 * MiB, True), (MiB // 2, False)])]) is None
+
+
+def test_lessons_take_several_globs_separated_by_commas(gv):
+    every = gv.lesson_paths()
+    assert len(every) >= 16 and every == sorted(every)
+    two = gv.lesson_paths("11_*.ipynb, 0[01]_*.ipynb")
+    assert [p.name[:2] for p in two] == ["00", "01", "11"]
+    assert gv.lesson_paths("11_*,11_*") == gv.lesson_paths("11_*") and gv.lesson_paths("nothing*") == []
