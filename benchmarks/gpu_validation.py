@@ -802,7 +802,7 @@ def render_markdown(report: Report) -> str:
     if report.not_run:
         L += ["Not run: " + "; ".join(report.not_run) + ".", ""]
     if report.earlier:
-        L += ["Merged (`--merge`) with earlier runs of this script on the same GPU: "
+        L += ["Merged (`--merge`, `--combine`) from runs of this script on the same GPU: "
               + "; ".join(report.earlier) + ".", ""]
 
     if report.record is not None:
@@ -989,6 +989,48 @@ def load_report(out: pathlib.Path) -> Report | None:
         return None
 
 
+def _measured(report: Report) -> str:
+    parts = [f"{len(report.models)} model comparisons" if report.models else "",
+             "`pytest -m cuda`" if report.pytest else "", "`gpulab record`" if report.record else "",
+             f"{len(report.lessons)} lesson{'s' if len(report.lessons) > 1 else ''}" if report.lessons else ""]
+    return ", ".join(x for x in parts if x) or "nothing"
+
+
+def combine_reports(reports: Sequence[Report]) -> Report:
+    """Reports of runs on one GPU made side by side (each its own --out) as one: the first is the
+    base, each later one's model comparisons, lessons, pytest and record replace or join it; a
+    part left out of one run and measured by another is no longer "not run"; ``earlier`` says
+    which run measured what. Raises ValueError for reports of different GPUs."""
+    if not reports:
+        raise ValueError("no report to combine")
+    names = {r.device.get("gpu_name") for r in reports}
+    if len(names) > 1:
+        raise ValueError(f"the reports come from different GPUs ({', '.join(sorted(map(str, names)))}); "
+                         "combine one GPU's runs at a time")
+    base = Report.from_dict(reports[0].as_dict())
+    for r in reports[1:]:
+        for m in r.models:
+            _put(base.models, m, _model_key)
+        for x in r.lessons:
+            _put(base.lessons, x, lambda y: y.name)
+        base.pytest = r.pytest or base.pytest
+        base.record = r.record or base.record
+        base.not_run += [x for x in r.not_run if x not in base.not_run]
+        base.context_after = base.context_after or r.context_after
+    base.lessons.sort(key=lambda x: x.name)
+    done = {"lessons": bool(base.lessons), "pytest": base.pytest is not None, "model": bool(base.models)}
+    measured = {f"{m.model}/{m.optimizer}" for m in base.models}
+    base.not_run = [x for x in base.not_run
+                    if not (x.startswith("lessons") and done["lessons"]) and not (x.startswith("pytest") and done["pytest"])
+                    and not (x.startswith("model comparisons") and done["model"])
+                    and x.split(":")[0] not in measured]
+    base.earlier = [x for r in reports for x in r.earlier] + [
+        f"run started {r.started} (commit {str(r.device.get('gpulab_commit') or 'unknown')[:7]}): {_measured(r)}"
+        for r in reports]
+    base.seconds = None
+    return base
+
+
 def validate(out: pathlib.Path, md: pathlib.Path | None = None, *, skip_lessons: bool = False,
              skip_pytest: bool = False, skip_models: bool = False, time_limit: float = DEFAULT_TIME_LIMIT_S,
              models: Sequence[str] = MODELS, optimizers: Sequence[str] = OPTIMIZERS,
@@ -1095,6 +1137,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--commit", default=None, help="gpulab's git commit, where the machine has no .git")
     p.add_argument("--record", default=None, metavar="DIR",
                    help="first run `gpulab record --out DIR` (a subprocess) and check the file it writes")
+    p.add_argument("--combine", nargs="+", default=None, metavar="DIR",
+                   help="no GPU needed: write one report into OUT (and --md) from the reports in these folders, "
+                        "runs on one GPU made side by side")
     p.add_argument("--merge", action="store_true",
                    help="keep what OUT's earlier report (same GPU) measured and this run does not measure again")
     # the child process that runs one lesson (internal)
@@ -1110,6 +1155,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.run_lesson:
         return execute_lesson(pathlib.Path(args.run_lesson), pathlib.Path(args.executed),
                               pathlib.Path(args.result_json), args.cell_timeout)
+    if args.combine:
+        try:
+            report = combine_reports([Report.from_dict(json.loads((pathlib.Path(d) / JSON_NAME).read_text()))
+                                      for d in args.combine])
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            print(f"gpu_validation: error: cannot combine {' '.join(args.combine)}: {exc}", file=sys.stderr)
+            return 2
+        write_report(report, pathlib.Path(args.out), pathlib.Path(args.md) if args.md else None)
+        return 1 if missed(report) else 0
     if not cuda_available():   # the same check as `gpulab record`
         print("gpu_validation: error: the GPU validation needs a CUDA GPU (torch.cuda.is_available() is False); "
               "nothing was measured", file=sys.stderr)

@@ -251,7 +251,7 @@ def test_merge_keeps_what_an_earlier_run_measured(gv, standin_report, tmp_path):
     assert report.not_run == []
     assert report.earlier == [f"run started {earlier.started}: whatever this run did not measure again"]
     text = (tmp_path / gv.MD_NAME).read_text()
-    assert "Merged (`--merge`) with earlier runs" in text and "| 01_tensor_bytes |" in text
+    assert "Merged (`--merge`, `--combine`) from runs" in text and "| 01_tensor_bytes |" in text
 
 
 def test_record_part_reports_a_failed_record_and_renders_a_good_one(gv, tmp_path):
@@ -291,3 +291,38 @@ def test_lessons_take_several_globs_separated_by_commas(gv):
     two = gv.lesson_paths("11_*.ipynb, 0[01]_*.ipynb")
     assert [p.name[:2] for p in two] == ["00", "01", "11"]
     assert gv.lesson_paths("11_*,11_*") == gv.lesson_paths("11_*") and gv.lesson_paths("nothing*") == []
+
+
+def test_combine_writes_one_report_from_runs_made_side_by_side(gv, standin_report, tmp_path):
+    """``--combine``: reports of one GPU's runs in their own folders (models + pytest in one, lesson
+    groups in others) become one report, without a GPU; what one run left out and another measured
+    is no longer "not run"; reports of two GPUs are refused."""
+    first, _, _ = standin_report
+    base = first.as_dict()
+    base["lessons"], base["not_run"] = [], ["lessons (--skip-lessons)"]
+    base["pytest"] = {"command": "python -m pytest -m cuda tests", "returncode": 0, "passed": 4}
+    folders = []
+    for i, names in enumerate([None, ["11_transformers"], ["00_start_here", "15_appendix_reference_claims"]]):
+        d = dict(base) if names is None else dict(base, models=[], pytest=None, record=None,
+                                                     not_run=["model comparisons (--skip-models)",
+                                                              "pytest -m cuda (--skip-pytest)"],
+                                                     lessons=[{"name": n, "seconds": 9.0, "ok": True, "errors": [],
+                                                               "gpu_labels": 3} for n in names])
+        folders.append(tmp_path / f"g{i}")
+        folders[-1].mkdir()
+        (folders[-1] / gv.JSON_NAME).write_text(json.dumps(d))
+    out, md = tmp_path / "combined", tmp_path / "doc.md"
+    md.write_text("old\n<!-- PRACTITIONER_START: x -->\nkept\n<!-- PRACTITIONER_END -->\n")
+    rc = gv.main(["--combine", *map(str, folders), "--out", str(out), "--md", str(md)])
+    report = gv.load_report(out)
+    assert rc in (0, 1) and report is not None
+    assert [x.name for x in report.lessons] == ["00_start_here", "11_transformers", "15_appendix_reference_claims"]
+    assert [(m.model, m.optimizer) for m in report.models] == [(m.model, m.optimizer) for m in first.models]
+    assert report.pytest.passed == 4 and report.not_run == []
+    assert len(report.earlier) == 3 and "2 lessons" in report.earlier[2] and "`pytest -m cuda`" in report.earlier[0]
+    doc = md.read_text()
+    assert doc.startswith("# GPU validation") and "| 11_transformers |" in doc and doc.rstrip().endswith(
+        "<!-- PRACTITIONER_END -->") and "\nkept\n" in doc and "old" not in doc.splitlines()[0]
+    other = dict(base, device=dict(base["device"], gpu_name="another GPU"))
+    (folders[1] / gv.JSON_NAME).write_text(json.dumps(other))
+    assert gv.main(["--combine", *map(str, folders), "--out", str(out)]) == 2
