@@ -37,7 +37,7 @@ def test_fit_and_serve_carry_the_assumption_and_its_warning(capsys):
 
 
 def test_the_assumed_context_is_gpulabs_h200_measurement():
-    """The lazy assumption is gpulab's own H200 figure (docs/gpu-validation.md, CUDA context: NVML used −
+    """The lazy assumption is gpulab's own H200 figure (docs/gpu-validation-h200.md, CUDA context: NVML used −
     memory_reserved after the training steps, 1,383.88 MiB; 1,141.88 MiB right after start), labelled with
     its GPU and software."""
     ours = [m for m in CONTEXT_MEASUREMENTS if m.gpu == "NVIDIA H200"]
@@ -47,3 +47,8 @@ def test_the_assumed_context_is_gpulabs_h200_measurement():
                  "1,141.88 MiB right after start", "lazy module loading"):
         assert text in label, text
     assert "above the published" not in label
+    # the H100's (docs/gpu-validation.md, 2026-11-27) is named too, and is below the assumption
+    h100 = [m for m in CONTEXT_MEASUREMENTS if m.gpu.startswith("NVIDIA H100")]
+    assert [m.nbytes for m in h100] == [1_347_223_552, 1_055_719_424] and h100[0].nbytes < CUDA_CONTEXT_ASSUMED
+    assert "also measured: 1,284.81 MiB on an NVIDIA H100 80GB HBM3 after training steps, 1,006.81 MiB right " \
+           "after start" in label and label.index("also measured") < label.index("published")

@@ -37,9 +37,10 @@ TB = 1000 * GB
 
 # What a CUDA process holds outside the caching allocator while it trains (the CUDA context with
 # the kernels loaded so far, cuBLAS/cuDNN handles), measured by gpulab's own GPU validation
-# (docs/gpu-validation.md, "CUDA context"): NVML used − memory_reserved on an NVIDIA H200 after the
+# (docs/gpu-validation-h200.md, "CUDA context"): NVML used − memory_reserved on an NVIDIA H200 after the
 # model runs, torch 2.11.0+cu130, CUDA runtime 13.0, driver 580.159.04, lazy module loading,
-# 2026-11-26 (1,197,342,720 bytes right after start). ``predict.context`` labels it; a GPU run
+# 2026-11-26 (1,197,342,720 bytes right after start); the larger of gpulab's measurements (an H100
+# 80GB HBM3 measured 1,347,223,552 after twelve practitioner cases). ``predict.context`` labels it; a GPU run
 # replaces it with its own measurement (``gpulab record``).
 CUDA_CONTEXT_ASSUMED = 1_451_098_112
 

@@ -9,9 +9,12 @@ the size depends mostly on the module loading, then on the GPU, the driver and t
 measurements below are what the assumptions rest on, each with its GPU, software and setting;
 gpulab's own come first: on an NVIDIA H200 (torch 2.11.0+cu130, CUDA runtime 13.0, driver
 580.159.04, lazy loading) NVML used − memory_reserved was 1,141.88 MiB right after start and
-1,383.88 MiB after the validation's training steps had loaded their kernels (docs/gpu-validation.md,
-"CUDA context", 2026-11-26). The lazy assumption is the second: what a training process holds outside
-the allocator once its kernels are loaded. A GPU run replaces the assumption with a measurement
+1,383.88 MiB after the validation's training steps had loaded their kernels (docs/gpu-validation-h200.md,
+"CUDA context", 2026-11-26); on an NVIDIA H100 80GB HBM3 (the same software) 1,006.81 MiB right after
+start and 1,284.81 MiB after the practitioner validation's twelve cases, inductor's included
+(docs/gpu-validation.md and its practitioner section, 2026-11-27). The lazy assumption is the larger
+"after" figure, the H200's: what a training process holds outside the allocator once its kernels are
+loaded, on the cards measured so far. A GPU run replaces the assumption with a measurement
 (``gpulab record``: NVML used − memory_reserved).
 """
 from __future__ import annotations
@@ -34,13 +37,17 @@ class ContextMeasurement:
     source: str
 
 
-_OURS = "gpulab's GPU validation (docs/gpu-validation.md, CUDA context), 2026-11-26"
+_OURS = "gpulab's GPU validation (docs/gpu-validation-h200.md, CUDA context), 2026-11-26"
+_OURS_H100 = ("gpulab's GPU validation (docs/gpu-validation.md, CUDA context, and its practitioner section's "
+              "last case), 2026-11-27")
 _H200 = "torch 2.11.0+cu130, CUDA runtime 13.0, driver 580.159.04"
-CONTEXT_MEASUREMENTS = (
-    ContextMeasurement("NVIDIA H200", _H200, "lazy", 1_451_098_112,
-                       "NVML used - memory_reserved after the validation's training steps", _OURS),
-    ContextMeasurement("NVIDIA H200", _H200, "lazy", 1_197_342_720,
-                       "NVML used - memory_reserved right after start, before any kernel ran", _OURS),
+_AFTER, _START = ("NVML used - memory_reserved after the validation's training steps",
+                  "NVML used - memory_reserved right after start, before any kernel ran")
+CONTEXT_MEASUREMENTS = (   # gpulab's own first, the assumed one (the largest "after") at the head
+    ContextMeasurement("NVIDIA H200", _H200, "lazy", 1_451_098_112, _AFTER, _OURS),
+    ContextMeasurement("NVIDIA H200", _H200, "lazy", 1_197_342_720, _START, _OURS),
+    ContextMeasurement("NVIDIA H100 80GB HBM3", _H200, "lazy", 1_347_223_552, _AFTER, _OURS_H100),
+    ContextMeasurement("NVIDIA H100 80GB HBM3", _H200, "lazy", 1_055_719_424, _START, _OURS_H100),
     ContextMeasurement("an unnamed GPU", "PyTorch 1.13 (its PR), CUDA >= 11.7", "lazy", 287_047_680,
                        "cudaMemGetInfo total - free after one 6.4 MB tensor", "pytorch/pytorch#86509"),
     ContextMeasurement("an unnamed GPU", "PyTorch 1.13 (its PR), CUDA_MODULE_LOADING=DEFAULT", "eager", 666_632_192,
@@ -78,13 +85,16 @@ def context_assumption(module_loading: str = "lazy") -> ContextAssumption:
         raise ValueError(f"module_loading must be one of {', '.join(MODULE_LOADING)} (lazy: PyTorch's default "
                          f"with CUDA 11.7 or later), got {module_loading!r}")
     if module_loading == "lazy":
-        after, start = CONTEXT_MEASUREMENTS[0], CONTEXT_MEASUREMENTS[1]
+        ours = [m for m in CONTEXT_MEASUREMENTS if m.source.startswith("gpulab's")]
+        after, start = ours[0], ours[1]
+        others = "; ".join(f"{_mib(a.nbytes)} on an {a.gpu} after training steps, {_mib(b.nbytes)} right after "
+                           f"start ({a.software}: {a.source})" for a, b in zip(ours[2::2], ours[3::2]))
         published = "; ".join(f"{_mib(m.nbytes)} on {m.gpu} ({m.software}: {m.source})"
-                              for m in CONTEXT_MEASUREMENTS[2:] if m.loading == "lazy")
+                              for m in CONTEXT_MEASUREMENTS if m.loading == "lazy" and m not in ours)
         return ContextAssumption(CUDA_CONTEXT_ASSUMED, f"measured: {_mib(after.nbytes)} on an {after.gpu} after "
                                  f"training steps ({after.software}; lazy module loading; NVML used − "
                                  f"memory_reserved: {after.source}), {_mib(start.nbytes)} right after start; "
-                                 f"published: {published}")
+                                 f"also measured: {others}; published: {published}")
     eager = [m.nbytes for m in CONTEXT_MEASUREMENTS if m.loading == "eager"]
     # eager loading loads every kernel lazy loading would, and more: never below the lazy figure
     largest = max(*eager, CUDA_CONTEXT_ASSUMED)
