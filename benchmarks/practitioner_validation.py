@@ -166,6 +166,9 @@ CASES: tuple[Case, ...] = (   # in the order they run: past the time limit, the 
     Case("qwen-chunked-loss", "qwen", 4, seq_len=2048, dtype="bf16", options={"chunked_loss": 8}),
     Case("resnet50-fp32-momentum", "resnet50", 64, optimizer="momentum"),
     Case("gpt2-compile", "gpt2", 8, seq_len=1024, options={"compile": True}, target=False),
+    # torchao's float8 training (issue 35): eager Float8Linear layers, both recipes; run last
+    Case("llama1b-fp8-tensorwise", "llama-1b", 2, seq_len=2048, dtype="bf16", options={"fp8": "tensorwise"}),
+    Case("llama1b-fp8-rowwise", "llama-1b", 2, seq_len=2048, dtype="bf16", options={"fp8": "rowwise"}),
 )
 
 # --quick: the same recipes on tiny configs, small batches (the stand-in runs them in seconds)
@@ -275,10 +278,40 @@ class Report:
     not_run: list[str] = field(default_factory=list)
     seconds: float | None = None
     time_limit: float | None = None
+    earlier: list[str] = field(default_factory=list)   # cases kept from an earlier run (--merge)
     format: int = REPORT_FORMAT
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Report":
+        def build(kind, data):
+            names = {f.name for f in dataclasses.fields(kind)}
+            return kind(**{k: v for k, v in data.items() if k in names})
+        r = build(cls, d)
+        r.cases = [build(CaseRun, c) for c in d.get("cases", [])]
+        for c in r.cases:
+            c.fit = [build(FitCheck, f) for f in c.fit]
+        return r
+
+
+def merge_earlier(report: Report, old: Report) -> None:
+    """``report`` keeps ``old``'s cases that it did not run again (same GPU), in ``CASES``' order,
+    and says which run measured them."""
+    if old.device.get("gpu_name") != report.device.get("gpu_name"):
+        report.not_run.append(f"the earlier report (device {old.device.get('gpu_name')}) was not merged: another device")
+        return
+    mine = [c for c in report.cases if not any(c is k for k in old.cases)]   # idempotent: saved after each case
+    kept = [c for c in old.cases if c.name not in {m.name for m in mine}]
+    order = {c.name: i for i, c in enumerate(CASES)}
+    report.cases = sorted(kept + mine, key=lambda c: order.get(c.name, len(order)))
+    if not kept:
+        report.earlier = list(old.earlier)
+        return
+    report.earlier = list(old.earlier) + [
+        f"{', '.join(c.name for c in kept)}: run started {old.started} (commit "
+        f"{str(old.device.get('gpulab_commit') or 'unknown')[:7]}), {old.device.get('torch')}"]
 
 
 # ---- checks --------------------------------------------------------------------------------------
@@ -444,6 +477,9 @@ def render(report: Report) -> str:
                          "—" if f.real_largest is None else (f"{f.real_largest}" if f.real_largest_exact
                                                              else f"{f.bound} {f.real_largest}"),
                          f.verdict] for r, f in fits]) + [""]
+    if report.earlier:
+        L += ["Merged (`--merge`) with an earlier run of this script on the same GPU: " + "; ".join(report.earlier)
+              + ". The time below is this run's.", ""]
     if report.seconds is not None:
         L += [f"The practitioner validation took {report.seconds:.0f} s"
               + (f" (time limit {report.time_limit:.0f} s)." if report.time_limit else ".")]
@@ -994,10 +1030,11 @@ def fit_check(case: Case, card_name: str, stand_in: bool, seconds: float, device
 def validate(out: pathlib.Path, md: pathlib.Path | None = None, *, cases: Sequence[Case] | None = None,
              quick: bool = False, names: Sequence[str] | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
              case_limit: float = DEFAULT_CASE_LIMIT_S, do_fit: bool = True, commit: str | None = None,
-             command: Sequence[str] | None = None,
+             command: Sequence[str] | None = None, merge: bool = False,
              progress: Callable[[str], None] | None = None) -> Report:
     """Every case on CUDA device 0, the report rewritten after each. ``cases``: the list (default
-    ``CASES``, scaled down with ``quick``); ``names``: only these."""
+    ``CASES``, scaled down with ``quick``); ``names``: only these. ``merge``: keep the cases of
+    ``out``'s earlier report (same GPU) that this run does not run again."""
     from gpulab.predict.context import context_assumption
     t0 = time.monotonic()
     deadline = t0 + time_limit_s
@@ -1025,8 +1062,15 @@ def validate(out: pathlib.Path, md: pathlib.Path | None = None, *, cases: Sequen
     report.kernels = (device.kernel_target.text if device is not None and hasattr(device, "kernel_target")
                       else "gpulab's default (sm80 rules): this device is no card gpulab knows")
 
+    try:
+        old = Report.from_dict(json.loads((out / JSON_NAME).read_text())) if merge else None
+    except (OSError, ValueError, TypeError, KeyError):
+        old = None
+
     def save() -> None:
         report.seconds = time.monotonic() - t0
+        if old is not None:
+            merge_earlier(report, old)
         write_report(report, out, md)
 
     report.context_before = gv.cuda_context("before the cases")
@@ -1067,6 +1111,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"seconds one case may take, fit checks included (default {DEFAULT_CASE_LIMIT_S})")
     p.add_argument("--no-fit", action="store_true", help="leave the fit checks out")
     p.add_argument("--commit", default=None, help="gpulab's git commit, where the machine has no .git")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the cases of OUT's earlier report (same GPU) that this run does not run again")
     return p
 
 
@@ -1081,7 +1127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = [n.strip() for n in args.cases.split(",") if n.strip()] or None
     try:
         report = validate(out, md, quick=args.quick, names=names, time_limit_s=args.time_limit,
-                          case_limit=args.case_limit, do_fit=not args.no_fit, commit=args.commit,
+                          case_limit=args.case_limit, do_fit=not args.no_fit, commit=args.commit, merge=args.merge,
                           command=["benchmarks/practitioner_validation.py", *(sys.argv[1:] if argv is None else argv)],
                           progress=lambda msg: print(f"[practitioner] {msg}", flush=True))
     except ValueError as exc:

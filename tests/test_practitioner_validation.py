@@ -315,3 +315,28 @@ def test_emulated_cards_have_this_devices_kernels(pv, monkeypatch):
     assert quick.reported_total_bytes == 1260 * MiB and quick.capability == (9, 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: STANDIN_NAME)
     assert pv.device_card() is None and pv.emulated_card("T4", None, 0) == parse_gpu("T4")
+
+
+def test_merge_keeps_an_earlier_runs_cases_of_the_same_gpu(pv):
+    """``--merge``: a run of a few cases keeps the earlier report's other cases (same GPU), in the
+    cases' order, says which run measured them, and stays the same when saved again; another
+    GPU's report is not merged."""
+    dev = {"gpu_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "gpulab_commit": "0123abcdef"}
+    old = pv.Report(device=dev, started="2026-11-27T11:17:33+00:00",
+                    cases=[pv.CaseRun(c.name, c.model, "r", c.batch, status="ran",
+                                      fit=[pv.FitCheck("T4", fit_batch=7)] if i == 0 else [])
+                           for i, c in enumerate(pv.CASES[:3])])
+    back = pv.Report.from_dict(json.loads(json.dumps(old.as_dict())))
+    assert back == old and isinstance(back.cases[0].fit[0], pv.FitCheck)
+    new = pv.Report(device=dev, started="later", cases=[pv.CaseRun(pv.CASES[-1].name, "m", "r", 2, status="ran"),
+                                                        pv.CaseRun(pv.CASES[1].name, "m", "again", 8, status="ran")])
+    for _ in range(2):          # saved after every case: the same answer each time
+        pv.merge_earlier(new, back)
+        assert [c.name for c in new.cases] == [pv.CASES[0].name, pv.CASES[1].name, pv.CASES[2].name, pv.CASES[-1].name]
+        assert new.cases[1].recipe == "again" and len(new.earlier) == 1
+    assert new.earlier[0].startswith(f"{pv.CASES[0].name}, {pv.CASES[2].name}: run started 2026-11-27T11:17:33")
+    assert "(commit 0123abc), 2.11.0+cu130" in new.earlier[0]
+    assert "Merged (`--merge`) with an earlier run" in pv.render(new)
+    other = pv.Report(device=dict(dev, gpu_name="NVIDIA H200"), started="x")
+    pv.merge_earlier(other, back)
+    assert other.cases == [] and "not merged: another device" in other.not_run[0]
