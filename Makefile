@@ -101,7 +101,7 @@ quick: $(TEST_STAMP)
 # with those versions as overrides (so they are tested even where gpulab's floors ask for more).
 # test-colab runs the lessons headless and the quick suite there, then checks with pip's dry run
 # that the lessons' Colab install line would download no torch, torchvision, transformers or
-# ipywidgets: today that last check fails, since Colab's torch 2.11 is below gpulab's floor.
+# ipywidgets (gpulab's floors are Colab's versions, which this target tests).
 # Not in `make test`: a second torch and the lessons again (CI time).
 COLAB_VENV   ?= .venv-colab
 COLAB_PYTHON ?= python3.13

@@ -117,18 +117,10 @@ def _v(text: str) -> tuple[int, ...]:
     return tuple(parts + [0] * (3 - len(parts)))
 
 
-# Colab's versions below gpulab's floors today (colab/pins.txt, 2026-08-19): under them the quick
-# suite fails (the lessons run there: 04, 08, 11 and 12 were fixed; docs/architecture.md,
-# "Supported versions"), so the floors stay, and the install cell's == pins make pip stop instead
-# of replacing Colab's torch.
-# strict: once a floor comes down to Colab's version this XPASSes and fails: take the name out.
-BELOW_FLOOR = {"torch", "torchvision", "ipywidgets"}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=f"Colab's {n} is below gpulab's floor (issue #37)"))
-    if n in BELOW_FLOOR else n
-    for n in ["torch", "torchvision", "transformers", "ipywidgets", "peft", "matplotlib", "psutil", "nvidia-ml-py"]])
+# Colab's versions meet gpulab's floors (colab/pins.txt, 2026-08-19): `make test-colab` runs the
+# lessons and the quick suite under them, and the install cell's == pins keep Colab's torch.
+@pytest.mark.parametrize("name", ["torch", "torchvision", "transformers", "ipywidgets", "peft", "matplotlib",
+                                  "psutil", "nvidia-ml-py"])
 def test_colabs_versions_meet_gpulabs_floors(name):
     """pip keeps what Colab has only if it satisfies gpulab's floor."""
     floor, colab = _floors()[name], _pins()[name]
