@@ -141,12 +141,15 @@ class Case:
     prompt_len: int = 0                 # generate
     new_tokens: int = 0
     target: bool = True                 # False: the gap is reported, no target (compile)
+    kernels_of: str | None = None       # another card's attention kernels: predicted for it, forced here
 
     def recipe_text(self) -> str:
         if self.kind == "generate":
             return f"generate(): prompt {self.prompt_len:,} + {self.new_tokens:,} new tokens, {self.dtype}"
         parts = [self.optimizer, "float32" if self.dtype is None else f"pure {self.dtype}"]
         parts += [f"{k}={v}" for k, v in self.options.items()]
+        if self.kernels_of:
+            parts.append(f"{self.kernels_of}'s attention kernels")
         return ", ".join(parts)
 
 
@@ -169,6 +172,10 @@ CASES: tuple[Case, ...] = (   # in the order they run: past the time limit, the 
     # torchao's float8 training (issue 35): eager Float8Linear layers, both recipes; run last
     Case("llama1b-fp8-tensorwise", "llama-1b", 2, seq_len=2048, dtype="bf16", options={"fp8": "tensorwise"}),
     Case("llama1b-fp8-rowwise", "llama-1b", 2, seq_len=2048, dtype="bf16", options={"fp8": "rowwise"}),
+    # a T4's attention kernels (issue 33: sm75 has no flash or cuDNN attention, and its memory-efficient
+    # kernel takes no bf16): predicted for a T4, and forced on this GPU call by call (``forced_attention``)
+    Case("gpt2-t4-kernels-bf16", "gpt2", 8, seq_len=1024, dtype="bf16", kernels_of="T4"),
+    Case("gpt2-t4-kernels-fp16", "gpt2", 8, seq_len=1024, dtype="fp16", kernels_of="T4"),
 )
 
 # --quick: the same recipes on tiny configs, small batches (the stand-in runs them in seconds)
@@ -660,6 +667,9 @@ def predict(case: Case, model, device=None) -> dict[str, Any]:
             g = generation_peak(model, prompt_len=case.prompt_len, new_tokens=case.new_tokens, batch=case.batch,
                                 dtype=case.dtype or "bf16")
         return {"tensors": g.peak_bytes, "allocated": g.peak_bytes, "events": g.measurement.tracking.events}
+    if case.kernels_of:
+        from gpulab.predict.cards import parse_gpu
+        device = parse_gpu(case.kernels_of)
     res = gpulab.step(model, batch=case.batch, seq_len=case.seq_len, optimizer=case.optimizer, steps=STEPS,
                       engine="fake", dtype=case.dtype, guard=False, **_step_options(case),
                       **_gpu_keyword(gpulab.step, device))
@@ -712,6 +722,41 @@ def _bnb_qlora_model(w, case: Case, dtype, device):
                      task_type="CAUSAL_LM", dropout=opts.get("lora_dropout", 0.0))
 
 
+@contextlib.contextmanager
+def forced_attention(card_name: str | None):
+    """``F.scaled_dot_product_attention`` on this GPU with the kernel ``card_name``'s GPU would pick
+    for each call (``gpulab.measure.fake_cuda.cuda_sdpa_backend`` at that card's capability, the
+    rules the prediction follows), forced with ``torch.nn.attention.sdpa_kernel``; yields the count
+    of each kernel used. A plain function in place of the attribute, no dispatch mode; nothing
+    without ``card_name``."""
+    import collections
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    used: collections.Counter = collections.Counter()
+    if not card_name:
+        yield used
+        return
+    from gpulab.measure.fake_cuda import cuda_sdpa_backend
+    from gpulab.predict.cards import parse_gpu
+    cc = parse_gpu(card_name).capability
+    kernels = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        name = cuda_sdpa_backend(query, key, value, attn_mask, bool(is_causal), dropout_p, capability=cc)
+        used[name] += 1
+        with sdpa_kernel(kernels[name]):
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+    torch.nn.functional.scaled_dot_product_attention = sdpa
+    try:
+        yield used
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
 def _plain_optimizer(case: Case, params):
     if case.optimizer == "adamw8bit":
         import bitsandbytes as bnb
@@ -720,15 +765,14 @@ def _plain_optimizer(case: Case, params):
     return make_optimizer(case.optimizer, params)
 
 
-def plain_train(case: Case, model, batch: int, stand_in: bool, after_build: Callable[[], None]) -> None:
+def plain_train(case: Case, model, batch: int, stand_in: bool, after_build: Callable[[], None]) -> dict[str, int]:
     """``STEPS`` training steps of ``case`` at ``batch`` in plain PyTorch on ``cuda``: model,
     optimizer, one batch, then zero_grad / forward / backward / step (the one loop's order:
     ``zero_grad(set_to_none=True)`` at the top of every step from the second on).
-    ``after_build()`` is called once the model exists (frees transients, resets the peaks)."""
+    ``after_build()`` is called once the model exists (frees transients, resets the peaks).
+    Returns the attention kernels forced (``case.kernels_of``), by name and count; else {}."""
     import torch
-    from gpulab.models.workload import forward, resolve_workload
-    from gpulab.training.chunked_loss import chunked_lm_loss
-    from gpulab.training.loop import recipe_workload, user_recipe
+    from gpulab.models.workload import resolve_workload
     opts = _step_options(case)
     amp = opts.pop("amp", None)
     chunks = opts.pop("chunked_loss", 0)
@@ -737,6 +781,17 @@ def plain_train(case: Case, model, batch: int, stand_in: bool, after_build: Call
     dev = torch.device("cuda")
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[case.dtype]
     torch.manual_seed(0)
+    with forced_attention(case.kernels_of) as used:
+        _plain_train_body(case, w, batch, stand_in, after_build, opts, amp, chunks, compiled, dev, dt)
+    return dict(used)
+
+
+def _plain_train_body(case: Case, w, batch: int, stand_in: bool, after_build: Callable[[], None], opts, amp,
+                      chunks, compiled, dev, dt) -> None:
+    import torch
+    from gpulab.models.workload import forward
+    from gpulab.training.chunked_loss import chunked_lm_loss
+    from gpulab.training.loop import recipe_workload, user_recipe
     if opts.get("quantize"):
         net = _bnb_qlora_model(w, case, dt or torch.float32, dev)
     else:   # LoRA and checkpointing as the prediction's workload builds them (peft, transformers)
@@ -806,17 +861,17 @@ def _after_build() -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
-def plain_run(case: Case, model, batch: int, stand_in: bool) -> None:
+def plain_run(case: Case, model, batch: int, stand_in: bool) -> dict[str, int]:
     """The case's plain run at ``batch``; refused if a dispatch mode is on (on a GPU none may be:
-    the stand-in is one itself)."""
+    the stand-in is one itself). Returns the attention kernels forced (``plain_train``)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
     mode = _get_current_dispatch_mode()
     if mode is not None and not stand_in:
         raise RuntimeError(f"a dispatch mode ({type(mode).__name__}) is on: the plain step would not be plain")
     if case.kind == "generate":
         plain_generate(case, model, _after_build)
-    else:
-        plain_train(case, model, batch, stand_in, _after_build)
+        return {}
+    return plain_train(case, model, batch, stand_in, _after_build)
 
 
 # ---- one case ------------------------------------------------------------------------------------
@@ -863,7 +918,11 @@ def measure_case(case: Case, *, stand_in: bool, context_assumed: int, do_fit: bo
                     run.seeded_allocated, run.seeded_reserved = seeded
             del pred
             t1 = time.monotonic()
-            plain_run(case, model, case.batch, stand_in)
+            forced = plain_run(case, model, case.batch, stand_in)
+            if case.kernels_of:
+                run.note = ((run.note + "; ") if run.note else "") + (
+                    f"{case.kernels_of}'s attention kernels forced on this GPU (sdpa_kernel, call by call): "
+                    + (", ".join(f"{k} ×{n}" for k, n in sorted(forced.items())) or "no attention call"))
             run.run_seconds = round(time.monotonic() - t1, 2)
             run.real_allocated = torch.cuda.max_memory_allocated() - run.baseline_allocated
             run.real_reserved = torch.cuda.max_memory_reserved() - run.baseline_reserved
