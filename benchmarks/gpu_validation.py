@@ -186,6 +186,13 @@ class PytestRun:
     error: str | None = None         # the run itself could not start / be read
 
 
+def build(kind: type, data: dict[str, Any]) -> Any:
+    """The dataclass ``kind`` from its ``asdict`` form, fields it no longer has left out (a report
+    written by an earlier version of a script)."""
+    names = {f.name for f in fields(kind)}
+    return kind(**{k: v for k, v in data.items() if k in names})
+
+
 @dataclass
 class Report:
     device: dict[str, Any]
@@ -206,9 +213,6 @@ class Report:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Report":
-        def build(kind, data):
-            names = {f.name for f in fields(kind)}
-            return kind(**{k: v for k, v in data.items() if k in names})
         r = build(cls, d)
         r.models = [build(ModelRun, m) for m in d.get("models", [])]
         r.lessons = [build(LessonRun, x) for x in d.get("lessons", [])]

@@ -295,13 +295,10 @@ class Report:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Report":
-        def build(kind, data):
-            names = {f.name for f in dataclasses.fields(kind)}
-            return kind(**{k: v for k, v in data.items() if k in names})
-        r = build(cls, d)
-        r.cases = [build(CaseRun, c) for c in d.get("cases", [])]
+        r = gv.build(cls, d)
+        r.cases = [gv.build(CaseRun, c) for c in d.get("cases", [])]
         for c in r.cases:
-            c.fit = [build(FitCheck, f) for f in c.fit]
+            c.fit = [gv.build(FitCheck, f) for f in c.fit]
         return r
 
 
@@ -767,14 +764,15 @@ def _plain_optimizer(case: Case, params):
     return make_optimizer(case.optimizer, params)
 
 
-def plain_train(case: Case, model, batch: int, stand_in: bool, after_build: Callable[[], None]) -> dict[str, int]:
+def plain_train(case: Case, model, batch: int, stand_in: bool, after_build: Callable[[], None]) -> None:
     """``STEPS`` training steps of ``case`` at ``batch`` in plain PyTorch on ``cuda``: model,
     optimizer, one batch, then zero_grad / forward / backward / step (the one loop's order:
     ``zero_grad(set_to_none=True)`` at the top of every step from the second on).
-    ``after_build()`` is called once the model exists (frees transients, resets the peaks).
-    Returns the attention kernels forced (``case.kernels_of``), by name and count; else {}."""
+    ``after_build()`` is called once the model exists (frees transients, resets the peaks)."""
     import torch
-    from gpulab.models.workload import resolve_workload
+    from gpulab.models.workload import forward, resolve_workload
+    from gpulab.training.chunked_loss import chunked_lm_loss
+    from gpulab.training.loop import recipe_workload, user_recipe
     opts = _step_options(case)
     amp = opts.pop("amp", None)
     chunks = opts.pop("chunked_loss", 0)
@@ -783,17 +781,6 @@ def plain_train(case: Case, model, batch: int, stand_in: bool, after_build: Call
     dev = torch.device("cuda")
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[case.dtype]
     torch.manual_seed(0)
-    with forced_attention(case.kernels_of) as used:
-        _plain_train_body(case, w, batch, stand_in, after_build, opts, amp, chunks, compiled, dev, dt)
-    return dict(used)
-
-
-def _plain_train_body(case: Case, w, batch: int, stand_in: bool, after_build: Callable[[], None], opts, amp,
-                      chunks, compiled, dev, dt) -> None:
-    import torch
-    from gpulab.models.workload import forward
-    from gpulab.training.chunked_loss import chunked_lm_loss
-    from gpulab.training.loop import recipe_workload, user_recipe
     if opts.get("quantize"):
         net = _bnb_qlora_model(w, case, dt or torch.float32, dev)
     else:   # LoRA and checkpointing as the prediction's workload builds them (peft, transformers)
@@ -865,7 +852,8 @@ def _after_build() -> None:
 
 def plain_run(case: Case, model, batch: int, stand_in: bool) -> dict[str, int]:
     """The case's plain run at ``batch``; refused if a dispatch mode is on (on a GPU none may be:
-    the stand-in is one itself). Returns the attention kernels forced (``plain_train``)."""
+    the stand-in is one itself). Returns the attention kernels forced (``case.kernels_of``: a
+    card's, ``forced_attention``) by name and count; else {}."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
     mode = _get_current_dispatch_mode()
     if mode is not None and not stand_in:
@@ -873,7 +861,9 @@ def plain_run(case: Case, model, batch: int, stand_in: bool) -> dict[str, int]:
     if case.kind == "generate":
         plain_generate(case, model, _after_build)
         return {}
-    return plain_train(case, model, batch, stand_in, _after_build)
+    with forced_attention(case.kernels_of) as used:
+        plain_train(case, model, batch, stand_in, _after_build)
+    return dict(used)
 
 
 # ---- one case ------------------------------------------------------------------------------------

@@ -40,14 +40,14 @@ class ContextMeasurement:
 _OURS = "gpulab's GPU validation (docs/gpu-validation-h200.md, CUDA context), 2026-11-26"
 _OURS_H100 = ("gpulab's GPU validation (docs/gpu-validation.md, CUDA context, and its practitioner section's "
               "last case), 2026-11-27")
-_H200 = "torch 2.11.0+cu130, CUDA runtime 13.0, driver 580.159.04"
+_SOFTWARE = "torch 2.11.0+cu130, CUDA runtime 13.0, driver 580.159.04"   # both GPU runs
 _AFTER, _START = ("NVML used - memory_reserved after the validation's training steps",
                   "NVML used - memory_reserved right after start, before any kernel ran")
 CONTEXT_MEASUREMENTS = (   # gpulab's own first, the assumed one (the largest "after") at the head
-    ContextMeasurement("NVIDIA H200", _H200, "lazy", 1_451_098_112, _AFTER, _OURS),
-    ContextMeasurement("NVIDIA H200", _H200, "lazy", 1_197_342_720, _START, _OURS),
-    ContextMeasurement("NVIDIA H100 80GB HBM3", _H200, "lazy", 1_347_223_552, _AFTER, _OURS_H100),
-    ContextMeasurement("NVIDIA H100 80GB HBM3", _H200, "lazy", 1_055_719_424, _START, _OURS_H100),
+    ContextMeasurement("NVIDIA H200", _SOFTWARE, "lazy", 1_451_098_112, _AFTER, _OURS),
+    ContextMeasurement("NVIDIA H200", _SOFTWARE, "lazy", 1_197_342_720, _START, _OURS),
+    ContextMeasurement("NVIDIA H100 80GB HBM3", _SOFTWARE, "lazy", 1_347_223_552, _AFTER, _OURS_H100),
+    ContextMeasurement("NVIDIA H100 80GB HBM3", _SOFTWARE, "lazy", 1_055_719_424, _START, _OURS_H100),
     ContextMeasurement("an unnamed GPU", "PyTorch 1.13 (its PR), CUDA >= 11.7", "lazy", 287_047_680,
                        "cudaMemGetInfo total - free after one 6.4 MB tensor", "pytorch/pytorch#86509"),
     ContextMeasurement("an unnamed GPU", "PyTorch 1.13 (its PR), CUDA_MODULE_LOADING=DEFAULT", "eager", 666_632_192,
