@@ -1,6 +1,7 @@
 """MemoryTracker against an independent count: the storages of tensors the test knows to be
 alive (``untyped_storage().nbytes()``, deduplicated by storage), ``p.grad``, ``optimizer.state``,
 and weak references that tell when a storage really died."""
+import contextlib
 import gc
 import weakref
 
@@ -347,3 +348,63 @@ def test_backward_allocations_name_their_module():
     assert grads == {"Sequential.0", "Sequential.2"}
     backward_modules = {e.module for e in result.events if e.phase == "backward" and e.kind == "alloc"}
     assert {"Sequential.0", "Sequential.1", "Sequential.2"} <= backward_modules
+
+
+class _SavesItsOutput(torch.autograd.Function):
+    """A custom Function that saves its own output (as ReLU does): its node is the tensor's grad_fn."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = x.exp()
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * out
+
+
+class _CountDetach(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.detach = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.detach += func is torch.ops.aten.detach.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["cpu", "fake"])
+def test_only_saved_outputs_get_a_detached_alias_and_no_graph_outlives_its_last_reference(fake):
+    """The saved-tensor hook detaches a saved tensor (an op, through every dispatch mode) only where
+    holding it could keep its own graph alive: an op's or a custom Function's saved output, whose
+    grad_fn is the node saving it. Inputs saved by mul and mm are kept as they are. Either way a
+    graph that never runs backward is freed when its last reference goes, with no gc."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        with (FakeTensorMode() if fake else contextlib.nullcontext()), MemoryTracker() as tr, _CountDetach() as count:
+            w = torch.randn(8, 8, requires_grad=True)
+            x = torch.randn(4, 8, requires_grad=True)
+            h = x @ w                      # mm saves its inputs x, w: kept
+            assert count.detach == 0
+            a = torch.relu(h)              # relu saves its output: aliased
+            assert count.detach == 1
+            b = a * h                      # mul saves its inputs a, h: kept
+            assert count.detach == 1
+            c = _SavesItsOutput.apply(b)   # a custom Function saving its output: aliased
+            assert count.detach == 2
+            store = weakref.ref(c.untyped_storage())
+            del h, a, b, c                 # no backward: the graph goes with its last reference
+            assert store() is None
+            out = (x @ w).relu()
+            assert count.detach == 3
+            out.sum().backward()           # the kept and the aliased tensors unpack for backward
+            assert w.grad is not None and x.grad is not None
+        r = tr.result()
+        assert_consistent(r)
+    finally:
+        if gc_was:
+            gc.enable()

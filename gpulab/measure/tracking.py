@@ -26,6 +26,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -137,6 +139,12 @@ class MemoryTracker(TorchDispatchMode):
     # without building a pytree; anything nested goes through ``tree_flatten``, in the same order.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._candidate = None
+        if func is _PRIM_DEVICE and type(args[0]) is FakeTensor:
+            # C++ asking a fake tensor its device (the autograd engine does, for every tensor it
+            # meets: most of a fake step's dispatches). FakeTensor's own ``device`` answers it as
+            # FakeTensorMode's handler would (the fake device, or meta inside its kernels), with
+            # no storage made and no second dispatch.
+            return args[0].device
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):
             rec = self._see(out, op=_op_name(func))
@@ -427,17 +435,21 @@ class MemoryTracker(TorchDispatchMode):
         self._see(t, op="saved", category=Category.ACTIVATIONS)
         if self._offload is not None:
             return self._offloaded(t)
-        # Keep a detached alias (same storage, so no extra memory), not ``t`` itself: when
-        # an op saves its own output (ReLU, softmax), ``t.grad_fn`` is the node doing the
-        # saving, and holding ``t`` would make a reference cycle that keeps a graph which
-        # never runs backward alive until the garbage collector finds it.
-        # A tensor without a grad_fn (a weight, running statistics, an input) cannot lead back
-        # to any node, so it is kept as it is: ``detach`` is an op, through every dispatch mode
-        # (on fake tensors a fake op), and batch norm and every convolution save such tensors.
-        # NB: a tensor with an older grad_fn usually cannot lead back either, but "older" cannot
-        # be told from here for a custom autograd Function (its node is made before its forward
-        # runs, and views of its outputs after), so those keep their detached alias.
-        if t.grad_fn is None:
+        # Keep a detached alias (same storage, so no extra memory), not ``t`` itself, where ``t``
+        # could lead back to the node saving it: when an op saves its own output (ReLU, softmax),
+        # ``t.grad_fn`` is that node, and holding ``t`` would make a reference cycle that keeps a
+        # graph which never runs backward alive until the garbage collector finds it. Elsewhere
+        # ``t`` is kept as it is, since ``detach`` is an op, through every dispatch mode (on fake
+        # tensors a fake op: thousands a training step). Kept: a tensor without a grad_fn (a
+        # weight, running statistics, an input), and one whose node is older than the newest
+        # node made on this thread (autograd makes the saving node before it saves anything, so
+        # the newest node is that one or newer; an op's inputs are saved so, and an older node
+        # cannot lead back to a newer one). A custom autograd Function's node is made before its
+        # forward runs, which may make nodes of its own, so tensors with such a node as grad_fn
+        # (its outputs) always get the alias.
+        grad_fn = t.grad_fn
+        if grad_fn is None or (grad_fn._sequence_nr() < torch._C._autograd._get_sequence_nr() - 1
+                               and not isinstance(grad_fn, BackwardCFunction)):
             return t, t._version
         # Autograd skips its in-place version check for tensors that go through
         # saved_tensors_hooks, so we record the version here and check it in _unpack: code
@@ -582,6 +594,7 @@ def _storage_freed(tracker_ref: "weakref.ref[MemoryTracker]", key: int, sid: int
 
 
 _ADD = torch.ops.aten.add.Tensor
+_PRIM_DEVICE = torch.ops.prim.device.default
 
 
 def _node_seq() -> int:
