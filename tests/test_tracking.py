@@ -408,3 +408,35 @@ def test_only_saved_outputs_get_a_detached_alias_and_no_graph_outlives_its_last_
     finally:
         if gc_was:
             gc.enable()
+
+
+@pytest.mark.parametrize("model, options", [
+    ("hf:tiny-llama", dict(batch=2, seq_len=32, checkpointing="selective", lora=8)),
+    ("hf:tiny-gpt2", dict(batch=2, seq_len=32, accumulate=2)),
+    ("resnet18", dict(batch=2, image_size=64)),
+], ids=["llama-sac-lora", "gpt2-accumulate", "resnet18"])
+def test_the_shortcuts_record_what_the_slow_path_records(monkeypatch, model, options):
+    """The tracker's two shortcuts (a saved tensor kept as it is unless it may lead back to its saving
+    node; a fake tensor's device answered without a second dispatch) leave every fake run's events
+    as the slow path makes them: every saved tensor with a grad_fn aliased (any node counts as a
+    custom Function's), every device query dispatched on (no op is the device query)."""
+    import gpulab
+    from gpulab.measure import tracking
+    pack, aliases = tracking.MemoryTracker._pack, []
+
+    def counted_pack(self, t):   # counts the saved tensors given a detached alias
+        packed = pack(self, t)
+        aliases[-1] += isinstance(packed, tuple) and packed[0] is not t
+        return packed
+    monkeypatch.setattr(tracking.MemoryTracker, "_pack", counted_pack)
+
+    def events():
+        aliases.append(0)
+        t = gpulab.step(model, engine="fake", **options).measurement.tracking
+        return [(e.kind, e.nbytes, t.records[e.sid].category, e.phase, e.module) for e in t.events], t.peak_bytes
+    fast = events()
+    monkeypatch.setattr(tracking, "BackwardCFunction", object)
+    monkeypatch.setattr(tracking, "_PRIM_DEVICE", object())
+    slow = events()
+    assert fast == slow and fast[1] > 0
+    assert aliases[1] > aliases[0]   # the slow path did run: it aliased more saved tensors
