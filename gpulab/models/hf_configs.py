@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "HFConfigEntry", "HF_CONFIGS", "HF_PREFIX", "MOE_EVERY_K", "TASKS", "TINY_SOURCE", "build_causal_lm",
-    "build_model", "check_settings", "close_names", "config_and_name", "config_summary", "hf_entry", "hf_names",
+    "build_model", "check_fields", "check_settings", "close_names", "config_and_name", "config_summary", "hf_entry", "hf_names",
     "is_config", "local_config", "make_config", "max_positions", "names_local_config", "per_layer_lists",
     "rotary_positions", "task_of", "vocab_size"
 ]
@@ -445,6 +445,15 @@ def local_config(key: str) -> transformers.PretrainedConfig:
         StrictDataclassError = ValueError  # noqa: N806
 
     path = os.path.expanduser(key)
+    if os.path.lexists(path) and not os.path.exists(path):   # a link to nothing, or a loop of links
+        raise ValueError(f"{key!r} is a symbolic link that leads nowhere (a broken link, or a loop of links): "
+                         f"point it at a config.json or a model folder, or give the real path")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"the folder {key!r} holds no config.json: give the folder a model was saved to "
+                         f"(save_pretrained writes its config.json), or the path of a config.json")
+    raw = _raw_fields(path)
+    if raw is not None:   # before transformers builds it: a field no model can take, named (ZeroDivisionError else)
+        check_fields(raw, key, from_file=True)
     try:
         if os.path.exists(path):
             return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
@@ -558,11 +567,12 @@ _SLIDING = ("sliding_attention", "chunked_attention", "hybrid_sliding")
 
 def check_settings(config: transformers.PretrainedConfig, shown: str) -> None:
     """Settings transformers builds but no model can mean, refused in one line saying what to set:
-    more experts per token (``num_experts_per_tok``) than a layer routes to; a sliding window wider
+    the size fields no forward can take (``check_fields``); more experts per token (``num_experts_per_tok``) than a layer routes to; a sliding window wider
     than the positions (``max_position_embeddings``) where layers slide (as transformers' cache
     decides them, ``cache_utils.get_layer_types_and_kwargs``: Qwen2.5's ``use_sliding_window: false``
     has no sliding layer, whatever its ``sliding_window``)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    check_fields(vars(text), shown)
     k = getattr(text, "num_experts_per_tok", None)
     field = next((f for f in _EXPERTS if vars(text).get(f)), None)   # its own field, not an attribute_map alias
     if k and field and k > getattr(text, field):
@@ -581,6 +591,90 @@ def check_settings(config: transformers.PretrainedConfig, shown: str) -> None:
         raise ValueError(f"{shown}: sliding_window {window:,} is larger than its {positions:,} positions "
                          f"(max_position_embeddings): its sliding layers would never slide; set sliding_window to "
                          f"{positions:,} or less, or max_position_embeddings to {window:,} or more")
+
+
+def _raw_fields(path: str) -> dict[str, Any] | None:
+    """The fields of the config.json at ``path`` (a file, or a folder holding one) as written, and its
+    ``text_config``'s beside them where it has one; None when it cannot be read as a JSON object
+    (transformers then says why)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    text = raw.get("text_config")
+    return {**raw, **text} if isinstance(text, dict) else raw
+
+
+# size fields a model's forward divides or builds layers by: at least 1 where present (None: not used)
+POSITIVE_FIELDS = ("vocab_size", "hidden_size", "n_embd", "d_model", "num_hidden_layers", "n_layer",
+                   "num_attention_heads", "n_head", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                   "n_positions", "kv_lora_rank", "q_lora_rank", "moe_intermediate_size")
+# sizes that may be 0 in some models but never negative
+NON_NEGATIVE_FIELDS = ("intermediate_size", "n_inner", "n_shared_experts", "qk_rope_head_dim", "qk_nope_head_dim",
+                       "v_head_dim", "first_k_dense_replace")
+_LATENT = {"kv_lora_rank": "DeepSeek's latent attention always compresses keys and values to kv_lora_rank; "
+                           "transformers' DeepseekV2Attention has no non-latent mode",
+           "q_lora_rank": "null means queries are not compressed"}
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_fields(fields: dict[str, Any], shown: str, from_file: bool = False) -> None:
+    """The size fields of a config (``fields``: a config.json's fields as written, or a config
+    object's own ``vars``) that no model's forward can take, refused in one line naming the field,
+    its value and what to set: a count or size below 1 (``POSITIVE_FIELDS``) or below 0
+    (``NON_NEGATIVE_FIELDS``); attention heads that are not a multiple of the key/value heads
+    (grouped-query attention repeats each KV head heads/kv times, ``repeat_kv``); a hidden size that
+    is not a multiple of the heads where no ``head_dim`` says the heads' width; a mixture of experts
+    with no experts, or tokens routed to none (``num_experts_per_tok``); a sliding window of under 1
+    token. Values of the wrong type are left to transformers' own validation (``_refused``)."""
+    def bad(name: str, value: Any, need: str) -> ValueError:
+        return ValueError(f"{shown}: {name} {value!r} {need}")
+
+    for name in POSITIVE_FIELDS:
+        value = fields.get(name)
+        if _whole(value) and value < 1:
+            why = f" ({_LATENT[name]})" if name in _LATENT else ""
+            fix = " or null" if name == "q_lora_rank" else ""
+            raise bad(name, value, f"is not a size a model can have{why}: set {name} to 1 or more{fix}")
+    for name in NON_NEGATIVE_FIELDS:
+        value = fields.get(name)
+        if _whole(value) and value < 0:
+            raise bad(name, value, f"is negative: set {name} to 0 or more")
+    heads = next((fields[n] for n in ("num_attention_heads", "n_head") if _whole(fields.get(n))), None)
+    kv = fields.get("num_key_value_heads")
+    if heads and _whole(kv) and heads % kv:
+        divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+        raise bad("num_key_value_heads", kv, f"does not divide num_attention_heads {heads}: each key/value head "
+                  f"serves the same number of query heads (grouped-query attention, repeat_kv): set "
+                  f"num_key_value_heads to one of {divisors}")
+    hidden = next((fields[n] for n in ("hidden_size", "n_embd", "d_model") if _whole(fields.get(n))), None)
+    if heads and hidden and hidden % heads and fields.get("head_dim") is None:
+        raise bad("hidden_size", hidden, f"is not a multiple of num_attention_heads {heads}, and no head_dim says "
+                  f"how wide a head is: set hidden_size to a multiple of {heads}, or head_dim"
+                  + (" (this config.json gives none)" if from_file else ""))
+    k = fields.get("num_experts_per_tok")
+    field = next((f for f in _EXPERTS if _whole(fields.get(f))), None)
+    if field is not None and fields[field] < 0:
+        raise bad(field, fields[field], f"is negative: set {field} to the routed experts a layer has (1 or more)")
+    if field is not None and _whole(k) and k >= 1 and fields[field] == 0:
+        raise bad(field, 0, f"leaves no expert to route to while num_experts_per_tok is {k}: set {field} to "
+                  f"{k} or more (the routed experts a layer has)")
+    if field is not None and fields[field] > 0 and _whole(k) and k < 1:
+        raise bad("num_experts_per_tok", k, f"routes each token to no expert: set num_experts_per_tok to 1 to "
+                  f"{fields[field]} ({field})")
+    window = fields.get("sliding_window")
+    if _whole(window) and window < 1:
+        raise bad("sliding_window", window, "is not a window (a token sees at least itself): set sliding_window "
+                  "to 1 or more tokens, or null for no sliding window")
 
 
 def config_and_name(config_or_name: Any) -> tuple[Any, str]:
