@@ -135,3 +135,19 @@ def test_cli_step_with_fp8_shows_the_recipe(capsys):
     import json
     assert code == 0, err
     assert json.loads(out)["recipe"]["fp8"] == "rowwise"
+
+
+@pytest.mark.parametrize("gpu,recipe,cc", [("T4", "tensorwise", "7.5"), ("A100-40GB", "rowwise", "8.0"),
+                                           ("V100-16GB", "tensorwise", "7.0")])
+def test_fp8_on_a_card_without_float8_matmuls_is_refused(gpu, recipe, cc):
+    """Issue 44 item 6: a T4 (sm75) and an A100 (sm80) answered with a batch, where torch._scaled_mm
+    needs compute capability 8.9 or 9.0+; now refused before any run, naming the card, its capability
+    and what to do. Cards that have it, sizes and AMP cards are taken."""
+    from gpulab.predict.cards import check_fp8_card
+    with pytest.raises(ValueError, match=rf"fp8 '{recipe}' on {gpu}: its compute capability {cc} .*leave out fp8"):
+        check_fp8_card(gpu, recipe)
+    with pytest.raises(ValueError, match=rf"on {gpu}: its compute capability {cc}"):
+        gpulab.fit("hf:tiny-llama", gpu, fp8=recipe, seq_len=32)
+    for able in ("H100", "L4", "RTX 4090", "B200", "24GiB", "MI300X"):
+        check_fp8_card(able, recipe)
+    check_fp8_card("T4", None)

@@ -28,8 +28,8 @@ from gpulab.measure.cuda_card import KernelTarget, kernel_target, step_workspace
 from gpulab.units import GB, KB, MB, GiB, KiB, MiB, format_bytes
 
 __all__ = [
-    "CARDS", "CUDA_CONTEXT_ASSUMED", "Card", "CardBudget", "TB", "TiB", "card_names", "card_target",
-    "follows_card", "parse_gpu"
+    "CARDS", "CUDA_CONTEXT_ASSUMED", "Card", "CardBudget", "FP8_CAPABILITY", "TB", "TiB", "card_names",
+    "card_target", "check_fp8_card", "follows_card", "parse_gpu"
 ]
 
 TiB = 1024 * GiB
@@ -289,11 +289,38 @@ def card_target(gpu: Any) -> KernelTarget | None:
         return None
 
 
+# torch._scaled_mm (what torchao's float8 training runs its matmuls with) needs compute capability 8.9 or
+# 9.0 and later (torch's own refusal: "torch._scaled_mm is only supported on CUDA devices with compute
+# capability >= 9.0 or 8.9, or ROCm MI300+"; aten/src/ATen/native/cuda/Blas.cpp)
+FP8_CAPABILITY = (8, 9)
+
+
+def check_fp8_card(gpu: Any, fp8: Any) -> None:
+    """``ValueError`` in one line when ``fp8`` (a float8 training recipe) is asked of a named card
+    whose compute capability has no float8 matmul (``FP8_CAPABILITY``): a T4 (sm75) or an A100
+    (sm80) would stop at its first step, so no batch "fits". A plain size, or a card without a CUDA
+    capability (AMD: ROCm runs float8 on MI300), is taken: its kernels are not known to lack it."""
+    if not fp8:
+        return
+    try:
+        card = gpu if isinstance(gpu, Card) else parse_gpu(gpu) if isinstance(gpu, str) else None
+    except ValueError:
+        return   # the caller's own error for the card
+    if card is None or card.capability is None or card.capability >= FP8_CAPABILITY:
+        return
+    major, minor = card.capability
+    able = ", ".join(c.name for c in CARDS if c.capability and c.capability >= FP8_CAPABILITY)
+    raise ValueError(f"fp8 {fp8!r} on {card.name}: its compute capability {major}.{minor} (sm{major}{minor}) has no "
+                     f"float8 matmul (torch._scaled_mm needs 8.9 or 9.0 and later), so its first step would fail: "
+                     f"leave out fp8 (--fp8), or ask for a card that has it ({able})")
+
+
 def follows_card(fn: Callable | None = None, *, positional: bool = True) -> Callable:
     """``fn(model, gpu, ...)`` (``gpulab.fit``, ``gpulab.serve``; ``positional=False``: ``gpu=`` by
     keyword only, ``gpulab.step``) with its fake CUDA-target runs following ``gpu``'s kernels
     (``measure.cuda_card.kernel_target``); inside, ``measure.cuda_card.current_target()`` is that
-    card's target, with the attention kernels its runs chose. No ``gpu``: ``fn`` runs as it is."""
+    card's target, with the attention kernels its runs chose; ``fp8=`` asked of a card without float8
+    matmuls is refused first (``check_fp8_card``). No ``gpu``: ``fn`` runs as it is."""
     if fn is None:
         return functools.partial(follows_card, positional=positional)
 
@@ -302,6 +329,8 @@ def follows_card(fn: Callable | None = None, *, positional: bool = True) -> Call
         gpu = kwargs.get("gpu", args[1] if positional and len(args) > 1 else None)
         if gpu is None:
             return fn(*args, **kwargs)
+        # the card's kernels decide whether float8 runs at all (fp8= itself, or a Recipe's)
+        check_fp8_card(gpu, kwargs.get("fp8") or getattr(kwargs.get("recipe"), "fp8", None))
         with kernel_target(card_target(gpu)):
             return fn(*args, **kwargs)
     return wrapper
