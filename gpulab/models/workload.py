@@ -96,6 +96,7 @@ def resolve_workload(model: Any, inputs: Any = None, *, batch: int | None = None
     if isinstance(model, (str, ModelSpec)):
         key = model if isinstance(model, ModelSpec) else str(model).strip()
         if isinstance(key, str) and key.lower().startswith(hf_configs.HF_PREFIX):
+            _no_image_size(key, image_size)
             rest = key[len(hf_configs.HF_PREFIX):]
             if hf_configs.names_local_config(rest):
                 config = hf_configs.local_config(rest)   # a config.json here, or an id in the local HF cache
@@ -107,6 +108,10 @@ def resolve_workload(model: Any, inputs: Any = None, *, batch: int | None = None
         if isinstance(key, str) and not is_model_name(key):
             raise ValueError(_unknown_name(key))
         spec = resolve_model(key)
+        if seq_len is not None:   # an image model's input is sized by image_size; a length would go unused
+            raise ValueError(f"seq_len {seq_len!r} (--seq-len) sizes a language model's token ids, but {spec.name} "
+                             f"takes images: leave it out, and size the images with image_size (--image-size; "
+                             f"default {spec.default_image_size})")
         if inputs is not None or input_shape is not None or loss is not None:
             return _module_workload(spec.name, lambda: spec.build(num_classes=spec.num_classes,
                                                                   image_size=image_size or spec.default_image_size),
@@ -115,6 +120,7 @@ def resolve_workload(model: Any, inputs: Any = None, *, batch: int | None = None
         return image_workload(spec, image_size, batch)
     if hf_configs.is_config(model):
         name = f"{hf_configs.HF_PREFIX}{getattr(model, 'model_type', 'config')}"
+        _no_image_size(name, image_size)
         return _language_workload(model, name, f"{type(model).__name__} (your config)", "your config object",
                                   inputs, seq_len, loss)
     if isinstance(model, nn.Module):
@@ -126,6 +132,14 @@ def resolve_workload(model: Any, inputs: Any = None, *, batch: int | None = None
                                 f"the module {name}() builds")
     raise ValueError(f"cannot use {type(model).__name__} as a model: pass a model name (e.g. 'resnet50', "
                      f"'hf:gpt2'), a transformers config, an nn.Module, or a function that builds one")
+
+
+def _no_image_size(name: str, image_size: int | None) -> None:
+    """A language model's input is token ids: an image size given for it would go unused."""
+    if image_size is not None:
+        raise ValueError(f"image_size {image_size!r} (--image-size) sizes an image model's input, but {name} is a "
+                         f"language model that takes token ids: leave it out, and give the tokens per sequence "
+                         f"with seq_len (--seq-len)")
 
 
 def _unknown_name(name: str) -> str:
