@@ -116,13 +116,19 @@ def test_tracker_equals_untracked_run(name, batch, recipe, rng_states):
 @pytest.mark.slow
 def test_resnet_residuals_accumulate_in_place():
     """resnet18's residual branches: each block's input gradient has two contributions. Without the
-    emulation the tracker is a gradient's size above the untracked run; with it, what remains is
-    the CPU convolution kernels' own buffers (tens of MiB here, made inside the kernels: no dispatch
-    mode sees them, and a GPU has cuDNN's workspaces instead), so only a bound holds."""
-    experiment = train_experiment(resolve_workload("resnet18", image_size=64), [2, 2], None, Recipe(optimizer="sgd"))
+    emulation the tracker is exactly one such gradient above what it reports with it; with it, the
+    tracker never counts more than the untracked run holds. What the untracked run holds beyond the
+    tracker (the CPU convolution kernels' own buffers, made inside the kernels where no dispatch mode
+    sees them; a GPU has cuDNN's workspaces instead) depends on the CPU library's algorithm, its
+    instruction set and thread count, so nothing here asserts its size or shape: only what the
+    tracker itself guarantees, which its dispatched ops decide on any CPU."""
+    batch, image = 2, 64
+    experiment = train_experiment(resolve_workload("resnet18", image_size=image), [batch, batch], None,
+                                  Recipe(optimizer="sgd"))
     plain = plain_peak(experiment)
     raw = _tracked(experiment, emulate=False)
     m = engines.run(experiment, engine="cpu")
-    assert raw > m.tracking.peak_bytes                   # the observer effect, taken away
+    # each stage's block input (after the stem's two stride-2 steps, then one stride-2 step a stage)
+    block_inputs = {batch * channels * (image // 4 // 2 ** i) ** 2 * 4 for i, channels in enumerate((64, 128, 256, 512))}
+    assert raw - m.tracking.peak_bytes in block_inputs    # the observer effect: one out-of-place add, taken away
     assert m.tracking.peak_bytes <= plain.peak_bytes
-    assert max(plain.live_at_peak) not in _live_at_peak(m.tracking)      # the kernels' own largest buffer
