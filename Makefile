@@ -136,5 +136,46 @@ chromium:
 	    $$SUDO apt-get update && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y chromium \
 	    || echo "could not install chromium: the browser test will skip"; }
 
+# The course site (issue 44, docs/site.md): `make site` builds the lessons, executed on the CPU
+# (cached in build/site/jupyter_cache: a rebuild runs only lessons whose code changed), and
+# docs/*.md, with the README as the landing page, into build/site/html (Sphinx, myst-nb and
+# sphinx-book-theme: the `site` extra), from a copy in build/site/src (Sphinx sees the README as
+# index.md beside lessons/ and docs/). SITE_LESSONS=00,07 builds only those lessons. The
+# ipywidgets renderer (@jupyter-widgets/html-manager's embed.js) comes from the npm registry, so
+# that no page loads a script from a CDN; without npm the widgets show as text.
+# `make test-site` builds the site, then checks it in headless Chromium (tests/test_site.py).
+SITE_STAMP   := $(VENV)/.gpulab-site
+SITE_DIR     := build/site
+SITE_LESSONS ?=
+HTML_MANAGER ?= 1.0.15
+SITE_WIDGETS := $(SITE_DIR)/vendor/static/widgets/embed.js
+.PHONY: site test-site
+
+$(SITE_STAMP): pyproject.toml $(LAB_STAMP)
+	$(UV) pip install --compile-bytecode --python $(PY) -e '.[site]'
+	touch $@
+
+$(SITE_WIDGETS):
+	@if ! command -v npm >/dev/null; then echo "gpulab: npm not found: the site shows widgets as text"; exit 0; fi; \
+	rm -rf $(SITE_DIR)/vendor/npm && mkdir -p $(SITE_DIR)/vendor/npm $(@D) && \
+	( cd $(SITE_DIR)/vendor/npm && npm pack --silent @jupyter-widgets/html-manager@$(HTML_MANAGER) >/dev/null && \
+	  tar xzf jupyter-widgets-html-manager-$(HTML_MANAGER).tgz ) && \
+	find $(SITE_DIR)/vendor/npm/package/dist -maxdepth 1 -type f ! -name '*.map' ! -name '*amd.js' -exec cp {} $(@D)/ \; && \
+	cp $(SITE_DIR)/vendor/npm/package/LICENSE $(@D)/ 2>/dev/null; test -f $@
+
+site: $(SITE_STAMP) $(SITE_WIDGETS)
+	rm -rf $(SITE_DIR)/src && mkdir -p $(SITE_DIR)/src/lessons
+	cp -p README.md $(SITE_DIR)/src/index.md
+	cp -p lessons/*.ipynb $(SITE_DIR)/src/lessons/
+	cp -pr docs site/assets $(SITE_DIR)/src/
+	mv $(SITE_DIR)/src/assets $(SITE_DIR)/src/_assets
+	SITE_LESSONS='$(SITE_LESSONS)' $(PY) -m sphinx -b html -E -c site -d $(SITE_DIR)/doctrees \
+	  $(SITE_DIR)/src $(SITE_DIR)/html
+	@echo "gpulab: the site is in $(SITE_DIR)/html (index.html); serve it with" \
+	  "'$(PY) -m http.server -d $(SITE_DIR)/html -b 127.0.0.1 8000'"
+
+test-site: site $(TEST_STAMP) chromium
+	SITE_LESSONS='$(SITE_LESSONS)' $(PY) -m pytest -m site tests/test_site.py -p no:cacheprovider
+
 clean:
 	rm -rf $(VENV)
