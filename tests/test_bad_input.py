@@ -28,3 +28,41 @@ def test_cli_a_size_for_the_other_kind_of_model_is_refused(capsys):
                        (["breakdown", "resnet18", "--seq-len", "64"], "--seq-len")):
         code, out, err = run_main(argv, capsys)
         assert code == 2 and out == "" and err.count("\n") == 1 and said in err, err
+
+
+def test_a_tracker_left_without_being_entered_says_how_to_use_it():
+    """MemoryTracker().__exit__ without __enter__ was a raw IndexError (TorchDispatchMode's empty stack)."""
+    import torch
+    with pytest.raises(RuntimeError, match=r"__exit__ without a matching __enter__: use it as `with MemoryTracker"):
+        gpulab.MemoryTracker().__exit__(None, None, None)
+    with gpulab.MemoryTracker() as t:
+        torch.ones(4)
+    with pytest.raises(RuntimeError, match="leave it once"):   # left twice
+        t.__exit__(None, None, None)
+
+
+SEGMENT = {"address": 0, "total_size": 2 << 20, "device": 0, "stream": 0, "segment_type": "small",
+           "blocks": [{"size": 512, "requested_size": 512, "state": "active_allocated", "address": 0}]}
+
+
+@pytest.mark.parametrize("segment,trace,said", [
+    ({**SEGMENT, "blocks": [{"state": "active_allocated"}]}, [], "segment 0, block 0 is not a dict with a 'size'"),
+    ({**SEGMENT, "blocks": 5}, [], "segment 0's 'blocks' must be a list"),
+    ({**SEGMENT, "blocks": [1, 2]}, [], "segment 0, block 0 is not a dict with a 'size'"),
+    ({**SEGMENT, "address": "0x0"}, [], "segment 0's 'address' must be a whole number of bytes"),
+    ({**SEGMENT, "total_size": None}, [], "segment 0's 'total_size' must be a whole number of bytes"),
+    ({**SEGMENT, "total_size": -5}, [], "'total_size' must be a whole number of bytes, 0 or more, got -5"),
+    ({**SEGMENT, "device": "cuda"}, [], "segment 0's 'device' must be a whole number"),
+    (SEGMENT, [{"action": "alloc", "addr": 0, "stream": 0}], "trace entry 0 ('alloc') has no 'size'"),
+    (SEGMENT, [{"action": "alloc", "addr": "x", "size": 512, "stream": 0}], "'addr' must be a whole number"),
+])
+def test_a_snapshot_with_wrong_typed_fields_names_the_field(segment, trace, said):
+    """Wrong-typed segments gave a raw KeyError / TypeError / AttributeError, or int()'s message."""
+    import pickle
+
+    from gpulab.interop.snapshot_import import read_snapshot
+    with pytest.raises(ValueError) as e:
+        read_snapshot(pickle.dumps({"segments": [segment], "device_traces": [trace]})).replay()
+    msg = str(e.value)
+    assert said in msg and msg.startswith("not a memory snapshot") and "\n" not in msg
+    read_snapshot(pickle.dumps({"segments": [SEGMENT], "device_traces": [[]]})).replay()   # the good one is read

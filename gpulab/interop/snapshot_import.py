@@ -86,9 +86,10 @@ def load_snapshot(source: str | Path | bytes | dict | list) -> dict[str, Any]:
     if not isinstance(data["segments"], list) or not isinstance(data["device_traces"], list):
         raise ValueError("not a memory snapshot: 'segments' and 'device_traces' must be lists; " + _HOW)
     segments = []
-    for seg in data["segments"]:
+    for k, seg in enumerate(data["segments"]):
         if not isinstance(seg, dict) or not {"address", "total_size", "blocks"} <= seg.keys():
             raise ValueError("not a memory snapshot: a segment lacks address/total_size/blocks; " + _HOW)
+        _check_segment(seg, k)
         seg = dict(seg)
         seg.setdefault("device", 0)
         seg.setdefault("stream", 0)
@@ -97,7 +98,60 @@ def load_snapshot(source: str | Path | bytes | dict | list) -> dict[str, Any]:
     for trace in data["device_traces"]:
         if not isinstance(trace, list) or not all(isinstance(e, dict) and "action" in e for e in trace):
             raise ValueError("not a memory snapshot: a trace entry has no 'action'; " + _HOW)
+        for i, e in enumerate(trace):
+            _check_entry(e, i)
     return data
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bad_field(where: str, key: str, value: Any, need: str) -> ValueError:
+    return ValueError(f"not a memory snapshot: {where}'s {key!r} must be {need}, got {value!r} "
+                      f"({type(value).__name__}); {_HOW}")
+
+
+def _check_segment(seg: dict[str, Any], k: int) -> None:
+    """A segment's fields of the types torch writes (``_snapshot()``: whole numbers of bytes, a list
+    of block dicts with a ``size``): one line naming the segment, the field and its value otherwise."""
+    where = f"segment {k}"
+    for key in ("address", "total_size"):
+        if not _whole(seg[key]) or seg[key] < 0:
+            raise _bad_field(where, key, seg[key], "a whole number of bytes, 0 or more")
+    for key in ("device", "stream"):
+        if seg.get(key) is not None and not _whole(seg[key]):
+            raise _bad_field(where, key, seg[key], "a whole number")
+    if not isinstance(seg["blocks"], list):
+        raise _bad_field(where, "blocks", seg["blocks"], "a list of blocks (dicts with a size and a state)")
+    for j, b in enumerate(seg["blocks"]):
+        if not isinstance(b, dict) or "size" not in b:
+            raise ValueError(f"not a memory snapshot: {where}, block {j} is not a dict with a 'size' (got "
+                             f"{str(b)[:60]}); {_HOW}")
+        for key in ("size", "requested_size", "address"):
+            if key in b and b[key] is not None and (not _whole(b[key]) or b[key] < 0):
+                raise _bad_field(f"{where}, block {j}", key, b[key], "a whole number of bytes, 0 or more")
+
+
+# the trace actions that name a block or segment by its address and size (torch's TraceEntry)
+_SIZED_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
+                  "segment_unmap")
+
+
+def _check_entry(e: dict[str, Any], i: int) -> None:
+    """A trace entry's fields of the types torch writes: ``addr`` and ``size`` whole numbers (and
+    present where the action needs them), ``stream`` a whole number."""
+    where = f"trace entry {i} ({e['action']!r})"
+    if not isinstance(e["action"], str):
+        raise _bad_field(where, "action", e["action"], "a name such as 'alloc' or 'free_completed'")
+    for key in ("addr", "size"):
+        if key not in e and e["action"] in _SIZED_ACTIONS:
+            raise ValueError(f"not a memory snapshot: {where} has no {key!r} (torch writes the address and size of "
+                             f"every {e['action']}); {_HOW}")
+        if key in e and (not _whole(e[key]) or e[key] < 0):
+            raise _bad_field(where, key, e[key], "a whole number, 0 or more")
+    if e.get("stream") is not None and not _whole(e["stream"]):
+        raise _bad_field(where, "stream", e["stream"], "a whole number")
 
 
 # ---- the timeline in the file -------------------------------------------------------------------

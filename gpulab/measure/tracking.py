@@ -119,6 +119,9 @@ class MemoryTracker(TorchDispatchMode):
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._exit_stack is None:   # never entered, or left already: TorchDispatchMode's own stack is empty
+            raise RuntimeError("MemoryTracker.__exit__ without a matching __enter__: use it as `with MemoryTracker() "
+                               "as t:` (or call __enter__ first), and leave it once")
         try:
             super().__exit__(*exc)
         finally:
