@@ -164,7 +164,7 @@ $(SITE_WIDGETS):
 	cp $(SITE_DIR)/vendor/npm/package/LICENSE $(@D)/ 2>/dev/null; test -f $@
 
 site: $(SITE_STAMP) $(SITE_WIDGETS)
-	rm -rf $(SITE_DIR)/src && mkdir -p $(SITE_DIR)/src/lessons
+	rm -rf $(SITE_DIR)/src $(SITE_DIR)/html/reports && mkdir -p $(SITE_DIR)/src/lessons
 	cp -p README.md $(SITE_DIR)/src/index.md
 	cp -p lessons/*.ipynb $(SITE_DIR)/src/lessons/
 	cp -pr docs site/assets $(SITE_DIR)/src/

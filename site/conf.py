@@ -19,6 +19,7 @@ for up to a minute or two on a CPU).
 """
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import posixpath
@@ -131,12 +132,26 @@ docs/*
 """
 
 
+# Under each lesson's title: what the page is, and where the lesson runs.
+STATIC_NOTE = """:::{note}
+This page is the lesson as it ran **on a CPU** when the site was built: its tables, plots and
+panels are saved outputs, labelled as the lesson labels them. A panel's controls move here, but
+nothing recomputes (a static page runs no Python). To run the lesson, open it on Colab or Binder
+from the rocket icon at the top of the page, or in JupyterLab on your machine with `make lab`.
+:::"""
+
+
 def _source_read(app, docname, source):
     text = source[0]
     for remote, local in _BADGES.items():   # "/..." is the source folder's root in Sphinx
         text = text.replace(remote, local)
     if docname == root_doc:
         text += _TOCTREES
+    if docname.startswith("lessons/") and text.lstrip().startswith("{"):
+        nb = json.loads(text)
+        note = {"cell_type": "markdown", "metadata": {}, "source": STATIC_NOTE}
+        nb["cells"].insert(1 if nb["cells"] and nb["cells"][0]["cell_type"] == "markdown" else 0, note)
+        text = json.dumps(nb)
     source[0] = text
 
 

@@ -6,6 +6,7 @@
   (links to other sites are only links: they are not followed);
 * every ``<img>`` loads (``naturalWidth > 0``), widget output included;
 * no internal link is broken: every internal href answers 200, and its ``#anchor`` exists;
+* every lesson executed without an error (no myst-nb report);
 * every lesson page has Colab and Binder launch links to that lesson's notebook in the repository
   (site/conf.py's REPO_URL), and each lesson built has its page;
 * the saved ipywidgets state renders as widgets (@jupyter-widgets/html-manager, served locally);
@@ -234,6 +235,14 @@ def test_no_internal_link_is_broken(crawl, site_url):
     print(f"{sum(map(len, crawl.links.values()))} internal links to {len(status)} targets checked")
     assert status, "no internal links found"
     assert not broken, "\n".join(broken)
+
+
+def test_every_lesson_executed_without_error():
+    """myst-nb writes reports/<lesson>.err.log (the traceback) for a lesson whose execution failed
+    (the build goes on, and its page lacks the outputs); the Makefile clears them before a build."""
+    reports = sorted((SITE / "reports").rglob("*.err.log"))
+    assert not reports, "lessons that failed to execute:\n" + "\n".join(
+        f"{r.relative_to(SITE)}:\n{r.read_text()[-1500:]}" for r in reports)
 
 
 def test_every_lesson_has_its_page_and_launch_buttons(browser, site_url):
