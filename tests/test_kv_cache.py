@@ -3,6 +3,8 @@ fields, the published parameter count, the caches a real ``generate()`` and a fa
 prefill hold, peft's own count of trainable parameters, and a model's layers counted directly."""
 from __future__ import annotations
 
+import resource
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +16,6 @@ from gpulab.course import kv_cache as K
 from gpulab.course import serving as S
 from gpulab.course import lora as KL
 from gpulab.measure.engines import LABEL_CPU, LABEL_FAKE_CUDA, LABEL_FORMULA
-from gpulab.measure.fake_mode import SHORTCUTS
 from gpulab.units import GiB, MiB
 
 # --- the formula ---------------------------------------------------------------------------------
@@ -86,10 +87,10 @@ def test_fake_prefill_of_llama_3_8b_holds_the_formula_exactly():
     assert r.measured_bytes == r.formula_bytes == 64 * MiB and r.equal
     assert r.layer_shapes == [(1, 8, 512, 128)] * 32
     assert r.label == LABEL_FAKE_CUDA and r.peak_bytes > r.weights_bytes > 16 * 10**9
-    # fake tensors: no weights, no compute. gpulab's shortcuts (torch 2.15) answer it in ~2-4 s on a
-    # loaded 2-core machine; plain FakeTensorMode (torch 2.11, SHORTCUTS False) took 2.4-4.9 s
-    # there alone and over 10 s beside a busy suite, so its limit is wider
-    assert r.measurement.seconds < (10 if SHORTCUTS else 30)
+    # fake tensors: no weights, no compute. The process never held the 16 GB of weights it measured
+    # (its own peak resident memory, not a clock: a wall-time limit fails on a busy machine; the
+    # times are benchmarks/fit_speed.py's)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < r.weights_bytes
 
 
 def test_decode_step_estimate_against_a_fake_decode_step():
