@@ -99,30 +99,47 @@ MODEL_HELP = ("a lesson model (vgg16, alexnet, resnet18, mlp, cnn), any torchvis
               "(resnet50, torchvision:vit_b_16 ...), or a built-in transformer config (hf:gpt2, hf:llama-3-8b ...)")
 
 
+# the commands' descriptions (docs/cli.md is generated from them: docs/make_cli_md.py)
+_JSON_HELP = "print one JSON object on stdout instead of the table"
+_EPILOG = ("A bad option or value is answered in one line, exit status 2, before torch loads. fit and serve say what "
+           "they are doing on stderr (--quiet: nothing); with --json, stdout holds one JSON object. The Python API "
+           "behind each command: docs/api.md.")
+_STEP_TEXT = ("Training steps of MODEL run on an engine under gpulab's tracker: the peak by category (parameters, "
+              "gradients, optimizer state, activations, temporaries, inputs) beside the formulas, step 1's peak "
+              "beside the steady state's.")
+_FIT_TEXT = ("The largest batch whose two-step training run fits the card: the peak by category, the simulated "
+             "allocator's overhead, the CUDA context assumed (a measurement, named) and the margin. Fake runs follow "
+             "the card's CUDA kernels: no GPU and no memory needed. How it answers (the card's total, layers laid "
+             "out from a few, sharding, TP/PP/CP/EP, experts' routing): docs/api.md.")
+_RECORD_TEXT = ("Runs the lessons' record set on an NVIDIA GPU and writes one JSON file with its provenance; files "
+                "written on a real GPU ship in gpulab/recorded/. Without a GPU: exit status 2.")
+
+
 def _model_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("model", help=MODEL_HELP)
     s.add_argument("--image-size", type=_positive_int, default=None, help="image models: the image side in pixels")
     s.add_argument("--seq-len", type=_positive_int, default=None, help="transformers: tokens per sequence")
     s.add_argument("--dtype", type=_dtype, default=None, help="the model's dtype: float32 (default), bf16, fp16")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help=_JSON_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; building and using it imports no torch (``gpulab.options``)."""
     p = _Parser(prog="gpulab", description="Where does GPU memory go? Measure it. "
-                "(--debug anywhere: show the traceback of an error)")
+                "(--debug anywhere: show the traceback of an error)", epilog=_EPILOG)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     e = sub.add_parser("env", help="Python/torch versions, GPU facts, the engine lessons will use")
-    e.add_argument("--json", action="store_true")
+    e.add_argument("--json", action="store_true", help=_JSON_HELP)
     b = sub.add_parser("breakdown", help="per-layer table: output shapes, params, bytes, FLOPs")
     _model_options(b)
-    b.add_argument("--batch", type=_positive_int, default=None)
-    s = sub.add_parser("step", help="memory of training steps (steady state: 2 steps), by category, vs the formulas")
+    b.add_argument("--batch", type=_positive_int, default=None, help="batch size (default 1)")
+    s = sub.add_parser("step", help="memory of training steps (steady state: 2 steps), by category, vs the formulas",
+                       description=_STEP_TEXT)
     _model_options(s)
-    s.add_argument("--batch", type=_positive_int, default=None)
+    s.add_argument("--batch", type=_positive_int, default=None, help="batch size (default: the model's own)")
     s.add_argument("--optimizer", default="adam", choices=list(ALL_OPTIMIZERS))
     s.add_argument("--amp", default=None, choices=list(AMP_NAMES), help="run the forward under torch.autocast")
-    s.add_argument("--engine", default="auto")
+    s.add_argument("--engine", default="auto", help="auto (cuda with a GPU, else cpu; fake if too large), cuda, cpu or fake")
     s.add_argument("--steps", type=_steps, default=2,
                    help="training steps (default 2: the optimizer state exists from the first step on)")
     s.add_argument("--fake-target", default="cuda", choices=["cuda", "cpu"],
@@ -131,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                "H100 ...: its compute capability picks the attention kernel); on "
                                                "the card a step was recorded on, that step's cuDNN workspaces")
     _recipe_options(s)
-    f = sub.add_parser("fit", help="the largest batch whose training step fits a GPU (fake engine + allocator simulator)")
+    f = sub.add_parser("fit", help="the largest batch whose training step fits a GPU (fake engine + allocator simulator)",
+                       description=_FIT_TEXT)
     _model_options(f)
     f.add_argument("--gpu", required=True, help="a card (H100, A100-40GB, RTX4090, T4 ...) or a size (24GiB, 80GB)")
     f.add_argument("--optimizer", default="adam", choices=list(ALL_OPTIMIZERS))
@@ -176,13 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
                    help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
                         "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
-    v.add_argument("--json", action="store_true")
+    v.add_argument("--json", action="store_true", help=_JSON_HELP)
     _quiet_option(v)
-    r = sub.add_parser("record", help="on a GPU: measure the lessons' record set, write <out>/<gpu>.json")
+    r = sub.add_parser("record", help="on a GPU: measure the lessons' record set, write <out>/<gpu>.json",
+                       description=_RECORD_TEXT)
     r.add_argument("--out", default=".", help="folder for the JSON file (default: the current folder)")
     r.add_argument("--quick", action="store_true", help="a small subset: checks the command, not for shipping")
     r.add_argument("--force", action="store_true", help="replace an existing record file for this GPU")
-    r.add_argument("--json", action="store_true")
+    r.add_argument("--json", action="store_true", help=_JSON_HELP)
     return p
 
 
