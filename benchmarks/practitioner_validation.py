@@ -23,7 +23,7 @@ run again), ``--commit SHA``. Exit status: 0 when every target passed, 1 when on
 not measured, 2 without a CUDA GPU (one line on stderr).
 
 For each case (a model from gpulab's own configs with random weights, a recipe of the one training
-loop ``gpulab.training.loop.Recipe``, a batch) it compares:
+loop ``gpulab.training.loop.LoopRecipe``, a batch) it compares:
 
 * the fake engine's prediction (``gpulab.step(..., engine="fake", gpu=<this device's card>)``, CUDA
   target: this device's attention kernels; the same number of steps), its events replayed as allocator blocks, with ``torch.cuda.max_memory_allocated`` of a

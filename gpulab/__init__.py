@@ -15,10 +15,12 @@ if TYPE_CHECKING:   # for type checkers and editors; at run time __getattr__ bel
     from gpulab.categories import Category
     from gpulab.measure.engines import run
     from gpulab.measure.tracking import MemoryTracker
+    from gpulab.options import Layout, Recipe
+    from gpulab.predict.cards import Card
     from gpulab.predict.breakdown import breakdown
     from gpulab.predict.fit import fit
     from gpulab.predict.serve import serve
-    from gpulab.record.workspaces import step
+    from gpulab.predict.step import step
     from gpulab.units import format_bytes
 
 __version__ = "0.1.0"
@@ -37,17 +39,21 @@ logging.getLogger("torch.utils._pytree").addFilter(_drop_torchao_enum_notice)
 
 # each public name and the module it comes from
 _SOURCES = {
+    "Card": "gpulab.predict.cards",
     "Category": "gpulab.categories",
+    "Layout": "gpulab.options",          # the parallel layout (GPUs, strategy, tp, cp, ep, pp), checked without torch
     "MemoryTracker": "gpulab.measure.tracking",
+    "Recipe": "gpulab.options",          # what the training step does (optimizer, dtype, checkpointing, LoRA ...)
     "breakdown": "gpulab.predict.breakdown",
     "fit": "gpulab.predict.fit",
     "format_bytes": "gpulab.units",
     "run": "gpulab.measure.engines",
     "serve": "gpulab.predict.serve",
-    "step": "gpulab.record.workspaces",   # predict.step's, with cuDNN workspaces recorded on the card asked for
+    "step": "gpulab.predict.step",
 }
 
-__all__ = ["Category", "MemoryTracker", "breakdown", "fit", "format_bytes", "run", "serve", "step"]
+__all__ = ["Card", "Category", "Layout", "MemoryTracker", "Recipe", "breakdown", "fit", "format_bytes", "run", "serve",
+           "step"]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,8 +21,8 @@ import platform
 import sys
 from typing import Any, Sequence
 
-from gpulab.options import (ALL_OPTIMIZERS, AMP_NAMES, FP8_RECIPES, MAX_STEPS, POLICY_TEXT, SCHEDULES,
-                            check_checkpointing, check_chunks, check_fp8)
+from gpulab.options import (ALL_OPTIMIZERS, AMP_NAMES, FP8_RECIPES, MAX_STEPS, POLICY_TEXT, SCHEDULES, Layout, Recipe,
+                            check_checkpointing, check_chunks, check_fp8, settings_from)
 from gpulab.predict.cards import parse_gpu
 from gpulab.predict.progress import StreamProgress
 from gpulab.units import check_model_dtype_name, format_bytes
@@ -419,6 +419,15 @@ def _recipe(args: argparse.Namespace) -> dict[str, Any]:
             "virtual_stages": args.virtual_stages, "fp8": args.fp8, "cp": args.cp, "ep": args.ep}
 
 
+def _settings(args: argparse.Namespace) -> tuple[Recipe, Layout]:
+    """The ``Recipe`` and ``Layout`` the flags ask for, built once and checked without torch
+    (``options.settings_from``): ``step`` and ``fit`` get them whole."""
+    flat = {**_recipe(args), "optimizer": args.optimizer, "dtype": args.dtype, "amp": args.amp,
+            "pp_stage": args.pp_stage, "gpus": getattr(args, "gpus", None), "strategy": getattr(args, "strategy", None),
+            "offload_optimizer": getattr(args, "offload_optimizer", False)}
+    return settings_from(None, None, flat)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; every failure is one line on stderr: bad input or a size this machine
     cannot hold (exit 2), an interrupt ("interrupted", exit 130), anything else an internal error
@@ -482,6 +491,10 @@ def _check_values(args: argparse.Namespace) -> None:
     card, and the CUDA context's size on it."""
     if args.command == "step" and args.gpu is not None:
         parse_gpu(args.gpu)
+    if args.command == "fit" and args.pp_stage:
+        raise ValueError("--pp-stage picks the stage gpulab step measures; gpulab fit answers every stage: leave it out")
+    if args.command in ("step", "fit"):
+        args.recipe, args.layout = _settings(args)   # every option's value and combination, before torch loads
     if args.command not in ("fit", "serve"):
         return
     card = parse_gpu(args.gpu)
@@ -502,11 +515,10 @@ def _answer(args: argparse.Namespace, progress: StreamProgress | None) -> tuple[
         return breakdown(args.model, args.batch or 1, args.image_size, args.dtype or "float32",
                          seq_len=args.seq_len).as_dict(), _print_breakdown
     if args.command == "step":
-        from gpulab.record.workspaces import step   # gpulab.step: predict.step's, with recorded cuDNN workspaces
-        return step(args.model, batch=args.batch, optimizer=args.optimizer, steps=args.steps, engine=args.engine,
-                    dtype=args.dtype, amp=args.amp, seq_len=args.seq_len, image_size=args.image_size,
-                    fake_target=args.fake_target, gpu=args.gpu, pp_stage=args.pp_stage,
-                    **_recipe(args)).as_dict(), _print_step
+        from gpulab.predict.step import step   # gpulab.step
+        return step(args.model, recipe=args.recipe, layout=args.layout, batch=args.batch, steps=args.steps,
+                    engine=args.engine, seq_len=args.seq_len, image_size=args.image_size,
+                    fake_target=args.fake_target, gpu=args.gpu).as_dict(), _print_step
     if args.command == "serve":
         from gpulab.predict.serve import longest_context, serve
         kw = dict(dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype, block_size=args.block_size,
@@ -518,13 +530,10 @@ def _answer(args: argparse.Namespace, progress: StreamProgress | None) -> tuple[
             raise ValueError("serve needs --context TOKENS (tokens per sequence) or --longest-context")
         return serve(args.model, args.gpu, context_len=args.context, batch=args.batch, **kw).as_dict(), _print_serve
     from gpulab.predict.fit import fit
-    if args.pp_stage:
-        raise ValueError("--pp-stage picks the stage gpulab step measures; gpulab fit answers every stage: leave it out")
     context = {"context_bytes": _size(args.context)} if args.context else {}
-    data = fit(args.model, args.gpu, optimizer=args.optimizer, dtype=args.dtype, amp=args.amp,
-               seq_len=args.seq_len, image_size=args.image_size, **_recipe(args),
-               module_loading=args.cuda_module_loading, gpus=args.gpus, strategy=args.strategy,
-               offload_optimizer=args.offload_optimizer, progress=progress, **context).as_dict()
+    data = fit(args.model, args.gpu, recipe=args.recipe, layout=args.layout, seq_len=args.seq_len,
+               image_size=args.image_size, module_loading=args.cuda_module_loading, progress=progress,
+               **context).as_dict()
     if args.what_fits:
         from gpulab.predict.what_fits import what_fits
         data["what_fits"] = what_fits(args.model, args.gpu, batch=args.what_fits, optimizer=args.optimizer,

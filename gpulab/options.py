@@ -1,16 +1,49 @@
-"""The values a training recipe's options take, checked without importing torch.
+"""What a user asks, checked without importing torch: the public ``Recipe`` and ``Layout``, and the
+values their fields take.
+
+``gpulab.fit(model, card, recipe=Recipe(...), layout=Layout(...))`` and ``gpulab.step(model, ...,
+recipe=..., layout=...)`` take them; their flat keyword arguments build them (``settings_from``). Each
+is a small frozen dataclass, built once (from keywords, or from the command line's flags by
+``gpulab.cli``), checked once when it is made (``ValueError`` saying what to do), compared by value
+and passed whole. The grouping follows torchtitan's ``JobConfig`` sections (``training``,
+``parallelism``) and torchtune's recipe configs:
+
+* ``Recipe``: what one training step does: the optimizer and its implementation, the model's
+  dtype, autocast and GradScaler, accumulation, clipping, where gradients go, activation memory
+  (offloading, chunked loss, checkpointing, compile, the KV cache), LoRA / QLoRA, an MoE's routing
+  assumption and FP8. ``dtype`` is here, not beside the model or the card: the dtype the model is
+  built and trained in (pure bf16 training, or fp32 weights under autocast) is a training choice, as
+  torchtune's recipe configs hold ``dtype`` and torchtitan's ``training`` section its mixed-precision
+  dtypes; the model names an architecture, the card a memory.
+* ``Layout``: how the step is spread over GPUs: the data-parallel strategy over ``gpus``, tensor
+  (``tp``, ``sequence_parallel``), context (``cp``), expert (``ep``) and pipeline (``pp``,
+  ``microbatches``, ``schedule``, ``virtual_stages``; ``pp_stage``: the stage ``step`` measures)
+  parallelism. ``dp`` is derived: the data-parallel degree ``gpus / (tp × cp × pp)``, torchtitan's
+  ``ParallelDims`` naming (expert parallelism borrows its ranks from the others).
 
 The ``gpulab`` command refuses a bad value before torch and transformers load (half a second
-instead of several); the library checks the same values with the same functions, re-exported
+instead of several). The library checks the same values with the same functions, re-exported
 where they were first written (``models.adapt.check_checkpointing``,
-``training.chunked_loss.check_chunks``).
+``training.chunked_loss.check_chunks``, ``training.pipeline.check_pp_options``,
+``training.tensor_parallel.check_tp_options``, ``models.lora.check_rank`` ...). What needs the
+model (heads that ``tp`` divides, layers that ``pp`` splits) is checked when a workload meets the
+recipe (``training.loop.check_recipe_for``).
 """
 from __future__ import annotations
 
-from gpulab.formulas import OPTIMIZER_STATES, RECIPE_OPTIMIZERS
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
 
-__all__ = ["ALL_OPTIMIZERS", "AMP_NAMES", "CHECKPOINTING_POLICIES", "FP8_RECIPES", "MAX_STEPS", "POLICY_TEXT",
-           "SCHEDULES", "check_checkpointing", "check_chunks", "check_fp8"]
+from gpulab.formulas import OPTIMIZER_STATES, RECIPE_OPTIMIZERS, check_optimizer
+from gpulab.units import check_model_dtype_name
+
+__all__ = ["Layout", "Recipe", "ALL_OPTIMIZERS", "AMP_NAMES", "CHECKPOINTING_POLICIES", "COMPUTE_DTYPE_NAMES", "FOUR_BIT", "FP8_RECIPES",
+           "IMPLEMENTATION_NAMES", "LORA_DTYPES", "MAX_STEPS", "POLICY_TEXT", "QUANTIZATIONS", "SCHEDULES", "STRATEGY_NAMES",
+           "check_amp", "check_checkpointing", "check_chunks", "check_cp_ep_options", "check_cp_options",
+           "check_ep_options", "check_fp8", "check_implementation", "check_lora_dtype", "check_pp_options",
+           "check_layout_degrees", "check_rank", "check_routing_text", "check_step_options", "check_targets",
+           "check_together", "check_tp_options", "settings_from"]
 
 # what gpulab.step / gpulab.fit / the CLI take: the lessons' optimizers, then the recipe optimizers
 # (training.optimizers.ALL_OPTIMIZERS is the same tuple)
@@ -60,3 +93,422 @@ def check_fp8(fp8) -> str | None:
         raise ValueError(f"fp8 must be one of {', '.join(FP8_RECIPES)} (torchao's float8 training recipes), "
                          f"got {fp8!r}")
     return fp8
+
+
+# --- the optimizer's implementation, autocast ------------------------------------------------------
+
+IMPLEMENTATION_NAMES = ("default", "for-loop", "foreach", "fused")   # training.optimizers.IMPL_FLAGS' keys
+
+
+def check_implementation(impl: str) -> str:
+    key = str(impl).lower()
+    if key not in IMPLEMENTATION_NAMES:
+        raise ValueError(f"unknown implementation {impl!r}; valid: {', '.join(IMPLEMENTATION_NAMES)}")
+    return key
+
+
+def check_amp(amp: str | None) -> str | None:
+    """"fp16" / "bf16" (``AMP_NAMES``), or None for no autocast; anything else is refused."""
+    if amp is None or str(amp).lower() in ("", "none", "off", "no"):
+        return None
+    key = str(amp).lower()
+    if key not in AMP_NAMES:
+        raise ValueError(f"unknown --amp {amp!r}; valid: {', '.join(AMP_NAMES)} (or leave it out for no autocast)")
+    return key
+
+
+# --- LoRA and a quantized base (models.lora, models.quantized) --------------------------------------
+
+LORA_DTYPES = {"fp32": "fp32 adapters (peft's default)", "base": "adapters in the base's dtype (torchtune's)"}
+QUANTIZATIONS = ("nf4", "fp4", "int8")
+FOUR_BIT = ("nf4", "fp4")
+COMPUTE_DTYPE_NAMES = ("fp32", "bf16", "fp16")   # models.quantized.COMPUTE_DTYPES' keys
+
+
+def check_targets(targets: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(targets, str) or not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ValueError(f"targets must be a non-empty list of module names such as ('q_proj', 'v_proj'), "
+                         f"got {targets!r}")
+    return tuple(targets)
+
+
+def check_lora_dtype(value: Any) -> str:
+    if value not in LORA_DTYPES:
+        raise ValueError(f"lora_dtype must be 'fp32' (peft's default: adapters upcast to float32) or 'base' (the "
+                         f"adapters in the model's dtype, as torchtune keeps them), got {value!r}")
+    return value
+
+
+def check_rank(rank: Any) -> int:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"rank must be a positive whole number, got {rank!r}")
+    return rank
+
+
+# --- a mixture of experts' routing (training.routing) ---------------------------------------------
+
+def check_routing_text(value: Any) -> tuple[str, float]:
+    """A routing written as text: ("balanced" | "worst" | "router", 0.0) or ("capacity", F) with F > 0;
+    anything else is refused in one line (``training.routing.parse_routing`` builds the ``Routing``)."""
+    text = str(value).strip().lower()
+    if text in ("balanced", "worst", "router"):
+        return text, 0.0
+    if text.startswith("capacity"):
+        _, _, factor = text.partition(":")
+        try:
+            f = float(factor)
+        except ValueError:
+            f = -1.0
+        if not 0 < f < float("inf"):
+            raise ValueError(f"routing 'capacity:F' takes a capacity factor F > 0 (e.g. capacity:1.25), "
+                             f"got {value!r}")
+        return "capacity", f
+    raise ValueError(f"routing must be 'balanced', 'capacity:F' (e.g. capacity:1.25), 'worst' or 'router', "
+                     f"got {value!r}")
+
+
+# --- the parallel layout's degrees ----------------------------------------------------------------
+
+STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")   # predict.sharding.STRATEGIES' keys
+
+
+def check_tp_options(tp: int, sequence_parallel: bool = False) -> None:
+    """ValueError, in one line, for a tensor-parallel degree that is not a whole number >= 1, or
+    sequence parallelism without it."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tensor parallelism must be a whole number of ranks >= 1, got {tp!r}")
+    if sequence_parallel and tp < 2:
+        raise ValueError("sequence parallelism splits the sequence over the tensor-parallel ranks: give --tp 2 or more")
+
+
+def check_cp_options(cp: int) -> None:
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise ValueError(f"context parallelism must be a whole number of ranks >= 1, got {cp!r}")
+
+
+def check_ep_options(ep: int) -> None:
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"expert parallelism must be a whole number of ranks >= 1, got {ep!r}")
+
+
+def check_cp_ep_options(cp: int, ep: int, tp: int, pp: int = 1) -> None:
+    """The context- and expert-parallel degrees, and the combinations measured: cp with tp; ep with pp
+    (each stage's experts split) but not with tp or cp (the experts' own tensor-parallel plan is not
+    measured); cp not with pp yet."""
+    check_cp_options(cp)
+    check_ep_options(ep)
+    if ep > 1 and (tp > 1 or cp > 1):
+        raise ValueError("--ep is measured on its own (experts split, the rest replicated): leave out --tp and --cp "
+                         "with it (the experts' tensor-parallel plan is not measured)")
+    if pp > 1 and cp > 1:
+        raise ValueError("--cp is not measured with --pp yet: give one of them (--ep does combine with --pp)")
+
+
+def check_pp_options(pp: int, microbatches: int | None = None, schedule: str = "1f1b", stage: int = 0,
+                     virtual: int = 1) -> None:
+    """ValueError, in one line, for a pipeline degree, micro-batch count, schedule, stage or number of
+    virtual stages (chunks per rank) that is not one."""
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise ValueError(f"pipeline parallelism must be a whole number of stages >= 1, got {pp!r}")
+    if microbatches is not None and (not isinstance(microbatches, int) or isinstance(microbatches, bool)
+                                     or not 1 <= microbatches <= 1024):
+        raise ValueError(f"microbatches must be a whole number from 1 to 1024, got {microbatches!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < pp:
+        raise ValueError(f"pp_stage must be a stage from 0 to {pp - 1}, got {stage!r}")
+    if pp == 1 and (microbatches is not None or schedule != "1f1b" or stage or virtual != 1):
+        raise ValueError("microbatches, schedule, pp_stage and virtual_stages are a pipeline's: give --pp 2 or more")
+    _check_virtual(schedule, virtual, pp, microbatches)
+
+
+def _check_virtual(schedule: str, virtual: int, pp: int, microbatches: int | None) -> None:
+    """Chunks per rank go with the interleaved schedule only, two or more of them; its micro-batches
+    as torch's ScheduleInterleaved1F1B takes them (a multiple of its rounds, max(1, M // pp))."""
+    if not isinstance(virtual, int) or isinstance(virtual, bool) or not 1 <= virtual <= 64:
+        raise ValueError(f"virtual_stages must be a whole number of model chunks per rank from 1 to 64, got {virtual!r}")
+    if schedule != "interleaved":
+        if virtual != 1:
+            raise ValueError(f"virtual_stages (model chunks per rank) is the interleaved schedule's: add --schedule "
+                             f"interleaved, or leave virtual_stages out with {schedule}")
+        return
+    if virtual < 2:
+        raise ValueError("the interleaved schedule puts two or more model chunks on each rank: give --virtual-stages "
+                         "2 or more (Megatron-LM's virtual pipeline size)")
+    rounds = max(1, (microbatches or pp) // pp)
+    if microbatches is not None and microbatches % rounds:
+        raise ValueError(f"interleaved 1F1B runs micro-batches in rounds of pp: {microbatches} micro-batches make "
+                         f"{rounds} rounds and {rounds} does not divide {microbatches} (torch's "
+                         f"ScheduleInterleaved1F1B); use a multiple of {pp}, or fewer than {2 * pp}")
+
+
+# --- the public objects ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Recipe:
+    """What one training step does (module docstring); the defaults are ``gpulab.step``'s and ``gpulab.fit``'s.
+
+    >>> Recipe(optimizer="adamw", dtype="bf16", checkpointing="selective")
+    Recipe(optimizer='adamw', dtype='bfloat16', checkpointing='selective')
+    """
+    optimizer: str = "adam"
+    implementation: str = "default"          # the optimizer's: "default", "for-loop", "foreach" or "fused"
+    dtype: str | None = None                 # the model's dtype ("bf16": pure bf16 training); None keeps float32
+    amp: str | None = None                   # autocast's dtype for the forward: "fp16" or "bf16"
+    grad_scaler: bool = False                # fp16 autocast's GradScaler
+    accumulate: int = 1                      # micro-batches of the batch per optimizer step
+    clip_grad_norm: float | None = None      # the gradients' total norm clipped to it before the step
+    set_to_none: bool = True                 # False: zero_grad keeps the gradients, zeroed, between steps
+    optimizer_in_backward: bool = False      # each parameter stepped as soon as its gradient exists
+    offload_activations: bool = False        # saved activations in host memory (save_on_cpu)
+    chunked_loss: int = 0                    # a language model's head and loss in K chunks of positions
+    use_cache: bool | None = None            # False: the training forward without its KV cache
+    compile: bool = False                    # torch.compile with AOTAutograd's partitioner
+    checkpointing: bool | str = False        # False, "full", "selective" or "every-K"
+    lora: int = 0                            # LoRA adapters' rank (0: none)
+    lora_targets: tuple[str, ...] | None = None   # the layers LoRA adapts (None: peft's default)
+    lora_dropout: float = 0.0
+    lora_dtype: str = "fp32"                 # the adapters' dtype: "fp32" (peft) or "base" (torchtune)
+    quantize: str | None = None              # the base as bitsandbytes stores it: "nf4", "fp4" or "int8"
+    double_quant: bool = True                # a 4-bit base's double quantization
+    quant_compute_dtype: str = "input"       # a 4-bit base's compute dtype ("input": the input's)
+    routing: Any = None                      # an MoE's routing assumption (training.routing); None: balanced
+    fp8: str | None = None                   # torchao's float8 training: "tensorwise" or "rowwise"
+
+    def __post_init__(self) -> None:
+        for name in ("grad_scaler", "set_to_none", "optimizer_in_backward", "offload_activations", "compile",
+                     "double_quant"):
+            _check_bool(name, getattr(self, name))
+        if self.use_cache is not None:
+            _check_bool("use_cache", self.use_cache)
+        _set(self, "optimizer", check_optimizer(self.optimizer, recipes=True))
+        _set(self, "implementation", check_implementation(self.implementation))
+        if self.dtype is not None:
+            _set(self, "dtype", _dtype_name(self.dtype))
+        _set(self, "amp", check_amp(self.amp))
+        check_chunks(self.chunked_loss)
+        _set(self, "checkpointing", check_checkpointing(self.checkpointing))
+        _set(self, "fp8", check_fp8(self.fp8))
+        _set(self, "routing", _routing(self.routing))
+        self._check_adapters()
+        check_step_options(self, fp16_autocast=self.amp == "fp16")
+        if self.fp8 and (self.lora or self.quantize):
+            raise ValueError("fp8 converts the model's own linear layers to torchao's Float8Linear: leave out lora, "
+                             "quantize and tp with fp8 (their layers are not plain nn.Linear)")
+
+    def _check_adapters(self) -> None:
+        """LoRA's rank, targets, dropout and dtype, and a quantized base's choices: valid, and only with
+        what they change (``training.loop.user_recipe`` said the same)."""
+        if self.lora:
+            check_rank(self.lora)
+        if self.lora_targets is not None:
+            if not self.lora:
+                raise ValueError("lora_targets names the layers LoRA adapts: give lora=RANK too (e.g. lora=8)")
+            _set(self, "lora_targets", check_targets(self.lora_targets))
+        d = self.lora_dropout
+        if not (isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d < 1):
+            raise ValueError(f"lora_dropout must be a probability from 0 to below 1, got {d!r}")
+        _set(self, "lora_dropout", float(d))
+        if d and not self.lora:
+            raise ValueError("lora_dropout is the dropout on LoRA adapters' inputs: give lora=RANK too (e.g. lora=8)")
+        if self.quantize is not None and self.quantize not in QUANTIZATIONS:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)} (the base weights as bitsandbytes "
+                             f"stores them), got {self.quantize!r}")
+        if self.quantize and not self.lora:
+            raise ValueError(f"a {self.quantize} base is frozen: it trains through adapters; add lora=RANK (QLoRA: "
+                             f"quantize='nf4', lora=8; on the command line --lora R, or --qlora)")
+        if self.quant_compute_dtype is None:
+            _set(self, "quant_compute_dtype", "input")
+        check_lora_dtype(self.lora_dtype)
+        if self.lora_dtype != "fp32" and not self.lora:
+            raise ValueError("lora_dtype is the LoRA adapters' dtype: give lora=RANK too (e.g. lora=8)")
+        q = self.quant_compute_dtype
+        if q != "input" and q not in COMPUTE_DTYPE_NAMES:
+            raise ValueError(f"quant_compute_dtype must be one of {', '.join(COMPUTE_DTYPE_NAMES)} (bitsandbytes' "
+                             f"bnb_4bit_compute_dtype; transformers' default is fp32), or 'input' for the input's "
+                             f"dtype (Linear4bit's own default); got {q!r}")
+        for name, on in (("double_quant=False", not self.double_quant), ("quant_compute_dtype", q != "input")):
+            if on and self.quantize not in FOUR_BIT:
+                raise ValueError(f"{name} is a choice of a 4-bit base (bitsandbytes' Linear4bit): give "
+                                 f"quantize='nf4' or 'fp4' with it")
+
+    def changed(self) -> dict[str, Any]:
+        """The fields set away from their defaults."""
+        return _changed(self)
+
+    def __repr__(self) -> str:
+        return _repr(self)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the step is spread over GPUs (module docstring): one GPU by default.
+
+    >>> Layout(gpus=64, strategy="fsdp2", tp=8, pp=4)
+    Layout(gpus=64, strategy='fsdp2', tp=8, pp=4, microbatches=4)
+    """
+    gpus: int | None = None           # the GPUs in all (None: one); the answer is one rank's
+    strategy: str | None = None       # data parallelism over them: "ddp", "zero1", "zero2", "zero3" or "fsdp2"
+    offload_optimizer: bool = False   # with zero*/fsdp2: the optimizer state in host memory
+    tp: int = 1                       # tensor-parallel ranks
+    sequence_parallel: bool = False   # with tp: norms and the residual stream on a sequence shard
+    cp: int = 1                       # context-parallel ranks: each holds a shard of the sequence
+    ep: int = 1                       # expert-parallel ranks: each holds experts/ep of every MoE layer
+    pp: int = 1                       # pipeline stages
+    microbatches: int | None = None   # with pp: micro-batches per step (None: pp)
+    schedule: str = "1f1b"            # with pp: "1f1b", "gpipe" or "interleaved"
+    virtual_stages: int = 1           # with the interleaved schedule: model chunks per rank
+    pp_stage: int = 0                 # with pp: the stage ``gpulab.step`` measures (``fit`` answers every stage)
+
+    def __post_init__(self) -> None:
+        g = self.gpus
+        if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 1):
+            raise ValueError(f"gpus must be a whole number of GPUs, 1 or more, not {g!r}")
+        if self.strategy is not None and self.strategy not in STRATEGY_NAMES:
+            raise ValueError(f"unknown strategy {self.strategy!r}: one of {', '.join(STRATEGY_NAMES)}")
+        _check_bool("offload_optimizer", self.offload_optimizer)
+        _check_bool("sequence_parallel", self.sequence_parallel)
+        check_layout_degrees(self)
+        if self.pp > 1 and self.microbatches is None:   # a pipeline's default: one micro-batch per stage
+            _set(self, "microbatches", self.pp)
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree: the GPUs over which model replicas (or their shards) are spread,
+        ``gpus / (tp × cp × pp)`` (1 on one GPU). Expert parallelism borrows its ranks from these and
+        the others (torchtitan's ``ParallelDims``), so it does not divide them here."""
+        return max(1, (self.gpus or 1) // (self.tp * self.cp * self.pp))
+
+    def changed(self) -> dict[str, Any]:
+        """The fields set away from their defaults."""
+        return _changed(self)
+
+    def __repr__(self) -> str:
+        return _repr(self)
+
+
+def check_layout_degrees(r: Any) -> None:
+    """Each parallel degree a whole number, and the combinations gpulab measures (``r``: a ``Layout``,
+    or the loop's recipe, which carries the same fields)."""
+    check_pp_options(r.pp, r.microbatches, r.schedule, r.pp_stage, r.virtual_stages)
+    check_tp_options(r.tp, r.sequence_parallel)
+    check_cp_ep_options(r.cp, r.ep, r.tp, r.pp)
+
+
+def check_step_options(r: Any, fp16_autocast: bool) -> None:
+    """The step's own options that go together or not (``r``: a ``Recipe``, or the loop's recipe)."""
+    if r.grad_scaler and not fp16_autocast:
+        raise ValueError("a GradScaler is for fp16 autocast: add amp='fp16' (on the command line: --amp fp16)")
+    if not isinstance(r.accumulate, int) or isinstance(r.accumulate, bool) or not 1 <= r.accumulate <= 64:
+        raise ValueError(f"accumulate must be a whole number of micro-batches from 1 to 64, got {r.accumulate!r}")
+    c = r.clip_grad_norm
+    if c is not None and not (isinstance(c, (int, float)) and not isinstance(c, bool) and 0 < c < float("inf")):
+        raise ValueError(f"clip_grad_norm must be a positive number (the largest total norm), got {c!r}")
+    if r.compile and r.offload_activations:
+        raise ValueError("compile is measured on the model's own forward and loss: leave out offload_activations "
+                         "with it (torch.compile would trace save_on_cpu's hooks too, differently)")
+    if r.optimizer_in_backward:
+        clash = [name for name, on in (("accumulate", r.accumulate > 1), ("clip_grad_norm", c),
+                                       ("grad_scaler", r.grad_scaler)) if on]
+        if clash:
+            raise ValueError(f"optimizer_in_backward steps each parameter as soon as its gradient exists, so "
+                             f"it cannot take {', '.join(clash)} (they need every gradient at the end of "
+                             f"backward, as torchtune also says): drop one or the other")
+
+
+def check_together(recipe: Any, layout: Any) -> None:
+    """What a recipe cannot do in a layout: FP8, LoRA, a quantized base, compile or offloading with
+    tensor parallelism, and what a pipeline stage runs itself (its micro-batches)."""
+    if recipe.fp8 and (recipe.lora or recipe.quantize or layout.tp > 1):
+        raise ValueError("fp8 converts the model's own linear layers to torchao's Float8Linear: leave out lora, "
+                         "quantize and tp with fp8 (their layers are not plain nn.Linear)")
+    if layout.pp > 1:
+        clash = [name for name, on in (("accumulate", recipe.accumulate > 1), ("lora", recipe.lora),
+                                       ("quantize", recipe.quantize), ("compile", recipe.compile),
+                                       ("offload_activations", recipe.offload_activations),
+                                       ("chunked_loss", recipe.chunked_loss),
+                                       ("optimizer_in_backward", recipe.optimizer_in_backward),
+                                       ("grad_scaler", recipe.grad_scaler)) if on]
+        if clash:
+            raise ValueError(f"pipeline parallelism is measured on the model's own stages, micro-batches given by "
+                             f"--microbatches: leave out {', '.join(clash)} with pp")
+    if layout.tp > 1 and (recipe.lora or recipe.quantize or recipe.compile or recipe.offload_activations):
+        raise ValueError("tensor parallelism is measured on the model's own linear layers: leave out lora, quantize, "
+                         "compile and offload_activations with tp")
+
+
+_RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(Recipe))
+_LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
+
+
+def settings_from(recipe: Recipe | None, layout: Layout | None, flat: dict[str, Any]) -> tuple[Recipe, Layout]:
+    """The (Recipe, Layout) a call asks for: ``recipe`` and ``layout`` as given, else built from the
+    flat keyword arguments in ``flat`` (a function's own, by name: ``gpulab.fit`` passes its
+    ``locals()``; their defaults are the fields' defaults). A flat argument set away from its default
+    beside an object that holds another value for the same field is refused: the call would say two
+    things. The two are checked together (``check_together``) before anything runs."""
+    for obj, cls in ((recipe, Recipe), (layout, Layout)):
+        if obj is not None and not isinstance(obj, cls):
+            raise ValueError(f"{cls.__name__.lower()} must be a gpulab.{cls.__name__}, got {type(obj).__name__} "
+                             f"(build one: gpulab.{cls.__name__}(...))")
+    built = []
+    for obj, cls in ((recipe, Recipe), (layout, Layout)):
+        fields = [f for f in dataclasses.fields(cls) if f.name in flat]
+        if obj is None:
+            built.append(cls(**{f.name: flat[f.name] for f in fields}))
+            continue
+        clash = [f.name for f in fields if not _same(flat[f.name], f.default)
+                 and not _same(flat[f.name], getattr(obj, f.name))]
+        if clash:
+            kind = cls.__name__
+            raise ValueError(f"{', '.join(clash)} given both as keyword(s) and in the {kind} passed ({obj!r}): say it "
+                             f"once, in the {kind} (dataclasses.replace({kind.lower()}, {clash[0]}=...)) or as a "
+                             f"keyword without the {kind}")
+        built.append(obj)
+    check_together(*built)
+    return built[0], built[1]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same value, of the same type (``True`` is not ``1``)."""
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:   # noqa: BLE001 - a value that cannot compare (an array) is not the same
+        return False
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)   # a frozen dataclass keeps the checked, normalized value
+
+
+def _dtype_name(value: Any) -> str:
+    """A model dtype's canonical name ("bfloat16" for "bf16" or ``torch.bfloat16``), without torch."""
+    return check_model_dtype_name(str(value))
+
+
+def _routing(value: Any) -> Any:
+    """A routing as the recipe keeps it: None, its text ("capacity:1.25"), exact counts as a tuple of
+    tuples, or a ``training.routing.Routing`` as given (the loop builds one from the rest)."""
+    if value is None or dataclasses.is_dataclass(value):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(tuple(layer) for layer in value)
+    kind, factor = check_routing_text(value)
+    return f"capacity:{factor:g}" if kind == "capacity" else kind
+
+
+def _changed(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if getattr(obj, f.name) != f.default}
+
+
+def _repr(obj: Any) -> str:
+    """``Recipe(optimizer='adamw', lora=8)``: the fields set away from their defaults, in field order
+    (every field is in ``dataclasses.asdict``; the default of each is in the class)."""
+    return f"{type(obj).__name__}({', '.join(f'{k}={v!r}' for k, v in _changed(obj).items())})"

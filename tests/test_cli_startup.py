@@ -91,9 +91,9 @@ def test_the_public_names_still_come_from_gpulab():
     import importlib
 
     import gpulab
-    from gpulab import Category, MemoryTracker, breakdown, fit, format_bytes, run, serve, step
-    given = dict(Category=Category, MemoryTracker=MemoryTracker, breakdown=breakdown, fit=fit,
-                 format_bytes=format_bytes, run=run, serve=serve, step=step)
+    from gpulab import Card, Category, Layout, MemoryTracker, Recipe, breakdown, fit, format_bytes, run, serve, step
+    given = dict(Card=Card, Category=Category, Layout=Layout, MemoryTracker=MemoryTracker, Recipe=Recipe,
+                 breakdown=breakdown, fit=fit, format_bytes=format_bytes, run=run, serve=serve, step=step)
     assert set(given) == set(gpulab.__all__) <= set(dir(gpulab))
     for name, value in given.items():   # each the same object as in the module it comes from
         assert value is getattr(importlib.import_module(gpulab._SOURCES[name]), name) is getattr(gpulab, name)

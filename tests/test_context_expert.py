@@ -156,13 +156,13 @@ def test_expert_parallel_under_a_sharding_strategy(strategy):
     from gpulab.measure.records import Category
     from gpulab.predict import sharding as S
     from gpulab.training.expert_parallel import expert_parameter_shapes, expert_rank_model
-    from gpulab.training.loop import Recipe
+    from gpulab.training.loop import LoopRecipe
     from gpulab.models.workload import resolve_workload
     cfg = _mixtral()
     t = gpulab.step(cfg, batch=2, seq_len=64, optimizer="adamw", dtype="bf16", engine="fake", ep=4,
                     steps=1).measurement.tracking
     w = resolve_workload(cfg, seq_len=64)
-    net = expert_rank_model(w, Recipe("adamw", ep=4), torch.bfloat16)
+    net = expert_rank_model(w, LoopRecipe("adamw", ep=4), torch.bfloat16)
     sh = S.Sharding(8, strategy, ep=4)
     rank = S.per_rank(t, sh, S.count_layers(net), 2, expert_parameter_shapes(net))
     dense, experts = _dense_and_expert_params(cfg, 4)

@@ -9,7 +9,7 @@ import torch
 import gpulab
 from gpulab.predict.cards import parse_gpu
 from gpulab.predict.fit import _check, _Extrapolation, _run
-from gpulab.training.loop import Recipe
+from gpulab.training.loop import LoopRecipe
 from gpulab.units import MiB
 from gpulab.models.workload import resolve_workload
 
@@ -19,7 +19,7 @@ from conftest import run_main
 def test_extrapolation_equals_a_fake_run_event_for_event():
     """Every storage is a + b·c in the batch: batches 2 and 3 give batch 7 without running it."""
     w = resolve_workload("hf:tiny-llama", seq_len=32)
-    two, three, seven = (_run(w, b, torch.float32, Recipe("adam")).tracking for b in (2, 3, 7))
+    two, three, seven = (_run(w, b, torch.float32, LoopRecipe("adam")).tracking for b in (2, 3, 7))
     line = _Extrapolation.make(two, three, 2)
     assert line is not None
     at7 = line.at(7)
@@ -31,7 +31,7 @@ def test_batch_one_is_not_a_base():
     """transformers' shifted labels are contiguous at batch 1 (a size-1 dimension), a copy from batch 2
     on: the timelines of batches 1 and 2 do not pair up, which is why the search starts at 2."""
     w = resolve_workload("hf:tiny-llama", seq_len=32)
-    one, two = (_run(w, b, torch.float32, Recipe("adam")).tracking for b in (1, 2))
+    one, two = (_run(w, b, torch.float32, LoopRecipe("adam")).tracking for b in (1, 2))
     assert _Extrapolation.make(one, two, 1) is None
 
 
@@ -43,8 +43,8 @@ def test_the_answer_fits_and_the_next_batch_does_not(model, gpu, kw):
     r = gpulab.fit(model, gpu, context_bytes=512 * MiB, **kw)
     usable = r.capacity_bytes - r.context_bytes - r.workspace_bytes
     w = resolve_workload(model, **kw)
-    at = _check(_run(w, r.largest_batch, torch.float32, Recipe("adam")).tracking, usable, r.largest_batch, "run")
-    after = _check(_run(w, r.largest_batch + 1, torch.float32, Recipe("adam")).tracking, usable,
+    at = _check(_run(w, r.largest_batch, torch.float32, LoopRecipe("adam")).tracking, usable, r.largest_batch, "run")
+    after = _check(_run(w, r.largest_batch + 1, torch.float32, LoopRecipe("adam")).tracking, usable,
                    r.largest_batch + 1, "run")
     assert at.fits and not after.fits
     assert r.peak_bytes == at.peak_bytes and r.runs == 3     # batches 2, 3 and the answer

@@ -9,7 +9,7 @@ import torch
 
 from gpulab.measure.engines import run
 from gpulab.models.workload import resolve_workload
-from gpulab.training.loop import Recipe, train_experiment
+from gpulab.training.loop import LoopRecipe, train_experiment
 from gpulab.training.routing import (Routing, activations_by_expert, counts_of_run, eager_expert_bytes, expert_rows, megatron_layer_bytes,
                                      parse_routing, ran_routed)
 
@@ -39,7 +39,7 @@ def tiny_qwen3_moe(implementation: str | None = None):
 
 
 def _step(w, routing, engine: str):
-    return run(train_experiment(w, [B, B], torch.float32, Recipe("adam", seed=0, routing=routing)), engine,
+    return run(train_experiment(w, [B, B], torch.float32, LoopRecipe("adam", seed=0, routing=routing)), engine,
                fake_target="cpu")
 
 
@@ -161,7 +161,7 @@ def test_megatron_formula_and_where_gpulab_differs():
     # measured: one bf16 step on the fake engine (CUDA's kernels), layer 0's experts under balanced
     # routing, each expert's saved activations plus the activation function's outputs
     w = resolve_workload(tiny_mixtral(), None, batch=B, seq_len=S)
-    m = run(train_experiment(w, [B], torch.bfloat16, Recipe("adam", seed=0, routing="balanced")), "fake",
+    m = run(train_experiment(w, [B], torch.bfloat16, LoopRecipe("adam", seed=0, routing="balanced")), "fake",
             fake_target="cuda")
     experts = sum(n for (owner, _), n in activations_by_expert(m.tracking).items() if ".layers.0." in owner)
     act_fn = sum(r.nbytes for r in m.tracking.records.values()
@@ -193,7 +193,7 @@ def test_grouped_mm_fake_equals_real_cpu_step_whatever_the_router_chose(make):
             counts[seed], _ = counts_of_run(net)
             return net
         runs[seed] = run(train_experiment(dataclasses.replace(w, build=build), [B, B], torch.float32,
-                                          Recipe("adam", seed=seed, routing="router")), "cpu")
+                                          LoopRecipe("adam", seed=seed, routing="router")), "cpu")
     real = runs[0]
     assert counts[0] != counts[1] and all(sum(c) == T * K for c in counts[0] + counts[1])
     assert any(r.op == "_grouped_mm" for r in real.tracking.records.values())   # torch's kernel, not the fallback
@@ -233,7 +233,7 @@ def test_grouped_mm_bytes_do_not_follow_the_routing(make):
             counts[forced], _ = counts_of_run(net)
             return net
         runs[forced] = run(train_experiment(dataclasses.replace(w, build=build), [B], torch.float32,
-                                            Recipe("adam", seed=0)), "cpu")
+                                            LoopRecipe("adam", seed=0)), "cpu")
     assert all(c == [T] * K + [0] * (E - K) for c in counts[True])       # forced: the worst case
     assert all(max(c) < T for c in counts[False])                        # the router's own: spread out
     worst, spread = runs[True], runs[False]

@@ -27,7 +27,7 @@ from gpulab.measure import engines
 from gpulab.measure.plain import plain_peak
 from gpulab.measure.tracking import MemoryTracker
 from gpulab.models.workload import resolve_workload
-from gpulab.training.loop import Recipe, train_experiment
+from gpulab.training.loop import LoopRecipe, train_experiment
 
 SCALARS = 256   # a few 0-dim scalars made outside the dispatcher (8 B each; how many are live varies)
 
@@ -92,14 +92,14 @@ def test_formula_adds_are_not_taken_for_accumulations():
 
 
 CASES = [
-    ("mlp", 32, Recipe(), 0),
-    ("hf:tiny-llama", 2, Recipe(optimizer="adamw"), 0),
-    ("hf:tiny-gpt2", 2, Recipe(optimizer="adamw"), 0),
-    ("hf:tiny-llama", 2, Recipe(optimizer="adamw", accumulate=2), 0),
-    ("hf:tiny-llama", 2, Recipe(optimizer="adamw", chunked_loss=4), 0),
-    ("hf:tiny-llama", 2, Recipe(optimizer="adamw", lora=8), 0),
+    ("mlp", 32, LoopRecipe(), 0),
+    ("hf:tiny-llama", 2, LoopRecipe(optimizer="adamw"), 0),
+    ("hf:tiny-gpt2", 2, LoopRecipe(optimizer="adamw"), 0),
+    ("hf:tiny-llama", 2, LoopRecipe(optimizer="adamw", accumulate=2), 0),
+    ("hf:tiny-llama", 2, LoopRecipe(optimizer="adamw", chunked_loss=4), 0),
+    ("hf:tiny-llama", 2, LoopRecipe(optimizer="adamw", lora=8), 0),
     # full checkpointing: each of the 2 blocks keeps the CPU generator's state (get_rng_state)
-    ("hf:tiny-llama", 2, Recipe(optimizer="adamw", checkpointing="full"), 2),
+    ("hf:tiny-llama", 2, LoopRecipe(optimizer="adamw", checkpointing="full"), 2),
 ]
 
 
@@ -124,7 +124,7 @@ def test_resnet_residuals_accumulate_in_place():
     tracker itself guarantees, which its dispatched ops decide on any CPU."""
     batch, image = 2, 64
     experiment = train_experiment(resolve_workload("resnet18", image_size=image), [batch, batch], None,
-                                  Recipe(optimizer="sgd"))
+                                  LoopRecipe(optimizer="sgd"))
     plain = plain_peak(experiment)
     raw = _tracked(experiment, emulate=False)
     m = engines.run(experiment, engine="cpu")

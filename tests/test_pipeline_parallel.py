@@ -177,11 +177,11 @@ def test_held_copies_peak_as_the_real_micro_batches_do(stage, schedule):
     from gpulab.measure.engines import run
     from gpulab.models.workload import resolve_workload
     from gpulab.predict.pipeline_fit import hold_in_flight
-    from gpulab.training.loop import Recipe, train_experiment
+    from gpulab.training.loop import LoopRecipe, train_experiment
     w = resolve_workload(with_depth(_config(8), 2), seq_len=SEQ)
 
     def timeline(microbatches: int):
-        r = Recipe("adamw", pp=4, pp_stage=stage, microbatches=microbatches, schedule=schedule)
+        r = LoopRecipe("adamw", pp=4, pp_stage=stage, microbatches=microbatches, schedule=schedule)
         return run(train_experiment(w, [2, 2], torch.bfloat16, r), "fake", fake_target="cuda").tracking
     real, made = timeline(8), hold_in_flight(timeline(1), in_flight(schedule, stage, 4, 8))
     assert made.peak_bytes == real.peak_bytes

@@ -1,4 +1,4 @@
-"""Training recipes as options of the one loop (``gpulab.training.loop.Recipe``), through
+"""Training recipes as options of the one loop (``gpulab.training.loop.LoopRecipe``), through
 ``gpulab.step``, ``gpulab.fit`` and the CLI: gradient accumulation, gradient clipping, fp16's
 GradScaler, ``zero_grad(set_to_none=False)``, optimizer-in-backward, activation offloading.
 
@@ -12,7 +12,7 @@ import pytest
 import gpulab
 from gpulab import cli
 from gpulab.categories import Category
-from gpulab.training.loop import Recipe, changed_options, user_recipe
+from gpulab.training.loop import LoopRecipe, changed_options, user_recipe
 
 RECIPES = {
     "accumulate 3": {"accumulate": 3},
@@ -88,7 +88,7 @@ def test_the_plain_loop_is_unchanged_and_says_nothing():
     r = _step("fake")
     assert r.recipe == {} and "recipe" not in r.as_dict()
     assert changed_options(user_recipe("adam")) == {}
-    assert changed_options(Recipe("adam")) == {}
+    assert changed_options(LoopRecipe("adam")) == {}
 
 
 def test_fit_takes_the_recipe_and_says_so():
@@ -321,7 +321,7 @@ def test_the_compiled_chunked_loss_is_the_models_own_loss_at_the_same_flops():
     net = w.build(torch.device("cpu"), torch.float32).eval()   # no dropout: the forwards agree
     data = w.inputs(4, torch.float32)
     values, flops = [], []
-    for recipe in (Recipe(), Recipe(compile=True, chunked_loss=8)):
+    for recipe in (LoopRecipe(), LoopRecipe(compile=True, chunked_loss=8)):
         loss_of = recipe_loss(w, recipe, net)
         loss_of(data).backward()   # compiled here (dynamo captures outside the counter)
         with FlopCounterMode(display=False) as counter:

@@ -15,6 +15,7 @@ from torch import nn
 
 from gpulab import formulas as F
 from gpulab.models import hf_configs
+from gpulab.options import LORA_DTYPES, check_lora_dtype, check_rank, check_targets   # torch-free: the CLI's checks
 
 __all__ = ["DEFAULT_TARGETS", "LORA_DTYPES", "adapter_params", "check_lora_dtype", "check_rank", "check_targets",
            "default_targets", "import_peft",
@@ -25,7 +26,6 @@ DEFAULT_TARGETS = ("q_proj", "v_proj")
 # fp16/bf16 adapters to float32: peft/tuners/tuners_utils.py cast_adapter_dtype), or "base", the
 # dtype the model is built in (torchtune's LoRALinear on a bf16 model; peft with
 # autocast_adapter_dtype=False on a float base, whose dtype its adapters take)
-LORA_DTYPES = {"fp32": "fp32 adapters (peft's default)", "base": "adapters in the base's dtype (torchtune's)"}
 # peft's default targets where they are not q_proj / v_proj (peft/utils/constants.py
 # TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING): GPT-2's fused q/k/v projection, BERT's and
 # T5's own names for the query and value projections
@@ -35,13 +35,6 @@ _PEFT_DEFAULTS = {"gpt2": ("c_attn",), "bert": ("query", "value"), "t5": ("q", "
 def default_targets(config: Any) -> tuple[str, ...]:
     """The layers peft adapts when none are named, for this config's model type."""
     return _PEFT_DEFAULTS.get(getattr(config, "model_type", ""), DEFAULT_TARGETS)
-
-
-def check_targets(targets: Sequence[str]) -> tuple[str, ...]:
-    if isinstance(targets, str) or not targets or not all(isinstance(t, str) and t for t in targets):
-        raise ValueError(f"targets must be a non-empty list of module names such as ('q_proj', 'v_proj'), "
-                         f"got {targets!r}")
-    return tuple(targets)
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
@@ -77,19 +70,6 @@ def targeted_linears(config_or_name: Any, targets: Sequence[str] = DEFAULT_TARGE
     if not found:
         raise ValueError(f"no linear layer of {shown} is named {', '.join(targets)}")
     return found
-
-
-def check_lora_dtype(value: Any) -> str:
-    if value not in LORA_DTYPES:
-        raise ValueError(f"lora_dtype must be 'fp32' (peft's default: adapters upcast to float32) or 'base' (the "
-                         f"adapters in the model's dtype, as torchtune keeps them), got {value!r}")
-    return value
-
-
-def check_rank(rank: Any) -> int:
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise ValueError(f"rank must be a positive whole number, got {rank!r}")
-    return rank
 
 
 def adapter_params(config_or_name: Any, rank: int = 8, targets: Sequence[str] = DEFAULT_TARGETS) -> int:

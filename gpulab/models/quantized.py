@@ -47,12 +47,11 @@ import torch
 from torch import nn
 
 from gpulab.models.lora import linear_shape
+from gpulab.options import FOUR_BIT, QUANTIZATIONS   # torch-free: the CLI's checks
 
 __all__ = ["CODE_VALUES", "COMPUTE_DTYPES", "CUSTOM_KERNEL_TOKENS", "DYNAMIC_CODE_VALUES", "FOUR_BIT", "NF4_BLOCK",
            "QUANTIZATIONS", "QuantizedLinear", "quantization_text", "quantize_linears", "quantized_weight_bytes"]
 
-QUANTIZATIONS = ("nf4", "fp4", "int8")
-FOUR_BIT = ("nf4", "fp4")
 NF4_BLOCK = 64             # functional.quantize_4bit's default blocksize (nf4 and fp4 alike)
 ABSMAX_BLOCK = 256         # the second level of double quantization
 CODE_VALUES = 16           # functional.get_4bit_type: the 4-bit type's values, float32, one table per layer

@@ -42,8 +42,8 @@ from gpulab.predict.cards import Card, CardBudget, follows_card, parse_gpu
 from gpulab.predict.context import context_assumption, context_label
 from gpulab.measure.engines import LABEL_SIMULATED, Measurement, run
 from gpulab.models.lora import adapter_params, default_targets
-from gpulab.training.loop import (AMP_DTYPES, Recipe, changed_options, check_recipe_for, recipe_options, train_experiment,
-                                  user_recipe)
+from gpulab.options import Layout, Recipe, settings_from
+from gpulab.training.loop import AMP_DTYPES, LoopRecipe, changed_options, check_recipe_for, loop_recipe, train_experiment
 from gpulab.predict import layer_repeat, run_cache
 from gpulab.predict.progress import Progress, report
 from gpulab.predict.search import largest_fitting
@@ -123,6 +123,8 @@ class FitResult(CardBudget):
     layers: str = ""                  # how the depth was run: laid out from a few layers (predict.layer_repeat), or why not
     pipeline: str = ""                # pipeline parallelism: the layout, schedule and micro-batches (predict.pipeline_fit)
     ranks: list = field(default_factory=list)   # with pipeline stages: one pipeline_fit.StageFit per stage shape
+    answered_recipe: Recipe | None = None   # the Recipe and Layout this answer is for (gpulab.options)
+    answered_layout: Layout | None = None
 
     @property
     def allocator_overhead_bytes(self) -> int:
@@ -149,7 +151,8 @@ class FitResult(CardBudget):
 
 
 @follows_card   # the fake runs follow the card's kernels (compute capability: attention kernel)
-def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: str | torch.dtype | None = None,
+def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layout: Layout | None = None,
+        optimizer: str = "adam", dtype: str | torch.dtype | None = None,
         amp: str | None = None, seq_len: int | None = None, image_size: int | None = None, inputs: Any = None,
         input_shape: tuple[int, ...] | None = None, loss: Callable | None = None,
         context_bytes: int | None = None, progress: Progress = None, accumulate: int = 1,
@@ -163,30 +166,42 @@ def fit(model: Any, gpu: str | Card | int, *, optimizer: str = "adam", dtype: st
         fp8: str | None = None, cp: int = 1, ep: int = 1, module_loading: str = "lazy",
         gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
-    a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring. ``context_bytes``:
-    the CUDA context, by default the assumption for ``module_loading`` (``predict.context``).
-    ``gpus`` and ``strategy`` (``predict.sharding.STRATEGIES``): the answer is one rank's, its batch
-    the per-GPU batch, with ``offload_optimizer`` keeping the optimizer state on the host. ``pp`` pipeline
-    stages (``microbatches``, ``schedule``: ``training.pipeline``): the batch is the micro-batch, the
-    answer the stage that binds, every stage that differs in ``ranks`` (``predict.pipeline_fit``).
-    ``cp``, ``ep``: rank 0 of a context- / expert-parallel group (``training.context_parallel``)."""
+    a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring.
+
+    ``recipe`` (``gpulab.Recipe``: optimizer, dtype, autocast, checkpointing, LoRA ...) and ``layout``
+    (``gpulab.Layout``: GPUs, strategy, tp, cp, ep, pp ...) say what is trained and how it is spread;
+    the flat keyword arguments of the same names build them when they are not given (a keyword that
+    contradicts an object passed is refused). ``context_bytes``: the CUDA context, by default the
+    assumption for ``module_loading`` (``predict.context``). A layout over ``gpus`` with a ``strategy``
+    (``predict.sharding.STRATEGIES``): the answer is one rank's, its batch the per-GPU batch, with
+    ``offload_optimizer`` keeping the optimizer state on the host. ``pp`` pipeline stages
+    (``microbatches``, ``schedule``: ``training.pipeline``): the batch is the micro-batch, the answer
+    the stage that binds, every stage that differs in ``ranks`` (``predict.pipeline_fit``). ``cp``,
+    ``ep``: rank 0 of a context- / expert-parallel group (``training.context_parallel``). The result
+    carries the ``Recipe`` and ``Layout`` it answered (``answered_recipe``, ``answered_layout``)."""
     t0, place = time.perf_counter(), _place(gpu, context_bytes, module_loading)
-    dt = parse_dtype(dtype) if dtype is not None else torch.float32
-    recipe = user_recipe(optimizer, amp, **recipe_options(locals()))   # checks them all
+    recipe, layout = settings_from(recipe, layout, locals())   # each checked once, then passed whole
+    if layout.pp_stage:
+        raise ValueError("pp_stage picks the stage gpulab.step measures; gpulab.fit answers every stage: leave it out")
+    dt = parse_dtype(recipe.dtype) if recipe.dtype is not None else torch.float32
+    loop = loop_recipe(recipe, layout)
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
-    check_recipe_for(recipe, w, dt)
+    check_recipe_for(loop, w, dt)
     key = run_cache.workload_key(model, w, own_parts=inputs is not None or input_shape is not None or loss is not None)
-    if recipe.pp > 1:   # one search per pipeline stage that differs (predict.pipeline_fit)
+    sharded = (layout.gpus, layout.strategy, layout.offload_optimizer)
+    if loop.pp > 1:   # one search per pipeline stage that differs (predict.pipeline_fit)
         from gpulab.predict.pipeline_fit import StageSearch, fit_stages
-        return _layout_stated(fit_stages(w, key, dt, recipe, place, (gpus, strategy, offload_optimizer), progress,
-                                         t0, StageSearch(_search, _sharding, _check, usable_bytes)), w, recipe, dt)
-    gpus = layout_gpus(gpus, strategy, recipe.tp, recipe.cp, recipe.ep)
-    sharding, shard = _sharding(w, recipe, dt, gpus, strategy, offload_optimizer)
-    return _layout_stated(_search(w, key, dt, recipe, place._replace(sharding=sharding), shard, progress, t0)[0],
-                          w, recipe, dt)
+        result = fit_stages(w, key, dt, loop, place, sharded, progress, t0,
+                            StageSearch(_search, _sharding, _check, usable_bytes))
+    else:
+        gpus = layout_gpus(layout.gpus, layout.strategy, loop.tp, loop.cp, loop.ep)
+        sharding, shard = _sharding(w, loop, dt, gpus, layout.strategy, layout.offload_optimizer)
+        result = _search(w, key, dt, loop, place._replace(sharding=sharding), shard, progress, t0)[0]
+    result.answered_recipe, result.answered_layout = recipe, layout
+    return _layout_stated(result, w, loop, dt)
 
 
-def _layout_stated(result: FitResult, w: Workload, recipe: Recipe, dt: torch.dtype) -> FitResult:
+def _layout_stated(result: FitResult, w: Workload, recipe: LoopRecipe, dt: torch.dtype) -> FitResult:
     """A context- or expert-parallel answer names its layout and buffers at the batch it found."""
     itemsize = torch.empty((), dtype=recipe.amp or dt).element_size()
     for name, note in layout_notes(w, recipe, max(1, result.largest_batch), itemsize).items():
@@ -195,7 +210,7 @@ def _layout_stated(result: FitResult, w: Workload, recipe: Recipe, dt: torch.dty
     return result
 
 
-def _search(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, place: "_Place", shard,
+def _search(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecipe, place: "_Place", shard,
             progress: Progress, t0: float) -> tuple[FitResult, "_FakeRuns"]:
     """``fit``'s search for one workload and recipe (module docstring): the answer, and the fake runs
     it made (a pipeline's other stages are read at the answer's batch from theirs)."""
@@ -289,7 +304,7 @@ def _bisect(runs: dict[int, TrackingResult], run_check: Callable[[int], BatchChe
     return largest_fitting(3 if checks[1].fits else 2, fits, limit=MAX_BATCH)
 
 
-def _sharding(w: Workload, recipe: Recipe, dt: torch.dtype, gpus, strategy, offload_optimizer):
+def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, offload_optimizer):
     """(None, None) for one GPU; else the ``predict.sharding.Sharding`` and the function that turns
     a one-GPU run into one rank's."""
     from gpulab.predict import sharding as S
@@ -341,7 +356,7 @@ class _FakeRuns:
     """``fit``'s fake runs by batch (``self(b)``), each made once: laid out from a few layers where
     the layers are alike (``_deep``), else at full depth; one rank's when ``shard`` is given."""
 
-    def __init__(self, w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, target: tuple, shard,
+    def __init__(self, w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecipe, target: tuple, shard,
                  progress: Progress):
         self.w, self.key, self.dt, self.recipe, self.target = w, key, dt, recipe, target
         self.shard, self.progress = shard, progress
@@ -372,7 +387,7 @@ class _FakeRuns:
         return _depth_text(self.deep, self.w, self.recipe)
 
 
-def _deep(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, target: tuple) -> "layer_repeat.Deep | None":
+def _deep(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecipe, target: tuple) -> "layer_repeat.Deep | None":
     """The full depth laid out from runs of a few layers (``predict.layer_repeat``), where the
     model's layers are alike; None where they are not (then every run has the full depth)."""
     if _not_laid_out(w, recipe) is not None:
@@ -384,7 +399,7 @@ def _deep(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, targe
     return layer_repeat.Deep(w, small)
 
 
-def tracked_at_depth(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe: Recipe,
+def tracked_at_depth(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe: LoopRecipe,
                      target: tuple) -> tuple[TrackingResult, str]:
     """One fake run's full-depth timeline at ``batch``, laid out from a few layers where the layers
     are alike (``_deep``), else run at full depth; and how (``layer_repeat.Deep.describe``)."""
@@ -395,14 +410,14 @@ def tracked_at_depth(w: Workload, key: tuple | None, batch: int, dt: torch.dtype
     return t, _depth_text(deep, w, recipe)
 
 
-def _depth_text(deep: "layer_repeat.Deep | None", w: Workload, recipe: Recipe) -> str:
+def _depth_text(deep: "layer_repeat.Deep | None", w: Workload, recipe: LoopRecipe) -> str:
     """How a timeline's depth was run: laid out from a few layers (``Deep.describe``), or why not."""
     if deep is not None:
         return deep.describe()
     return _not_laid_out(w, recipe) or ""
 
 
-def _not_laid_out(w: Workload, recipe: Recipe) -> str | None:
+def _not_laid_out(w: Workload, recipe: LoopRecipe) -> str | None:
     """Why every run has the full depth (None: it is laid out from a few layers)."""
     if recipe.virtual_stages > 1:
         return ("interleaved pipeline: a rank's chunks take turns in its schedule, so every run has the rank's "
@@ -410,7 +425,7 @@ def _not_laid_out(w: Workload, recipe: Recipe) -> str | None:
     return layer_repeat.not_repeatable(w.config, recipe.checkpointing)
 
 
-def _tracked(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe: Recipe, target: tuple,
+def _tracked(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe: LoopRecipe, target: tuple,
              fresh: bool = False) -> TrackingResult:
     """The fake run's timeline at ``batch``, reused when this process made it already for the same
     workload ``key`` (``run_cache.workload_key``), recipe, dtype and ``target`` (the card)."""
@@ -418,7 +433,7 @@ def _tracked(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe
                               lambda: _run(w, batch, dt, recipe).tracking, fresh=fresh)[0]
 
 
-def _run(w: Workload, batch: int, dt: torch.dtype, recipe: Recipe) -> Measurement:
+def _run(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe) -> Measurement:
     try:
         m = run(train_experiment(w, [batch, batch], dt, recipe), "fake", fake_target="cuda")
     except ValueError:
@@ -477,7 +492,7 @@ class _Place(NamedTuple):
     sharding: Any = None     # predict.sharding.Sharding when the answer is one rank's
 
 
-def _result(w, place: _Place, recipe: Recipe, dt, batch, t: TrackingResult, checks, runs, t0, levers,
+def _result(w, place: _Place, recipe: LoopRecipe, dt, batch, t: TrackingResult, checks, runs, t0, levers,
             method, live: int | None = None) -> FitResult:
     card, context_bytes = place.card, place.context_bytes
     if batch:   # every answer was checked by a fake run on this card: what its replay reserved there

@@ -63,7 +63,7 @@ from gpulab.models import hf_configs
 from gpulab.models.registry import build_in_place
 from gpulab.models.workload import Workload
 
-__all__ = ["BASE_BLOCKS", "Deep", "Layout", "MAX_EVENTS", "MIN_REPEAT_DEPTH", "Pattern", "block_pattern", "learn",
+__all__ = ["BASE_BLOCKS", "Deep", "DepthLayout", "MAX_EVENTS", "MIN_REPEAT_DEPTH", "Pattern", "block_pattern", "learn",
            "not_repeatable", "same_timeline",
            "with_depth", "workload_with_depth"]
 
@@ -212,7 +212,7 @@ class Deep:
         self.copies = (self.depth - self.depths[0]) // p   # blocks laid out past the k-block run
         self._run = run
         self._small = {n: workload_with_depth(w, n) for n in self.depths}
-        self.layouts: list[Layout] = []   # learned, each serving the batches whose runs it rebuilds
+        self.layouts: list[DepthLayout] = []   # learned, each serving the batches whose runs it rebuilds
         self.why = pattern if isinstance(pattern, str) else ""
         self.runs = 0
 
@@ -250,7 +250,7 @@ class Deep:
         self.layouts.append(learned)
         return learned, base
 
-    def _check_size(self, layout: Layout) -> None:
+    def _check_size(self, layout: DepthLayout) -> None:
         per_block = sum(e - s for _, s, e in layout.groups)
         events = layout.n_base + self.copies * per_block
         if events > MAX_EVENTS:
@@ -260,7 +260,7 @@ class Deep:
                              f"most {self.depths[0] + p * ((MAX_EVENTS - layout.n_base) // max(1, per_block)):,} layers")
 
     @property
-    def layout(self) -> Layout | None:
+    def layout(self) -> DepthLayout | None:
         """The first layout learned (None before any, or when none could be)."""
         return self.layouts[0] if self.layouts else None
 
@@ -357,7 +357,7 @@ Pos = tuple
 
 
 @dataclass(frozen=True)
-class Layout:
+class DepthLayout:
     """Where one block's events repeat in the k-block timeline, and which storage each event
     refers to: learned by ``learn``, laid out at any depth by ``expand``."""
     k: int
@@ -457,7 +457,7 @@ def _rule(observed: list[tuple[int, int, Pos]]) -> tuple | None:
     return None
 
 
-def learn(k_run: TrackingResult, k1_run: TrackingResult, k2_run: TrackingResult, k: int = BASE_BLOCKS) -> Layout | str:
+def learn(k_run: TrackingResult, k1_run: TrackingResult, k2_run: TrackingResult, k: int = BASE_BLOCKS) -> DepthLayout | str:
     """The layout that rebuilds the (k+1)- and (k+2)-block runs from the k-block run, or a
     sentence saying why there is none.
 
@@ -476,7 +476,7 @@ def learn(k_run: TrackingResult, k1_run: TrackingResult, k2_run: TrackingResult,
         return _learn_at(points, k_run, k1_run, k2_run, sa, s1, s2, k)
 
     def worse(found) -> int:
-        return len(found) if isinstance(found, set) else (-1 if isinstance(found, Layout) else 1 << 30)
+        return len(found) if isinstance(found, set) else (-1 if isinstance(found, DepthLayout) else 1 << 30)
     result = attempt(state)
     if isinstance(result, set):   # runs of alike layers placed apart: by the storages they share
         linked = _linked(sa, s1, state, k1_run)
@@ -531,7 +531,7 @@ def _cuts(sa: list, sb: list, points: list[tuple[int, int]], g: int) -> list[lis
     return out
 
 
-def _learn_at(points, k_run, k1_run, k2_run, sa, s1, s2, k) -> "Layout | str | set[int]":
+def _learn_at(points, k_run, k1_run, k2_run, sa, s1, s2, k) -> "DepthLayout | str | set[int]":
     """The layout with the repeated runs at ``points``; a sentence when there is none; the groups
     whose events no rule explains when the placement is wrong."""
     one = _place(sa, s1, points)
@@ -562,7 +562,7 @@ def _learn_at(points, k_run, k1_run, k2_run, sa, s1, s2, k) -> "Layout | str | s
         rules[pos] = rule
     if failing:
         return failing
-    layout = Layout(k, len(k_run.events), tuple(g1), tuple(m1), rules)
+    layout = DepthLayout(k, len(k_run.events), tuple(g1), tuple(m1), rules)
     for m, run in ((1, k1_run), (2, k2_run)):
         if not same_timeline(layout.expand(k_run, k1_run, m), run):
             return f"the learned layout does not rebuild the {k + m}-block run"

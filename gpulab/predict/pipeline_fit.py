@@ -31,7 +31,7 @@ import torch
 from gpulab.measure.records import Event, TrackingResult
 from gpulab.predict import layer_repeat
 from gpulab.predict.progress import Progress, report
-from gpulab.training.loop import Recipe, changed_options
+from gpulab.training.loop import LoopRecipe, changed_options
 from gpulab.training.pipeline import (INTERLEAVED_LABEL, SCHEDULE_LABEL, StageShape, distinct_stages, in_flight,
                                       rank_range, stage_layers)
 from gpulab.models.workload import Workload
@@ -68,7 +68,7 @@ class StageFit:
     note: str = ""
 
 
-def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, place, dp_options: tuple,
+def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecipe, place, dp_options: tuple,
                progress: Progress, t0: float, fit_parts: StageSearch):
     """``fit``'s answer (a ``FitResult``) for ``recipe.pp`` stages (module docstring); ``dp_options``:
     (gpus, strategy, offload_optimizer) as ``fit`` got them."""
@@ -116,7 +116,7 @@ def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: Recipe, 
     return answer
 
 
-def _stage_run(recipe: Recipe, shape: StageShape, shard) -> tuple[Recipe, Callable]:
+def _stage_run(recipe: LoopRecipe, shape: StageShape, shard) -> tuple[LoopRecipe, Callable]:
     """The recipe a stage's search runs and what it makes of each run's timeline: one micro-batch, the
     schedule's others held as copies (``hold_in_flight``); interleaved, the rank's whole schedule run."""
     if recipe.schedule == "interleaved":

@@ -26,7 +26,7 @@ import torch
 from gpulab.allocator.simulator import MiB, CachingAllocator, Segment
 from gpulab.measure.engines import LABEL_SIMULATED, run
 from gpulab.models.workload import image_workload
-from gpulab.training.loop import Recipe, train_experiment
+from gpulab.training.loop import LoopRecipe, train_experiment
 from gpulab.models.registry import ModelSpec, resolve_model
 
 __all__ = [
@@ -173,7 +173,7 @@ def steps_experiment(spec: ModelSpec, batches: Sequence[int], optimizer: str = "
     """One model, one training step per batch size in ``batches`` (all under one tracker): each
     batch made fresh and dropped right after backward, ``zero_grad`` right after ``step()``."""
     return train_experiment(image_workload(spec), list(batches), None,
-                            Recipe(optimizer, zero_grad="after step", fresh_batch=True))
+                            LoopRecipe(optimizer, zero_grad="after step", fresh_batch=True))
 
 
 def tracked_steps(model: str = "cnn", batches: Sequence[int] = (32,), engine: str = "auto"):

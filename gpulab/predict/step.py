@@ -13,7 +13,7 @@ in the result's ``recipe`` and label (``training.context_parallel.layout_notes``
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -21,26 +21,26 @@ import torch
 from gpulab.measure.engines import (FAKE_TARGETS, LABEL_FORMULA, Measured, Measurement, choose_engine, run,
                                validate_fake_target)
 from gpulab.models.workload import Workload, resolve_workload, step_failed
-from gpulab.training.loop import (changed_options, check_recipe_for, recipe_options, recipe_workload, step_peaks,
-                                  train_experiment, user_recipe, validate_amp)
+from gpulab.training.loop import (changed_options, check_recipe_for, loop_recipe, recipe_workload, step_peaks,
+                                  train_experiment)
 from gpulab.training.context_parallel import layout_notes
-from gpulab.training.optimizers import check_optimizer
 from gpulab.training.routing import Routing, is_moe, ran_routed, stated_routing
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
 from gpulab.predict.cards import follows_card
 from gpulab.predict.layer_repeat import workload_with_depth
 from gpulab.predict.guard import check_fits
-from gpulab.options import MAX_STEPS   # torch-free: the CLI checks --steps first
+from gpulab.predict.workspaces import NOT_PREDICTED, recorded_cudnn_workspace
+from gpulab.options import MAX_STEPS, Layout, Recipe, settings_from   # torch-free: the CLI checks them first
 
 __all__ = ["DEFAULT_STEPS", "MAX_STEPS", "NOT_PREDICTED", "StepResult", "step"]
 
 DEFAULT_STEPS = 2
-NOT_PREDICTED = "cuDNN workspaces: not predicted (they depend on the algorithm cuDNN picks at run time)"
 
 
 @follows_card(positional=False)   # gpu=: the fake CUDA target follows that card's kernels
-def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shape: tuple[int, ...] | None = None,
+def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout: Layout | None = None,
+         batch: int | None = None, input_shape: tuple[int, ...] | None = None,
          optimizer: str = "adam", steps: int = DEFAULT_STEPS, engine: str = "auto", dtype: str | torch.dtype | None = None,
          amp: str | None = None, loss: Callable | None = None, seq_len: int | None = None,
          image_size: int | None = None, fake_target: str = "cuda", guard: bool = True,
@@ -72,22 +72,21 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     adapters' inputs; ``lora_dtype``: "fp32" as peft, "base" as torchtune), ``quantize`` ("nf4", "fp4" or "int8", the
     base as bitsandbytes stores it; ``double_quant``, ``quant_compute_dtype``: ``training.loop``; ``recipe`` names
     them). ``routing``: an MoE's routing, stated in the answer (``training.routing``). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError). ``gpu``: the fake CUDA target's card (``predict.cards.follows_card``). ``fp8``: "tensorwise" or "rowwise", the linear layers as torchao's float8 training converts them (``training.fp8``).
+    ``recipe``, ``layout`` (``gpulab.Recipe``, ``gpulab.Layout``: one GPU's) or the flat keywords that build
+    them; the result carries them. With ``gpu``, cuDNN workspaces recorded on that card (``predict.workspaces``).
     Bad input raises ``ValueError`` with what to do instead."""
     if batch is not None:
         validate_batch(batch)
-    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_STEPS:
-        raise ValueError(f"steps must be a whole number from 1 to {MAX_STEPS}, got {steps!r} (the steady "
-                         f"state is reached at step 2: the optimizer state exists from then on, and later "
-                         f"steps repeat it)")
+    _check_steps(steps)
+    asked, layout = _one_gpu(*settings_from(recipe, layout, locals()))   # each checked once, then passed whole
     w = resolve_workload(model, inputs, batch=batch, input_shape=input_shape, seq_len=seq_len,
                          image_size=image_size, loss=loss)
     batch = validate_batch(w.default_batch if batch is None else batch)
-    opt = check_optimizer(optimizer, recipes=True)
+    opt, amp_key = asked.optimizer, asked.amp
     if fake_target not in FAKE_TARGETS:
         validate_fake_target(fake_target)
-    dt = parse_dtype(dtype) if dtype is not None else torch.float32
-    amp_key = validate_amp(amp)
-    recipe = user_recipe(opt, amp_key, **recipe_options(locals()))
+    dt = parse_dtype(asked.dtype) if asked.dtype is not None else torch.float32
+    recipe = loop_recipe(asked, layout)
     check_recipe_for(recipe, w, dt)
     w = _stage_share(w, recipe)
     try:
@@ -116,9 +115,37 @@ def step(model: Any, inputs: Any = None, *, batch: int | None = None, input_shap
     if m.kernels == "cuda":  # CUDA keeps Adam-style step counters in host memory
         predicted = predict_step(w.name, batch, optimizer=opt, dtype=dt, count_step_counters=False, bd=bd,
                                  input_bytes=input_bytes)
-    return StepResult(w.name, batch, w.image_size or 0, opt, dtype_name(dt), steps, m, predicted,
-                      step_peaks=step_peaks(m), kind=w.kind, input_text=w.describe_input(batch),
-                      seq_len=w.seq_len, amp=amp_key, recipe=_layout_stated(m, w, recipe, batch, dt))
+    return _recorded_workspaces(StepResult(
+        w.name, batch, w.image_size or 0, opt, dtype_name(dt), steps, m, predicted, step_peaks=step_peaks(m),
+        kind=w.kind, input_text=w.describe_input(batch), seq_len=w.seq_len, amp=amp_key,
+        recipe=_layout_stated(m, w, recipe, batch, dt), answered_recipe=asked, answered_layout=layout), gpu)
+
+
+def _check_steps(steps: Any) -> None:
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_STEPS:
+        raise ValueError(f"steps must be a whole number from 1 to {MAX_STEPS}, got {steps!r} (the steady "
+                         f"state is reached at step 2: the optimizer state exists from then on, and later "
+                         f"steps repeat it)")
+
+
+def _one_gpu(recipe: Recipe, layout: Layout) -> tuple[Recipe, Layout]:
+    """A step is one GPU's (one rank of tp, cp, ep or pp): a layout over several GPUs is ``fit``'s."""
+    if layout.gpus is not None or layout.strategy is not None or layout.offload_optimizer:
+        raise ValueError("gpulab.step measures one GPU's step (one rank of tp, cp, ep or pp): gpus, strategy and "
+                         "offload_optimizer spread it over several, which gpulab.fit answers; leave them out here")
+    return recipe, layout
+
+
+def _recorded_workspaces(result: "StepResult", gpu: Any) -> "StepResult":
+    """On the fake engine's CUDA target with ``gpu`` named: the cuDNN workspaces recorded on that card
+    for these settings, read as data (``predict.workspaces``), or why there are none."""
+    m = result.measurement
+    if gpu is not None and m.engine == "fake" and m.kernels == "cuda":
+        found = recorded_cudnn_workspace(gpu, {"model": result.model, "batch": result.batch, "dtype": result.dtype,
+                                               "image_size": result.image_size, "optimizer": result.optimizer},
+                                         result.steps)
+        result.cudnn_workspace_bytes, result.cudnn_workspace_label = found.nbytes, found.label
+    return result
 
 
 def _stage_share(w: Workload, recipe) -> Workload:
@@ -191,9 +218,11 @@ class StepResult(Measured):
     amp: str | None = None
     recipe: dict[str, Any] = field(default_factory=dict)   # options set away from the plain loop
     # a fake CUDA-target run: cuDNN's convolution workspaces at the peak, where a run of these settings
-    # was recorded on the card asked for (``record.workspaces``), else None and NOT_PREDICTED
+    # was recorded on the card asked for (``predict.workspaces``), else None and NOT_PREDICTED
     cudnn_workspace_bytes: int | None = None
     cudnn_workspace_label: str = ""
+    answered_recipe: Recipe | None = None   # the Recipe and Layout this answer is for (gpulab.options)
+    answered_layout: Layout | None = None
 
     def __post_init__(self) -> None:
         m = self.measurement
@@ -252,6 +281,9 @@ class StepResult(Measured):
         }
         if self.recipe:
             d["recipe"] = dict(self.recipe)
+        for name in ("answered_recipe", "answered_layout"):   # the objects asked, every field (dataclasses.asdict)
+            if getattr(self, name) is not None:
+                d[name] = asdict(getattr(self, name))
         if self.cudnn_workspace_label:
             d.update(cudnn_workspace_bytes=self.cudnn_workspace_bytes, cudnn_workspace_label=self.cudnn_workspace_label,
                      peak_with_workspaces_bytes=self.peak_with_workspaces_bytes)

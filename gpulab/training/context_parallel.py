@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from gpulab.measure.engines import LABEL_FORMULA
+from gpulab.options import check_cp_ep_options, check_cp_options   # torch-free: the CLI checks them first
 from gpulab.units import format_bytes
 
 __all__ = ["RING_SOURCE", "RingBuffers", "check_context_parallel", "check_cp_ep_options", "check_cp_options", "layout_gpus", "layout_notes", "ring_buffers",
@@ -48,11 +49,6 @@ __all__ = ["RING_SOURCE", "RingBuffers", "check_context_parallel", "check_cp_ep_
 RING_SOURCE = ("torch/distributed/tensor/experimental/_context_parallel/_attention.py: _ContextParallelOptions "
                "(enable_load_balance=True, rotate_method=ALL_GATHER), _templated_ring_attention[_backward], "
                "_AllGatherRotater, _AllToAllRotater, _SDPAMerger")
-
-
-def check_cp_options(cp: int) -> None:
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        raise ValueError(f"context parallelism must be a whole number of ranks >= 1, got {cp!r}")
 
 
 def check_context_parallel(w: Any, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
@@ -116,20 +112,6 @@ def ring_buffers(seq_len: int, cp: int, batch: int, heads: int, kv_heads: int, h
     forward = kv_local * itemsize + gathered + (local * batch * heads * head_dim + batch * heads * local) * 4
     backward = gathered + local * batch * (heads + 2 * kv_heads) * head_dim * 4 + 2 * kv_local * 4
     return RingBuffers(forward, backward, gathered)
-
-
-def check_cp_ep_options(cp: int, ep: int, tp: int, pp: int = 1) -> None:
-    """The context- and expert-parallel degrees, and the combinations measured: cp with tp; ep with pp
-    (each stage's experts split) but not with tp or cp (the experts' own tensor-parallel plan is not
-    measured); cp not with pp yet."""
-    from gpulab.training.expert_parallel import check_ep_options
-    check_cp_options(cp)
-    check_ep_options(ep)
-    if ep > 1 and (tp > 1 or cp > 1):
-        raise ValueError("--ep is measured on its own (experts split, the rest replicated): leave out --tp and --cp "
-                         "with it (the experts' tensor-parallel plan is not measured)")
-    if pp > 1 and cp > 1:
-        raise ValueError("--cp is not measured with --pp yet: give one of them (--ep does combine with --pp)")
 
 
 def layout_notes(w: Any, r: Any, batch: int, itemsize: int) -> dict[str, dict[str, Any]]:

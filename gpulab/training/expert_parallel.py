@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpulab.options import check_ep_options   # torch-free: the CLI checks it before torch loads
 from gpulab.training.routing import Routing, expert_rows, experts_modules, is_moe
 
 __all__ = ["EP_ROUTED", "EpBuffers", "check_ep_options", "check_expert_parallel", "ep_buffers", "ep_experts_forward",
@@ -51,11 +52,6 @@ __all__ = ["EP_ROUTED", "EpBuffers", "check_ep_options", "check_expert_parallel"
 
 EP_ROUTED = "gpulab_ep_routed"
 _EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
-
-
-def check_ep_options(ep: int) -> None:
-    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
-        raise ValueError(f"expert parallelism must be a whole number of ranks >= 1, got {ep!r}")
 
 
 def total_experts(config: Any) -> int | None:

@@ -2,7 +2,7 @@
 
 ``train_experiment(workload, batches, dtype, recipe)`` builds a fresh model from a workload and
 runs one forward, backward and optimizer step per entry of ``batches``, each part in the
-tracker's phase. Where lessons differ, the ``Recipe`` says how:
+tracker's phase. Where lessons differ, the ``LoopRecipe`` says how:
 
 * ``optimizer`` and ``implementation`` (torch's default, for-loop, foreach or fused: lesson 05);
 * ``amp`` (autocast's dtype for the forward) and ``grad_scaler`` (fp16: scale, unscale, step
@@ -79,23 +79,23 @@ import torch
 
 from gpulab.measure.engines import Measurement, RunContext
 from gpulab.measure.fake_mode import scalars_read_as_one
+from gpulab.options import Layout, Recipe, check_amp, check_layout_degrees, check_step_options, check_together
 from gpulab.models.adapt import adapted, check_checkpointing
 from gpulab.models.hf_configs import task_of
-from gpulab.models.lora import check_lora_dtype, check_rank, check_targets
-from gpulab.models.quantized import COMPUTE_DTYPES, FOUR_BIT, QUANTIZATIONS
+from gpulab.models.quantized import COMPUTE_DTYPES, FOUR_BIT
 from gpulab.models.registry import ModelSpec
 from gpulab.models.workload import Workload, forward, image_workload
 from gpulab.training.chunked_loss import check_chunks, chunked_lm_loss
-from gpulab.training.context_parallel import check_context_parallel, check_cp_ep_options, sequence_shard
+from gpulab.training.context_parallel import check_context_parallel, sequence_shard
 from gpulab.training.expert_parallel import (check_expert_parallel, expert_shard_workload, install_expert_parallel,
                                              total_experts)
 from gpulab.training.fp8 import check_fp8, check_fp8_for, check_fp8_workload, fp8_convert
 from gpulab.training.optimizers import build_optimizer, check_implementation, check_optimizer, make_optimizer
-from gpulab.training.pipeline import check_pipeline, check_pp_options, pipeline_stage, run_in_flight, stage_step
+from gpulab.training.pipeline import check_pipeline, pipeline_stage, run_in_flight, stage_step
 from gpulab.training.routing import Routing, install_routing, is_moe, parse_routing
-from gpulab.training.tensor_parallel import check_tensor_parallel, check_tp_options, fake_world, tensor_parallel
+from gpulab.training.tensor_parallel import check_tensor_parallel, fake_world, tensor_parallel
 
-__all__ = ["AMP_DTYPES", "RECIPE_DEFAULTS", "ZERO_GRAD", "Recipe", "step_experiment", "step_peaks", "train_experiment",
+__all__ = ["AMP_DTYPES", "RECIPE_DEFAULTS", "ZERO_GRAD", "LoopRecipe", "loop_recipe", "step_experiment", "step_peaks", "train_experiment",
            "changed_options", "check_recipe_for", "recipe_loss", "user_recipe", "validate_amp"]
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -103,7 +103,7 @@ ZERO_GRAD = ("top", "top, optimizer phase", "after step")
 
 
 @dataclass(frozen=True)
-class Recipe:
+class LoopRecipe:
     """How the loop runs each step (see the module docstring); the defaults are ``gpulab.step``'s."""
     optimizer: str = "sgd"
     implementation: str = "default"
@@ -143,44 +143,20 @@ class Recipe:
     fp8: str | None = None               # torchao's float8 training recipe: "tensorwise" or "rowwise"
 
     def __post_init__(self):
+        # the same checks as the public Recipe and Layout (gpulab.options), on the fields the loop shares
         check_chunks(self.chunked_loss)
         object.__setattr__(self, "fp8", check_fp8(self.fp8))
-        if self.fp8 and (self.lora or self.quantize or self.tp > 1):
-            raise ValueError("fp8 converts the model's own linear layers to torchao's Float8Linear: leave out lora, "
-                             "quantize and tp with fp8 (their layers are not plain nn.Linear)")
-        check_pp_options(self.pp, self.microbatches, self.schedule, self.pp_stage, self.virtual_stages)
-        if self.pp > 1:
-            _check_pipeline_recipe(self)
-        check_tp_options(self.tp, self.sequence_parallel)
-        check_cp_ep_options(self.cp, self.ep, self.tp, self.pp)
-        if self.tp > 1 and (self.lora or self.quantize or self.compile or self.offload_activations):
-            raise ValueError("tensor parallelism is measured on the model's own linear layers: leave out lora, quantize, "
-                             "compile and offload_activations with tp")
+        check_layout_degrees(self)
+        check_together(self, self)
+        if self.pp > 1 and self.microbatches is None:   # a pipeline's default: one micro-batch per stage
+            object.__setattr__(self, "microbatches", self.pp)
         object.__setattr__(self, "routing", parse_routing(self.routing))
         object.__setattr__(self, "checkpointing", check_checkpointing(self.checkpointing))
         object.__setattr__(self, "optimizer", check_optimizer(self.optimizer, recipes=True))
         object.__setattr__(self, "implementation", check_implementation(self.implementation))
         if self.zero_grad not in ZERO_GRAD:
             raise ValueError(f"zero_grad must be one of {', '.join(ZERO_GRAD)}, got {self.zero_grad!r}")
-        if self.grad_scaler and self.amp != torch.float16:
-            raise ValueError("a GradScaler is for fp16 autocast: add amp='fp16' (on the command line: --amp fp16)")
-        if not isinstance(self.accumulate, int) or isinstance(self.accumulate, bool) or not 1 <= self.accumulate <= 64:
-            raise ValueError(f"accumulate must be a whole number of micro-batches from 1 to 64, got {self.accumulate!r}")
-        if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))
-                                                    and not isinstance(self.clip_grad_norm, bool)
-                                                    and 0 < self.clip_grad_norm < float("inf")):
-            raise ValueError(f"clip_grad_norm must be a positive number (the largest total norm), "
-                             f"got {self.clip_grad_norm!r}")
-        if self.compile and self.offload_activations:
-            raise ValueError("compile is measured on the model's own forward and loss: leave out offload_activations "
-                             "with it (torch.compile would trace save_on_cpu's hooks too, differently)")
-        if self.optimizer_in_backward:
-            clash = [name for name, on in (("accumulate", self.accumulate > 1), ("clip_grad_norm", self.clip_grad_norm),
-                                           ("grad_scaler", self.grad_scaler)) if on]
-            if clash:
-                raise ValueError(f"optimizer_in_backward steps each parameter as soon as its gradient exists, so "
-                                 f"it cannot take {', '.join(clash)} (they need every gradient at the end of "
-                                 f"backward, as torchtune also says): drop one or the other")
+        check_step_options(self, fp16_autocast=self.amp == torch.float16)
 
 
 # the recipe options gpulab.step, gpulab.fit and the CLI take, and their defaults
@@ -191,20 +167,6 @@ RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False
                    "double_quant": True, "quant_compute_dtype": "input", "routing": None, "tp": 1,
                    "sequence_parallel": False, "pp": 1, "microbatches": None, "schedule": "1f1b", "pp_stage": 0,
                    "virtual_stages": 1, "fp8": None, "cp": 1, "ep": 1}
-
-
-def _check_pipeline_recipe(r: "Recipe") -> None:
-    """A pipeline stage runs its micro-batches itself: refuse what would run them otherwise; the
-    micro-batch count defaults to the number of stages."""
-    clash = [name for name, on in (("accumulate", r.accumulate > 1), ("lora", r.lora), ("quantize", r.quantize),
-                                   ("compile", r.compile), ("offload_activations", r.offload_activations),
-                                   ("chunked_loss", r.chunked_loss), ("optimizer_in_backward", r.optimizer_in_backward),
-                                   ("grad_scaler", r.grad_scaler)) if on]
-    if clash:
-        raise ValueError(f"pipeline parallelism is measured on the model's own stages, micro-batches given by "
-                         f"--microbatches: leave out {', '.join(clash)} with pp")
-    if r.microbatches is None:
-        object.__setattr__(r, "microbatches", r.pp)
 
 
 def recipe_options(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -222,61 +184,43 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
                 quant_compute_dtype: str | None = "input", routing: Any = None, tp: int = 1,
                 sequence_parallel: bool = False, pp: int = 1, microbatches: int | None = None,
                 schedule: str = "1f1b", pp_stage: int = 0, virtual_stages: int = 1, fp8: str | None = None, cp: int = 1,
-                ep: int = 1) -> Recipe:
-    """The ``Recipe`` of ``gpulab.step`` / ``gpulab.fit`` from their arguments (``amp``: "fp16",
-    "bf16" or None). Bad values raise ``ValueError`` saying what is allowed."""
-    for name, value in (("grad_scaler", grad_scaler), ("set_to_none", set_to_none),
-                        ("optimizer_in_backward", optimizer_in_backward), ("offload_activations", offload_activations),
-                        ("use_cache", True if use_cache is None else use_cache), ("compile", compile),
-                        ("double_quant", double_quant)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False, got {value!r}")
-    if lora:
-        check_rank(lora)
-    if lora_targets is not None:
-        if not lora:
-            raise ValueError("lora_targets names the layers LoRA adapts: give lora=RANK too (e.g. lora=8)")
-        lora_targets = check_targets(lora_targets)
-    if not (isinstance(lora_dropout, (int, float)) and not isinstance(lora_dropout, bool) and 0 <= lora_dropout < 1):
-        raise ValueError(f"lora_dropout must be a probability from 0 to below 1, got {lora_dropout!r}")
-    if lora_dropout and not lora:
-        raise ValueError("lora_dropout is the dropout on LoRA adapters' inputs: give lora=RANK too (e.g. lora=8)")
-    if quantize is not None and quantize not in QUANTIZATIONS:
-        raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)} (the base weights as bitsandbytes "
-                         f"stores them), got {quantize!r}")
-    if quantize and not lora:
-        raise ValueError(f"a {quantize} base is frozen: it trains through adapters; add lora=RANK (QLoRA: "
-                         f"quantize='nf4', lora=8; on the command line --lora R, or --qlora)")
-    quant_compute_dtype = "input" if quant_compute_dtype is None else quant_compute_dtype
-    _check_adapter_options(lora, quantize, lora_dtype, double_quant, quant_compute_dtype)
-    key = validate_amp(amp)
-    return Recipe(optimizer, amp=AMP_DTYPES[key] if key else None, grad_scaler=grad_scaler, set_to_none=set_to_none,
-                  accumulate=accumulate, clip_grad_norm=clip_grad_norm, optimizer_in_backward=optimizer_in_backward,
-                  offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache, compile=compile,
-                  implementation=implementation, checkpointing=checkpointing, lora=lora, lora_targets=lora_targets,
-                  lora_dropout=float(lora_dropout), quantize=quantize, lora_dtype=lora_dtype, double_quant=double_quant,
-                  quant_compute_dtype=quant_compute_dtype, routing=routing, tp=tp, sequence_parallel=sequence_parallel,
-                  pp=pp, microbatches=microbatches, schedule=schedule, pp_stage=pp_stage, virtual_stages=virtual_stages,
-                  fp8=fp8, cp=cp, ep=ep)
+                ep: int = 1) -> LoopRecipe:
+    """The loop's recipe of ``gpulab.step`` / ``gpulab.fit`` from their flat arguments (``amp``: "fp16",
+    "bf16" or None), through the public ``Recipe`` and ``Layout`` (``gpulab.options``), which check
+    them: bad values raise ``ValueError`` saying what is allowed."""
+    recipe = Recipe(optimizer, amp=amp, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
+                    grad_scaler=grad_scaler, set_to_none=set_to_none, optimizer_in_backward=optimizer_in_backward,
+                    offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache,
+                    compile=compile, implementation=implementation, checkpointing=checkpointing, lora=lora,
+                    lora_targets=lora_targets, lora_dropout=lora_dropout, quantize=quantize, lora_dtype=lora_dtype,
+                    double_quant=double_quant, quant_compute_dtype=quant_compute_dtype, routing=routing, fp8=fp8)
+    layout = Layout(tp=tp, sequence_parallel=sequence_parallel, pp=pp, microbatches=microbatches, schedule=schedule,
+                    pp_stage=pp_stage, virtual_stages=virtual_stages, cp=cp, ep=ep)
+    check_together(recipe, layout)
+    return loop_recipe(recipe, layout)
 
 
-def _check_adapter_options(lora: int, quantize: str | None, lora_dtype: str, double_quant: bool,
-                           quant_compute_dtype: str) -> None:
-    """The adapters' dtype and a 4-bit base's two choices: valid, and only with what they change."""
-    check_lora_dtype(lora_dtype)
-    if lora_dtype != "fp32" and not lora:
-        raise ValueError("lora_dtype is the LoRA adapters' dtype: give lora=RANK too (e.g. lora=8)")
-    if quant_compute_dtype != "input" and quant_compute_dtype not in COMPUTE_DTYPES:
-        raise ValueError(f"quant_compute_dtype must be one of {', '.join(COMPUTE_DTYPES)} (bitsandbytes' "
-                         f"bnb_4bit_compute_dtype; transformers' default is fp32), or 'input' for the input's dtype "
-                         f"(Linear4bit's own default); got {quant_compute_dtype!r}")
-    for name, on in (("double_quant=False", not double_quant), ("quant_compute_dtype", quant_compute_dtype != "input")):
-        if on and quantize not in FOUR_BIT:
-            raise ValueError(f"{name} is a choice of a 4-bit base (bitsandbytes' Linear4bit): give "
-                             f"quantize='nf4' or 'fp4' with it")
+def loop_recipe(recipe: Recipe, layout: Layout) -> LoopRecipe:
+    """How the loop runs the step a public ``Recipe`` describes in a ``Layout`` (both checked when
+    made; ``check_together`` says what they cannot do together). ``recipe.dtype`` is the model's,
+    which the loop takes apart (``train_experiment``'s ``dtype``); the layout's GPUs and strategy are
+    ``predict.sharding``'s: the loop runs one rank."""
+    check_together(recipe, layout)
+    return LoopRecipe(recipe.optimizer, implementation=recipe.implementation,
+                      amp=AMP_DTYPES[recipe.amp] if recipe.amp else None, grad_scaler=recipe.grad_scaler,
+                      set_to_none=recipe.set_to_none, accumulate=recipe.accumulate,
+                      clip_grad_norm=recipe.clip_grad_norm, optimizer_in_backward=recipe.optimizer_in_backward,
+                      offload_activations=recipe.offload_activations, chunked_loss=recipe.chunked_loss,
+                      use_cache=recipe.use_cache, compile=recipe.compile, checkpointing=recipe.checkpointing,
+                      lora=recipe.lora, lora_targets=recipe.lora_targets, lora_dropout=recipe.lora_dropout,
+                      quantize=recipe.quantize, lora_dtype=recipe.lora_dtype, double_quant=recipe.double_quant,
+                      quant_compute_dtype=recipe.quant_compute_dtype, routing=recipe.routing, fp8=recipe.fp8,
+                      tp=layout.tp, sequence_parallel=layout.sequence_parallel, cp=layout.cp, ep=layout.ep,
+                      pp=layout.pp, microbatches=layout.microbatches, schedule=layout.schedule,
+                      virtual_stages=layout.virtual_stages, pp_stage=layout.pp_stage)
 
 
-def check_recipe_for(r: Recipe, w: Workload, dtype: torch.dtype | None = None) -> None:
+def check_recipe_for(r: LoopRecipe, w: Workload, dtype: torch.dtype | None = None) -> None:
     """Refuse, before anything runs, a recipe this workload cannot take in ``dtype`` (ValueError saying why)."""
     if r.fp8:   # torchao's float8 linear layers: a model or dtype they cannot train (built on meta: free)
         check_fp8_workload(w, dtype)
@@ -307,7 +251,7 @@ def check_recipe_for(r: Recipe, w: Workload, dtype: torch.dtype | None = None) -
                          f"as a {task_of(w.config)}: leave chunked_loss out")
 
 
-def recipe_workload(w: Workload, r: Recipe) -> Workload:
+def recipe_workload(w: Workload, r: LoopRecipe) -> Workload:
     """The model ``r`` trains: ``w`` checkpointed and/or with LoRA adapters when ``r`` asks
     (``models.adapt.adapted``). ``train_experiment`` builds through it; a caller that reads the
     model's shapes (``predict.breakdown``) uses it too. With cp or ep: one rank's (its sequence
@@ -318,7 +262,7 @@ def recipe_workload(w: Workload, r: Recipe) -> Workload:
                    double_quant=r.double_quant, quant_compute_dtype=COMPUTE_DTYPES.get(r.quant_compute_dtype))
 
 
-def changed_options(r: Recipe) -> dict[str, Any]:
+def changed_options(r: LoopRecipe) -> dict[str, Any]:
     """The user-facing options ``r`` sets away from their defaults (empty for the plain loop), and
     the choices an answer depends on whenever their option is on, defaults included: LoRA's
     ``lora_dtype``, a 4-bit base's ``double_quant`` and ``quant_compute_dtype``."""
@@ -336,7 +280,7 @@ def changed_options(r: Recipe) -> dict[str, Any]:
     return shown
 
 
-def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | None, recipe: Recipe = Recipe(), *,
+def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | None, recipe: LoopRecipe = LoopRecipe(), *,
                      moment: Callable[[RunContext, str], None] | None = None,
                      report: Callable[[RunContext, torch.nn.Module, torch.optim.Optimizer, Any], dict[str, Any]]
                      | None = None):
@@ -418,7 +362,7 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
     return experiment
 
 
-def _assume_routing(net: torch.nn.Module, w: Workload, r: Recipe) -> None:
+def _assume_routing(net: torch.nn.Module, w: Workload, r: LoopRecipe) -> None:
     """A mixture of experts runs under its routing assumption (``training.routing``); a model
     without routed experts refuses an explicit one."""
     if install_routing(net, r.routing) is None and r.routing is not None:
@@ -428,7 +372,7 @@ def _assume_routing(net: torch.nn.Module, w: Workload, r: Recipe) -> None:
         install_expert_parallel(net, r.ep, total_experts(w.config), r.routing)
 
 
-def _in_layout(r: Recipe, ctx: RunContext, steps: Callable) -> dict[str, Any]:
+def _in_layout(r: LoopRecipe, ctx: RunContext, steps: Callable) -> dict[str, Any]:
     """``steps(ctx, parallel)`` on one device, or as rank 0 of ``r.tp`` tensor-parallel ranks in a fake
     process group (``parallel`` splits the model built; every rank of the group is alike)."""
     if r.tp == 1 and r.ep == 1:
@@ -445,7 +389,7 @@ class _InBackward:
     stepped by the parameter's post-accumulate-grad hook, its gradient dropped (or zeroed) right
     after; ``state`` gathers theirs (what the tracker and reports read)."""
 
-    def __init__(self, r: Recipe, params: list[torch.nn.Parameter], fake: bool):
+    def __init__(self, r: LoopRecipe, params: list[torch.nn.Parameter], fake: bool):
         self.per_param = {p: _one_optimizer(r, [p]) for p in params}
         self.set_to_none, self.fake = r.set_to_none, fake
         me = weakref.ref(self)   # the parameters' hooks must not keep their optimizers alive (a cycle)
@@ -475,20 +419,20 @@ def _step_in_backward(owner: "weakref.ref[_InBackward]", p: torch.nn.Parameter) 
         opt.zero_grad(set_to_none=me.set_to_none)
 
 
-def _one_optimizer(r: Recipe, params: list) -> torch.optim.Optimizer:
+def _one_optimizer(r: LoopRecipe, params: list) -> torch.optim.Optimizer:
     if r.implementation == "default":
         return make_optimizer(r.optimizer, params)
     return build_optimizer(r.optimizer, params, r.implementation)
 
 
-def _optimizers(r: Recipe, net: torch.nn.Module, fake: bool):
+def _optimizers(r: LoopRecipe, net: torch.nn.Module, fake: bool):
     """The run's optimizer over the trainable parameters (no name kept for the list: teardown
     frees the model), or one per parameter, stepped in backward."""
     params = [p for p in net.parameters() if p.requires_grad]
     return _InBackward(r, params, fake) if r.optimizer_in_backward else _one_optimizer(r, params)
 
 
-def recipe_loss(w: Workload, r: Recipe, net: torch.nn.Module) -> Callable[[Any], torch.Tensor]:
+def recipe_loss(w: Workload, r: LoopRecipe, net: torch.nn.Module) -> Callable[[Any], torch.Tensor]:
     """What the loop's forward phase runs on one batch: ``data -> loss``. The model's own forward
     and ``w.loss``, or ``chunked_lm_loss`` in ``r.chunked_loss`` chunks; with ``r.compile`` the
     model, or with a chunked loss the whole chunked function (body, head chunk by chunk and
@@ -515,7 +459,7 @@ def _compiled(fn: Callable) -> Callable:
 
 
 def _warm_up(ctx: RunContext, step_loss: Callable[[Any], torch.Tensor], net: torch.nn.Module, data,
-             r: Recipe) -> None:
+             r: LoopRecipe) -> None:
     """One forward and backward of the compiled model with the tracker paused (dynamo captures,
     AOTAutograd partitions), then the gradients dropped: the measured steps run the compiled graphs."""
     with ctx.tracker.paused():
@@ -526,7 +470,7 @@ def _warm_up(ctx: RunContext, step_loss: Callable[[Any], torch.Tensor], net: tor
         net.zero_grad(set_to_none=True)
 
 
-def _forward_options(data, r: Recipe):
+def _forward_options(data, r: LoopRecipe):
     """The batch as the forward gets it: with ``use_cache`` when the recipe sets it (no name may
     keep the batch alive past the step: a fresh batch is freed right after backward)."""
     return data if r.use_cache is None else (data[0], {**data[1], "use_cache": r.use_cache})
@@ -560,7 +504,7 @@ def _optimizer_step(ctx: RunContext, net: torch.nn.Module, opt: torch.optim.Opti
 def step_experiment(spec: ModelSpec, batch: int, image_size: int, optimizer: str, dtype: torch.dtype,
                     steps: int = 1):
     """``steps`` training steps of a registered image model at one batch size."""
-    return train_experiment(image_workload(spec, image_size), [batch] * steps, dtype, Recipe(optimizer))
+    return train_experiment(image_workload(spec, image_size), [batch] * steps, dtype, LoopRecipe(optimizer))
 
 
 def _autocast(device: torch.device, amp: torch.dtype | None):
@@ -570,13 +514,9 @@ def _autocast(device: torch.device, amp: torch.dtype | None):
 
 
 def validate_amp(amp: str | None) -> str | None:
-    """"fp16" / "bf16" (``AMP_DTYPES``' keys), or None for no autocast; anything else is refused."""
-    if amp is None or str(amp).lower() in ("", "none", "off", "no"):
-        return None
-    key = str(amp).lower()
-    if key not in AMP_DTYPES:
-        raise ValueError(f"unknown --amp {amp!r}; valid: {', '.join(AMP_DTYPES)} (or leave it out for no autocast)")
-    return key
+    """"fp16" / "bf16" (``AMP_DTYPES``' keys), or None for no autocast; anything else is refused
+    (``options.check_amp``)."""
+    return check_amp(amp)
 
 
 def step_peaks(m: Measurement) -> list[int]:

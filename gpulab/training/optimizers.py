@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from gpulab.formulas import OPTIMIZER_STATES, RECIPE_OPTIMIZERS, check_optimizer
+from gpulab.options import check_implementation   # torch-free: IMPL_FLAGS' keys, checked before torch loads
 from gpulab.training.eight_bit import AdamW8bit, PagedAdamW8bit
 
 __all__ = [
@@ -47,13 +48,6 @@ IMPL_FLAGS = {"default": {}, "for-loop": {"foreach": False}, "foreach": {"foreac
 
 class UnsupportedImplementation(ValueError):
     """This optimizer cannot run with this implementation here; the message says why."""
-
-
-def check_implementation(impl: str) -> str:
-    key = str(impl).lower()
-    if key not in IMPL_FLAGS:
-        raise ValueError(f"unknown implementation {impl!r}; valid: {', '.join(IMPL_FLAGS)}")
-    return key
 
 
 def constructor(name: str, implementation: str) -> tuple[type, dict[str, Any]]:

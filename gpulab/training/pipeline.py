@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from gpulab.models.hf_configs import MOE_EVERY_K, per_layer_lists
-from gpulab.options import SCHEDULES   # torch-free: the CLI offers the same names
+from gpulab.options import SCHEDULES, check_pp_options   # torch-free: the CLI checks them before torch loads
 
 __all__ = ["SCHEDULES", "InterleavedStep", "StageShape", "StageStep", "check_pipeline", "check_pp_options",
            "distinct_stages", "in_flight", "interleaved_actions", "pipeline_stage", "rank_range", "run_in_flight",
@@ -61,44 +61,6 @@ SCHEDULE_LABEL = ("micro-batches in flight: the schedule's count (GPipe: all M; 
 INTERLEAVED_LABEL = ("interleaved 1F1B: each rank's V chunks run in the order torch.distributed.pipelining's "
                      "ScheduleInterleaved1F1B gives that rank (every forward and backward of the step, measured); "
                      "in flight: chunk micro-batches, each 1/V of a stage's layers")
-
-
-def check_pp_options(pp: int, microbatches: int | None = None, schedule: str = "1f1b", stage: int = 0,
-                     virtual: int = 1) -> None:
-    """ValueError, in one line, for a pipeline degree, micro-batch count, schedule, stage or number of
-    virtual stages (chunks per rank) that is not one."""
-    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
-        raise ValueError(f"pipeline parallelism must be a whole number of stages >= 1, got {pp!r}")
-    if microbatches is not None and (not isinstance(microbatches, int) or isinstance(microbatches, bool)
-                                     or not 1 <= microbatches <= 1024):
-        raise ValueError(f"microbatches must be a whole number from 1 to 1024, got {microbatches!r}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < pp:
-        raise ValueError(f"pp_stage must be a stage from 0 to {pp - 1}, got {stage!r}")
-    if pp == 1 and (microbatches is not None or schedule != "1f1b" or stage or virtual != 1):
-        raise ValueError("microbatches, schedule, pp_stage and virtual_stages are a pipeline's: give --pp 2 or more")
-    _check_virtual(schedule, virtual, pp, microbatches)
-
-
-def _check_virtual(schedule: str, virtual: int, pp: int, microbatches: int | None) -> None:
-    """Chunks per rank go with the interleaved schedule only, two or more of them; its micro-batches
-    as torch's ScheduleInterleaved1F1B takes them (a multiple of its rounds, max(1, M // pp))."""
-    if not isinstance(virtual, int) or isinstance(virtual, bool) or not 1 <= virtual <= 64:
-        raise ValueError(f"virtual_stages must be a whole number of model chunks per rank from 1 to 64, got {virtual!r}")
-    if schedule != "interleaved":
-        if virtual != 1:
-            raise ValueError(f"virtual_stages (model chunks per rank) is the interleaved schedule's: add --schedule "
-                             f"interleaved, or leave virtual_stages out with {schedule}")
-        return
-    if virtual < 2:
-        raise ValueError("the interleaved schedule puts two or more model chunks on each rank: give --virtual-stages "
-                         "2 or more (Megatron-LM's virtual pipeline size)")
-    rounds = max(1, (microbatches or pp) // pp)
-    if microbatches is not None and microbatches % rounds:
-        raise ValueError(f"interleaved 1F1B runs micro-batches in rounds of pp: {microbatches} micro-batches make "
-                         f"{rounds} rounds and {rounds} does not divide {microbatches} (torch's "
-                         f"ScheduleInterleaved1F1B); use a multiple of {pp}, or fewer than {2 * pp}")
 
 
 def check_pipeline(config: Any, pp: int, virtual: int = 1) -> None:

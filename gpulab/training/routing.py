@@ -79,6 +79,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from gpulab.options import check_routing_text   # torch-free: the CLI checks a routing before torch loads
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -143,21 +145,8 @@ def parse_routing(value: Any) -> Routing | None:
         return value
     if isinstance(value, (list, tuple)):
         return Routing.exact(value)
-    text = str(value).strip().lower()
-    if text in ("balanced", "worst", "router"):
-        return Routing(text)
-    if text.startswith("capacity"):
-        _, _, factor = text.partition(":")
-        try:
-            f = float(factor)
-        except ValueError:
-            f = -1.0
-        if not 0 < f < float("inf"):
-            raise ValueError(f"routing 'capacity:F' takes a capacity factor F > 0 (e.g. capacity:1.25), "
-                             f"got {value!r}")
-        return Routing("capacity", capacity_factor=f)
-    raise ValueError(f"routing must be 'balanced', 'capacity:F' (e.g. capacity:1.25), 'worst' or 'router', "
-                     f"got {value!r}")
+    kind, factor = check_routing_text(value)
+    return Routing(kind, capacity_factor=factor)
 
 
 def expert_rows(r: Routing, tokens: int, top_k: int, experts: int, layer: int = 0) -> list[int]:

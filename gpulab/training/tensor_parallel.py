@@ -36,6 +36,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from gpulab.options import check_tp_options   # torch-free: the CLI checks it before torch loads
+
 __all__ = ["TP_STYLES", "check_tensor_parallel", "check_tp_options", "fake_world", "tensor_parallel"]
 
 TP_STYLES = ("colwise", "rowwise", "colwise_gather_output")
@@ -62,15 +64,6 @@ def fake_world(size: int) -> Iterator[Any]:
         yield mesh
     finally:
         dist.destroy_process_group()
-
-
-def check_tp_options(tp: int, sequence_parallel: bool = False) -> None:
-    """ValueError, in one line, for a tensor-parallel degree that is not a whole number >= 1, or
-    sequence parallelism without it."""
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"tensor parallelism must be a whole number of ranks >= 1, got {tp!r}")
-    if sequence_parallel and tp < 2:
-        raise ValueError("sequence parallelism splits the sequence over the tensor-parallel ranks: give --tp 2 or more")
 
 
 def check_tensor_parallel(config: Any, tp: int, sequence_parallel: bool = False) -> None:

@@ -16,7 +16,7 @@ from gpulab.measure.engines import Measurement, RunContext, run
 from gpulab.training.optimizers import (IMPLEMENTATIONS, UnsupportedImplementation)
 from gpulab.models.registry import ModelSpec
 from gpulab.models.workload import image_workload
-from gpulab.training.loop import Recipe, train_experiment
+from gpulab.training.loop import LoopRecipe, train_experiment
 from gpulab.categories import CATEGORIES, Category
 from gpulab.record.kinds import record_kind
 from gpulab.models.registry import resolve_model
@@ -78,7 +78,7 @@ def optimizer_experiment(spec: ModelSpec, optimizer: str, implementation: str, b
     the optimizer phase and named moments. Fills ``out`` with the moments and what optimizer.state
     held at the end (plain Python data, so it survives the fake-tensor mode); everything is freed
     in a teardown phase of its own."""
-    recipe = Recipe(optimizer, implementation=implementation, amp=autocast, zero_grad="top, optimizer phase",
+    recipe = LoopRecipe(optimizer, implementation=implementation, amp=autocast, zero_grad="top, optimizer phase",
                     set_to_none=set_to_none, teardown=True)
     marks: dict[str, int] = {}
 

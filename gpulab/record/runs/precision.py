@@ -16,7 +16,7 @@ from torch import nn
 from gpulab.measure.engines import Measured, Measurement, run
 from gpulab.models.registry import ModelSpec
 from gpulab.models.workload import image_workload
-from gpulab.training.loop import Recipe, train_experiment
+from gpulab.training.loop import LoopRecipe, train_experiment
 from gpulab.categories import Category
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.record.kinds import head, record_kind
@@ -68,7 +68,7 @@ def precision_experiment(spec: ModelSpec, batch: int, image_size: int, optimizer
     low = parse_dtype(mode.split()[-1]) if mode != "fp32" else torch.float32
     pure = mode.startswith("pure")
     amp = mode.startswith("autocast")
-    recipe = Recipe(optimizer, amp=low if amp else None, grad_scaler=amp and low == torch.float16, seed=0,
+    recipe = LoopRecipe(optimizer, amp=low if amp else None, grad_scaler=amp and low == torch.float16, seed=0,
                     register_model=True)
 
     def report(ctx, net: nn.Module, opt: torch.optim.Optimizer, scaler) -> dict[str, Any]:

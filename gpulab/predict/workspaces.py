@@ -6,14 +6,15 @@ time, so the fake engine cannot predict it. Where the question is about the card
 on, and that record holds a training step of the same model, batch, dtype, image size and
 optimizer, the recorded figure is added at the peak, labelled with its provenance ("recorded on
 NVIDIA H200, 2026-11-26, torch 2.11.0+cu130"); anywhere else the answer says "cuDNN workspaces:
-not predicted" (``predict.step.NOT_PREDICTED``).
+not predicted" (``NOT_PREDICTED``).
 
 The recorded figure is the step's ``beyond_tensors`` (``measure.engines.beyond_tensors``: the
 allocator's peak beyond the live tensors' blocks) less what the run kept allocated after it
 (``kept_after_run``: cuBLAS's workspaces, made by the first matmul of the process, which
 ``predict.cards.Card.workspace_bytes`` counts apart); never below zero.
 
-``step`` is ``gpulab.step``: ``predict.step.step`` with this filled in.
+``predict.step.step`` (``gpulab.step``) fills it in on the fake engine's CUDA target; the records are
+read as data from the floor below (``measure.recorded``), not by wrapping the step from ``record/``.
 """
 from __future__ import annotations
 
@@ -21,18 +22,18 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from gpulab.measure.recorded import load_records, record_label
 from gpulab.predict.cards import Card, parse_gpu
-from gpulab.predict.step import NOT_PREDICTED, StepResult
-from gpulab.predict.step import step as _step
-from gpulab.record.lookup import load_records, record_label
 
-__all__ = ["RecordedWorkspace", "recorded_cudnn_workspace", "step"]
+__all__ = ["NOT_PREDICTED", "RecordedWorkspace", "recorded_cudnn_workspace"]
 
+NOT_PREDICTED = "cuDNN workspaces: not predicted (they depend on the algorithm cuDNN picks at run time)"
 _MATCH = ("model", "batch", "dtype", "image_size", "optimizer")
 
 
 @dataclass(frozen=True)
 class RecordedWorkspace:
+    """The recorded cuDNN workspaces at the peak, or None (not predicted), and where that comes from."""
     nbytes: int | None    # None: not predicted
     label: str
 
@@ -66,17 +67,3 @@ def recorded_cudnn_workspace(gpu: Any, params: dict[str, Any], steps: int | None
             return RecordedWorkspace(nbytes, f"cuDNN workspaces at the peak: {record_label(rec.provenance)} "
                                              "(the allocator's peak beyond the live tensors' blocks)")
     return RecordedWorkspace(None, f"{NOT_PREDICTED}; no step of these settings was recorded on {card.name}")
-
-
-def step(model: Any, inputs: Any = None, *, gpu: Any = None, **kwargs: Any) -> StepResult:
-    """``gpulab.step``: ``predict.step.step`` (see there for every argument); on the fake engine's
-    CUDA target with ``gpu`` named, the cuDNN workspaces recorded on that card for these settings."""
-    result = _step(model, inputs, gpu=gpu, **kwargs)
-    m = result.measurement
-    if gpu is None or m.engine != "fake" or m.kernels != "cuda":
-        return result
-    found = recorded_cudnn_workspace(gpu, {"model": result.model, "batch": result.batch, "dtype": result.dtype,
-                                           "image_size": result.image_size, "optimizer": result.optimizer},
-                                     result.steps)
-    result.cudnn_workspace_bytes, result.cudnn_workspace_label = found.nbytes, found.label
-    return result
