@@ -66,3 +66,26 @@ def test_a_snapshot_with_wrong_typed_fields_names_the_field(segment, trace, said
     msg = str(e.value)
     assert said in msg and msg.startswith("not a memory snapshot") and "\n" not in msg
     read_snapshot(pickle.dumps({"segments": [SEGMENT], "device_traces": [[]]})).replay()   # the good one is read
+
+
+def test_a_panel_refuses_a_value_outside_its_range_instead_of_clamping_it():
+    """sharding_panel(world_size=99) became 4 without a word; a dropdown's unknown value and a power-of-two
+    slider's other value raised traitlets' TraitError. Now one ValueError naming the range or choices,
+    from the panel's arguments and from panel.set alike; in-range values are taken."""
+    from gpulab.widgets.distributed import sharding_panel
+    from gpulab.widgets.largest_batch import largest_batch_panel
+    from gpulab.widgets.tensor_bytes import rounding_panel
+    with pytest.raises(ValueError, match=r"processes must be a whole number from 1 to 4 \(the panel's range\), got 99"):
+        sharding_panel(world_size=99)
+    with pytest.raises(ValueError, match=r"strategy must be one of 'ddp', .* got 'zero9'"):
+        sharding_panel(strategy="zero9")
+    with pytest.raises(ValueError, match="context_mib must be a whole number from 0 to 2048"):
+        largest_batch_panel(context_mib=9999)
+    with pytest.raises(ValueError, match="max_elements must be a whole number from 16 to 2048"):
+        rounding_panel(max_elements=1)
+    panel = sharding_panel(world_size=3)
+    assert panel.controls["world_size"].value == 3
+    with pytest.raises(ValueError, match=r"world_size must be a whole number from 1 to 4 .* got 99"):
+        panel.set(world_size=99)
+    assert panel.controls["world_size"].value == 3 and panel.runs == 0
+    assert largest_batch_panel(card_gib=24).controls["card_gib"].value == 24   # (label, value) choices

@@ -28,8 +28,8 @@ import ipywidgets as W
 from IPython.display import HTML, display
 
 __all__ = [
-    "ENGINES", "GuardVerdict", "Panel", "REUSED_NOTE", "dropdown", "model_controls", "reuse_first",
-    "slider"
+    "ENGINES", "GuardVerdict", "Panel", "REUSED_NOTE", "check_control_value", "dropdown", "model_controls",
+    "reuse_first", "slider", "with_value"
 ]
 
 
@@ -98,6 +98,7 @@ class Panel:
             for k, v in values.items():
                 if k not in self.controls:
                     raise KeyError(f"no control {k!r}; controls: {', '.join(self.controls)}")
+                check_control_value(k, self.controls[k], v)   # a slider would clamp it without a word
                 self.controls[k].value = v
         finally:
             self.auto_run = auto
@@ -238,21 +239,50 @@ def _escape(text: str) -> str:
     return html.escape(text)
 
 
+def check_control_value(name: str, control: W.Widget, value: Any) -> None:
+    """``ValueError`` in one line, naming ``name``, the value and what the control takes, for a value
+    outside a control's range or choices: an ``IntSlider`` would clamp it without a word (99
+    processes becoming 4), a dropdown or selection slider raise traitlets' ``TraitError``."""
+    if isinstance(control, (W.IntSlider, W.BoundedIntText)):
+        if not isinstance(value, int) or isinstance(value, bool) or not control.min <= value <= control.max:
+            raise ValueError(f"{name} must be a whole number from {control.min} to {control.max} (the panel's "
+                             f"range), got {value!r}")
+    elif hasattr(control, "_options_values") and value not in control._options_values:
+        choices = list(control._options_values)
+        shown = ", ".join(map(repr, choices)) if len(choices) <= 20 else f"{choices[0]!r} ... {choices[-1]!r}"
+        raise ValueError(f"{name} must be one of {shown} (the panel's choices), got {value!r}")
+
+
+def with_value(name: str, control: W.Widget, value: Any) -> W.Widget:
+    """``control`` set to ``value`` once ``check_control_value`` took it (a control built at its first
+    value, so that nothing is clamped or raised on the way)."""
+    check_control_value(name, control, value)
+    control.value = value
+    return control
+
+
 def slider(description: str, value: int, min: int, max: int, step: int = 1, log: bool = False) -> W.Widget:
-    """An integer slider (or a dropdown of powers of two when ``log``) that fires on release."""
+    """An integer slider (or a dropdown of powers of two when ``log``) that fires on release. A
+    ``value`` outside the range is refused (``check_control_value``), never clamped."""
     if log:
         options = [v for v in (2**i for i in range(0, 16)) if min <= v <= max]
-        return W.SelectionSlider(options=options, value=value, description=description,
-                                 continuous_update=False, style={"description_width": "initial"})
-    return W.IntSlider(value=value, min=min, max=max, step=step, description=description,
-                       continuous_update=False, style={"description_width": "initial"})
+        control = W.SelectionSlider(options=options, value=options[0], description=description,
+                                    continuous_update=False, style={"description_width": "initial"})
+    else:
+        control = W.IntSlider(value=min, min=min, max=max, step=step, description=description,
+                              continuous_update=False, style={"description_width": "initial"})
+    return with_value(description, control, value)
 
 
 def dropdown(description: str, options, value=None) -> W.Dropdown:
+    """A dropdown; a ``value`` not among ``options`` is refused in one line (``check_control_value``)."""
     options = list(options)
-    return W.Dropdown(options=options, value=value if value is not None else options[0],
-                      description=description, style={"description_width": "initial"},
-                      layout=W.Layout(width="auto"))
+    control = W.Dropdown(options=options, description=description,   # the first option's value
+                         style={"description_width": "initial"}, layout=W.Layout(width="auto"))
+    if value is not None:
+        check_control_value(description, control, value)
+        control.value = value
+    return control
 
 
 ENGINES = ("auto", "cpu", "fake", "cuda")

@@ -14,7 +14,7 @@ from gpulab.measure.engines import DEFAULT_MAX_CPU_BYTES, choose_engine
 from gpulab.course.start import SIZE_OPTIONS_MIB, EngineDemo, engine_demo
 from gpulab.course.tensor_plots import engine_demo_figure, to_png
 from gpulab.units import MiB, format_bytes
-from gpulab.widgets.base import GuardVerdict, Panel, dropdown, ENGINES
+from gpulab.widgets.base import GuardVerdict, Panel, dropdown, ENGINES, with_value
 from gpulab.widgets.guard import free_memory
 
 __all__ = [
@@ -74,8 +74,9 @@ def render_engine_demo(result: EngineDemo) -> list[Any]:
 
 def _mib_slider(description: str, options, value) -> W.SelectionSlider:
     opts = [(f"{v:,} MiB" if v < 1024 else f"{v // 1024:,} GiB", v) for v in options]
-    return W.SelectionSlider(options=opts, value=value, description=description, continuous_update=False,
-                             style={"description_width": "initial"}, layout=W.Layout(width="340px"))
+    return with_value(description, W.SelectionSlider(options=opts, description=description, continuous_update=False,
+                                                     style={"description_width": "initial"},
+                                                     layout=W.Layout(width="340px")), value)
 
 
 def engine_panel(size_mib: int = 4, engine: str = "auto",

@@ -16,7 +16,7 @@ from gpulab.course.parameters import (LAYER_KINDS, MODEL_DTYPES, LayerParams, Mo
 from gpulab.record.lookup import RecordLookup, find_record
 from gpulab.record.views import allocator_rows, recorded_html
 from gpulab.units import format_bytes, parse_dtype
-from gpulab.widgets.base import Panel, dropdown, ENGINES
+from gpulab.widgets.base import Panel, dropdown, ENGINES, with_value
 from gpulab.widgets.guard import memory_guard
 
 __all__ = [
@@ -27,8 +27,9 @@ __all__ = [
 
 
 def _int_box(description: str, value: int, max_value: int) -> W.BoundedIntText:
-    return W.BoundedIntText(value=value, min=1, max=max_value, description=description,
-                            style={"description_width": "initial"}, layout=W.Layout(width="150px"))
+    return with_value(description, W.BoundedIntText(value=1, min=1, max=max_value, description=description,
+                                                    style={"description_width": "initial"},
+                                                    layout=W.Layout(width="150px")), value)
 
 
 # --- one layer ----------------------------------------------------------------------------------
@@ -62,8 +63,9 @@ def layer_panel(kind: str = "Conv2d", in_size: int = 64, out_size: int = 128, ke
         "kind": dropdown("layer", LAYER_KINDS, kind),
         "in_size": _int_box("in", in_size, 1_000_000),
         "out_size": _int_box("out", out_size, 100_000),
-        "kernel": W.IntSlider(value=kernel, min=1, max=11, description="kernel", continuous_update=False,
-                              style={"description_width": "initial"}),
+        "kernel": with_value("kernel", W.IntSlider(value=1, min=1, max=11, description="kernel",
+                                                   continuous_update=False, style={"description_width": "initial"}),
+                             kernel),
         "groups": _int_box("groups", groups, 100_000),
         "bias": W.Checkbox(value=bias, description="bias", indent=False, layout=W.Layout(width="80px")),
         "dtype": dropdown("dtype", MODEL_DTYPES, dtype),

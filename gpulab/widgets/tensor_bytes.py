@@ -20,7 +20,7 @@ from gpulab.course.tensor_plots import rounding_figure, tensor_bytes_figure, to_
 from gpulab.record.lookup import RecordLookup, find_record
 from gpulab.record.views import recorded_html
 from gpulab.units import DTYPES, parse_dtype
-from gpulab.widgets.base import GuardVerdict, Panel, dropdown
+from gpulab.widgets.base import GuardVerdict, Panel, dropdown, with_value
 from gpulab.widgets.env import engine_guard
 
 __all__ = [
@@ -120,8 +120,9 @@ def rounding_panel(dtype: str = "float32", max_elements: int = 300, engine: str 
     plain = [d for d in dtype_names() if DTYPES[d].kind != "quantized"]
     controls = {
         "dtype": dropdown("dtype", plain, dtype),
-        "max_elements": W.IntSlider(value=max_elements, min=16, max=2048, step=16, description="up to elements",
-                                    continuous_update=False, style={"description_width": "initial"}),
+        "max_elements": with_value("max_elements", W.IntSlider(value=16, min=16, max=2048, step=16,
+                                                               description="up to elements", continuous_update=False,
+                                                               style={"description_width": "initial"}), max_elements),
         "engine": dropdown("engine", ENGINE_OPTIONS, engine),
     }
     return Panel("512-byte blocks on CUDA", controls, compute_rounding, render_rounding, auto_run=True,
