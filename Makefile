@@ -39,7 +39,7 @@ TEST_STAMP  := $(VENV)/.gpulab-test
 # module-scoped fixture is built once. The slowest tests are listed at the end.
 PYTEST_PAR := -n auto --dist loadgroup --durations=20
 
-.PHONY: lab test quick test-colab venv clean chromium
+.PHONY: lab test test-browser-all quick test-colab venv clean chromium
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "gpulab needs Python 3.11 or newer; $(PYTHON) is " + sys.version.split()[0] + ". Run: make PYTHON=python3.11 (or python3.12, ...)")'
@@ -88,8 +88,13 @@ lab: $(LAB_STAMP)
 	@if [ "$$(id -u)" = 0 ]; then echo "gpulab: running as root (as in a container): starting JupyterLab with --allow-root"; fi
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS) lessons/
 
+# make test runs the browser test on the one-day workshop's lessons (docs/teaching.md's day table);
+# test-browser-all runs every lesson's every cell in JupyterLab in Chromium, the homework lessons too
 test: $(TEST_STAMP) chromium
-	$(PY) -m pytest $(PYTEST_PAR)
+	$(PY) -m pytest $(PYTEST_PAR) -m "not browser_all"
+
+test-browser-all: $(TEST_STAMP) chromium
+	$(PY) -m pytest $(PYTEST_PAR) -m browser tests/test_browser.py
 
 quick: $(TEST_STAMP)
 	$(PY) -m pytest $(PYTEST_PAR) -m "not notebook and not slow and not browser"

@@ -7,6 +7,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LESSONS = ROOT / "lessons"
 
 
+def core_day_lessons(text: str | None = None) -> set[str]:
+    """The two-digit numbers of the lessons in docs/teaching.md's one-day workshop table (its rows
+    whose second column names a lesson, "| 0:15–0:32 | 00 start here | ..."): the lessons
+    ``make test`` runs in the browser (``make test-browser-all`` runs every lesson)."""
+    import re
+    text = (ROOT / "docs" / "teaching.md").read_text() if text is None else text
+    day = text[text.index("## A one-day workshop"):]
+    day = day[:day.index("\n## ", 3)]
+    return set(re.findall(r"^\| [0-9]+:[0-9]{2}–[0-9]+:[0-9]{2} \| ([0-9]{2}) ", day, re.M))
+
+
 
 def cuda(test):
     """A test that needs a CUDA GPU: marked ``cuda`` (so ``pytest -m cuda`` selects it, as the GPU

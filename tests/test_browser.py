@@ -29,10 +29,15 @@ import urllib.request
 
 import pytest
 
-from conftest import LESSONS, ROOT
+from conftest import LESSONS, ROOT, core_day_lessons
 
 LESSONS_DIR = pathlib.Path(os.environ.get("GPULAB_LESSONS_DIR", LESSONS)).resolve()
 NOTEBOOKS = sorted(LESSONS_DIR.glob("[0-9][0-9]_*.ipynb"))
+# make test runs the one-day workshop's lessons here; the others are marked browser_all, which
+# make test-browser-all runs with the rest (every lesson's every cell in a real front end)
+CORE_DAY = core_day_lessons()
+BROWSER_LESSONS = [p if p.name[:2] in CORE_DAY else pytest.param(p, marks=pytest.mark.browser_all)
+                   for p in NOTEBOOKS]
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
 PANEL_PNG = ROOT / "docs" / "panel.png"
 # lessons whose first panel makes a good README picture, best first
@@ -526,6 +531,16 @@ def test_there_are_lessons_for_the_browser():
     assert NOTEBOOKS, f"no lessons found in {LESSONS_DIR}"
 
 
+def test_the_core_day_is_read_from_the_teaching_guide():
+    """make test runs these lessons in the browser: read from docs/teaching.md's day table, so a
+    table it cannot read (no lesson found, or one that does not exist) fails here, not silently."""
+    table = ("## A one-day workshop\n\n| time | lesson |\n|---|---|\n| 0:00–0:15 | set-up |  |\n"
+             "| 0:15–0:32 | 00 start here | 17 |\n| 1:37–1:46 | questions |  |\n| 2:01–2:31 | 04 a training step | 30 |\n"
+             "\n## Homework\n| 9:00–9:10 | 06 inplace | 10 |\n")
+    assert core_day_lessons(table) == {"00", "04"}
+    assert CORE_DAY and CORE_DAY <= {p.name[:2] for p in NOTEBOOKS}, CORE_DAY
+
+
 PROBE_SLEEP_S = 20
 
 
@@ -579,7 +594,7 @@ def test_run_all_wait_follows_the_kernels_replies(tmp_path, browser):
 @pytest.mark.browser
 @pytest.mark.timeout(int(MAX_LOAD_FACTOR * (LESSON_CAP_S + 200)))   # the Run All's cap, then the panels
 @pytest.mark.xdist_group("browser")  # one JupyterLab server and browser for all lessons
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", BROWSER_LESSONS, ids=lambda p: p.stem)
 def test_lesson_in_browser(path, lab, browser):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
