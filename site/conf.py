@@ -132,7 +132,8 @@ docs/*
 """
 
 
-# Under each lesson's title: what the page is, and where the lesson runs.
+# At the top of each lesson (after its first cell, beside the Colab cell): what the page is, and
+# where the lesson runs.
 STATIC_NOTE = """:::{note}
 This page is the lesson as it ran **on a CPU** when the site was built: its tables, plots and
 panels are saved outputs, labelled as the lesson labels them. A panel's controls move here, but
@@ -141,10 +142,15 @@ from the rocket icon at the top of the page, or in JupyterLab on your machine wi
 :::"""
 
 
+_HTML_ANCHOR = re.compile(r"""^<a (?:id|name)=["']([A-Za-z][\w.-]*)["']>\s*</a>[ \t]*$""", re.M)
+
+
 def _source_read(app, docname, source):
     text = source[0]
     for remote, local in _BADGES.items():   # "/..." is the source folder's root in Sphinx
         text = text.replace(remote, local)
+    if not text.lstrip().startswith("{"):   # Markdown: an HTML anchor line becomes a MyST target,
+        text = _HTML_ANCHOR.sub(r"(\1)=", text)   # so links to page.md#anchor resolve (and say so)
     if docname == root_doc:
         text += _TOCTREES
     if docname.startswith("lessons/") and text.lstrip().startswith("{"):
@@ -222,7 +228,7 @@ class RawHtmlLinks(SphinxPostTransform):
             return f"href={quote}{url}{quote}"
 
         for node in list(self.document.findall(nodes.raw)):
-            if "html" in node.get("format", "").split() and ".ipynb" in node.astext() + ".md":
+            if "html" in node.get("format", "").split() and (".ipynb" in node.astext() or ".md" in node.astext()):
                 text = _RAW_HREF.sub(fix, node.astext())
                 if text != node.astext():
                     node.replace_self(nodes.raw(text, text, format=node["format"]))

@@ -3,7 +3,8 @@
 
 * every page renders: a title, a body with text, no JavaScript error, no failed request;
 * no page needs the internet: every request that leaves 127.0.0.1 is blocked and counted
-  (links to other sites are only links: they are not followed);
+  (links to other sites are only links: they are not followed), except PyTorch's own memory
+  viewer in lesson 13, which loads its script from a CDN and says so (ALLOWED_EXTERNAL);
 * every ``<img>`` loads (``naturalWidth > 0``), widget output included;
 * no internal link is broken: every internal href answers 200, and its ``#anchor`` exists;
 * every lesson executed without an error (no myst-nb report);
@@ -106,6 +107,15 @@ def _settle(page) -> None:
     page.evaluate("() => document.fonts.ready.then(() => true)")
 
 
+# What a page may ask the internet for, and why. Lesson 13 shows PyTorch's own memory viewer
+# (torch.cuda._memory_viz.trace_plot) in a frame; PyTorch's page imports MemoryViz.js from a CDN
+# (and it d3), the torch wheel does not ship that script, and the lesson says so above the frame,
+# which shows a line saying it is offline when it is. Nothing else may leave 127.0.0.1.
+ALLOWED_EXTERNAL = (
+    re.compile(r"^https://cdn\.jsdelivr\.net/gh/pytorch/pytorch@[^/]+/torch/utils/viz/MemoryViz\.js$"),
+    re.compile(r"^https://cdn\.skypack\.dev/d3"),
+)
+
 # console errors that say nothing about the page: the browser's own favicon request (Sphinx
 # writes no favicon), and pydata-sphinx-theme's notice on a first visit (no theme stored yet)
 _HARMLESS = (re.compile(r"Got invalid theme mode"),)
@@ -113,8 +123,19 @@ _HARMLESS = (re.compile(r"Got invalid theme mode"),)
 
 def _visit(page, url: str, crawl: Crawl) -> dict:
     errors: list[str] = []
-    on_console = lambda m: m.type == "error" and not (m.location or {}).get("url", "").endswith("favicon.ico") \
-        and not any(h.search(m.text) for h in _HARMLESS) and errors.append(f"console: {m.text}")
+
+    def on_console(m):
+        if m.type != "error" or any(h.search(m.text) for h in _HARMLESS):
+            return
+        where = (m.location or {}).get("url", "")
+        if where.endswith("favicon.ico"):
+            return
+        if where.startswith(("http:", "https:")) and urllib.parse.urlsplit(where).hostname != "127.0.0.1":
+            # a request that the route did not see (a module import in an srcdoc frame): the
+            # browser reports it when it fails
+            crawl.external_requests.add(where)
+            return
+        errors.append(f"console: {m.text}" + (f" ({where})" if where else ""))
     on_pageerror = lambda e: errors.append(f"page error: {e}")
     page.on("console", on_console)
     page.on("pageerror", on_pageerror)
@@ -212,9 +233,18 @@ def test_every_page_renders_offline_with_its_images(crawl):
     print(f"{len(crawl.pages)} pages, {crawl.images} images; '<Figure size ...>' shown as text: "
           f"{crawl.figure_text or 'nowhere'}")
     assert len(crawl.pages) >= 3
-    assert not crawl.external_requests, ("pages asked the internet for (blocked): "
-                                         + "\n".join(sorted(crawl.external_requests)))
+    external = sorted(u for u in crawl.external_requests if not any(a.search(u) for a in ALLOWED_EXTERNAL))
+    assert not external, "pages asked the internet for (blocked): " + "\n".join(external)
     assert not crawl.problems, "\n".join(crawl.problems)
+
+
+@pytest.mark.xfail(reason="lessons 09 and 10 show some gpulab plots as '<Figure size ...>' text: "
+                   "allocated_vs_reserved, segment_map, reserved_timelines and the %%memtrack report's "
+                   ".plot() return a matplotlib Figure, which IPython displays as an image only once "
+                   "pyplot has set up the inline backend (issue 44's site report)", strict=False)
+def test_no_plot_is_shown_as_figure_text(crawl):
+    """A cell that returns a matplotlib Figure should show the plot, not its repr."""
+    assert not crawl.figure_text, f"'<Figure size ...>' shown as text: {crawl.figure_text}"
 
 
 def test_no_internal_link_is_broken(crawl, site_url):
