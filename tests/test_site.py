@@ -47,6 +47,7 @@ CRAWL_DEADLINE_S = 600
 
 pytestmark = [
     pytest.mark.site,
+    pytest.mark.xdist_group("site"),   # one crawl, one server, on one worker under -n auto
     pytest.mark.skipif(not (SITE / "index.html").exists(),
                        reason=f"the site is not built ({SITE}/index.html): run `make test-site`"),
 ]
