@@ -4,7 +4,8 @@ MODEL is a lesson model, any torchvision classification model (``resnet50``,
 ``torchvision:resnet50``) or a built-in transformer config (``hf:gpt2``, ``hf:llama-3-8b`` ...).
 
 Each command prints a readable table, or with ``--json`` exactly one JSON object on stdout.
-Bad input gets one line on stderr naming what is valid, and exit code 2.
+Bad input gets one line on stderr naming what is valid, and exit code 2;
+with ``--json`` the same message is also the one JSON object on stdout, ``{"error": "..."}``.
 
 The arguments are parsed, and every value that needs no torch checked (choices, numbers, the
 card and sizes, dtype names, checkpointing policies, loss chunks), before torch and transformers
@@ -23,7 +24,7 @@ from typing import Any, Sequence
 
 from gpulab.options import (ALL_OPTIMIZERS, AMP_NAMES, FP8_RECIPES, MAX_STEPS, POLICY_TEXT, SCHEDULES, Layout, Recipe,
                             check_checkpointing, check_chunks, check_fp8, settings_from)
-from gpulab.predict.cards import parse_gpu
+from gpulab.predict.cards import card_with_room, check_fp8_card, parse_gpu
 from gpulab.predict.progress import StreamProgress
 from gpulab.units import check_model_dtype_name, format_bytes
 from gpulab.views import not_tensor_rows
@@ -33,7 +34,28 @@ __all__ = ["MODEL_HELP", "REPORT", "build_parser", "env_info", "main"]
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, no usage dump
-        self.exit(2, f"gpulab: error: {message}\n")
+        self._print_message(f"gpulab: error: {message}\n", sys.stderr)
+        exc = SystemExit(2)
+        exc.gpulab_error = message   # main() writes it as JSON too under --json
+        raise exc
+
+
+# options whose value may begin with "-" (a negative size: "--gpu -1GB"), which argparse reads as an
+# option and answers "expected one argument": main() joins them ("--gpu=-1GB") so the size check answers
+_SIZE_OPTIONS = ("--gpu", "--context", "--cuda-context")
+
+
+def _join_negative_sizes(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    it = iter(range(len(argv)))
+    for i in it:
+        a = argv[i]
+        if a in _SIZE_OPTIONS and i + 1 < len(argv) and argv[i + 1][:1] == "-" and argv[i + 1][1:2] in "0123456789.":
+            out.append(f"{a}={argv[i + 1]}")
+            next(it, None)
+        else:
+            out.append(a)
+    return out
 
 
 def _positive_int(text: str) -> int:
@@ -214,17 +236,14 @@ def _quiet_option(p: argparse.ArgumentParser) -> None:
 def _record(args) -> int:
     """``gpulab record``: needs a GPU; without one, one line on stderr and exit 2."""
     import torch
-    if not torch.cuda.is_available():
-        print("gpulab: error: gpulab record needs a CUDA GPU (torch.cuda.is_available() is False); "
-              "nothing was recorded", file=sys.stderr)
-        return 2
+    if not torch.cuda.is_available():   # main() says it in one line (and as JSON under --json), exit 2
+        raise ValueError("gpulab record needs a CUDA GPU (torch.cuda.is_available() is False); nothing was recorded")
     from gpulab.files import check_target
     from gpulab.record.runner import record, record_path, write_record
     try:  # before measuring: a bad --out must not cost the whole run
         check_target(record_path(args.out, torch.cuda.get_device_name(0)), overwrite=args.force, flag="--force")
     except OSError as exc:
-        print(f"gpulab: error: {exc}; nothing was recorded", file=sys.stderr)
-        return 2
+        raise ValueError(f"{exc}; nothing was recorded") from None
     data = record(quick=args.quick, command=["gpulab", *(sys.argv[1:] if args.argv is None else args.argv)])
     path = write_record(data, args.out, overwrite=args.force, flag="--force")
     summary = {"path": str(path), "gpu": data["provenance"]["gpu_name"], "experiments": len(data["experiments"]),
@@ -431,27 +450,41 @@ def _settings(args: argparse.Namespace) -> tuple[Recipe, Layout]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; every failure is one line on stderr: bad input or a size this machine
     cannot hold (exit 2), an interrupt ("interrupted", exit 130), anything else an internal error
-    that says so (exit 2; ``--debug`` shows its traceback)."""
+    that says so (exit 2; ``--debug`` shows its traceback). Under ``--json`` the same message is
+    also written to stdout as one JSON object, ``{"error": "..."}``. A negative size after
+    ``--gpu``/``--context``/``--cuda-context`` is read as that option's value, so its check answers."""
     own = argv is None   # this process's own command line: it only answers (models.lean_imports)
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
-    argv = [a for a in argv if a != "--debug"]
+    argv = _join_negative_sizes([a for a in argv if a != "--debug"])
+    as_json = "--json" in argv   # an error is then also one JSON object on stdout: {"error": "..."}
     try:
         return _main(argv, own)
     except KeyboardInterrupt:
         print("gpulab: interrupted", file=sys.stderr)
-        return 130
+        return _json_error("interrupted", as_json, 130)
+    except SystemExit as exc:   # argparse's refusal (one line on stderr already); --help exits 0
+        if as_json and getattr(exc, "gpulab_error", None):
+            _json_error(exc.gpulab_error, True)
+        raise
     except (ValueError, OSError, OverflowError, MemoryError) as exc:   # what the user can change
         if debug:
             raise
         print(f"gpulab: error: {_one_line(exc)}", file=sys.stderr)
-        return 2
+        return _json_error(_one_line(exc), as_json)
     except Exception as exc:  # noqa: BLE001 - a bug of gpulab's, or of torch's on this input
         if debug:
             raise
-        print(f"gpulab: internal error: {type(exc).__name__}: {_one_line(exc)} "
-              f"({REPORT}; add --debug for the traceback)", file=sys.stderr)
-        return 2
+        text = f"internal error: {type(exc).__name__}: {_one_line(exc)} ({REPORT}; add --debug for the traceback)"
+        print(f"gpulab: {text}", file=sys.stderr)
+        return _json_error(text, as_json)
+
+
+def _json_error(text: str, as_json: bool, code: int = 2) -> int:
+    """Under --json, the error as the one JSON object on stdout (the line on stderr stays for people)."""
+    if as_json:
+        _emit(json.dumps({"error": text}))
+    return code
 
 
 def _one_line(exc: BaseException) -> str:
@@ -495,6 +528,8 @@ def _check_values(args: argparse.Namespace) -> None:
         raise ValueError("--pp-stage picks the stage gpulab step measures; gpulab fit answers every stage: leave it out")
     if args.command in ("step", "fit"):
         args.recipe, args.layout = _settings(args)   # every option's value and combination, before torch loads
+    if args.command in ("step", "fit") and args.gpu is not None:
+        check_fp8_card(args.gpu, args.fp8)   # a T4 or an A100 has no float8 matmul
     if args.command not in ("fit", "serve"):
         return
     card = parse_gpu(args.gpu)
@@ -504,6 +539,12 @@ def _check_values(args: argparse.Namespace) -> None:
         if nbytes >= card.reported_total_bytes:
             raise ValueError(f"{flag} {given} is the whole of {card.name}'s {format_bytes(card.reported_total_bytes)} "
                              f"or more: the CUDA context takes part of the card, give a smaller size")
+    elif args.command == "fit":   # a card smaller than the assumed context: said so, with --context to replace it
+        from gpulab.predict.context import context_assumption
+        card_with_room(card, context_assumption(args.cuda_module_loading).nbytes, assumed=True)
+    if args.command == "serve" and args.longest_context and args.context is not None:
+        raise ValueError(f"--longest-context finds the context itself; --context {args.context} would be ignored: "
+                         f"give one of them (--context N for an answer at N tokens)")
 
 
 def _answer(args: argparse.Namespace, progress: StreamProgress | None) -> tuple[dict[str, Any], Any]:
@@ -560,7 +601,7 @@ def _print_fit(d: dict[str, Any]) -> str:
         lines.append(f"on {d['sharding']}: the figures below are one GPU's, the batch is per GPU "
                      f"[{d['sharding_label']}]")
     if d["largest_batch"]:
-        lines.append(f"largest batch that fits: {d['largest_batch']}"
+        lines.append(f"largest batch that fits: {d.get('largest_batch_text', d['largest_batch'])}"
                      + (f" (live tensors alone would allow {d['largest_batch_live']})"
                         if d.get("largest_batch_live") and d["largest_batch_live"] != d["largest_batch"] else ""))
     else:

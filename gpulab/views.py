@@ -102,7 +102,8 @@ def fit_html(r) -> str:
     """``gpulab.fit``'s answer: the batch, the peak by category, the allocator, the context, the margin."""
     head = (f"<b>{html.escape(r.model)}</b> on <b>{html.escape(r.card)}</b> ({format_bytes(r.capacity_bytes)}), "
             f"{html.escape(r.optimizer)}, {html.escape(r.dtype)}{', autocast ' + r.amp if r.amp else ''}: "
-            + (f"largest batch <b>{r.largest_batch}</b>" if r.largest_batch else
+            + (f"largest batch <b>{html.escape(getattr(r, 'largest_batch_text', str(r.largest_batch)))}</b>"
+               if r.largest_batch else
                f"<b>batch 1 does not fit</b>: short by {format_bytes(-r.margin_bytes)}"))
     rows = [[k, format_bytes(v), ""] for k, v in r.peak_by_category.items() if v]
     rows += [["live tensors (peak)", format_bytes(r.peak_bytes), "fake tensors, CUDA kernels' allocations"],

@@ -89,3 +89,62 @@ def test_a_panel_refuses_a_value_outside_its_range_instead_of_clamping_it():
         panel.set(world_size=99)
     assert panel.controls["world_size"].value == 3 and panel.runs == 0
     assert largest_batch_panel(card_gib=24).controls["card_gib"].value == 24   # (label, value) choices
+
+
+def test_a_card_smaller_than_the_assumed_context_says_so_and_a_negative_size_is_refused_as_one():
+    """--gpu 1GiB and gpulab.fit(m, -5) blamed "the CUDA context allowance" without saying it is an
+    assumption or naming --context."""
+    with pytest.raises(ValueError, match=r"1 GiB \(1.0 GiB\) is no larger than the CUDA context gpulab assumes "
+                                         r"\(.*an assumption.*--context \(context_bytes= in Python\)"):
+        gpulab.fit("mlp", "1GiB")
+    with pytest.raises(ValueError, match=r"gpu -5 is not a card's size: give a positive number of bytes"):
+        gpulab.fit("mlp", -5)
+    with pytest.raises(ValueError, match=r"context_bytes \(--context\) must be a whole number of bytes, 0 or more"):
+        gpulab.fit("mlp", "4GiB", context_bytes=-1)
+    with pytest.raises(ValueError, match=r"context_bytes \(--cuda-context\) must be a whole number of bytes"):
+        gpulab.serve("hf:tiny-llama", "4GiB", context_len=32, context_bytes=-1)
+
+
+def test_cli_negative_sizes_reach_the_size_check(capsys):
+    """--gpu -1GB got argparse's "expected one argument"; a negative value is joined to its option."""
+    for argv, said in ((["fit", "mlp", "--gpu", "-1GB"], "cannot read --gpu '-1GB': a size must be at least 1 byte"),
+                       (["fit", "mlp", "--gpu", "24GiB", "--context", "-1GiB"], "cannot read --context '-1GiB'"),
+                       (["serve", "hf:tiny-llama", "--gpu", "-.5GiB", "--context", "8"], "at least 1 byte")):
+        code, out, err = run_main(argv, capsys)
+        assert code == 2 and err.count("\n") == 1 and said in err and "expected one argument" not in err, err
+
+
+def test_cli_longest_context_with_a_context_is_refused(capsys):
+    """serve --longest-context --context 4096 ignored --context without a word."""
+    code, out, err = run_main(["serve", "hf:tiny-llama", "--gpu", "24GiB", "--longest-context", "--context",
+                               "4096"], capsys)
+    assert code == 2 and "--context 4096 would be ignored: give one of them" in err
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["fit", "mlp", "--gpu", "H1000", "--json"], "cannot read --gpu"),                 # a value, before torch
+    (["fit", "mlp", "--gpu", "24GiB", "--bogus", "--json"], "unrecognized arguments: --bogus"),   # argparse's
+    (["fit", "nosuchmodel", "--gpu", "24GiB", "--json"], "unknown model 'nosuchmodel'"),   # the library's
+])
+def test_cli_json_errors_are_one_json_object_on_stdout(capsys, argv, said):
+    """--json errors left stdout empty: now {"error": "..."} on stdout (exit 2), the line on stderr kept."""
+    import json
+    code, out, err = run_main(argv, capsys)
+    assert code == 2 and out.count("\n") == 1
+    assert said in json.loads(out)["error"] and err.startswith("gpulab: error: ")
+
+
+def test_the_search_limit_is_said_to_be_a_bound(capsys):
+    """--gpu 99999999TiB said "largest batch that fits: 1048576", which is the search's limit."""
+    import json
+
+    from gpulab.predict.fit import MAX_BATCH
+    code, out, err = run_main(["fit", "mlp", "--gpu", "99999999TiB", "--quiet"], capsys)
+    assert code == 0 and f"largest batch that fits: at least {MAX_BATCH} (the search's limit)" in out
+    code, out, err = run_main(["fit", "mlp", "--gpu", "99999999TiB", "--quiet", "--json"], capsys)
+    d = json.loads(out)
+    assert d["largest_batch"] == MAX_BATCH and d["largest_batch_at_limit"] is True
+    assert d["largest_batch_text"] == f"at least {MAX_BATCH} (the search's limit)"
+    r = gpulab.fit("mlp", "2GiB")   # an answer below the limit is the answer
+    assert not r.at_search_limit and r.largest_batch_text == str(r.largest_batch)
+    assert "at least" in repr(gpulab.fit("mlp", "99999999TiB"))

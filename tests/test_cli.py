@@ -205,7 +205,7 @@ def test_step_optimizer_state_is_multiple_of_params(optimizer, steps, mult, step
 def test_bad_input_exits_2_with_one_line(argv, expect, capsys):
     code, out, err = run_main(argv, capsys)
     assert code == 2
-    assert out == ""
+    assert out == _json_error_or_nothing(argv, err)
     assert err.endswith("\n") and err.count("\n") == 1, err
     assert err.startswith("gpulab: error: ")
     assert "Traceback" not in err
@@ -213,10 +213,17 @@ def test_bad_input_exits_2_with_one_line(argv, expect, capsys):
         assert word in err
 
 
+def _json_error_or_nothing(argv, err: str) -> str:
+    """What stdout holds after a refusal: nothing, or under --json the stderr line's message as one
+    JSON object (issue 44 item 6: a script reads the error from stdout)."""
+    return json.dumps({"error": err.strip().removeprefix("gpulab: error: ")}) + "\n" if "--json" in argv else ""
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the cuda engine is available here")
 def test_engine_cuda_without_gpu(capsys):
-    code, out, err = run_main(["step", "mlp", "--engine", "cuda", "--json"], capsys)
-    assert code == 2 and out == "" and err.count("\n") == 1
+    argv = ["step", "mlp", "--engine", "cuda", "--json"]
+    code, out, err = run_main(argv, capsys)
+    assert code == 2 and out == _json_error_or_nothing(argv, err) and err.count("\n") == 1
     assert "engine 'cuda' is not available" in err and err.strip().endswith("available: auto, cpu, fake")
 
 
@@ -224,7 +231,7 @@ def test_engine_cuda_without_gpu(capsys):
 def test_bad_input_in_a_real_process(procs):
     p = procs["bad_model"]
     assert p.returncode == 2
-    assert p.stdout == ""
+    assert p.stdout == _json_error_or_nothing(["--json"], p.stderr)   # --json: the error as one JSON object
     assert p.stderr.count("\n") == 1 and "unknown model 'resnet9000'" in p.stderr
     assert "Traceback" not in p.stderr
 

@@ -36,6 +36,14 @@ BAD = [
     (["serve", "hf:gpt2", "--gpu", "T4", "--context", "64", "--cuda-context", "1x"], "cannot read --cuda-context"),
     (["step", "mlp", "--steps", "50"], "at most 10"),
     (["launch"], "invalid choice: 'launch'"),
+    # issue 44 item 6: refusals that need no model, each before torch loads (they took 5-9 s)
+    (["fit", "hf:tiny-llama", "--gpu", "T4", "--fp8", "tensorwise"], "compute capability 7.5 (sm75)"),
+    (["fit", "mlp", "--gpu", "1GiB"], "no larger than the CUDA context gpulab assumes"),
+    (["fit", "mlp", "--gpu", "-1GB"], "cannot read --gpu '-1GB': a size must be at least 1 byte"),
+    (["serve", "hf:gpt2", "--gpu", "T4", "--longest-context", "--context", "4096"], "--context 4096 would be ignored"),
+    (["fit", "hf:tiny-llama", "--gpu", "T4", "--pp", "2", "--microbatches", "2000"], "microbatches"),
+    (["fit", "hf:tiny-llama", "--gpu", "T4", "--sequence-parallel"], "--tp 2 or more"),
+    (["fit", "hf:tiny-llama", "--gpu", "T4", "--lora", "4", "--lora-dropout", "nan"], "lora_dropout"),
 ]
 
 # run in a fresh interpreter: the console script's entry point (pyproject.toml) on each argv, then

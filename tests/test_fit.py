@@ -66,7 +66,8 @@ def test_batch_one_does_not_fit_levers_as_formulas():
 
 
 def test_context_allowance_must_leave_room():
-    with pytest.raises(ValueError, match="CUDA context allowance"):
+    with pytest.raises(ValueError, match=r"the CUDA context given \(--context / context_bytes\) 300.0 MiB is the "
+                                         r"whole of 256 MiB's 256.0 MiB or more"):
         gpulab.fit("mlp", "256MiB", context_bytes=300 * MiB)
 
 

@@ -28,8 +28,8 @@ from gpulab.measure.cuda_card import KernelTarget, kernel_target, step_workspace
 from gpulab.units import GB, KB, MB, GiB, KiB, MiB, format_bytes
 
 __all__ = [
-    "CARDS", "CUDA_CONTEXT_ASSUMED", "Card", "CardBudget", "FP8_CAPABILITY", "TB", "TiB", "card_names",
-    "card_target", "check_fp8_card", "follows_card", "parse_gpu"
+    "CARDS", "CUDA_CONTEXT_ASSUMED", "Card", "CardBudget", "FP8_CAPABILITY", "TB", "TiB", "as_card", "card_names",
+    "card_target", "card_with_room", "check_fp8_card", "follows_card", "parse_gpu"
 ]
 
 TiB = 1024 * GiB
@@ -261,6 +261,38 @@ def parse_gpu(text: str) -> Card:
     if m:
         raise _fail(raw, f"unknown unit {m.group(2)!r}")
     raise _fail(raw, "", _guesses(key))
+
+
+def as_card(gpu: Any) -> Card:
+    """The card a Python call asks for: a ``Card``, a name or size as ``--gpu`` takes it, or a whole
+    number of bytes (at least 1: ``gpulab.fit(m, -5)`` is refused as a size, not blamed on the context)."""
+    if isinstance(gpu, Card):
+        return gpu
+    if isinstance(gpu, int) and not isinstance(gpu, bool):
+        if gpu < 1:
+            raise ValueError(f"gpu {gpu:,} is not a card's size: give a positive number of bytes, a size such as "
+                             f"'24GiB', or a card: {', '.join(card_names())}")
+        return Card(f"{gpu:,} B", gpu, (), "")
+    return parse_gpu(gpu)
+
+
+def card_with_room(gpu: Any, context_bytes: Any, assumed: bool) -> Card:
+    """``as_card(gpu)``, checked to hold the CUDA context (``context_bytes``) with room to spare.
+    ``assumed``: the context is gpulab's assumption, not the user's, and the refusal says so and
+    names the option that replaces it (``--context``, ``context_bytes=``)."""
+    card = as_card(gpu)
+    if not isinstance(context_bytes, int) or isinstance(context_bytes, bool) or context_bytes < 0:
+        raise ValueError(f"context_bytes (--context) must be a whole number of bytes, 0 or more, got {context_bytes!r}")
+    total = card.reported_total_bytes
+    if context_bytes < total:
+        return card
+    if assumed:
+        raise ValueError(f"{card.name} ({format_bytes(total)}) is no larger than the CUDA context gpulab assumes "
+                         f"({format_bytes(context_bytes)}: an assumption from measured GPUs, not this card's): nothing "
+                         f"is left for tensors; give the context your setup has with --context (context_bytes= in "
+                         f"Python), or a larger card")
+    raise ValueError(f"the CUDA context given (--context / context_bytes) {format_bytes(context_bytes)} is the whole "
+                     f"of {card.name}'s {format_bytes(total)} or more: give a smaller context, or a larger card")
 
 
 def _guesses(key: str) -> tuple[str, ...]:

@@ -38,7 +38,7 @@ import torch
 from gpulab import formulas as F
 from gpulab.allocator.simulator import CachingAllocator
 from gpulab.measure.cuda_card import current_target
-from gpulab.predict.cards import Card, CardBudget, follows_card, parse_gpu
+from gpulab.predict.cards import Card, CardBudget, card_with_room, follows_card
 from gpulab.predict.context import context_assumption, context_label
 from gpulab.measure.engines import LABEL_SIMULATED, Measurement, run
 from gpulab.models.lora import adapter_params, default_targets
@@ -131,10 +131,22 @@ class FitResult(CardBudget):
         """Reserved beyond the live tensors (rounding, caching, fragmentation): simulated."""
         return self.reserved_bytes - self.peak_bytes
 
+    @property
+    def at_search_limit(self) -> bool:
+        """The search stopped at its limit (``MAX_BATCH``) with that batch still fitting: the answer is
+        a lower bound, not the largest batch."""
+        return self.largest_batch >= MAX_BATCH
+
+    @property
+    def largest_batch_text(self) -> str:
+        """The answer in words: "1048576 (...)" is never shown as the largest batch when it is the limit."""
+        return f"at least {self.largest_batch} (the search's limit)" if self.at_search_limit else str(self.largest_batch)
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if not d["recipe"]:
             del d["recipe"]
+        d.update(largest_batch_at_limit=self.at_search_limit, largest_batch_text=self.largest_batch_text)
         d.update(allocator_overhead_bytes=self.allocator_overhead_bytes, needed_bytes=self.needed_bytes,
                  margin_bytes=self.margin_bytes, allocator_label=LABEL_SIMULATED,
                  context_label=context_label(self.context_bytes, self.module_loading),
@@ -142,7 +154,7 @@ class FitResult(CardBudget):
         return d
 
     def __repr__(self) -> str:
-        return (f"FitResult({self.model} on {self.card}: largest batch {self.largest_batch}, "
+        return (f"FitResult({self.model} on {self.card}: largest batch {self.largest_batch_text}, "
                 f"needs {format_bytes(self.needed_bytes)} of {format_bytes(self.capacity_bytes)})")
 
     def _repr_html_(self) -> str:
@@ -336,20 +348,12 @@ def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, 
 
 def _place(gpu: str | Card | int, context_bytes: int | None, module_loading: str) -> "_Place":
     """The card asked for and the CUDA context on it (given, or assumed for ``module_loading``)."""
-    if context_bytes is None:
+    assumed = context_bytes is None
+    if assumed:
         context_bytes = context_assumption(module_loading).nbytes
-    return _Place(_card_of(gpu, context_bytes), context_bytes, module_loading)
-
-
-def _card_of(gpu: str | Card | int, context_bytes: int) -> Card:
-    """The card asked for (a name, a size, a ``Card`` or bytes), with room for the context."""
-    card = gpu if isinstance(gpu, Card) else (Card(f"{int(gpu):,} B", int(gpu), (), "") if isinstance(gpu, int)
-                                              else parse_gpu(gpu))
-    if context_bytes < 0 or context_bytes >= card.reported_total_bytes:
-        raise ValueError(f"the CUDA context allowance must be between 0 and the card's "
-                         f"{format_bytes(card.reported_total_bytes)}, "
-                         f"got {format_bytes(context_bytes)}")
-    return card
+    # the card (a name, a size, a Card or bytes) with room for the context: a card smaller than an
+    # assumed context is said to be so, with the option that replaces the assumption (predict.cards)
+    return _Place(card_with_room(gpu, context_bytes, assumed), context_bytes, module_loading)
 
 
 class _FakeRuns:

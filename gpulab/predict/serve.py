@@ -44,7 +44,7 @@ import torch
 from gpulab.measure.engines import LABEL_FORMULA, LABEL_FAKE_CUDA
 from gpulab.models import hf_configs
 from gpulab.measure.cuda_card import current_target
-from gpulab.predict.cards import Card, follows_card, parse_gpu
+from gpulab.predict.cards import Card, as_card, follows_card
 from gpulab.predict.context import context_assumption, context_label
 from gpulab.predict.generation import generation_peak
 from gpulab.predict.kv_layout import KVLayout, kv_layout
@@ -233,7 +233,10 @@ def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)} or left out (the dtype's own), got {weights!r}")
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    card = gpu if isinstance(gpu, Card) else parse_gpu(gpu)
+    card = as_card(gpu)   # a name, a size, a Card or a positive number of bytes, as fit takes it
+    if not isinstance(context_bytes, int) or isinstance(context_bytes, bool) or context_bytes < 0:
+        raise ValueError(f"context_bytes (--cuda-context) must be a whole number of bytes, 0 or more, got "
+                         f"{context_bytes!r}")
     config, shown = _config(model)
     hf_configs.check_settings(config, shown)
     if hf_configs.task_of(config) != "causal-lm":
@@ -348,7 +351,7 @@ def longest_context(model: Any, gpu: str | Card | int, *, batch: int = 1, start:
     limit bounds it. NB: assumes the answer grows with the context (the cache, the prefill's
     activations)."""
     config, shown = _config(model)
-    card = gpu if isinstance(gpu, Card) else parse_gpu(gpu)
+    card = as_card(gpu)
     longest = hf_configs.max_positions(config)
     answers: dict[int, ServeResult] = {}
 
