@@ -10,6 +10,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from gpulab.allocator.simulator import Segment
+from gpulab.plots import LessonFigure
 from gpulab.units import MiB
 
 __all__ = [
@@ -22,7 +23,7 @@ RESERVED_COLOR = "#4C72B0"
 
 
 def _fig(width: float = 7.0, height: float = 3.4) -> Figure:
-    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+    return LessonFigure(figsize=(width, height), dpi=100, layout="constrained")
 
 
 def allocated_vs_reserved(run, title: str | None = None, unit: int = MiB, unit_name: str = "MiB",

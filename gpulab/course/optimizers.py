@@ -37,7 +37,7 @@ from gpulab.record.runs.optimizer import optimizer_experiment as _run_experiment
 from gpulab.training.optimizers import OPTIMIZERS
 from gpulab.predict.breakdown import predict_step, validate_batch
 from gpulab.models.registry import ModelSpec, build_model, check_image_size, resolve_model
-from gpulab.plots import CATEGORY_COLORS
+from gpulab.plots import CATEGORY_COLORS, LessonFigure
 from gpulab.categories import Category
 from gpulab.units import MiB, dtype_name, format_bytes, parse_dtype
 from gpulab.views import error_percent, fmt_error, html_table
@@ -305,7 +305,7 @@ def model_states_figure(runs: Sequence[OptimizerRun], title: str = "") -> Figure
     """Stacked bars per optimizer: parameters, gradients, optimizer state (measured, just after
     the first step), in units of the parameter bytes; a black tick marks the formula's
     multiplier (2 + states)."""
-    fig = Figure(figsize=(7.0, 3.6), dpi=100, layout="constrained")
+    fig = LessonFigure(figsize=(7.0, 3.6), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     xs = list(range(len(runs)))
     bottoms = [0.0] * len(runs)
@@ -418,7 +418,7 @@ def compare_implementations(model: str = "mlp", optimizer: str = "adam",
 def implementation_figure(cmp: ImplementationComparison) -> Figure:
     """Bars per implementation: temporaries at the peak of ``step()``; dashed lines at the
     parameter bytes and at the largest parameter tensor."""
-    fig = Figure(figsize=(7.0, 3.6), dpi=100, layout="constrained")
+    fig = LessonFigure(figsize=(7.0, 3.6), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     names = [r.implementation for r in cmp.rows]
     vals = [(r.run.step_temporaries_bytes / MiB) if r.run else 0.0 for r in cmp.rows]

@@ -11,7 +11,7 @@ import math
 
 from matplotlib.figure import Figure
 
-from gpulab.plots import CATEGORY_COLORS
+from gpulab.plots import CATEGORY_COLORS, LessonFigure
 from gpulab.units import MiB
 
 __all__ = [
@@ -23,7 +23,7 @@ _FORMULA = "#555555"
 
 
 def _fig(width: float, height: float) -> Figure:
-    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+    return LessonFigure(figsize=(width, height), dpi=100, layout="constrained")
 
 
 def _totals(tracking) -> list[float]:

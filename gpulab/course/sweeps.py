@@ -245,14 +245,14 @@ def batch_sweep(model: str | ModelSpec = "cnn", batches: Sequence[int] = (4, 8, 
 def sweep_figure(sweep: SweepResult, max_batch_shown: int | None = None, capacity_lines: Sequence[tuple[float, str]] = (),
                  title: str | None = None):
     """Measured peaks, the fitted line and the formulas' line, in MiB or GiB."""
-    from matplotlib.figure import Figure
+    from gpulab.plots import LessonFigure
     good = [p for p in sweep.points if not p.oom]
     top = max([sweep.fit.predict(max_batch_shown or 0), sweep.formula.predict(max_batch_shown or 0)]
               + [p.peak_bytes for p in good] + [c for c, _ in capacity_lines])
     unit, uname = (GiB, "GiB") if top >= 4 * GiB else (MiB, "MiB")
     xmax = max_batch_shown or max(p.batch for p in sweep.points)
     xs = [0, xmax]
-    fig = Figure(figsize=(7.0, 3.8), dpi=100, layout="constrained")
+    fig = LessonFigure(figsize=(7.0, 3.8), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     ax.plot([p.batch for p in good], [p.peak_bytes / unit for p in good], "o", color="#4C72B0",
             label=f"peak, {sweep.label}", zorder=3)

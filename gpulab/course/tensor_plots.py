@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
+from gpulab.plots import LessonFigure
 from gpulab.plots import to_png  # noqa: F401  (re-exported for the lesson panels)
 from gpulab.units import GiB, KiB, MiB
 
@@ -32,7 +33,7 @@ def pick_unit(max_bytes: float) -> tuple[int, str]:
 
 
 def _fig(width: float = 7.0, height: float = 3.6) -> Figure:
-    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+    return LessonFigure(figsize=(width, height), dpi=100, layout="constrained")
 
 
 def _fmt(v: float) -> str:

@@ -151,8 +151,8 @@ class LineReport:
 
     def plot(self, title: str | None = None):
         """Live total after each executed line (x: execution order, ticks: line numbers)."""
-        from matplotlib.figure import Figure
-        fig = Figure(figsize=(7.0, 3.2), dpi=100, layout="constrained")
+        from gpulab.plots import LessonFigure
+        fig = LessonFigure(figsize=(7.0, 3.2), dpi=100, layout="constrained")
         ax = fig.add_subplot()
         xs = range(len(self.steps))
         ax.step(xs, [s.total_bytes / 2**20 for s in self.steps], where="mid", color="#4C72B0",

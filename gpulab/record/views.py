@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 from matplotlib.figure import Figure
 
 from gpulab.allocator.plots import RESERVED_COLOR
+from gpulab.plots import LessonFigure
 from gpulab.tables import html_table
 from gpulab.units import MiB, format_bytes
 
@@ -75,7 +76,7 @@ def reserved_timelines(run, lookup, title: str | None = None, unit: int = MiB, u
     ``lookup`` found a recorded ``allocator timeline``, the real ``memory_reserved`` read after
     every op of the same workload on that GPU (above the run's start). The two are sampled at
     different points (tensor events vs ops), so both run over the fraction of the run, 0 to 1."""
-    fig = Figure(figsize=(7.0, 3.6), dpi=100, layout="constrained")
+    fig = LessonFigure(figsize=(7.0, 3.6), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     n = max(1, len(run.reserved) - 1)
     ax.step([i / n for i in range(len(run.reserved))], [v / unit for v in run.reserved], where="post",
