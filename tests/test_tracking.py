@@ -440,3 +440,29 @@ def test_the_shortcuts_record_what_the_slow_path_records(monkeypatch, model, opt
     slow = events()
     assert fast == slow and fast[1] > 0
     assert aliases[1] > aliases[0]   # the slow path did run: it aliased more saved tensors
+
+
+def test_a_module_outside_the_tree_is_named_under_the_module_that_called_it():
+    """transformers 5.25 runs ``apply_rotary_pos_emb`` as a module that is no registered child of the
+    attention calling it (``hub_kernels.use_kernelized_func``): what it makes belongs to the caller's
+    layer, not to a root of its own."""
+    class Helper(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    helper = Helper()
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return helper(self.proj(x))      # not a child: named when first seen
+
+    model = torch.nn.Sequential(Layer())
+    with MemoryTracker() as tracker:
+        tracker.register(model)
+        model(torch.randn(4, 8)).sum().backward()
+    modules = {r.module for r in tracker.result().records.values() if r.op == "mul"}
+    assert modules == {"Sequential.0.Helper"}, modules

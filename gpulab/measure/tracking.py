@@ -367,8 +367,12 @@ class MemoryTracker(TorchDispatchMode):
         for t in inputs:
             self.label(t, Category.INPUTS)
 
-    def _register_module(self, root: torch.nn.Module) -> None:
-        prefix = type(root).__name__
+    def _register_module(self, root: torch.nn.Module, parent: str | None = None) -> None:
+        """Name ``root`` and its submodules, and label its tensors. A module first seen while
+        ``parent`` runs is named under it: a module that is no registered child of its caller (
+        transformers 5.25 wraps ``apply_rotary_pos_emb`` in one, ``hub_kernels.use_kernelized_func``)
+        keeps what it makes inside the layer that called it."""
+        prefix = f"{parent}.{type(root).__name__}" if parent else type(root).__name__
         for name, m in root.named_modules():
             if m not in self._module_names:
                 self._module_names[m] = f"{prefix}.{name}" if name else prefix
@@ -412,8 +416,8 @@ class MemoryTracker(TorchDispatchMode):
 
     # ---- hooks ------------------------------------------------------------------------------
     def _on_forward_pre(self, module, args):
-        if module not in self._module_names:
-            self._register_module(module)  # a root we have not seen: label its tensors
+        if module not in self._module_names:   # a module we have not seen: label its tensors
+            self._register_module(module, self._module_stack[-1] if self._module_stack else None)
         if not self._phase_override and not self._in_optimizer:
             self._auto_phase = "forward"
         self._module_stack.append(self._module_names.get(module, type(module).__name__))
