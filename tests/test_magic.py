@@ -34,3 +34,27 @@ def test_magic_through_run_cell_with_fake_engine(shell):
 def test_magic_errors_propagate(shell):
     res = shell.run_cell("%%memtrack --engine cpu\nraise ValueError('boom')\n")
     assert not res.success and isinstance(res.error_in_exec, ValueError)
+
+
+@pytest.mark.parametrize("cell, line, error", [
+    ("x = torch.zeros(3)\ny = xx + 1\n", "y = xx + 1", "NameError: name 'xx' is not defined"),
+    ("x = torch.zeros(3)\ny = x.view(7)\n", "y = x.view(7)", "RuntimeError: shape '[7]' is invalid"),
+    ("x = torch.zeros(3)\ny = (x\n", "y = (x", "SyntaxError: '(' was never closed"),
+])
+def test_a_typo_in_the_cell_shows_the_students_line_in_a_few_lines(shell, capsys, cell, line, error):
+    """Issue 47: a typo printed ~40 lines of gpulab and torch frames and 'Could not get source'."""
+    capsys.readouterr()
+    res = shell.run_cell("%%memtrack --engine cpu\n" + cell)
+    assert not res.success
+    shown = capsys.readouterr()
+    text = shown.out + shown.err
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert len(lines) <= 6, text
+    assert any(ln.startswith("---->") and ln.endswith(line) for ln in lines), text
+    assert error in text
+    assert "Could not get source" not in text and "linetrack.py" not in text and "magic.py" not in text
+
+
+def test_a_students_error_keeps_its_type(shell):
+    res = shell.run_cell("%%memtrack --engine cpu\nundefined_name\n")
+    assert isinstance(res.error_in_exec, NameError)
