@@ -87,7 +87,7 @@ def _expert_params(cfg, ep: int) -> int:
     return L * per_layer + h + v * h * (1 if cfg.tie_word_embeddings else 2)
 
 
-@pytest.mark.parametrize("ep", [1, 2, 4])
+@pytest.mark.parametrize("ep", [1, 2, 4, 8])
 def test_expert_parallel_rank_holds_its_experts(ep):
     cfg = _mixtral()
     r = gpulab.step(cfg, batch=2, seq_len=64, optimizer="adamw", dtype="bf16", engine="fake", ep=ep)
@@ -113,6 +113,42 @@ def test_all_to_all_buffers_are_in_the_run(routing, rows):
     assert note["rows_received"] == rows and note["dispatch_receive"] == rows * 64 * 2
     assert note["dispatch_send"] == 2 * 64 * 2 * 64 * 2
     assert "rank 0 holds 2 of 8 experts" in r.measurement.label
+
+
+@pytest.mark.parametrize("ep", [4, 8])
+@pytest.mark.parametrize("routing", ["balanced", "worst"])
+def test_fewer_local_experts_than_top_k(ep, routing):
+    """Mixtral-style E=8, top-2 at ep 8 holds 1 expert a layer (fewer than k) and at ep 4 two: the
+    router stays global (E × h weight, top-2 over all 8, as torchtitan's TokenChoiceTopKRouter keeps
+    num_experts = E), the rank's expert weights are exactly E/ep experts (gate_up 2I × h and down h × I
+    each, counted from the config), and the dispatch's receive buffer has the rows the routing gives
+    rank 0's experts out of the group's ep·tokens tokens: balanced ep·tokens·k/E per expert (tokens·k
+    in all), worst every token to experts 0 and 1 (ep·tokens rows each, only those on rank 0)."""
+    from gpulab.measure.records import Category
+    from gpulab.training.expert_parallel import expert_rank_model
+    from gpulab.training.loop import LoopRecipe
+    from gpulab.models.workload import resolve_workload
+    cfg = _mixtral()
+    h, f, E, k, tokens = cfg.hidden_size, cfg.intermediate_size, 8, 2, 2 * 64
+    r = gpulab.step(cfg, batch=2, seq_len=64, optimizer="adamw", dtype="bf16", engine="fake", ep=ep,
+                    routing=routing, steps=1)
+    t = r.measurement.tracking
+    expert_shapes = {(E // ep, 2 * f, h), (E // ep, h, f)}
+    held = Counter(tuple(rec.shape) for rec in t.records.values() if rec.category is Category.PARAMETERS)
+    assert {s: n for s, n in held.items() if s in expert_shapes} == {s: cfg.num_hidden_layers for s in expert_shapes}
+    assert held[(E, h)] == cfg.num_hidden_layers   # each layer's router whole
+    net = expert_rank_model(resolve_workload(cfg, seq_len=64), LoopRecipe("adamw", ep=ep), torch.bfloat16)
+    routers = [m for m in net.modules() if hasattr(m, "top_k") and hasattr(m, "weight")]
+    assert [(m.top_k, m.num_experts, tuple(m.weight.shape)) for m in routers] == [(k, E, (E, h))] * 2
+    per_expert = tokens * ep * k // E if routing == "balanced" else tokens * ep
+    rows = per_expert * (E // ep if routing == "balanced" else min(k, E // ep))
+    made = Counter(tuple(rec.shape) for rec in t.records.values()
+                   if rec.op == "all_to_all_single" and rec.phase == "forward")
+    assert made == Counter({(rows, h): 2}) + Counter({(tokens * k, h): 2})
+    note = r.recipe["expert_parallel"]
+    assert (note["rows_received"], note["local_experts"]) == (rows, E // ep)
+    assert note["dispatch_receive"] == rows * h * 2 and note["dispatch_send"] == tokens * k * h * 2
+    assert f"rank 0 holds {E // ep} of 8 experts" in r.measurement.label
 
 
 def test_ep_buffers_under_capacity():

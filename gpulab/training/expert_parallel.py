@@ -48,7 +48,7 @@ from gpulab.training.routing import Routing, expert_rows, experts_modules, is_mo
 
 __all__ = ["EP_ROUTED", "EpBuffers", "check_ep_options", "check_expert_parallel", "ep_buffers", "ep_experts_forward",
            "expert_parameter_shapes", "expert_rank_model", "expert_shard", "expert_shard_workload",
-           "install_expert_parallel", "total_experts"]
+           "install_expert_parallel", "total_experts", "widen_routers"]
 
 EP_ROUTED = "gpulab_ep_routed"
 _EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -100,13 +100,13 @@ def _routers(net: nn.Module, local: int) -> list[nn.Module]:
             and m.weight.dim() == 2 and m.weight.shape[0] == local and not hasattr(m, "down_proj")]
 
 
-def install_expert_parallel(net: nn.Module, ep: int, experts: int, routing: Routing | None) -> Routing:
-    """``net`` (built from ``expert_shard``'s config) as rank 0 of ``ep`` expert-parallel ranks:
-    each router widened to all ``experts`` outputs, each experts module running
-    ``ep_experts_forward`` under ``routing`` (None: balanced). Returns the routing."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-    found = experts_modules(net)
-    r = routing or Routing()
+def widen_routers(net: nn.Module, ep: int, experts: int) -> None:
+    """The rank's routers scoring all ``experts`` (``net`` built from ``expert_shard``'s config, whose
+    routers have E/ep outputs): routing stays global, as in torchtitan's EP (its
+    ``TokenChoiceTopKRouter`` keeps ``num_experts`` = E and only ``GroupedExperts``' weights are
+    ``Shard(0)`` over the EP mesh): top-k over all E whatever E/ep is, so a rank with fewer local
+    experts than top-k (Mixtral at ep 8: 1 expert, top-2) routes as the whole model does. Routers
+    already widened are left alone."""
     local = experts // ep
     for router in _routers(net, local):
         w = router.weight
@@ -115,6 +115,16 @@ def install_expert_parallel(net: nn.Module, ep: int, experts: int, routing: Rout
             router.num_experts = experts
         if isinstance(getattr(router, "e_score_correction_bias", None), torch.Tensor):
             router.register_buffer("e_score_correction_bias", router.e_score_correction_bias.new_zeros(experts))
+
+
+def install_expert_parallel(net: nn.Module, ep: int, experts: int, routing: Routing | None) -> Routing:
+    """``net`` (built from ``expert_shard``'s config) as rank 0 of ``ep`` expert-parallel ranks:
+    each router scoring all ``experts`` (``widen_routers``), each experts module running
+    ``ep_experts_forward`` under ``routing`` (None: balanced). Returns the routing."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    found = experts_modules(net)
+    r = routing or Routing()
+    widen_routers(net, ep, experts)
     calls = {"n": 0}
     for _, m in found:
         if m.has_bias or m.is_transposed or not m.has_gate:
@@ -217,8 +227,12 @@ def expert_shard_workload(w: Any, ep: int) -> Any:
         return w
     from gpulab.models import hf_configs
     from gpulab.models.registry import build_in_place
-    local = expert_shard(w.config, ep)
+    local, experts = expert_shard(w.config, ep), total_experts(w.config)
+
+    def rank_model(net: nn.Module) -> nn.Module:
+        widen_routers(net, ep, experts)   # E/ep experts, routing over all E
+        return net
 
     def build(device, dtype):
-        return build_in_place(lambda: hf_configs.build_model(local, dtype), device, dtype)
-    return dataclasses.replace(w, build=build, make=lambda dtype: hf_configs.build_model(local, dtype))
+        return rank_model(build_in_place(lambda: hf_configs.build_model(local, dtype), device, dtype))
+    return dataclasses.replace(w, build=build, make=lambda dtype: rank_model(hf_configs.build_model(local, dtype)))
