@@ -149,3 +149,26 @@ def test_your_own_module_with_lora_on_named_layers():
     lora = t.row("LoRA on body.0")
     assert lora.trainable_params < t.baseline.trainable_params == sum(p.numel() for p in _MLP().parameters())
     assert lora.flops_per_step < t.baseline.flops_per_step   # no gradient for the frozen weight
+
+
+def test_a_mistyped_card_is_one_line_in_the_notebook_with_did_you_mean(capsys):
+    """Issue 47: lesson 14's CARD = "T5" printed a whole traceback naming the CLI's --gpu, with no
+    "did you mean T4?". Now one line (LessonInputError's _render_traceback_), still a ValueError."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from gpulab.course.capstone import LessonInputError
+    with pytest.raises(ValueError) as info:
+        your_model(_MLP, "T5")
+    assert isinstance(info.value, LessonInputError)
+    msg = str(info.value)
+    assert "did you mean T4?" in msg and "--gpu" not in msg and "\n" not in msg
+    shell = InteractiveShell.instance()
+    shell.user_ns["_MLP"] = _MLP
+    capsys.readouterr()
+    res = shell.run_cell("from gpulab.course.capstone import your_model\nyou = your_model(_MLP, 'T5')")
+    assert isinstance(res.error_in_exec, ValueError)
+    shown = capsys.readouterr()
+    lines = [ln for ln in (shown.out + shown.err).splitlines() if ln.strip()]
+    assert lines == [f"ValueError: {msg}"]
+    res = shell.run_cell("you = your_model(42, 'T4')")
+    shown = capsys.readouterr()
+    assert len([ln for ln in (shown.out + shown.err).splitlines() if ln.strip()]) == 1

@@ -120,3 +120,13 @@ def test_every_nvidia_card_carries_its_compute_capability():
     assert cc["MI300X"] is None     # not a CUDA card: its questions say sm80 rules were assumed
     assert parse_gpu("T4").kernel_target.text == "a T4 (sm75)"
     assert "no compute capability known for 24 GiB" in parse_gpu("24GiB").kernel_target.text
+
+
+def test_a_python_caller_is_not_told_about_a_command_line_flag():
+    """Issue 47: from Python (lesson 14's CARD = "T5") the message names the card, not --gpu, and a
+    one-character slip in a short name still gets its guess."""
+    msg = str(pytest.raises(ValueError, parse_gpu, "T5", "card").value)
+    assert msg.startswith("cannot read card 'T5':") and "--gpu" not in msg
+    assert "(did you mean T4?)" in msg
+    assert "(did you mean L4?)" in str(pytest.raises(ValueError, parse_gpu, "L5").value)
+    assert "did you mean" not in str(pytest.raises(ValueError, parse_gpu, "fast").value)

@@ -5,7 +5,9 @@ A student brings a model (a registered name, an ``hf:`` config name or a ``confi
 this module answers, for that model and nothing typed in advance:
 
 * ``your_model``: what gpulab will train (the workload, its parameters, one sample's input), the
-  card read once (``predict.cards.parse_gpu``); bad input is a ``ValueError`` saying what to do;
+  card read once (``predict.cards.parse_gpu``); bad input is a ``ValueError`` saying what to do
+  (a ``LessonInputError``: in a notebook it shows as that one line, "did you mean T4?" included,
+  not as a traceback, and the cells after it do not run);
 * ``largest_batch``: ``gpulab.fit``'s largest batch on the card (fake engine, simulated allocator);
 * ``decision_table``: the baseline and each technique (and the two together), each one
   ``gpulab.fit`` for its largest batch and one two-step fake run at a fixed batch (the training
@@ -42,7 +44,7 @@ from gpulab.training.loop import RECIPE_DEFAULTS, check_recipe_for, recipe_workl
 from gpulab.units import dtype_name, format_bytes, parse_dtype
 
 __all__ = [
-    "DecisionTable", "LABEL_ACCUMULATION", "LABEL_FLOPS", "Row", "TECHNIQUES", "Technique", "YourModel",
+    "DecisionTable", "LABEL_ACCUMULATION", "LessonInputError", "LABEL_FLOPS", "Row", "TECHNIQUES", "Technique", "YourModel",
     "available_techniques", "decision_table", "exercise_batch_gain", "exercise_flops_ratio", "largest_batch", "measure_recipe",
     "step_flops", "technique", "your_model",
 ]
@@ -52,6 +54,16 @@ LABEL_FLOPS = ("FlopCounterMode (torch.utils.flop_counter) over one training ste
                "elementwise ops and the optimizer count 0")
 LABEL_ACCUMULATION = "arithmetic: ⌈global batch ÷ largest batch⌉"
 _STEPS = 2   # the steady state: the optimizer state exists from the first step() on
+
+
+class LessonInputError(ValueError):
+    """A mistake in what the student typed at the top of the lesson (the model, the card, an option):
+    a ``ValueError`` whose one-line message says what to pass instead. IPython shows an exception's
+    ``_render_traceback_`` in place of its traceback, so the notebook shows that one line; Python
+    code catching ``ValueError`` sees no difference."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"ValueError: {self}"]
 
 
 @dataclass(frozen=True)
@@ -177,10 +189,19 @@ def your_model(model: Any, card: Any, *, optimizer: str = "adamw", dtype: Any = 
     runs). ``model``: what ``gpulab.fit`` takes; ``card``: a name of ``predict.cards`` or a size
     ("24GiB"); the input options as ``gpulab.fit`` has them; ``name``: what the tables call it
     (default: the registered name, "your GPT2Config" for a config object, the class's name)."""
+    try:
+        return _your_model(model, card, optimizer, dtype, seq_len, input_shape, inputs, image_size, loss, name)
+    except LessonInputError:
+        raise
+    except ValueError as exc:   # one line in the notebook (LessonInputError), not a traceback
+        raise LessonInputError(str(exc)) from None
+
+
+def _your_model(model, card, optimizer, dtype, seq_len, input_shape, inputs, image_size, loss, name) -> YourModel:
     if isinstance(card, Card):
         c = card
     elif isinstance(card, str):
-        c = parse_gpu(card)
+        c = parse_gpu(card, "card")   # a Python call: no command-line flag in the message
     else:
         raise ValueError(f"card must be a card name or a size, got {type(card).__name__} {card!r}: e.g. 'T4', "
                          f"'24GiB'; cards: {', '.join(card_names())}")

@@ -202,9 +202,10 @@ def card_names() -> list[str]:
     return [card.name for card in CARDS]
 
 
-def _fail(text: str, reason: str = "", guesses: tuple[str, ...] = ()) -> ValueError:
-    """The one-line error every unreadable ``--gpu`` gets."""
-    msg = f"cannot read --gpu {text!r}: "
+def _fail(text: str, reason: str = "", guesses: tuple[str, ...] = (), what: str = "--gpu") -> ValueError:
+    """The one-line error every unreadable ``--gpu`` gets (``what``: how the caller names the value:
+    the CLI's ``--gpu``, or "card" for a Python call, which has no command-line flag)."""
+    msg = f"cannot read {what} {text!r}: "
     if reason:
         msg += reason + "; "
     msg += ("give a size such as 24GiB, 80GB or 512MiB (GiB/MiB/KiB/TiB binary, "
@@ -214,11 +215,11 @@ def _fail(text: str, reason: str = "", guesses: tuple[str, ...] = ()) -> ValueEr
     return ValueError(msg)
 
 
-def _size(text: str, number: str, unit: str) -> Card:
+def _size(text: str, number: str, unit: str, what: str = "--gpu") -> Card:
     label, scale = _UNITS[unit]
     n = round(Fraction(number) * scale)  # whole bytes: 0.3KiB is 307 B
     if n <= 0:
-        raise _fail(text, "a size must be at least 1 byte")
+        raise _fail(text, "a size must be at least 1 byte", what=what)
     shown = number.rstrip("0").rstrip(".") if "." in number else number
     name = f"{shown} {label}"
     if scale in (KB, MB, GB, TB):
@@ -230,7 +231,7 @@ def _size(text: str, number: str, unit: str) -> Card:
     return Card(name=name, memory_bytes=n, aliases=(), note=note)
 
 
-def parse_gpu(text: str) -> Card:
+def parse_gpu(text: str, what: str = "--gpu") -> Card:
     """Read a ``--gpu`` argument: a card name or alias, or a memory size with a unit.
 
     Cards match case-insensitively, with or without separators ("H100", "h100-80gb",
@@ -239,7 +240,9 @@ def parse_gpu(text: str) -> Card:
     24,000,000,000 bytes), "16G" (a bare G is read as GiB, and the note says so).
 
     Raises ``ValueError`` with a one-line message listing the accepted forms and the card
-    names for anything else: a bare number ("24"), a negative or zero size, an unknown name.
+    names for anything else: a bare number ("24"), a negative or zero size, an unknown name
+    (with "did you mean ...?" for a near miss such as "T5"). ``what``: how the message names the
+    value ("--gpu" on the command line, "card" from Python).
     """
     raw = "" if text is None else str(text)
     s = raw.strip()
@@ -247,20 +250,20 @@ def parse_gpu(text: str) -> Card:
     if key in _BY_KEY:
         return _BY_KEY[key]
     if key in _AMBIGUOUS:
-        raise _fail(raw, f"{s} comes in more than one size", _AMBIGUOUS[key])
+        raise _fail(raw, f"{s} comes in more than one size", _AMBIGUOUS[key], what)
     low = s.lower()
     m = _SIZE.match(low)
     if m and m.group(2) in _UNITS:
-        return _size(raw, m.group(1), m.group(2))
+        return _size(raw, m.group(1), m.group(2), what)
     if _NUMBER.match(low):
         if low.startswith("-"):
-            raise _fail(raw, "a size must be at least 1 byte")
-        raise _fail(raw, f"a size needs a unit ({s}GiB or {s}GB?)")
+            raise _fail(raw, "a size must be at least 1 byte", what=what)
+        raise _fail(raw, f"a size needs a unit ({s}GiB or {s}GB?)", what=what)
     if low.startswith("-"):
-        raise _fail(raw, "a size must be at least 1 byte")
+        raise _fail(raw, "a size must be at least 1 byte", what=what)
     if m:
-        raise _fail(raw, f"unknown unit {m.group(2)!r}")
-    raise _fail(raw, "", _guesses(key))
+        raise _fail(raw, f"unknown unit {m.group(2)!r}", what=what)
+    raise _fail(raw, "", _guesses(key), what)
 
 
 def as_card(gpu: Any) -> Card:
@@ -302,7 +305,8 @@ def _guesses(key: str) -> tuple[str, ...]:
     best = scored[0][0] if scored else 0.0
     names: list[str] = []
     for ratio, name in scored:
-        if ratio >= max(0.6, best - 0.1) and name not in names:
+        # 0.5: a one-character slip in a two-character name ("T5" for T4) still counts as close
+        if ratio >= max(0.5, best - 0.1) and name not in names:
             names.append(name)
     return tuple(names[:2])
 
