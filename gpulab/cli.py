@@ -22,12 +22,11 @@ import platform
 import sys
 from typing import Any, Sequence
 
-from gpulab.options import (ALL_OPTIMIZERS, AMP_NAMES, FP8_RECIPES, MAX_STEPS, POLICY_TEXT, SCHEDULES, Layout, Recipe,
-                            check_checkpointing, check_chunks, check_fp8, settings_from)
-from gpulab.predict.cards import card_with_room, check_fp8_card, parse_gpu
+from gpulab.command import answers, checks
+from gpulab.options import (ALL_OPTIMIZERS, AMP_NAMES, FP8_RECIPES, MAX_STEPS, POLICY_TEXT, SCHEDULES, check_checkpointing,
+                            check_chunks, check_fp8)
 from gpulab.predict.progress import StreamProgress
-from gpulab.units import check_model_dtype_name, format_bytes
-from gpulab.views import not_tensor_rows
+from gpulab.units import check_model_dtype_name
 
 __all__ = ["MODEL_HELP", "REPORT", "build_parser", "env_info", "main"]
 
@@ -270,70 +269,6 @@ def env_info() -> dict[str, Any]:
     }
 
 
-def _print_env(info: dict[str, Any]) -> str:
-    lines = [f"python {info['python']}, torch {info['torch']}, torchvision {info['torchvision']}",
-             f"CUDA available: {info['cuda_available']}"]
-    for g in info["device"]["gpus"]:
-        lines.append(f"GPU {g['index']}: {g['name']}, {format_bytes(g['total_bytes'])} total, "
-                     f"{format_bytes(g['used_bytes'])} used, driver {g['driver']}, cc {g['compute_capability']}")
-    if info["device"]["reason"]:
-        lines.append(info["device"]["reason"])
-    lines.append(f"lessons will use the {info['engine']} engine: {info['engine_reason']}")
-    return "\n".join(lines)
-
-
-def _print_breakdown(d: dict[str, Any]) -> str:
-    nw = max([22, *(len(r["name"]) + 2 for r in d["layers"])])
-    tw = max([18, *(len(r["type"]) + 2 for r in d["layers"])])
-    lines = [f"{d['model']} input {d['input_shape']} {d['dtype']}",
-             f"{'layer':<{nw}}{'type':<{tw}}{'output shape':<22}{'params':>12}{'output':>12}{'GFLOP':>9}"]
-    for r in d["layers"]:
-        lines.append(f"{r['name']:<{nw}}{r['type']:<{tw}}{str(r['output_shape']):<22}{r['params']:>12,}"
-                     f"{format_bytes(r['output_bytes']):>12}{r['flops'] / 1e9:>9.2f}")
-    lines.append(f"total params {d['total_params']:,} ({format_bytes(d['param_bytes'])}), "
-                 f"outputs {format_bytes(d['total_output_bytes'])}, forward {d['forward_flops'] / 1e9:.2f} GFLOP "
-                 f"(formula; 1 multiply-add = 2 FLOPs)")
-    return "\n".join(lines)
-
-
-def _print_step(d: dict[str, Any]) -> str:
-    lines = [f"{d['model']} batch {d['batch']} {d['dtype']} {d['optimizer']}"
-             + (f" autocast {d['amp']}" if d.get("amp") else "") + _recipe_text(d)
-             + f": engine {d['engine']} ({d['engine_reason']})",
-             f"input: {d['input']}",
-             f"{'category':<17}{'peak (' + d['label'] + ')':>44}{'formula':>14}"]
-    if d["oom"]:
-        lines.append(f"out of memory: {d['error']}")
-    for k, v in d.get("peak_tensor_bytes_by_category", d["peak_by_category"]).items():  # vs formulas: unrounded
-        pred = d["predicted"].get(k)
-        lines.append(f"{k:<17}{format_bytes(v):>44}{format_bytes(pred) if pred is not None else '—':>14}")
-    lines.append(f"{'total':<17}{format_bytes(d['peak_bytes']):>44}   peak during {d['peak_phase']}")
-    if len(d.get("step_peaks", [])) > 1:
-        lines.append(f"{'steps':<17}" + ", ".join(f"step {i + 1}: {format_bytes(p)}" for i, p in enumerate(d["step_peaks"]))
-                     + f"  (from step 2 on the optimizer state is held: the steady state is "
-                       f"{format_bytes(d['steady_peak_bytes'])})")
-    if "allocator" in d:
-        a = d["allocator"]
-        if "allocator_blocks" in d:
-            lines.append(f"{'peak':<17}{format_bytes(d['allocator_blocks']['peak_bytes']):>44}   "
-                         f"{d['allocator_blocks']['label']}")
-        lines.append(f"allocator, this run (from a baseline of {format_bytes(a['baseline_allocated'])} allocated): "
-                     f"peak allocated +{format_bytes(a['peak_allocated_delta'])}, "
-                     f"peak reserved +{format_bytes(a['peak_reserved_delta'])}; nvml used (whole device) "
-                     f"{format_bytes(a['nvml_used']) if a['nvml_used'] is not None else 'n/a'}")
-        b = d["beyond_tensors"]
-        lines.append(f"{b['label']}: {format_bytes(b['bytes'])}")
-        lines.append(f"{b['kept_label']}: {format_bytes(b['kept_after_run'])}")
-        lines += [f"{k}: {v}" for k, v in not_tensor_rows(b.get("not_tensors"))]
-    if d.get("kernels_note"):
-        lines.append(f"kernels: {d['kernels_note']}")
-    if d.get("cudnn_workspace_label"):
-        found = d.get("cudnn_workspace_bytes")
-        lines.append(f"{d['cudnn_workspace_label']}" + (f": {format_bytes(found)}, peak with them "
-                                                         f"{format_bytes(d['peak_with_workspaces_bytes'])}" if found else ""))
-    return "\n".join(lines)
-
-
 REPORT = "please report it with the command you ran"
 
 
@@ -419,34 +354,6 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
                         f"layers but the output head cast input and weight to float8 for each matmul")
 
 
-def _recipe_text(d: dict[str, Any]) -> str:
-    """", accumulate=4, clip_grad_norm=1.0": the recipe options a result was measured with."""
-    return "".join(f", {k}={v}" for k, v in d.get("recipe", {}).items() if not isinstance(v, dict))   # a layout's notes: in the label
-
-
-def _recipe(args: argparse.Namespace) -> dict[str, Any]:
-    return {"accumulate": args.accumulate, "clip_grad_norm": args.clip_grad_norm, "grad_scaler": args.grad_scaler,
-            "set_to_none": not args.keep_grads, "optimizer_in_backward": args.optimizer_in_backward,
-            "offload_activations": args.offload_activations, "chunked_loss": args.chunked_loss,
-            "use_cache": False if args.no_kv_cache_in_training else None, "compile": args.compile,
-            "implementation": args.optimizer_impl, "checkpointing": args.checkpointing, "lora": args.lora or (8 if args.qlora else 0),
-            "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
-            "quantize": "nf4" if args.qlora else args.quantize, "lora_dtype": args.lora_dtype,
-            "double_quant": not args.no_double_quant, "quant_compute_dtype": args.quant_compute_dtype,
-            "tp": args.tp, "sequence_parallel": args.sequence_parallel, "routing": args.routing,
-            "pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule,
-            "virtual_stages": args.virtual_stages, "fp8": args.fp8, "cp": args.cp, "ep": args.ep}
-
-
-def _settings(args: argparse.Namespace) -> tuple[Recipe, Layout]:
-    """The ``Recipe`` and ``Layout`` the flags ask for, built once and checked without torch
-    (``options.settings_from``): ``step`` and ``fit`` get them whole."""
-    flat = {**_recipe(args), "optimizer": args.optimizer, "dtype": args.dtype, "amp": args.amp,
-            "pp_stage": args.pp_stage, "gpus": getattr(args, "gpus", None), "strategy": getattr(args, "strategy", None),
-            "offload_optimizer": getattr(args, "offload_optimizer", False)}
-    return settings_from(None, None, flat)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; every failure is one line on stderr: bad input or a size this machine
     cannot hold (exit 2), an interrupt ("interrupted", exit 130), anything else an internal error
@@ -496,7 +403,7 @@ def _one_line(exc: BaseException) -> str:
 
 def _main(argv: list[str], own: bool = False) -> int:
     args = build_parser().parse_args(argv)
-    _check_values(args)   # still no torch: a bad card or size is refused here
+    checks.check_values(args)   # still no torch: a bad card or size is refused here
     if args.command == "record":
         args.argv = list(argv)
         return _record(args)
@@ -519,59 +426,31 @@ def _main(argv: list[str], own: bool = False) -> int:
     return _emit(json.dumps(data) if args.json else text(data))
 
 
-def _check_values(args: argparse.Namespace) -> None:
-    """The values argparse's types cannot see together, checked before torch is imported: the
-    card, and the CUDA context's size on it."""
-    if args.command == "step" and args.gpu is not None:
-        parse_gpu(args.gpu)
-    if args.command == "fit" and args.pp_stage:
-        raise ValueError("--pp-stage picks the stage gpulab step measures; gpulab fit answers every stage: leave it out")
-    if args.command in ("step", "fit"):
-        args.recipe, args.layout = _settings(args)   # every option's value and combination, before torch loads
-    if args.command in ("step", "fit") and args.gpu is not None:
-        check_fp8_card(args.gpu, args.fp8)   # a T4 or an A100 has no float8 matmul
-    if args.command not in ("fit", "serve"):
-        return
-    card = parse_gpu(args.gpu)
-    flag, given = ("--context", args.context) if args.command == "fit" else ("--cuda-context", args.cuda_context)
-    if given:
-        nbytes = _size(given, flag)
-        if nbytes >= card.reported_total_bytes:
-            raise ValueError(f"{flag} {given} is the whole of {card.name}'s {format_bytes(card.reported_total_bytes)} "
-                             f"or more: the CUDA context takes part of the card, give a smaller size")
-    elif args.command == "fit":   # a card smaller than the assumed context: said so, with --context to replace it
-        from gpulab.predict.context import context_assumption
-        card_with_room(card, context_assumption(args.cuda_module_loading).nbytes, assumed=True)
-    if args.command == "serve" and args.longest_context and args.context is not None:
-        raise ValueError(f"--longest-context finds the context itself; --context {args.context} would be ignored: "
-                         f"give one of them (--context N for an answer at N tokens)")
-
-
 def _answer(args: argparse.Namespace, progress: StreamProgress | None) -> tuple[dict[str, Any], Any]:
     """(the answer as data, its text view): the one place a command imports torch and transformers."""
     if args.command == "env":
-        return env_info(), _print_env
+        return env_info(), answers.env_text
     if args.command == "breakdown":
         from gpulab.predict.breakdown import breakdown
         return breakdown(args.model, args.batch or 1, args.image_size, args.dtype or "float32",
-                         seq_len=args.seq_len).as_dict(), _print_breakdown
+                         seq_len=args.seq_len).as_dict(), answers.breakdown_text
     if args.command == "step":
         from gpulab.predict.step import step   # gpulab.step
         return step(args.model, recipe=args.recipe, layout=args.layout, batch=args.batch, steps=args.steps,
                     engine=args.engine, seq_len=args.seq_len, image_size=args.image_size,
-                    fake_target=args.fake_target, gpu=args.gpu).as_dict(), _print_step
+                    fake_target=args.fake_target, gpu=args.gpu).as_dict(), answers.step_text
     if args.command == "serve":
         from gpulab.predict.serve import longest_context, serve
         kw = dict(dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype, block_size=args.block_size,
                   utilization=args.utilization, module_loading=args.cuda_module_loading, progress=progress,
-                  **({"context_bytes": _size(args.cuda_context, "--cuda-context")} if args.cuda_context else {}))
+                  **({"context_bytes": checks.size(args.cuda_context, "--cuda-context")} if args.cuda_context else {}))
         if args.longest_context:
-            return longest_context(args.model, args.gpu, batch=args.batch, **kw).as_dict(), _print_longest
+            return longest_context(args.model, args.gpu, batch=args.batch, **kw).as_dict(), answers.longest_text
         if args.context is None:
             raise ValueError("serve needs --context TOKENS (tokens per sequence) or --longest-context")
-        return serve(args.model, args.gpu, context_len=args.context, batch=args.batch, **kw).as_dict(), _print_serve
+        return serve(args.model, args.gpu, context_len=args.context, batch=args.batch, **kw).as_dict(), answers.serve_text
     from gpulab.predict.fit import fit
-    context = {"context_bytes": _size(args.context)} if args.context else {}
+    context = {"context_bytes": checks.size(args.context)} if args.context else {}
     data = fit(args.model, args.gpu, recipe=args.recipe, layout=args.layout, seq_len=args.seq_len,
                image_size=args.image_size, module_loading=args.cuda_module_loading, progress=progress,
                **context).as_dict()
@@ -580,124 +459,8 @@ def _answer(args: argparse.Namespace, progress: StreamProgress | None) -> tuple[
         data["what_fits"] = what_fits(args.model, args.gpu, batch=args.what_fits, optimizer=args.optimizer,
                                       dtype=args.dtype, amp=args.amp, seq_len=args.seq_len,
                                       image_size=args.image_size, module_loading=args.cuda_module_loading,
-                                      progress=progress, **context, **_recipe(args)).as_dict()
-    return data, _print_fit
-
-
-def _size(text: str, flag: str = "--context") -> int:
-    """A size such as 512MiB (the same forms as --gpu's sizes), for ``flag``."""
-    try:
-        return parse_gpu(text).memory_bytes
-    except ValueError as exc:
-        raise ValueError(str(exc).replace("--gpu", flag, 1)) from None
-
-
-def _print_fit(d: dict[str, Any]) -> str:
-    lines = [f"{d['model']} on {d['card']} ({format_bytes(d['capacity_bytes'])}), {d['optimizer']}, {d['dtype']}"
-             + (f", autocast {d['amp']}" if d["amp"] else "") + _recipe_text(d) + f": {d['input_text']}"]
-    if d.get("capacity_note"):
-        lines.append(f"card total: {d['capacity_note']}")
-    if d.get("sharding"):
-        lines.append(f"on {d['sharding']}: the figures below are one GPU's, the batch is per GPU "
-                     f"[{d['sharding_label']}]")
-    if d["largest_batch"]:
-        lines.append(f"largest batch that fits: {d.get('largest_batch_text', d['largest_batch'])}"
-                     + (f" (live tensors alone would allow {d['largest_batch_live']})"
-                        if d.get("largest_batch_live") and d["largest_batch_live"] != d["largest_batch"] else ""))
-    else:
-        lines.append(f"batch 1 does not fit: short by {format_bytes(-d['margin_bytes'])}")
-    lines.append(f"{'at batch ' + str(max(1, d['largest_batch'])):<26}{'bytes':>12}")
-    for k, v in d["peak_by_category"].items():
-        if v:
-            lines.append(f"  {k:<24}{format_bytes(v):>12}")
-    lines += [f"  {'live tensors (peak)':<24}{format_bytes(d['peak_bytes']):>12}   {d['label'].split(' + ')[0]}",
-              f"  {'allocator overhead':<24}{format_bytes(d['allocator_overhead_bytes']):>12}   {d['allocator_label']}",
-              f"  {'CUDA context':<24}{format_bytes(d['context_bytes']):>12}   {d['context_label']}",
-              f"  {'cuBLAS workspaces':<24}{format_bytes(d.get('workspace_bytes', 0)):>12}   "
-              f"{d.get('workspace_label', '')}",
-              f"  {'needed':<24}{format_bytes(d['needed_bytes']):>12}",
-              f"  {'margin':<24}{format_bytes(d['margin_bytes']):>12}   of {format_bytes(d['capacity_bytes'])}"]
-    for lever in d["levers"]:
-        lines.append(f"  if {lever['name']}: {format_bytes(lever['peak_bytes'])} at batch 1 "
-                     f"({'fits' if lever['fits'] else 'still too big'}) [{lever['label']}: {lever['formula']}]")
-    lines.append(f"how: {d['method']}; {d['runs']} fake runs, {d['seconds']:.1f} s")
-    lines += [f"layout: {note['text']}" for note in d.get("recipe", {}).values() if isinstance(note, dict)]
-    lines += [part for part in d["label"].split("; ") if part.startswith("MoE ")]   # how the experts ran
-    if d.get("ranks"):   # pipeline stages: each that differs, at the pipeline's micro-batch
-        lines.append(f"pipeline: {d['pipeline']}")
-        lines += _stage_lines(d["ranks"], d["largest_batch"])
-    if d.get("kernels"):
-        lines.append(f"kernels: {d['kernels']}")
-    if d.get("context_warning"):
-        lines.append(f"warning: {d['context_warning']}")
-    if d.get("what_fits"):
-        lines += _what_fits_lines(d["what_fits"])
-    return "\n".join(lines)
-
-
-def _stage_lines(rows: list[dict[str, Any]], batch: int) -> list[str]:
-    """One line per pipeline stage shape of a fit answer (predict.pipeline_fit.StageFit)."""
-    out = []
-    for r in rows:
-        head = (f"  stage {', '.join(map(str, r['stages']))} ({r['role']}{', binds' if r['binds'] else ''}): "
-                f"{r['ranks']}; {r['holds']}; {r['in_flight']} micro-batch{'es' if r['in_flight'] != 1 else ''} "
-                f"in flight")
-        if r["peak_bytes"] is None:
-            out.append(f"{head}: {r['note']}")
-        else:
-            out.append(f"{head}: at micro-batch {max(1, batch)} live {format_bytes(r['peak_bytes'])}, reserved "
-                       f"{format_bytes(r['reserved_bytes'])}" + (f" ({r['note']})" if r["note"] else ""))
-    return out
-
-
-def _print_longest(d: dict[str, Any]) -> str:
-    head = (f"{d['model']} on {d['card']}: the longest context for {d['batch']} sequences is "
-            f"{d['context_len']:,} tokens, limited by {d['limit']} ({d['runs']} serving answers)")
-    if d["at"] is None:
-        return head + "\n" + _print_serve(d["beyond"])
-    return head + "\n" + _print_serve(d["at"])
-
-
-def _print_serve(d: dict[str, Any]) -> str:
-    row = "  {:<44}{:>12}   {}"
-    lines = [f"{d['model']} on {d['card']} ({format_bytes(d['capacity_bytes'])}), weights {d['weights']}, KV cache "
-             f"{d['kv_dtype']}: {d['batch']} × {d['context_len']:,} tokens "
-             + ("fits" if d["fits"] else "does not fit"),
-             row.format("weights", format_bytes(d["weights_bytes"]), d["label"]),
-             row.format(f"KV cache ({format_bytes(d['kv_per_token_bytes'])} per token)",
-                        format_bytes(d["kv_cache_bytes"]), d["kv_label"]),
-             f"  KV cache assumption: {d.get('kv_assumption', '')}",
-             *([f"  positions: {d['positions_note']}"] if d.get("positions_note") else []),
-             *([f"  experts: {d['experts_note']}"] if d.get("experts_note") else []),
-             row.format("prefill, one sequence (peak)", format_bytes(d["prefill_one_bytes"]), d["label"]),
-             row.format(f"prefill, all {d['batch']} at once (peak)", format_bytes(d["prefill_all_bytes"]), d["label"]),
-             row.format("last decode step, all (peak)", format_bytes(d["decode_bytes"]), d["kv_label"]),
-             row.format("needed, prefilling one at a time", format_bytes(d["needed_one_at_a_time_bytes"]), ""),
-             row.format("needed, prefilling all at once", format_bytes(d["needed_all_at_once_bytes"]), ""),
-             row.format("CUDA context", format_bytes(d["context_bytes"]), d["context_label"]),
-             row.format("cuBLAS workspace", format_bytes(d.get("workspace_bytes", 0)), "formula (CublasHandlePool.cpp)"),
-             row.format("usable (card - CUDA context - cuBLAS workspace)", format_bytes(d["usable_bytes"]), ""),
-             f"vLLM-style at {d['utilization']:.0%}: {d['paged_blocks']:,} blocks of {d['block_size']} tokens, "
-             f"{d['max_sequences']} sequences of {d['context_len']:,} tokens at once [{d['paged_label']}]",
-             f"how: fake runs of the model's forward at full size, {d['seconds']:.1f} s"]
-    if d.get("kernels"):
-        lines.append(f"kernels: {d['kernels']}")
-    if d.get("capacity_note"):
-        lines.insert(1, f"card total: {d['capacity_note']}")
-    if d.get("context_warning"):
-        lines.append(f"warning: {d['context_warning']}")
-    return "\n".join(lines)
-
-
-def _what_fits_lines(d: dict[str, Any]) -> list[str]:
-    lines = [f"what fits at batch {d['batch']} ({d['label']}): the asked recipe needs "
-             f"{format_bytes(d['asked_reserved_bytes'])} ({'fits' if d['asked_fits'] else 'does not fit'})"]
-    for t in d["tried"]:
-        lines.append(f"  {'fits' if t['fits'] else 'no  '}  {format_bytes(t['reserved_bytes']):>10}  "
-                     f"saves {format_bytes(t['saved_bytes']):>10}  {t['name']}  [{t['cost']}]")
-    if not d["fitting"]:
-        lines.append("  nothing tried fits: a larger card, or several GPUs")
-    return lines
+                                      progress=progress, **context, **checks.recipe_keywords(args)).as_dict()
+    return data, answers.fit_text
 
 
 def _emit(text: str) -> int:

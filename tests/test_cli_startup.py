@@ -18,6 +18,7 @@ import pytest
 
 from conftest import ROOT
 from gpulab import cli
+from gpulab.command import checks
 from gpulab.predict.progress import StreamProgress
 
 BAD = [
@@ -132,7 +133,7 @@ def test_the_torch_free_checks_agree_with_the_library():
 
 def test_chunked_loss_zero_means_off():
     args = cli.build_parser().parse_args(["fit", "mlp", "--gpu", "T4", "--chunked-loss", "0"])
-    assert args.chunked_loss == 0 and cli._recipe(args)["chunked_loss"] == 0
+    assert args.chunked_loss == 0 and checks.recipe_keywords(args)["chunked_loss"] == 0
     assert cli.build_parser().parse_args(["fit", "mlp", "--gpu", "T4", "--chunked-loss", "8"]).chunked_loss == 8
     fit_help = cli.build_parser()._subparsers._group_actions[0].choices["fit"].format_help()
     assert "0, the default, is off" in " ".join(fit_help.split())
