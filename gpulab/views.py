@@ -99,7 +99,8 @@ def step_html(step) -> str:
 
 
 def fit_html(r) -> str:
-    """``gpulab.fit``'s answer: the batch, the peak by category, the allocator, the context, the margin."""
+    """``gpulab.fit``'s answer: the batch, the peak by category, the allocator, the context, the margin.
+    ``html_table`` escapes every cell and the caption: text goes in as text, never escaped twice."""
     head = (f"<b>{html.escape(r.model)}</b> on <b>{html.escape(r.card)}</b> ({format_bytes(r.capacity_bytes)}), "
             f"{html.escape(r.optimizer)}, {html.escape(r.dtype)}{', autocast ' + r.amp if r.amp else ''}: "
             + (f"largest batch <b>{html.escape(getattr(r, 'largest_batch_text', str(r.largest_batch)))}</b>"
@@ -108,18 +109,18 @@ def fit_html(r) -> str:
     rows = [[k, format_bytes(v), ""] for k, v in r.peak_by_category.items() if v]
     rows += [["live tensors (peak)", format_bytes(r.peak_bytes), "fake tensors, CUDA kernels' allocations"],
              ["allocator overhead", format_bytes(r.allocator_overhead_bytes), "simulated allocator"],
-             ["CUDA context", format_bytes(r.context_bytes), html.escape(r.as_dict()["context_label"])],
+             ["CUDA context", format_bytes(r.context_bytes), r.as_dict()["context_label"]],
              ["cuBLAS workspaces", format_bytes(getattr(r, "workspace_bytes", 0)),
-              html.escape(r.as_dict().get("workspace_label", ""))],
+              r.as_dict().get("workspace_label", "")],
              ["needed", format_bytes(r.needed_bytes), ""],
              ["margin", format_bytes(r.margin_bytes), f"of {format_bytes(r.capacity_bytes)}"]]
     table = html_table(["at batch " + str(max(1, r.largest_batch)), "bytes", "source"], rows,
-                       f"{html.escape(r.input_text)}; {html.escape(r.method)}; {r.runs} fake runs, {r.seconds:.1f} s")
+                       f"{r.input_text}; {r.method}; {r.runs} fake runs, {r.seconds:.1f} s")
     levers = ""
     if r.levers:
         levers = html_table(["lever", "batch 1 would need", "fits?", "formula"],
-                            [[html.escape(lv.name), format_bytes(lv.peak_bytes), "yes" if lv.fits else "no",
-                              html.escape(lv.formula)] for lv in r.levers], r.levers[0].label)
+                            [[lv.name, format_bytes(lv.peak_bytes), "yes" if lv.fits else "no",
+                              lv.formula] for lv in r.levers], r.levers[0].label)
     kernels = f"<p>{html.escape(r.kernels)}</p>" if getattr(r, "kernels", "") else ""
     return head + table + kernels + levers
 

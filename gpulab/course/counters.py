@@ -26,6 +26,8 @@ value (allocated, reserved, active, requested bytes, segment and block counts); 
 anything, and the counters ``num_alloc_retries``, ``num_ooms``, ``num_device_alloc`` are reset only
 by ``reset_accumulated_memory_stats``. ``memory_allocated`` / ``max_memory_allocated`` /
 ``memory_reserved`` read ``memory_stats()`` keys; ``mem_get_info`` calls ``cudaMemGetInfo``.
+The tracker's unrounded peak has a PyTorch counter too: ``memory_stats()["requested_bytes.all.peak"]``
+(the ``requested_bytes`` statistic: bytes asked for before rounding).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from gpulab.predict.replay import replay_events
 from gpulab.units import format_bytes
 from gpulab.views import html_table
 
-__all__ = ["COUNTERS", "CounterReading", "CounterRow", "cuda_counters", "read_counters", "simulated_counters",
+__all__ = ["COUNTERS", "REQUESTED_PEAK", "CounterReading", "CounterRow", "cuda_counters", "read_counters", "simulated_counters",
            "snapshot_segments"]
 
 # (counter as a student calls it, what PyTorch returns, gpulab's stand-in without a GPU)
@@ -67,6 +69,11 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
      "cudaMemGetInfo's total bytes of the device (a little under the advertised size)",
      "the card's total as CUDA reports it, where known; else its advertised size"),
 )
+# The unrounded peak: PyTorch counts the bytes client code asked for, before the 512-byte rounding,
+# as the ``requested_bytes`` statistic (``DeviceStats::requested_bytes`` in c10/core/CachingDeviceAllocator.h).
+REQUESTED_PEAK = ('torch.cuda.memory_stats()["requested_bytes.all.peak"]',
+                  "the peak of the bytes client code asked for, before the allocator rounds each block up "
+                  "(requested_bytes; workspaces included)")
 _KEYS = ("allocated", "max_allocated", "reserved", "max_reserved", "free", "total")
 
 
@@ -110,9 +117,10 @@ class CounterReading:
             if self.measured_label:
                 row.append("—" if r.measured is None else format_bytes(r.measured))
             out.append(row)
-        out.append(["(none: live-tensor bytes, unrounded)", "no PyTorch counter gives this",
-                     format_bytes(self.tracker_peak_unrounded), f"the tracker's peak ({self.tracked_label})"]
-                    + (["—"] if self.measured_label else []))
+        requested = None if self.measured_label is None else self.extra.get("measured_max_requested")
+        out.append([REQUESTED_PEAK[0], REQUESTED_PEAK[1],
+                     format_bytes(self.tracker_peak_unrounded), f"the tracker's peak, unrounded ({self.tracked_label})"]
+                    + (["—" if requested is None else format_bytes(requested)] if self.measured_label else []))
         return out
 
     def caption(self) -> str:
@@ -167,7 +175,8 @@ def read_counters(train: Callable[[torch.device], Any], *, engine: str = "fake",
                           label_cuda(measured_on) if measured is not None and measured_on else
                           ("measured (cuda)" if measured is not None else None),
                           {"final_by_category": dict(m.tracking.final_by_category),
-                           "peak_by_category": dict(m.tracking.peak_by_category)})
+                           "peak_by_category": dict(m.tracking.peak_by_category),
+                           "measured_max_requested": None if measured is None else measured.get("max_requested")})
 
 
 def cuda_counters(train: Callable[[torch.device], Any], snapshot_path: str | None = None,
@@ -188,6 +197,7 @@ def cuda_counters(train: Callable[[torch.device], Any], snapshot_path: str | Non
         free, total = torch.cuda.mem_get_info(dev)      # cudaMemGetInfo: the whole device
         out = {"allocated": torch.cuda.memory_allocated(dev), "max_allocated": torch.cuda.max_memory_allocated(dev),
                "reserved": torch.cuda.memory_reserved(dev), "max_reserved": torch.cuda.max_memory_reserved(dev),
+               "max_requested": torch.cuda.memory_stats(dev).get("requested_bytes.all.peak"),
                "free": int(free), "total": int(total), "allocated_before": before,
                "gpu": torch.cuda.get_device_name(dev)}
         if snapshot_path is not None:
