@@ -322,6 +322,11 @@ class MemoryTracker(TorchDispatchMode):
         self._events.append(Event(len(self._events), kind, rec.sid, nbytes, delta, rec.device,
                                   phase, module, time.perf_counter() - self._t0))
 
+    def current_phase(self) -> str:
+        """The phase the op now running belongs to (setup, forward, backward, optimizer, ...): what a
+        second dispatch mode over the same run reads (``predict.timing.OpTimer``)."""
+        return self._phase_safe()
+
     def _phase_safe(self) -> str:
         # Free callbacks can run on autograd's worker threads; reading the phase is cheap
         # and side-effect free apart from noticing that backward has started.

@@ -28,6 +28,8 @@ from gpulab.training.routing import Routing, is_moe, ran_routed, stated_routing
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
 from gpulab.predict.cards import follows_card
+from gpulab.predict.card_speeds import CardSpeed, speed_of
+from gpulab.predict.timing import StepTime, step_time_of, timed_experiment
 from gpulab.predict.layer_repeat import workload_with_depth
 from gpulab.predict.guard import check_fits
 from gpulab.predict.workspaces import NOT_PREDICTED, recorded_cudnn_workspace
@@ -52,7 +54,7 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
          lora_dtype: str = "fp32", double_quant: bool = True, quant_compute_dtype: str = "input", gpu: Any = None,
          routing: Any = None, tp: int = 1, sequence_parallel: bool = False, fp8: str | None = None,
          pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b", pp_stage: int = 0,
-         virtual_stages: int = 1, cp: int = 1, ep: int = 1, **engine_limits) -> StepResult:
+         virtual_stages: int = 1, cp: int = 1, ep: int = 1, time: Any = False, **engine_limits) -> StepResult:
     """Track ``steps`` training steps of ``model``, by category, beside the formulas' prediction
     (the module docstring says what ``model``, ``inputs`` and ``loss`` may be).
 
@@ -74,6 +76,8 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
     them). ``routing``: an MoE's routing, stated in the answer (``training.routing``). ``guard``: refuse a cpu/cuda run the fake engine predicts would not fit (ValueError). ``gpu``: the fake CUDA target's card (``predict.cards.follows_card``). ``fp8``: "tensorwise" or "rowwise", the linear layers as torchao's float8 training converts them (``training.fp8``).
     ``recipe``, ``layout`` (``gpulab.Recipe``, ``gpulab.Layout``: one GPU's) or the flat keywords that build
     them; the result carries them. With ``gpu``, cuDNN workspaces recorded on that card (``predict.workspaces``).
+    ``time``: True (with ``gpu``) or a ``CardSpeed`` predicts the step's time on the fake engine too: ``result.time``,
+    a ``StepTime`` (``predict.timing``; the card's speeds: ``predict.card_speeds``).
     Bad input raises ``ValueError`` with what to do instead."""
     if batch is not None:
         validate_batch(batch)
@@ -89,6 +93,7 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
     recipe = loop_recipe(asked, layout)
     check_recipe_for(recipe, w, dt)
     w = _stage_share(w, recipe)
+    speed = _time_speed(time, gpu, engine)
     try:
         bd = breakdown(recipe_workload(w, recipe), batch, dtype=dt)
     except ValueError:
@@ -99,26 +104,16 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
     predicted = predict_step(w.name, batch, optimizer=opt, dtype=dt, bd=bd, input_bytes=input_bytes)
     known = sum(v for v in predicted.values() if v)
     flops = 3 * bd.forward_flops * steps
-    choice = choose_engine("fake" if recipe.tp * recipe.ep > 1 and engine == "auto" else engine, known, flops, **engine_limits)
-    try:
-        if guard and choice.name != "fake":
-            fake = run(train_experiment(w, [batch] * steps, dt, recipe), "fake",
-                       fake_target="cuda" if choice.name == "cuda" else "cpu")
-            refused = check_fits(fake.peak_bytes, choice.name)
-            if refused:
-                raise _Refused(refused)
-        m = run(train_experiment(w, [batch] * steps, dt, recipe), choice, fake_target=fake_target)
-    except _Refused as refused:
-        raise ValueError(str(refused)) from None
-    except Exception as exc:
-        raise ValueError(step_failed(w, batch, f"on the {choice.name} engine", exc)) from exc
+    choice = choose_engine("fake" if (recipe.tp * recipe.ep > 1 or speed is not None) and engine == "auto" else engine, known, flops, **engine_limits)
+    m, timers = _run_guarded(w, batch, steps, dt, recipe, choice, guard, fake_target, speed)
     if m.kernels == "cuda":  # CUDA keeps Adam-style step counters in host memory
         predicted = predict_step(w.name, batch, optimizer=opt, dtype=dt, count_step_counters=False, bd=bd,
                                  input_bytes=input_bytes)
     return _recorded_workspaces(StepResult(
         w.name, batch, w.image_size or 0, opt, dtype_name(dt), steps, m, predicted, step_peaks=step_peaks(m),
         kind=w.kind, input_text=w.describe_input(batch), seq_len=w.seq_len, amp=amp_key,
-        recipe=_layout_stated(m, w, recipe, batch, dt), answered_recipe=asked, answered_layout=layout), gpu)
+        recipe=_layout_stated(m, w, recipe, batch, dt), answered_recipe=asked, answered_layout=layout,
+        time=_step_time(timers, speed, w, batch, recipe)), gpu)
 
 
 def _check_steps(steps: Any) -> None:
@@ -181,6 +176,51 @@ def _layout_stated(m: Measurement, w: Workload, recipe, batch: int, dt: torch.dt
     return shown
 
 
+def _run_guarded(w: Workload, batch: int, steps: int, dt: torch.dtype, recipe, choice, guard: bool,
+                 fake_target: str, speed: CardSpeed | None) -> tuple[Measurement, list]:
+    """The step run on ``choice``: a real run refused first when the fake engine predicts it would not fit;
+    with ``speed``, under an ``OpTimer`` (``predict.timing``), returned beside the measurement."""
+    timers: list = []
+    try:
+        if guard and choice.name != "fake":
+            fake = run(train_experiment(w, [batch] * steps, dt, recipe), "fake",
+                       fake_target="cuda" if choice.name == "cuda" else "cpu")
+            refused = check_fits(fake.peak_bytes, choice.name)
+            if refused:
+                raise _Refused(refused)
+        experiment = train_experiment(w, [batch] * steps, dt, recipe)
+        m = run(experiment if speed is None else timed_experiment(experiment, timers), choice, fake_target=fake_target)
+    except _Refused as refused:
+        raise ValueError(str(refused)) from None
+    except Exception as exc:
+        raise ValueError(step_failed(w, batch, f"on the {choice.name} engine", exc)) from exc
+    return m, timers
+
+
+def _time_speed(time: Any, gpu: Any, engine: str) -> CardSpeed | None:
+    """The speeds a ``time=`` question is answered on: a ``CardSpeed`` as given, or ``gpu``'s row."""
+    if time is False or time is None:
+        return None
+    if engine not in ("fake", "auto"):
+        raise ValueError(f"time= predicts a step's time from the fake run: pass engine='fake' (got {engine!r})")
+    if isinstance(time, CardSpeed):
+        return time
+    if time is not True:
+        raise ValueError(f"time must be True (with gpu=) or a gpulab CardSpeed, got {time!r}")
+    if gpu is None:
+        raise ValueError("time=True predicts the step's time on a card: name it with gpu= (e.g. gpu='H100')")
+    return speed_of(gpu)
+
+
+def _step_time(timers: list, speed: CardSpeed | None, w: Workload, batch: int, recipe) -> StepTime | None:
+    """The timed run's last step on ``speed``; tokens (a language model) or samples per step."""
+    if speed is None or not timers:
+        return None
+    per = w.seq_len if w.kind == "tokens" and w.seq_len else 1
+    return step_time_of(timers[0].ops, speed, batch * per * recipe.accumulate,
+                        "tokens" if per > 1 else "samples")
+
+
 class _Refused(Exception):
     """The guard's refusal, kept apart from the run's own errors."""
 
@@ -223,6 +263,7 @@ class StepResult(Measured):
     cudnn_workspace_label: str = ""
     answered_recipe: Recipe | None = None   # the Recipe and Layout this answer is for (gpulab.options)
     answered_layout: Layout | None = None
+    time: StepTime | None = None   # ``time=``: the step's predicted time (``predict.timing``)
 
     def __post_init__(self) -> None:
         m = self.measurement
@@ -287,6 +328,8 @@ class StepResult(Measured):
         if self.cudnn_workspace_label:
             d.update(cudnn_workspace_bytes=self.cudnn_workspace_bytes, cudnn_workspace_label=self.cudnn_workspace_label,
                      peak_with_workspaces_bytes=self.peak_with_workspaces_bytes)
+        if self.time is not None:
+            d["time"] = self.time.as_dict()
         if m.offloaded is not None:   # activation offloading: the host copies' peak, apart
             d["offloaded_peak_bytes"] = m.offloaded.peak_bytes
         if m.paged is not None:       # a paged optimizer: its unified-memory state, apart

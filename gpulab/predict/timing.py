@@ -1,0 +1,257 @@
+"""A training step's time, predicted from the same fake run that measures its memory: a roofline
+per aten op on a card's datasheet speeds (``predict.card_speeds``), as PyTorch's
+``RuntimeEstimator`` does (torch/distributed/_tools/runtime_estimator.py, "operator-level-cost-model").
+
+Per op: FLOPs from ``torch.utils.flop_counter.flop_registry`` (0 for an op it has no formula for),
+bytes = its tensor inputs' and outputs' sizes (a stride-0 dimension read once, as
+``torch.utils._runtime_estimation.get_num_bytes``), and
+time = max(FLOPs / (peak[dtype] × compute_efficiency), bytes / (bandwidth × memory_efficiency))
++ launch_overhead_s, with the ``TimeAssumptions`` named in the answer.
+
+Where this differs from RuntimeEstimator, and why:
+- NB: RuntimeEstimator's ``flops_to_ns`` halves the FLOPs ("converts FLOPs to MACs") before dividing
+  by the peak in FLOP/s, which halves every compute time; here FLOPs are divided by FLOP/s.
+- NB: the dtype of a FLOP is its op's lowest-precision floating input (a float8 ``_scaled_mm``
+  writes bf16 but runs at the fp8 rate); RuntimeEstimator takes the output's dtype. fp32 runs at the
+  fp32 peak (PyTorch's default ``torch.backends.cuda.matmul.fp32_precision`` is "ieee", not TF32).
+- NB: creation ops that write a tensor (``zeros``, ``rand_like``) are costed as the memory they
+  write; RuntimeEstimator ignores them. Views (``func.is_view``) cost nothing, as there.
+- NB: each op is one kernel with one launch, and nothing overlaps: no fusion, no streams.
+- RuntimeEstimator needs a GPU to read the peak; here the card's row gives it, so any machine answers.
+
+The tracker already knows the phase of every op (forward, backward, optimizer); the timer reads it
+(``MemoryTracker.current_phase``) and counts steps by it: a step starts at a forward that follows
+anything but a backward (so accumulation's micro-batches stay in one step). The answer is the last
+step's: the steady state.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from gpulab.predict.card_speeds import CardSpeed, TimeAssumptions
+from gpulab.tables import html_table
+
+__all__ = ["OpCost", "OpTimer", "StepTime", "dtype_key", "op_bytes", "roofline_seconds", "step_time_of",
+           "timed_experiment"]
+
+_PRIM_DEVICE = torch.ops.prim.device.default
+_STEP_PHASES = ("forward", "backward", "optimizer")
+_KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+_RANK = {"fp8": 0, "fp16": 1, "bf16": 1, "fp32": 2, "fp64": 3}
+
+
+def dtype_key(dtype: torch.dtype) -> str:
+    """The card table's name for a dtype: float8 kinds are all "fp8"."""
+    return "fp8" if "float8" in str(dtype) else _KEYS.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def op_bytes(t: torch.Tensor) -> int:
+    """Bytes an op moves for one tensor: numel over the dimensions with a nonzero stride (a broadcast
+    dimension is read once), times the element size (``_runtime_estimation.get_num_bytes``)."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
+
+
+def roofline_seconds(flops: int, nbytes: int, peak_flops: float, bytes_per_s: float,
+                     a: TimeAssumptions) -> tuple[float, float]:
+    """(compute seconds, memory seconds) of one op; its time is the larger plus ``a.launch_overhead_s``
+    (the roofline: Williams, Waterman, Patterson, CACM 2009)."""
+    return flops / (peak_flops * a.compute_efficiency), nbytes / (bytes_per_s * a.memory_efficiency)
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One aten op of the run as the timer saw it (no card yet)."""
+    name: str
+    phase: str
+    step: int
+    flops: int
+    nbytes: int
+    dtype: str   # the FLOPs' dtype key ("" for an op without FLOPs)
+
+
+class OpTimer(TorchDispatchMode):
+    """Records every kernel-launching aten op of a run with its FLOPs, bytes and phase. Entered
+    inside a ``MemoryTracker`` (``timed_experiment``): it sees each op first and hands it on."""
+
+    def __init__(self, phase_of: Callable[[], str]) -> None:
+        super().__init__()
+        self._phase_of = phase_of
+        self.ops: list[OpCost] = []
+        self.step = 0
+        self._last = "setup"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is _PRIM_DEVICE or func.is_view:
+            return out
+        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+        if not outs:   # metadata queries, scalars read back
+            return out
+        phase = self._phase_of()
+        if phase == "forward" and self._last not in ("forward", "backward"):
+            self.step += 1
+        self._last = phase
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        packet = func._overloadpacket
+        flops, key = 0, ""
+        if packet in flop_registry:
+            flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+            floats = [dtype_key(t.dtype) for t in ins if t.is_floating_point()] or [dtype_key(outs[0].dtype)]
+            key = min(floats, key=lambda k: _RANK.get(k, 9))
+        self.ops.append(OpCost(packet.__name__, phase, self.step, flops,
+                               sum(op_bytes(t) for t in ins) + sum(op_bytes(t) for t in outs), key))
+        return out
+
+
+def timed_experiment(experiment: Callable[[Any], Any], box: list) -> Callable[[Any], Any]:
+    """``experiment`` run under an ``OpTimer`` reading the run's tracker for phases; the timer is
+    appended to ``box`` for the caller to read after ``engines.run`` returns."""
+    def timed(ctx):
+        timer = OpTimer(ctx.tracker.current_phase)
+        box.append(timer)
+        with timer:
+            return experiment(ctx)
+    return timed
+
+
+@dataclass
+class OpTotals:
+    """One op name's share of the step."""
+    name: str
+    count: int = 0
+    seconds: float = 0.0
+    flops: int = 0
+    nbytes: int = 0
+    compute_bound: int = 0   # how many of its calls were compute-bound
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_bound * 2 > self.count else "memory"
+
+
+@dataclass
+class StepTime:
+    """A training step's predicted time on a card (data; ``__repr__``/``_repr_html_`` are its views)."""
+    card: str
+    speed: CardSpeed
+    seconds: float
+    by_phase: dict[str, float]
+    compute_bound_s: float      # time of the ops whose compute time exceeds their memory time
+    memory_bound_s: float
+    launch_s: float             # the kernels' launch overheads (inside ``seconds``)
+    kernels: int
+    flops: int                  # every FLOP the step ran (recompute included: hardware FLOPs)
+    forward_flops: int
+    mfu_dtype: str              # the dtype carrying most FLOPs: MFU is against its peak
+    items: int                  # tokens (or samples) one step consumes
+    unit: str                   # "tokens" or "samples"
+    by_op: dict[str, OpTotals] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"predicted (roofline, {self.card})"
+
+    @property
+    def assumptions(self) -> TimeAssumptions:
+        return self.speed.assumptions
+
+    @property
+    def model_flops(self) -> int:
+        """3 × the forward's FLOPs: the backward taken as twice the forward, recompute not counted
+        (the MFU convention: PaLM, Chowdhery et al. 2022, appendix B). NB: a frozen base (LoRA) runs
+        less backward than this says."""
+        return 3 * self.forward_flops
+
+    @property
+    def items_per_s(self) -> float:
+        return self.items / self.seconds if self.seconds else 0.0
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs / (step time × the card's peak for ``mfu_dtype``)."""
+        if not self.seconds or not self.mfu_dtype:
+            return 0.0
+        return self.model_flops / (self.seconds * self.speed.peak_flops(self.mfu_dtype))
+
+    @property
+    def compute_bound_share(self) -> float:
+        work = self.compute_bound_s + self.memory_bound_s
+        return self.compute_bound_s / work if work else 0.0
+
+    def top_ops(self, n: int = 8) -> list[OpTotals]:
+        return sorted(self.by_op.values(), key=lambda o: -o.seconds)[:n]
+
+    def lines(self) -> list[str]:
+        """The answer as text lines (the CLI prints them)."""
+        phases = ", ".join(f"{p} {s * 1e3:.3f} ms" for p, s in self.by_phase.items())
+        return [f"step time: {self.seconds * 1e3:.3f} ms, {self.label}",
+                f"  by phase: {phases}",
+                f"  {self.unit}/s: {self.items_per_s:,.0f} ({self.items:,} {self.unit} a step); "
+                f"MFU {self.mfu:.1%} of {self.mfu_dtype} peak",
+                f"  compute-bound {self.compute_bound_share:.0%} of op time; {self.kernels:,} kernels, "
+                f"launch {self.launch_s * 1e3:.3f} ms",
+                f"  assumptions: {self.assumptions.text} ({self.assumptions.source})",
+                f"  card: {self.speed.source}"]
+
+    def __repr__(self) -> str:
+        return "\n".join(self.lines())
+
+    def _repr_html_(self) -> str:
+        rows = [[o.name, o.count, f"{o.seconds * 1e3:.3f}", f"{o.flops:,}", f"{o.nbytes:,}", o.bound]
+                for o in self.top_ops()]
+        head = "".join(f"<p>{line}</p>" for line in self.lines())
+        return head + html_table(["op", "calls", "ms", "FLOPs", "bytes", "bound"], rows)
+
+    def as_dict(self) -> dict[str, Any]:
+        a = self.assumptions
+        return {"label": self.label, "seconds": self.seconds, "by_phase": dict(self.by_phase),
+                "compute_bound_share": self.compute_bound_share, "kernels": self.kernels,
+                "launch_seconds": self.launch_s, "flops": self.flops, "model_flops": self.model_flops,
+                "items": self.items, "unit": self.unit, "items_per_s": self.items_per_s, "mfu": self.mfu,
+                "mfu_dtype": self.mfu_dtype,
+                "assumptions": {"compute_efficiency": a.compute_efficiency, "memory_efficiency": a.memory_efficiency,
+                                "launch_overhead_s": a.launch_overhead_s, "source": a.source},
+                "card_source": self.speed.source}
+
+
+def step_time_of(ops: list[OpCost], speed: CardSpeed, items: int, unit: str) -> StepTime:
+    """The last step's ops (phases forward, backward, optimizer) costed on ``speed``."""
+    last = max((o.step for o in ops if o.phase == "forward"), default=0)
+    a = speed.assumptions
+    by_phase: dict[str, float] = defaultdict(float)
+    by_op: dict[str, OpTotals] = {}
+    flops_by_dtype: dict[str, int] = defaultdict(int)
+    compute_s = memory_s = 0.0
+    kernels = flops = forward_flops = 0
+    for o in ops:
+        if o.step != last or o.phase not in _STEP_PHASES:
+            continue
+        c, m = roofline_seconds(o.flops, o.nbytes, speed.peak_flops(o.dtype) if o.flops else 1.0,
+                                speed.bandwidth_bytes_s, a)
+        t = max(c, m) + a.launch_overhead_s
+        by_phase[o.phase] += t
+        compute_s, memory_s = (compute_s + max(c, m), memory_s) if c > m else (compute_s, memory_s + max(c, m))
+        tot = by_op.setdefault(o.name, OpTotals(o.name))
+        tot.count, tot.seconds, tot.flops, tot.nbytes = tot.count + 1, tot.seconds + t, tot.flops + o.flops, \
+            tot.nbytes + o.nbytes
+        tot.compute_bound += c > m
+        kernels += 1
+        flops += o.flops
+        forward_flops += o.flops if o.phase == "forward" else 0
+        if o.flops:
+            flops_by_dtype[o.dtype] += o.flops
+    mfu_dtype = max(flops_by_dtype, key=flops_by_dtype.get) if flops_by_dtype else ""
+    return StepTime(speed.name, speed, sum(by_phase.values()), dict(by_phase), compute_s, memory_s,
+                    kernels * a.launch_overhead_s, kernels, flops, forward_flops, mfu_dtype, items, unit, by_op)
