@@ -116,6 +116,11 @@ def test_measured_column_only_when_given():
     r = read_counters(one_tensor, engine="cpu", measured=fake, measured_on="NVIDIA H100 80GB HBM3")
     assert r.measured_label == "measured on NVIDIA H100 80GB HBM3 (cuda)"
     assert [row.measured for row in r.rows] == [1, 2, 3, 4, 5, 6]
+    assert r.table_rows()[-1][-1] == "—"          # no requested_bytes given: no figure invented
+    r = read_counters(one_tensor, engine="cpu", measured={**fake, "max_requested": 7 * 1024 * 1024},
+                      measured_on="NVIDIA H100 80GB HBM3")
+    last = r.table_rows()[-1]
+    assert last[0] == 'torch.cuda.memory_stats()["requested_bytes.all.peak"]' and last[-1] == "7.0 MiB"
 
 
 def test_refuses_the_cuda_engine_and_cuda_counters_needs_a_gpu():

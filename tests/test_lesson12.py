@@ -6,6 +6,7 @@ import pytest
 
 from gpulab.course import distributed as D
 from gpulab.formulas import zero_bytes_per_device
+from gpulab.units import format_bytes
 
 
 def test_zero_figure1_exactly():
@@ -35,6 +36,11 @@ def test_cards_needed_for_llama_full_adam():
     assert "never" in html and "DeepSpeed" in html
     # "80GB" is 80·10⁹ bytes (lesson 00's units): less than an H100, and ZeRO-1 then needs three by the paper too
     assert D.cards_needed("llama-3-8b", "80GB").needed[1] == 3
+    # issue 47: the lesson typed "84.5 GB usable" beside a table printing 83.6 GB; it renders reading()
+    text = c.reading()
+    assert format_bytes(c.usable_bytes, "decimal") in text and "84.5" not in text
+    assert all(format_bytes(c.per_device[s], "decimal") in text for s in (1, 2, 3))
+    assert "never fits" in text and "on 3 cards" in text
 
 
 def test_gradient_accumulation_same_gradients_fewer_activations():

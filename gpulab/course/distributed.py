@@ -121,6 +121,32 @@ class CardsNeeded:
                            "framework: per device", "framework: cards", "framework: bytes per card"], rows, caption=cap)
 
 
+    def reading(self) -> str:
+        """The table read out in sentences (Markdown), every figure from this result: lesson 12
+        renders it instead of typing the numbers (issue 47: a typed "84.5 GB usable" beside a table
+        that printed 83.6 GB)."""
+        d = lambda n: format_bytes(n, "decimal")   # noqa: E731
+        cards = lambda n: "no number of cards" if n is None else f"{n} card{'s' if n != 1 else ''}"  # noqa: E731
+        psi = self.n_params
+        out = []
+        if self.needed[0] is None:
+            out.append(f"Plain data parallelism never fits: every card holds all $16\\Psi$ = {d(16 * psi)}.")
+        else:
+            out.append(f"Plain data parallelism needs {cards(self.needed[0])}: every card holds all $16\\Psi$ = "
+                       f"{d(16 * psi)}.")
+        out.append(f"Sharding the optimizer state alone leaves $4\\Psi$ = {d(4 * psi)} of weights and gradients on "
+                   "each card.")
+        paper = "; ".join(f"{STAGE_NAMES[s]} on {cards(self.needed[s])}" +
+                          ("" if self.needed[s] is None else f", {d(self.per_device[s])} per card")
+                          for s in (1, 2, 3))
+        out.append(f"By the paper's formula, of the {d(self.usable_bytes)} usable on each {self.card}: {paper}; "
+                   "before a single activation is stored.")
+        if self.framework_needed:
+            fw = "; ".join(f"{STAGE_NAMES[s]} on {cards(self.framework_needed.get(s))}" for s in (1, 2, 3))
+            out.append(f"As the framework holds the model states (the table's framework columns): {fw}.")
+        return " ".join(out)
+
+
 def _why_never(stage: int) -> str:
     return {0: "every card holds all 16Ψ bytes", 1: "2Ψ + 2Ψ stay on every card",
             2: "the 2Ψ of weights stay on every card"}.get(stage, "")

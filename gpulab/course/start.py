@@ -135,16 +135,23 @@ class LabelGuide:
                           "every number in the lessons carries one of these labels")
 
 
-def _recorded_row() -> tuple[str, str, bool]:
-    """The recorded-runs label: the first record's GPU and date when gpulab ships one."""
+def _recorded_rows() -> list[tuple[str, str, bool]]:
+    """The recorded-runs label, one row per record gpulab ships (its GPU, date and torch, and the CUDA
+    runtime and driver of its ``provenance``), so the lesson never types which GPU they came from."""
     from gpulab.record.lookup import load_records
     records = load_records()
     if not records:
-        return (label_recorded("<GPU name>", "<date>", "<version>"),
-                "a GPU measurement shipped with gpulab (none ships with this version)", False)
-    r = records[0]
-    return (r.label, f"a GPU measurement shipped with gpulab: real, but not from this machine "
-                     f"({len(records)} recorded GPU{'s' if len(records) > 1 else ''})", True)
+        return [(label_recorded("<GPU name>", "<date>", "<version>"),
+                 "a GPU measurement shipped with gpulab (none ships with this version)", False)]
+    rows = []
+    for r in records:
+        prov = r.data.get("provenance", {})
+        newer = "" if str(prov.get("torch", "")) == torch.__version__ else \
+            f"; this machine runs torch {torch.__version__}, so a run here on the same card may differ"
+        rows.append((r.label, f"a GPU measurement shipped with gpulab (gpulab/recorded/{r.path.name}): real, but "
+                              f"not from this machine; CUDA runtime {prov.get('cuda_runtime', '?')}, driver "
+                              f"{prov.get('driver', '?')}{newer}", True))
+    return rows
 
 
 def label_guide() -> LabelGuide:
@@ -164,7 +171,7 @@ def label_guide() -> LabelGuide:
                           "memory_allocated / memory_reserved would say on a GPU", CachingAllocator is not None),
         (label_cuda(gpu), "the code ran on that GPU; the numbers come from the caching allocator's "
                           "counters and NVML", status["cuda"][0]),
-        _recorded_row(),
+        *_recorded_rows(),
     ])
 
 
