@@ -34,7 +34,6 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from gpulab.models import hf_configs
 from gpulab.models.lora import LORA_DTYPES, check_lora_dtype, check_rank, check_targets, default_targets, wrap_lora
 from gpulab.models.quantized import quantization_text, quantize_linears
 from gpulab.models.registry import active_fake_mode, build_in_place, build_skeleton, materialize
@@ -153,7 +152,7 @@ def adapted(w: Workload, *, lora: int = 0, lora_targets: Sequence[str] | None = 
         targets = check_targets(lora_targets) if lora_targets is not None else default_targets(w.config)
         if w.config is not None:
             _check_rank_fits(w.config, lora, targets)
-    task = _PEFT_TASKS.get(hf_configs.task_of(w.config)) if w.config is not None else None
+    task = _PEFT_TASKS.get(w.facts.task) if w.facts is not None else None   # read when resolved
     inner = w.make
 
     def make(dtype):

@@ -426,7 +426,7 @@ def _not_laid_out(w: Workload, recipe: LoopRecipe) -> str | None:
     if recipe.virtual_stages > 1:
         return ("interleaved pipeline: a rank's chunks take turns in its schedule, so every run has the rank's "
                 "full depth")
-    return layer_repeat.not_repeatable(w.config, recipe.checkpointing)
+    return layer_repeat.not_repeatable(w.config, recipe.checkpointing, w.facts)
 
 
 def _tracked(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe: LoopRecipe, target: tuple,
@@ -610,8 +610,7 @@ def _layers(w: Workload) -> int:
 
 
 def _summary(w: Workload) -> dict[str, Any]:
-    from gpulab.models import hf_configs
-    return hf_configs.config_summary(w.config) if w.config is not None else {}
+    return w.facts.summary() if w.facts is not None else {}   # hf_configs.config_summary, read once
 
 
 def _boundary_bytes(w: Workload, elem: int) -> int:

@@ -81,7 +81,6 @@ from gpulab.measure.engines import Measurement, RunContext
 from gpulab.measure.fake_mode import scalars_read_as_one
 from gpulab.options import Layout, Recipe, check_amp, check_layout_degrees, check_step_options, check_together
 from gpulab.models.adapt import adapted, check_checkpointing
-from gpulab.models.hf_configs import task_of
 from gpulab.models.quantized import COMPUTE_DTYPES, FOUR_BIT
 from gpulab.models.registry import ModelSpec
 from gpulab.models.workload import Workload, forward, image_workload
@@ -246,9 +245,9 @@ def check_recipe_for(r: LoopRecipe, w: Workload, dtype: torch.dtype | None = Non
         check_context_parallel(w, r.cp, r.tp, r.sequence_parallel)
     if r.ep > 1:
         check_expert_parallel(w.config, r.ep, r.routing)
-    if r.chunked_loss and task_of(w.config) != "causal-lm":
+    if r.chunked_loss and w.facts.task != "causal-lm":   # read once, when the model was resolved
         raise ValueError(f"chunked_loss splits a causal language model's head from its body; {w.name} is trained "
-                         f"as a {task_of(w.config)}: leave chunked_loss out")
+                         f"as a {w.facts.task}: leave chunked_loss out")
 
 
 def recipe_workload(w: Workload, r: LoopRecipe) -> Workload:
