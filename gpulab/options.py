@@ -359,6 +359,8 @@ class Layout:
     schedule: str = "1f1b"            # with pp: "1f1b", "gpipe" or "interleaved"
     virtual_stages: int = 1           # with the interleaved schedule: model chunks per rank
     pp_stage: int = 0                 # with pp: the stage ``gpulab.step`` measures (``fit`` answers every stage)
+    dp_replicate: int | None = None   # the mesh's replicas (DDP; HSDP's outer dimension); None: derived
+    dp_shard: int | None = None       # the ranks a replica's state is sharded over (FSDP2, ZeRO); None: derived
 
     def __post_init__(self) -> None:
         g = self.gpus
@@ -371,20 +373,121 @@ class Layout:
         check_layout_degrees(self)
         if self.pp > 1 and self.microbatches is None:   # a pipeline's default: one micro-batch per stage
             _set(self, "microbatches", self.pp)
+        replicate, shard = _mesh_dp(self, self.dp_replicate, self.dp_shard)
+        _set(self, "dp_replicate", replicate)
+        _set(self, "dp_shard", shard)
 
     @property
     def dp(self) -> int:
-        """The data-parallel degree: the GPUs over which model replicas (or their shards) are spread,
-        ``gpus / (tp × cp × pp)`` (1 on one GPU). Expert parallelism borrows its ranks from these and
-        the others (torchtitan's ``ParallelDims``), so it does not divide them here."""
-        return max(1, (self.gpus or 1) // (self.tp * self.cp * self.pp))
+        """The data-parallel degree: ``dp_replicate × dp_shard``, the GPUs over which model replicas (or
+        their shards) are spread, ``gpus / (tp × cp × pp)`` (1 on one GPU). Expert parallelism borrows its
+        ranks from ``dp_shard × cp`` (torchtitan's ``ParallelDims``)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def sharded_over(self) -> int:
+        """The ranks a sharding strategy (fsdp2, zero*) splits one rank's parameters, gradients and
+        optimizer state over: ``dp_shard × cp``, torchtitan's ``fsdp`` mesh ("when cp is used, FSDP is
+        also applied ... even if there may be no data parallelism", ``ParallelDims.build_mesh``); under
+        ddp, or with no strategy, the ``dp`` replicas (nothing is split)."""
+        if self.strategy in SHARDED_STRATEGIES:
+            return self.dp_shard * self.cp
+        return self.dp
+
+    @property
+    def mesh_dims(self) -> dict[str, int]:
+        """The mesh torchtitan's ``ParallelDims`` names, outermost replicas first, and ``ep``."""
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,
+                "pp": self.pp, "ep": self.ep}
+
+    @property
+    def mesh(self) -> str:
+        """The mesh in words: "mesh dp_replicate 1 × dp_shard 8 × cp 1 × tp 1 × pp 1 (ep 8 from dp_shard × cp)"."""
+        dims = " × ".join(f"{k} {v}" for k, v in self.mesh_dims.items() if k != "ep")
+        borrowed = f" (ep {self.ep} from dp_shard × cp{' × tp' if self.tp > 1 else ''})" if self.ep > 1 else ""
+        spread = "" if self.gpus is not None or self.dp == 1 else "; no strategy: the dp ranks hold replicas"
+        return f"mesh {dims}{borrowed}{spread}"
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the layout spreads the step at all (more than one GPU in its mesh)."""
+        return self.dp * self.cp * self.tp * self.pp > 1
 
     def changed(self) -> dict[str, Any]:
-        """The fields set away from their defaults."""
-        return _changed(self)
+        """The fields set away from their defaults (the mesh's data-parallel sizes only where they differ
+        from what ``gpus`` and ``strategy`` give)."""
+        out = _changed(self)
+        derived = _mesh_dp(self, None, None)
+        for name, value in zip(("dp_replicate", "dp_shard"), derived):
+            if out.get(name) == value:
+                del out[name]
+        return out
 
     def __repr__(self) -> str:
-        return _repr(self)
+        return f"Layout({', '.join(f'{k}={v!r}' for k, v in self.changed().items())})"
+
+
+SHARDED_STRATEGIES = ("zero1", "zero2", "zero3", "fsdp2")   # each splits state over the data-parallel ranks
+
+
+def _whole(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name} must be a whole number of ranks >= 1, got {value!r}")
+
+
+def _mesh_dp(lay: Layout, rep: int | None, shard: int | None) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) of ``lay``'s mesh (``rep``, ``shard``: as given, None to derive), checked against ``gpus`` as torchtitan's
+    ``ParallelDims._validate`` does (``dp_replicate × dp_shard × cp × tp × pp == world size``; expert
+    parallelism divides ``dp_shard × cp × tp``), each refusal one line with the product. Not given, they
+    come from ``gpus`` and ``strategy``: ddp (or none) replicates, ``dp_replicate = gpus / (cp × tp × pp)``;
+    fsdp2 and zero* shard, ``dp_shard`` = that. On one GPU (``gpus`` None) an expert-parallel rank's
+    group is the smallest that holds it: ``dp_shard = ep / gcd(ep, cp × tp)``."""
+    import math
+    g = lay.gpus
+    _whole("dp_replicate", rep)
+    _whole("dp_shard", shard)
+    rest = lay.cp * lay.tp * lay.pp
+    if g is None:
+        if rep is not None or shard is not None:
+            raise ValueError("dp_replicate and dp_shard lay out gpus: give gpus too (gpus = dp_replicate × dp_shard "
+                             "× cp × tp × pp)")
+        return 1, lay.ep // math.gcd(lay.ep, lay.cp * lay.tp)
+    if g % rest:
+        named = [(k, v) for k, v in (("tp", lay.tp), ("cp", lay.cp), ("pp", lay.pp)) if v > 1]
+        what = (f"{named[0][0]}={named[0][1]}" if len(named) == 1 else
+                f"{' × '.join(k for k, _ in named)} = {' × '.join(str(v) for _, v in named)} = {rest}")
+        raise ValueError(f"gpus={g} is not a multiple of {what}: each model replica takes {rest} GPUs (gpus = dp × "
+                         f"{' × '.join(k for k, _ in named)}, dp = dp_replicate × dp_shard); give gpus as a multiple "
+                         f"of {rest}")
+    dp = g // rest
+    sharded = lay.strategy in SHARDED_STRATEGIES
+    if rep is None and shard is None:
+        rep, shard = (1, dp) if sharded else (dp, 1)
+    elif rep is None:
+        rep = max(1, dp // shard)
+    elif shard is None:
+        shard = max(1, dp // rep)
+    if rep * shard * rest != g:
+        raise ValueError(f"gpus={g} is not dp_replicate × dp_shard × cp × tp × pp = {rep} × {shard} × {lay.cp} × "
+                         f"{lay.tp} × {lay.pp} = {rep * shard * rest} (torchtitan's ParallelDims)")
+    if shard > 1 and not sharded:
+        raise ValueError(f"dp_shard {shard} shards each replica's state: give strategy fsdp2 or zero1/2/3 with it "
+                         f"({lay.strategy or 'no strategy'} replicates: dp_replicate = gpus / (cp × tp × pp))")
+    if rep > 1 and lay.strategy in ("zero1", "zero2", "zero3"):
+        raise ValueError(f"dp_replicate {rep} with {lay.strategy}: DeepSpeed's ZeRO splits over every data-parallel "
+                         f"rank; hybrid sharding (replicas of shards, HSDP) is fsdp2's")
+    if lay.ep > 1:
+        if g % lay.ep:
+            raise ValueError(f"--ep {lay.ep} does not divide gpus={g}: expert parallelism borrows its ranks from the "
+                             f"data-parallel ones (ep divides dp_shard × cp × tp); give gpus as a multiple of {lay.ep}")
+        region = shard * lay.cp * lay.tp
+        if region % lay.ep:
+            why = (f"; {lay.strategy or 'no strategy'} replicates (dp_replicate {rep}), sharding none: use fsdp2 "
+                   f"(or zero1/2/3)" if not sharded else "")
+            raise ValueError(f"--ep {lay.ep} does not divide the {region} data-parallel ranks"
+                             f"{' of each stage' if lay.pp > 1 else ''} it borrows from: dp_shard × cp × tp = {shard} × "
+                             f"{lay.cp} × {lay.tp} = {region} (torchtitan's ParallelDims){why}")
+    return rep, shard
 
 
 def check_layout_degrees(r: Any) -> None:

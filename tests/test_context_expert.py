@@ -281,3 +281,48 @@ def test_expert_parallel_pipeline_stages():
     with pytest.raises(ValueError, match=r"--ep 4 does not divide the 2 data-parallel ranks of each stage"):
         gpulab.fit(cfg, "24MiB", optimizer="adamw", dtype="bf16", seq_len=64, context_bytes=0, ep=4, pp=2, gpus=4,
                    strategy="fsdp2")
+
+
+def test_fsdp2_with_cp_shards_over_dp_shard_times_cp():
+    """torchtitan's fsdp mesh is dp_shard × cp ("when cp is used, FSDP is also applied", ParallelDims.build_mesh):
+    on 8 GPUs with cp 8 and fsdp2 the rank holds 1/8 of the parameters, gradients and optimizer state (each
+    storage split on its own and rounded up: at most a byte per storage over the exact eighth). gpulab spread
+    FSDP over gpus ÷ cp = 1 rank before, so nothing was sharded."""
+    from gpulab.measure.records import Category
+    from gpulab.models.workload import resolve_workload
+    from gpulab.predict import sharding as S
+    lay = gpulab.Layout(gpus=8, strategy="fsdp2", cp=8)
+    assert (lay.dp_replicate, lay.dp_shard, lay.sharded_over) == (1, 1, 8)
+    t = gpulab.step(_llama(), batch=1, seq_len=SEQ, optimizer="adamw", dtype="bf16", engine="fake", cp=8,
+                    steps=1).measurement.tracking
+    net = resolve_workload(_llama(), seq_len=SEQ).build(torch.device("meta"), torch.bfloat16)
+    rank = S.per_rank(t, S.Sharding(lay.sharded_over, "fsdp2"), S.count_layers(net), 2)
+
+    def held(run, cat):
+        allocs = [e for e in run.events if e.kind == "alloc" and run.records[e.sid].category is cat
+                  and not run.records[e.sid].op.startswith("fsdp2")]
+        return sum(e.nbytes for e in allocs), len(allocs)
+    for cat in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE):
+        (whole, n), (mine, _) = held(t, cat), held(rank, cat)
+        assert whole > 0 and whole / 8 <= mine <= whole / 8 + n, cat
+    fit = gpulab.fit(_llama(), "24MiB", optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0, layout=lay)
+    assert fit.sharding.startswith("8 GPUs, fsdp2")
+    assert fit.mesh == "mesh dp_replicate 1 × dp_shard 1 × cp 8 × tp 1 × pp 1" and fit.mesh in fit.label
+    one = gpulab.fit(_llama(), "24MiB", optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0, cp=8, gpus=8,
+                     strategy="ddp")
+    assert one.sharding.startswith("1 GPUs, ddp")   # ddp replicates: cp 8 of 8 GPUs leaves no replica to spread over
+
+
+def test_mixtral_ep_8_states_its_mesh():
+    """The usual Mixtral layout, 8 GPUs, fsdp2, ep 8 (1 local expert, top-2): it answers, with the mesh
+    torchtitan's ParallelDims names (ep borrowed from dp_shard × cp) in the label, the text and --json."""
+    import json
+
+    from gpulab.command.answers import fit_text
+    f = gpulab.fit(_mixtral(), "24MiB", optimizer="adamw", dtype="bf16", seq_len=64, context_bytes=0, ep=8, gpus=8,
+                   strategy="fsdp2")
+    mesh = "mesh dp_replicate 1 × dp_shard 8 × cp 1 × tp 1 × pp 1 (ep 8 from dp_shard × cp)"
+    assert f.largest_batch >= 1 and f.mesh == mesh and mesh in f.label and "rank 0 holds 1 of 8" in f.label
+    assert "gpus/ep = 1 ranks" in f.sharding
+    d = json.loads(json.dumps(f.as_dict(), default=str))
+    assert d["mesh"] == mesh and f"layout: {mesh}" in fit_text(d)

@@ -109,3 +109,31 @@ def test_cli_json_carries_recipe_and_layout(capsys):
     assert cli.main(["step", "mlp", "--engine", "fake", "--batch", "4", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["answered_recipe"] == dataclasses.asdict(Recipe()) and d["answered_layout"]["pp"] == 1
+
+
+def test_the_mesh_is_torchtitans_parallel_dims():
+    """Layout names the mesh dp_replicate × dp_shard × cp × tp × pp as torchtitan's ParallelDims does, derived
+    from gpus and strategy when not given (ddp replicates, fsdp2/zero* shard), checked against gpus with the
+    product in the message, ep dividing dp_shard × cp × tp (ParallelDims._validate's sparse region)."""
+    assert Layout(gpus=8, strategy="ddp").mesh_dims == dict(dp_replicate=8, dp_shard=1, cp=1, tp=1, pp=1, ep=1)
+    assert Layout(gpus=64, strategy="fsdp2", tp=8, pp=4).mesh == "mesh dp_replicate 1 × dp_shard 2 × cp 1 × tp 8 × pp 4"
+    lay = Layout(gpus=8, strategy="fsdp2", ep=8)
+    assert lay.mesh == "mesh dp_replicate 1 × dp_shard 8 × cp 1 × tp 1 × pp 1 (ep 8 from dp_shard × cp)"
+    assert repr(lay) == "Layout(gpus=8, strategy='fsdp2', ep=8)" and lay == Layout(gpus=8, strategy="fsdp2", ep=8,
+                                                                                    dp_shard=8)
+    hsdp = Layout(gpus=16, strategy="fsdp2", dp_replicate=2)
+    assert (hsdp.dp_shard, hsdp.sharded_over, hsdp.dp) == (8, 8, 16)
+    assert Layout(gpus=8, strategy="fsdp2", cp=8).sharded_over == 8 and Layout(gpus=8, strategy="ddp", cp=8).sharded_over == 1
+    assert Layout(ep=4).dp_shard == 4   # one rank of an ep group: the smallest mesh that holds it
+    for make, words in [
+        (lambda: Layout(gpus=8, strategy="fsdp2", dp_replicate=2, dp_shard=3),
+         "gpus=8 is not dp_replicate × dp_shard × cp × tp × pp = 2 × 3 × 1 × 1 × 1 = 6"),
+        (lambda: Layout(gpus=8, tp=3), "gpus=8 is not a multiple of tp=3"),
+        (lambda: Layout(gpus=8, strategy="ddp", ep=4),
+         "--ep 4 does not divide the 1 data-parallel ranks it borrows from: dp_shard × cp × tp = 1 × 1 × 1 = 1"),
+        (lambda: Layout(gpus=8, strategy="ddp", dp_shard=2), "dp_shard 2 shards each replica's state: give strategy fsdp2"),
+        (lambda: Layout(gpus=8, strategy="zero3", dp_replicate=2), "hybrid sharding"),
+        (lambda: Layout(dp_shard=2), "give gpus too"),
+    ]:
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+            make()

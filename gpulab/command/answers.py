@@ -108,6 +108,8 @@ def fit_text(d: dict[str, Any]) -> str:
         lines.append(f"  if {lever['name']}: {format_bytes(lever['peak_bytes'])} at batch 1 "
                      f"({'fits' if lever['fits'] else 'still too big'}) [{lever['label']}: {lever['formula']}]")
     lines.append(f"how: {d['method']}; {d['runs']} fake runs, {d['seconds']:.1f} s")
+    if d.get("mesh"):   # a layout's mesh, torchtitan's ParallelDims names (Layout.mesh)
+        lines.append(f"layout: {d['mesh']}")
     lines += [f"layout: {note['text']}" for note in d.get("recipe", {}).values() if isinstance(note, dict)]
     lines += [part for part in d["label"].split("; ") if part.startswith("MoE ")]   # how the experts ran
     if d.get("ranks"):   # pipeline stages: each that differs, at the pipeline's micro-batch

@@ -47,7 +47,7 @@ from gpulab.training.loop import AMP_DTYPES, LoopRecipe, changed_options, check_
 from gpulab.predict import layer_repeat, run_cache
 from gpulab.predict.progress import Progress, report
 from gpulab.predict.search import largest_fitting
-from gpulab.training.context_parallel import layout_gpus, layout_notes
+from gpulab.training.context_parallel import layout_notes
 from gpulab.training.routing import is_moe, stated_routing
 from gpulab.categories import Category
 from gpulab.measure.tracking import TrackingResult
@@ -121,6 +121,7 @@ class FitResult(CardBudget):
     workspace_bytes: int = 0
     kernels: str = ""                 # the card whose CUDA kernels the fake runs followed, the attention kernels chosen
     layers: str = ""                  # how the depth was run: laid out from a few layers (predict.layer_repeat), or why not
+    mesh: str = ""                    # a layout's mesh (Layout.mesh): dp_replicate × dp_shard × cp × tp × pp, ep
     pipeline: str = ""                # pipeline parallelism: the layout, schedule and micro-batches (predict.pipeline_fit)
     ranks: list = field(default_factory=list)   # with pipeline stages: one pipeline_fit.StageFit per stage shape
     answered_recipe: Recipe | None = None   # the Recipe and Layout this answer is for (gpulab.options)
@@ -200,21 +201,24 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
     check_recipe_for(loop, w, dt)
     key = run_cache.workload_key(model, w, own_parts=inputs is not None or input_shape is not None or loss is not None)
-    sharded = (layout.gpus, layout.strategy, layout.offload_optimizer)
     if loop.pp > 1:   # one search per pipeline stage that differs (predict.pipeline_fit)
         from gpulab.predict.pipeline_fit import StageSearch, fit_stages
-        result = fit_stages(w, key, dt, loop, place, sharded, progress, t0,
+        result = fit_stages(w, key, dt, loop, place, layout, progress, t0,
                             StageSearch(_search, _sharding, _check, usable_bytes))
     else:
-        gpus = layout_gpus(layout.gpus, layout.strategy, loop.tp, loop.cp, loop.ep)
-        sharding, shard = _sharding(w, loop, dt, gpus, layout.strategy, layout.offload_optimizer)
+        spread = None if layout.gpus is None else layout.sharded_over   # dp_shard × cp under fsdp2/zero*
+        sharding, shard = _sharding(w, loop, dt, spread, layout.strategy, layout.offload_optimizer)
         result = _search(w, key, dt, loop, place._replace(sharding=sharding), shard, progress, t0)[0]
     result.answered_recipe, result.answered_layout = recipe, layout
-    return _layout_stated(result, w, loop, dt)
+    return _layout_stated(result, w, loop, dt, layout)
 
 
-def _layout_stated(result: FitResult, w: Workload, recipe: LoopRecipe, dt: torch.dtype) -> FitResult:
-    """A context- or expert-parallel answer names its layout and buffers at the batch it found."""
+def _layout_stated(result: FitResult, w: Workload, recipe: LoopRecipe, dt: torch.dtype, layout: Layout) -> FitResult:
+    """A layout's answer states its mesh (torchtitan's ``ParallelDims`` names, ``Layout.mesh``); a
+    context- or expert-parallel one its layout and buffers at the batch it found."""
+    if layout.parallel:
+        result.mesh = layout.mesh
+        result.label = f"{result.label}; {layout.mesh}"
     itemsize = torch.empty((), dtype=recipe.amp or dt).element_size()
     for name, note in layout_notes(w, recipe, max(1, result.largest_batch), itemsize).items():
         result.label = f"{result.label}; {note['text']}"
@@ -318,15 +322,9 @@ def _bisect(runs: dict[int, TrackingResult], run_check: Callable[[int], BatchChe
 
 def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, offload_optimizer):
     """(None, None) for one GPU; else the ``predict.sharding.Sharding`` and the function that turns
-    a one-GPU run into one rank's."""
+    a one-GPU run into one rank's. ``gpus``: the ranks the strategy spreads a rank's state over
+    (``Layout.sharded_over``: dp_shard × cp under fsdp2/zero*, torchtitan's fsdp mesh), None for one GPU."""
     from gpulab.predict import sharding as S
-    group = recipe.tp * recipe.pp   # the GPUs are tp × pp groups: the strategy spreads over the groups
-    if group > 1 and gpus is not None:
-        if not isinstance(gpus, int) or gpus % group:
-            what = f"tp={recipe.tp}" if recipe.pp == 1 else f"tp × pp = {recipe.tp} × {recipe.pp} = {group}"
-            raise ValueError(f"gpus={gpus} is not a multiple of {what}: each model replica takes {group} GPUs "
-                             f"(gpus = dp × tp × pp); give gpus as a multiple of {group}")
-        gpus = gpus // group
     sh = S.check_sharding(gpus, strategy, offload_optimizer, recipe.optimizer, dt)
     if sh is None:
         return None, None

@@ -68,22 +68,21 @@ class StageFit:
     note: str = ""
 
 
-def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecipe, place, dp_options: tuple,
+def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecipe, place, layout: Any,
                progress: Progress, t0: float, fit_parts: StageSearch):
-    """``fit``'s answer (a ``FitResult``) for ``recipe.pp`` stages (module docstring); ``dp_options``:
-    (gpus, strategy, offload_optimizer) as ``fit`` got them."""
+    """``fit``'s answer (a ``FitResult``) for ``recipe.pp`` stages (module docstring); ``layout``: the
+    ``gpulab.Layout`` ``fit`` got (its mesh checked: gpus = dp_replicate × dp_shard × cp × tp × pp, ep
+    dividing dp_shard × cp × tp)."""
     pp, layers = recipe.pp, w.config.num_hidden_layers
     stage_w = layer_repeat.workload_with_depth(w, layers // pp)
-    gpus, strategy, offload = dp_options
+    gpus, strategy, offload = layout.gpus, layout.strategy, layout.offload_optimizer
     group = recipe.tp * pp
-    assumed = gpus is not None and isinstance(gpus, int) and gpus > group and strategy is None
-    sharding, shard = fit_parts.sharding(stage_w, recipe, dt, gpus, DEFAULT_STRATEGY if assumed else strategy, offload)
+    assumed = gpus is not None and gpus > group and strategy is None
+    spread = None if gpus is None else layout.sharded_over   # with ddp assumed: the dp replicas
+    sharding, shard = fit_parts.sharding(stage_w, recipe, dt, spread, DEFAULT_STRATEGY if assumed else strategy,
+                                         offload)
     place = place._replace(sharding=sharding)
-    per_stage = gpus // pp if gpus else recipe.tp   # (_sharding checked that tp × pp divides gpus)
-    if recipe.ep > 1 and gpus and (gpus // group) % recipe.ep:
-        raise ValueError(f"--ep {recipe.ep} does not divide the {gpus // group} data-parallel ranks of each stage "
-                         f"(gpus / (tp × pp)): expert parallelism borrows its ranks from them; give gpus as a "
-                         f"multiple of tp × pp × ep = {group * recipe.ep}")
+    per_stage = gpus // pp if gpus else recipe.tp   # (the Layout checked that tp × pp divides gpus)
     v = recipe.virtual_stages
     shapes = distinct_stages(pp, recipe.microbatches, recipe.schedule, v)
     searched: dict[int, tuple[Any, Any]] = {}
@@ -105,7 +104,7 @@ def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopReci
     answer.recipe.pop("pp_stage", None)
     answer.runs = sum(res.runs for res, _ in searched.values())
     answer.seconds = time.perf_counter() - t0
-    answer.pipeline = (f"pp {pp} × tp {recipe.tp} × dp {max(1, (gpus or group) // group)}: {layers} layers, "
+    answer.pipeline = (f"pp {pp} × tp {recipe.tp} × dp {layout.dp if gpus else 1}: {layers} layers, "
                        f"{layers // pp} a stage{f' in {v} chunks' if v > 1 else ''}; {recipe.schedule}, "
                        f"{recipe.microbatches} micro-batches of the "
                        f"batch below a step; the answer is the {binding.role} stage's (it binds)"

@@ -43,7 +43,7 @@ from gpulab.measure.engines import LABEL_FORMULA
 from gpulab.options import check_cp_ep_options, check_cp_options   # torch-free: the CLI checks them first
 from gpulab.units import format_bytes
 
-__all__ = ["RING_SOURCE", "RingBuffers", "check_context_parallel", "check_cp_ep_options", "check_cp_options", "layout_gpus", "layout_notes", "ring_buffers",
+__all__ = ["RING_SOURCE", "RingBuffers", "check_context_parallel", "check_cp_ep_options", "check_cp_options", "layout_notes", "ring_buffers",
            "sequence_shard"]
 
 RING_SOURCE = ("torch/distributed/tensor/experimental/_context_parallel/_attention.py: _ContextParallelOptions "
@@ -143,19 +143,3 @@ def layout_notes(w: Any, r: Any, batch: int, itemsize: int) -> dict[str, dict[st
                      f"weights, gradients and optimizer state), attention and router whole; measured "
                      f"{buffers.text}")}
     return notes
-
-
-def layout_gpus(gpus: int | None, strategy: str | None, tp: int, cp: int, ep: int) -> int | None:
-    """``gpus`` less the context-parallel dimension (what the data-parallel strategy spreads over,
-    per tensor-parallel group), after the rank-count rules: gpus = dp × cp × tp, and ep divides
-    dp × cp × tp (torchtitan's ParallelDims: expert parallelism borrows its ranks from the others; a
-    sharding strategy splits the experts' share over the gpus / ep ranks of their data-parallel group)."""
-    if gpus is None or (cp == 1 and ep == 1):
-        return gpus
-    if not isinstance(gpus, int) or gpus % (tp * cp):
-        raise ValueError(f"gpus={gpus} is not a multiple of tp × cp = {tp} × {cp} = {tp * cp}: each model replica "
-                         f"takes {tp * cp} GPUs (gpus = dp × cp × tp); give gpus as a multiple of {tp * cp}")
-    if gpus % ep:
-        raise ValueError(f"--ep {ep} does not divide gpus={gpus}: expert parallelism borrows its ranks from the "
-                         f"data-parallel ones (ep divides dp × cp × tp = gpus); give gpus as a multiple of {ep}")
-    return gpus // cp
