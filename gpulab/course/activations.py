@@ -333,6 +333,30 @@ class InferenceVsTraining:
     def ratio(self) -> float:
         return self.training.peak_non_param / max(1, self.inference.peak_non_param)
 
+    def gap_note(self) -> str:
+        """Why "every layer output kept" is above what autograd keeps, from this run: the formula
+        counts an in-place layer's output (``ReLU(inplace=True)``) as a tensor of its own, though it
+        shares the storage of the layer before, and leaves out the int64 max-pool indices autograd
+        saves. "" when neither applies."""
+        t = self.training
+        inplace = [r for r in t.rows if not r.new_storage]
+        inplace_bytes = sum(r.out_bytes for r in inplace)
+        indices = t.saved_by_dtype.get("int64", 0)
+        if not inplace_bytes and not indices:
+            return ""
+        explained = self.every_output_formula - inplace_bytes + indices
+        rest = t.peak_non_param - explained
+        layers = f"{len(inplace)} layer{'s' if len(inplace) != 1 else ''} write{'s' if len(inplace) == 1 else ''}"
+        out = (f"Where the formula's error comes from: it counts every leaf layer's output as a tensor of its own, "
+               f"but {layers} into the input's storage (in-place ReLU, or a layer that returns its input): "
+               f"{format_bytes(inplace_bytes, digits=2)} counted twice; and it leaves out the int64 max-pool indices "
+               f"autograd saves for backward: {format_bytes(indices, digits=2)}. The formula less the first, plus the "
+               f"second: {format_bytes(explained, digits=2)}, against {format_bytes(t.peak_non_param, digits=2)} "
+               f"({self.label})")
+        if abs(rest) > 0.01 * max(1, t.peak_non_param):
+            out += f"; a further {format_bytes(rest, digits=2)} is outside these two"
+        return out + "."
+
     def _repr_html_(self) -> str:
         i, t = self.inference, self.training
         head = (f"<b>{html.escape(self.model)}</b>, batch {self.batch}, {self.image_size}×{self.image_size}, "
@@ -360,7 +384,9 @@ class InferenceVsTraining:
                         [[k, format_bytes(v, digits=2)] for k, v in sorted(t.saved_by_dtype.items())],
                         "int64: max-pool indices. Dropout's mask is a float tensor on CPU and fake tensors "
                         "(input × noise), a bool tensor with CUDA's fused kernel")
-        return head + cats + cmp + dt
+        note = self.gap_note()
+        note = f"<p class='gpulab-label'>{html.escape(note)}</p>" if note else ""
+        return head + cats + cmp + note + dt
 
     def __repr__(self) -> str:
         return (f"InferenceVsTraining({self.model}, batch={self.batch}, no_grad peak="
