@@ -113,3 +113,39 @@ def test_llama_3_8b_on_a_24_gib_card_needs_a_lever():
     r = gpulab.fit("hf:llama-3-8b", "RTX4090", dtype="bf16", optimizer="adamw", seq_len=2048)
     assert r.largest_batch == 0 and r.peak_by_category["parameters"] >= 8_030_261_248 * 2
     assert any(lv.fits for lv in r.levers)
+
+
+def _calls_into_hf_configs(run) -> "collections.Counter[str]":
+    """How many times ``run()`` calls each function of models/hf_configs.py from outside that module."""
+    import collections
+    import sys
+
+    from gpulab.models import hf_configs
+    calls: collections.Counter[str] = collections.Counter()
+
+    def count(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == hf_configs.__file__ \
+                and frame.f_back is not None and frame.f_back.f_code.co_filename != hf_configs.__file__:
+            calls[frame.f_code.co_name] += 1
+    sys.setprofile(count)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_a_fit_resolves_the_config_once():
+    """One ``hf_configs.resolve`` turns ``model`` into a workload; every later reader takes the facts it
+    carries (``Workload.facts``). Before: six trips for the name (names_local_config, hf_entry,
+    make_config, check_settings, max_positions, vocab_size), and task_of, is_config and config_summary
+    again for a config object with chunked loss and levers."""
+    calls = _calls_into_hf_configs(lambda: gpulab.fit("hf:tiny-llama", "24GiB"))
+    assert calls["resolve"] == 1 and set(calls) <= {"resolve", "build_model"}, calls
+    from gpulab.models.hf_configs import make_config
+    config = make_config("tiny-llama")
+    result = []
+    calls = _calls_into_hf_configs(lambda: result.append(gpulab.fit(config, "1400MiB", chunked_loss=4)))
+    assert result[0].levers and calls["resolve"] == 1, calls   # levers listed: the summary read off the facts
+    assert not set(calls) & {"is_config", "check_settings", "config_summary", "task_of", "max_positions",
+                             "vocab_size", "per_layer_lists"}, calls

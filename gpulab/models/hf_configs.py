@@ -22,11 +22,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gpulab.models.config_fields import EXPERT_FIELDS, check_fields
+
 __all__ = [
-    "HFConfigEntry", "HF_CONFIGS", "HF_PREFIX", "MOE_EVERY_K", "TASKS", "TINY_SOURCE", "build_causal_lm",
-    "build_model", "check_fields", "check_settings", "close_names", "config_and_name", "config_summary", "hf_entry", "hf_names",
-    "is_config", "local_config", "make_config", "max_positions", "names_local_config", "per_layer_lists",
-    "rotary_positions", "task_of", "vocab_size"
+    "ConfigFacts", "HFConfigEntry", "HF_CONFIGS", "HF_PREFIX", "MOE_EVERY_K", "TASKS", "TINY_SOURCE", "build_causal_lm",
+    "build_model", "check_fields", "check_settings", "close_names", "config_and_name", "config_summary", "depth_field",
+    "facts_of", "hf_entry", "hf_names", "is_config", "local_config", "make_config", "max_positions",
+    "names_local_config", "per_layer_lists", "resolve", "rotary_positions", "task_of", "vocab_size"
 ]
 
 if TYPE_CHECKING:
@@ -561,7 +563,6 @@ def rotary_positions(config: transformers.PretrainedConfig) -> bool:
     return bool(getattr(text, "rope_parameters", None) or getattr(text, "rope_theta", None))
 
 
-_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")   # Mixtral, Qwen3-MoE, DeepSeek-V2
 _SLIDING = ("sliding_attention", "chunked_attention", "hybrid_sliding")
 
 
@@ -574,7 +575,7 @@ def check_settings(config: transformers.PretrainedConfig, shown: str) -> None:
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     check_fields(vars(text), shown)
     k = getattr(text, "num_experts_per_tok", None)
-    field = next((f for f in _EXPERTS if vars(text).get(f)), None)   # its own field, not an attribute_map alias
+    field = next((f for f in EXPERT_FIELDS if vars(text).get(f)), None)   # its own field, not an attribute_map alias
     if k and field and k > getattr(text, field):
         raise ValueError(f"{shown}: num_experts_per_tok {k} is larger than the {getattr(text, field)} routed experts "
                          f"a layer has ({field}): each token goes to k of them: set num_experts_per_tok to "
@@ -611,70 +612,70 @@ def _raw_fields(path: str) -> dict[str, Any] | None:
     return {**raw, **text} if isinstance(text, dict) else raw
 
 
-# size fields a model's forward divides or builds layers by: at least 1 where present (None: not used)
-POSITIVE_FIELDS = ("vocab_size", "hidden_size", "n_embd", "d_model", "num_hidden_layers", "n_layer",
-                   "num_attention_heads", "n_head", "num_key_value_heads", "head_dim", "max_position_embeddings",
-                   "n_positions", "kv_lora_rank", "q_lora_rank", "moe_intermediate_size")
-# sizes that may be 0 in some models but never negative
-NON_NEGATIVE_FIELDS = ("intermediate_size", "n_inner", "n_shared_experts", "qk_rope_head_dim", "qk_nope_head_dim",
-                       "v_head_dim", "first_k_dense_replace")
-_LATENT = {"kv_lora_rank": "DeepSeek's latent attention always compresses keys and values to kv_lora_rank; "
-                           "transformers' DeepseekV2Attention has no non-latent mode",
-           "q_lora_rank": "null means queries are not compressed"}
+@dataclass(frozen=True)
+class ConfigFacts:
+    """What gpulab reads off a transformer config, read once when a model is resolved (``resolve``)
+    and carried on its workload (``Workload.facts``): who it is (``name`` as messages show it, its
+    ``description`` and ``source``), what it is trained as (``task``, ``task_of``), its shape at a
+    glance (``config_summary``'s items), the longest sequence it takes (``max_positions``), its
+    vocabulary (``config_summary``'s, as given: ``int`` is taken where token ids are drawn), the field
+    that holds its depth (``depth_field``) and its per-layer lists that differ (``per_layer_lists``)."""
+    name: str
+    description: str
+    source: str
+    task: str
+    shape: tuple[tuple[str, Any], ...]
+    max_positions: int | None
+    vocab_size: Any
+    depth_field: str | None
+    layer_lists: tuple[tuple[str, tuple], ...]
+
+    def summary(self) -> dict[str, Any]:
+        """``config_summary``'s dict (a fresh one: the record stays as read)."""
+        return dict(self.shape)
 
 
-def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def depth_field(config: Any) -> str | None:
+    """The field that holds the config's number of layers (None: it names none)."""
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        if isinstance(getattr(config, name, None), int):
+            return name
+    return None
 
 
-def check_fields(fields: dict[str, Any], shown: str, from_file: bool = False) -> None:
-    """The size fields of a config (``fields``: a config.json's fields as written, or a config
-    object's own ``vars``) that no model's forward can take, refused in one line naming the field,
-    its value and what to set: a count or size below 1 (``POSITIVE_FIELDS``) or below 0
-    (``NON_NEGATIVE_FIELDS``); attention heads that are not a multiple of the key/value heads
-    (grouped-query attention repeats each KV head heads/kv times, ``repeat_kv``); a hidden size that
-    is not a multiple of the heads where no ``head_dim`` says the heads' width; a mixture of experts
-    with no experts, or tokens routed to none (``num_experts_per_tok``); a sliding window of under 1
-    token. Values of the wrong type are left to transformers' own validation (``_refused``)."""
-    def bad(name: str, value: Any, need: str) -> ValueError:
-        return ValueError(f"{shown}: {name} {value!r} {need}")
+def facts_of(config: transformers.PretrainedConfig, name: str, description: str, source: str) -> ConfigFacts:
+    """The ``ConfigFacts`` of ``config`` as it is (unchecked: ``resolve`` checks first)."""
+    summary = config_summary(config)
+    depth = depth_field(config)
+    lists = per_layer_lists(config, getattr(config, depth)) if depth else {}
+    return ConfigFacts(name, description, source, task_of(config), tuple(summary.items()),
+                       int(summary["max_positions"]) if summary["max_positions"] else None, summary["vocab_size"],
+                       depth, tuple((k, tuple(v)) for k, v in lists.items()))
 
-    for name in POSITIVE_FIELDS:
-        value = fields.get(name)
-        if _whole(value) and value < 1:
-            why = f" ({_LATENT[name]})" if name in _LATENT else ""
-            fix = " or null" if name == "q_lora_rank" else ""
-            raise bad(name, value, f"is not a size a model can have{why}: set {name} to 1 or more{fix}")
-    for name in NON_NEGATIVE_FIELDS:
-        value = fields.get(name)
-        if _whole(value) and value < 0:
-            raise bad(name, value, f"is negative: set {name} to 0 or more")
-    heads = next((fields[n] for n in ("num_attention_heads", "n_head") if _whole(fields.get(n))), None)
-    kv = fields.get("num_key_value_heads")
-    if heads and _whole(kv) and heads % kv:
-        divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
-        raise bad("num_key_value_heads", kv, f"does not divide num_attention_heads {heads}: each key/value head "
-                  f"serves the same number of query heads (grouped-query attention, repeat_kv): set "
-                  f"num_key_value_heads to one of {divisors}")
-    hidden = next((fields[n] for n in ("hidden_size", "n_embd", "d_model") if _whole(fields.get(n))), None)
-    if heads and hidden and hidden % heads and fields.get("head_dim") is None:
-        raise bad("hidden_size", hidden, f"is not a multiple of num_attention_heads {heads}, and no head_dim says "
-                  f"how wide a head is: set hidden_size to a multiple of {heads}, or head_dim"
-                  + (" (this config.json gives none)" if from_file else ""))
-    k = fields.get("num_experts_per_tok")
-    field = next((f for f in _EXPERTS if _whole(fields.get(f))), None)
-    if field is not None and fields[field] < 0:
-        raise bad(field, fields[field], f"is negative: set {field} to the routed experts a layer has (1 or more)")
-    if field is not None and _whole(k) and k >= 1 and fields[field] == 0:
-        raise bad(field, 0, f"leaves no expert to route to while num_experts_per_tok is {k}: set {field} to "
-                  f"{k} or more (the routed experts a layer has)")
-    if field is not None and fields[field] > 0 and _whole(k) and k < 1:
-        raise bad("num_experts_per_tok", k, f"routes each token to no expert: set num_experts_per_tok to 1 to "
-                  f"{fields[field]} ({field})")
-    window = fields.get("sliding_window")
-    if _whole(window) and window < 1:
-        raise bad("sliding_window", window, "is not a window (a token sees at least itself): set sliding_window "
-                  "to 1 or more tokens, or null for no sliding window")
+
+def resolve(model: Any) -> tuple[transformers.PretrainedConfig, ConfigFacts] | None:
+    """One trip from what the user named to a checked config and its facts: ``model`` an ``hf:`` name
+    (a built-in config, a ``config.json`` or a folder here, an id in the local Hugging Face cache) or
+    a transformers config (used as given, never changed); None when it is neither. Refuses in one
+    line what no model can be (``check_settings``), an unknown name (``hf_entry``), a config that
+    cannot be read (``local_config``)."""
+    if isinstance(model, str) and model.lower().startswith(HF_PREFIX):
+        rest = model[len(HF_PREFIX):]
+        if names_local_config(rest):
+            config = local_config(rest)   # a config.json here, or an id in the local HF cache
+            name, description, source = model, f"{type(config).__name__} from {rest}", rest
+        else:
+            entry = hf_entry(model)
+            config = make_config(entry)
+            name, description, source = f"{HF_PREFIX}{entry.name}", entry.description, entry.source
+    elif is_config(model):
+        config = model
+        name = f"{HF_PREFIX}{getattr(model, 'model_type', 'config')}"
+        description, source = f"{type(model).__name__} (your config)", "your config object"
+    else:
+        return None
+    check_settings(config, name)
+    return config, facts_of(config, name, description, source)
 
 
 def config_and_name(config_or_name: Any) -> tuple[Any, str]:

@@ -72,6 +72,7 @@ class Workload:
     source: str = ""                    # where a config came from
     config: Any = None                  # a transformer's config
     make: Callable[[torch.dtype | None], nn.Module] | None = None   # the model, unplaced (None: an instance)
+    facts: hf_configs.ConfigFacts | None = None   # a transformer's: what its config says, read once
 
     def describe_input(self, batch: int) -> str:
         return re.sub(r"\bB\b", str(batch), self.input_text)   # every B: the inputs' and the labels' shapes
@@ -97,14 +98,7 @@ def resolve_workload(model: Any, inputs: Any = None, *, batch: int | None = None
         key = model if isinstance(model, ModelSpec) else str(model).strip()
         if isinstance(key, str) and key.lower().startswith(hf_configs.HF_PREFIX):
             _no_image_size(key, image_size)
-            rest = key[len(hf_configs.HF_PREFIX):]
-            if hf_configs.names_local_config(rest):
-                config = hf_configs.local_config(rest)   # a config.json here, or an id in the local HF cache
-                return _language_workload(config, key, f"{type(config).__name__} from {rest}", rest, inputs,
-                                          seq_len, loss)
-            entry = hf_configs.hf_entry(key)
-            return _language_workload(hf_configs.make_config(entry), f"{hf_configs.HF_PREFIX}{entry.name}",
-                                      entry.description, entry.source, inputs, seq_len, loss)
+            return _language_workload(*hf_configs.resolve(key), inputs, seq_len, loss)
         if isinstance(key, str) and not is_model_name(key):
             raise ValueError(_unknown_name(key))
         spec = resolve_model(key)
@@ -118,11 +112,10 @@ def resolve_workload(model: Any, inputs: Any = None, *, batch: int | None = None
                                     None, inputs, input_shape, seq_len, image_size or spec.default_image_size, loss,
                                     spec.description)
         return image_workload(spec, image_size, batch)
-    if hf_configs.is_config(model):
-        name = f"{hf_configs.HF_PREFIX}{getattr(model, 'model_type', 'config')}"
-        _no_image_size(name, image_size)
-        return _language_workload(model, name, f"{type(model).__name__} (your config)", "your config object",
-                                  inputs, seq_len, loss)
+    if image_size is not None and hf_configs.is_config(model):   # refused before the config is checked
+        _no_image_size(f"{hf_configs.HF_PREFIX}{getattr(model, 'model_type', 'config')}", image_size)
+    if (resolved := hf_configs.resolve(model)) is not None:   # a transformers config
+        return _language_workload(*resolved, inputs, seq_len, loss)
     if isinstance(model, nn.Module):
         return _module_workload(type(model).__name__, None, model, inputs, input_shape, seq_len, image_size, loss,
                                 f"your {type(model).__name__} (copied for each run, never changed)")
@@ -211,10 +204,9 @@ def default_loss(output: Any, data: Batch) -> torch.Tensor:
 
 # --- transformers ---------------------------------------------------------------------------------
 
-def _language_workload(config, name: str, description: str, source: str, inputs, seq_len: int | None,
-                       loss) -> Workload:
-    hf_configs.check_settings(config, name)
-    max_len = hf_configs.max_positions(config)
+def _language_workload(config, facts: hf_configs.ConfigFacts, inputs, seq_len: int | None, loss) -> Workload:
+    """A transformer's workload from its config, checked, and the facts ``hf_configs.resolve`` read off it."""
+    name, max_len = facts.name, facts.max_positions
     if seq_len is None:
         seq_len = min(DEFAULT_SEQ_LEN, max_len) if max_len else DEFAULT_SEQ_LEN
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
@@ -222,7 +214,7 @@ def _language_workload(config, name: str, description: str, source: str, inputs,
     if max_len and seq_len > max_len:
         raise ValueError(f"sequence length {seq_len} is longer than {name} takes ({max_len} positions); "
                          f"use --seq-len {max_len} or less")
-    vocab = hf_configs.vocab_size(config)
+    vocab = int(facts.vocab_size)
 
     def build(device, dtype):
         return build_in_place(lambda: hf_configs.build_model(config, dtype), device, dtype)
@@ -234,8 +226,9 @@ def _language_workload(config, name: str, description: str, source: str, inputs,
             ids = torch.randint(0, vocab, (b, seq_len))
             return (), {"input_ids": ids, "labels": ids}
         text = f"token ids (B, {seq_len}) int64, also the labels"
-    return Workload(name, "tokens", description, 1, build, make, loss_of(loss), text, seq_len=seq_len, source=source,
-                    config=config, make=lambda dtype: hf_configs.build_model(config, dtype))
+    return Workload(name, "tokens", facts.description, 1, build, make, loss_of(loss), text, seq_len=seq_len,
+                    source=facts.source, config=config, make=lambda dtype: hf_configs.build_model(config, dtype),
+                    facts=facts)
 
 
 def loss_of(loss: Callable | None) -> Callable[[Any, Batch], torch.Tensor]:

@@ -77,26 +77,20 @@ _EVENT_FIELDS = [f.name for f in dataclasses.fields(Event)] == ["index", "kind",
                                                                 "phase", "module", "time"]
 
 
-def _depth_attr(config: Any) -> str | None:
-    for name in ("num_hidden_layers", "n_layer", "num_layers"):
-        if isinstance(getattr(config, name, None), int):
-            return name
-    return None
-
-
-def not_repeatable(config: Any, checkpointing: Any = False) -> str | None:
-    """Why this model's step cannot be built from a few blocks (None: it can)."""
+def not_repeatable(config: Any, checkpointing: Any = False, facts: "hf_configs.ConfigFacts | None" = None) -> str | None:
+    """Why this model's step cannot be built from a few blocks (None: it can). ``facts``: what its
+    workload read off ``config`` when it was resolved (``Workload.facts``), read again without them."""
     if os.environ.get("GPULAB_LAYER_REPEAT") == "0":
         return "switched off (GPULAB_LAYER_REPEAT=0)"
     if config is None:
         return "not a transformer config (no stack of identical blocks to repeat)"
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder (two stacks)"
-    if _depth_attr(config) is None:
+    if (facts.depth_field if facts is not None else hf_configs.depth_field(config)) is None:
         return "the config names no number of layers"
     if isinstance(checkpointing, str) and checkpointing.startswith("every-"):
         return f"checkpointing {checkpointing} treats layers differently"
-    pattern = block_pattern(config)
+    pattern = block_pattern(config, facts=facts)
     return pattern if isinstance(pattern, str) else None
 
 
@@ -128,12 +122,13 @@ class Pattern:
 # (the layer index decides, so the layers repeat every K), or dense layers before the experts.
 
 
-def block_pattern(config: Any, min_depth: int = MIN_REPEAT_DEPTH) -> Pattern | str:
+def block_pattern(config: Any, min_depth: int = MIN_REPEAT_DEPTH,
+                  facts: "hf_configs.ConfigFacts | None" = None) -> Pattern | str:
     """The ``Pattern`` of the config's layers, or why its layers do not repeat in a few blocks
     (or number fewer than ``min_depth``). Read from the per-layer lists (``layer_types``) and the
     mixture-of-experts fields; the fake runs then check it: a layout that does not rebuild the
     deeper runs is refused (``learn``)."""
-    depth = getattr(config, _depth_attr(config))
+    depth = getattr(config, facts.depth_field if facts is not None else hf_configs.depth_field(config))
     if depth < min_depth:
         return f"{depth} layers: the full depth is as cheap"
     dense = getattr(config, "first_k_dense_replace", None)
@@ -150,7 +145,8 @@ def block_pattern(config: Any, min_depth: int = MIN_REPEAT_DEPTH) -> Pattern | s
             period, why = math.lcm(period, step), why + [f"{name} {step}"]
         elif step not in (None, 0, 1):
             return f"its layers are not all alike ({name}: {step!r})"
-    for name, value in hf_configs.per_layer_lists(config, depth).items():
+    lists = dict(facts.layer_lists) if facts is not None else hf_configs.per_layer_lists(config, depth)
+    for name, value in lists.items():
         cycle = _cycle(value, prefix)
         period, why = math.lcm(period, cycle), why + [f"{name} every {cycle}: " + ", ".join(map(str, value[prefix:prefix + cycle]))]
     pattern = Pattern(prefix, period, "; ".join(why))
@@ -172,7 +168,7 @@ def _cycle(values: Any, start: int) -> int:
 
 def with_depth(config: Any, depth: int) -> Any:
     """A copy of ``config`` with ``depth`` layers (per-layer lists cut to that length)."""
-    attr = _depth_attr(config)
+    attr = hf_configs.depth_field(config)
     full = getattr(config, attr)
     cfg = copy.deepcopy(config)
     setattr(cfg, attr, depth)
@@ -188,7 +184,9 @@ def workload_with_depth(w: Workload, depth: int) -> Workload:
 
     def build(device, dtype):
         return build_in_place(lambda: hf_configs.build_model(cfg, dtype), device, dtype)
-    return dataclasses.replace(w, build=build, config=cfg, make=lambda dtype: hf_configs.build_model(cfg, dtype))
+    facts = hf_configs.facts_of(cfg, w.facts.name, w.facts.description, w.facts.source)   # its depth, its lists
+    return dataclasses.replace(w, build=build, config=cfg, make=lambda dtype: hf_configs.build_model(cfg, dtype),
+                               facts=facts)
 
 
 class Deep:
@@ -202,8 +200,8 @@ class Deep:
     not hold at that batch (``why`` then says why, and the caller runs the full depth)."""
 
     def __init__(self, w: Workload, run: Callable[[Workload, int, bool], TrackingResult], k: int | None = None):
-        self.depth = getattr(w.config, _depth_attr(w.config))
-        pattern = block_pattern(w.config, min_depth=0)
+        self.depth = getattr(w.config, w.facts.depth_field)
+        pattern = block_pattern(w.config, min_depth=0, facts=w.facts)
         self.pattern = pattern if isinstance(pattern, Pattern) else Pattern()
         p = self.pattern.period
         self.k = k = self.pattern.blocks if k is None else k

@@ -33,9 +33,9 @@ _counts = {"hits": 0, "runs": 0}
 def workload_key(model: Any, w: Any, *, own_parts: bool) -> tuple | None:
     """What makes two workloads the same fake step, or None when it cannot be told: ``model`` as
     the caller gave it (a registered name or a transformers config), ``w`` the workload made from
-    it; ``own_parts``: the caller gave inputs, an input shape or a loss of their own."""
-    from gpulab.models import hf_configs
-    if own_parts or not (isinstance(model, str) or hf_configs.is_config(model)):
+    it; ``own_parts``: the caller gave inputs, an input shape or a loss of their own. A transformers
+    config is told by the workload made from it holding it (no second look at the config)."""
+    if own_parts or not (isinstance(model, str) or model is not None and model is w.config):
         return None
     config = w.config.to_json_string(use_diff=False) if w.config is not None else None
     return (w.name, w.kind, w.input_text, w.image_size, w.seq_len, w.source, config)

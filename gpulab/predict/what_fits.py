@@ -20,7 +20,6 @@ import torch
 
 from gpulab.measure.cuda_card import current_target
 from gpulab.measure.engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
-from gpulab.models.hf_configs import task_of
 from gpulab.models.workload import resolve_workload
 from gpulab.predict import run_cache
 from gpulab.predict.cards import follows_card
@@ -83,6 +82,7 @@ class WhatFits:
     tried: list[Tried] = field(default_factory=list)
     seconds: float = 0.0
     label: str = f"{LABEL_FAKE_CUDA}, replayed through the {LABEL_SIMULATED}"
+    left_out: list[str] = field(default_factory=list)   # candidates the asked layout cannot take, and why
 
     @property
     def fitting(self) -> list[Tried]:
@@ -94,7 +94,7 @@ class WhatFits:
                 "context_bytes": self.context_bytes, "batch": self.batch, "asked": self.asked,
                 "asked_reserved_bytes": self.asked_reserved_bytes, "asked_fits": self.asked_fits,
                 "tried": [t.__dict__ for t in self.tried], "fitting": [t.name for t in self.fitting],
-                "seconds": self.seconds, "label": self.label}
+                "seconds": self.seconds, "label": self.label, "left_out": self.left_out}
 
     def __repr__(self) -> str:
         return (f"WhatFits({self.model} on {self.card} at batch {self.batch}: "
@@ -144,9 +144,12 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
         raise ValueError(f"unknown recipe option(s) {', '.join(unknown)}; valid: {', '.join(RECIPE_DEFAULTS)}")
     defaults = {**RECIPE_DEFAULTS, **options}
 
-    def attempt(changes: dict[str, Any], name: str = "the asked recipe") -> tuple[int, bool]:
+    def recipe_of(changes: dict[str, Any]):
         opts = {**defaults, **{k: v for k, v in changes.items() if k not in ("optimizer", "dtype")}}
-        recipe = user_recipe(changes.get("optimizer", optimizer), amp, **opts)
+        return user_recipe(changes.get("optimizer", optimizer), amp, **opts)
+
+    def attempt(changes: dict[str, Any], name: str = "the asked recipe") -> tuple[int, bool]:
+        recipe = recipe_of(changes)
         check_recipe_for(recipe, w)
         dt = parse_dtype(changes["dtype"]) if "dtype" in changes else base_dt
         report(progress, len(tried) / (len(CANDIDATES) + 2), f"what fits at batch {batch}: {name}, a fake run "
@@ -158,8 +161,15 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
     tried: list[Tried] = []
     asked_reserved, asked_fits = attempt({})
     asked = {"optimizer": optimizer, "dtype": base_dt, **defaults}
-    causal = w.config is not None and task_of(w.config) == "causal-lm"
-    usable_candidates = [c for c in CANDIDATES if _applies(c, asked, w.kind, causal)]
+    causal = w.facts is not None and w.facts.task == "causal-lm"
+    usable_candidates, left_out = [], []
+    for c in (c for c in CANDIDATES if _applies(c, asked, w.kind, causal)):
+        try:   # what the asked layout (tp, pp, ...) cannot take is left out, saying why, not the whole answer
+            recipe_of(c.changes)
+        except ValueError as why:
+            left_out.append(f"{c.name} ({why})")
+            continue
+        usable_candidates.append(c)
     for c in usable_candidates:
         reserved, fits = attempt(c.changes, c.name)
         tried.append(Tried(c.name, c.cost, c.changes, reserved, fits, asked_reserved - reserved))
@@ -181,4 +191,5 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
                     {k: (dtype_name(v) if isinstance(v, torch.dtype) else v) for k, v in asked.items()
                      if k in ("optimizer", "dtype") or v != RECIPE_DEFAULTS.get(k)},
                     asked_reserved, asked_fits, tried, time.perf_counter() - t0,
-                    label=f"{LABEL_FAKE_CUDA}, replayed through the {LABEL_SIMULATED}; {current_target().note()}")
+                    label=f"{LABEL_FAKE_CUDA}, replayed through the {LABEL_SIMULATED}; {current_target().note()}",
+                    left_out=left_out)
