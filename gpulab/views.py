@@ -89,13 +89,20 @@ def step_html(step) -> str:
                            format_bytes(m.peak_bytes), ""]],
                        f"peak during {m.tracking.peak_phase}; binary units (1 MiB = 1024² B)")
     extra = measurement_html(m) if m.allocator else ""
+    state_note = ""
+    if getattr(step, "steps", 0) == 1 and (step.predicted.get("optimizer_state") or 0) > 0 \
+            and not step.tensor_bytes_by_category.get("optimizer_state", 0):
+        state_note = ("<p class='gpulab-label'>optimizer_state: the formula counts the state the optimizer keeps; "
+                      "in a single step <code>optimizer.step()</code> creates it after this peak (during "
+                      f"{html.escape(m.tracking.peak_phase)}), so the peak holds none of it. From the second step on "
+                      "it is alive through every forward and backward.</p>")
     steps = ""
     if len(step.step_peaks) > 1:
         steps = ("<p>Each step's peak: " + ", ".join(f"step {i + 1}: <b>{format_bytes(p)}</b>"
                                                      for i, p in enumerate(step.step_peaks))
                  + ". From the second step on, the optimizer state exists: that is the steady state every later "
                    "step lives in.</p>")
-    return title + table + steps + extra
+    return title + table + state_note + steps + extra
 
 
 def fit_html(r) -> str:

@@ -16,3 +16,15 @@ def test_lesson_03s_plus_57_percent_is_in_place_outputs_and_max_pool_indices():
     assert format_bytes(inplace, digits=2) in note and format_bytes(explained, digits=2) in note
     assert "outside these two" not in note
     assert note in r._repr_html_().replace("&#x27;", "'")
+
+
+def test_lesson_04s_optimizer_state_formula_against_0_b_at_a_single_steps_peak_is_explained():
+    """The step panel runs one step: Adam's state (formula 1.2 MiB for the cnn) is 0 B at the peak,
+    because step() creates it after the backward peak. The table says so; with two steps it is there."""
+    import gpulab
+    one = gpulab.step("cnn", batch=32, optimizer="adam", engine="fake", steps=1)
+    assert one.predicted["optimizer_state"] > 0 and not one.tensor_bytes_by_category.get("optimizer_state", 0)
+    assert "creates it after this peak" in one._repr_html_()
+    two = gpulab.step("cnn", batch=32, optimizer="adam", engine="fake", steps=2)
+    assert two.tensor_bytes_by_category["optimizer_state"] == two.predicted["optimizer_state"]
+    assert "creates it after this peak" not in two._repr_html_()
