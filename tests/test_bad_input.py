@@ -148,3 +148,28 @@ def test_the_search_limit_is_said_to_be_a_bound(capsys):
     r = gpulab.fit("mlp", "2GiB")   # an answer below the limit is the answer
     assert not r.at_search_limit and r.largest_batch_text == str(r.largest_batch)
     assert "at least" in repr(gpulab.fit("mlp", "99999999TiB"))
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--lora", "4", "--lora-targets", "nope"],
+     ["lora_targets (--lora-targets) nope: no linear layer of hf:tiny-llama is named nope",
+      "its linear layers are named q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"]),
+    (["--lora", "100000"],
+     ["lora 100000 (--lora): LoRA rank 100000 is more than the smaller side of the adapted layer",
+      "use a rank of at most 32"]),
+])
+def test_lora_targets_and_rank_are_refused_before_any_fake_run(argv, said, capsys, monkeypatch):
+    """--lora-targets nope and --lora 100000 were refused by peft's wrapping, after the first fake run
+    had started (a progress line, then the error): now check_recipe_for reads the model's linear
+    layers off a meta-device build first, and the refusal is the one line on stderr."""
+    from gpulab.predict import fit as fit_module
+
+    def no_run(*a, **k):
+        raise AssertionError("a fake run started before the LoRA settings were checked")
+    monkeypatch.setattr(fit_module, "train_experiment", no_run)
+    code, out, err = run_main(["fit", "hf:tiny-llama", "--gpu", "24GiB", "--seq-len", "32", *argv], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("gpulab: error: "), err
+    assert all(s in err for s in said), err
+    with pytest.raises(ValueError) as e:   # the Python API, the same line
+        gpulab.fit("hf:tiny-llama", "24GiB", seq_len=32, lora=int(argv[1]), lora_targets=argv[3:] or None)
+    assert all(s in str(e.value) for s in said), str(e.value)

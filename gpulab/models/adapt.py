@@ -40,7 +40,7 @@ from gpulab.models.registry import active_fake_mode, build_in_place, build_skele
 from gpulab.models.workload import Workload
 from gpulab.options import CHECKPOINTING_POLICIES, POLICY_TEXT, check_checkpointing   # torch-free: the CLI checks first
 
-__all__ = ["CHECKPOINTING_KWARGS", "CHECKPOINTING_POLICIES", "POLICY_TEXT", "SELECTIVE_SAVED_OPS", "adapted", "check_checkpointing",
+__all__ = ["CHECKPOINTING_KWARGS", "CHECKPOINTING_POLICIES", "POLICY_TEXT", "SELECTIVE_SAVED_OPS", "adapted", "check_checkpointing", "check_lora",
            "enable_checkpointing", "quantized_build"]
 
 # what transformers 5.x passes to torch.utils.checkpoint when none are given (modeling_utils.py,
@@ -117,16 +117,25 @@ def quantized_build(build: Callable[[], nn.Module], kind: str, double_quant: boo
 def _check_rank_fits(config, rank: int, targets: Sequence[str]) -> None:
     """A rank above a targeted layer's smaller side gives adapters larger than a full-rank update
     of that layer: refused, with the largest rank that makes sense."""
-    from gpulab.models.lora import targeted_linears
+    from gpulab.models.lora import rank_refusal, targeted_linears
     try:
         found = targeted_linears(config, targets)
     except ValueError:   # no layer of that name: peft's wrapping says so, with the names there are
         return
     name, i, o = min(found, key=lambda t: min(t[1], t[2]))
     if rank > min(i, o):
-        raise ValueError(f"LoRA rank {rank} is more than the smaller side of the adapted layer {name} "
-                         f"({i} in, {o} out): its adapters would hold more than the layer's own full-rank update; "
-                         f"use a rank of at most {min(i, o)} (ranks of 4 to 64 are usual)")
+        raise rank_refusal(rank, name, i, o)
+
+
+def check_lora(w: Workload, rank: int, targets: Sequence[str] | None) -> None:
+    """LoRA's targets (None: peft's defaults for the model type) and rank checked against ``w``'s model
+    built on the meta device (free: names and shapes only), before anything runs
+    (``models.lora.check_adapters``)."""
+    from gpulab.models.lora import check_adapters
+    targets = check_targets(targets) if targets is not None else default_targets(w.config)
+    with torch.device("meta"):
+        model = w.build(torch.device("meta"), None)
+    check_adapters(model, w.name, check_rank(rank), targets)
 
 
 def adapted(w: Workload, *, lora: int = 0, lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0,

@@ -17,9 +17,9 @@ from gpulab import formulas as F
 from gpulab.models import hf_configs
 from gpulab.options import LORA_DTYPES, check_lora_dtype, check_rank, check_targets   # torch-free: the CLI's checks
 
-__all__ = ["DEFAULT_TARGETS", "LORA_DTYPES", "adapter_params", "check_lora_dtype", "check_rank", "check_targets",
-           "default_targets", "import_peft",
-           "is_target", "linear_shape", "targeted_linears", "wrap_lora"]
+__all__ = ["DEFAULT_TARGETS", "LORA_DTYPES", "adapter_params", "check_adapters", "check_lora_dtype", "check_rank",
+           "check_targets", "default_targets", "import_peft", "is_target", "linear_shape", "rank_refusal",
+           "targeted_linears", "wrap_lora"]
 
 DEFAULT_TARGETS = ("q_proj", "v_proj")
 # the adapters' dtype: "fp32", peft's default (get_peft_model(autocast_adapter_dtype=True) upcasts
@@ -70,6 +70,31 @@ def targeted_linears(config_or_name: Any, targets: Sequence[str] = DEFAULT_TARGE
     if not found:
         raise ValueError(f"no linear layer of {shown} is named {', '.join(targets)}")
     return found
+
+
+def check_adapters(model: nn.Module, shown: str, rank: int, targets: Sequence[str]) -> None:
+    """Refuse, in one line naming the option and its value, targets that name no linear layer of
+    ``model`` (built on the meta device: its names and shapes are all that is read), listing the
+    names it has, and a rank above the smaller side of a targeted layer (``rank_refusal``)."""
+    linears = [(n, *shape) for n, m in model.named_modules() if (shape := linear_shape(m)) is not None]
+    found = [t for t in linears if is_target(t[0], targets)]
+    if not found:
+        names = list(dict.fromkeys(n.rsplit(".", 1)[-1] for n, _, _ in linears))
+        have = (f"its linear layers are named {', '.join(names[:16])}{', ...' if len(names) > 16 else ''}" if names
+                else "it has no linear layer")
+        raise ValueError(f"lora_targets (--lora-targets) {' '.join(targets)}: no linear layer of {shown} is named "
+                         f"{', '.join(targets)}; {have}: name the layers to adapt as the model calls them")
+    name, i, o = min(found, key=lambda t: min(t[1], t[2]))
+    if rank > min(i, o):
+        raise rank_refusal(rank, name, i, o)
+
+
+def rank_refusal(rank: int, name: str, i: int, o: int) -> ValueError:
+    """A rank above a targeted layer's smaller side gives adapters larger than a full-rank update of
+    that layer: the refusal, with the largest rank that makes sense."""
+    return ValueError(f"lora {rank} (--lora): LoRA rank {rank} is more than the smaller side of the adapted layer "
+                      f"{name} ({i} in, {o} out): its adapters would hold more than the layer's own full-rank "
+                      f"update; use a rank of at most {min(i, o)} (ranks of 4 to 64 are usual)")
 
 
 def adapter_params(config_or_name: Any, rank: int = 8, targets: Sequence[str] = DEFAULT_TARGETS) -> int:

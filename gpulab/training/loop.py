@@ -80,7 +80,7 @@ import torch
 from gpulab.measure.engines import Measurement, RunContext
 from gpulab.measure.fake_mode import scalars_read_as_one
 from gpulab.options import Layout, Recipe, check_amp, check_layout_degrees, check_step_options, check_together
-from gpulab.models.adapt import adapted, check_checkpointing
+from gpulab.models.adapt import adapted, check_checkpointing, check_lora
 from gpulab.models.quantized import COMPUTE_DTYPES, FOUR_BIT
 from gpulab.models.registry import ModelSpec
 from gpulab.models.workload import Workload, forward, image_workload
@@ -248,6 +248,8 @@ def check_recipe_for(r: LoopRecipe, w: Workload, dtype: torch.dtype | None = Non
     if r.chunked_loss and w.facts.task != "causal-lm":   # read once, when the model was resolved
         raise ValueError(f"chunked_loss splits a causal language model's head from its body; {w.name} is trained "
                          f"as a {w.facts.task}: leave chunked_loss out")
+    if r.lora:   # targets and rank against the model's own linear layers (built on meta), before any run
+        check_lora(w, r.lora, r.lora_targets)
 
 
 def recipe_workload(w: Workload, r: LoopRecipe) -> Workload:
