@@ -28,3 +28,19 @@ def test_lesson_04s_optimizer_state_formula_against_0_b_at_a_single_steps_peak_i
     two = gpulab.step("cnn", batch=32, optimizer="adam", engine="fake", steps=2)
     assert two.tensor_bytes_by_category["optimizer_state"] == two.predicted["optimizer_state"]
     assert "creates it after this peak" not in two._repr_html_()
+
+
+def test_lesson_09s_simulated_against_recorded_reserved_is_explained_from_the_record():
+    from gpulab.course.allocator_claims import recorded_gap
+    from gpulab.predict import replay as R
+    from gpulab.record.lookup import find_allocator_record
+    real = find_allocator_record(R.workload("training step", "cnn", 32, steps=2))
+    if not real:
+        assert recorded_gap(real) == ""
+        return
+    r = real.result
+    text = recorded_gap(real)
+    assert format_bytes(r["simulated_peak_reserved"]) in text
+    assert format_bytes(r["allocator"]["peak_reserved_delta"]) in text
+    assert format_bytes(r["allocator"]["peak_allocated_delta"] - r["peak_bytes"]) + " that no tensor owns" in text
+    assert real.label in text

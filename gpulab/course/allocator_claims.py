@@ -69,3 +69,30 @@ def allocator_claims(step: Any, cost: dict[str, dict[str, int]], beyond: dict[st
         [Evidence("claimed extra", "400 MB", "published by ref 003"),
          Evidence("nvidia-smi extra, outside the allocator", value, beyond["label"])])
     return ClaimReport("Lesson 09: the caching allocator, the articles' claims", [smi, empty, context])
+
+
+def recorded_gap(real_step: Any) -> str:
+    """Lesson 09: why the recorded GPU's reserved line ends above the simulator's, from the record
+    itself (Markdown; "" when no record matched). The record carries the run's tracked tensor peak,
+    the simulator's replay of those tensors, and the GPU allocator's own peaks above the run's start:
+    the tensors agree, and what the allocator held beyond them no tensor owns (a kernel's workspace:
+    cuDNN's convolutions and cuBLAS take theirs from the same caching allocator)."""
+    if not real_step:
+        return ""
+    r = real_step.result
+    a, tl = r["allocator"], r.get("timeline", {})
+    tensors, sim_alloc, sim_res = r["peak_bytes"], r["simulated_peak_allocated"], r["simulated_peak_reserved"]
+    gpu_alloc, gpu_res = a["peak_allocated_delta"], a["peak_reserved_delta"]
+    res = tl.get("reserved") or [0]
+    steps = [(res[i] - res[i - 1], i) for i in range(1, len(res))]
+    jump, at = max(steps) if steps else (0, 0)
+    same = "equals" if sim_alloc == tensors else "differs from"
+    return (f"Why the lines end apart ({real_step.label}): the simulator's reserved peak is {format_bytes(sim_res)}, "
+            f"the GPU's {format_bytes(gpu_res)} above the run's start. The tensors are the same: the run's tracked "
+            f"peak, {format_bytes(tensors)}, {same} the simulator's allocated peak. But the GPU's allocator held more "
+            f"than tensors: its allocated peak above the start was {format_bytes(gpu_alloc)}, "
+            f"{format_bytes(gpu_alloc - tensors)} that no tensor owns; its reserved memory's largest single rise "
+            f"was {format_bytes(jump)} (op {at} of {len(res)}, read after each op). Allocations no tensor owns are "
+            f"kernels' workspaces (cuDNN's convolutions and cuBLAS take theirs from the same allocator, next "
+            f"section); the simulator replays tensors only ({LABEL_SIMULATED}), so a segment opened for one is not "
+            f"in its line.")
