@@ -91,7 +91,7 @@ lab: $(LAB_STAMP)
 # make test runs the browser test on the one-day workshop's lessons (docs/teaching.md's day table);
 # test-browser-all runs every lesson's every cell in JupyterLab in Chromium, the homework lessons too
 test: $(TEST_STAMP) chromium
-	$(PY) -m pytest $(PYTEST_PAR) -m "not browser_all"
+	$(PY) -m pytest $(PYTEST_PAR) -m "not browser_all and not site"
 
 test-browser-all: $(TEST_STAMP) chromium
 	$(PY) -m pytest $(PYTEST_PAR) -m browser tests/test_browser.py
@@ -168,7 +168,13 @@ $(SITE_WIDGETS):
 	find $(SITE_DIR)/vendor/npm/package/dist -maxdepth 1 -type f ! -name '*.map' ! -name '*amd.js' -exec cp {} $(@D)/ \; && \
 	cp $(SITE_DIR)/vendor/npm/package/LICENSE $(@D)/ 2>/dev/null; test -f $@
 
-site: $(SITE_STAMP) $(SITE_WIDGETS)
+# jupyter-cache keys a lesson's saved outputs on its code cells alone, so a change to the library
+# that made them would leave them stale: any newer file under gpulab/ (or pyproject.toml) clears it
+SITE_LIBRARY := $(SITE_DIR)/.library-stamp
+$(SITE_LIBRARY): pyproject.toml $(shell find gpulab -name '*.py' -o -name '*.json' 2>/dev/null)
+	rm -rf $(SITE_DIR)/jupyter_cache && mkdir -p $(@D) && touch $@
+
+site: $(SITE_STAMP) $(SITE_WIDGETS) $(SITE_LIBRARY)
 	rm -rf $(SITE_DIR)/src $(SITE_DIR)/html/reports && mkdir -p $(SITE_DIR)/src/lessons
 	cp -p README.md $(SITE_DIR)/src/index.md
 	cp -p lessons/*.ipynb $(SITE_DIR)/src/lessons/

@@ -6,7 +6,7 @@ times, so that the README's and the lessons' relative links resolve as in the re
 symlinks: MyST resolves a link from the file's real path.) Sphinx reads that folder with this
 file as its configuration (``-c site``) and writes ``build/site/html``. Lessons execute on the
 CPU, in ``build/site/src/lessons``, by myst-nb through jupyter-cache
-(``build/site/jupyter_cache``): a rebuild executes again only lessons whose code changed.
+(``build/site/jupyter_cache``): a rebuild executes again only lessons whose code changed (the Makefile clears the cache when a file under gpulab/ changes).
 
 Nothing here is fetched from the internet when a page is viewed: the theme ships its fonts and
 icons, MathJax comes from the ``sphinx-mathjax-offline`` wheel, the ipywidgets renderer

@@ -239,10 +239,6 @@ def test_every_page_renders_offline_with_its_images(crawl):
     assert not crawl.problems, "\n".join(crawl.problems)
 
 
-@pytest.mark.xfail(reason="lessons 09 and 10 show some gpulab plots as '<Figure size ...>' text: "
-                   "allocated_vs_reserved, segment_map, reserved_timelines and the %%memtrack report's "
-                   ".plot() return a matplotlib Figure, which IPython displays as an image only once "
-                   "pyplot has set up the inline backend (issue 44's site report)", strict=False)
 def test_no_plot_is_shown_as_figure_text(crawl):
     """A cell that returns a matplotlib Figure should show the plot, not its repr."""
     assert not crawl.figure_text, f"'<Figure size ...>' shown as text: {crawl.figure_text}"
