@@ -130,3 +130,11 @@ def test_a_python_caller_is_not_told_about_a_command_line_flag():
     assert "(did you mean T4?)" in msg
     assert "(did you mean L4?)" in str(pytest.raises(ValueError, parse_gpu, "L5").value)
     assert "did you mean" not in str(pytest.raises(ValueError, parse_gpu, "fast").value)
+
+
+def test_a_python_call_with_a_mistyped_card_names_its_argument_not_the_flag():
+    from gpulab.predict.cards import as_card
+    with pytest.raises(ValueError) as info:
+        as_card("T5")
+    text = str(info.value)
+    assert text.startswith("cannot read gpu 'T5'") and "--gpu" not in text and "did you mean T4?" in text, text

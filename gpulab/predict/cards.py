@@ -276,7 +276,7 @@ def as_card(gpu: Any) -> Card:
             raise ValueError(f"gpu {gpu:,} is not a card's size: give a positive number of bytes, a size such as "
                              f"'24GiB', or a card: {', '.join(card_names())}")
         return Card(f"{gpu:,} B", gpu, (), "")
-    return parse_gpu(gpu)
+    return parse_gpu(gpu, what="gpu")
 
 
 def card_with_room(gpu: Any, context_bytes: Any, assumed: bool) -> Card:
