@@ -304,3 +304,29 @@ def test_stages_whose_layers_differ_from_the_first_are_refused_in_one_line():
         check_pipeline(deepseek, 3)
     for name in ("mixtral-8x7b", "qwen3-30b-a3b", "llama-3-8b"):   # alike: every split that divides
         check_pipeline(hf_configs.config_and_name(name)[0], 4)
+
+
+def test_layout_bad_inputs_found_by_the_probe():
+    """#45's probe: what-fits with a pipeline leaves out (saying why) the candidates the layout cannot take and
+    keeps the rest; a stage's every-K checkpointing counted from its first layer is said in the answer where
+    it differs from the whole model's count (8 layers, pp 2, every-3: 2 a stage, where the whole model puts
+    layers 0, 3 in stage 0 and 6 in stage 1); a config with fewer layers than stages is refused."""
+    from gpulab.predict.pipeline_fit import every_k_note
+    from gpulab.predict.what_fits import what_fits
+    wf = what_fits(_config(), "64MiB", batch=1, optimizer="adamw", seq_len=SEQ, context_bytes=0, pp=2)
+    names = [t.name for t in wf.tried]
+    assert names and not any("LoRA" in n or "chunks" in n or "in backward" in n for n in names)
+    assert any(w.startswith("loss in 8 chunks (") and "leave out chunked_loss with pp" in w for w in wf.left_out)
+    assert wf.as_dict()["left_out"] == wf.left_out
+    assert every_k_note("every-3", 8, 2).startswith("; checkpointing every-3 counted from each stage's first layer "
+                                                    "(2 of its 4 layers checkpointed in every stage), where the whole "
+                                                    "model's every-3 puts 2, 1 in the stages in turn")
+    assert every_k_note("every-2", 8, 2) == every_k_note("full", 8, 2) == ""
+    f = gpulab.fit(_config(layers=8), "64MiB", optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0, pp=2,
+                   checkpointing="every-3")
+    assert every_k_note("every-3", 8, 2) in f.pipeline
+    with pytest.raises(ValueError, match="num_hidden_layers = 1, too few to split: leave --pp out"):
+        check_pipeline(_config(layers=1), 2)
+    with pytest.raises(ValueError, match="--pp 4 splits the layers into 4 stages of at least one layer each; this "
+                                         "config has num_hidden_layers = 2: give a pp from 2 to 2"):
+        check_pipeline(_config(layers=2), 4)

@@ -184,6 +184,7 @@ def _what_fits_lines(d: dict[str, Any]) -> list[str]:
     for t in d["tried"]:
         lines.append(f"  {'fits' if t['fits'] else 'no  '}  {format_bytes(t['reserved_bytes']):>10}  "
                      f"saves {format_bytes(t['saved_bytes']):>10}  {t['name']}  [{t['cost']}]")
+    lines += [f"  left out, the layout cannot take it: {why}" for why in d.get("left_out", [])]
     if not d["fitting"]:
         lines.append("  nothing tried fits: a larger card, or several GPUs")
     return lines

@@ -109,10 +109,29 @@ def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopReci
                        f"{recipe.microbatches} micro-batches of the "
                        f"batch below a step; the answer is the {binding.role} stage's (it binds)"
                        + (f"; data parallel assumed {DEFAULT_STRATEGY} (Megatron-LM's default: no distributed "
-                          f"optimizer; --strategy changes it)" if assumed else ""))
+                          f"optimizer; --strategy changes it)" if assumed else "")
+                       + every_k_note(recipe.checkpointing, layers, pp * v))
     answer.method = f"each pipeline stage that differs searched as one GPU's step; {answer.method}"
     answer.label = f"{answer.label}; {INTERLEAVED_LABEL if v > 1 else SCHEDULE_LABEL}"
     return answer
+
+
+def every_k_note(checkpointing: Any, layers: int, chunks: int) -> str:
+    """What a stage's every-K checkpointing does against the whole model's, in words ("" where the
+    same): each stage (chunk) is its own model of ``layers / chunks`` layers, so transformers'
+    ``every_n_layers`` counts K from the stage's first layer, where the whole model's counts from layer 0.
+    Where a stage's layers are not a multiple of K, the stages checkpoint ceil(n/K) layers each, at least
+    as many as the whole-model policy puts in them: the answer is then optimistic by the difference."""
+    if not (isinstance(checkpointing, str) and checkpointing.startswith("every-")):
+        return ""
+    k, n = int(checkpointing[6:]), layers // chunks
+    whole = [sum(1 for i in range(c * n, (c + 1) * n) if i % k == 0) for c in range(chunks)]
+    staged = -(-n // k)
+    if all(w == staged for w in whole):
+        return ""
+    return (f"; checkpointing {checkpointing} counted from each stage's first layer ({staged} of its {n} layers "
+            f"checkpointed in every stage), where the whole model's every-{k} puts {', '.join(map(str, whole))} in "
+            f"the stages in turn: stages with fewer under the whole-model policy are answered optimistically")
 
 
 def _stage_run(recipe: LoopRecipe, shape: StageShape, shard) -> tuple[LoopRecipe, Callable]:

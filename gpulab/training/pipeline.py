@@ -72,6 +72,11 @@ def check_pipeline(config: Any, pp: int, virtual: int = 1) -> None:
     if not isinstance(layers, int) or getattr(config, "is_encoder_decoder", False):
         raise ValueError("pipeline stages are measured for decoder language models (a transformers config with "
                          "num_hidden_layers: Llama, Mistral, Qwen2 ...)")
+    if layers < pp:
+        raise ValueError(f"--pp {pp} splits the layers into {pp} stages of at least one layer each; this config has "
+                         f"num_hidden_layers = {layers}: give a pp from 2 to {layers}" if layers >= 2 else
+                         f"--pp {pp} splits the layers into {pp} stages; this config has num_hidden_layers = {layers}, "
+                         f"too few to split: leave --pp out")
     fits = [str(d) for d in range(1, layers + 1) if layers % d == 0]
     shown = ", ".join(fits[:8]) + (" ..." if len(fits) > 8 else "")
     if layers % pp:
