@@ -3,6 +3,8 @@
 #   make test   create/update .venv with the test tools too, run the whole test suite
 # and one for developers:
 #   make quick  unit and panel tests only (no lesson execution, browser or Binder): a few minutes
+#   make test-extended  what make test leaves out (homework lessons in the browser, the rest of the
+#          exhaustive cross products): CI runs it after make test
 #   make test-colab  the lessons headless plus the quick suite under Google Colab's versions
 #          (colab/pins.txt), in their own .venv-colab: not part of `make test`
 #
@@ -39,7 +41,7 @@ TEST_STAMP  := $(VENV)/.gpulab-test
 # module-scoped fixture is built once. The slowest tests are listed at the end.
 PYTEST_PAR := -n auto --dist loadgroup --durations=20
 
-.PHONY: lab test test-browser-all quick test-colab venv clean chromium
+.PHONY: lab test test-browser-all test-extended quick test-colab venv clean chromium
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "gpulab needs Python 3.11 or newer; $(PYTHON) is " + sys.version.split()[0] + ". Run: make PYTHON=python3.11 (or python3.12, ...)")'
@@ -90,11 +92,16 @@ lab: $(LAB_STAMP)
 
 # make test runs the browser test on the one-day workshop's lessons (docs/teaching.md's day table);
 # test-browser-all runs every lesson's every cell in JupyterLab in Chromium, the homework lessons too
+# test-extended runs what make test leaves out: those lessons in the browser and the rest of the
+# exhaustive cross products (marked extended); CI (.ci/run) runs it after make test
 test: $(TEST_STAMP) chromium
-	$(PY) -m pytest $(PYTEST_PAR) -m "not browser_all and not site"
+	$(PY) -m pytest $(PYTEST_PAR) -m "not browser_all and not extended and not site"
 
 test-browser-all: $(TEST_STAMP) chromium
 	$(PY) -m pytest $(PYTEST_PAR) -m browser tests/test_browser.py
+
+test-extended: $(TEST_STAMP) chromium
+	$(PY) -m pytest $(PYTEST_PAR) -m "browser_all or extended"
 
 quick: $(TEST_STAMP)
 	$(PY) -m pytest $(PYTEST_PAR) -m "not notebook and not slow and not browser"

@@ -294,10 +294,17 @@ PERIODIC_RECIPES = {name: {**RECIPES, **TP}[name] for name in (
 # (its plan's q_norm style 'replicated_with_grad_allreduce' is refused in one line)
 PERIODIC_CASES = [("gemma-2 (sliding, global)", name) for name in PERIODIC_RECIPES]
 PERIODIC_CASES += [("qwen3-moe (2 dense, then MoE every 2)", name) for name in PERIODIC_RECIPES if name != "tp=2"]
+# make test runs one recipe for each periodic model (every recipe is laid out on alike layers in
+# test_recipes_equal_full_depth above); the rest of the cross product is marked extended, which
+# make test-extended and CI run
+PERIODIC_IN_MAKE_TEST = {("gemma-2 (sliding, global)", "full checkpointing"),
+                         ("qwen3-moe (2 dense, then MoE every 2)", "selective (SAC)")}
+PERIODIC_PARAMS = [case if case in PERIODIC_IN_MAKE_TEST else pytest.param(*case, marks=pytest.mark.extended)
+                   for case in PERIODIC_CASES]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec, name", PERIODIC_CASES, ids=[f"{spec.split()[0]}-{name}" for spec, name in PERIODIC_CASES])
+@pytest.mark.parametrize("spec, name", PERIODIC_PARAMS, ids=[f"{spec.split()[0]}-{name}" for spec, name in PERIODIC_CASES])
 def test_periodic_recipes_equal_full_depth(spec, name):
     """Checkpointing (full, selective), LoRA, offload, accumulation and (Gemma-2) tensor parallelism laid out
     by periods equal the full-depth run."""
