@@ -79,7 +79,7 @@ import torch
 
 from gpulab.measure.engines import Measurement, RunContext
 from gpulab.measure.fake_mode import scalars_read_as_one
-from gpulab.options import Layout, Recipe, check_amp, check_layout_degrees, check_step_options, check_together
+from gpulab.options import Layout, Recipe, check_layout_degrees, check_step_options, check_together
 from gpulab.models.adapt import adapted, check_checkpointing, check_lora
 from gpulab.models.quantized import COMPUTE_DTYPES, FOUR_BIT
 from gpulab.models.registry import ModelSpec
@@ -95,7 +95,7 @@ from gpulab.training.routing import Routing, install_routing, is_moe, parse_rout
 from gpulab.training.tensor_parallel import check_tensor_parallel, fake_world, tensor_parallel
 
 __all__ = ["AMP_DTYPES", "RECIPE_DEFAULTS", "ZERO_GRAD", "LoopRecipe", "loop_recipe", "step_experiment", "step_peaks", "train_experiment",
-           "changed_options", "check_recipe_for", "recipe_loss", "user_recipe", "validate_amp"]
+           "changed_options", "check_recipe_for", "recipe_loss", "user_recipe"]
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ZERO_GRAD = ("top", "top, optimizer phase", "after step")
@@ -166,12 +166,6 @@ RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False
                    "double_quant": True, "quant_compute_dtype": "input", "routing": None, "tp": 1,
                    "sequence_parallel": False, "pp": 1, "microbatches": None, "schedule": "1f1b", "pp_stage": 0,
                    "virtual_stages": 1, "fp8": None, "cp": 1, "ep": 1}
-
-
-def recipe_options(arguments: dict[str, Any]) -> dict[str, Any]:
-    """The recipe options among a function's arguments (``gpulab.step`` and ``gpulab.fit`` pass
-    their ``locals()``): one list, ``RECIPE_DEFAULTS``, names them for every caller."""
-    return {name: arguments.get(name, default) for name, default in RECIPE_DEFAULTS.items()}
 
 
 def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, clip_grad_norm: float | None = None,
@@ -512,12 +506,6 @@ def _autocast(device: torch.device, amp: torch.dtype | None):
     if amp is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=amp)
-
-
-def validate_amp(amp: str | None) -> str | None:
-    """"fp16" / "bf16" (``AMP_DTYPES``' keys), or None for no autocast; anything else is refused
-    (``options.check_amp``)."""
-    return check_amp(amp)
 
 
 def step_peaks(m: Measurement) -> list[int]:
