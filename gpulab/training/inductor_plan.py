@@ -1,0 +1,240 @@
+"""What inductor itself plans to hold for a model under ``torch.compile``, without generating code.
+
+The loop's ``compile`` recipe compiles through inductor's own front end
+(``torch._inductor.compile_fx.compile_fx``: its decompositions, its joint-graph passes and its
+``partition_fn``, the min-cut partitioner that chooses what the forward saves for backward) and
+replaces its last stage, ``inner_compile`` (``compile_fx_inner``: code generation), by two things:
+
+* **the plan**: each graph lowered as ``codegen_and_compile`` lowers it (``view_to_reshape``, fake
+  tensor propagation, ``_recursive_post_grad_passes``, ``GraphLowering.run``) and scheduled
+  (``GraphLowering._update_scheduler``: ``Scheduler`` fuses the nodes into kernels and, with
+  ``config.reorder_for_peak_memory``, orders them by ``memory.reorder_for_peak_memory``); then the
+  buffers' lifetimes in that order, as ``torch._inductor.memory.compute_memory_timeline`` reads
+  them for ``estimate_peak_memory``: what a fused kernel computes inside is never allocated, each
+  buffer lives from its kernel to its last reader, a graph output is never freed, and a graph input
+  that is not a parameter or a tangent (``utils.is_nonfreeable_buffers``: the backward's saved
+  activations) is counted from the start and freed after its last reader;
+* **the run**: the same partitioned graph run op by op (as the ``aot_eager`` backends run theirs)
+  under the tracker, each call's window on the timeline kept (``InductorPlans.calls``). Every
+  intermediate is allocated there, so the run's peak is an upper bound of inductor's.
+
+``planned_peak`` puts them together: the tracker's timeline outside the compiled calls (parameters,
+gradients, optimizer state, the saved activations between the graphs, the eager loss, the
+optimizer step), and in each call's window the live bytes before it, less the inputs the plan
+frees, plus the plan's own peak.
+
+The target: CUDA when the run follows CUDA's kernels, else the CPU. Lowering for CUDA needs no GPU
+except where inductor reads the device's properties: a reduction's lowering asks
+``runtime.hints.DeviceProperties.create``, which calls ``CudaInterface.get_device_properties``
+(``torch.cuda._lazy_init``: "Found no NVIDIA driver on your system"). Without a driver
+``card_properties`` answers those calls for the card the run follows: its compute capability, and
+``STOOD_IN`` for the rest (they size a split reduction's partial results: a few KiB); and
+``Scheduler.create_backend`` asks ``utils._triton.has_triton`` (cached from its first call, which
+found no CUDA device) before it makes the Triton scheduling that decides fusions: asked afresh.
+
+NB: extern kernels' own workspaces (cuBLAS, cuDNN) are not buffers of the plan (gpulab adds
+cuBLAS's apart); a buffer's bytes are its numel times its dtype's size, rounded to the caching
+allocator's 512-byte blocks on CUDA as the tracker rounds; a multi-output kernel's buffer is
+allocated as one block.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+from unittest import mock
+
+import torch
+
+from gpulab.formulas import cuda_rounded_bytes
+
+__all__ = ["GraphPlan", "InductorPlans", "STOOD_IN", "card_properties", "plan_graph", "planned_peak"]
+
+# What a CUDA lowering reads from the device beyond its compute capability, answered without a
+# driver (``card_properties``). NB: an H100 SXM's figures (132 SMs: NVIDIA's H100 datasheet; the
+# per-SM limits are every card's since sm70, CUDA C Programming Guide, "Compute Capabilities").
+STOOD_IN = {"multi_processor_count": 132, "regs_per_multiprocessor": 65536, "max_threads_per_multi_processor": 2048,
+            "max_threads_per_block": 1024, "warp_size": 32}
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """One compiled graph as inductor plans it: its buffers in its kernels' order."""
+    kind: str                  # "forward", "backward" or "inference"
+    device: str                # the device type it was lowered for: "cuda" or "cpu"
+    kernels: int               # scheduler nodes after fusion (kernels and extern calls)
+    ops: int                   # the graph's ATen ops before lowering
+    # (bytes allocated, bytes freed, first step, last step; -1: never freed) per buffer, inputs
+    # the plan frees first (they are live when the graph starts)
+    buffers: tuple[tuple[int, int, int, int], ...]
+    freeable_inputs: int       # how many of ``buffers`` are inputs
+
+    def peak(self, rounded: bool = False) -> int:
+        """The plan's peak, from the graph's start (its freeable inputs included), as
+        ``memory.peak_memory_from_buf_info_list`` adds it up; ``rounded``: each buffer in 512-byte blocks."""
+        size = cuda_rounded_bytes if rounded else (lambda n: n)
+        delta = [0] * (self.kernels + 2)
+        for alloc, free, start, end in self.buffers:
+            delta[start] += size(alloc) if alloc else 0
+            if end != -1:
+                delta[end + 1] -= size(free) if free else 0
+        best = live = 0
+        for d in delta:
+            live += d
+            best = max(best, live)
+        return best
+
+    def input_bytes(self, rounded: bool = False) -> int:
+        """The freeable inputs' bytes (live before the graph runs)."""
+        size = cuda_rounded_bytes if rounded else (lambda n: n)
+        return sum(size(a) for a, _, _, _ in self.buffers[:self.freeable_inputs] if a)
+
+    def output_bytes(self, rounded: bool = False) -> int:
+        """What the graph returns and never frees (the forward's saved activations, the gradients)."""
+        size = cuda_rounded_bytes if rounded else (lambda n: n)
+        return sum(size(a) for a, _, _, end in self.buffers[self.freeable_inputs:] if end == -1 and a)
+
+
+@contextlib.contextmanager
+def card_properties(capability: tuple[int, int]) -> Iterator[None]:
+    """Answer what inductor asks a CUDA device (``CudaInterface``, ``torch.cuda``'s properties) for
+    a card of ``capability`` with ``STOOD_IN``, for the duration: only where no driver is present."""
+    from torch._dynamo.device_interface import CudaInterface
+    props = types.SimpleNamespace(name=f"sm{capability[0]}{capability[1]} (stood in)", major=capability[0],
+                                  minor=capability[1], total_memory=0, gcnArchName="", **STOOD_IN)
+    answers = {"get_device_properties": lambda device=None: props,
+               "get_compute_capability": lambda device=None: capability[0] * 10 + capability[1],
+               "is_available": lambda: True, "device_count": lambda: 1}
+    from torch._inductor import scheduler
+    from torch._inductor.runtime.hints import DeviceProperties
+    from torch.utils._triton import has_triton
+    with contextlib.ExitStack() as stack:
+        DeviceProperties.create.cache_clear()   # (cached per device: the card's, then the real device's again)
+        stack.callback(DeviceProperties.create.cache_clear)
+        # has_triton is cached from its first call, made without the stand-in: asked afresh
+        stack.enter_context(mock.patch.object(scheduler, "has_triton", has_triton.__wrapped__))
+        for name, fn in answers.items():
+            stack.enter_context(mock.patch.object(CudaInterface, name, staticmethod(fn)))
+        stack.enter_context(mock.patch.object(CudaInterface.Worker, "get_device_properties",
+                                              staticmethod(answers["get_device_properties"])))
+        for name, fn in (("get_device_properties", answers["get_device_properties"]),
+                         ("get_device_capability", lambda device=None: capability), ("is_available", lambda: True),
+                         ("device_count", lambda: 1), ("current_device", lambda: 0)):
+            stack.enter_context(mock.patch.object(torch.cuda, name, fn))
+        yield
+
+
+def plan_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kind: str, device: str,
+               capability: tuple[int, int] = (8, 0)) -> GraphPlan:
+    """Lower and schedule ``gm`` (an AOTAutograd graph, as ``inner_compile`` receives it) for
+    ``device`` ("cuda" or "cpu") on fake tensors of the inputs' shapes, and read its buffers."""
+    from torch._inductor import config, memory
+    from torch._inductor.compile_fx import _recursive_post_grad_passes, _recursive_record_original_output_strides
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from torch.utils._ordered_set import OrderedSet
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        inputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                  if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    g = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))   # the run keeps the graph it was given
+    for old, new in zip(gm.graph.nodes, g.graph.nodes):
+        new.meta.update({k: v for k, v in old.meta.items() if k not in ("val", "tensor_meta")})
+    target = torch.device(device)
+    swap = lambda a: target if isinstance(a, torch.device) and a.type != device else a
+    for node in g.graph.nodes:   # factories traced on the run's device (arange, full, inductor_seeds...) make the target's
+        if node.op == "call_function":
+            node.args = torch.fx.node.map_aggregate(node.args, swap)
+            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+    g.recompile()
+    ops = sum(1 for n in g.graph.nodes if n.op == "call_function")
+    stand_in = card_properties(capability) if device == "cuda" and not torch.cuda.is_available() \
+        else contextlib.nullcontext()
+    with stand_in, DebugContext(), config.patch(fx_graph_cache=False), torch.no_grad():
+        view_to_reshape(g)
+        FakeTensorProp(g, mode).propagate_dont_convert_inputs(*inputs)
+        _recursive_record_original_output_strides(g)
+        with V.set_fake_mode(mode):
+            _recursive_post_grad_passes(g, is_inference=kind == "inference")
+            graph = GraphLowering(g, example_inputs=inputs, is_inference=kind == "inference",
+                                  is_backward=kind == "backward")
+            with V.set_graph_handler(graph), mode:
+                graph.run(*inputs)
+                graph._update_scheduler()
+                nodes = graph.scheduler.nodes
+                outputs = OrderedSet(graph.get_output_names())
+                freeable = memory.get_freeable_input_buf(nodes, OrderedSet(graph.graph_inputs.keys()))
+                memory.prepare_planning_info(nodes, graph.scheduler.name_to_buf, graph.scheduler.name_to_fused_node,
+                                             OrderedSet(graph.graph_inputs.keys()), outputs)
+                infos, _, _ = memory.compute_memory_timeline(nodes, freeable, outputs)
+    inputs_first = sorted(infos, key=lambda b: not isinstance(b.buffer, memory.FreeableInputBuffer))
+    return GraphPlan(kind, device, len(nodes), ops,
+                     tuple((b.size_alloc, b.size_free, b.start_step, b.end_step) for b in inputs_first),
+                     sum(isinstance(b.buffer, memory.FreeableInputBuffer) for b in infos))
+
+
+@dataclass
+class InductorPlans:
+    """The compiled graphs' plans (``graphs``) and each call of one on the run's timeline
+    (``calls``: graph index, the tracker's event count when it began and when it returned)."""
+    device: str                               # lowered for: "cuda" or "cpu"
+    capability: tuple[int, int] = (8, 0)      # the card whose kernels a CUDA plan follows
+    mark: Callable[[], int] = lambda: 0       # the tracker's event count (RunContext.mark)
+    graphs: list[GraphPlan] = field(default_factory=list)
+    calls: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def backend(self) -> Callable:
+        """``torch.compile``'s backend: inductor's ``compile_fx``, its code generation replaced."""
+        from torch._inductor.compile_fx import compile_fx
+        return functools.partial(compile_fx, inner_compile=self._inner)
+
+    def _inner(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs) -> Callable:
+        kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+        index = len(self.graphs)
+        self.graphs.append(plan_graph(gm, example_inputs, kind, self.device, self.capability))
+        from torch._functorch.aot_autograd import make_boxed_func
+        run = make_boxed_func(gm.forward)
+
+        def call(args):
+            start = self.mark()
+            out = run(args)
+            self.calls.append((index, start, self.mark()))
+            return out
+        call._boxed_call = True
+        return call
+
+    def as_dict(self, rounded: bool) -> dict[str, Any]:
+        return {"device": self.device, "graphs": [
+            {"kind": p.kind, "ops": p.ops, "kernels": p.kernels, "peak_bytes": p.peak(rounded),
+             "input_bytes": p.input_bytes(rounded), "output_bytes": p.output_bytes(rounded)} for p in self.graphs]}
+
+
+def planned_peak(events: Sequence[Any], totals: Sequence[int], plans: InductorPlans, rounded: bool,
+                 start: int = 0, end: int | None = None) -> int:
+    """The peak of live bytes over the tracker's events whose index is in [start, end) (``events``
+    with ``totals``, the live bytes after each), each compiled call's window replaced by its plan:
+    the live bytes before the call, less the inputs the plan frees, plus the plan's peak."""
+    windows = [(a, b, plans.graphs[g]) for g, a, b in plans.calls if a >= start and (end is None or b <= end)]
+    inside = lambda i: any(a <= i < b for a, b, _ in windows)
+    best, before = 0, {}
+    for e, live in zip(events, totals):
+        if e.index < start or (end is not None and e.index >= end):
+            continue
+        if not inside(e.index):
+            best = max(best, live)
+    for a, b, plan in windows:
+        live_before = 0
+        for e, live in zip(events, totals):
+            if e.index >= a:
+                break
+            live_before = live
+        best = max(best, live_before - plan.input_bytes(rounded) + plan.peak(rounded))
+    return best
