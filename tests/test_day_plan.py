@@ -323,3 +323,25 @@ def test_each_lesson_has_outcomes_time_predict_first_questions_and_answers(path)
     assert re.search(r"^#+ .*Predict first", markdown, re.M | re.I), f"{path.name}: no predict-first question"
     assert re.search(r"^## Questions", markdown, re.M), f"{path.name}: no Questions section"
     assert "<details><summary>Answers</summary>" in markdown, f"{path.name}: no answers block"
+
+
+# --- facilitation notes ---------------------------------------------------------------------------
+
+FACILITATION = ROOT / "docs" / "facilitation.md"
+
+
+@pytest.mark.parametrize("number", CORE_DAY)
+def test_each_core_lesson_has_facilitation_notes(number):
+    """docs/facilitation.md: for each core-day lesson, the demo, a wrong-answer entry for each
+    predict-first question on its core path, where to cut, and the number for the board."""
+    text = FACILITATION.read_text()
+    m = re.search(rf"^## {number} · .*?(?=^## |\Z)", text, re.M | re.S)
+    assert m, f"docs/facilitation.md has no section '## {number} · ...'"
+    notes = m.group(0)
+    for part in ("**Demo.**", "**Cut when behind.**", "**Board.**"):
+        assert part in notes, f"lesson {number}'s facilitation notes have no {part}"
+    cells = json.loads(_notebook(number).read_text())["cells"]
+    asked = len(core_path(cells).questions)
+    entries = re.findall(r"^\*\*Question [^*]+\*\*.*\n((?:\* .*\n(?:  .*\n)*)+)", notes, re.M)
+    assert len(entries) >= asked, \
+        f"lesson {number}: {asked} predict-first questions on the core path, {len(entries)} with wrong answers noted"
