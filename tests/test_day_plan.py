@@ -129,6 +129,22 @@ def test_each_core_lessons_stated_core_path_is_within_ten_percent_of_the_model(n
     assert problem is None, problem
 
 
+FULL = re.compile(r"about (\d+) minutes in full")
+
+
+@pytest.mark.parametrize("number", CORE_DAY)
+def test_each_core_lessons_time_in_full_is_the_models_whole_lesson(number):
+    """The Time line's "about F minutes in full": the same model over every section up to the
+    questions (day_model.lesson_time(..., whole=True)), within 10%."""
+    path = _notebook(number)
+    first = next(c["source"] for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown")
+    m = FULL.search(first if isinstance(first, str) else "".join(first))
+    assert m, f"lesson {number}: no 'about F minutes in full' on its Time line"
+    model = lesson_time(path, _record(), whole=True).minutes
+    assert abs(int(m.group(1)) - model) <= TOLERANCE * model, \
+        f"lesson {number}: states {m.group(1)} minutes in full, the model gives {model:.1f}"
+
+
 def test_a_lesson_whose_stated_time_is_off_fails(tmp_path):
     """The check can fail: lesson 11 with its stated core path moved 20% off the model."""
     source = _notebook("11")
