@@ -32,8 +32,8 @@ import re
 import pytest
 import torch
 
-titan = pytest.importorskip("torchtitan", reason="torchtitan is a test-only reference: pip install "
-                                                 "torchtitan==0.3.0 (pyproject's test extras)")
+titan = pytest.importorskip("torchtitan", reason="torchtitan is a test-only reference: make test installs it (pip install --no-deps "
+                                                 "torchtitan==0.3.0, with spmd-types, tyro and torchdata from the test extras)")
 
 from gpulab.categories import Category   # noqa: E402
 from gpulab.options import Layout   # noqa: E402
