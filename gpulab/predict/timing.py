@@ -119,6 +119,12 @@ class OpTimer(TorchDispatchMode):
         self.step = 0
         self._last = "setup"
 
+    def new_step(self) -> None:
+        """Count the ops from here on as the next step (a run whose steps no phase change separates:
+        a prefill and the decode step after it, ``predict.generation``)."""
+        self.step += 1
+        self._last = "forward"
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -274,7 +280,8 @@ class StepTime:
                 "assumptions": {"compute_efficiency": a.compute_efficiency, "memory_efficiency": a.memory_efficiency,
                                 "launch_overhead_s": a.launch_overhead_s, "source": a.source},
                 "card_source": self.speed.source, "comm_seconds": self.comm_s, "host_seconds": self.host_s,
-                "host_bytes": self.host_bytes, "collectives": [c.as_dict() for c in self.collectives.values()]}
+                "host_bytes": self.host_bytes, "collectives": [c.as_dict() for c in self.collectives.values()],
+                "lines": self.lines()}
 
 
 def step_time_of(ops: list[OpCost], speed: CardSpeed, items: int, unit: str) -> StepTime:
