@@ -217,7 +217,9 @@ def _timed_at(w: Workload, depth: int | None, batch: int, dt: torch.dtype, recip
     ``w`` is): its step time and its parameters' and gradients' bytes after the step."""
     wd = w if depth is None else layer_repeat.workload_with_depth(w, depth)
     box: list = []
-    m = run(timed_experiment(train_experiment(wd, [batch, batch], dt, recipe), box), "fake", fake_target="cuda")
+    per_step = recipe.accumulate if recipe.pp == 1 else (1 if recipe.virtual_stages == 1 else None)
+    m = run(timed_experiment(train_experiment(wd, [batch, batch], dt, recipe), box, per_step), "fake",
+            fake_target="cuda")
     if m.oom or m.tracking is None:
         raise ValueError(f"the timed fake run failed: {m.error}")
     t = step_time_of(box[0].ops, speed, items, unit)
@@ -235,11 +237,13 @@ def timed_rank(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, spe
     why = None if w.config is not None and getattr(w, "facts", None) is not None else "not a transformers stack"
     if why is None and recipe.virtual_stages > 1:
         why = "interleaved chunks take turns"
-    if why is None:
+    if why is None:   # its reasons but the depth's own (timing pays for small runs at any depth)
         why = layer_repeat.not_repeatable(w.config, recipe.checkpointing, w.facts)
+        if why is not None and "full depth is as cheap" in why:
+            why = None
     pattern = None
     if why is None:
-        pattern = layer_repeat.block_pattern(w.config, facts=w.facts)
+        pattern = layer_repeat.block_pattern(w.config, min_depth=0, facts=w.facts)
         if isinstance(pattern, str):
             why, pattern = pattern, None
     if pattern is None:

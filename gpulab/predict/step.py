@@ -189,7 +189,9 @@ def _run_guarded(w: Workload, batch: int, steps: int, dt: torch.dtype, recipe, c
             if refused:
                 raise _Refused(refused)
         experiment = train_experiment(w, [batch] * steps, dt, recipe)
-        m = run(experiment if speed is None else timed_experiment(experiment, timers), choice, fake_target=fake_target)
+        per_step = recipe.accumulate if recipe.pp == 1 else None   # a pipeline's forwards: the schedule's
+        m = run(experiment if speed is None else timed_experiment(experiment, timers, per_step), choice,
+                fake_target=fake_target)
     except _Refused as refused:
         raise ValueError(str(refused)) from None
     except Exception as exc:

@@ -27,8 +27,11 @@ Where this differs from RuntimeEstimator, and why:
 
 The tracker already knows the phase of every op (forward, backward, optimizer); the timer reads it
 (``MemoryTracker.current_phase``) and counts steps by it: a step starts at a forward that follows
-anything but a backward (so accumulation's micro-batches stay in one step). The answer is the last
-step's: the steady state.
+anything but a backward (so accumulation's micro-batches stay in one step), or, told the micro-batches
+a step runs (``per_step``), at a forward after a backward once the step has run that many (the optimizer
+stepped in backward leaves no optimizer phase between steps). Checkpointing's recompute runs inside
+the backward phase (the tracker's), so it stays in its step. The answer is the last step's: the steady
+state.
 """
 from __future__ import annotations
 
@@ -112,9 +115,11 @@ class OpTimer(TorchDispatchMode):
     """Records every kernel-launching aten op of a run with its FLOPs, bytes and phase. Entered
     inside a ``MemoryTracker`` (``timed_experiment``): it sees each op first and hands it on."""
 
-    def __init__(self, phase_of: Callable[[], str]) -> None:
+    def __init__(self, phase_of: Callable[[], str], per_step: int | None = None) -> None:
         super().__init__()
         self._phase_of = phase_of
+        self._per_step = per_step
+        self._forwards = 0   # forward phases entered in this step
         self.ops: list[OpCost] = []
         self.step = 0
         self._last = "setup"
@@ -122,7 +127,7 @@ class OpTimer(TorchDispatchMode):
     def new_step(self) -> None:
         """Count the ops from here on as the next step (a run whose steps no phase change separates:
         a prefill and the decode step after it, ``predict.generation``)."""
-        self.step += 1
+        self.step, self._forwards = self.step + 1, 1
         self._last = "forward"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -134,8 +139,10 @@ class OpTimer(TorchDispatchMode):
         if not outs:   # metadata queries, scalars read back
             return out
         phase = self._phase_of()
-        if phase == "forward" and self._last not in ("forward", "backward"):
-            self.step += 1
+        if phase == "forward" and self._last != "forward":
+            if self._last != "backward" or (self._per_step is not None and self._forwards >= self._per_step):
+                self.step, self._forwards = self.step + 1, 0
+            self._forwards += 1
         self._last = phase
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         packet = func._overloadpacket
@@ -156,11 +163,12 @@ class OpTimer(TorchDispatchMode):
         return out
 
 
-def timed_experiment(experiment: Callable[[Any], Any], box: list) -> Callable[[Any], Any]:
+def timed_experiment(experiment: Callable[[Any], Any], box: list, per_step: int | None = None) -> Callable[[Any], Any]:
     """``experiment`` run under an ``OpTimer`` reading the run's tracker for phases; the timer is
-    appended to ``box`` for the caller to read after ``engines.run`` returns."""
+    appended to ``box`` for the caller to read after ``engines.run`` returns. ``per_step``: the
+    micro-batches (forwards) a step runs, where known (``OpTimer``)."""
     def timed(ctx):
-        timer = OpTimer(ctx.tracker.current_phase)
+        timer = OpTimer(ctx.tracker.current_phase, per_step)
         box.append(timer)
         with timer:
             return experiment(ctx)
