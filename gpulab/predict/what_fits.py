@@ -89,10 +89,13 @@ class WhatFits:
 
     @property
     def fitting(self) -> list[Tried]:
-        """The candidates that fit: fastest first by predicted step time where timed (the rest after),
-        else cheapest first (the order they were tried in)."""
-        fit = [t for t in self.tried if t.fits]
-        return sorted(fit, key=lambda t: t.time["seconds"] if t.time else float("inf"))
+        """The candidates that fit, cheapest first (the order they were tried in)."""
+        return [t for t in self.tried if t.fits]
+
+    @property
+    def ranked(self) -> list[Tried]:
+        """The candidates that fit, fastest first by predicted step time (untimed ones last)."""
+        return sorted(self.fitting, key=lambda t: t.time["seconds"] if t.time else float("inf"))
 
     @property
     def fastest(self) -> dict[str, Any] | None:
@@ -107,6 +110,7 @@ class WhatFits:
                 "context_bytes": self.context_bytes, "batch": self.batch, "asked": self.asked,
                 "asked_reserved_bytes": self.asked_reserved_bytes, "asked_fits": self.asked_fits,
                 "tried": [t.__dict__ for t in self.tried], "fitting": [t.name for t in self.fitting],
+                "ranked_by_time": [t.name for t in self.ranked],
                 "seconds": self.seconds, "label": self.label, "left_out": self.left_out,
                 "asked_time": self.asked_time, "time_note": self.time_note, "fastest": self.fastest}
 
@@ -147,7 +151,7 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
     module docstring). Every figure is a fake run replayed through the simulated allocator; a run this
     process made already (``gpulab.fit`` at the same batch) is reused. ``progress(fraction, text)``: told
     before each candidate (``predict.progress``). ``predict_time``: each recipe that fits gets its predicted
-    step time (``predict.plan_time``), and ``fitting`` ranks them by it."""
+    step time (``predict.plan_time``), and ``ranked`` orders them by it."""
     t0 = time.perf_counter()
     place = _place(gpu, context_bytes, module_loading)
     usable = max(0, place.card.reported_total_bytes - place.context_bytes - place.card.workspace_bytes())
