@@ -43,6 +43,9 @@ import nbformat  # noqa: E402
 
 from conftest import notebook_client  # noqa: E402  (the tests' client: sliced polls)
 
+sys.path.insert(0, str(ROOT))
+from gpulab.course.day_model import cell_key  # noqa: E402  (how the record names a cell)
+
 LESSONS = ROOT / "lessons"
 RECORD = ROOT / "docs" / "lesson-times.json"
 TARGET_S = {"12": 90.0}
@@ -84,8 +87,8 @@ def _kernel_cpu(client) -> float | None:
         return None
 
 
-def _cpu_hooks(client) -> dict:
-    """Hooks that put each code cell's kernel CPU seconds into the returned dict, by cell id."""
+def _cpu_hooks(client, keys: list[str]) -> dict:
+    """Hooks that put each code cell's kernel CPU seconds into the returned dict, by its key."""
     spent, start = {}, {}
 
     def before(cell, cell_index, **_):
@@ -94,7 +97,7 @@ def _cpu_hooks(client) -> dict:
     def after(cell, cell_index, **_):
         a, b = start.pop(cell_index, None), _kernel_cpu(client)
         if a is not None and b is not None:
-            spent[cell.get("id")] = b - a
+            spent[keys[cell_index]] = b - a
 
     client.on_cell_execute, client.on_cell_executed = before, after
     return spent
@@ -102,9 +105,12 @@ def _cpu_hooks(client) -> dict:
 
 def time_lesson(path: Path, timeout: int = 600) -> dict:
     nb = nbformat.read(path, as_version=4)
+    # each cell's key as the stored file has it (nbformat gives a cell stored without an id a new
+    # random one on reading; the day model reads the file and names such a cell by its index)
+    keys = [cell_key(c, i) for i, c in enumerate(json.loads(path.read_text())["cells"])]
     client = notebook_client(nb, timeout=timeout, kernel_name="python3", store_widget_state=True,
                              record_timing=True, resources={"metadata": {"path": str(LESSONS)}})
-    cpu_by_id = _cpu_hooks(client)
+    cpu_by_id = _cpu_hooks(client, keys)
     load0 = os.getloadavg()[0]
     c0, t0 = _children_cpu(), time.perf_counter()
     error = None
@@ -120,8 +126,8 @@ def time_lesson(path: Path, timeout: int = 600) -> dict:
             s = _cell_seconds(cell)
             if s is not None:
                 first = next((ln for ln in cell.source.splitlines() if ln.strip()), "")
-                c = cpu_by_id.get(cell.get("id"))
-                cells.append({"cell": i, "id": cell.get("id"), "seconds": round(s, 2),
+                c = cpu_by_id.get(keys[i])
+                cells.append({"cell": i, "id": keys[i], "seconds": round(s, 2),
                               "cpu_s": None if c is None else round(c, 2), "source": first[:70],
                               **displays(cell)})
     return {"lesson": path.stem, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "error": error,

@@ -211,6 +211,9 @@ def test_the_core_path_stops_at_optional_headings_and_at_the_questions():
     assert "<b>two</b> [words](http://x.y/z)" not in part.markdown
     with pytest.raises(ValueError, match="no heading starts with 'nope'"):
         day_model.section(cells, "nope")
+    # a code cell stored without an id is named by its index, as benchmarks/lesson_times.py records it
+    unnamed = cells[:1] + [{"cell_type": "code", "source": "x.check(1)"}]
+    assert core_path(unnamed).code_ids == ("cell-1",) and core_path(unnamed).questions == ("cell-1",)
 
 
 # --- the day ---------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from pathlib import Path
 __all__ = [
     "WORDS_PER_MINUTE", "MINUTES_PER_QUESTION", "MINUTES_PER_DISPLAY", "TALK_FACTOR", "LessonTime",
     "CoreSection", "core_path", "section", "lesson_time", "section_time", "stated_minutes",
-    "words_of", "RECORD_COMMAND",
+    "words_of", "cell_key", "RECORD_COMMAND",
 ]
 
 WORDS_PER_MINUTE = 150
@@ -120,6 +120,11 @@ class LessonTime:
                 "core path": round(self.minutes, 1)}
 
 
+def cell_key(cell: dict, index: int) -> str:
+    """How the record names a code cell: its id, or ``cell-<index>`` for a cell stored without one."""
+    return cell.get("id") or f"cell-{index}"
+
+
 def words_of(text: str) -> int:
     """The words a student reads in a markdown text (see the module's **Words**)."""
     text = _LINK_TARGET.sub("]", _TAG.sub(" ", text))
@@ -134,12 +139,12 @@ def core_path(cells: list[dict], whole: bool = False) -> CoreSection:
     with ``whole``, the lesson in full: every section and collapsed block up to the questions."""
     markdown, code, questions = [], [], []
     optional_at: int | None = None   # the level of the optional heading we are under, if any
-    for cell in cells:
+    for index, cell in enumerate(cells):
         source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
         if cell["cell_type"] == "code":
             if optional_at is None:
-                code.append(cell.get("id", ""))
-                questions += [cell.get("id", "")] * len(_CHECK.findall(source))
+                code.append(cell_key(cell, index))
+                questions += [cell_key(cell, index)] * len(_CHECK.findall(source))
             continue
         if cell["cell_type"] != "markdown":
             continue
@@ -174,14 +179,14 @@ def section(cells: list[dict], title: str) -> CoreSection:
     markdown, code, questions = [], [], []
     level: int | None = None   # the level of the section's heading once found
     done = False
-    for cell in cells:
+    for index, cell in enumerate(cells):
         if done:
             break
         source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
         if cell["cell_type"] == "code":
             if level is not None:
-                code.append(cell.get("id", ""))
-                questions += [cell.get("id", "")] * len(_CHECK.findall(source))
+                code.append(cell_key(cell, index))
+                questions += [cell_key(cell, index)] * len(_CHECK.findall(source))
             continue
         if cell["cell_type"] != "markdown":
             continue
