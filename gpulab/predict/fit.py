@@ -174,7 +174,7 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
         use_cache: bool | None = None, compile: bool = False, implementation: str = "default",
         checkpointing: bool | str = False, lora: int = 0, lora_targets: Sequence[str] | None = None,
         lora_dropout: float = 0.0, quantize: str | None = None, lora_dtype: str = "fp32", double_quant: bool = True,
-        quant_compute_dtype: str = "input", routing: Any = None, tp: int = 1, sequence_parallel: bool = False,
+        quant_compute_dtype: str = "input", routing: Any = None, tp: int = 1, sequence_parallel: bool = False, loss_parallel: bool = False,
         pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1,
         fp8: str | None = None, cp: int = 1, ep: int = 1, module_loading: str = "lazy",
         gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False) -> FitResult:

@@ -52,7 +52,8 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
          implementation: str = "default", checkpointing: bool | str = False, lora: int = 0,
          lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0, quantize: str | None = None,
          lora_dtype: str = "fp32", double_quant: bool = True, quant_compute_dtype: str = "input", gpu: Any = None,
-         routing: Any = None, tp: int = 1, sequence_parallel: bool = False, fp8: str | None = None,
+         routing: Any = None, tp: int = 1, sequence_parallel: bool = False, loss_parallel: bool = False,
+         fp8: str | None = None,
          pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b", pp_stage: int = 0,
          virtual_stages: int = 1, cp: int = 1, ep: int = 1, time: Any = False, **engine_limits) -> StepResult:
     """Track ``steps`` training steps of ``model``, by category, beside the formulas' prediction
