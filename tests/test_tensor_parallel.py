@@ -71,12 +71,35 @@ def test_sequence_parallelism_splits_what_tensor_parallelism_leaves_whole():
     assert sp[2] - split_part // 2 == sp[4] - split_part // 4     # the same G at both degrees
 
 
+def _loss_parallel_saves(tp: int) -> int:
+    """The activations loss parallelism leaves out at ``tp``: without it every rank saves the whole
+    vocabulary's fp32 log-softmax (transformers' loss upcasts the gathered logits), with it the rank's
+    vocabulary shard; D(t) = L·(1 - 1/t) - x, x the loss-parallel cross-entropy's own per-token values."""
+    a = {lp: gpulab.step(_config(), batch=BATCH, seq_len=SEQ, optimizer="adamw", dtype="bf16", engine="fake", tp=tp,
+                         loss_parallel=lp).tensor_bytes_by_category["activations"] for lp in (False, True)}
+    return a[False] - a[True]
+
+
+def test_loss_parallel_splits_the_logits_activations():
+    """L = 4·B·S·V, the fp32 log-softmax of the logits: D(2) = L/2 - x, x within B·S fp32 pairs."""
+    logits = BATCH * SEQ * _config().vocab_size
+    assert _loss_parallel_saves(2) == pytest.approx(4 * logits / 2, abs=BATCH * SEQ * 8 + 64)
+
+
+@pytest.mark.extended
+def test_loss_parallel_splits_the_logits_activations_exactly():
+    """L = 4·(D(4) - D(2)), x cancelled: the whole fp32 log-softmax, 4 bytes a logit, to the byte."""
+    assert 4 * (_loss_parallel_saves(4) - _loss_parallel_saves(2)) == 4 * BATCH * SEQ * _config().vocab_size
+
+
 def test_layouts_that_do_not_divide_are_refused_in_one_line():
     cfg = _config()
     with pytest.raises(ValueError, match="--tp 3 does not divide num_attention_heads = 4"):
         check_tensor_parallel(cfg, 3)
     with pytest.raises(ValueError, match="give --tp 2 or more"):
         check_tensor_parallel(cfg, 1, sequence_parallel=True)
+    with pytest.raises(ValueError, match="loss parallelism .* give --tp 2 or more"):
+        gpulab.Layout(loss_parallel=True)
     with pytest.raises(ValueError, match="no tensor-parallel plan"):
         check_tensor_parallel(hf_configs.make_config("tiny-gpt2"), 2)
     with pytest.raises(ValueError, match="fake engine"):

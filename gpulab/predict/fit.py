@@ -48,6 +48,7 @@ from gpulab.predict import layer_repeat, run_cache
 from gpulab.predict.progress import Progress, report
 from gpulab.predict.search import largest_fitting
 from gpulab.training.context_parallel import layout_notes
+from gpulab.training.tensor_parallel import tp_notes
 from gpulab.training.routing import is_moe, stated_routing
 from gpulab.categories import Category
 from gpulab.measure.tracking import TrackingResult
@@ -220,7 +221,7 @@ def _layout_stated(result: FitResult, w: Workload, recipe: LoopRecipe, dt: torch
         result.mesh = layout.mesh
         result.label = f"{result.label}; {layout.mesh}"
     itemsize = torch.empty((), dtype=recipe.amp or dt).element_size()
-    for name, note in layout_notes(w, recipe, max(1, result.largest_batch), itemsize).items():
+    for name, note in {**tp_notes(recipe), **layout_notes(w, recipe, max(1, result.largest_batch), itemsize)}.items():
         result.label = f"{result.label}; {note['text']}"
         result.recipe = {**result.recipe, name: note}
     return result

@@ -24,6 +24,7 @@ from gpulab.models.workload import Workload, resolve_workload, step_failed
 from gpulab.training.loop import (changed_options, check_recipe_for, loop_recipe, recipe_workload, step_peaks,
                                   train_experiment)
 from gpulab.training.context_parallel import layout_notes
+from gpulab.training.tensor_parallel import tp_notes
 from gpulab.training.routing import Routing, is_moe, ran_routed, stated_routing
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
@@ -171,7 +172,7 @@ def _layout_stated(m: Measurement, w: Workload, recipe, batch: int, dt: torch.dt
     (``training.context_parallel.layout_notes``), in the recipe shown and the label."""
     shown = _routing_stated(m, w, recipe)
     itemsize = torch.empty((), dtype=recipe.amp or dt).element_size()
-    for name, note in layout_notes(w, recipe, batch, itemsize).items():
+    for name, note in {**tp_notes(recipe), **layout_notes(w, recipe, batch, itemsize)}.items():
         shown[name] = note
         m.label = f"{m.label}; {note['text']}"
     return shown

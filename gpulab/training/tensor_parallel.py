@@ -58,7 +58,7 @@ from torch import nn
 from gpulab.options import check_tp_options   # torch-free: the CLI checks it before torch loads
 
 __all__ = ["LAYOUT", "TP_STYLES", "check_tensor_parallel", "check_tp_options", "fake_world", "layout_text",
-           "loss_parallel_context", "tensor_parallel",
+           "loss_parallel_context", "tensor_parallel", "tp_notes",
            "vocab_parallel_embedding"]
 
 TP_STYLES = ("colwise", "rowwise", "embedding_rowwise")
@@ -71,6 +71,15 @@ def layout_text(sequence_parallel: bool = False, loss_parallel: bool = False) ->
     logits = ("logits and loss sharded on the vocabulary (loss_parallel)" if loss_parallel
               else "logits gathered whole on every rank")
     return f"{LAYOUT}{', sequence parallel' if sequence_parallel else ''}, {logits}"
+
+
+def tp_notes(r: Any) -> dict[str, dict[str, Any]]:
+    """What a tensor-parallel rank's answer states about its layout (``r``: the loop's recipe): which
+    layout, in the recipe shown and the label; nothing without tensor parallelism."""
+    if r.tp == 1:
+        return {}
+    text = layout_text(r.sequence_parallel, r.loss_parallel)
+    return {"tensor_parallel": {"layout": text, "text": f"tp={r.tp}: {text}"}}
 
 
 @contextlib.contextmanager
