@@ -60,11 +60,11 @@ def test_embedding_and_head_on_two_real_ranks():
         assert data["transformers_embedding_rowwise"] == whole
 
 
-@pytest.mark.parametrize("sp,lp", [pytest.param(sp, lp, marks=() if sp and lp else pytest.mark.extended)
-                                   for sp, lp in LAYOUTS])
+@pytest.mark.extended   # make test checks the split through gpulab.step (test_tensor_parallel's parameters,
+@pytest.mark.parametrize("sp,lp", LAYOUTS)   # the Gemma-2 test's tied gradient below)
 def test_fake_world_holds_the_vocabulary_split(sp, lp):
     """What gpulab's answers measure, rank 0 of 2, against the split counted from the config (the real
-    two-rank run above checks the same in make test-extended)."""
+    two-rank run above checks the same)."""
     shard = {"weight": (VOCAB // 2, HIDDEN), "weight_bytes": VOCAB // 2 * HIDDEN * 4,
              "grad": (VOCAB // 2, HIDDEN), "grad_bytes": VOCAB // 2 * HIDDEN * 4, "grad_placements": "(Shard(dim=0),)"}
     assert _fake_world_shapes(sp, lp) == {"embedding": shard, "head": shard}
