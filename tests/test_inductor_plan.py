@@ -35,15 +35,14 @@ def test_each_compiled_call_is_replaced_by_its_plan():
 
 
 @pytest.mark.extended
-@pytest.mark.xfail(reason="open (#48 item 1): on this MLP the plan varied between runs (63,982,600 and 81,811,464 B "
-                          "against a real 65,033,224 B); estimate_peak_memory's lifetimes leave out the wrapper's "
-                          "in-place reuse, and the cause of the variation is not found", strict=False)
 def test_the_plan_predicts_a_compiled_cpu_steps_real_peak():
     """An MLP's training step compiled by inductor on the CPU (its C++ kernels run): the real peak
     of step 2, from the CPU allocator's memory events (torch.profiler, profile_memory) above the
-    bytes live when it starts, against gpulab's prediction from inductor's plan for the CPU: never
-    below it, above it by at most one hidden-sized buffer (see NB); the op-by-op run of the same graphs
-    within 3% of it."""
+    bytes live when it starts, against gpulab's prediction from inductor's plan for the CPU, within
+    2% (measured equal to the byte, 2026-12, torch 2.15: the plan's in-place reuses are the
+    wrapper's, buf5 into buf9 in the backward, and the tangent is freed after its reader as the
+    wrapper's ``del tangents_1`` frees it). Real inductor compiles first, so AOTAutograd's cache
+    holds its code for these graphs: the plan must not be answered from it."""
     def build():
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(256, 4096), torch.nn.GELU(approximate="tanh"),
@@ -51,10 +50,6 @@ def test_the_plan_predicts_a_compiled_cpu_steps_real_peak():
 
     batch = 1024
     loss = lambda out: out.square().mean()   # noqa: E731
-    pred = gpulab.step(build, input_shape=(256,), batch=batch, loss=loss, engine="cpu", compile=True,
-                       optimizer="sgd", steps=2, guard=False)
-    planned = pred.compiled["inductor_step_peaks"][-1]
-
     torch._dynamo.reset()
     net = build()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -74,10 +69,28 @@ def test_the_plan_predicts_a_compiled_cpu_steps_real_peak():
         running += n
         best = max(best, running)
     real = live + best
-    # NB: inductor's wrapper writes a kernel's output into an input dying there (decide_inplace_update,
-    # buffer reuse), which estimate_peak_memory's lifetimes do not: the plan sits above the real peak by
-    # up to a buffer or two of the largest size, here one (batch × 4096 float32)
-    assert real <= planned <= real + batch * 4096 * 4, (planned, real)
-    # the op-by-op run of the same graphs (FX frees each value after its last use) is no strict
-    # bound here: inductor's CPU code held 1.6% more than it (measured 2026-12, torch 2.15)
-    assert abs(pred.peak_bytes - real) <= 0.03 * real, (pred.peak_bytes, planned, real)
+
+    pred = gpulab.step(build, input_shape=(256,), batch=batch, loss=loss, engine="cpu", compile=True,
+                       optimizer="sgd", steps=2, guard=False)
+    kinds = [g["kind"] for g in pred.compiled["graphs"]]
+    assert kinds == ["forward", "backward"], kinds   # planned, not loaded from the cache
+    planned = pred.compiled["inductor_step_peaks"][-1]
+    assert abs(planned - real) <= 0.02 * real, (planned, real)
+    # the same graphs run op by op allocate every intermediate inductor fuses away: the upper bound
+    assert pred.peak_bytes >= real, (pred.peak_bytes, real)
+
+
+def test_a_kernel_writing_into_a_dying_input_allocates_nothing():
+    """relu(x @ w) * 2 lowered for the CPU: the matmul's output (an extern kernel's buffer) dies in
+    the pointwise kernel that reads it where it writes, so the wrapper writes the result into it
+    (``decide_inplace_update``, a ``# reuse`` line): the plan holds one (64, 32) float32 buffer,
+    where estimate_peak_memory's lifetimes alone would hold two."""
+    plans = InductorPlans("cpu")
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w: torch.relu(x @ w) * 2, backend=plans.backend())
+    with torch.no_grad():
+        f(torch.randn(64, 16), torch.randn(16, 32))
+    (plan,) = plans.graphs
+    assert plan.kind == "inference" and plan.kernels == 2, plan
+    assert plan.peak() == 64 * 32 * 4, plan.buffers
+    assert sorted(a for a, _, _, _ in plan.buffers) == [0, 64 * 32 * 4], plan.buffers

@@ -140,6 +140,23 @@ def plan_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kind: st
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
     from torch.utils._ordered_set import OrderedSet
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():   # the run's modes (its tracker) never see the plan's own fake tensors
+        return _plan_graph(gm, example_inputs, kind, device, capability)
+
+
+def _plan_graph(gm, example_inputs, kind, device, capability) -> GraphPlan:
+    from torch._inductor import config, memory
+    from torch._inductor.compile_fx import _recursive_post_grad_passes, _recursive_record_original_output_strides
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.utils import is_nonfreeable_buffers
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from torch.utils._ordered_set import OrderedSet
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
@@ -171,14 +188,89 @@ def plan_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kind: st
                 graph._update_scheduler()
                 nodes = graph.scheduler.nodes
                 outputs = OrderedSet(graph.get_output_names())
-                freeable = memory.get_freeable_input_buf(nodes, OrderedSet(graph.graph_inputs.keys()))
+                # the tangents too: estimate_peak_memory holds them (utils.is_nonfreeable_buffers), but
+                # the wrapper frees them after their last reader (its ``del tangents_N``) and autograd
+                # holds no other reference to a gradient it hands over
+                held = lambda dep: not dep.name.startswith("tangents") and is_nonfreeable_buffers(dep)  # noqa: E731
+                with mock.patch.object(memory, "is_nonfreeable_buffers", held):
+                    freeable = memory.get_freeable_input_buf(nodes, OrderedSet(graph.graph_inputs.keys()))
                 memory.prepare_planning_info(nodes, graph.scheduler.name_to_buf, graph.scheduler.name_to_fused_node,
                                              OrderedSet(graph.graph_inputs.keys()), outputs)
                 infos, _, _ = memory.compute_memory_timeline(nodes, freeable, outputs)
+                sizes = {b.buffer.get_name(): [b.size_alloc, b.size_free] for b in infos
+                         if not isinstance(b.buffer, memory.FreeableInputBuffer)}
+                for into, out in inplace_updates(graph, nodes):
+                    if into in sizes and out in sizes:   # the output takes the input's storage: neither allocates nor frees
+                        sizes[out] = [0, sizes[into][1]]
+                        sizes[into][1] = 0
     inputs_first = sorted(infos, key=lambda b: not isinstance(b.buffer, memory.FreeableInputBuffer))
     return GraphPlan(kind, device, len(nodes), ops,
-                     tuple((b.size_alloc, b.size_free, b.start_step, b.end_step) for b in inputs_first),
+                     tuple((*sizes.get(b.buffer.get_name(), (b.size_alloc, b.size_free)), b.start_step, b.end_step)
+                           for b in inputs_first),
                      sum(isinstance(b.buffer, memory.FreeableInputBuffer) for b in infos))
+
+
+def inplace_updates(graph: Any, nodes: Sequence[Any]) -> list[tuple[str, str]]:
+    """(input, output) buffer pairs whose kernel writes the output into the input's storage, in the
+    kernels' order: ``SchedulerNode.decide_inplace_update``'s conditions (torch/_inductor/scheduler.py),
+    which the wrapper then codegens as a ``ReuseLine`` (``codegen_inplace_reuse``): with
+    ``config.inplace_buffers`` on a backend that has ``BackendFeature.INPLACE_BUFFERS``, a pointwise
+    node's output (allocated by it, aliasing nothing, mutating nothing) takes an input buffer made by a
+    kernel of this graph (``wrapper.can_reuse``: not a graph input, not removed, not taken already)
+    whose one remaining use is this node, reading it where it writes (``NodeUser.can_inplace``), the
+    same device, dtype and storage size (``wrapper.can_match_buffer_size``), read at one index inside
+    the fused kernel. ``estimate_peak_memory``'s lifetimes leave this out: both buffers live at that
+    kernel there."""
+    from torch._inductor import config, ir
+    from torch._inductor.codegen.common import BackendFeature
+    from torch._inductor.codegen.wrapper import can_match_buffer_size
+    from torch._inductor.scheduler import NopKernelSchedulerNode, SchedulerNode
+
+    if not config.inplace_buffers:
+        return []
+    sched = graph.scheduler
+    step = {sub.get_name(): i for i, n in enumerate(nodes) for sub in n.get_nodes()}
+    never = (graph.removed_buffers | graph.constants.keys() | graph.never_reuse_buffers
+             | graph.never_reuse_but_free_buffers | getattr(graph, "torchbind_constants", {}).keys())
+    taken: set[str] = set()
+    pairs = []
+
+    def one_index(buf, fused) -> bool:   # decide_inplace_update's single_index_in_fused_node
+        deps = set()
+        for user in buf.users:
+            if user.node.get_name() in sched.name_to_fused_node and sched.get_fused_node(user.node) is fused:
+                deps |= {d for d in user.node.read_writes.reads_and_writes() if d.name == buf.get_name()}
+                if len(deps) > 1:
+                    return False
+        return True
+
+    for i, kernel in enumerate(nodes):
+        for sub in kernel.get_nodes():
+            if not isinstance(sub, SchedulerNode) or not graph.has_feature(sub.get_device(), BackendFeature.INPLACE_BUFFERS):
+                continue
+            for buf in sub.get_outputs():
+                node = buf.node
+                if (not node.should_allocate() or node.get_inputs_that_alias_output() or node.get_mutation_names()
+                        or buf.get_name() in graph.removed_buffers):
+                    continue
+                for read in sub.read_writes.reads:
+                    src = sched.name_to_buf.get(read.name)
+                    if (src is None or src.node is None or read.name in never or read.name in taken
+                            or read.name in graph.graph_inputs or isinstance(src.defining_op, NopKernelSchedulerNode)):
+                        continue
+                    left = [u for u in src.users if u.node.get_name() not in sub.ancestors
+                            and step.get(u.node.get_name(), len(nodes)) >= i]
+                    layout = src.node.get_output_spec()
+                    if (len(left) == 1 and left[0].can_inplace and left[0].node is sub
+                            and not isinstance(layout, (ir.NoneLayout, ir.MultiOutputLayout, ir.MutationLayoutSHOULDREMOVE))
+                            and not (src.defining_op is not None
+                                     and isinstance(src.defining_op.node, (ir.FallbackKernel, ir.MultiOutput))
+                                     and src.node.get_inputs_that_alias_output())
+                            and can_match_buffer_size(src.node, node) and one_index(src, sched.get_fused_node(sub))):
+                        taken.add(read.name)
+                        pairs.append((read.name, buf.get_name()))
+                        break
+    return pairs
 
 
 @dataclass
@@ -192,9 +284,16 @@ class InductorPlans:
     calls: list[tuple[int, int, int]] = field(default_factory=list)
 
     def backend(self) -> Callable:
-        """``torch.compile``'s backend: inductor's ``compile_fx``, its code generation replaced."""
+        """``torch.compile``'s backend: inductor's ``compile_fx``, its code generation replaced, and
+        AOTAutograd's cache off for it (``functorch.config.enable_autograd_cache``): its key leaves
+        ``inner_compile`` out, so a graph that real inductor compiled before (in this process or
+        on this disk) would come back as inductor's code, never planned."""
         from torch._inductor.compile_fx import compile_fx
-        return functools.partial(compile_fx, inner_compile=self._inner)
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                return compile_fx(gm, example_inputs, inner_compile=self._inner)
+        return backend
 
     def _inner(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs) -> Callable:
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
