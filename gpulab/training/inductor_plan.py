@@ -12,11 +12,20 @@ replaces its last stage, ``inner_compile`` (``compile_fx_inner``: code generatio
   buffers' lifetimes in that order, as ``torch._inductor.memory.compute_memory_timeline`` reads
   them for ``estimate_peak_memory``: what a fused kernel computes inside is never allocated, each
   buffer lives from its kernel to its last reader, a graph output is never freed, and a graph input
-  that is not a parameter or a tangent (``utils.is_nonfreeable_buffers``: the backward's saved
-  activations) is counted from the start and freed after its last reader;
+  that is not a parameter (``utils.is_nonfreeable_buffers``: the backward's saved activations) is
+  counted from the start and freed after its last reader. Two things the wrapper does that those
+  lifetimes leave out are added: a kernel that writes its output into an input dying there
+  (``inplace_updates``: ``SchedulerNode.decide_inplace_update``, the wrapper's ``# reuse`` line)
+  allocates nothing, and the tangents are freed after their last reader too (the wrapper's
+  ``del tangents_N``; ``is_nonfreeable_buffers`` keeps them). The lowering runs with the run's
+  dispatch modes off (its tracker would count the plan's own fake tensors), once per graph, when
+  the plan is first read (``InductorPlans.plan``): an answer that never reads it pays nothing;
 * **the run**: the same partitioned graph run op by op (as the ``aot_eager`` backends run theirs)
   under the tracker, each call's window on the timeline kept (``InductorPlans.calls``). Every
   intermediate is allocated there, so the run's peak is an upper bound of inductor's.
+
+AOTAutograd's cache is off for this backend: its key leaves ``inner_compile`` out, so graphs real
+inductor compiled before would come back as inductor's code and never be planned.
 
 ``planned_peak`` puts them together: the tracker's timeline outside the compiled calls (parameters,
 gradients, optimizer state, the saved activations between the graphs, the eager loss, the
@@ -282,6 +291,7 @@ class InductorPlans:
     mark: Callable[[], int] = lambda: 0       # the tracker's event count (RunContext.mark)
     graphs: list[GraphPlan] = field(default_factory=list)
     calls: list[tuple[int, int, int]] = field(default_factory=list)
+    _pending: list[Callable[[], GraphPlan]] = field(default_factory=list, repr=False)
 
     def backend(self) -> Callable:
         """``torch.compile``'s backend: inductor's ``compile_fx``, its code generation replaced, and
@@ -297,8 +307,15 @@ class InductorPlans:
 
     def _inner(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs) -> Callable:
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
-        index = len(self.graphs)
-        self.graphs.append(plan_graph(gm, example_inputs, kind, self.device, self.capability))
+        index = len(self._pending)
+        # planned when first read (``plan``): a run whose answer never reads it (fit's searches) pays
+        # nothing for lowering; the tracing context AOTAutograd compiled it in is entered again then
+        context = torch._guards.TracingContext.try_get()
+
+        def lower() -> GraphPlan:
+            with torch._guards.tracing(context) if context is not None else contextlib.nullcontext():
+                return plan_graph(gm, example_inputs, kind, self.device, self.capability)
+        self._pending.append(lower)
         from torch._functorch.aot_autograd import make_boxed_func
         run = make_boxed_func(gm.forward)
 
@@ -310,10 +327,16 @@ class InductorPlans:
         call._boxed_call = True
         return call
 
+    def plan(self) -> list[GraphPlan]:
+        """Each compiled graph's plan (``graphs``), lowered now for those not yet lowered."""
+        while len(self.graphs) < len(self._pending):
+            self.graphs.append(self._pending[len(self.graphs)]())
+        return self.graphs
+
     def as_dict(self, rounded: bool) -> dict[str, Any]:
         return {"device": self.device, "graphs": [
             {"kind": p.kind, "ops": p.ops, "kernels": p.kernels, "peak_bytes": p.peak(rounded),
-             "input_bytes": p.input_bytes(rounded), "output_bytes": p.output_bytes(rounded)} for p in self.graphs]}
+             "input_bytes": p.input_bytes(rounded), "output_bytes": p.output_bytes(rounded)} for p in self.plan()]}
 
 
 def planned_peak(events: Sequence[Any], totals: Sequence[int], plans: InductorPlans, rounded: bool,
@@ -321,9 +344,10 @@ def planned_peak(events: Sequence[Any], totals: Sequence[int], plans: InductorPl
     """The peak of live bytes over the tracker's events whose index is in [start, end) (``events``
     with ``totals``, the live bytes after each), each compiled call's window replaced by its plan:
     the live bytes before the call, less the inputs the plan frees, plus the plan's peak."""
-    windows = [(a, b, plans.graphs[g]) for g, a, b in plans.calls if a >= start and (end is None or b <= end)]
+    graphs = plans.plan()
+    windows = [(a, b, graphs[g]) for g, a, b in plans.calls if a >= start and (end is None or b <= end)]
     inside = lambda i: any(a <= i < b for a, b, _ in windows)
-    best, before = 0, {}
+    best = 0
     for e, live in zip(events, totals):
         if e.index < start or (end is not None and e.index >= end):
             continue
