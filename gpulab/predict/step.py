@@ -129,8 +129,8 @@ def _compiled_answer(m: Measurement) -> dict[str, Any] | None:
     plans = m.value["inductor"]
     where = "CUDA" if plans.device == "cuda" else plans.device.upper()
     return {"inductor_step_peaks": peaks, "inductor_peak_bytes": max(peaks), "bound_bytes": m.peak_bytes,
-            "label": f"inductor's plan (its graphs lowered and scheduled for {where}, no code generated: "
-                     f"torch._inductor.memory's buffer lifetimes)",
+            "label": f"inductor's plan, the answer for torch.compile (its graphs lowered and scheduled for {where}, "
+                     f"no code generated: its fused kernels' buffers, in-place reuses and frees)",
             "bound_label": "the same graphs run op by op (every intermediate allocated): the upper bound",
             **plans.as_dict(m.tracking.rounded)}
 
