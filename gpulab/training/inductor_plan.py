@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -140,15 +139,6 @@ def plan_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kind: st
                capability: tuple[int, int] = (8, 0)) -> GraphPlan:
     """Lower and schedule ``gm`` (an AOTAutograd graph, as ``inner_compile`` receives it) for
     ``device`` ("cuda" or "cpu") on fake tensors of the inputs' shapes, and read its buffers."""
-    from torch._inductor import config, memory
-    from torch._inductor.compile_fx import _recursive_post_grad_passes, _recursive_record_original_output_strides
-    from torch._inductor.debug import DebugContext
-    from torch._inductor.fx_passes.post_grad import view_to_reshape
-    from torch._inductor.graph import GraphLowering
-    from torch._inductor.virtualized import V
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-    from torch.utils._ordered_set import OrderedSet
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():   # the run's modes (its tracker) never see the plan's own fake tensors
@@ -223,7 +213,7 @@ def inplace_updates(graph: Any, nodes: Sequence[Any]) -> list[tuple[str, str]]:
     """(input, output) buffer pairs whose kernel writes the output into the input's storage, in the
     kernels' order: ``SchedulerNode.decide_inplace_update``'s conditions (torch/_inductor/scheduler.py),
     which the wrapper then codegens as a ``ReuseLine`` (``codegen_inplace_reuse``): with
-    ``config.inplace_buffers`` on a backend that has ``BackendFeature.INPLACE_BUFFERS``, a pointwise
+    ``config.inplace_buffers`` on a backend that has ``BackendFeature.INPLACE_BUFFERS``, a scheduler
     node's output (allocated by it, aliasing nothing, mutating nothing) takes an input buffer made by a
     kernel of this graph (``wrapper.can_reuse``: not a graph input, not removed, not taken already)
     whose one remaining use is this node, reading it where it writes (``NodeUser.can_inplace``), the
