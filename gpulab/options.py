@@ -192,16 +192,12 @@ def check_ep_options(ep: int) -> None:
 
 
 def check_cp_ep_options(cp: int, ep: int, tp: int, pp: int = 1) -> None:
-    """The context- and expert-parallel degrees, and the combinations measured: cp with tp; ep with pp
-    (each stage's experts split) but not with tp or cp (the experts' own tensor-parallel plan is not
-    measured); cp not with pp yet."""
+    """The context- and expert-parallel degrees, each a whole number of ranks. Every combination of
+    them with tp and pp is measured, as torchtitan runs it: ep with tp (the experts whole on each rank,
+    torchtitan's default expert tensor-parallel degree 1: ``training.expert_parallel``), ep with cp
+    (each rank routes its sequence shard's tokens) and cp with pp (each stage's sequence shard)."""
     check_cp_options(cp)
     check_ep_options(ep)
-    if ep > 1 and (tp > 1 or cp > 1):
-        raise ValueError("--ep is measured on its own (experts split, the rest replicated): leave out --tp and --cp "
-                         "with it (the experts' tensor-parallel plan is not measured)")
-    if pp > 1 and cp > 1:
-        raise ValueError("--cp is not measured with --pp yet: give one of them (--ep does combine with --pp)")
 
 
 def check_pp_options(pp: int, microbatches: int | None = None, schedule: str = "1f1b", stage: int = 0,

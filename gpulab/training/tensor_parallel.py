@@ -105,8 +105,8 @@ def tensor_parallel(model: nn.Module, mesh: Any, sequence_parallel: bool = False
     names = [n for n, _ in base.named_modules()]
     layout: dict[str, Any] = {}
     for pattern, style in plan.items():
-        if _tied_embedding_entry(model.config, pattern, style):
-            continue
+        if _tied_embedding_entry(model.config, pattern, style) or style == "replicated_with_grad_allreduce":
+            continue   # (replicated: by _replicate_the_rest; the gradient's all-reduce allocates nothing more)
         if style not in styles:
             raise ValueError(f"tensor-parallel style {style!r} of {pattern} is not one gpulab measures ({', '.join(TP_STYLES)})")
         for name in fnmatch.filter(names, pattern):
