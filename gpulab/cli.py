@@ -182,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="spread the step over N GPUs (with --strategy): the answer is one GPU's, the batch per GPU")
     f.add_argument("--strategy", default=None, choices=("ddp", "zero1", "zero2", "zero3", "fsdp2"),
                    help="how N GPUs hold the model: ddp, DeepSpeed's zero1/zero2/zero3 (bf16/fp16 Adam), fsdp2")
+    f.add_argument("--dp-replicate", type=_positive_int, default=None, metavar="N",
+                   help="with --gpus: the mesh's replicas (torchtitan's data_parallel_replicate_degree; with "
+                        "--strategy fsdp2 and --dp-shard: HSDP, replicas of shards); gpus = dp_replicate x "
+                        "dp_shard x cp x tp x pp")
+    f.add_argument("--dp-shard", type=_positive_int, default=None, metavar="N",
+                   help="with --gpus: the ranks each replica's state is sharded over (torchtitan's "
+                        "data_parallel_shard_degree; fsdp2 or zero*); default: what --gpus and --strategy leave")
     f.add_argument("--offload-optimizer", action="store_true",
                    help="with --strategy zero*/fsdp2: the optimizer state lives in host memory")
     f.add_argument("--what-fits", type=_positive_int, nargs="?", const=1, default=None, metavar="BATCH",
