@@ -80,8 +80,9 @@ class Sharding:
     @property
     def expert_ranks(self) -> int:
         """The ranks the experts' own storages are split over: torchtitan's ``efsdp`` mesh,
-        ``dp_shard × cp × tp / ep`` (``gpus`` being ``dp_shard × cp``), at least 1."""
-        return max(1, self.gpus * self.tp // self.ep)
+        ``dp_shard × cp × tp / ep`` (``gpus`` being ``dp_shard × cp``), at least 1; without ep the
+        experts are split over tp like the rest (training.moe_parallel) and sharded over ``gpus``."""
+        return self.gpus if self.ep == 1 else max(1, self.gpus * self.tp // self.ep)
 
     def describe(self) -> str:
         off = ", optimizer state offloaded to the host" if self.offload_optimizer else ""
