@@ -194,3 +194,22 @@ def test_fsdp2_splits_ep_tp_experts_over_efsdp():
     experts = L * (E // 4) * 3 * H * F
     dense = sum(rec.nbytes for rec in t.records.values() if rec.category is Category.PARAMETERS) // 2 - experts
     assert 4 * (dense / 4 + experts / 2) <= sum(e.nbytes for e in state) <= 4 * (dense / 4 + experts / 2) + len(state)
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(model=transformers.DeepseekV2Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                              n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
+                                              vocab_size=256), tp=2, ep=2),
+     r"shared experts \(n_shared_experts = 2\).*not measured yet"),
+    (dict(tp=2, ep=2, seq_len=65), r"the rank.s 65 positions do not split 2 ways.*that 2 divides"),
+    (dict(model="hf:tiny-llama", tp=2, fp8="tensorwise"), r"fp8 with tp is not measured yet: .*Float8ColwiseParallel"),
+    (dict(model="hf:tiny-llama", tp=2, compile=True), r"leave out compile with tp; torch.compile of the DTensor program"),
+    (dict(model="hf:tiny-llama", pp=2, compile=True), r"leave out compile with pp \(torch.compile of a pipeline stage"),
+])
+def test_layouts_torchtitan_runs_that_are_refused_name_the_missing_piece(kw, words):
+    model = kw.pop("model", None) or _mixtral()
+    seq_len = kw.pop("seq_len", SEQ)
+    with pytest.raises(ValueError, match=words) as e:
+        gpulab.step(model, batch=2, seq_len=seq_len, optimizer="adamw", dtype="bf16", engine="fake", **kw)
+    assert "\n" not in str(e.value)

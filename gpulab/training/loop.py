@@ -93,7 +93,7 @@ from gpulab.training.fp8 import check_fp8, check_fp8_for, check_fp8_workload, fp
 from gpulab.training.optimizers import build_optimizer, check_implementation, check_optimizer, make_optimizer
 from gpulab.training.pipeline import check_pipeline, pipeline_stage, run_in_flight, stage_step
 from gpulab.training.routing import Routing, install_routing, is_moe, parse_routing
-from gpulab.training.moe_parallel import moe_blocks, moe_tensor_parallel, tp_ep_meshes
+from gpulab.training.moe_parallel import check_moe_tensor_parallel, moe_blocks, moe_tensor_parallel, tp_ep_meshes
 from gpulab.training.tensor_parallel import check_tensor_parallel, fake_world, tensor_parallel
 
 __all__ = ["AMP_DTYPES", "RECIPE_DEFAULTS", "ZERO_GRAD", "LoopRecipe", "loop_recipe", "step_experiment", "step_peaks", "train_experiment",
@@ -241,6 +241,8 @@ def check_recipe_for(r: LoopRecipe, w: Workload, dtype: torch.dtype | None = Non
         check_context_parallel(w, r.cp, r.tp, r.sequence_parallel)
     if r.ep > 1:
         check_expert_parallel(w.config, r.ep, r.routing)
+    if r.tp > 1 and w.kind == "tokens" and is_moe(w.config):
+        check_moe_tensor_parallel(w, r.tp, r.cp, r.ep)
     if r.chunked_loss and w.facts.task != "causal-lm":   # read once, when the model was resolved
         raise ValueError(f"chunked_loss splits a causal language model's head from its body; {w.name} is trained "
                          f"as a {w.facts.task}: leave chunked_loss out")

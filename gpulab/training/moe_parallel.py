@@ -41,7 +41,28 @@ from torch import nn
 
 from gpulab.training.routing import experts_modules
 
-__all__ = ["moe_blocks", "moe_tensor_parallel", "moe_tp_text", "tp_ep_meshes"]
+__all__ = ["check_moe_tensor_parallel", "moe_blocks", "moe_tensor_parallel", "moe_tp_text", "tp_ep_meshes"]
+
+_SHARED = ("n_shared_experts", "shared_expert_intermediate_size")   # DeepSeek's, Qwen2-MoE's shared experts
+
+
+def check_moe_tensor_parallel(w: Any, tp: int, cp: int, ep: int) -> None:
+    """ValueError, in one line, for a mixture of experts tp cannot lay out as the module docstring says:
+    shared experts (torchtitan splits them with ColwiseParallel / RowwiseParallel(output_layouts=Partial()),
+    their partial sum reduced with the routed experts': not measured yet), or, with ep, a rank's sequence
+    shard that tp does not split evenly (torchtitan's ReordererSequenceParallel: "Uneven split of tokens
+    is not supported yet")."""
+    c = w.config
+    shared = next((f for f in _SHARED if (getattr(c, f, None) or 0) > 0), None)
+    if shared:
+        raise ValueError(f"--tp {tp} on a mixture of experts with shared experts ({shared} = {getattr(c, shared)}): "
+                         f"their tensor-parallel layout (torchtitan's Colwise/RowwiseParallel with a partial output "
+                         f"summed with the routed experts') is not measured yet; leave out --tp (--ep alone answers)")
+    shard = (w.seq_len or 0) // cp
+    if ep > 1 and shard % tp:
+        raise ValueError(f"--ep {ep} with --tp {tp}: each tp rank dispatches 1/tp of its tokens (torchtitan's "
+                         f"ReordererSequenceParallel splits them evenly); the rank's {shard} positions do not split "
+                         f"{tp} ways: use a sequence length that {tp * cp} divides")
 
 
 def tp_ep_meshes(world: Any, tp: int, ep: int) -> tuple[Any, Any]:
@@ -81,6 +102,9 @@ def moe_tensor_parallel(net: nn.Module, tp_mesh: Any, ep_mesh: Any, sequence_par
     blocks = moe_blocks(net)
     tp = tp_mesh.size()
     for _, experts in blocks:
+        if experts.has_bias or experts.is_transposed or not experts.has_gate:
+            raise ValueError(f"--tp: {type(experts).__name__} is not the gated, untransposed, bias-free experts layout "
+                             f"gpulab splits (Mixtral's, Qwen3-MoE's): its tensor-parallel layout is not measured yet")
         for name, p in list(experts.named_parameters(recurse=False)):
             if ep_mesh is None:   # TensorParallel: gate/up (E, 2I, h) column-split, down (E, h, I) row-split
                 local = distribute_tensor(p.detach(), tp_mesh, [Shard(2 if name == "down_proj" else 1)])
