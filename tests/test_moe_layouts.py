@@ -213,3 +213,30 @@ def test_layouts_torchtitan_runs_that_are_refused_name_the_missing_piece(kw, wor
     with pytest.raises(ValueError, match=words) as e:
         gpulab.step(model, batch=2, seq_len=seq_len, optimizer="adamw", dtype="bf16", engine="fake", **kw)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.extended
+def test_qwen3_moe_under_tp_counted_by_hand():
+    """A tiny Qwen3-MoE (q_norm and k_norm replicated: its plan's replicated_with_grad_allreduce) under tp 2:
+    attention q, k, v, o split, experts' gate/up and down split (E × 3·h·f/tp), router and norms whole."""
+    h, f, d, kv = 64, 32, 16, 2
+    cfg = transformers.Qwen3MoeConfig(hidden_size=h, intermediate_size=128, moe_intermediate_size=f,
+                                      num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=kv, head_dim=d,
+                                      num_experts=E, num_experts_per_tok=K, vocab_size=V, max_position_embeddings=256)
+    r = gpulab.step(cfg, batch=2, seq_len=SEQ, optimizer="adamw", dtype="bf16", engine="fake", steps=1, tp=2)
+    layer = (2 * h * 4 * d + 2 * h * kv * d) // 2 + 2 * d + 2 * h + E * h + E * 3 * h * f // 2
+    base = L * layer + h + V * h // 2
+    assert _params(r)[0] in {2 * (base + V * h), 2 * (base + V * h // 2)}
+
+
+@pytest.mark.extended
+def test_llama_3_8b_cp_2_pp_2_stage_parameters():
+    """The full-size probe: Llama-3-8B, CP 2 × PP 2, stage 0 (embedding + 16 layers) at batch 1, seq 1024:
+    its parameters are the config's count (cp splits none), its input the sequence shard's token ids."""
+    c = hf_configs.make_config("llama-3-8b")
+    h, i, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    r = gpulab.step("hf:llama-3-8b", batch=1, seq_len=1024, optimizer="adamw", dtype="bf16", engine="fake", steps=1,
+                    cp=2, pp=2, pp_stage=0)
+    layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    assert _params(r)[0] == 2 * (c.vocab_size * h + c.num_hidden_layers // 2 * layer)
+    assert "cp 2 × tp 1 × pp 2" in r.mesh and "512 tokens" in r.measurement.label
