@@ -401,7 +401,9 @@ class Layout:
         """The mesh in words: "mesh dp_replicate 1 × dp_shard 8 × cp 1 × tp 1 × pp 1 (ep 8 from dp_shard × cp)"."""
         dims = " × ".join(f"{k} {v}" for k, v in self.mesh_dims.items() if k != "ep")
         borrowed = f" (ep {self.ep} from dp_shard × cp{' × tp' if self.tp > 1 else ''})" if self.ep > 1 else ""
-        spread = "" if self.gpus is not None or self.dp == 1 else "; no strategy: the dp ranks hold replicas"
+        # without gpus (one rank's step) dp_shard is only the least that ep borrows from (_mesh_dp)
+        spread = ("" if self.gpus is not None or self.dp == 1 else
+                  "; one rank: dp_shard the least the ep group borrows, give gpus for the whole mesh")
         return f"mesh {dims}{borrowed}{spread}"
 
     @property
