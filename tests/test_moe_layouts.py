@@ -80,12 +80,13 @@ def test_moe_under_tp_holds_what_the_config_gives(tp, ep):
 def test_ep_with_tp_dispatches_a_tp_share_of_the_tokens():
     """EP 4 × TP 2 (etp 1): each tp rank dispatches (b·s/tp)·k rows (ReordererSequenceParallel) and its 2
     experts receive balanced ep·(b·s/tp)·k/E rows each; every MoE block's partial output, and attention's,
-    is all-reduced over tp (b, s, h) once a layer."""
+    is all-reduced over tp (b, s, h) once a layer (and the vocabulary-parallel embedding's output once)."""
     r = _step(tp=2, ep=4)
     mine = 2 * SEQ // 2
     rows = 4 * mine * K // E * (E // 4)
     assert rows == mine * K   # balanced: the dispatch receives as many rows as it sends
-    assert _collectives(r) == Counter({("all_to_all_single", (rows, H)): 2 * L, ("all_reduce", (2, SEQ, H)): 2 * L})
+    # all-reduced over tp: each layer's attention and MoE block, and the vocabulary-parallel embedding's rows
+    assert _collectives(r) == Counter({("all_to_all_single", (rows, H)): 2 * L, ("all_reduce", (2, SEQ, H)): 2 * L + 1})
     note = r.recipe["expert_parallel"]
     assert (note["tokens"], note["rows_received"], note["dispatch_send"]) == (mine, rows, mine * K * H * 2)
 
