@@ -144,6 +144,45 @@ def _model_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--json", action="store_true", help=_JSON_HELP)
 
 
+def _plan_options(f: argparse.ArgumentParser) -> None:
+    """fit's answers beside the largest batch: what fits, the fastest plan, the predicted time."""
+    f.add_argument("--what-fits", type=_positive_int, nargs="?", const=1, default=None, metavar="BATCH",
+                   help="also list the recipes that fit at BATCH (default 1), each confirmed by a fake run and "
+                        "ranked by predicted step time")
+    f.add_argument("--fastest", action="store_true",
+                   help="the fastest plan that fits: --what-fits's recipes (and the asked one) at its batch, "
+                        "by predicted step time")
+    f.add_argument("--no-time", action="store_true",
+                   help="leave out the predicted step time (a roofline per op on the card's datasheet speeds)")
+
+
+def _context_options(f: argparse.ArgumentParser) -> None:
+    """fit's CUDA context: given, or assumed for the module loading."""
+    f.add_argument("--context", default=None,
+                   help="memory the CUDA context takes outside PyTorch's allocator (default: assumed from "
+                        "--cuda-module-loading, with the published measurements it rests on)")
+    f.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
+                   help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
+                        "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
+
+
+def _mesh_options(f: argparse.ArgumentParser) -> None:
+    """fit's GPUs and how they hold the model: the mesh's data-parallel part (gpulab.options.Layout)."""
+    f.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
+                   help="spread the step over N GPUs (with --strategy): the answer is one GPU's, the batch per GPU")
+    f.add_argument("--strategy", default=None, choices=("ddp", "zero1", "zero2", "zero3", "fsdp2"),
+                   help="how N GPUs hold the model: ddp, DeepSpeed's zero1/zero2/zero3 (bf16/fp16 Adam), fsdp2")
+    f.add_argument("--dp-replicate", type=_positive_int, default=None, metavar="N",
+                   help="with --gpus: the mesh's replicas (torchtitan's data_parallel_replicate_degree; with "
+                        "--strategy fsdp2 and --dp-shard: HSDP, replicas of shards); gpus = dp_replicate x "
+                        "dp_shard x cp x tp x pp")
+    f.add_argument("--dp-shard", type=_positive_int, default=None, metavar="N",
+                   help="with --gpus: the ranks each replica's state is sharded over (torchtitan's "
+                        "data_parallel_shard_degree; fsdp2 or zero*); default: what --gpus and --strategy leave")
+    f.add_argument("--offload-optimizer", action="store_true",
+                   help="with --strategy zero*/fsdp2: the optimizer state lives in host memory")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; building and using it imports no torch (``gpulab.options``)."""
     p = _Parser(prog="gpulab", description="Where does GPU memory go? Measure it. "
@@ -178,26 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--gpu", required=True, help="a card (H100, A100-40GB, RTX4090, T4 ...) or a size (24GiB, 80GB)")
     f.add_argument("--optimizer", default="adam", choices=list(ALL_OPTIMIZERS))
     f.add_argument("--amp", default=None, choices=list(AMP_NAMES), help="run the forward under torch.autocast")
-    f.add_argument("--context", default=None,
-                   help="memory the CUDA context takes outside PyTorch's allocator (default: assumed from "
-                        "--cuda-module-loading, with the published measurements it rests on)")
-    f.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
-                   help="spread the step over N GPUs (with --strategy): the answer is one GPU's, the batch per GPU")
-    f.add_argument("--strategy", default=None, choices=("ddp", "zero1", "zero2", "zero3", "fsdp2"),
-                   help="how N GPUs hold the model: ddp, DeepSpeed's zero1/zero2/zero3 (bf16/fp16 Adam), fsdp2")
-    f.add_argument("--offload-optimizer", action="store_true",
-                   help="with --strategy zero*/fsdp2: the optimizer state lives in host memory")
-    f.add_argument("--what-fits", type=_positive_int, nargs="?", const=1, default=None, metavar="BATCH",
-                   help="also list the recipes that fit at BATCH (default 1), each confirmed by a fake run and "
-                        "ranked by predicted step time")
-    f.add_argument("--fastest", action="store_true",
-                   help="the fastest plan that fits: --what-fits's recipes (and the asked one) at its batch, "
-                        "by predicted step time")
-    f.add_argument("--no-time", action="store_true",
-                   help="leave out the predicted step time (a roofline per op on the card's datasheet speeds)")
-    f.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
-                   help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
-                        "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
+    _context_options(f)
+    _mesh_options(f)
+    _plan_options(f)
     _recipe_options(f)
     _quiet_option(f)
     v = sub.add_parser("serve", help="will a language model serve on a GPU: weights, KV cache, prefill and decode "

@@ -195,16 +195,12 @@ def check_ep_options(ep: int) -> None:
 
 
 def check_cp_ep_options(cp: int, ep: int, tp: int, pp: int = 1) -> None:
-    """The context- and expert-parallel degrees, and the combinations measured: cp with tp; ep with pp
-    (each stage's experts split) but not with tp or cp (the experts' own tensor-parallel plan is not
-    measured); cp not with pp yet."""
+    """The context- and expert-parallel degrees, each a whole number of ranks. Every combination of
+    them with tp and pp is measured, as torchtitan runs it: ep with tp (the experts whole on each rank,
+    torchtitan's default expert tensor-parallel degree 1: ``training.expert_parallel``), ep with cp
+    (each rank routes its sequence shard's tokens) and cp with pp (each stage's sequence shard)."""
     check_cp_options(cp)
     check_ep_options(ep)
-    if ep > 1 and (tp > 1 or cp > 1):
-        raise ValueError("--ep is measured on its own (experts split, the rest replicated): leave out --tp and --cp "
-                         "with it (the experts' tensor-parallel plan is not measured)")
-    if pp > 1 and cp > 1:
-        raise ValueError("--cp is not measured with --pp yet: give one of them (--ep does combine with --pp)")
 
 
 def check_pp_options(pp: int, microbatches: int | None = None, schedule: str = "1f1b", stage: int = 0,
@@ -410,7 +406,9 @@ class Layout:
         """The mesh in words: "mesh dp_replicate 1 × dp_shard 8 × cp 1 × tp 1 × pp 1 (ep 8 from dp_shard × cp)"."""
         dims = " × ".join(f"{k} {v}" for k, v in self.mesh_dims.items() if k != "ep")
         borrowed = f" (ep {self.ep} from dp_shard × cp{' × tp' if self.tp > 1 else ''})" if self.ep > 1 else ""
-        spread = "" if self.gpus is not None or self.dp == 1 else "; no strategy: the dp ranks hold replicas"
+        # without gpus (one rank's step) dp_shard is only the least that ep borrows from (_mesh_dp)
+        spread = ("" if self.gpus is not None or self.dp == 1 else
+                  "; one rank: dp_shard the least the ep group borrows, give gpus for the whole mesh")
         return f"mesh {dims}{borrowed}{spread}"
 
     @property
@@ -527,9 +525,13 @@ def check_step_options(r: Any, fp16_autocast: bool) -> None:
 def check_together(recipe: Any, layout: Any) -> None:
     """What a recipe cannot do in a layout: FP8, LoRA, a quantized base, compile or offloading with
     tensor parallelism, and what a pipeline stage runs itself (its micro-batches)."""
-    if recipe.fp8 and (recipe.lora or recipe.quantize or layout.tp > 1):
+    if recipe.fp8 and (recipe.lora or recipe.quantize):
         raise ValueError("fp8 converts the model's own linear layers to torchao's Float8Linear: leave out lora, "
                          "quantize and tp with fp8 (their layers are not plain nn.Linear)")
+    if recipe.fp8 and layout.tp > 1:   # torchtitan runs it: apply_tp(enable_float8_tensorwise_tp=...)
+        raise ValueError("fp8 with tp is not measured yet: torchao's float8 tensor-parallel styles (Float8ColwiseParallel, "
+                         "Float8RowwiseParallel, PrepareFloat8ModuleInput, as torchtitan applies them) are the missing "
+                         "piece; leave out tp or fp8")
     if layout.pp > 1:
         clash = [name for name, on in (("accumulate", recipe.accumulate > 1), ("lora", recipe.lora),
                                        ("quantize", recipe.quantize), ("compile", recipe.compile),
@@ -538,11 +540,19 @@ def check_together(recipe: Any, layout: Any) -> None:
                                        ("optimizer_in_backward", recipe.optimizer_in_backward),
                                        ("grad_scaler", recipe.grad_scaler)) if on]
         if clash:
+            missing = {"accumulate": "a pipeline accumulates over its micro-batches: give --microbatches M instead",
+                       "compile": "torch.compile of a pipeline stage (torchtitan compiles each stage's blocks) is not "
+                                  "measured yet"}
+            why = "; ".join(missing[name] for name in clash if name in missing)
             raise ValueError(f"pipeline parallelism is measured on the model's own stages, micro-batches given by "
-                             f"--microbatches: leave out {', '.join(clash)} with pp")
+                             f"--microbatches: leave out {', '.join(clash)} with pp{f' ({why})' if why else ''}")
     if layout.tp > 1 and (recipe.lora or recipe.quantize or recipe.compile or recipe.offload_activations):
-        raise ValueError("tensor parallelism is measured on the model's own linear layers: leave out lora, quantize, "
-                         "compile and offload_activations with tp")
+        clash = [name for name, on in (("lora", recipe.lora), ("quantize", recipe.quantize), ("compile", recipe.compile),
+                                       ("offload_activations", recipe.offload_activations)) if on]
+        why = ("; torch.compile of the DTensor program (torchtitan compiles each block after TP) is not measured yet"
+               if recipe.compile else "")
+        raise ValueError(f"tensor parallelism is measured on the model's own linear layers: leave out "
+                         f"{', '.join(clash)} with tp{why}")
 
 
 _RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(Recipe))

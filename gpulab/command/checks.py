@@ -36,7 +36,8 @@ def settings(args: argparse.Namespace) -> tuple[Recipe, Layout]:
     (``options.settings_from``): ``step`` and ``fit`` get them whole."""
     flat = {**recipe_keywords(args), "optimizer": args.optimizer, "dtype": args.dtype, "amp": args.amp,
             "pp_stage": args.pp_stage, "gpus": getattr(args, "gpus", None), "strategy": getattr(args, "strategy", None),
-            "offload_optimizer": getattr(args, "offload_optimizer", False)}
+            "offload_optimizer": getattr(args, "offload_optimizer", False),
+            "dp_replicate": getattr(args, "dp_replicate", None), "dp_shard": getattr(args, "dp_shard", None)}
     return settings_from(None, None, flat)
 
 

@@ -347,10 +347,13 @@ def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, 
     from dataclasses import replace
 
     from gpulab.training.expert_parallel import expert_parameter_shapes, expert_rank_model
-    sh = replace(sh, ep=recipe.ep)
+    sh = replace(sh, ep=recipe.ep, tp=recipe.tp)
     with torch.device("meta"):   # the rank's own model: E/ep experts a layer under ep
         net = w.build(torch.device("meta"), dt) if recipe.ep == 1 else expert_rank_model(w, recipe, dt)
         layers, experts = S.count_layers(net), expert_parameter_shapes(net)
+    if recipe.ep > 1 and recipe.tp > 1:   # the experts are DTensors (training.moe_parallel): the tracker files a
+        # storage a DTensor op makes (the optimizer's zeros_like of a parameter) under the DTensor's global shape
+        experts = experts | {(s[0] * recipe.ep, *s[1:]) for s in experts}
     elem = torch.empty((), dtype=dt).element_size()
 
     def one_rank(t: TrackingResult) -> TrackingResult:

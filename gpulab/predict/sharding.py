@@ -35,8 +35,9 @@ gradient partition) in host memory: off the GPU.
 
 With expert parallelism (``ep``: the run is rank 0's, holding E/ep experts a layer) the experts'
 parameters, gradients and optimizer state are split over the expert data-parallel group, N/ep
-ranks (torchtitan's ``dp_shard_mod_ep`` mesh for FSDP2; DeepSpeed-MoE's expert data-parallel
-group for ZeRO), the rest over all N: ``per_rank``'s ``experts``, the experts' parameter shapes.
+ranks, or with tensor parallelism N·tp/ep (ep borrows the tp ranks too: torchtitan's ``efsdp``
+mesh, ``dp_shard × cp × tp / ep``, for FSDP2; DeepSpeed-MoE's expert data-parallel group for ZeRO),
+the rest over all N: ``per_rank``'s ``experts``, the experts' parameter shapes.
 
 What only a GPU run adds is not here: NCCL's own buffers and communicator memory, the caching
 allocator's per-stream pools for FSDP2's all-gather and reduce-scatter streams, and DeepSpeed's
@@ -74,10 +75,19 @@ class Sharding:
     strategy: str
     offload_optimizer: bool = False
     ep: int = 1   # expert-parallel ranks among the gpus (module docstring)
+    tp: int = 1   # tensor-parallel ranks beside them, which ep borrows too (torchtitan's efsdp = dp_shard·cp·tp/ep)
+
+    @property
+    def expert_ranks(self) -> int:
+        """The ranks the experts' own storages are split over: torchtitan's ``efsdp`` mesh,
+        ``dp_shard × cp × tp / ep`` (``gpus`` being ``dp_shard × cp``), at least 1; without ep the
+        experts are split over tp like the rest (training.moe_parallel) and sharded over ``gpus``."""
+        return self.gpus if self.ep == 1 else max(1, self.gpus * self.tp // self.ep)
 
     def describe(self) -> str:
         off = ", optimizer state offloaded to the host" if self.offload_optimizer else ""
-        experts = (f"; the experts' own share over the expert data-parallel group of gpus/ep = {self.gpus // self.ep} "
+        group = "gpus/ep" if self.tp == 1 else f"gpus × tp / ep = {self.gpus} × {self.tp} / {self.ep}"
+        experts = (f"; the experts' own share over the expert data-parallel group of {group} = {self.expert_ranks} "
                    f"ranks" if self.ep > 1 and self.strategy != "ddp" else "")
         return f"{self.gpus} GPUs, {self.strategy} ({STRATEGIES[self.strategy]}){off}{experts}"
 
@@ -166,7 +176,7 @@ def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: 
     cats = {sid: r.category for sid, r in t.records.items()}
     stepped = {sid for sid, r in t.records.items()   # the optimizer step's temporaries: the shard's (docstring)
                if r.category is Category.TEMPORARIES and r.phase == "optimizer"} if s != "ddp" else set()
-    ranks = {sid: sharding.gpus // sharding.ep for sid, r in t.records.items() if tuple(r.shape) in experts}
+    ranks = {sid: sharding.expert_ranks for sid, r in t.records.items() if tuple(r.shape) in experts}
     state_bytes = sum(r.nbytes for r in t.records.values() if r.category is Category.OPTIMIZER_STATE)
     params = sum(r.nbytes for r in t.records.values() if r.category is Category.PARAMETERS)
     # DeepSpeed's fp32 state per parameter, in place of the run's own state storages (by their share)

@@ -115,7 +115,7 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
         w.name, batch, w.image_size or 0, opt, dtype_name(dt), steps, m, predicted, step_peaks=step_peaks(m),
         kind=w.kind, input_text=w.describe_input(batch), seq_len=w.seq_len, amp=amp_key,
         recipe=_layout_stated(m, w, recipe, batch, dt), answered_recipe=asked, answered_layout=layout,
-        time=_step_time(timers, speed, w, batch, recipe, m, steps)), gpu)
+        time=_step_time(timers, speed, w, batch, recipe, m, steps), mesh=_mesh_stated(m, layout)), gpu)
 
 
 def _check_steps(steps: Any) -> None:
@@ -165,6 +165,15 @@ def _routing_stated(m: Measurement, w: Workload, recipe) -> dict[str, Any]:
         m.label = f"{m.label}; {routing.label}"
         shown["routing"] = routing.text
     return shown
+
+
+def _mesh_stated(m: Measurement, layout: Layout) -> str:
+    """A parallel rank's mesh (torchtitan's ``ParallelDims`` names, ``Layout.mesh``: the smallest that
+    holds the rank, one GPU's step having no ``gpus``), in the label too; "" on one GPU."""
+    if not layout.parallel:
+        return ""
+    m.label = f"{m.label}; {layout.mesh}"
+    return layout.mesh
 
 
 def _layout_stated(m: Measurement, w: Workload, recipe, batch: int, dt: torch.dtype) -> dict[str, Any]:
@@ -271,6 +280,7 @@ class StepResult(Measured):
     answered_recipe: Recipe | None = None   # the Recipe and Layout this answer is for (gpulab.options)
     answered_layout: Layout | None = None
     time: StepTime | None = None   # ``time=``: the step's predicted time (``predict.timing``)
+    mesh: str = ""                 # a layout's mesh (Layout.mesh): dp_replicate × dp_shard × cp × tp × pp, ep
 
     def __post_init__(self) -> None:
         m = self.measurement
@@ -337,6 +347,8 @@ class StepResult(Measured):
                      peak_with_workspaces_bytes=self.peak_with_workspaces_bytes)
         if self.time is not None:
             d["time"] = self.time.as_dict()
+        if self.mesh:
+            d["mesh"] = self.mesh
         if m.offloaded is not None:   # activation offloading: the host copies' peak, apart
             d["offloaded_peak_bytes"] = m.offloaded.peak_bytes
         if m.paged is not None:       # a paged optimizer: its unified-memory state, apart

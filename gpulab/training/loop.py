@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -92,6 +93,7 @@ from gpulab.training.fp8 import check_fp8, check_fp8_for, check_fp8_workload, fp
 from gpulab.training.optimizers import build_optimizer, check_implementation, check_optimizer, make_optimizer
 from gpulab.training.pipeline import check_pipeline, pipeline_stage, run_in_flight, stage_step
 from gpulab.training.routing import Routing, install_routing, is_moe, parse_routing
+from gpulab.training.moe_parallel import check_moe_tensor_parallel, moe_blocks, moe_tensor_parallel, tp_ep_meshes
 from gpulab.training.tensor_parallel import check_tensor_parallel, fake_world, loss_parallel_context, tensor_parallel
 
 __all__ = ["AMP_DTYPES", "RECIPE_DEFAULTS", "ZERO_GRAD", "LoopRecipe", "loop_recipe", "step_experiment", "step_peaks", "train_experiment",
@@ -241,6 +243,8 @@ def check_recipe_for(r: LoopRecipe, w: Workload, dtype: torch.dtype | None = Non
         check_context_parallel(w, r.cp, r.tp, r.sequence_parallel)
     if r.ep > 1:
         check_expert_parallel(w.config, r.ep, r.routing)
+    if r.tp > 1 and w.kind == "tokens" and is_moe(w.config):
+        check_moe_tensor_parallel(w, r.tp, r.cp, r.ep)
     if r.chunked_loss and w.facts.task != "causal-lm":   # read once, when the model was resolved
         raise ValueError(f"chunked_loss splits a causal language model's head from its body; {w.name} is trained "
                          f"as a {w.facts.task}: leave chunked_loss out")
@@ -377,9 +381,20 @@ def _in_layout(r: LoopRecipe, ctx: RunContext, steps: Callable) -> dict[str, Any
     if ctx.engine != "fake":
         raise ValueError("tensor and expert parallelism are measured on the fake engine, in PyTorch's fake process group "
                          "(training.tensor_parallel): use engine='fake'")
-    with fake_world(r.tp * r.ep) as mesh, loss_parallel_context(r.loss_parallel):
-        return steps(ctx, lambda net: tensor_parallel(net, mesh, r.sequence_parallel, r.loss_parallel)
-                     if r.tp > 1 else net)
+    if r.tp == 1:   # expert parallelism alone: the world is the ep group
+        with fake_world(r.ep):
+            return steps(ctx, lambda net: net)
+    # rank 0 of a tp group and of an ep group
+    with fake_world(math.lcm(r.tp, r.ep)) as world, loss_parallel_context(r.loss_parallel):
+        tp_mesh, ep_mesh = tp_ep_meshes(world, r.tp, r.ep)
+
+        def parallel(net: torch.nn.Module) -> torch.nn.Module:
+            apply_tp = functools.partial(tensor_parallel, mesh=tp_mesh, sequence_parallel=r.sequence_parallel,
+                                         loss_parallel=r.loss_parallel)
+            if not moe_blocks(net):
+                return apply_tp(net)
+            return moe_tensor_parallel(net, tp_mesh, ep_mesh, r.sequence_parallel, apply_tp)
+        return steps(ctx, parallel)
 
 
 class _InBackward:
