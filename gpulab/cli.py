@@ -184,6 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how N GPUs hold the model: ddp, DeepSpeed's zero1/zero2/zero3 (bf16/fp16 Adam), fsdp2")
     f.add_argument("--offload-optimizer", action="store_true",
                    help="with --strategy zero*/fsdp2: the optimizer state lives in host memory")
+    f.add_argument("--param-dtype", default=None, choices=("bf16", "fp32", "fp16"),
+                   help="with --strategy fsdp2: MixedPrecisionPolicy(param_dtype): parameters all-gathered and "
+                        "computed in it, sharded master weights in --dtype (torchtitan: bf16 over fp32)")
+    f.add_argument("--reduce-dtype", default=None, choices=("fp32", "bf16", "fp16"),
+                   help="with --strategy fsdp2: MixedPrecisionPolicy(reduce_dtype): gradients reduce-scattered in "
+                        "it (torchtitan: fp32; default: the parameters' dtype)")
+    f.add_argument("--fp8-all-gather", action="store_true",
+                   help="with --fp8 tensorwise and --strategy fsdp2: weights all-gathered in float8, 1 byte each "
+                        "(torchao's enable_fsdp_float8_all_gather)")
     f.add_argument("--what-fits", type=_positive_int, nargs="?", const=1, default=None, metavar="BATCH",
                    help="also list the recipes that fit at BATCH (default 1), each confirmed by a fake run")
     f.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
@@ -297,8 +306,9 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpointing", nargs="?", const="full", default=False, type=_checkpointing, metavar="POLICY",
                    help="a transformers model's own activation checkpointing: full (the default: each block "
                         "recomputed in backward), selective (PyTorch's op-level selective activation "
-                        "checkpointing, SAC: matmul and attention outputs kept, the rest recomputed) or "
-                        "every-K (every K-th block, e.g. every-2)")
+                        "checkpointing, SAC: matmul and attention outputs kept, the rest recomputed), "
+                        "torchtitan-op (torchtitan's op-level SAC: its save list, every other matmul "
+                        "recomputed) or every-K (every K-th block, e.g. every-2)")
     p.add_argument("--lora", type=_positive_int, default=0, metavar="R",
                    help="LoRA adapters of rank R (peft) on a frozen base; only they train")
     p.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",

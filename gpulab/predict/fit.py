@@ -177,7 +177,8 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
         quant_compute_dtype: str = "input", routing: Any = None, tp: int = 1, sequence_parallel: bool = False,
         pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1,
         fp8: str | None = None, cp: int = 1, ep: int = 1, module_loading: str = "lazy",
-        gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False) -> FitResult:
+        gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False,
+        param_dtype: str | None = None, reduce_dtype: str | None = None, fp8_all_gather: bool = False) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
     a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring.
 
@@ -190,7 +191,10 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
     ``offload_optimizer`` keeping the optimizer state on the host. ``pp`` pipeline stages
     (``microbatches``, ``schedule``: ``training.pipeline``): the batch is the micro-batch, the answer
     the stage that binds, every stage that differs in ``ranks`` (``predict.pipeline_fit``). ``cp``,
-    ``ep``: rank 0 of a context- / expert-parallel group (``training.context_parallel``). The result
+    ``ep``: rank 0 of a context- / expert-parallel group (``training.context_parallel``). With fsdp2,
+    ``param_dtype`` / ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy``) run the step in ``param_dtype``
+    over sharded master weights in ``dtype``, and ``fp8_all_gather`` gathers float8 weights
+    (``predict.sharding``). The result
     carries the ``Recipe`` and ``Layout`` it answered (``answered_recipe``, ``answered_layout``)."""
     t0, place = time.perf_counter(), _place(gpu, context_bytes, module_loading)
     recipe, layout = settings_from(recipe, layout, locals())   # each checked once, then passed whole
@@ -207,8 +211,10 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
                             StageSearch(_search, _sharding, _check, usable_bytes))
     else:
         spread = None if layout.gpus is None else layout.sharded_over   # dp_shard × cp under fsdp2/zero*
-        sharding, shard = _sharding(w, loop, dt, spread, layout.strategy, layout.offload_optimizer)
-        result = _search(w, key, dt, loop, place._replace(sharding=sharding), shard, progress, t0)[0]
+        # FSDP2's MixedPrecisionPolicy: the step computes in param_dtype, the sharded master weights stay in dt
+        run_dt = parse_dtype(loop.param_dtype) if loop.param_dtype else dt
+        sharding, shard = _sharding(w, loop, run_dt, spread, layout.strategy, layout.offload_optimizer, master=dt)
+        result = _search(w, key, run_dt, loop, place._replace(sharding=sharding), shard, progress, t0)[0]
     result.answered_recipe, result.answered_layout = recipe, layout
     return _layout_stated(result, w, loop, dt, layout)
 
@@ -320,10 +326,13 @@ def _bisect(runs: dict[int, TrackingResult], run_check: Callable[[int], BatchChe
     return largest_fitting(3 if checks[1].fits else 2, fits, limit=MAX_BATCH)
 
 
-def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, offload_optimizer):
+def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, offload_optimizer,
+              master: torch.dtype | None = None):
     """(None, None) for one GPU; else the ``predict.sharding.Sharding`` and the function that turns
     a one-GPU run into one rank's. ``gpus``: the ranks the strategy spreads a rank's state over
-    (``Layout.sharded_over``: dp_shard × cp under fsdp2/zero*, torchtitan's fsdp mesh), None for one GPU."""
+    (``Layout.sharded_over``: dp_shard × cp under fsdp2/zero*, torchtitan's fsdp mesh), None for one GPU.
+    ``dt``: the dtype the run computes in; ``master``: the sharded parameters' (FSDP2's
+    ``MixedPrecisionPolicy``: the model's dtype, where the run's is ``param_dtype``)."""
     from gpulab.predict import sharding as S
     sh = S.check_sharding(gpus, strategy, offload_optimizer, recipe.optimizer, dt)
     if sh is None:
@@ -333,10 +342,10 @@ def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, 
     from dataclasses import replace
 
     from gpulab.training.expert_parallel import expert_parameter_shapes, expert_rank_model
-    sh = replace(sh, ep=recipe.ep)
+    sh = replace(sh, ep=recipe.ep, **S.precision_policy(recipe, dt, master or dt))
     with torch.device("meta"):   # the rank's own model: E/ep experts a layer under ep
         net = w.build(torch.device("meta"), dt) if recipe.ep == 1 else expert_rank_model(w, recipe, dt)
-        layers, experts = S.count_layers(net), expert_parameter_shapes(net)
+        layers, experts = S.count_layers(net, float8=recipe.fp8_all_gather), expert_parameter_shapes(net)
     elem = torch.empty((), dtype=dt).element_size()
 
     def one_rank(t: TrackingResult) -> TrackingResult:
