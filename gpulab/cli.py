@@ -178,21 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--context", default=None,
                    help="memory the CUDA context takes outside PyTorch's allocator (default: assumed from "
                         "--cuda-module-loading, with the published measurements it rests on)")
-    f.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
-                   help="spread the step over N GPUs (with --strategy): the answer is one GPU's, the batch per GPU")
-    f.add_argument("--strategy", default=None, choices=("ddp", "zero1", "zero2", "zero3", "fsdp2"),
-                   help="how N GPUs hold the model: ddp, DeepSpeed's zero1/zero2/zero3 (bf16/fp16 Adam), fsdp2")
-    f.add_argument("--offload-optimizer", action="store_true",
-                   help="with --strategy zero*/fsdp2: the optimizer state lives in host memory")
-    f.add_argument("--param-dtype", default=None, choices=("bf16", "fp32", "fp16"),
-                   help="with --strategy fsdp2: MixedPrecisionPolicy(param_dtype): parameters all-gathered and "
-                        "computed in it, sharded master weights in --dtype (torchtitan: bf16 over fp32)")
-    f.add_argument("--reduce-dtype", default=None, choices=("fp32", "bf16", "fp16"),
-                   help="with --strategy fsdp2: MixedPrecisionPolicy(reduce_dtype): gradients reduce-scattered in "
-                        "it (torchtitan: fp32; default: the parameters' dtype)")
-    f.add_argument("--fp8-all-gather", action="store_true",
-                   help="with --fp8 tensorwise and --strategy fsdp2: weights all-gathered in float8, 1 byte each "
-                        "(torchao's enable_fsdp_float8_all_gather)")
+    _data_parallel_options(f)
     f.add_argument("--what-fits", type=_positive_int, nargs="?", const=1, default=None, metavar="BATCH",
                    help="also list the recipes that fit at BATCH (default 1), each confirmed by a fake run")
     f.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
@@ -281,6 +267,25 @@ def env_info() -> dict[str, Any]:
 REPORT = "please report it with the command you ran"
 
 
+def _data_parallel_options(f: argparse.ArgumentParser) -> None:
+    """gpulab fit's data parallelism over GPUs, and FSDP2's MixedPrecisionPolicy and float8 all-gather."""
+    f.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
+                   help="spread the step over N GPUs (with --strategy): the answer is one GPU's, the batch per GPU")
+    f.add_argument("--strategy", default=None, choices=("ddp", "zero1", "zero2", "zero3", "fsdp2"),
+                   help="how N GPUs hold the model: ddp, DeepSpeed's zero1/zero2/zero3 (bf16/fp16 Adam), fsdp2")
+    f.add_argument("--offload-optimizer", action="store_true",
+                   help="with --strategy zero*/fsdp2: the optimizer state lives in host memory")
+    f.add_argument("--param-dtype", default=None, choices=("bf16", "fp32", "fp16"),
+                   help="with --strategy fsdp2: MixedPrecisionPolicy(param_dtype): parameters all-gathered and "
+                        "computed in it, sharded master weights in --dtype (torchtitan: bf16 over fp32)")
+    f.add_argument("--reduce-dtype", default=None, choices=("fp32", "bf16", "fp16"),
+                   help="with --strategy fsdp2: MixedPrecisionPolicy(reduce_dtype): gradients reduce-scattered in "
+                        "it (torchtitan: fp32; default: the parameters' dtype)")
+    f.add_argument("--fp8-all-gather", action="store_true",
+                   help="with --fp8 tensorwise and --strategy fsdp2: weights all-gathered in float8, 1 byte each "
+                        "(torchao's enable_fsdp_float8_all_gather)")
+
+
 def _recipe_options(p: argparse.ArgumentParser) -> None:
     """The training recipe's flags (gpulab.step / gpulab.fit's recipe arguments)."""
     p.add_argument("--accumulate", type=_positive_int, default=1, metavar="K",
@@ -304,11 +309,8 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-impl", default="default", choices=("default", "for-loop", "foreach", "fused"),
                    help="the optimizer's implementation (torch's default on the device, or one named)")
     p.add_argument("--checkpointing", nargs="?", const="full", default=False, type=_checkpointing, metavar="POLICY",
-                   help="a transformers model's own activation checkpointing: full (the default: each block "
-                        "recomputed in backward), selective (PyTorch's op-level selective activation "
-                        "checkpointing, SAC: matmul and attention outputs kept, the rest recomputed), "
-                        "torchtitan-op (torchtitan's op-level SAC: its save list, every other matmul "
-                        "recomputed) or every-K (every K-th block, e.g. every-2)")
+                   help=f"a transformers model's own activation checkpointing, full where no POLICY is given: "
+                        f"{POLICY_TEXT}")
     p.add_argument("--lora", type=_positive_int, default=0, metavar="R",
                    help="LoRA adapters of rank R (peft) on a frozen base; only they train")
     p.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",

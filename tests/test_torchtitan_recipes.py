@@ -179,7 +179,7 @@ def test_mixed_precision_policy_per_rank_against_a_hand_count():
     with torch.device("meta"):
         layers = S.count_layers(w.build(torch.device("meta"), torch.bfloat16))
     assert layers.total == total and layers.largest_unit == max(block, root)
-    sh = S.Sharding(4, "fsdp2", **S.precision_policy(loop, torch.bfloat16, torch.float32))
+    sh = S.Sharding(4, "fsdp2", **S.precision_policy(torch.bfloat16, torch.float32, torch.float32))
     assert (sh.master_elem, sh.reduce_elem, sh.run_dtype) == (4, 4, "bfloat16")
     t = S.per_rank(one, sh, layers, 2)
     n, unit = 4, layers.largest_unit
@@ -201,13 +201,14 @@ def test_float8_all_gather_gathers_one_byte_weights():
     """With the float8 all-gather a unit's converted weights are gathered at 1 byte an element, the
     rest (norms; the root's embedding and head, which stay in high precision) at the run's."""
     from gpulab.models.workload import resolve_workload
+    from gpulab.training.fp8 import float8_numel
     import transformers
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
     total, block, root = _llama_params(64, 256, 512, 2, 4, 4)
     w = resolve_workload(cfg, seq_len=16)
     with torch.device("meta"):
-        layers = S.count_layers(w.build(torch.device("meta"), torch.bfloat16), float8=True)
+        layers = S.count_layers(w.build(torch.device("meta"), torch.bfloat16), float8=float8_numel)
     linear = block - 2 * 256                  # a block's weights but its two norms
     assert layers.largest_unit == block > root
     assert layers.gathered_bytes(2, float8=True) == max(linear + 2 * 2 * 256, 2 * root)

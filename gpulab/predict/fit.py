@@ -342,10 +342,15 @@ def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, 
     from dataclasses import replace
 
     from gpulab.training.expert_parallel import expert_parameter_shapes, expert_rank_model
-    sh = replace(sh, ep=recipe.ep, **S.precision_policy(recipe, dt, master or dt))
+    from gpulab.training.fp8 import float8_numel
+    policy = recipe.param_dtype or recipe.reduce_dtype or recipe.fp8_all_gather   # fsdp2's (options.check_fsdp_policy)
+    reduce = parse_dtype(recipe.reduce_dtype) if recipe.reduce_dtype else None
+    sh = replace(sh, ep=recipe.ep, **(S.precision_policy(dt, master or dt, reduce, recipe.fp8_all_gather)
+                                      if policy else {}))
     with torch.device("meta"):   # the rank's own model: E/ep experts a layer under ep
         net = w.build(torch.device("meta"), dt) if recipe.ep == 1 else expert_rank_model(w, recipe, dt)
-        layers, experts = S.count_layers(net, float8=recipe.fp8_all_gather), expert_parameter_shapes(net)
+        layers = S.count_layers(net, float8=float8_numel if recipe.fp8_all_gather else None)
+        experts = expert_parameter_shapes(net)
     elem = torch.empty((), dtype=dt).element_size()
 
     def one_rank(t: TrackingResult) -> TrackingResult:

@@ -69,6 +69,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -122,23 +124,17 @@ class Sharding:
         return "; " + ", ".join(parts) if parts else ""
 
 
-def precision_policy(recipe, run: torch.dtype, master: torch.dtype) -> dict:
-    """The ``Sharding`` fields of FSDP2's MixedPrecisionPolicy and float8 all-gather that ``recipe``
-    asks for (``param_dtype``, ``reduce_dtype``, ``fp8_all_gather``), with the run computing in ``run``
-    over sharded parameters in ``master``: master bytes where they differ from the run's, and the
-    reduce-scatter's element size where it casts the gradients (which are in ``run``)."""
-    from gpulab.units import parse_dtype
-    out: dict = {}
-    if not (recipe.param_dtype or recipe.reduce_dtype or recipe.fp8_all_gather):
-        return out
-    elem = torch.empty((), dtype=run).element_size()
-    out["run_dtype"] = str(run).removeprefix("torch.")
-    m = torch.empty((), dtype=master).element_size()
-    if m != elem or master != run:
-        out["master_elem"] = m
-    if recipe.reduce_dtype and parse_dtype(recipe.reduce_dtype) != run:
-        out["reduce_elem"] = torch.empty((), dtype=parse_dtype(recipe.reduce_dtype)).element_size()
-    out["float8_all_gather"] = bool(recipe.fp8_all_gather)
+def precision_policy(run: torch.dtype, master: torch.dtype, reduce: torch.dtype | None,
+                     float8_all_gather: bool = False) -> dict:
+    """The ``Sharding`` fields of FSDP2's MixedPrecisionPolicy and float8 all-gather, the run computing
+    in ``run`` (``param_dtype``, else the model's) over sharded parameters in ``master`` (the model's
+    dtype), gradients reduced in ``reduce`` (None: in their own): master bytes where they differ from
+    the run's, and the reduce-scatter's element size where it casts the gradients (which are in ``run``)."""
+    out: dict = {"run_dtype": str(run).removeprefix("torch."), "float8_all_gather": bool(float8_all_gather)}
+    if master != run:
+        out["master_elem"] = torch.empty((), dtype=master).element_size()
+    if reduce is not None and reduce != run:
+        out["reduce_elem"] = torch.empty((), dtype=reduce).element_size()
     return out
 
 
@@ -186,9 +182,10 @@ class Layers:
         return max((n - f) * elem + f for n, f in self.units)
 
 
-def count_layers(model: nn.Module, float8: bool = False) -> Layers:
+def count_layers(model: nn.Module, float8: Callable[[nn.Module], int] | None = None) -> Layers:
     """DeepSpeed's ``model_to_params`` (shared parameters once) and FSDP2's units as gpulab wraps them;
-    with ``float8``, each unit's weights that ``training.fp8`` converts (``Layers.units``)."""
+    with ``float8`` (a module's float8 weights' elements: ``training.fp8.float8_numel``), each unit's
+    (``Layers.units``)."""
     seen: dict[int, int] = {}
     for p in model.parameters():
         seen.setdefault(id(p), p.numel())
@@ -197,21 +194,13 @@ def count_layers(model: nn.Module, float8: bool = False) -> Layers:
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     units = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
     if units is None:
-        return Layers(total, largest_layer, total, ((total, _float8_numel(model)),) if float8 else ())
+        return Layers(total, largest_layer, total, ((total, float8(model)),) if float8 else ())
     per_unit = [sum(p.numel() for p in u.parameters()) for u in units]
     shape = ()
     if float8:
-        f8 = [_float8_numel(u) for u in units]
-        shape = (*zip(per_unit, f8), (total - sum(per_unit), _float8_numel(model) - sum(f8)))
+        f8 = [float8(u) for u in units]
+        shape = (*zip(per_unit, f8), (total - sum(per_unit), float8(model) - sum(f8)))
     return Layers(total, largest_layer, max(max(per_unit), total - sum(per_unit)), tuple(shape))
-
-
-def _float8_numel(model: nn.Module) -> int:
-    """The elements of the weights ``training.fp8`` converts to float8 in ``model`` (its linear layers
-    but the output head, dims divisible by 16)."""
-    from gpulab.training.fp8 import fp8_layers
-    converted = fp8_layers(model)[0]
-    return sum(model.get_submodule(name).weight.numel() for name in converted)
 
 
 def _shard(nbytes: int, n: int) -> int:
