@@ -39,7 +39,8 @@ tracker's phase. Where lessons differ, the ``LoopRecipe`` says how:
   (``recipe_loss``);
 * ``checkpointing``: the model's own activation checkpointing (transformers' gradient checkpointing)
   under a policy (``models.adapt``): "full" (each block recomputed in backward from its saved
-  input), "selective" (matmul and attention outputs kept, the rest recomputed) or "every-K"; ``lora`` (a rank) and ``lora_targets``:
+  input), "selective" (matmul and attention outputs kept, the rest recomputed), "torchtitan-op"
+  (torchtitan's op-level SAC: every other matmul recomputed) or "every-K"; ``lora`` (a rank) and ``lora_targets``:
   peft's LoRA adapters on a frozen base, only they trained, ``lora_dropout`` on their inputs;
   ``lora_dtype``: the adapters in fp32 (peft's default) or in the model's dtype ("base", torchtune's);
   ``quantize``: the base's linear layers stored as bitsandbytes stores them, "nf4" (with LoRA:
@@ -53,6 +54,8 @@ tracker's phase. Where lessons differ, the ``LoopRecipe`` says how:
   whose dims do not divide by 16, as torchtitan) swapped for torchao's ``Float8Linear`` right after
   the model is built (``training.fp8``): each matmul casts its input and weight to float8 with
   their scales, and backward casts again;
+* ``param_dtype``, ``reduce_dtype``, ``fp8_all_gather``: FSDP2's settings, carried for
+  ``predict.sharding`` (the loop runs one GPU's step; ``gpulab.fit`` runs it in ``param_dtype``);
 * ``cp`` / ``ep``: one rank of a context-parallel group (its sequence shard: ``training.context_parallel``)
   or of an expert-parallel group (its experts, tokens dispatched by all-to-all on the fake process
   group: ``training.expert_parallel``);
