@@ -174,10 +174,10 @@ class LoopRecipe:
 def _loop_options() -> dict[str, Any]:
     """The recipe options gpulab.step, gpulab.fit and the CLI take, and their defaults: the fields of
     the public ``Recipe`` and ``Layout`` that the loop's recipe carries too, read off the dataclasses
-    (``optimizer`` and ``amp`` are named apart; ``dtype`` and the layout's GPUs are not the loop's), by name."""
+    (``optimizer`` and ``amp`` are named apart; ``dtype`` and the layout's GPUs are not the loop's), in
+    the dataclasses' order (the order an answer lists the options it changed in)."""
     loop = {f.name for f in dataclasses.fields(LoopRecipe)} - {"optimizer", "amp"}
-    fields = {f.name: f.default for cls in (Recipe, Layout) for f in dataclasses.fields(cls) if f.name in loop}
-    return dict(sorted(fields.items()))
+    return {f.name: f.default for cls in (Recipe, Layout) for f in dataclasses.fields(cls) if f.name in loop}
 
 
 RECIPE_DEFAULTS = _loop_options()
