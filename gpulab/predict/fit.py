@@ -126,6 +126,8 @@ class FitResult(CardBudget):
     ranks: list = field(default_factory=list)   # with pipeline stages: one pipeline_fit.StageFit per stage shape
     answered_recipe: Recipe | None = None   # the Recipe and Layout this answer is for (gpulab.options)
     answered_layout: Layout | None = None
+    time: Any = None                  # the step's predicted time at the answer (predict.plan_time.PlanTime)
+    time_note: str = ""               # why there is none
 
     @property
     def allocator_overhead_bytes(self) -> int:
@@ -144,7 +146,12 @@ class FitResult(CardBudget):
         return f"at least {self.largest_batch} (the search's limit)" if self.at_search_limit else str(self.largest_batch)
 
     def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        t, self.time = self.time, None   # a view of its own, not asdict's copy
+        try:
+            d = asdict(self)
+        finally:
+            self.time = t
+        d["time"] = None if t is None else t.as_dict()
         if not d["recipe"]:
             del d["recipe"]
         d.update(largest_batch_at_limit=self.at_search_limit, largest_batch_text=self.largest_batch_text)
@@ -178,7 +185,8 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
         pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1,
         fp8: str | None = None, cp: int = 1, ep: int = 1, module_loading: str = "lazy",
         gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False,
-        param_dtype: str | None = None, reduce_dtype: str | None = None, fp8_all_gather: bool = False) -> FitResult:
+        param_dtype: str | None = None, reduce_dtype: str | None = None, fp8_all_gather: bool = False,
+        predict_time: bool = True) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
     a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring.
 
@@ -194,8 +202,10 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
     ``ep``: rank 0 of a context- / expert-parallel group (``training.context_parallel``). With fsdp2,
     ``param_dtype`` / ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy``) run the step in ``param_dtype``
     over sharded master weights in ``dtype``, and ``fp8_all_gather`` gathers float8 weights
-    (``predict.sharding``). The result
-    carries the ``Recipe`` and ``Layout`` it answered (``answered_recipe``, ``answered_layout``)."""
+    (``predict.sharding``). The result carries the ``Recipe`` and ``Layout`` it answered
+    (``answered_recipe``, ``answered_layout``). ``predict_time``: the step's predicted time at the answer,
+    ``result.time`` (``predict.plan_time``), where the card has speed figures (else ``result.time_note``
+    says why not)."""
     t0, place = time.perf_counter(), _place(gpu, context_bytes, module_loading)
     recipe, layout = settings_from(recipe, layout, locals())   # each checked once, then passed whole
     if layout.pp_stage:
@@ -205,18 +215,21 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
     check_recipe_for(loop, w, dt)
     key = run_cache.workload_key(model, w, own_parts=inputs is not None or input_shape is not None or loss is not None)
+    # FSDP2's MixedPrecisionPolicy: the step computes in param_dtype, the sharded master weights stay in dt
+    run_dt = parse_dtype(loop.param_dtype) if loop.param_dtype else dt
     if loop.pp > 1:   # one search per pipeline stage that differs (predict.pipeline_fit)
         from gpulab.predict.pipeline_fit import StageSearch, fit_stages
         result = fit_stages(w, key, dt, loop, place, layout, progress, t0,
                             StageSearch(_search, _sharding, _check, usable_bytes))
     else:
         spread = None if layout.gpus is None else layout.sharded_over   # dp_shard × cp under fsdp2/zero*
-        # FSDP2's MixedPrecisionPolicy: the step computes in param_dtype, the sharded master weights stay in dt
-        run_dt = parse_dtype(loop.param_dtype) if loop.param_dtype else dt
         sharding, shard = _sharding(w, loop, run_dt, spread, layout.strategy, layout.offload_optimizer, master=dt)
         result = _search(w, key, run_dt, loop, place._replace(sharding=sharding), shard, progress, t0)[0]
     result.answered_recipe, result.answered_layout = recipe, layout
-    return _layout_stated(result, w, loop, dt, layout)
+    if predict_time:
+        from gpulab.predict.plan_time import time_of_fit
+        time_of_fit(result, w, run_dt, loop, layout, place.card, progress)
+    return _layout_stated(result, w, loop, run_dt, layout)
 
 
 def _layout_stated(result: FitResult, w: Workload, recipe: LoopRecipe, dt: torch.dtype, layout: Layout) -> FitResult:
