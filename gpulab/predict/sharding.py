@@ -40,7 +40,8 @@ gradients' own dtype too when no cast is asked; gpulab's plain fsdp2 count leave
 
 float8 with FSDP2's float8 all-gather (``Sharding.float8_all_gather``: torchao's
 ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``, tensorwise; torchtitan <= 0.2's
-``float8.enable_fsdp_float8_all_gather`` with ``precompute_float8_dynamic_scale_for_fsdp``):
+``float8.enable_fsdp_float8_all_gather`` with ``precompute_float8_dynamic_scale_for_fsdp``; 0.3.0's
+``Float8LinearConverter`` keeps only the rowwise recipes, without it):
 ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` casts each float8 layer's weight shard
 to float8 before the all-gather, so the gathered weights of those layers are 1 byte an element
 instead of ``param_dtype``'s (``Layers.units``: each unit's float8 weights); the gradients are
