@@ -348,11 +348,15 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
                         "capacity:F (each expert F times that, dropped or padded), worst (every token to the same k "
                         "experts) or router (the model's own experts kernel)")
     p.add_argument("--tp", type=_positive_int, default=1, metavar="N",
-                   help="tensor parallelism over N GPUs (the model's own transformers plan, on PyTorch's fake "
-                        "process group, fake tensors): the answer is one rank's; with --gpus, N divides it")
+                   help="tensor parallelism over N GPUs (torchtitan's layout: the blocks by the model's own "
+                        "transformers plan, the embedding and head split by vocabulary; PyTorch's fake process "
+                        "group, fake tensors): the answer is one rank's; with --gpus, N divides it")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: Megatron-style sequence parallelism (norms and the residual stream on a "
                         "sequence shard)")
+    p.add_argument("--loss-parallel", action="store_true",
+                   help="with --tp: the logits stay split by vocabulary and the cross-entropy is computed on "
+                        "them (torch.distributed.tensor.parallel.loss_parallel, as torchtitan does)")
     p.add_argument("--cp", type=_positive_int, default=1, metavar="N",
                    help="context parallelism over N ranks: the answer is one rank's sequence shard (seq_len/N), "
                         "ring attention's K/V buffers stated as a formula; 2N (with --sequence-parallel 2N x tp) "

@@ -204,27 +204,24 @@ def _gpulab_rank(layout: Layout, stage: int):
 
 
 # (id, torchtitan world and degrees, gpulab layout, stage, xfail reason or None)
-TP_EMBED = ("the embedding under TP: torchtitan splits it by vocabulary (Shard(0)) on every TP rank, its "
-            "gradient too; gpulab keeps the weight whole without SP and a full-vocabulary gradient with SP, "
-            "fixed on branch h-tpembed")
 CP_PP = "CP with PP: refused by gpulab today, fixed on branch h-layouts"
 FSDP4 = dict(world=4, dp_shard=4)
 MESHES = [
     ("fsdp4", FSDP4, Layout(gpus=4, strategy="fsdp2"), 0, None, True),
-    ("tp2", dict(world=2, tp=2), Layout(tp=2), 0, TP_EMBED, False),
-    ("tp2-sp", dict(world=2, tp=2, sp=True), Layout(tp=2, sequence_parallel=True), 0, TP_EMBED, False),
+    ("tp2", dict(world=2, tp=2), Layout(tp=2), 0, None, False),
+    ("tp2-sp", dict(world=2, tp=2, sp=True), Layout(tp=2, sequence_parallel=True), 0, None, False),
     ("pp2-stage0", dict(world=2, pp=2), Layout(pp=2), 0, None, False),
     ("pp2-stage1", dict(world=2, pp=2), Layout(pp=2), 1, None, False),
     ("cp2", dict(world=2, cp=2), Layout(gpus=2, strategy="fsdp2", cp=2), 0, None, False),
-    ("fsdp2-tp2", dict(world=4, dp_shard=2, tp=2), Layout(gpus=4, strategy="fsdp2", tp=2), 0, TP_EMBED, False),
+    ("fsdp2-tp2", dict(world=4, dp_shard=2, tp=2), Layout(gpus=4, strategy="fsdp2", tp=2), 0, None, False),
     ("fsdp2-tp2-sp", dict(world=4, dp_shard=2, tp=2, sp=True),
-     Layout(gpus=4, strategy="fsdp2", tp=2, sequence_parallel=True), 0, TP_EMBED, False),
+     Layout(gpus=4, strategy="fsdp2", tp=2, sequence_parallel=True), 0, None, False),
     ("fsdp2-cp2", dict(world=4, dp_shard=2, cp=2), Layout(gpus=4, strategy="fsdp2", cp=2), 0, None, False),
     ("fsdp2-pp2-stage0", dict(world=4, dp_shard=2, pp=2), Layout(gpus=4, strategy="fsdp2", pp=2), 0, None, False),
     ("fsdp2-pp2-stage1", dict(world=4, dp_shard=2, pp=2), Layout(gpus=4, strategy="fsdp2", pp=2), 1, None, False),
-    ("pp2-tp2-stage0", dict(world=4, tp=2, pp=2), Layout(pp=2, tp=2), 0, TP_EMBED, False),
+    ("pp2-tp2-stage0", dict(world=4, tp=2, pp=2), Layout(pp=2, tp=2), 0, None, False),
     ("pp2-tp2-stage1", dict(world=4, tp=2, pp=2), Layout(pp=2, tp=2), 1, None, False),
-    ("cp2-tp2", dict(world=4, cp=2, tp=2), Layout(gpus=4, strategy="fsdp2", cp=2, tp=2), 0, TP_EMBED, False),
+    ("cp2-tp2", dict(world=4, cp=2, tp=2), Layout(gpus=4, strategy="fsdp2", cp=2, tp=2), 0, None, False),
     ("cp2-pp2-stage0", dict(world=4, cp=2, pp=2), None, 0, CP_PP, False),
 ]
 

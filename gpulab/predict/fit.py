@@ -48,6 +48,7 @@ from gpulab.predict import layer_repeat, run_cache
 from gpulab.predict.progress import Progress, report
 from gpulab.predict.search import largest_fitting
 from gpulab.training.context_parallel import layout_notes
+from gpulab.training.tensor_parallel import tp_notes
 from gpulab.training.routing import is_moe, stated_routing
 from gpulab.categories import Category
 from gpulab.measure.tracking import TrackingResult
@@ -181,7 +182,7 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
         use_cache: bool | None = None, compile: bool = False, implementation: str = "default",
         checkpointing: bool | str = False, lora: int = 0, lora_targets: Sequence[str] | None = None,
         lora_dropout: float = 0.0, quantize: str | None = None, lora_dtype: str = "fp32", double_quant: bool = True,
-        quant_compute_dtype: str = "input", routing: Any = None, tp: int = 1, sequence_parallel: bool = False,
+        quant_compute_dtype: str = "input", routing: Any = None, tp: int = 1, sequence_parallel: bool = False, loss_parallel: bool = False,
         pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1,
         fp8: str | None = None, cp: int = 1, ep: int = 1, module_loading: str = "lazy",
         gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False,
@@ -239,7 +240,7 @@ def _layout_stated(result: FitResult, w: Workload, recipe: LoopRecipe, dt: torch
         result.mesh = layout.mesh
         result.label = f"{result.label}; {layout.mesh}"
     itemsize = torch.empty((), dtype=recipe.amp or dt).element_size()
-    for name, note in layout_notes(w, recipe, max(1, result.largest_batch), itemsize).items():
+    for name, note in {**tp_notes(recipe), **layout_notes(w, recipe, max(1, result.largest_batch), itemsize)}.items():
         result.label = f"{result.label}; {note['text']}"
         result.recipe = {**result.recipe, name: note}
     return result

@@ -24,6 +24,7 @@ from gpulab.models.workload import Workload, resolve_workload, step_failed
 from gpulab.training.loop import (changed_options, check_recipe_for, loop_recipe, recipe_workload, step_peaks,
                                   train_experiment)
 from gpulab.training.context_parallel import layout_notes
+from gpulab.training.tensor_parallel import tp_notes
 from gpulab.training.routing import Routing, is_moe, ran_routed, stated_routing
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
@@ -52,7 +53,8 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
          implementation: str = "default", checkpointing: bool | str = False, lora: int = 0,
          lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0, quantize: str | None = None,
          lora_dtype: str = "fp32", double_quant: bool = True, quant_compute_dtype: str = "input", gpu: Any = None,
-         routing: Any = None, tp: int = 1, sequence_parallel: bool = False, fp8: str | None = None,
+         routing: Any = None, tp: int = 1, sequence_parallel: bool = False, loss_parallel: bool = False,
+         fp8: str | None = None,
          pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b", pp_stage: int = 0,
          virtual_stages: int = 1, cp: int = 1, ep: int = 1, time: Any = False, **engine_limits) -> StepResult:
     """Track ``steps`` training steps of ``model``, by category, beside the formulas' prediction
@@ -170,7 +172,7 @@ def _layout_stated(m: Measurement, w: Workload, recipe, batch: int, dt: torch.dt
     (``training.context_parallel.layout_notes``), in the recipe shown and the label."""
     shown = _routing_stated(m, w, recipe)
     itemsize = torch.empty((), dtype=recipe.amp or dt).element_size()
-    for name, note in layout_notes(w, recipe, batch, itemsize).items():
+    for name, note in {**tp_notes(recipe), **layout_notes(w, recipe, batch, itemsize)}.items():
         shown[name] = note
         m.label = f"{m.label}; {note['text']}"
     return shown
