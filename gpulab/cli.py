@@ -219,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--amp", default=None, choices=list(AMP_NAMES), help="run the forward under torch.autocast")
     _context_options(f)
     _mesh_options(f)
+    _fsdp_policy_options(f)
     _plan_options(f)
     _recipe_options(f)
     _quiet_option(f)
@@ -305,6 +306,19 @@ def env_info() -> dict[str, Any]:
 REPORT = "please report it with the command you ran"
 
 
+def _fsdp_policy_options(f: argparse.ArgumentParser) -> None:
+    """gpulab fit's FSDP2 MixedPrecisionPolicy and float8 all-gather."""
+    f.add_argument("--param-dtype", default=None, choices=("bf16", "fp32", "fp16"),
+                   help="with --strategy fsdp2: MixedPrecisionPolicy(param_dtype): parameters all-gathered and "
+                        "computed in it, sharded master weights in --dtype (torchtitan: bf16 over fp32)")
+    f.add_argument("--reduce-dtype", default=None, choices=("fp32", "bf16", "fp16"),
+                   help="with --strategy fsdp2: MixedPrecisionPolicy(reduce_dtype): gradients reduce-scattered in "
+                        "it (torchtitan: fp32; default: the parameters' dtype)")
+    f.add_argument("--fp8-all-gather", action="store_true",
+                   help="with --fp8 tensorwise and --strategy fsdp2: weights all-gathered in float8, 1 byte each "
+                        "(torchao's enable_fsdp_float8_all_gather)")
+
+
 def _recipe_options(p: argparse.ArgumentParser) -> None:
     """The training recipe's flags (gpulab.step / gpulab.fit's recipe arguments)."""
     p.add_argument("--accumulate", type=_positive_int, default=1, metavar="K",
@@ -328,10 +342,8 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-impl", default="default", choices=("default", "for-loop", "foreach", "fused"),
                    help="the optimizer's implementation (torch's default on the device, or one named)")
     p.add_argument("--checkpointing", nargs="?", const="full", default=False, type=_checkpointing, metavar="POLICY",
-                   help="a transformers model's own activation checkpointing: full (the default: each block "
-                        "recomputed in backward), selective (PyTorch's op-level selective activation "
-                        "checkpointing, SAC: matmul and attention outputs kept, the rest recomputed) or "
-                        "every-K (every K-th block, e.g. every-2)")
+                   help=f"a transformers model's own activation checkpointing, full where no POLICY is given: "
+                        f"{POLICY_TEXT}")
     p.add_argument("--lora", type=_positive_int, default=0, metavar="R",
                    help="LoRA adapters of rank R (peft) on a frozen base; only they train")
     p.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
@@ -357,6 +369,12 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
                         "are routed: no assumption needed), else balanced; balanced (tokens*k/E rows per expert), "
                         "capacity:F (each expert F times that, dropped or padded), worst (every token to the same k "
                         "experts) or router (the model's own experts kernel)")
+    _parallel_options(p)
+
+
+
+def _parallel_options(p: argparse.ArgumentParser) -> None:
+    """The model-parallel flags (tensor, context, expert, pipeline) and fp8: gpulab.Layout's and the recipe's."""
     p.add_argument("--tp", type=_positive_int, default=1, metavar="N",
                    help="tensor parallelism over N GPUs (torchtitan's layout: the blocks by the model's own "
                         "transformers plan, the embedding and head split by vocabulary; PyTorch's fake process "

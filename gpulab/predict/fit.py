@@ -186,6 +186,7 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
         pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1,
         fp8: str | None = None, cp: int = 1, ep: int = 1, module_loading: str = "lazy",
         gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False,
+        param_dtype: str | None = None, reduce_dtype: str | None = None, fp8_all_gather: bool = False,
         predict_time: bool = True) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
     a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring.
@@ -199,10 +200,13 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
     ``offload_optimizer`` keeping the optimizer state on the host. ``pp`` pipeline stages
     (``microbatches``, ``schedule``: ``training.pipeline``): the batch is the micro-batch, the answer
     the stage that binds, every stage that differs in ``ranks`` (``predict.pipeline_fit``). ``cp``,
-    ``ep``: rank 0 of a context- / expert-parallel group (``training.context_parallel``). The result
-    carries the ``Recipe`` and ``Layout`` it answered (``answered_recipe``, ``answered_layout``).
-    ``predict_time``: the step's predicted time at the answer, ``result.time`` (``predict.plan_time``),
-    where the card has speed figures (else ``result.time_note`` says why not)."""
+    ``ep``: rank 0 of a context- / expert-parallel group (``training.context_parallel``). With fsdp2,
+    ``param_dtype`` / ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy``) run the step in ``param_dtype``
+    over sharded master weights in ``dtype``, and ``fp8_all_gather`` gathers float8 weights
+    (``predict.sharding``). The result carries the ``Recipe`` and ``Layout`` it answered
+    (``answered_recipe``, ``answered_layout``). ``predict_time``: the step's predicted time at the answer,
+    ``result.time`` (``predict.plan_time``), where the card has speed figures (else ``result.time_note``
+    says why not)."""
     t0, place = time.perf_counter(), _place(gpu, context_bytes, module_loading)
     recipe, layout = settings_from(recipe, layout, locals())   # each checked once, then passed whole
     if layout.pp_stage:
@@ -212,19 +216,21 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
     check_recipe_for(loop, w, dt)
     key = run_cache.workload_key(model, w, own_parts=inputs is not None or input_shape is not None or loss is not None)
+    # FSDP2's MixedPrecisionPolicy: the step computes in param_dtype, the sharded master weights stay in dt
+    run_dt = parse_dtype(loop.param_dtype) if loop.param_dtype else dt
     if loop.pp > 1:   # one search per pipeline stage that differs (predict.pipeline_fit)
         from gpulab.predict.pipeline_fit import StageSearch, fit_stages
         result = fit_stages(w, key, dt, loop, place, layout, progress, t0,
                             StageSearch(_search, _sharding, _check, usable_bytes))
     else:
         spread = None if layout.gpus is None else layout.sharded_over   # dp_shard × cp under fsdp2/zero*
-        sharding, shard = _sharding(w, loop, dt, spread, layout.strategy, layout.offload_optimizer)
-        result = _search(w, key, dt, loop, place._replace(sharding=sharding), shard, progress, t0)[0]
+        sharding, shard = _sharding(w, loop, run_dt, spread, layout.strategy, layout.offload_optimizer, master=dt)
+        result = _search(w, key, run_dt, loop, place._replace(sharding=sharding), shard, progress, t0)[0]
     result.answered_recipe, result.answered_layout = recipe, layout
     if predict_time:
         from gpulab.predict.plan_time import time_of_fit
-        time_of_fit(result, w, dt, loop, layout, place.card, progress)
-    return _layout_stated(result, w, loop, dt, layout)
+        time_of_fit(result, w, run_dt, loop, layout, place.card, progress)
+    return _layout_stated(result, w, loop, run_dt, layout)
 
 
 def _layout_stated(result: FitResult, w: Workload, recipe: LoopRecipe, dt: torch.dtype, layout: Layout) -> FitResult:
@@ -334,10 +340,13 @@ def _bisect(runs: dict[int, TrackingResult], run_check: Callable[[int], BatchChe
     return largest_fitting(3 if checks[1].fits else 2, fits, limit=MAX_BATCH)
 
 
-def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, offload_optimizer):
+def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, offload_optimizer,
+              master: torch.dtype | None = None):
     """(None, None) for one GPU; else the ``predict.sharding.Sharding`` and the function that turns
     a one-GPU run into one rank's. ``gpus``: the ranks the strategy spreads a rank's state over
-    (``Layout.sharded_over``: dp_shard × cp under fsdp2/zero*, torchtitan's fsdp mesh), None for one GPU."""
+    (``Layout.sharded_over``: dp_shard × cp under fsdp2/zero*, torchtitan's fsdp mesh), None for one GPU.
+    ``dt``: the dtype the run computes in; ``master``: the sharded parameters' (FSDP2's
+    ``MixedPrecisionPolicy``: the model's dtype, where the run's is ``param_dtype``)."""
     from gpulab.predict import sharding as S
     sh = S.check_sharding(gpus, strategy, offload_optimizer, recipe.optimizer, dt)
     if sh is None:
@@ -347,10 +356,15 @@ def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, 
     from dataclasses import replace
 
     from gpulab.training.expert_parallel import expert_parameter_shapes, expert_rank_model
-    sh = replace(sh, ep=recipe.ep, tp=recipe.tp)
+    from gpulab.training.fp8 import float8_numel
+    policy = recipe.param_dtype or recipe.reduce_dtype or recipe.fp8_all_gather   # fsdp2's (options.check_fsdp_policy)
+    reduce = parse_dtype(recipe.reduce_dtype) if recipe.reduce_dtype else None
+    sh = replace(sh, ep=recipe.ep, tp=recipe.tp, **(S.precision_policy(dt, master or dt, reduce, recipe.fp8_all_gather)
+                                                    if policy else {}))
     with torch.device("meta"):   # the rank's own model: E/ep experts a layer under ep
         net = w.build(torch.device("meta"), dt) if recipe.ep == 1 else expert_rank_model(w, recipe, dt)
-        layers, experts = S.count_layers(net), expert_parameter_shapes(net)
+        layers = S.count_layers(net, float8=float8_numel if recipe.fp8_all_gather else None)
+        experts = expert_parameter_shapes(net)
     if recipe.ep > 1 and recipe.tp > 1:   # the experts are DTensors (training.moe_parallel): the tracker files a
         # storage a DTensor op makes (the optimizer's zeros_like of a parameter) under the DTensor's global shape
         experts = experts | {(s[0] * recipe.ep, *s[1:]) for s in experts}

@@ -71,7 +71,7 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
     ``use_cache=False`` (a language model's forward without its KV cache; None: as its config says), ``compile`` (the
     model under torch.compile with AOTAutograd's partitioner, no code generation), ``implementation`` (the optimizer's:
     "default", "for-loop", "foreach" or "fused"), ``checkpointing`` (a transformers model's own gradient checkpointing:
-    True or "full", "selective" or "every-K", as ``models.adapt`` says), ``lora=R`` with ``lora_targets`` (peft's LoRA
+    True or "full", "selective", "torchtitan-op" or "every-K", as ``models.adapt`` says), ``lora=R`` with ``lora_targets`` (peft's LoRA
     adapters of rank R on a frozen base; None: peft's default layers for the model type; ``lora_dropout`` on the
     adapters' inputs; ``lora_dtype``: "fp32" as peft, "base" as torchtune), ``quantize`` ("nf4", "fp4" or "int8", the
     base as bitsandbytes stores it; ``double_quant``, ``quant_compute_dtype``: ``training.loop``; ``recipe`` names
