@@ -402,8 +402,8 @@ class DepthLayout:
         for pos, (t, e) in zip(order, picked):
             if e.kind == "alloc":
                 sid = sids[pos] = len(sids)
-                records[sid] = copy.copy(t.records[e.sid])
-                records[sid].sid, records[sid].freed = sid, None
+                records[sid] = record = t.records[e.sid].copied()
+                record.sid, record.freed = sid, None
         events = []
         for pos, (_, e) in zip(order, picked):   # Event's fields in order: index, kind, sid, then as they are
             sid = sids.get(pos) if e.kind == "alloc" else sids.get(self._target(pos, m))
