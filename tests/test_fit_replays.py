@@ -28,22 +28,26 @@ def _config(layers: int):
 
 @pytest.fixture
 def replays(monkeypatch):
-    """The capacities of the allocator replays ``fit`` makes (None: without a limit), with an empty run cache."""
+    """The allocator replays ``fit`` makes, each as (its capacity, None without a limit; what it reads of
+    the timeline: each event's kind, storage and bytes), with an empty run cache."""
     run_cache.clear()
-    made: list[int | None] = []
+    made: list[tuple] = []
     real = fit_module._replay
 
     def counted(t, capacity):
-        made.append(capacity)
+        made.append((capacity, tuple((e.kind, e.sid, e.nbytes) for e in t.events)))
         return real(t, capacity)
     monkeypatch.setattr(fit_module, "_replay", counted)
     yield made
     run_cache.clear()
 
 
-def _timeline(batch: int):
+@pytest.fixture(scope="module")
+def timelines():
+    """A 4-layer Llama's fake runs at batches 2 and 3 (bf16 AdamW, an H100's kernels)."""
     w = resolve_workload(_config(4), seq_len=SEQ)
-    return fit_module._tracked(w, None, batch, torch.bfloat16, user_recipe("adamw", None), ("cuda", "H100"))
+    return {b: fit_module._tracked(w, None, b, torch.bfloat16, user_recipe("adamw", None), ("cuda", "H100"))
+            for b in (2, 3)}
 
 
 def _replayed(t, capacity):
@@ -51,8 +55,8 @@ def _replayed(t, capacity):
     return r.peak_reserved, bool(r.oom_events)
 
 
-def test_the_extrapolations_live_peak_is_its_built_timelines():
-    line = fit_module._Extrapolation.make(_timeline(2), _timeline(3), 2)
+def test_the_extrapolations_live_peak_is_its_built_timelines(timelines):
+    line = fit_module._Extrapolation.make(timelines[2], timelines[3], 2)
     assert line is not None
     for b in (2, 3, 5, 17, 1000):
         built = line.at(b)
@@ -60,8 +64,8 @@ def test_the_extrapolations_live_peak_is_its_built_timelines():
         assert line.nbytes_at(b) == [e.nbytes for e in built.events]
 
 
-def test_what_fits_verdict_is_the_capacity_replay_then_the_unlimited_one(replays):
-    t = _timeline(4)
+def test_what_fits_verdict_is_the_capacity_replay_then_the_unlimited_one(replays, timelines):
+    t = timelines[3]
     free, _ = _replayed(t, None)
     peak = t.peak_bytes
     assert peak < free
@@ -77,23 +81,25 @@ def test_what_fits_verdict_is_the_capacity_replay_then_the_unlimited_one(replays
 def test_a_confirmed_batch_reuses_its_extrapolations_replay(replays, monkeypatch):
     kw = dict(optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0)
     reused = gpulab.fit(_config(4), "64MiB", **kw)
-    made = len(replays)
+    made = list(replays)
     assert reused.largest_batch > 3 and "confirmed by a fake run" in reused.method
-    run_cache.clear()
-    replays.clear()
+    assert len(set(made)) == len(made)   # each timeline replayed once
+    replays.clear()   # the same fit again, its fake runs kept (run_cache): only its replays are made again
     monkeypatch.setattr(fit_module._Extrapolation, "same_events", lambda self, t, batch: False)
     replayed = gpulab.fit(_config(4), "64MiB", **kw)
     assert [c.__dict__ for c in reused.checks] == [c.__dict__ for c in replayed.checks]
-    assert made == len(replays) - 1
+    # without the reuse: batch 3 replayed as run and as the line, the answer's batch as line and as run
+    assert set(replays) == set(made) and len(replays) == len(made) + 2
 
 
 def test_a_pipelines_rows_reuse_their_searches_replays(replays, monkeypatch):
-    kw = dict(optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0, pp=4, microbatches=8)
-    reused = gpulab.fit(_config(8), "24MiB", **kw)
-    made = len(replays)
-    run_cache.clear()
-    replays.clear()
+    kw = dict(optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0, pp=2, microbatches=4)
+    reused = gpulab.fit(_config(4), "24MiB", **kw)
+    made = list(replays)
+    assert len(set(made)) == len(made)   # each timeline replayed once, the rows' included
+    replays.clear()   # the same fit again, its fake runs kept (run_cache): only its replays are made again
     monkeypatch.setattr(pipeline_fit, "_reserved", lambda runs, t, read, batch, check: check(t, batch=batch).reserved_bytes)
-    replayed = gpulab.fit(_config(8), "24MiB", **kw)
+    replayed = gpulab.fit(_config(4), "24MiB", **kw)
     assert [r.__dict__ for r in reused.ranks] == [r.__dict__ for r in replayed.ranks]
-    assert made == len(replays) - sum(r.peak_bytes is not None for r in reused.ranks)   # no row replayed again
+    # the same replays, the rows' own made again where their search had made them (here stage 1's, at its own batch)
+    assert set(replays) == set(made) and len(replays) > len(made)

@@ -271,7 +271,9 @@ def _search(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecipe,
     if line is not None:
         def line_check(b: int) -> BatchCheck:
             if (b, "extrapolated") not in replayed:
-                replayed[b, "extrapolated"] = line.check(b, usable)
+                ran = fake_run.checked_on.get(b)   # at batches 2 and 3 the line's events are the runs' own
+                replayed[b, "extrapolated"] = (_dc_replace(replayed[b, "run"], source="extrapolated")
+                                               if ran is not None and line.same_events(ran, b) else line.check(b, usable))
             return replayed[b, "extrapolated"]
 
         def line_fits(b: int) -> bool:   # live tensors past the card: no replay can make it fit (``_check``)
