@@ -14,7 +14,8 @@ Qwen2.5-72B), each ``gpulab fit`` (bf16 AdamW, 2048 tokens, on the layout its si
 ``--what-fits`` for 8B on 24 GiB at 4096 tokens, each against the fake-tensor floor (``import torch,
 transformers, torch._dynamo`` plus one ``FakeTensorMode()``: what every fake-tensor tool pays before its
 first op) timed right before it; ``--repeat N`` times each floor-and-command pair N times and prints the
-min and the median of the ratios (a shared machine's load moves both).
+min and the median of the ratios (a shared machine's load moves both), of the wall times and of the CPU
+times (user + system: on a shared machine they move less with the load; on a quiet one they agree).
 
 It prints each command's seconds and its ratio to the import floor (``python -c "import torch,
 transformers"``) measured in the same run, and whether the answer's depth was laid out from a few
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -89,10 +91,16 @@ def _config_file(folder: str, name: str) -> str:
     return path
 
 
-def _timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
-    t0 = time.perf_counter()
+def _timed(cmd: list[str], env: dict[str, str], cpu: list[float] | None = None) -> tuple[float, str]:
+    """(wall seconds, the answer in short) of ``cmd``; its CPU seconds (user + system, its children's
+    included) appended to ``cpu`` when given: on a shared machine the CPU time moves less with the load
+    than the wall time, and on a quiet one the two agree (a fit is one Python thread)."""
+    t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     seconds = time.perf_counter() - t0
+    if cpu is not None:
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
     if p.returncode not in (0, 2):
         return seconds, f"failed ({p.returncode}): {p.stderr.strip().splitlines()[-1:]}"
     try:
@@ -183,14 +191,18 @@ def main() -> int:
 def _against_fake_floor(what: str, cmd: list[str], py: str, env: dict[str, str], repeat: int) -> str:
     """``repeat`` pairs of (the fake-tensor floor, the command), each pair back to back: the
     seconds and ratios, their min and median."""
-    ratios, lines, answer = [], [], ""
+    ratios, cpu_ratios, lines, answer = [], [], [], ""
     for _ in range(repeat):
-        floor, _ = _timed([py, "-c", FAKE_FLOOR], env)
-        seconds, answer = _timed([py, "-m", "gpulab", *cmd], env)
+        cpu: list[float] = []
+        floor, _ = _timed([py, "-c", FAKE_FLOOR], env, cpu)
+        seconds, answer = _timed([py, "-m", "gpulab", *cmd], env, cpu)
         ratios.append(seconds / floor)
-        lines.append(f"{seconds:.1f} s / {floor:.1f} s")
+        cpu_ratios.append(cpu[1] / cpu[0])
+        lines.append(f"{seconds:.1f} s / {floor:.1f} s wall, {cpu[1]:.1f} s / {cpu[0]:.1f} s CPU")
     ratios.sort()
-    return (f"{what:48s} {ratios[0]:5.2f}x min, {statistics.median(ratios):5.2f}x median the fake-tensor floor "
+    cpu_ratios.sort()
+    return (f"{what:48s} {ratios[0]:5.2f}x min, {statistics.median(ratios):5.2f}x median the fake-tensor floor; "
+            f"CPU time {cpu_ratios[0]:5.2f}x min, {statistics.median(cpu_ratios):5.2f}x median "
             f"({'; '.join(lines)}; load {_load()})  {answer}")
 
 
