@@ -92,6 +92,7 @@ def test_a_confirmed_batch_reuses_its_extrapolations_replay(replays, monkeypatch
     assert set(replays) == set(made) and len(replays) == len(made) + 2
 
 
+@pytest.mark.extended   # ~14 s on the shared 2-core machine under load: two pipeline fits (the second's runs kept)
 def test_a_pipelines_rows_reuse_their_searches_replays(replays, monkeypatch):
     kw = dict(optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0, pp=2, microbatches=4)
     reused = gpulab.fit(_config(4), "24MiB", **kw)
