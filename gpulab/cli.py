@@ -16,6 +16,8 @@ runs imports them. ``fit`` and ``serve`` say what they are doing on stderr as th
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import platform
@@ -469,7 +471,8 @@ def _main(argv: list[str], own: bool = False) -> int:
         if own and args.command != "env":   # a process that only answers: transformers without torchvision, torchao
             from gpulab.models.lean_imports import skip_unused
             skip_unused()
-        data, text = _answer(args, progress)
+        with _collections_kept_short(own):
+            data, text = _answer(args, progress, own)
     except (RuntimeError, TypeError) as exc:   # torch refusing a size (an overflowing shape): the input's doing
         if "overflow" in str(exc).lower() or "negative dimension" in str(exc):
             raise ValueError(f"a tensor of this size cannot be made ({_one_line(exc)}): use smaller "
@@ -481,7 +484,33 @@ def _main(argv: list[str], own: bool = False) -> int:
     return _emit(json.dumps(data) if args.json else text(data))
 
 
-def _answer(args: argparse.Namespace, progress: StreamProgress | None) -> tuple[dict[str, Any], Any]:
+@contextlib.contextmanager
+def _collections_kept_short(own: bool):
+    """While a process that only answers (``own``: ``python -m gpulab``) works, what the cycle collector
+    has seen survive a full collection is not walked again (``gc.freeze`` after each): the objects the
+    imports made (torch's, transformers'), then the timelines kept so far. A full collection, which
+    ``measure.engines`` makes after each fake run that left a storage alive (some 0.2-0.3 s with torch
+    loaded, more than a small run), then walks what was made since the last one, where a run's
+    reference cycles are. When the answer is made, everything is handed back to the collector
+    (``gc.unfreeze``), so the process ends as it would have. A library call (a notebook, a test) is left
+    alone."""
+    if not own:
+        yield
+        return
+
+    def after(phase: str, info: dict) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            gc.freeze()
+    gc.callbacks.append(after)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(after)
+        gc.unfreeze()
+
+
+def _answer(args: argparse.Namespace, progress: StreamProgress | None,
+            own: bool = False) -> tuple[dict[str, Any], Any]:
     """(the answer as data, its text view): the one place a command imports torch and transformers."""
     if args.command == "env":
         return env_info(), answers.env_text
@@ -508,6 +537,8 @@ def _answer(args: argparse.Namespace, progress: StreamProgress | None) -> tuple[
             raise ValueError("serve needs --context TOKENS (tokens per sequence) or --longest-context")
         return serve(args.model, args.gpu, context_len=args.context, batch=args.batch, **kw).as_dict(), answers.serve_text
     from gpulab.predict.fit import fit
+    if own:   # the imports' objects live as long as the process: out of the collector's walks now
+        gc.freeze()
     context = {"context_bytes": checks.size(args.context)} if args.context else {}
     data = fit(args.model, args.gpu, recipe=args.recipe, layout=args.layout, seq_len=args.seq_len,
                image_size=args.image_size, module_loading=args.cuda_module_loading, progress=progress,
