@@ -319,10 +319,9 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
                 ctx.tracker.register(net)
             plans = _plans(ctx) if r.compile else None
             step_loss = recipe_loss(w, r, net, plans) if r.pp == 1 else stage_step(net, w.config.hidden_size, r)
-            warmed = None
             opt = _optimizers(r, net, ctx.engine == "fake")
         scaler = torch.amp.GradScaler(ctx.device.type) if r.grad_scaler else None
-        data, data_batch, marks = None, None, []
+        data, data_batch, marks, warmed = None, None, [], None
         for i, b in enumerate(batches):
             if b != data_batch:
                 data = None
@@ -333,8 +332,7 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
                             ctx.label(t)
                 data_batch = b
             if r.compile and b != warmed:   # capture and compile at this batch size, unrecorded
-                _warm_up(ctx, step_loss, net, data, r)
-                warmed = b
+                warmed = _warm_up(ctx, step_loss, net, data, r, b)
             if i == 0:
                 moment(ctx, "after setup")
             marks.append(ctx.mark())
@@ -364,9 +362,8 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
             moment(ctx, f"after step {i + 1}")
         marks.append(ctx.mark())
         ctx.snapshot("after step")
-        out = {"n_param_tensors": sum(1 for _ in net.parameters()), "step_marks": marks}
-        if plans is not None:
-            out["inductor"] = plans
+        out = {"n_param_tensors": sum(1 for _ in net.parameters()), "step_marks": marks} \
+            | ({"inductor": plans} if plans is not None else {})
         if report is not None:
             out.update(report(ctx, net, opt, scaler))
         if r.teardown:   # the run's end frees everything: not the optimizer's doing
@@ -512,15 +509,17 @@ def inductor_step_peaks(m: Measurement) -> list[int]:
 
 
 def _warm_up(ctx: RunContext, step_loss: Callable[[Any], torch.Tensor], net: torch.nn.Module, data,
-             r: LoopRecipe) -> None:
+             r: LoopRecipe, batch: int) -> int:
     """One forward and backward of the compiled model with the tracker paused (dynamo captures,
-    AOTAutograd partitions), then the gradients dropped: the measured steps run the compiled graphs."""
+    AOTAutograd partitions), then the gradients dropped: the measured steps run the compiled graphs.
+    Returns ``batch``, the size now compiled for."""
     with ctx.tracker.paused():
         with _autocast(ctx.device, r.amp):
             loss = step_loss(data)
         loss.backward()
         del loss
         net.zero_grad(set_to_none=True)
+    return batch
 
 
 def _forward_options(data, r: LoopRecipe):
