@@ -13,6 +13,7 @@ in the result's ``recipe`` and label (``training.context_parallel.layout_notes``
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -117,7 +118,11 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
         kind=w.kind, input_text=w.describe_input(batch), seq_len=w.seq_len, amp=amp_key,
         recipe=_layout_stated(m, w, recipe, batch, dt), answered_recipe=asked, answered_layout=layout,
         time=_step_time(timers, speed, w, batch, recipe, m, steps), mesh=_mesh_stated(m, layout),
-        compiled=_compiled_answer(m)), gpu)
+        compiled_answer=functools.partial(_compiled_answer, m) if "inductor" in _value(m) else None), gpu)
+
+
+def _value(m: Measurement) -> dict[str, Any]:
+    return m.value if isinstance(m.value, dict) else {}
 
 
 def _compiled_answer(m: Measurement) -> dict[str, Any] | None:
@@ -298,7 +303,8 @@ class StepResult(Measured):
     answered_recipe: Recipe | None = None   # the Recipe and Layout this answer is for (gpulab.options)
     answered_layout: Layout | None = None
     time: StepTime | None = None   # ``time=``: the step's predicted time (``predict.timing``)
-    compiled: dict[str, Any] | None = None   # ``compile``: inductor's plan beside the op-by-op bound (_compiled_answer)
+    # ``compile``: inductor's plan beside the op-by-op bound (``_compiled_answer``), lowered when ``compiled`` is first read
+    compiled_answer: Callable[[], dict[str, Any] | None] | None = field(default=None, repr=False, compare=False)
     mesh: str = ""                 # a layout's mesh (Layout.mesh): dp_replicate × dp_shard × cp × tp × pp, ep
 
     def __post_init__(self) -> None:
@@ -310,6 +316,12 @@ class StepResult(Measured):
     def peak_with_workspaces_bytes(self) -> int:
         """The live tensors' peak plus the recorded cuDNN workspaces at the peak (where known)."""
         return self.peak_bytes + (self.cudnn_workspace_bytes or 0)
+
+    @functools.cached_property
+    def compiled(self) -> dict[str, Any] | None:
+        """With ``compile``: inductor's plan for the step (its graphs lowered now, the first time it is
+        read), each step's peak by it, beside ``peak_bytes``, the op-by-op upper bound; None without."""
+        return self.compiled_answer() if self.compiled_answer is not None else None
 
     @property
     def inductor_peak_bytes(self) -> int | None:
