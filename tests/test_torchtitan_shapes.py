@@ -389,10 +389,7 @@ def test_compare_names_a_difference():
 # ``apply_fsdp_to_decoder``: the routed experts' weights FSDP-sharded over its ``efsdp`` mesh, the rest
 # over ``dp_shard × cp``). EP borrows its ranks from ``dp_shard × cp × tp`` (``ParallelDims.build_mesh``:
 # efsdp = dp_shard·cp·tp / ep), and the experts' dim 0 is split ``ep`` ways then ``efsdp`` ways.
-# (id, torchtitan world and degrees, gpulab Layout's arguments, stage, xfail reason or None, default run)
-EP_TP_CP = "EP with TP or CP: refused by gpulab today, answered on branch h-layouts"
-MOE_TP = ("an MoE under TP: gpulab refuses Qwen3-MoE's q_norm/k_norm style (replicated_with_grad_allreduce) today, "
-          "answered on branch h-layouts")
+# (id, torchtitan world and degrees, gpulab Layout's arguments, stage, a named term expected or None, default run)
 MOE_FSDP2_EP2 = dict(world=2, dp_shard=2, ep=2)
 MOE_MESHES = [
     ("moe-fsdp2-ep2", MOE_FSDP2_EP2, dict(gpus=2, strategy="fsdp2", ep=2), 0, None, True),
@@ -408,17 +405,21 @@ MOE_MESHES = [
      0, None, False),
     ("moe-fsdp2-ep2-pp2-stage1", dict(world=4, dp_shard=2, ep=2, pp=2), dict(gpus=4, strategy="fsdp2", ep=2, pp=2),
      1, None, False),
-    ("moe-tp2", dict(world=2, tp=2), dict(tp=2), 0, MOE_TP, False),
-    ("moe-tp2-sp", dict(world=2, tp=2, sp=True), dict(tp=2, sequence_parallel=True), 0, MOE_TP, False),
+    ("moe-tp2", dict(world=2, tp=2), dict(tp=2), 0, None, False),
+    ("moe-tp2-sp", dict(world=2, tp=2, sp=True), dict(tp=2, sequence_parallel=True), 0, None, False),
     ("moe-cp2", dict(world=2, cp=2), dict(gpus=2, strategy="fsdp2", cp=2), 0, None, False),
     ("moe-pp2-stage0", dict(world=2, pp=2), dict(pp=2), 0, None, False),
     ("moe-pp2-stage1", dict(world=2, pp=2), dict(pp=2), 1, None, False),
-    ("moe-ep2-tp2", dict(world=2, tp=2, ep=2), dict(gpus=2, strategy="fsdp2", tp=2, ep=2), 0, EP_TP_CP, False),
+    ("moe-ep2-tp2", dict(world=2, tp=2, ep=2), dict(gpus=2, strategy="fsdp2", tp=2, ep=2), 0, None, False),
     ("moe-fsdp2-ep2-tp2", dict(world=4, dp_shard=2, tp=2, ep=2), dict(gpus=4, strategy="fsdp2", tp=2, ep=2), 0,
-     EP_TP_CP, False),
-    ("moe-ep2-cp2", dict(world=2, cp=2, ep=2), dict(gpus=2, strategy="fsdp2", cp=2, ep=2), 0, EP_TP_CP, False),
+     None, False),
+    ("moe-ep2-tp2-sp", dict(world=2, tp=2, ep=2, sp=True),
+     dict(gpus=2, strategy="fsdp2", tp=2, ep=2, sequence_parallel=True), 0, None, False),
+    ("moe-fsdp2-ep4-tp2", dict(world=4, dp_shard=2, tp=2, ep=4), dict(gpus=4, strategy="fsdp2", tp=2, ep=4), 0,
+     None, False),
+    ("moe-ep2-cp2", dict(world=2, cp=2, ep=2), dict(gpus=2, strategy="fsdp2", cp=2, ep=2), 0, None, False),
     ("moe-fsdp2-ep2-cp2", dict(world=4, dp_shard=2, cp=2, ep=2), dict(gpus=4, strategy="fsdp2", cp=2, ep=2), 0,
-     EP_TP_CP, False),
+     None, False),
 ]
 
 
@@ -428,11 +429,9 @@ def _moe_fsdp2_ep2() -> dict[str, dict]:
 
 
 def _moe_params(meshes):
-    for mid, titan_kw, layout_kw, stage, xfail, default in meshes:
+    for mid, titan_kw, layout_kw, stage, term, default in meshes:
         marks = [] if default else [pytest.mark.extended]
-        if xfail and xfail != FSDP2_PAD:
-            marks.append(pytest.mark.xfail(strict=True, raises=ValueError, reason=xfail))
-        yield pytest.param(titan_kw, layout_kw, stage, xfail == FSDP2_PAD, id=mid, marks=marks)
+        yield pytest.param(titan_kw, layout_kw, stage, term == FSDP2_PAD, id=mid, marks=marks)
 
 
 @pytest.mark.parametrize("titan_kw,layout_kw,stage,padded", list(_moe_params(MOE_MESHES)))
@@ -440,7 +439,7 @@ def test_moe_rank_shapes_match_torchtitan(titan_kw, layout_kw, stage, padded):
     kw = dict(titan_kw)
     world = kw.pop("world")
     rank = stage * (world // kw.get("pp", 1))
-    layout = Layout(**layout_kw)   # EP × TP and EP × CP raise ValueError here on main today
+    layout = Layout(**layout_kw)
     ours = _gpulab_rank(layout, stage, "qwen3_moe")
     # the default run's one MoE mesh in this process, the rest apart (as for Llama-3 above)
     titan = _moe_fsdp2_ep2() if titan_kw == MOE_FSDP2_EP2 else titan_rank_apart(world, rank, model="qwen3_moe", **kw)
