@@ -1278,10 +1278,13 @@ def plain_pipeline(case: Case, model, batch: int, after_build: Callable[[], None
 
 
 def plain_fsdp2(case: Case, model, batch: int, after_build: Callable[[], None],
-                measured: Callable[[], None] | None = None, clock: StepClock | None = None) -> None:
+                measured: Callable[[], None] | None = None, clock: StepClock | None = None,
+                device: str = "cuda") -> dict[str, Any]:
     """Rank 0 of ``case.world`` under FSDP2 in PyTorch's fake process group (one process; its
     collectives move no data, their buffers are real): ``fully_shard`` on every decoder layer, then
-    on the root (torchtitan's way), AdamW over the sharded parameters, plain steps."""
+    on the root (torchtitan's way), AdamW over the sharded parameters, plain steps. ``device``: "cuda"
+    (the case), "cpu" (a test of this code on the CPU). Returns the local shards' and the whole
+    model's parameter counts."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -1292,16 +1295,17 @@ def plain_fsdp2(case: Case, model, batch: int, after_build: Callable[[], None],
         raise RuntimeError("a process group is already running: the FSDP2 case needs its own fake one")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=case.world)
     try:
-        mesh = init_device_mesh("cuda", (case.world,))
+        mesh = init_device_mesh(device, (case.world,))
         w = resolve_workload(model, batch=batch, seq_len=case.seq_len)
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[case.dtype]
         torch.manual_seed(0)
-        net = w.build(torch.device("cuda"), dt)
+        net = w.build(torch.device(device), dt)
+        whole = sum(p.numel() for p in net.parameters())
         for layer in net.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(net, mesh=mesh)
         opt = _plain_optimizer(case, list(net.parameters()))
-        with torch.device("cuda"):
+        with torch.device(device):
             data = w.inputs(batch, dt)
         after_build()
         last_step = TIMED_TO if clock is not None else STEPS
@@ -1320,8 +1324,11 @@ def plain_fsdp2(case: Case, model, batch: int, after_build: Callable[[], None],
             opt.step()
         if clock is not None:
             clock.at(TIMED_TO + 1)
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        local = sum(p.to_local().numel() for p in net.parameters())
         del net, opt, data
+        return {"local": local, "whole": whole}
     finally:
         dist.destroy_process_group()
 
@@ -1588,6 +1595,19 @@ def t4_dropout_on_cpu(batch: int = 2, heads: int = 2, seq: int = 64, head_dim: i
 
 # ---- one case ------------------------------------------------------------------------------------
 
+def standin_limit(case: Case) -> str | None:
+    """Why the test suite's CUDA stand-in cannot run ``case`` (None: it can): what needs a CUDA device
+    or real values, said in the report as the case's skip."""
+    if case.kind == "fsdp2":
+        return "the stand-in cannot run FSDP2 (init_device_mesh('cuda') and FSDP2's streams need a CUDA device)"
+    if case.options.get("implementation") == "fused":
+        return "the stand-in's meta tensors cannot run a fused optimizer (fused=True takes CUDA tensors)"
+    if case.options.get("compile"):
+        return ("the stand-in cannot compile (its dispatch modes sit under gpulab's tracker, which torch.compile's "
+                "capture must pause)")
+    return None
+
+
 def measure_case(case: Case, *, stand_in: bool, context_assumed: int, do_fit: bool = True,
                  case_limit: float = DEFAULT_CASE_LIMIT_S, say: Callable[[str], None] = lambda _m: None,
                  device=None, out: pathlib.Path | None = None, device_facts: dict[str, Any] | None = None) -> CaseRun:
@@ -1607,9 +1627,9 @@ def measure_case(case: Case, *, stand_in: bool, context_assumed: int, do_fit: bo
         if why:
             run.status = f"skipped: {why}"
             return run
-    if case.kind == "fsdp2" and stand_in:
-        run.status = ("skipped: the stand-in cannot run FSDP2 (init_device_mesh('cuda') and FSDP2's streams need "
-                      "a CUDA device)")
+    why = standin_limit(case) if stand_in else None
+    if why:
+        run.status = f"skipped: {why}"
         return run
     t_case = time.monotonic()
     try:

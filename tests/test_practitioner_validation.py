@@ -499,3 +499,17 @@ def test_each_new_plain_step_allocates_what_the_one_loop_allocates(pv, name):
         finally:
             cm.__exit__(None, None, None)
     assert (a["peak_allocated_delta"], a["peak_reserved_delta"]) == plain and plain[0] > 0
+
+
+@pytest.mark.extended
+def test_the_fsdp2_case_shards_in_the_fake_process_group_on_the_cpu(pv):
+    """The FSDP2 case's plain step (which the stand-in cannot run: its mesh needs a CUDA device) on the
+    CPU: rank 0 of 4 in PyTorch's fake process group trains its steps holding a quarter of every
+    parameter (each dim 0 split 4 ways evenly here), and the process group is gone after."""
+    import torch.distributed as dist
+    c = {c.name: c for c in pv.quick_cases()}["llama1b-fsdp2-rank0of4"]
+    _, model = pv.model_arg(c)
+    built = []
+    got = pv.plain_fsdp2(c, model, c.batch, lambda: built.append(True), device="cpu")
+    assert built == [True] and got["local"] * 4 == got["whole"] > 0
+    assert not dist.is_initialized()
