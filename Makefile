@@ -80,6 +80,7 @@ $(LAB_STAMP): pyproject.toml $(TORCH_STAMP)
 
 $(TEST_STAMP): pyproject.toml $(LAB_STAMP)
 	$(UV) pip install --compile-bytecode --python $(PY) -e '.[test]'
+	$(UV) pip install --compile-bytecode --python $(PY) --no-deps torchtitan==0.3.0
 	touch $@
 
 venv: $(LAB_STAMP)

@@ -11,6 +11,10 @@ ratio (gpulab / published) and a tolerance that follows from what the published 
 that gpulab does not compute (the CUDA context, library workspaces, another torch version's saved
 tensors, a kernel's workspace), written out for each source.
 
+Then (``--time`` alone) published throughputs, torchtitan's tokens/s per GPU on H100s, beside
+gpulab's predicted step time for one rank of the same setting, with what the prediction leaves out
+(communication, compile, float8): their ratios are reported, none tunes anything.
+
 A benchmark, not a test: nothing is asserted. A row outside its tolerance prints MISS; the
 closing notes of issue 23 explain each. Sources are independent of each other and of gpulab:
 Hugging Face's documentation, Lightning AI's LitGPT, Alibaba's Qwen team, and PyTorch (torchao
@@ -24,21 +28,126 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpulab.record.published import ROWS, SOURCES, Row, Source  # noqa: E402
 
-__all__ = ["ROWS", "SOURCES", "Row", "Source", "main"]
+__all__ = ["ROWS", "SOURCES", "TIME_ROWS", "Row", "Source", "TimeRow", "main", "time_rows"]
+
+
+# --- published step times and throughputs (issue 46): the ratio of gpulab's predicted time ------------
+# Each row quotes a throughput somebody measured on GPUs, with the setting it needs, beside gpulab's
+# roofline prediction (gpulab.step(..., gpu="H100", time=True).time: predict/timing.py) of one rank's
+# compute for the same setting. None of them tunes anything: the ratio is printed, with what the
+# prediction leaves out (communication, the pipeline bubble, compile and float8 where it does not run them).
+
+@dataclass(frozen=True)
+class TimeRow:
+    source: str         # URL and the file read (repository, path, commit)
+    gpu: str
+    name: str
+    quote: str          # the source's own text holding the figure
+    published: float    # tokens per second per GPU
+    setting: str
+    leaves_out: str     # what gpulab's prediction does not hold that the measured run paid for
+    predict: Callable[[], tuple[float, str]]   # (tokens/s per GPU, how)
+
+
+TORCHTITAN = ("https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md ; "
+              "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ 820504e20d1149fbf0b98c567af24c4b0433b22d "
+              "(runs at torchtitan 9dec370ad26b5f8e9a7333a0e36165018262644b: train_configs/llama3_8b.toml and "
+              "llama3_70b.toml give seq_len = 8192, the tables do not)")
+TORCHTITAN_GPU = ("H100 96 GB HBM2e (2.4 TB/s), 500 W power limit, Grand Teton hosts of 8 NVLink-connected GPUs, "
+                  "400 Gb/s RDMA per GPU; gpulab predicts on its H100 row (the SXM datasheet: 3.35 TB/s, 989 bf16 "
+                  "TFLOPS dense), which the source says is faster than its card")
+
+
+def _titan_tps(model: str, *, batch: int, checkpointing: str, tp: int = 1) -> tuple[float, str]:
+    """One rank's step predicted on the H100 row, as tokens/s per GPU. NB: with tp > 1 the timer counts
+    the DTensor ops' FLOPs at the whole model's size (the rank's model FLOPs are 6 x parameters x tokens,
+    shown in ``how``), so its step is the TP group's work on one GPU: the group's tp GPUs take 1/tp of
+    it for tp times the tokens, and the tokens/s per GPU is the step's tokens/s."""
+    from gpulab.predict.step import step
+    kw = {"tp": tp, "sequence_parallel": True} if tp > 1 else {}
+    r = step(f"hf:{model}", batch=batch, seq_len=8192, optimizer="adamw", amp="bf16", engine="fake", use_cache=False,
+             checkpointing=checkpointing, gpu="H100", time=True, **kw)
+    t = r.time
+    share = t.model_flops / (6 * _parameters(model) * t.items)
+    return t.items_per_s, (f"{t.label}: step {t.seconds:.3f} s for {t.items:,} tokens, MFU {t.mfu:.1%}; the "
+                           f"step's model FLOPs are {share:.2f} x 6 x parameters x tokens; {t.assumptions.text}")
+
+
+def _parameters(model: str) -> int:
+    import torch
+
+    from gpulab.models import hf_configs
+    with torch.device("meta"):
+        m = hf_configs.build_causal_lm(hf_configs.make_config(model))
+    return sum(p.numel() for p in m.parameters())
+
+
+_FSDP_COMM = ("FSDP2's all-gathers and reduce-scatters (torchtitan prefetches them to overlap compute; what stays "
+              "exposed is not predicted: gpulab.step runs one unsharded rank)")
+TIME_ROWS = [
+    TimeRow(TORCHTITAN, TORCHTITAN_GPU, "torchtitan Llama 3.1 8B, FSDP 8 GPUs, eager", "| FSDP | 5,762 | 82.4 |",
+            5762, "Llama 3.1 8B, 8 GPUs FSDP, local batch 2 x 8192, selective (op) activation checkpointing, bf16 "
+            "mixed precision, AdamW, no compile, no float8 (table 1, first row); gpulab: llama-3-8b (the same "
+            "shapes), batch 2 x 8192, checkpointing='selective', bf16 autocast", _FSDP_COMM,
+            lambda: _titan_tps("llama-3-8b", batch=2, checkpointing="selective")),
+    TimeRow(TORCHTITAN, TORCHTITAN_GPU, "torchtitan Llama 3.1 8B, FSDP 128 GPUs, eager", "| FSDP | 5,605 | 67.0 |",
+            5605, "as above on 128 GPUs (table 3, first row): the same compute per GPU", _FSDP_COMM + "; across 16 "
+            "hosts they cross the RDMA network",
+            lambda: _titan_tps("llama-3-8b", batch=2, checkpointing="selective")),
+    TimeRow(TORCHTITAN, TORCHTITAN_GPU, "torchtitan Llama 3.1 70B, FSDP 32 x TP 8, compile + float8",
+            "| 2D | 829 | 71.9 |", 829,
+            "Llama 3.1 70B, 256 GPUs, FSDP 32 x TP 8, local batch 16 x 8192, full activation checkpointing, "
+            "torch.compile, float8 linears (table 4, first row); gpulab: one TP rank of llama-3.1-70b, tp=8 with "
+            "sequence parallelism, batch 16 x 8192, checkpointing='full', bf16 autocast",
+            "TP's all-gathers and reduce-scatters, on the critical path; FSDP's collectives; float8 matmuls (gpulab "
+            "runs these in bf16, at half the fp8 peak) and compile's fusions",
+            lambda: _titan_tps("llama-3.1-70b", batch=16, checkpointing="full", tp=8)),
+]
+
+
+def time_rows() -> list[dict]:
+    """Every time row's prediction and its ratio (predicted / published tokens/s per GPU) as data."""
+    import time as _time
+    out = []
+    for r in TIME_ROWS:
+        t0 = _time.perf_counter()
+        predicted, how = r.predict()
+        out.append({**{k: v for k, v in asdict(r).items() if k != "predict"}, "predicted": predicted,
+                    "ratio": predicted / r.published, "how": how, "seconds": _time.perf_counter() - t0})
+    return out
+
+
+def print_time_rows() -> list[dict]:
+    out = time_rows()
+    print("\n== published throughputs (tokens/s per GPU) beside gpulab's predicted time; none tunes anything")
+    print(f"   {'row':<58} {'published':>10} {'gpulab':>10} {'ratio':>6}")
+    for r in out:
+        print(f"   {r['name']:<58} {r['published']:>10,.0f} {r['predicted']:>10,.0f} {r['ratio']:>6.2f}", flush=True)
+        print(f"      quoted: {r['quote']}\n      setting: {r['setting']}\n      GPU: {r['gpu']}\n      "
+              f"source: {r['source']}\n      gpulab: {r['how']}\n      the prediction leaves out: {r['leaves_out']}")
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--source", nargs="+", choices=sorted(SOURCES), help="only these sources' rows")
     p.add_argument("--json", metavar="FILE", help="also write every row (and its source) as JSON")
+    p.add_argument("--time", action="store_true", help="only the published throughputs beside gpulab's predicted time")
     args = p.parse_args(argv)
+    if args.time:
+        timed = print_time_rows()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(timed, f, indent=1)
+        return 0
     rows = [r for r in ROWS if not args.source or r.source in args.source]
     out, misses, t_all = [], 0, time.perf_counter()
     for key in dict.fromkeys(r.source for r in rows):
@@ -64,6 +173,8 @@ def main(argv=None) -> int:
     print(f"\n{len(out)} rows from {len({r['source']['key'] for r in out})} sources ({len(orgs)} independent "
           f"publishers: {', '.join(sorted(orgs))}): {len(out) - misses} within "
           f"tolerance, {misses} outside; {time.perf_counter() - t_all:.0f} s")
+    if not args.source:
+        out += [{**r, "kind": "time"} for r in print_time_rows()]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -2,8 +2,9 @@
 timed CPU steps. This CPU is measured as a card on the spot (``measure.cpu_speed``: an fp32
 matmul's rate, a copy's bandwidth, eager PyTorch's per-op cost), the fake step is costed on it
 (``gpulab.step(..., engine="fake", fake_target="cpu", time=cpu_card)``), and the same step is
-timed for real: a plain PyTorch loop (no tracker), warm-up steps first, then the median of the
-timed ones (nanoGPT ``bench.py``'s way).
+timed for real: a plain PyTorch loop (no tracker), warm-up steps first, then the fastest of the timed
+ones. Everything runs on one torch thread and is timed by ``time.thread_time`` (the CPU time this
+thread got): on a shared machine another process's work then delays a step without counting in it.
 
     PYTHONPATH=. python benchmarks/time_ratios.py [--steps 5]
 
@@ -14,8 +15,8 @@ quotient, with the load average (the machine is shared). A benchmark: it prints,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import statistics
 import time
 
 import torch
@@ -31,52 +32,74 @@ from gpulab.predict.card_speeds import CardSpeed, cpu_card_speed
 SMALL_GPT2 = dict(vocab_size=4096, n_positions=256, n_embd=256, n_layer=4, n_head=4,
                   bos_token_id=4095, eos_token_id=4095)
 SEQ_LEN = 128
-# (name, recipe a, recipe b): each recipe is (batch, checkpointing)
-PAIRS = (("batch 8 / batch 2", (8, False), (2, False)),
-         ("full checkpointing / none, batch 8", (8, True), (8, False)))
+# (name, recipe a, recipe b): each recipe is (batch, checkpointing, the optimizer's implementation)
+PAIRS = (("batch 8 / batch 2", (8, False, "default"), (2, False, "default")),
+         ("full checkpointing / none, batch 8", (8, True, "default"), (8, False, "default")),
+         ("batch 8 / batch 1", (8, False, "default"), (1, False, "default")),
+         ("for-loop Adam / foreach, batch 1", (1, False, "for-loop"), (1, False, "foreach")))
 
 
 def model():
     return GPT2Config(**SMALL_GPT2)
 
 
-def predicted_seconds(cfg, batch: int, checkpointing: bool, card: CardSpeed) -> float:
+def predicted_seconds(cfg, batch: int, checkpointing: bool, implementation: str, card: CardSpeed) -> float:
     """The fake step's predicted seconds on ``card`` (CPU kernels followed: the step the real loop runs)."""
     r = gpulab.step(cfg, batch=batch, seq_len=SEQ_LEN, optimizer="adam", engine="fake", fake_target="cpu",
-                    checkpointing="full" if checkpointing else False, time=card)
+                    checkpointing="full" if checkpointing else False, implementation=implementation, time=card)
     return r.time.seconds
 
 
-def measured_seconds(cfg, batch: int, checkpointing: bool, steps: int = 5, warmup: int = 2) -> float:
-    """The median seconds of ``steps`` real CPU training steps (forward, backward, Adam step,
-    zero_grad), after ``warmup`` untimed ones."""
+def measured_seconds(cfg, batch: int, checkpointing: bool, implementation: str = "default", steps: int = 5,
+                     warmup: int = 2) -> float:
+    """The fastest of ``steps`` real CPU training steps (forward, backward, Adam step, zero_grad), after
+    ``warmup`` untimed ones: the fastest is the step least slowed by the machine's other work."""
     w = resolve_workload(cfg, seq_len=SEQ_LEN)
     torch.manual_seed(0)
     net = w.build("cpu", torch.float32)
     if checkpointing:
         net.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(CHECKPOINTING_KWARGS))
     net.train()
-    opt = torch.optim.Adam(net.parameters())
+    impl = {"default": {}, "for-loop": {"foreach": False}, "foreach": {"foreach": True}}[implementation]
+    opt = torch.optim.Adam(net.parameters(), **impl)
     data = w.inputs(batch, torch.float32)
     times = []
     for i in range(warmup + steps):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         out = net(*data[0], **data[1])
         w.loss(out, data).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            times.append(time.thread_time() - t0)
+    return min(times)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread for the code inside (``time.thread_time`` then counts all its work)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def cpu_card() -> CardSpeed:
+    """This CPU measured as a card, one thread, by its thread's CPU time."""
+    with one_thread():
+        return cpu_card_speed(measure_cpu_speed(clock=time.thread_time))
 
 
 def ratios(card: CardSpeed, pairs=PAIRS, steps: int = 5) -> list[dict]:
-    """Per pair: the predicted and measured ratio of step times (a over b)."""
+    """Per pair: the predicted and measured ratio of step times (a over b), on one thread."""
     cfg, out = model(), []
-    for name, a, b in pairs:
-        p = predicted_seconds(cfg, *a, card) / predicted_seconds(cfg, *b, card)
-        m = measured_seconds(cfg, *a, steps=steps) / measured_seconds(cfg, *b, steps=steps)
-        out.append({"pair": name, "predicted": p, "measured": m, "quotient": p / m})
+    with one_thread():
+        for name, a, b in pairs:
+            p = predicted_seconds(cfg, *a, card) / predicted_seconds(cfg, *b, card)
+            m = measured_seconds(cfg, *a, steps=steps) / measured_seconds(cfg, *b, steps=steps)
+            out.append({"pair": name, "predicted": p, "measured": m, "quotient": p / m})
     return out
 
 
@@ -85,7 +108,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
     load = os.getloadavg()
-    card = cpu_card_speed(measure_cpu_speed())
+    card = cpu_card()
     print(f"this CPU: {card.source}")
     for row in ratios(card, steps=args.steps):
         print(f"{row['pair']:40s} predicted {row['predicted']:.2f}  measured {row['measured']:.2f}  "

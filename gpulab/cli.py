@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu", default=None, help="fake engine, CUDA target: the card whose kernels it follows (T4, "
                                                "H100 ...: its compute capability picks the attention kernel); on "
                                                "the card a step was recorded on, that step's cuDNN workspaces")
+    s.add_argument("--time", action="store_true",
+                   help="with --gpu (and the fake engine): also the step's predicted time on that card, a roofline "
+                        "per op (step time, tokens/s, MFU, the assumptions named)")
     _recipe_options(s)
     f = sub.add_parser("fit", help="the largest batch whose training step fits a GPU (fake engine + allocator simulator)",
                        description=_FIT_TEXT)
@@ -185,7 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--offload-optimizer", action="store_true",
                    help="with --strategy zero*/fsdp2: the optimizer state lives in host memory")
     f.add_argument("--what-fits", type=_positive_int, nargs="?", const=1, default=None, metavar="BATCH",
-                   help="also list the recipes that fit at BATCH (default 1), each confirmed by a fake run")
+                   help="also list the recipes that fit at BATCH (default 1), each confirmed by a fake run and "
+                        "ranked by predicted step time")
+    f.add_argument("--fastest", action="store_true",
+                   help="the fastest plan that fits: --what-fits's recipes (and the asked one) at its batch, "
+                        "by predicted step time")
+    f.add_argument("--no-time", action="store_true",
+                   help="leave out the predicted step time (a roofline per op on the card's datasheet speeds)")
     f.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
                    help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
                         "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
@@ -215,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
                    help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
                         "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
+    v.add_argument("--no-time", action="store_true",
+                   help="leave out the predicted prefill and decode times (a roofline per op on the card's speeds)")
     v.add_argument("--json", action="store_true", help=_JSON_HELP)
     _quiet_option(v)
     r = sub.add_parser("record", help="on a GPU: measure the lessons' record set, write <out>/<gpu>.json",
@@ -325,11 +336,15 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
                         "capacity:F (each expert F times that, dropped or padded), worst (every token to the same k "
                         "experts) or router (the model's own experts kernel)")
     p.add_argument("--tp", type=_positive_int, default=1, metavar="N",
-                   help="tensor parallelism over N GPUs (the model's own transformers plan, on PyTorch's fake "
-                        "process group, fake tensors): the answer is one rank's; with --gpus, N divides it")
+                   help="tensor parallelism over N GPUs (torchtitan's layout: the blocks by the model's own "
+                        "transformers plan, the embedding and head split by vocabulary; PyTorch's fake process "
+                        "group, fake tensors): the answer is one rank's; with --gpus, N divides it")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: Megatron-style sequence parallelism (norms and the residual stream on a "
                         "sequence shard)")
+    p.add_argument("--loss-parallel", action="store_true",
+                   help="with --tp: the logits stay split by vocabulary and the cross-entropy is computed on "
+                        "them (torch.distributed.tensor.parallel.loss_parallel, as torchtitan does)")
     p.add_argument("--cp", type=_positive_int, default=1, metavar="N",
                    help="context parallelism over N ranks: the answer is one rank's sequence shard (seq_len/N), "
                         "ring attention's K/V buffers stated as a formula; 2N (with --sequence-parallel 2N x tp) "
@@ -438,13 +453,16 @@ def _answer(args: argparse.Namespace, progress: StreamProgress | None) -> tuple[
         from gpulab.predict.step import step   # gpulab.step
         return step(args.model, recipe=args.recipe, layout=args.layout, batch=args.batch, steps=args.steps,
                     engine=args.engine, seq_len=args.seq_len, image_size=args.image_size,
-                    fake_target=args.fake_target, gpu=args.gpu).as_dict(), answers.step_text
+                    fake_target=args.fake_target, gpu=args.gpu,
+                    time=args.time).as_dict(), answers.step_text
     if args.command == "serve":
         from gpulab.predict.serve import longest_context, serve
         kw = dict(dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype, block_size=args.block_size,
                   utilization=args.utilization, module_loading=args.cuda_module_loading, progress=progress,
+                  predict_time=not args.no_time,
                   **({"context_bytes": checks.size(args.cuda_context, "--cuda-context")} if args.cuda_context else {}))
-        if args.longest_context:
+        if args.longest_context:   # each context tried is a serve answer: none of them timed
+            kw["predict_time"] = False
             return longest_context(args.model, args.gpu, batch=args.batch, **kw).as_dict(), answers.longest_text
         if args.context is None:
             raise ValueError("serve needs --context TOKENS (tokens per sequence) or --longest-context")
@@ -453,13 +471,16 @@ def _answer(args: argparse.Namespace, progress: StreamProgress | None) -> tuple[
     context = {"context_bytes": checks.size(args.context)} if args.context else {}
     data = fit(args.model, args.gpu, recipe=args.recipe, layout=args.layout, seq_len=args.seq_len,
                image_size=args.image_size, module_loading=args.cuda_module_loading, progress=progress,
-               **context).as_dict()
-    if args.what_fits:
+               predict_time=not args.no_time, **context).as_dict()
+    if args.fastest and args.no_time:
+        raise ValueError("--fastest ranks plans by their predicted time: leave out --no-time")
+    if args.what_fits or args.fastest:
         from gpulab.predict.what_fits import what_fits
-        data["what_fits"] = what_fits(args.model, args.gpu, batch=args.what_fits, optimizer=args.optimizer,
+        data["what_fits"] = what_fits(args.model, args.gpu, batch=args.what_fits or 1, optimizer=args.optimizer,
                                       dtype=args.dtype, amp=args.amp, seq_len=args.seq_len,
                                       image_size=args.image_size, module_loading=args.cuda_module_loading,
-                                      progress=progress, **context, **checks.recipe_keywords(args)).as_dict()
+                                      progress=progress, predict_time=not args.no_time, **context,
+                                      **checks.recipe_keywords(args)).as_dict()
     return data, answers.fit_text
 
 

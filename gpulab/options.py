@@ -172,13 +172,16 @@ def check_routing_text(value: Any) -> tuple[str, float]:
 STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")   # predict.sharding.STRATEGIES' keys
 
 
-def check_tp_options(tp: int, sequence_parallel: bool = False) -> None:
+def check_tp_options(tp: int, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
     """ValueError, in one line, for a tensor-parallel degree that is not a whole number >= 1, or
-    sequence parallelism without it."""
+    sequence or loss parallelism without it."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tensor parallelism must be a whole number of ranks >= 1, got {tp!r}")
     if sequence_parallel and tp < 2:
         raise ValueError("sequence parallelism splits the sequence over the tensor-parallel ranks: give --tp 2 or more")
+    if loss_parallel and tp < 2:
+        raise ValueError("loss parallelism computes the loss on logits split over the tensor-parallel ranks' "
+                         "vocabulary shards: give --tp 2 or more")
 
 
 def check_cp_options(cp: int) -> None:
@@ -352,6 +355,7 @@ class Layout:
     offload_optimizer: bool = False   # with zero*/fsdp2: the optimizer state in host memory
     tp: int = 1                       # tensor-parallel ranks
     sequence_parallel: bool = False   # with tp: norms and the residual stream on a sequence shard
+    loss_parallel: bool = False       # with tp: logits and cross-entropy sharded on the vocabulary
     cp: int = 1                       # context-parallel ranks: each holds a shard of the sequence
     ep: int = 1                       # expert-parallel ranks: each holds experts/ep of every MoE layer
     pp: int = 1                       # pipeline stages
@@ -370,6 +374,7 @@ class Layout:
             raise ValueError(f"unknown strategy {self.strategy!r}: one of {', '.join(STRATEGY_NAMES)}")
         _check_bool("offload_optimizer", self.offload_optimizer)
         _check_bool("sequence_parallel", self.sequence_parallel)
+        _check_bool("loss_parallel", self.loss_parallel)
         check_layout_degrees(self)
         if self.pp > 1 and self.microbatches is None:   # a pipeline's default: one micro-batch per stage
             _set(self, "microbatches", self.pp)
@@ -494,7 +499,7 @@ def check_layout_degrees(r: Any) -> None:
     """Each parallel degree a whole number, and the combinations gpulab measures (``r``: a ``Layout``,
     or the loop's recipe, which carries the same fields)."""
     check_pp_options(r.pp, r.microbatches, r.schedule, r.pp_stage, r.virtual_stages)
-    check_tp_options(r.tp, r.sequence_parallel)
+    check_tp_options(r.tp, r.sequence_parallel, r.loss_parallel)
     check_cp_ep_options(r.cp, r.ep, r.tp, r.pp)
 
 

@@ -105,3 +105,22 @@ def test_sharding_panel_runs_one_process():
     result = panel.run()
     assert panel.error is None, panel.error
     assert result.world_size == 1 and result.ranks[0].at_end["parameters"] == 4 * result.n_params
+
+
+def test_the_torchtitan_layout_counts_one_ranks_share_and_draws_its_mesh():
+    import torch
+
+    from gpulab.course.titan_layout import titan_layout
+    from gpulab.models import hf_configs
+    t = titan_layout("hf:llama-3.1-70b", dp_shard=32, tp=8)
+    with torch.device("meta"):
+        whole = sum(p.numel() for p in hf_configs.build_causal_lm(hf_configs.make_config("llama-3.1-70b")).parameters())
+    # every matrix split 8 ways, then 32 ways by FSDP; the norms (whole on each TP rank) are under 0.01%
+    assert t.parameters_per_rank == pytest.approx(whole / 256, rel=1e-3)
+    assert t.states_bytes == 16 * t.parameters_per_rank
+    assert t.error_percent == pytest.approx(100 * (t.states_bytes - 71.9 * 2 ** 30) / (71.9 * 2 ** 30))
+    fig = t.figure()
+    cells = [p for p in fig.axes[0].patches if p.get_fill()]
+    assert len(cells) == 256 and "dp_shard 32 x tp 8" in fig._suptitle.get_text()
+    with pytest.raises(ValueError, match="pp must divide the model's 80 layers"):
+        titan_layout("hf:llama-3.1-70b", pp=3)

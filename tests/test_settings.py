@@ -72,6 +72,8 @@ def test_fit_with_objects_equals_fit_with_keywords_and_carries_them():
     assert a.answered_recipe == b.answered_recipe == recipe and a.answered_layout == b.answered_layout == layout
     d = a.as_dict()
     assert d["answered_recipe"] == dataclasses.asdict(recipe) and d["answered_layout"]["tp"] == 2
+    layout_note = d["recipe"].pop("tensor_parallel")   # the tensor-parallel layout, stated (training.tensor_parallel)
+    assert layout_note["text"].startswith("tp=2: torchtitan's TP layout")
     assert d["recipe"] == {"accumulate": 2, "tp": 2}   # the existing key: what the answer states
 
 

@@ -103,12 +103,35 @@ def test_card_table_rows_name_their_source_and_say_where_a_figure_is_missing():
         TimeAssumptions(compute_efficiency=0)
 
 
-def test_predicted_ratio_of_two_recipes_against_a_real_cpu_run():
-    """Batch 8 over batch 2 of a small GPT-2 on this CPU, measured as a card on the spot. At the
-    commit the figures were predicted 3.55, measured 3.22; the bound is wide: the machine is shared."""
+def _time_ratios():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import time_ratios
-    card = cpu_card_speed(measure_cpu_speed(repeats=3))
+    return time_ratios
+
+
+def test_predicted_ratio_of_two_recipes_against_a_real_cpu_run():
+    """Batch 8 over batch 2 of a small GPT-2 on this CPU, measured as a card on the spot, one thread,
+    timed by the thread's CPU time (benchmarks/time_ratios.py). At the commit, on a 2-core machine at
+    load 11: predicted 3.64, measured 3.46. The bound is wide: the default run's cheap check."""
+    time_ratios = _time_ratios()
+    card = time_ratios.cpu_card()
     assert isinstance(card, CardSpeed) and card.assumptions.compute_efficiency == 1.0
     (row,) = time_ratios.ratios(card, pairs=time_ratios.PAIRS[:1], steps=3)
     assert 0.5 < row["quotient"] < 2.0, row
+
+
+@pytest.mark.extended
+def test_the_cpu_model_predicts_each_recipes_ratio_of_step_times():
+    """Issue 46 item 5 on the CPU: checkpointing on/off, batch 8 vs 2 and 8 vs 1, for-loop vs foreach Adam,
+    each predicted ratio against real timed CPU steps (one torch thread, each the fastest of 5 steps by
+    ``time.thread_time``: another process's work delays a step without counting in it). At the commit (2-core
+    AMD EPYC, load 11): predicted/measured 1.05, 0.95, 1.14, 1.22. Tolerance: predicted/measured in
+    [0.75, 1.4]. Why so wide: the roofline charges one launch cost for every op and none of the CPU's
+    caches (a small batch's weights stay in cache; the for-loop's per-tensor ops cost less than eager's
+    measured per-op overhead inside foreach's C++ loop), so 20-25% off is the model's own error; wider than
+    that is a wrong model (e.g. recompute not counted would predict 1.0 for checkpointing: 0.75 of 1.34)."""
+    time_ratios = _time_ratios()
+    rows = time_ratios.ratios(time_ratios.cpu_card(), steps=5)
+    assert len(rows) == 4
+    for row in rows:
+        assert 0.75 < row["quotient"] < 1.4, row

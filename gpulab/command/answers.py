@@ -71,6 +71,8 @@ def step_text(d: dict[str, Any]) -> str:
         found = d.get("cudnn_workspace_bytes")
         lines.append(f"{d['cudnn_workspace_label']}" + (f": {format_bytes(found)}, peak with them "
                                                          f"{format_bytes(d['peak_with_workspaces_bytes'])}" if found else ""))
+    if d.get("time"):
+        lines += d["time"]["lines"]
     return "\n".join(lines)
 
 
@@ -119,9 +121,18 @@ def fit_text(d: dict[str, Any]) -> str:
         lines.append(f"kernels: {d['kernels']}")
     if d.get("context_warning"):
         lines.append(f"warning: {d['context_warning']}")
+    lines += _time_lines(d, f"at batch {max(1, d['largest_batch'])}")
     if d.get("what_fits"):
         lines += _what_fits_lines(d["what_fits"])
     return "\n".join(lines)
+
+
+def _time_lines(d: dict[str, Any], where: str) -> list[str]:
+    """An answer's predicted time (``predict.plan_time`` / ``serve_time``), or why there is none."""
+    if d.get("time"):
+        head, *rest = d["time"]["lines"]
+        return [f"{head} ({where})" if head.startswith("step time") else head, *rest]
+    return [f"time: not predicted ({d['time_note']})"] if d.get("time_note") else []
 
 
 def _stage_lines(rows: list[dict[str, Any]], batch: int) -> list[str]:
@@ -175,16 +186,41 @@ def serve_text(d: dict[str, Any]) -> str:
         lines.insert(1, f"card total: {d['capacity_note']}")
     if d.get("context_warning"):
         lines.append(f"warning: {d['context_warning']}")
+    lines += _time_lines(d, "")
     return "\n".join(lines)
 
 
 def _what_fits_lines(d: dict[str, Any]) -> list[str]:
     lines = [f"what fits at batch {d['batch']} ({d['label']}): the asked recipe needs "
              f"{format_bytes(d['asked_reserved_bytes'])} ({'fits' if d['asked_fits'] else 'does not fit'})"]
-    for t in d["tried"]:
+    timed = [t for t in d["tried"] if t.get("time")]
+    if d.get("asked_time"):
+        lines.append(f"  the asked recipe: {_speed_text(d['asked_time'])}")
+    if timed:
+        label = timed[0]["time"]["label"]
+        lines.append(f"  ranked by step time, {label}, fastest first:")
+    order = sorted(d["tried"], key=lambda t: (not t["fits"], t["time"]["seconds"] if t.get("time") else 0.0))
+    for t in order:
         lines.append(f"  {'fits' if t['fits'] else 'no  '}  {format_bytes(t['reserved_bytes']):>10}  "
-                     f"saves {format_bytes(t['saved_bytes']):>10}  {t['name']}  [{t['cost']}]")
+                     f"saves {format_bytes(t['saved_bytes']):>10}  "
+                     + (f"{_speed_text(t['time'])}  " if t.get("time") else "")
+                     + f"{t['name']}  [{t['cost']}]")
     lines += [f"  left out, the layout cannot take it: {why}" for why in d.get("left_out", [])]
     if not d["fitting"]:
         lines.append("  nothing tried fits: a larger card, or several GPUs")
+    if d.get("fastest"):
+        f = d["fastest"]
+        lines.append(f"  fastest plan that fits: {f['name']} ({_speed_text(f['time'])})")
+    if timed or d.get("asked_time"):
+        a = (timed[0] if timed else {"time": d["asked_time"]})["time"]["assumptions"]
+        lines.append(f"  time assumptions: compute efficiency {a['compute_efficiency']:g}, memory efficiency "
+                     f"{a['memory_efficiency']:g}, launch overhead {a['launch_overhead_s'] * 1e6:g} µs per kernel "
+                     f"({a['source']}); each timed at its full depth from two small timed fake runs")
+    elif d.get("time_note"):
+        lines.append(f"  time: not predicted ({d['time_note']})")
     return lines
+
+
+def _speed_text(t: dict[str, Any]) -> str:
+    """"412.3 ms, 9,934 tokens/s, MFU 51.6%": a predicted step in brief."""
+    return f"{t['seconds'] * 1e3:,.1f} ms, {t['items_per_s']:,.0f} {t['unit']}/s, MFU {t['mfu']:.1%}"

@@ -25,7 +25,8 @@ def recipe_keywords(args: argparse.Namespace) -> dict[str, Any]:
             "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
             "quantize": "nf4" if args.qlora else args.quantize, "lora_dtype": args.lora_dtype,
             "double_quant": not args.no_double_quant, "quant_compute_dtype": args.quant_compute_dtype,
-            "tp": args.tp, "sequence_parallel": args.sequence_parallel, "routing": args.routing,
+            "tp": args.tp, "sequence_parallel": args.sequence_parallel,
+            "loss_parallel": args.loss_parallel, "routing": args.routing,
             "pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule,
             "virtual_stages": args.virtual_stages, "fp8": args.fp8, "cp": args.cp, "ep": args.ep}
 

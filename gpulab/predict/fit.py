@@ -48,6 +48,7 @@ from gpulab.predict import layer_repeat, run_cache
 from gpulab.predict.progress import Progress, report
 from gpulab.predict.search import largest_fitting
 from gpulab.training.context_parallel import layout_notes
+from gpulab.training.tensor_parallel import tp_notes
 from gpulab.training.routing import is_moe, stated_routing
 from gpulab.categories import Category
 from gpulab.measure.tracking import TrackingResult
@@ -126,6 +127,8 @@ class FitResult(CardBudget):
     ranks: list = field(default_factory=list)   # with pipeline stages: one pipeline_fit.StageFit per stage shape
     answered_recipe: Recipe | None = None   # the Recipe and Layout this answer is for (gpulab.options)
     answered_layout: Layout | None = None
+    time: Any = None                  # the step's predicted time at the answer (predict.plan_time.PlanTime)
+    time_note: str = ""               # why there is none
 
     @property
     def allocator_overhead_bytes(self) -> int:
@@ -144,7 +147,12 @@ class FitResult(CardBudget):
         return f"at least {self.largest_batch} (the search's limit)" if self.at_search_limit else str(self.largest_batch)
 
     def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        t, self.time = self.time, None   # a view of its own, not asdict's copy
+        try:
+            d = asdict(self)
+        finally:
+            self.time = t
+        d["time"] = None if t is None else t.as_dict()
         if not d["recipe"]:
             del d["recipe"]
         d.update(largest_batch_at_limit=self.at_search_limit, largest_batch_text=self.largest_batch_text)
@@ -174,10 +182,11 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
         use_cache: bool | None = None, compile: bool = False, implementation: str = "default",
         checkpointing: bool | str = False, lora: int = 0, lora_targets: Sequence[str] | None = None,
         lora_dropout: float = 0.0, quantize: str | None = None, lora_dtype: str = "fp32", double_quant: bool = True,
-        quant_compute_dtype: str = "input", routing: Any = None, tp: int = 1, sequence_parallel: bool = False,
+        quant_compute_dtype: str = "input", routing: Any = None, tp: int = 1, sequence_parallel: bool = False, loss_parallel: bool = False,
         pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1,
         fp8: str | None = None, cp: int = 1, ep: int = 1, module_loading: str = "lazy",
-        gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False) -> FitResult:
+        gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False,
+        predict_time: bool = True) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
     a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring.
 
@@ -191,7 +200,9 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
     (``microbatches``, ``schedule``: ``training.pipeline``): the batch is the micro-batch, the answer
     the stage that binds, every stage that differs in ``ranks`` (``predict.pipeline_fit``). ``cp``,
     ``ep``: rank 0 of a context- / expert-parallel group (``training.context_parallel``). The result
-    carries the ``Recipe`` and ``Layout`` it answered (``answered_recipe``, ``answered_layout``)."""
+    carries the ``Recipe`` and ``Layout`` it answered (``answered_recipe``, ``answered_layout``).
+    ``predict_time``: the step's predicted time at the answer, ``result.time`` (``predict.plan_time``),
+    where the card has speed figures (else ``result.time_note`` says why not)."""
     t0, place = time.perf_counter(), _place(gpu, context_bytes, module_loading)
     recipe, layout = settings_from(recipe, layout, locals())   # each checked once, then passed whole
     if layout.pp_stage:
@@ -210,6 +221,9 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
         sharding, shard = _sharding(w, loop, dt, spread, layout.strategy, layout.offload_optimizer)
         result = _search(w, key, dt, loop, place._replace(sharding=sharding), shard, progress, t0)[0]
     result.answered_recipe, result.answered_layout = recipe, layout
+    if predict_time:
+        from gpulab.predict.plan_time import time_of_fit
+        time_of_fit(result, w, dt, loop, layout, place.card, progress)
     return _layout_stated(result, w, loop, dt, layout)
 
 
@@ -220,7 +234,7 @@ def _layout_stated(result: FitResult, w: Workload, recipe: LoopRecipe, dt: torch
         result.mesh = layout.mesh
         result.label = f"{result.label}; {layout.mesh}"
     itemsize = torch.empty((), dtype=recipe.amp or dt).element_size()
-    for name, note in layout_notes(w, recipe, max(1, result.largest_batch), itemsize).items():
+    for name, note in {**tp_notes(recipe), **layout_notes(w, recipe, max(1, result.largest_batch), itemsize)}.items():
         result.label = f"{result.label}; {note['text']}"
         result.recipe = {**result.recipe, name: note}
     return result

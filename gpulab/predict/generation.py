@@ -136,7 +136,7 @@ def _fill(cache, batch: int, fill: int) -> None:
 
 
 def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: torch.dtype, weights: str | None,
-                kv_cache: str = "dynamic"):
+                kv_cache: str = "dynamic", timer: list | None = None):
     def experiment(ctx: RunContext) -> dict[str, Any]:
         import transformers
         with ctx.phase("setup"), torch.device(ctx.device):
@@ -159,6 +159,8 @@ def _experiment(config, prompt_len: int, new_tokens: int, batch: int, dtype: tor
                 scores = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
                 del out, scores
             prefill_end = ctx.mark()
+            if timer:   # the decode step is the timer's next step (predict.timing.OpTimer.new_step)
+                timer[0].new_step()
             after_prefill = sum(_storage_bytes(_layer_tensors(layer)) for layer in cache.layers)
             last = prompt_len + new_tokens - 1           # tokens the cache holds after the last step
             fill = last - 1 - prompt_len                  # what the decode steps before it added
@@ -187,7 +189,7 @@ def fp8_cache_exists() -> bool:
 def generation_peak(model: Any, *, prompt_len: int, new_tokens: int, batch: int = 1,
                     dtype: str | torch.dtype = "bf16", attn_implementation: str | None = None,
                     weights: str | None = None, kv_cache: str = "dynamic",
-                    beyond_positions: bool = False) -> GenerationPeak:
+                    beyond_positions: bool = False, timer: list | None = None) -> GenerationPeak:
     """The peak of generating ``new_tokens`` tokens (at least 2) after a prompt of ``prompt_len``
     for ``batch`` sequences: a built-in config name (``"hf:qwen2.5-7b"``) or a transformers config,
     its weights in ``dtype``, measured on fake tensors following CUDA's kernels (module docstring).
@@ -199,7 +201,8 @@ def generation_peak(model: Any, *, prompt_len: int, new_tokens: int, batch: int 
     layer dequantized whole to ``dtype`` in its forward; transformers takes it for models with full
     attention only). ``beyond_positions``: measure past the config's ``max_position_embeddings``
     where the model's positions are rotary (``hf_configs.rotary_positions``), as ``serve`` does with
-    that assumption named; a learned position table is always refused there."""
+    that assumption named; a learned position table is always refused there. ``timer``: a list the run's
+    ``predict.timing.OpTimer`` is appended to (the prefill is its step 1, the decode step its step 2)."""
     if kv_cache not in KV_CACHES:
         raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
     if weights is not None and weights not in QUANTIZATIONS:
@@ -225,7 +228,11 @@ def generation_peak(model: Any, *, prompt_len: int, new_tokens: int, batch: int 
         raise ValueError(f"transformers {transformers.__version__} has no fp8 QuantizedCache (its backends: quanto, "
                          f"hqq): ask for kv_cache='dynamic', or install a newer transformers")
     dt = parse_dtype(dtype)
-    m = run(_experiment(config, prompt_len, new_tokens, batch, dt, weights, kv_cache), "fake", fake_target="cuda")
+    experiment = _experiment(config, prompt_len, new_tokens, batch, dt, weights, kv_cache, timer)
+    if timer is not None:
+        from gpulab.predict.timing import timed_experiment
+        experiment = timed_experiment(experiment, timer)
+    m = run(experiment, "fake", fake_target="cuda")
     if m.oom or m.tracking is None:
         raise MemoryError(m.error or "the generation did not run")
     start, prefill_end, decode_start = m.value["marks"]

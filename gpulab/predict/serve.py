@@ -100,6 +100,8 @@ class ServeResult:
     vllm_sequence_bytes: int = 0  # one sequence's pages at the context in vLLM (formula; 0: kv_per_token_bytes's)
     positions_note: str = ""      # the assumption when the context is past the config's positions (rotary only)
     experts_note: str = ""        # a mixture of experts: how its experts ran (training.routing.stated_routing's label)
+    time: Any = None              # predicted prefill and decode times (predict.serve_time.ServeTime)
+    time_note: str = ""           # why there is none
 
     @property
     def usable_bytes(self) -> int:
@@ -135,6 +137,7 @@ class ServeResult:
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["time"] = None if self.time is None else self.time.as_dict()
         out.update(context_label=context_label(self.context_bytes, self.module_loading),
                    context_warning=context_assumption(self.module_loading).warning, usable_bytes=self.usable_bytes, needed_one_at_a_time_bytes=self.needed_one_at_a_time_bytes,
                    needed_all_at_once_bytes=self.needed_all_at_once_bytes, fits=self.fits,
@@ -218,13 +221,16 @@ def _config(model: Any) -> tuple[Any, str]:
 @follows_card   # the fake runs follow the card's kernels (compute capability: attention kernel)
 def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1, dtype: str | torch.dtype = "bf16",
           weights: str | None = None, kv_dtype: str | None = None, block_size: int = 16, utilization: float = 0.9,
-          context_bytes: int | None = None, module_loading: str = "lazy", progress: Progress = None) -> ServeResult:
+          context_bytes: int | None = None, module_loading: str = "lazy", progress: Progress = None,
+          predict_time: bool = True) -> ServeResult:
     """Serving ``model`` (a built-in config name or a transformers config) on ``gpu`` at
     ``context_len`` tokens per sequence (prompt and output together), ``batch`` sequences at
     once: see the module docstring. ``weights``: None (``dtype``), "int8" or "int4" / "nf4";
     ``kv_dtype``: None (``dtype``), "bf16", "fp16", "fp32" or "fp8". ``context_bytes``: the CUDA
     context's size, by default the assumption for ``module_loading`` (``predict.context``).
-    ``progress(fraction, text)``: told before each fake run (``predict.progress``)."""
+    ``progress(fraction, text)``: told before each fake run (``predict.progress``). ``predict_time``: the
+    prefill's and a decode step's predicted times from the whole batch's run (``predict.serve_time``), where
+    the card has speed figures."""
     t0 = time.perf_counter()
     assumed = context_assumption(module_loading)
     context_bytes = assumed.nbytes if context_bytes is None else context_bytes
@@ -249,17 +255,27 @@ def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1
     cache, nbytes, kv_label = _kv_plan(layout, dt, kv_dtype)
     report(progress, 0.1, f"fake run of one sequence: prefill of {context_len - 1:,} tokens and decode steps on "
            f"fake tensors (CUDA's kernels)")
+    from gpulab.predict.plan_time import speed_or_why
+    speed, time_note = speed_or_why(card) if predict_time else (None, "")
+    timer: list | None = [] if speed is not None else None
     one = generation_peak(config, prompt_len=context_len - 1, new_tokens=2, batch=1, dtype=dt, weights=kind,
-                          kv_cache=cache, beyond_positions=bool(positions_note))
+                          kv_cache=cache, beyond_positions=bool(positions_note), timer=timer if batch == 1 else None)
     if batch > 1:
         report(progress, 0.5, f"fake run of all {batch} sequences at once: prefill and decode steps")
     everyone = one if batch == 1 else generation_peak(config, prompt_len=context_len - 1, new_tokens=2, batch=batch,
                                                       dtype=dt, weights=kind, kv_cache=cache,
-                                                      beyond_positions=bool(positions_note))
+                                                      beyond_positions=bool(positions_note), timer=timer)
     measured = kv_label.startswith(LABEL_FAKE_CUDA + ":")
     kv = everyone.cache_bytes if measured else layout.bytes(context_len, batch, nbytes)
     # a KV dtype transformers' cache could not be measured in: the measured decode step with the formula's cache
     decode = everyone.decode_peak_bytes - everyone.cache_bytes + kv
+    timed = None
+    if timer:
+        from gpulab.predict.serve_time import serve_time
+        try:
+            timed = serve_time(timer[0].ops, speed, batch, context_len - 1, one.weights_bytes, kv)
+        except ValueError as why:   # a dtype the card has no peak for (a T4 in bf16)
+            time_note = str(why)
     return ServeResult(shown, card.name, card.reported_total_bytes, context_bytes, context_len, batch, dtype_name(dt),
                        kind or dtype_name(dt), kv_dtype or dtype_name(dt), one.weights_bytes,
                        layout.per_token_bytes(nbytes), kv, one.prefill_peak_bytes, everyone.prefill_peak_bytes, decode,
@@ -270,7 +286,8 @@ def serve(model: Any, gpu: str | Card | int, *, context_len: int, batch: int = 1
                        experts_note=stated_routing(None, config).label if is_moe(config) else "",
                        kv_all_global_bytes=layout.all_global_bytes(context_len, batch, nbytes),
                        vllm_sequence_bytes=layout.vllm_bytes(context_len, 1, nbytes, block_size),
-                       kernels=current_target().note(), label=f"{LABEL_FAKE_CUDA}; {current_target().note()}")
+                       kernels=current_target().note(), label=f"{LABEL_FAKE_CUDA}; {current_target().note()}",
+                       time=timed, time_note=time_note)
 
 
 @dataclass

@@ -137,6 +137,27 @@ def _shard(nbytes: int, n: int) -> int:
     return -(-nbytes // n)
 
 
+def held_bytes(sharding: Sharding, cat: Category, nbytes: int, n: int, ds_scale: float = 1.0) -> int:
+    """The bytes one rank holds under ``sharding`` of a storage of ``nbytes`` in category ``cat`` that
+    the strategy splits over ``n`` ranks (module docstring; ``ds_scale``: DeepSpeed's fp32 state per
+    parameter over the run's own state bytes). ``per_rank`` resizes every storage by it; other
+    categories are held whole."""
+    s = sharding.strategy
+    if cat is Category.OPTIMIZER_STATE:
+        if sharding.offload_optimizer:
+            return 0
+        return _shard(int(math.ceil(nbytes * ds_scale)), n) if s != "ddp" else nbytes
+    if cat is Category.PARAMETERS:
+        return _shard(nbytes, n) if s in ("zero3", "fsdp2") else nbytes
+    if cat is Category.GRADIENTS:
+        if s == "zero3":   # reduced into the fp32 partition (in the 16 bytes) as they come
+            return 0
+        if s == "zero2":   # the 16-bit gradient partition (with the optimizer state on the host when offloaded)
+            return 0 if sharding.offload_optimizer else _shard(nbytes, n)
+        return _shard(nbytes, n) if s == "fsdp2" else nbytes
+    return nbytes
+
+
 def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: int,
              experts: frozenset[tuple[int, ...]] = frozenset()) -> TrackingResult:
     """``t`` (one GPU's two-step run) as one rank holds it under ``sharding``; storages of the shapes in
@@ -152,19 +173,7 @@ def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: 
     ds_scale = (DS_STATE_BYTES * params / param_elem) / state_bytes if s in DEEPSPEED and state_bytes else 1.0
 
     def size(cat: Category, nbytes: int, n: int) -> int:
-        if cat is Category.OPTIMIZER_STATE:
-            if sharding.offload_optimizer:
-                return 0
-            return _shard(int(math.ceil(nbytes * ds_scale)), n) if s != "ddp" else nbytes
-        if cat is Category.PARAMETERS:
-            return _shard(nbytes, n) if s in ("zero3", "fsdp2") else nbytes
-        if cat is Category.GRADIENTS:
-            if s == "zero3":   # reduced into the fp32 partition (in the 16 bytes) as they come
-                return 0
-            if s == "zero2":   # the 16-bit gradient partition (with the optimizer state on the host when offloaded)
-                return 0 if sharding.offload_optimizer else _shard(nbytes, n)
-            return _shard(nbytes, n) if s == "fsdp2" else nbytes
-        return nbytes
+        return held_bytes(sharding, cat, nbytes, n, ds_scale)
 
     events, sizes = [], {}
     for e in t.events:
@@ -177,7 +186,7 @@ def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: 
             events.append(e.with_bytes(nbytes, nbytes - sizes.get(e.sid, 0)))
             sizes[e.sid] = nbytes
     records = dict(t.records)
-    extra = _extra(sharding, layers, param_elem, t)
+    extra = strategy_extra(sharding, layers, param_elem, t)
     if extra:
         first_grad = next((i for i, e in enumerate(events) if e.kind == "alloc"
                            and cats[e.sid] is Category.GRADIENTS), 0)
@@ -195,7 +204,7 @@ def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: 
     return TrackingResult.build(records, events, t.device, t.rounded)
 
 
-def _extra(sharding: Sharding, layers: Layers, param_elem: int, t: TrackingResult) -> list[tuple[str, int, str]]:
+def strategy_extra(sharding: Sharding, layers: Layers, param_elem: int, t: TrackingResult) -> list[tuple[str, int, str]]:
     """(what, bytes, from when) the strategy adds on each rank."""
     s = sharding.strategy
     if s == "ddp":
@@ -248,4 +257,4 @@ def deepspeed_estimate(n_params: int, sharding: Sharding, layers: Layers) -> int
 
 
 __all__ = ["DEEPSPEED", "LABEL", "Layers", "STRATEGIES", "Sharding", "check_sharding", "count_layers",
-           "deepspeed_estimate", "model_state_bytes", "one_step_gradients", "per_rank"]
+           "deepspeed_estimate", "held_bytes", "model_state_bytes", "strategy_extra", "one_step_gradients", "per_rank"]

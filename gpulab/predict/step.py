@@ -24,12 +24,13 @@ from gpulab.models.workload import Workload, resolve_workload, step_failed
 from gpulab.training.loop import (changed_options, check_recipe_for, loop_recipe, recipe_workload, step_peaks,
                                   train_experiment)
 from gpulab.training.context_parallel import layout_notes
+from gpulab.training.tensor_parallel import tp_notes
 from gpulab.training.routing import Routing, is_moe, ran_routed, stated_routing
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
 from gpulab.predict.cards import follows_card
 from gpulab.predict.card_speeds import CardSpeed, speed_of
-from gpulab.predict.timing import StepTime, step_time_of, timed_experiment
+from gpulab.predict.timing import StepTime, step_time_of, timed_experiment, with_host_copies
 from gpulab.predict.layer_repeat import workload_with_depth
 from gpulab.predict.guard import check_fits
 from gpulab.predict.workspaces import NOT_PREDICTED, recorded_cudnn_workspace
@@ -52,7 +53,8 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
          implementation: str = "default", checkpointing: bool | str = False, lora: int = 0,
          lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0, quantize: str | None = None,
          lora_dtype: str = "fp32", double_quant: bool = True, quant_compute_dtype: str = "input", gpu: Any = None,
-         routing: Any = None, tp: int = 1, sequence_parallel: bool = False, fp8: str | None = None,
+         routing: Any = None, tp: int = 1, sequence_parallel: bool = False, loss_parallel: bool = False,
+         fp8: str | None = None,
          pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b", pp_stage: int = 0,
          virtual_stages: int = 1, cp: int = 1, ep: int = 1, time: Any = False, **engine_limits) -> StepResult:
     """Track ``steps`` training steps of ``model``, by category, beside the formulas' prediction
@@ -113,7 +115,7 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
         w.name, batch, w.image_size or 0, opt, dtype_name(dt), steps, m, predicted, step_peaks=step_peaks(m),
         kind=w.kind, input_text=w.describe_input(batch), seq_len=w.seq_len, amp=amp_key,
         recipe=_layout_stated(m, w, recipe, batch, dt), answered_recipe=asked, answered_layout=layout,
-        time=_step_time(timers, speed, w, batch, recipe)), gpu)
+        time=_step_time(timers, speed, w, batch, recipe, m, steps)), gpu)
 
 
 def _check_steps(steps: Any) -> None:
@@ -170,7 +172,7 @@ def _layout_stated(m: Measurement, w: Workload, recipe, batch: int, dt: torch.dt
     (``training.context_parallel.layout_notes``), in the recipe shown and the label."""
     shown = _routing_stated(m, w, recipe)
     itemsize = torch.empty((), dtype=recipe.amp or dt).element_size()
-    for name, note in layout_notes(w, recipe, batch, itemsize).items():
+    for name, note in {**tp_notes(recipe), **layout_notes(w, recipe, batch, itemsize)}.items():
         shown[name] = note
         m.label = f"{m.label}; {note['text']}"
     return shown
@@ -189,7 +191,9 @@ def _run_guarded(w: Workload, batch: int, steps: int, dt: torch.dtype, recipe, c
             if refused:
                 raise _Refused(refused)
         experiment = train_experiment(w, [batch] * steps, dt, recipe)
-        m = run(experiment if speed is None else timed_experiment(experiment, timers), choice, fake_target=fake_target)
+        per_step = recipe.accumulate if recipe.pp == 1 else None   # a pipeline's forwards: the schedule's
+        m = run(experiment if speed is None else timed_experiment(experiment, timers, per_step), choice,
+                fake_target=fake_target)
     except _Refused as refused:
         raise ValueError(str(refused)) from None
     except Exception as exc:
@@ -212,13 +216,16 @@ def _time_speed(time: Any, gpu: Any, engine: str) -> CardSpeed | None:
     return speed_of(gpu)
 
 
-def _step_time(timers: list, speed: CardSpeed | None, w: Workload, batch: int, recipe) -> StepTime | None:
-    """The timed run's last step on ``speed``; tokens (a language model) or samples per step."""
+def _step_time(timers: list, speed: CardSpeed | None, w: Workload, batch: int, recipe, m: Measurement,
+               steps: int) -> StepTime | None:
+    """The timed run's last step on ``speed``; tokens (a language model) or samples per step; with
+    activation offloading, a step's share of the run's host copies over the host link."""
     if speed is None or not timers:
         return None
     per = w.seq_len if w.kind == "tokens" and w.seq_len else 1
-    return step_time_of(timers[0].ops, speed, batch * per * recipe.accumulate,
-                        "tokens" if per > 1 else "samples")
+    t = step_time_of(timers[0].ops, speed, batch * per * recipe.accumulate, "tokens" if per > 1 else "samples")
+    offloaded = sum(r.nbytes for r in m.offloaded.records.values()) // steps if m.offloaded is not None else 0
+    return with_host_copies(t, offloaded)
 
 
 class _Refused(Exception):

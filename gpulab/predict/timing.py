@@ -17,17 +17,26 @@ Where this differs from RuntimeEstimator, and why:
 - NB: creation ops that write a tensor (``zeros``, ``rand_like``) are costed as the memory they
   write; RuntimeEstimator ignores them. Views (``func.is_view``) cost nothing, as there.
 - NB: each op is one kernel with one launch, and nothing overlaps: no fusion, no streams.
+- Collectives (``torch.ops._c10d_functional``: what DTensor issues on the fake process group in a
+  tensor-parallel run) are not rooflined: each is costed by its bytes over the link its group crosses
+  with NCCL's factors (``predict.comm_time``), on the critical path (``TP_OVERLAP``). ``wait_tensor``
+  costs nothing. Activation offloading's copies to the host and back (``with_host_copies``: the run's
+  offloaded bytes, twice) go over the card's host link (PCIe), not overlapped (``HOST_OVERLAP``); the
+  fake CUDA target's stand-in copies are also costed as device copies (HBM, 50x faster: a sliver).
 - RuntimeEstimator needs a GPU to read the peak; here the card's row gives it, so any machine answers.
 
 The tracker already knows the phase of every op (forward, backward, optimizer); the timer reads it
 (``MemoryTracker.current_phase``) and counts steps by it: a step starts at a forward that follows
-anything but a backward (so accumulation's micro-batches stay in one step). The answer is the last
-step's: the steady state.
+anything but a backward (so accumulation's micro-batches stay in one step), or, told the micro-batches
+a step runs (``per_step``), at a forward after a backward once the step has run that many (the optimizer
+stepped in backward leaves no optimizer phase between steps). Checkpointing's recompute runs inside
+the backward phase (the tracker's), so it stays in its step. The answer is the last step's: the steady
+state.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -36,10 +45,20 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from gpulab.predict.card_speeds import CardSpeed, TimeAssumptions
+from gpulab.predict.comm_time import COMM_ASSUMPTION, CollectiveCost, collective_seconds, link_for
 from gpulab.tables import html_table
 
-__all__ = ["OpCost", "OpTimer", "StepTime", "dtype_key", "op_bytes", "roofline_seconds", "step_time_of",
-           "timed_experiment"]
+__all__ = ["HOST_OVERLAP", "OpCost", "OpTimer", "StepTime", "TP_OVERLAP", "cost_ops", "dtype_key", "op_bytes",
+           "roofline_seconds", "step_time_of", "timed_experiment"]
+
+TP_OVERLAP = ("tensor parallelism's collectives on the critical path (each block's all-reduce, or sequence "
+              "parallelism's all-gather and reduce-scatter, waits for its matmul and the next op waits for it)")
+HOST_OVERLAP = "host-device copies (offloading) not overlapped with compute: an upper bound"
+# the functional collectives' op names (torch/distributed/_functional_collectives.py) as NCCL's kinds
+_COLLECTIVES = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
+                "all_gather_into_tensor_out": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                "all_to_all_single": "all_to_all", "broadcast": "broadcast", "broadcast_": "broadcast"}
+
 
 _PRIM_DEVICE = torch.ops.prim.device.default
 _STEP_PHASES = ("forward", "backward", "optimizer")
@@ -78,18 +97,38 @@ class OpCost:
     flops: int
     nbytes: int
     dtype: str   # the FLOPs' dtype key ("" for an op without FLOPs)
+    kind: str = "kernel"   # "kernel", or a collective's NCCL name ("all_reduce" ...)
+    group: int = 1         # a collective's ranks
+
+
+def _group_size(args: tuple) -> int:
+    """A functional collective's ranks: its ``group_size`` argument, else its group's (by name)."""
+    ints = [a for a in args[1:] if isinstance(a, int) and not isinstance(a, bool)]
+    if ints:
+        return ints[-1]
+    import torch.distributed.distributed_c10d as c10d
+    name = next(a for a in reversed(args) if isinstance(a, str))
+    return c10d._resolve_process_group(name).size()
 
 
 class OpTimer(TorchDispatchMode):
     """Records every kernel-launching aten op of a run with its FLOPs, bytes and phase. Entered
     inside a ``MemoryTracker`` (``timed_experiment``): it sees each op first and hands it on."""
 
-    def __init__(self, phase_of: Callable[[], str]) -> None:
+    def __init__(self, phase_of: Callable[[], str], per_step: int | None = None) -> None:
         super().__init__()
         self._phase_of = phase_of
+        self._per_step = per_step
+        self._forwards = 0   # forward phases entered in this step
         self.ops: list[OpCost] = []
         self.step = 0
         self._last = "setup"
+
+    def new_step(self) -> None:
+        """Count the ops from here on as the next step (a run whose steps no phase change separates:
+        a prefill and the decode step after it, ``predict.generation``)."""
+        self.step, self._forwards = self.step + 1, 1
+        self._last = "forward"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -100,11 +139,20 @@ class OpTimer(TorchDispatchMode):
         if not outs:   # metadata queries, scalars read back
             return out
         phase = self._phase_of()
-        if phase == "forward" and self._last not in ("forward", "backward"):
-            self.step += 1
+        if phase == "forward" and self._last != "forward":
+            if self._last != "backward" or (self._per_step is not None and self._forwards >= self._per_step):
+                self.step, self._forwards = self.step + 1, 0
+            self._forwards += 1
         self._last = phase
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         packet = func._overloadpacket
+        if func.namespace in ("_c10d_functional", "_c10d_functional_autograd"):
+            kind = _COLLECTIVES.get(packet.__name__)
+            if kind is not None:   # S as nccl-tests counts it: the whole array (an all-gather's output)
+                nbytes = op_bytes(outs[0]) if kind == "all_gather" else op_bytes(ins[0])
+                self.ops.append(OpCost(packet.__name__, phase, self.step, 0, nbytes, "", kind, _group_size(args)))
+            return out   # wait_tensor: a wait, no kernel of its own
+
         flops, key = 0, ""
         if packet in flop_registry:
             flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
@@ -115,11 +163,12 @@ class OpTimer(TorchDispatchMode):
         return out
 
 
-def timed_experiment(experiment: Callable[[Any], Any], box: list) -> Callable[[Any], Any]:
+def timed_experiment(experiment: Callable[[Any], Any], box: list, per_step: int | None = None) -> Callable[[Any], Any]:
     """``experiment`` run under an ``OpTimer`` reading the run's tracker for phases; the timer is
-    appended to ``box`` for the caller to read after ``engines.run`` returns."""
+    appended to ``box`` for the caller to read after ``engines.run`` returns. ``per_step``: the
+    micro-batches (forwards) a step runs, where known (``OpTimer``)."""
     def timed(ctx):
-        timer = OpTimer(ctx.tracker.current_phase)
+        timer = OpTimer(ctx.tracker.current_phase, per_step)
         box.append(timer)
         with timer:
             return experiment(ctx)
@@ -158,6 +207,10 @@ class StepTime:
     items: int                  # tokens (or samples) one step consumes
     unit: str                   # "tokens" or "samples"
     by_op: dict[str, OpTotals] = field(default_factory=dict)
+    comm_s: float = 0.0         # collectives the run issued (tensor parallelism), inside ``seconds``
+    host_s: float = 0.0         # host-device copies (offloading), inside ``seconds``
+    collectives: dict[str, CollectiveCost] = field(default_factory=dict)
+    host_bytes: int = 0
 
     @property
     def label(self) -> str:
@@ -202,8 +255,19 @@ class StepTime:
                 f"MFU {self.mfu:.1%} of {self.mfu_dtype} peak",
                 f"  compute-bound {self.compute_bound_share:.0%} of op time; {self.kernels:,} kernels, "
                 f"launch {self.launch_s * 1e3:.3f} ms",
+                *self.comm_lines(),
                 f"  assumptions: {self.assumptions.text} ({self.assumptions.source})",
                 f"  card: {self.speed.source}"]
+
+    def comm_lines(self) -> list[str]:
+        """The run's own collectives and host copies, where it made any."""
+        out = [f"  {c.kind.replace('_', '-')} over {c.group} ranks ({c.link}): {c.count} calls, {c.nbytes:,} B, "
+               f"{c.seconds * 1e3:.3f} ms" for c in self.collectives.values()]
+        if self.collectives:
+            out.append(f"  communication {self.comm_s * 1e3:.3f} ms: {TP_OVERLAP}; {COMM_ASSUMPTION}")
+        if self.host_bytes:
+            out.append(f"  host copies {self.host_bytes:,} B over PCIe: {self.host_s * 1e3:.3f} ms ({HOST_OVERLAP})")
+        return out
 
     def __repr__(self) -> str:
         return "\n".join(self.lines())
@@ -223,20 +287,38 @@ class StepTime:
                 "mfu_dtype": self.mfu_dtype,
                 "assumptions": {"compute_efficiency": a.compute_efficiency, "memory_efficiency": a.memory_efficiency,
                                 "launch_overhead_s": a.launch_overhead_s, "source": a.source},
-                "card_source": self.speed.source}
+                "card_source": self.speed.source, "comm_seconds": self.comm_s, "host_seconds": self.host_s,
+                "host_bytes": self.host_bytes, "collectives": [c.as_dict() for c in self.collectives.values()],
+                "lines": self.lines()}
 
 
 def step_time_of(ops: list[OpCost], speed: CardSpeed, items: int, unit: str) -> StepTime:
     """The last step's ops (phases forward, backward, optimizer) costed on ``speed``."""
     last = max((o.step for o in ops if o.phase == "forward"), default=0)
+    return cost_ops([o for o in ops if o.step == last and o.phase in _STEP_PHASES], speed, items, unit)
+
+
+def cost_ops(ops: list[OpCost], speed: CardSpeed, items: int, unit: str) -> StepTime:
+    """``ops`` costed on ``speed``, one after another: kernels by the roofline, collectives by their link
+    (``predict.comm_time``), host copies by the host link."""
     a = speed.assumptions
     by_phase: dict[str, float] = defaultdict(float)
     by_op: dict[str, OpTotals] = {}
     flops_by_dtype: dict[str, int] = defaultdict(int)
-    compute_s = memory_s = 0.0
+    collectives: dict[str, CollectiveCost] = {}
+    compute_s = memory_s = comm_s = 0.0
     kernels = flops = forward_flops = 0
     for o in ops:
-        if o.step != last or o.phase not in _STEP_PHASES:
+        if o.kind != "kernel" and speed.links is not None:
+            bw, link = link_for(speed.links, o.group)
+            if bw is None:
+                raise ValueError(f"{speed.name} has no network figure in gpulab's card table: a group of "
+                                 f"{o.group} ranks leaves its node of {speed.links.gpus_per_node}")
+            t = collective_seconds(o.kind, o.nbytes, o.group, bw)
+            c = collectives.setdefault(f"{o.kind}/{o.group}", CollectiveCost(o.kind, o.group, link))
+            c.count, c.nbytes, c.seconds = c.count + 1, c.nbytes + o.nbytes, c.seconds + t
+            comm_s += t
+            by_phase[o.phase] += t
             continue
         c, m = roofline_seconds(o.flops, o.nbytes, speed.peak_flops(o.dtype) if o.flops else 1.0,
                                 speed.bandwidth_bytes_s, a)
@@ -254,4 +336,18 @@ def step_time_of(ops: list[OpCost], speed: CardSpeed, items: int, unit: str) -> 
             flops_by_dtype[o.dtype] += o.flops
     mfu_dtype = max(flops_by_dtype, key=flops_by_dtype.get) if flops_by_dtype else ""
     return StepTime(speed.name, speed, sum(by_phase.values()), dict(by_phase), compute_s, memory_s,
-                    kernels * a.launch_overhead_s, kernels, flops, forward_flops, mfu_dtype, items, unit, by_op)
+                    kernels * a.launch_overhead_s, kernels, flops, forward_flops, mfu_dtype, items, unit, by_op,
+                    comm_s, 0.0, collectives, 0)
+
+
+def with_host_copies(t: StepTime, offloaded_bytes: int) -> StepTime:
+    """``t`` with activation offloading's copies: ``offloaded_bytes`` to the host in the forward and
+    back in the backward, each over the card's host link (``HOST_OVERLAP``)."""
+    if not offloaded_bytes or t.speed.links is None:
+        return t
+    each = offloaded_bytes / (t.speed.links.host_gbs * 1e9)
+    by_phase = dict(t.by_phase)
+    for phase in ("forward", "backward"):
+        by_phase[phase] = by_phase.get(phase, 0.0) + each
+    return replace(t, seconds=t.seconds + 2 * each, by_phase=by_phase, host_s=2 * each,
+                   host_bytes=2 * offloaded_bytes)

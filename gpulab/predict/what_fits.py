@@ -67,6 +67,7 @@ class Tried:
     reserved_bytes: int        # simulated peak reserved at the batch
     fits: bool
     saved_bytes: int           # against the asked recipe's reserved peak
+    time: dict[str, Any] | None = None   # a fitting one's predicted step (predict.plan_time.PlanTime.as_dict)
 
 
 @dataclass
@@ -83,18 +84,35 @@ class WhatFits:
     seconds: float = 0.0
     label: str = f"{LABEL_FAKE_CUDA}, replayed through the {LABEL_SIMULATED}"
     left_out: list[str] = field(default_factory=list)   # candidates the asked layout cannot take, and why
+    asked_time: dict[str, Any] | None = None   # the asked recipe's predicted step, where it fits
+    time_note: str = ""                        # why there are no times (a card without speed figures)
 
     @property
     def fitting(self) -> list[Tried]:
         """The candidates that fit, cheapest first (the order they were tried in)."""
         return [t for t in self.tried if t.fits]
 
+    @property
+    def ranked(self) -> list[Tried]:
+        """The candidates that fit, fastest first by predicted step time (untimed ones last)."""
+        return sorted(self.fitting, key=lambda t: t.time["seconds"] if t.time else float("inf"))
+
+    @property
+    def fastest(self) -> dict[str, Any] | None:
+        """The fastest plan that fits, the asked recipe among them: name, changes and time (None: none timed)."""
+        plans = [{"name": t.name, "changes": t.changes, "time": t.time} for t in self.tried if t.fits and t.time]
+        if self.asked_time is not None:
+            plans.append({"name": "the asked recipe", "changes": {}, "time": self.asked_time})
+        return min(plans, key=lambda p: p["time"]["seconds"], default=None)
+
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.model, "card": self.card, "capacity_bytes": self.capacity_bytes,
                 "context_bytes": self.context_bytes, "batch": self.batch, "asked": self.asked,
                 "asked_reserved_bytes": self.asked_reserved_bytes, "asked_fits": self.asked_fits,
                 "tried": [t.__dict__ for t in self.tried], "fitting": [t.name for t in self.fitting],
-                "seconds": self.seconds, "label": self.label, "left_out": self.left_out}
+                "ranked_by_time": [t.name for t in self.ranked],
+                "seconds": self.seconds, "label": self.label, "left_out": self.left_out,
+                "asked_time": self.asked_time, "time_note": self.time_note, "fastest": self.fastest}
 
     def __repr__(self) -> str:
         return (f"WhatFits({self.model} on {self.card} at batch {self.batch}: "
@@ -127,12 +145,13 @@ def _applies(c: Candidate, asked: dict[str, Any], kind: str, causal: bool) -> bo
 def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw", dtype: Any = None,
               amp: str | None = None, seq_len: int | None = None, image_size: int | None = None,
               context_bytes: int | None = None, module_loading: str = "lazy", progress: Progress = None,
-              **options: Any) -> WhatFits:
+              predict_time: bool = True, **options: Any) -> WhatFits:
     """The asked recipe (``optimizer``, ``dtype``, ``amp`` and the recipe ``options`` of
     ``gpulab.fit``) at ``batch`` on ``gpu``, then each candidate change, then stacked changes (see the
     module docstring). Every figure is a fake run replayed through the simulated allocator; a run this
     process made already (``gpulab.fit`` at the same batch) is reused. ``progress(fraction, text)``: told
-    before each candidate (``predict.progress``)."""
+    before each candidate (``predict.progress``). ``predict_time``: each recipe that fits gets its predicted
+    step time (``predict.plan_time``), and ``ranked`` orders them by it."""
     t0 = time.perf_counter()
     place = _place(gpu, context_bytes, module_loading)
     usable = max(0, place.card.reported_total_bytes - place.context_bytes - place.card.workspace_bytes())
@@ -187,9 +206,14 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
                                stacked, reserved, fits, asked_reserved - reserved))
             if fits:
                 break
+    asked_time, time_note = None, ""
+    if predict_time:
+        from gpulab.predict.plan_time import time_candidates
+        asked_time, tried, time_note = time_candidates(w, batch, base_dt, recipe_of, asked_fits, tried, place.card,
+                                                       progress)
     return WhatFits(w.name, place.card.name, place.card.reported_total_bytes, place.context_bytes, batch,
                     {k: (dtype_name(v) if isinstance(v, torch.dtype) else v) for k, v in asked.items()
                      if k in ("optimizer", "dtype") or v != RECIPE_DEFAULTS.get(k)},
                     asked_reserved, asked_fits, tried, time.perf_counter() - t0,
                     label=f"{LABEL_FAKE_CUDA}, replayed through the {LABEL_SIMULATED}; {current_target().note()}",
-                    left_out=left_out)
+                    left_out=left_out, asked_time=asked_time, time_note=time_note)

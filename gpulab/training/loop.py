@@ -92,7 +92,7 @@ from gpulab.training.fp8 import check_fp8, check_fp8_for, check_fp8_workload, fp
 from gpulab.training.optimizers import build_optimizer, check_implementation, check_optimizer, make_optimizer
 from gpulab.training.pipeline import check_pipeline, pipeline_stage, run_in_flight, stage_step
 from gpulab.training.routing import Routing, install_routing, is_moe, parse_routing
-from gpulab.training.tensor_parallel import check_tensor_parallel, fake_world, tensor_parallel
+from gpulab.training.tensor_parallel import check_tensor_parallel, fake_world, loss_parallel_context, tensor_parallel
 
 __all__ = ["AMP_DTYPES", "RECIPE_DEFAULTS", "ZERO_GRAD", "LoopRecipe", "loop_recipe", "step_experiment", "step_peaks", "train_experiment",
            "changed_options", "check_recipe_for", "recipe_loss", "user_recipe"]
@@ -132,6 +132,7 @@ class LoopRecipe:
     routing: Routing | str | None = None   # None: balanced where the model has routed experts
     tp: int = 1                          # tensor-parallel ranks (training.tensor_parallel: a fake process group)
     sequence_parallel: bool = False      # with tp: the norms and the residual stream on a sequence shard
+    loss_parallel: bool = False          # with tp: the logits and the cross-entropy sharded on the vocabulary
     cp: int = 1                          # context-parallel ranks: the run is one rank's sequence shard (training.context_parallel)
     ep: int = 1                          # expert-parallel ranks: the run holds E/ep experts (training.expert_parallel)
     pp: int = 1                          # pipeline stages (training.pipeline): the run is one stage's
@@ -164,7 +165,7 @@ RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False
                    "use_cache": None, "compile": False, "implementation": "default", "checkpointing": False,
                    "lora": 0, "lora_targets": None, "lora_dropout": 0.0, "quantize": None, "lora_dtype": "fp32",
                    "double_quant": True, "quant_compute_dtype": "input", "routing": None, "tp": 1,
-                   "sequence_parallel": False, "pp": 1, "microbatches": None, "schedule": "1f1b", "pp_stage": 0,
+                   "sequence_parallel": False, "loss_parallel": False, "pp": 1, "microbatches": None, "schedule": "1f1b", "pp_stage": 0,
                    "virtual_stages": 1, "fp8": None, "cp": 1, "ep": 1}
 
 
@@ -177,7 +178,7 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
                 quant_compute_dtype: str | None = "input", routing: Any = None, tp: int = 1,
                 sequence_parallel: bool = False, pp: int = 1, microbatches: int | None = None,
                 schedule: str = "1f1b", pp_stage: int = 0, virtual_stages: int = 1, fp8: str | None = None, cp: int = 1,
-                ep: int = 1) -> LoopRecipe:
+                ep: int = 1, loss_parallel: bool = False) -> LoopRecipe:
     """The loop's recipe of ``gpulab.step`` / ``gpulab.fit`` from their flat arguments (``amp``: "fp16",
     "bf16" or None), through the public ``Recipe`` and ``Layout`` (``gpulab.options``), which check
     them: bad values raise ``ValueError`` saying what is allowed."""
@@ -187,7 +188,7 @@ def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, 
                     compile=compile, implementation=implementation, checkpointing=checkpointing, lora=lora,
                     lora_targets=lora_targets, lora_dropout=lora_dropout, quantize=quantize, lora_dtype=lora_dtype,
                     double_quant=double_quant, quant_compute_dtype=quant_compute_dtype, routing=routing, fp8=fp8)
-    layout = Layout(tp=tp, sequence_parallel=sequence_parallel, pp=pp, microbatches=microbatches, schedule=schedule,
+    layout = Layout(tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, pp=pp, microbatches=microbatches, schedule=schedule,
                     pp_stage=pp_stage, virtual_stages=virtual_stages, cp=cp, ep=ep)
     check_together(recipe, layout)
     return loop_recipe(recipe, layout)
@@ -208,7 +209,8 @@ def loop_recipe(recipe: Recipe, layout: Layout) -> LoopRecipe:
                       lora=recipe.lora, lora_targets=recipe.lora_targets, lora_dropout=recipe.lora_dropout,
                       quantize=recipe.quantize, lora_dtype=recipe.lora_dtype, double_quant=recipe.double_quant,
                       quant_compute_dtype=recipe.quant_compute_dtype, routing=recipe.routing, fp8=recipe.fp8,
-                      tp=layout.tp, sequence_parallel=layout.sequence_parallel, cp=layout.cp, ep=layout.ep,
+                      tp=layout.tp, sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel,
+                      cp=layout.cp, ep=layout.ep,
                       pp=layout.pp, microbatches=layout.microbatches, schedule=layout.schedule,
                       virtual_stages=layout.virtual_stages, pp_stage=layout.pp_stage)
 
@@ -232,7 +234,7 @@ def check_recipe_for(r: LoopRecipe, w: Workload, dtype: torch.dtype | None = Non
     if r.routing is not None and (w.kind == "image" or w.config is not None and not is_moe(w.config)):
         raise ValueError(f"routing is a mixture of experts' assumption; {w.name} has no routed experts: leave routing out")
     if r.tp > 1:
-        check_tensor_parallel(w.config, r.tp, r.sequence_parallel)
+        check_tensor_parallel(w.config, r.tp, r.sequence_parallel, r.loss_parallel)
     if r.pp > 1:
         check_pipeline(w.config if w.kind == "tokens" else None, r.pp, r.virtual_stages)
     if r.cp > 1:
@@ -375,8 +377,9 @@ def _in_layout(r: LoopRecipe, ctx: RunContext, steps: Callable) -> dict[str, Any
     if ctx.engine != "fake":
         raise ValueError("tensor and expert parallelism are measured on the fake engine, in PyTorch's fake process group "
                          "(training.tensor_parallel): use engine='fake'")
-    with fake_world(r.tp * r.ep) as mesh:
-        return steps(ctx, lambda net: tensor_parallel(net, mesh, r.sequence_parallel) if r.tp > 1 else net)
+    with fake_world(r.tp * r.ep) as mesh, loss_parallel_context(r.loss_parallel):
+        return steps(ctx, lambda net: tensor_parallel(net, mesh, r.sequence_parallel, r.loss_parallel)
+                     if r.tp > 1 else net)
 
 
 class _InBackward:
