@@ -1049,20 +1049,22 @@ def _fp8_model(net, recipe: str):
 
 
 class StepClock:
-    """CUDA events around steps ``TIMED_FROM``..``TIMED_TO`` of a plain run: ``seconds`` per step."""
+    """CUDA events around steps ``TIMED_FROM``..``last`` of a plain run (``TIMED_TO``; the stand-in,
+    which times nothing on a GPU, runs one timed step to check the code): ``seconds`` per step."""
 
-    def __init__(self) -> None:
+    def __init__(self, last: int = TIMED_TO) -> None:
         import torch
         self.start = torch.cuda.Event(enable_timing=True)
         self.end = torch.cuda.Event(enable_timing=True)
-        self.steps = TIMED_TO - TIMED_FROM + 1
+        self.last = last
+        self.steps = last - TIMED_FROM + 1
         self.seconds: float | None = None
 
     def at(self, step: int) -> None:
-        """Call before step ``step`` (1-based) and once more with ``TIMED_TO + 1`` after the last."""
+        """Call before step ``step`` (1-based) and once more with ``last + 1`` after the last."""
         if step == TIMED_FROM:
             self.start.record()
-        elif step == TIMED_TO + 1:
+        elif step == self.last + 1:
             self.end.record()
             self.end.synchronize()
             self.seconds = self.start.elapsed_time(self.end) / 1e3 / self.steps
@@ -1078,7 +1080,7 @@ def plain_train(case: Case, model, batch: int, stand_in: bool, after_build: Call
     ``torch.autograd.graph.save_on_cpu``, optimizer-in-backward by ``register_post_accumulate_grad_hook``
     (PyTorch's tutorial), ``zero_grad(set_to_none=False)``. ``after_build()`` is called once the model
     exists (frees transients, resets the peaks); with ``clock``, ``measured()`` after the measured steps,
-    then the steps up to ``TIMED_TO`` run under the clock's CUDA events."""
+    then the steps up to ``clock.last`` run under the clock's CUDA events."""
     import torch
     from gpulab.models.workload import forward, resolve_workload
     from gpulab.training.chunked_loss import chunked_lm_loss
@@ -1133,7 +1135,7 @@ def plain_train(case: Case, model, batch: int, stand_in: bool, after_build: Call
         del loss
         net.zero_grad(set_to_none=True)
     after_build()
-    last = TIMED_TO if clock is not None else STEPS
+    last = clock.last if clock is not None else STEPS
     for i in range(last):
         if clock is not None:
             if i == STEPS and measured is not None:
@@ -1165,7 +1167,7 @@ def plain_train(case: Case, model, batch: int, stand_in: bool, after_build: Call
         else:
             opt.step()
     if clock is not None:
-        clock.at(TIMED_TO + 1)
+        clock.at(clock.last + 1)
     torch.cuda.synchronize()
     if in_backward:
         for h in handles:
@@ -1243,7 +1245,7 @@ def plain_pipeline(case: Case, model, batch: int, after_build: Callable[[], None
     vocab = chunks[next(iter(chunks))][0].config.vocab_size
     ids = torch.randint(0, vocab, (batch, case.seq_len), device=dev)
     after_build()
-    last_step = TIMED_TO if clock is not None else STEPS
+    last_step = clock.last if clock is not None else STEPS
     for i in range(last_step):
         if clock is not None:
             if i == STEPS and measured is not None:
@@ -1273,7 +1275,7 @@ def plain_pipeline(case: Case, model, batch: int, after_build: Callable[[], None
                 del out
         opt.step()
     if clock is not None:
-        clock.at(TIMED_TO + 1)
+        clock.at(clock.last + 1)
     torch.cuda.synchronize()
 
 
@@ -1308,7 +1310,7 @@ def plain_fsdp2(case: Case, model, batch: int, after_build: Callable[[], None],
         with torch.device(device):
             data = w.inputs(batch, dt)
         after_build()
-        last_step = TIMED_TO if clock is not None else STEPS
+        last_step = clock.last if clock is not None else STEPS
         for i in range(last_step):
             if clock is not None:
                 if i == STEPS and measured is not None:
@@ -1323,7 +1325,7 @@ def plain_fsdp2(case: Case, model, batch: int, after_build: Callable[[], None],
             del loss
             opt.step()
         if clock is not None:
-            clock.at(TIMED_TO + 1)
+            clock.at(clock.last + 1)
         if device == "cuda":
             torch.cuda.synchronize()
         local = sum(p.to_local().numel() for p in net.parameters())
@@ -1389,7 +1391,7 @@ def plain_generate(case: Case, model, after_build: Callable[[], None], measured:
         clock.steps = 1
         clock.at(TIMED_FROM)
         call()
-        clock.at(TIMED_TO + 1)
+        clock.at(clock.last + 1)
 
 
 def _after_build() -> None:
@@ -1656,7 +1658,8 @@ def measure_case(case: Case, *, stand_in: bool, context_assumed: int, do_fit: bo
                     run.seeded_allocated, run.seeded_reserved = seeded
             del pred
             t1 = time.monotonic()
-            clock, tracer = StepClock(), AllocatorTrace(case, out, device_facts or {})
+            clock = StepClock(TIMED_FROM if stand_in else TIMED_TO)
+            tracer = AllocatorTrace(case, out, device_facts or {})
 
             def measured() -> None:   # after the measured steps, before the timed ones
                 torch.cuda.synchronize()
@@ -1681,7 +1684,8 @@ def measure_case(case: Case, *, stand_in: bool, context_assumed: int, do_fit: bo
             timed = (f"CUDA events over steps {TIMED_FROM}-{TIMED_TO}" if case.kind != "generate"
                      else "CUDA events around a second generate() call")
             if stand_in:
-                run.time_note = (run.time_note or "") + f"; real: not measured on a GPU (the stand-in ran {timed} on the host's clock)"
+                run.time_note = (run.time_note or "") + ("; real: not measured on a GPU (the stand-in ran its CUDA events "
+                                                          "around one step, on the host's clock)")
             else:
                 run.real_step_s = clock.seconds
                 run.time_note = (run.time_note or "") + f"; real: {timed}"
