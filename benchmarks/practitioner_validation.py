@@ -12,7 +12,7 @@ Anywhere else: ``--out DIR`` and drop the ``cp``.)
 It needs torch with CUDA, transformers, peft and NVML (pynvml), and bitsandbytes for the QLoRA and
 8-bit AdamW cases (without its CUDA kernels they are skipped, and said so). On an NVIDIA H100 80GB
 HBM3 (2026-11-27, torch 2.11.0+cu130) the sixteen cases of that run took 209 s (147 s for the first
-twelve, 37 s for the two FP8 cases, 25 s for the two T4-kernel ones); issue 48's 33 cases and 15 fit
+twelve, 37 s for the two FP8 cases, 25 s for the two T4-kernel ones); issue 48's 33 cases and 13 fit
 checks are estimated from those times and the sizes at about 500 s (each case ~4-12 s with its 8 timed
 steps, each fit check ~15 s, compile's inductor ~25 s): the cases run in ``CASES``' order, the most
 important first (the T4 case traced, the snapshots for the lessons, the MoE and sliding-window models),
@@ -239,7 +239,7 @@ class Case:
 
 CASES: tuple[Case, ...] = (   # in the order they run: past the time limit, the last ones are not run
     # (H100 estimates, from the 2026-11-27 run's per-case times and the sizes: each case's prediction,
-    # two measured steps and 8 timed ones ~4-12 s, each fit check ~15 s; ~500 s in all)
+    # two measured steps and 8 timed ones ~4-12 s, each of the 13 fit checks ~10-15 s; ~500 s in all)
     Case("gpt2-fp32-adamw", "gpt2", 8, seq_len=1024, fit_cards=("T4",)),
     # issue 48 item 2: the T4 case and its plain twin, each with the allocator's trace
     Case("gpt2-t4-kernels-bf16", "gpt2", 8, seq_len=1024, dtype="bf16", kernels_of="T4", trace=True),
@@ -255,13 +255,12 @@ CASES: tuple[Case, ...] = (   # in the order they run: past the time limit, the 
     Case("qwen-ckpt-full", "qwen", 4, seq_len=2048, dtype="bf16", options={"checkpointing": "full"}),
     Case("qwen-ckpt-selective", "qwen", 4, seq_len=2048, dtype="bf16", options={"checkpointing": "selective"},
          fit_cards=("24GiB",)),
-    Case("qwen-ckpt-every2", "qwen", 4, seq_len=2048, dtype="bf16", options={"checkpointing": "every-2"},
-         fit_cards=("24GiB",)),
+    Case("qwen-ckpt-every2", "qwen", 4, seq_len=2048, dtype="bf16", options={"checkpointing": "every-2"}),
     Case("llama1b-lora", "llama-1b", 4, seq_len=2048, dtype="bf16", options={"lora": 16}, fit_cards=("40GiB",)),
     Case("llama1b-qlora", "llama-1b", 4, seq_len=2048, dtype="bf16", options={"lora": 16, "quantize": "nf4"},
          needs="bitsandbytes"),
     Case("llama1b-qlora-no-dq", "llama-1b", 4, seq_len=2048, dtype="bf16",
-         options={"lora": 16, "quantize": "nf4", "double_quant": False}, needs="bitsandbytes", fit_cards=("T4",)),
+         options={"lora": 16, "quantize": "nf4", "double_quant": False}, needs="bitsandbytes"),
     Case("llama1b-adamw8bit", "llama-1b", 2, optimizer="adamw8bit", seq_len=1024, dtype="bf16",
          needs="bitsandbytes"),
     Case("llama1b-paged-adamw8bit", "llama-1b", 2, optimizer="paged_adamw8bit", seq_len=1024, dtype="bf16",
@@ -1244,6 +1243,24 @@ def plain_pipeline(case: Case, model, batch: int, after_build: Callable[[], None
     actions = [a for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(sched, rank) if a is not None]
     vocab = chunks[next(iter(chunks))][0].config.vocab_size
     ids = torch.randint(0, vocab, (batch, case.seq_len), device=dev)
+
+    def forward(v: int) -> tuple:
+        """One micro-batch forward through chunk ``v``: (what its backward starts from, the receive
+        buffer, held with it until that backward: its gradient is what the stage sends back)."""
+        net, first, last = chunks[v]
+        if first:
+            return net(input_ids=ids, use_cache=False).last_hidden_state, None
+        x = torch.empty(batch, case.seq_len, hidden, dtype=dt, device=dev, requires_grad=True)
+        if last:
+            return net(inputs_embeds=x, labels=ids, use_cache=False).loss, x
+        return net(inputs_embeds=x, use_cache=False).last_hidden_state, x
+
+    def backward(v: int, held_one: tuple) -> None:
+        out = held_one[0]
+        if chunks[v][2]:
+            out.backward()
+        else:   # the gradient the next stage sends back, in a receive buffer of the output's shape
+            out.backward(torch.zeros_like(out))
     after_build()
     last_step = clock.last if clock is not None else STEPS
     for i in range(last_step):
@@ -1255,24 +1272,11 @@ def plain_pipeline(case: Case, model, batch: int, after_build: Callable[[], None
             opt.zero_grad(set_to_none=True)
         held = {}
         for a in actions:
-            net, first, last = chunks[a.stage_index]
             key = (a.stage_index, a.microbatch_index)
             if a.computation_type == _ComputationType.FORWARD:
-                if first:
-                    held[key] = net(input_ids=ids, use_cache=False).last_hidden_state
-                else:
-                    x = torch.empty(batch, case.seq_len, hidden, dtype=dt, device=dev, requires_grad=True)
-                    if last:
-                        held[key] = net(inputs_embeds=x, labels=ids, use_cache=False).loss
-                    else:
-                        held[key] = net(inputs_embeds=x, use_cache=False).last_hidden_state
+                held[key] = forward(a.stage_index)
             else:
-                out = held.pop(key)
-                if last:
-                    out.backward()
-                else:
-                    out.backward(torch.zeros_like(out))
-                del out
+                backward(a.stage_index, held.pop(key))
         opt.step()
     if clock is not None:
         clock.at(clock.last + 1)
@@ -1564,7 +1568,7 @@ def t4_dropout_on_cpu(batch: int = 2, heads: int = 2, seq: int = 64, head_dim: i
 
     out: dict[str, Any] = {"size": [batch, heads, seq, head_dim], "dropout_p": p}
     allowed = torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp
-    was = torch._C._get_math_sdp_allow_fp16_bf16_reduction()
+    was = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
     try:
         with sdpa_kernel(SDPBackend.MATH):
             allowed(False)

@@ -440,12 +440,13 @@ def test_the_t4_case_reproduced_on_the_cpu(pv):
     assert [(x["dtype"], x["bytes"]) for x in t["fake_f_dropout"]] == [("bool", n)]
     assert {x["dtype"] for x in t["cpu_reduction_allowed"]} == {"bfloat16"}
     assert t["excess_per_layer_at_full_bytes"] == 8 * 12 * 1024 * 1024 * 3
-    assert not torch._C._get_math_sdp_allow_fp16_bf16_reduction()     # the setting put back
+    assert not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()     # the setting put back
 
 
 # --- every case under the stand-in (extended) -----------------------------------------------------
 
 @pytest.mark.extended
+@pytest.mark.timeout(1800)   # 33 cases and 13 fit checks: 13 min on this 2-core machine under load
 def test_every_case_runs_under_the_standin(pv, tmp_path):
     """All cases, --quick, fit checks included: each runs or is skipped with its reason (no error),
     every fit check tried b and b + 1, the traced cases wrote their snapshots, the T4 pair is compared."""
@@ -472,6 +473,9 @@ def test_every_case_runs_under_the_standin(pv, tmp_path):
     assert "Alive at the peak in gpt2-t4-kernels-bf16 beyond gpt2-bf16" in text
 
 
+# (the interleaved pipeline's rank is not here: under the stand-in its plain step holds one layer's
+# activations more at its peak than the loop's run_in_flight, 129 KiB on the tiny model, which the
+# allocator's trace shows and whose cause is not found)
 NEW_RECIPES = ("gpt2-fp16-gradscaler", "gpt2-accumulate4-clip", "gpt2-opt-in-backward", "gpt2-keep-grads",
                "gpt2-adamw-for-loop", "qwen-offload", "mixtral-moe-bf16", "gemma3-sliding-bf16", "qwen-ckpt-every2",
                "gpt2-bf16")
