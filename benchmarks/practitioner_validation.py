@@ -956,22 +956,24 @@ def simulated_reserved(events, capacity: int | None) -> tuple[int, bool]:
 
 def _bnb_qlora_model(w, case: Case, dtype, device):
     """The QLoRA model as a practitioner builds it on the GPU: every linear layer but the head
-    replaced by bitsandbytes' ``Linear4bit`` (NF4, double quantization, computing in ``dtype``,
+    replaced by bitsandbytes' ``Linear4bit`` (NF4, double quantization unless the case's
+    ``double_quant`` is False: ``compress_statistics``, computing in ``dtype``,
     quantized as it moves to the GPU), then peft's LoRA adapters (gpulab's ``wrap_lora``: the same
     rank, layers and dropout as the prediction)."""
     import bitsandbytes as bnb
     import torch
     from gpulab.models.lora import default_targets, wrap_lora
+    double = case.options.get("double_quant", True)
     with torch.device(device):
         model = w.make(dtype)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear) and name != "lm_head":
                 q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                      compute_dtype=dtype, compress_statistics=True, quant_type="nf4",
+                                      compute_dtype=dtype, compress_statistics=double, quant_type="nf4",
                                       device="meta")
                 q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu"), requires_grad=False,
-                                             compress_statistics=True, quant_type="nf4").to(device)
+                                             compress_statistics=double, quant_type="nf4").to(device)
                 if child.bias is not None:
                     q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
                 setattr(parent, name, q)
