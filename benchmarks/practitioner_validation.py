@@ -1049,6 +1049,22 @@ def _fp8_model(net, recipe: str):
     return convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep)
 
 
+def _batch(data) -> tuple[tuple, dict[str, Any], Any]:
+    """(positional inputs, keyword inputs, class labels or None) of a batch made by the case's model
+    (``w.inputs``: token ids and labels for a language model, images and ``_labels`` for a classifier)."""
+    args, kwargs = data
+    return args, {k: v for k, v in kwargs.items() if k != "_labels"}, kwargs.get("_labels")
+
+
+def _plain_loss(output, labels):
+    """The loss as a practitioner takes it: a transformers model's own (``labels`` passed in), or
+    ``F.cross_entropy`` of an image classifier's logits against its labels."""
+    import torch
+    if labels is not None:
+        return torch.nn.functional.cross_entropy(output, labels)
+    return output.loss
+
+
 class StepClock:
     """CUDA events around steps ``TIMED_FROM``..``last`` of a plain run (``TIMED_TO``; the stand-in,
     which times nothing on a GPU, runs one timed step to check the code): ``seconds`` per step."""
@@ -1083,7 +1099,7 @@ def plain_train(case: Case, model, batch: int, stand_in: bool, after_build: Call
     exists (frees transients, resets the peaks); with ``clock``, ``measured()`` after the measured steps,
     then the steps up to ``clock.last`` run under the clock's CUDA events."""
     import torch
-    from gpulab.models.workload import forward, resolve_workload
+    from gpulab.models.workload import resolve_workload
     from gpulab.training.chunked_loss import chunked_lm_loss
     from gpulab.training.loop import recipe_workload, user_recipe
     opts = _step_options(case)
@@ -1123,6 +1139,7 @@ def plain_train(case: Case, model, batch: int, stand_in: bool, after_build: Call
     run_net = net
     with torch.device(dev):
         data = w.inputs(batch, dt)
+    args, inputs, labels = _batch(data)
     autocast = (lambda: torch.autocast("cuda", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[amp])) \
         if amp else contextlib.nullcontext
     saving = (lambda: torch.autograd.graph.save_on_cpu(pin_memory=not stand_in)) if offload else contextlib.nullcontext
@@ -1131,7 +1148,7 @@ def plain_train(case: Case, model, batch: int, stand_in: bool, after_build: Call
         torch._dynamo.reset()
         run_net = torch.compile(net, backend="aot_eager_decomp_partition" if stand_in else "inductor")
         with autocast():
-            loss = w.loss(forward(run_net, data), data)
+            loss = _plain_loss(run_net(*args, **inputs), labels)
         loss.backward()
         del loss
         net.zero_grad(set_to_none=True)
@@ -1149,8 +1166,8 @@ def plain_train(case: Case, model, batch: int, stand_in: bool, after_build: Call
                 if chunks:
                     loss = chunked_lm_loss(net, data, chunks)
                 else:
-                    output = forward(run_net, data)
-                    loss = w.loss(output, data)
+                    output = run_net(*args, **inputs)
+                    loss = _plain_loss(output, labels)
                     del output
                 if accumulate > 1:
                     loss = loss / accumulate
@@ -1298,7 +1315,7 @@ def plain_fsdp2(case: Case, model, batch: int, after_build: Callable[[], None],
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from gpulab.models.workload import forward, resolve_workload
+    from gpulab.models.workload import resolve_workload
     if dist.is_initialized():
         raise RuntimeError("a process group is already running: the FSDP2 case needs its own fake one")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=case.world)
@@ -1315,6 +1332,7 @@ def plain_fsdp2(case: Case, model, batch: int, after_build: Callable[[], None],
         opt = _plain_optimizer(case, list(net.parameters()))
         with torch.device(device):
             data = w.inputs(batch, dt)
+        args, inputs, labels = _batch(data)
         after_build()
         last_step = clock.last if clock is not None else STEPS
         for i in range(last_step):
@@ -1324,8 +1342,8 @@ def plain_fsdp2(case: Case, model, batch: int, after_build: Callable[[], None],
                 clock.at(i + 1)
             if i:
                 opt.zero_grad(set_to_none=True)
-            output = forward(net, data)
-            loss = w.loss(output, data)
+            output = net(*args, **inputs)
+            loss = _plain_loss(output, labels)
             del output
             loss.backward()
             del loss
@@ -1335,7 +1353,7 @@ def plain_fsdp2(case: Case, model, batch: int, after_build: Callable[[], None],
         if device == "cuda":
             torch.cuda.synchronize()
         local = sum(p.to_local().numel() for p in net.parameters())
-        del net, opt, data
+        del net, opt, data, args, inputs, labels
         return {"local": local, "whole": whole}
     finally:
         dist.destroy_process_group()
