@@ -61,7 +61,9 @@ RECIPES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", list(RECIPES.values()), ids=list(RECIPES))
+@pytest.mark.parametrize("options", [*RECIPES.values(), pytest.param(
+    dict(checkpointing="torchtitan-op"), marks=pytest.mark.extended, id="torchtitan's op-level SAC")],
+    ids=[*RECIPES, "torchtitan's op-level SAC"])
 def test_recipes_equal_full_depth(options):
     deep, laid, full = _both(_workload("tiny-llama", 7), user_recipe("adamw", None, **options))
     _assert_same(laid, full)

@@ -36,7 +36,10 @@ def settings(args: argparse.Namespace) -> tuple[Recipe, Layout]:
     (``options.settings_from``): ``step`` and ``fit`` get them whole."""
     flat = {**recipe_keywords(args), "optimizer": args.optimizer, "dtype": args.dtype, "amp": args.amp,
             "pp_stage": args.pp_stage, "gpus": getattr(args, "gpus", None), "strategy": getattr(args, "strategy", None),
-            "offload_optimizer": getattr(args, "offload_optimizer", False)}
+            "offload_optimizer": getattr(args, "offload_optimizer", False),
+            "dp_replicate": getattr(args, "dp_replicate", None), "dp_shard": getattr(args, "dp_shard", None),
+            **{k: getattr(args, k, None) or d for k, d in (("param_dtype", None), ("reduce_dtype", None),
+                                                           ("fp8_all_gather", False))}}
     return settings_from(None, None, flat)
 
 

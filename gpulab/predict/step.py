@@ -71,7 +71,7 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
     ``use_cache=False`` (a language model's forward without its KV cache; None: as its config says), ``compile`` (the
     model under torch.compile with AOTAutograd's partitioner, no code generation), ``implementation`` (the optimizer's:
     "default", "for-loop", "foreach" or "fused"), ``checkpointing`` (a transformers model's own gradient checkpointing:
-    True or "full", "selective" or "every-K", as ``models.adapt`` says), ``lora=R`` with ``lora_targets`` (peft's LoRA
+    True or "full", "selective", "torchtitan-op" or "every-K", as ``models.adapt`` says), ``lora=R`` with ``lora_targets`` (peft's LoRA
     adapters of rank R on a frozen base; None: peft's default layers for the model type; ``lora_dropout`` on the
     adapters' inputs; ``lora_dtype``: "fp32" as peft, "base" as torchtune), ``quantize`` ("nf4", "fp4" or "int8", the
     base as bitsandbytes stores it; ``double_quant``, ``quant_compute_dtype``: ``training.loop``; ``recipe`` names
@@ -115,7 +115,7 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
         w.name, batch, w.image_size or 0, opt, dtype_name(dt), steps, m, predicted, step_peaks=step_peaks(m),
         kind=w.kind, input_text=w.describe_input(batch), seq_len=w.seq_len, amp=amp_key,
         recipe=_layout_stated(m, w, recipe, batch, dt), answered_recipe=asked, answered_layout=layout,
-        time=_step_time(timers, speed, w, batch, recipe, m, steps)), gpu)
+        time=_step_time(timers, speed, w, batch, recipe, m, steps), mesh=_mesh_stated(m, layout)), gpu)
 
 
 def _check_steps(steps: Any) -> None:
@@ -165,6 +165,15 @@ def _routing_stated(m: Measurement, w: Workload, recipe) -> dict[str, Any]:
         m.label = f"{m.label}; {routing.label}"
         shown["routing"] = routing.text
     return shown
+
+
+def _mesh_stated(m: Measurement, layout: Layout) -> str:
+    """A parallel rank's mesh (torchtitan's ``ParallelDims`` names, ``Layout.mesh``: the smallest that
+    holds the rank, one GPU's step having no ``gpus``), in the label too; "" on one GPU."""
+    if not layout.parallel:
+        return ""
+    m.label = f"{m.label}; {layout.mesh}"
+    return layout.mesh
 
 
 def _layout_stated(m: Measurement, w: Workload, recipe, batch: int, dt: torch.dtype) -> dict[str, Any]:
@@ -271,6 +280,7 @@ class StepResult(Measured):
     answered_recipe: Recipe | None = None   # the Recipe and Layout this answer is for (gpulab.options)
     answered_layout: Layout | None = None
     time: StepTime | None = None   # ``time=``: the step's predicted time (``predict.timing``)
+    mesh: str = ""                 # a layout's mesh (Layout.mesh): dp_replicate × dp_shard × cp × tp × pp, ep
 
     def __post_init__(self) -> None:
         m = self.measurement
@@ -337,6 +347,8 @@ class StepResult(Measured):
                      peak_with_workspaces_bytes=self.peak_with_workspaces_bytes)
         if self.time is not None:
             d["time"] = self.time.as_dict()
+        if self.mesh:
+            d["mesh"] = self.mesh
         if m.offloaded is not None:   # activation offloading: the host copies' peak, apart
             d["offloaded_peak_bytes"] = m.offloaded.peak_bytes
         if m.paged is not None:       # a paged optimizer: its unified-memory state, apart

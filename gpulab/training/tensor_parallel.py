@@ -149,6 +149,8 @@ def tensor_parallel(model: nn.Module, mesh: Any, sequence_parallel: bool = False
     for pattern, style in plan.items():
         if style == "embedding_rowwise":   # the vocabulary-parallel embedding below, whatever the plan says
             continue
+        if style == "replicated_with_grad_allreduce":   # replicated by _replicate_the_rest (its gradient's
+            continue                                      # all-reduce allocates nothing more)
         if style not in styles:
             raise ValueError(f"tensor-parallel style {style!r} of {pattern} is not one gpulab measures ({', '.join(TP_STYLES)})")
         for name in fnmatch.filter(names, pattern):
