@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -28,9 +29,14 @@ import ipywidgets as W
 from IPython.display import HTML, display
 
 __all__ = [
-    "ENGINES", "GuardVerdict", "Panel", "REUSED_NOTE", "check_control_value", "dropdown", "model_controls",
+    "ENGINES", "GuardVerdict", "MEASURE_LOCK", "Panel", "REUSED_NOTE", "check_control_value", "dropdown", "model_controls",
     "reuse_first", "slider", "with_value"
 ]
+
+
+# gpulab's tracker hooks every module of the process while it measures (global module hooks): a panel
+# that measures on a worker thread (widgets.whatif) and a Panel's run in the kernel's thread take turns
+MEASURE_LOCK = threading.RLock()
 
 
 @dataclass
@@ -159,10 +165,11 @@ class Panel:
                     self.safe_button.layout.display = ""
                 self.status.value = "not run (see below)"
                 return
-            if self._wants_progress:
-                result = self._compute(progress=self._report_progress, **params)
-            else:
-                result = self._compute(**params)
+            with MEASURE_LOCK:
+                if self._wants_progress:
+                    result = self._compute(progress=self._report_progress, **params)
+                else:
+                    result = self._compute(**params)
             self.result = result
             self.runs += 1
             self._show(self._render(result))
