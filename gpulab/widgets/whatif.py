@@ -45,7 +45,7 @@ class WhatIfPanel:
 
     def __init__(self, model: str = "hf:gpt2", seq_len: int = 1024, batch: int = 1, recompute: str = "none",
                  precision: str = "bf16", optimizer: str = "adamw", zero: int = 0, dp: int = 1, tp: int = 1,
-                 card: str = "H100", debounce_s: float = DEBOUNCE_S):
+                 card: str = "H100", debounce_s: float = DEBOUNCE_S, auto_measure: bool = True):
         self.controls: dict[str, W.ValueWidget] = {
             "model": dropdown("model", WHATIF_MODELS, model),
             "seq_len": _log_slider("sequence", SEQ_CHOICES, SEQ_CHOICES[0]),
@@ -63,6 +63,7 @@ class WhatIfPanel:
             check_control_value(name, self.controls[name], value)
             self.controls[name].value = value
         self.debounce_s = debounce_s
+        self.auto_measure = auto_measure   # False: the formula side only, until ``measure_now()`` (tests, benchmarks)
         self.formula: WhatIfFormula | None = None
         self.measured: WhatIfMeasured | None = None
         self.formula_error: str | None = None
@@ -162,6 +163,8 @@ class WhatIfPanel:
             self.error = None
             if self.formula is None:
                 self._busy(False, "not measured: " + (self.formula_error or ""))
+                return
+            if not self.auto_measure:
                 return
             self._busy(True, "measuring…")
             if self._worker is None or not self._worker.is_alive():
