@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import html
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -34,6 +35,7 @@ from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
 from gpulab.formulas import MemoryFit, fit_memory_model, max_batch
 from gpulab.models.registry import ModelSpec, check_image_size, resolve_model
 from gpulab.categories import Category
+from gpulab.measure.records import TrackingResult
 from gpulab.units import GiB, MiB, dtype_name, format_bytes, parse_dtype
 from gpulab.views import error_percent, fmt_error, html_table
 
@@ -399,19 +401,70 @@ class LargestBatch:
         return fig
 
 
-def _replay(step: StepResult, capacity: int | None) -> tuple[int, bool]:
+def _replay(t: TrackingResult, capacity: int | None) -> tuple[int, bool]:
     """Replay a fake run's timeline through the allocator simulator with ``capacity`` as the
     device size (None: unlimited): (peak reserved bytes, whether an allocation failed)."""
-    res = CachingAllocator(capacity_bytes=None if capacity is None else int(capacity)).replay(
-        step.measurement.tracking.events, strict=False)
+    res = CachingAllocator(capacity_bytes=None if capacity is None else int(capacity)).replay(t.events, strict=False)
     return res.peak_reserved, bool(res.oom_events)
+
+
+KEPT_SWEEPS = 8   # sweeps (four fake runs each, and the runs that verified them) kept for the process
+_KEPT: "OrderedDict[tuple, tuple[SweepResult, dict[int, StepResult]]]" = OrderedDict()
+
+
+@dataclass
+class BatchLine:
+    """Every event's bytes of a fake run as ``a + batch·c``, read off the sweep's runs: the timelines
+    at the sweep's batches are the same operations in the same order, and each storage's bytes are
+    affine in the batch, checked exactly at every swept batch (``make`` returns None otherwise). A
+    timeline at another batch is then made, not run (``at``); ``largest_batch`` confirms its answer
+    with one run (``predict.fit`` does the same for a transformer)."""
+    base: TrackingResult
+    base_batch: int
+    slopes: list[int]
+
+    @classmethod
+    def make(cls, runs: dict[int, TrackingResult]) -> "BatchLine | None":
+        if len(runs) < 3:
+            return None
+        (b0, t0), (b1, t1), *rest = sorted(runs.items())
+        if len(t0.events) != len(t1.events) or any(a.kind != b.kind or a.sid != b.sid
+                                                   for a, b in zip(t0.events, t1.events)):
+            return None
+        slopes = []
+        for a, b in zip(t0.events, t1.events):
+            step, left = divmod(b.nbytes - a.nbytes, b1 - b0)
+            if left or step < 0:
+                return None
+            slopes.append(step)
+        line = cls(t0, b0, slopes)
+        return line if all(line.same(line.at(b), t) for b, t in rest) else None
+
+    def at(self, batch: int) -> TrackingResult:
+        k = batch - self.base_batch
+        events, sizes = [], {}
+        for e, c in zip(self.base.events, self.slopes):
+            if e.kind == "free":
+                nbytes = sizes.get(e.sid, e.nbytes + k * c)
+                events.append(e.with_bytes(nbytes, -nbytes))
+            else:
+                nbytes = e.nbytes + k * c
+                events.append(e.with_bytes(nbytes, nbytes - sizes.get(e.sid, 0)))
+                sizes[e.sid] = nbytes
+        return TrackingResult.build(self.base.records, events, self.base.device, self.base.rounded)
+
+    @staticmethod
+    def same(a: TrackingResult, b: TrackingResult) -> bool:
+        """The same timeline: every event's kind, storage and bytes."""
+        return len(a.events) == len(b.events) and all(
+            x.kind == y.kind and x.sid == y.sid and x.nbytes == y.nbytes for x, y in zip(a.events, b.events))
 
 
 def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_size: int | None = None,
                   optimizer: str = "sgd", dtype: str | torch.dtype = "float32",
                   context_overhead_bytes: int = CONTEXT_OVERHEAD_ASSUMED,
                   sweep_batches: Sequence[int] = (8, 16, 32, 64), check_on_gpu: bool = True,
-                  progress: Progress = None, max_runs: int | None = None) -> LargestBatch:
+                  progress: Progress = None, max_runs: int | None = None, extrapolate: bool = True) -> LargestBatch:
     """The largest batch whose steady-state training step fits a ``card_gib`` GiB card.
 
     Two usable capacities are answered: the whole card, and the card minus an *assumed*
@@ -421,7 +474,10 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
     line; for the allocator, the live answer scaled by the simulator's overhead) and then
     gallops and bisects, so it needs about 2·log2(distance from the guess) + 2 fake runs:
     logarithmic in the batch for any card size. ``max_runs`` (default: ``search_run_bound``
-    of the sweep's answer) is a safety bound that turns a runaway search into an error. With a GPU and ``check_on_gpu``, the allocator-
+    of the sweep's answer) is a safety bound that turns a runaway search into an error. ``extrapolate``
+    (the default): a batch the search examines is made from the sweep's line (``BatchLine``: exact when
+    every event is affine in the batch, checked at every swept batch) and the answer confirmed by one
+    run, instead of running each; False runs each (the same answers, slower). With a GPU and ``check_on_gpu``, the allocator-
     simulated answer for the whole card and the batch after it run for real, with
     ``torch.cuda.set_per_process_memory_fraction`` limiting the allocator to the card."""
     if not card_gib or card_gib <= 0:
@@ -441,26 +497,55 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
     def sweep_progress(frac: float, text: str) -> None:
         note(0.5 * frac, text)
 
-    sweep = batch_sweep(spec, sweep_batches, size, opt, dt, "fake", steps=2, progress=sweep_progress)
-    runs: dict[int, StepResult] = {r.batch: r for r in sweep.steps_results}
-    swept = len(runs)
+    # a registered model's sweep and runs are kept for the process: moving the card or the context
+    # re-answers from the same timelines (fake runs depend on nothing else), with the same answers
+    key = (spec.name, size, opt, str(dt), tuple(sweep_batches)) if isinstance(model, str) else None
+    if key is not None and key in _KEPT:
+        _KEPT.move_to_end(key)
+        sweep, runs = _KEPT[key]
+    else:
+        sweep = batch_sweep(spec, sweep_batches, size, opt, dt, "fake", steps=2, progress=sweep_progress)
+        runs = {r.batch: r for r in sweep.steps_results}
+        if key is not None:
+            _KEPT[key] = (sweep, runs)
+            while len(_KEPT) > KEPT_SWEEPS:
+                _KEPT.popitem(last=False)
+    ran_before = len(runs)
     if max_runs is None:
         max_runs = search_run_bound(max(sweep.fit.max_batch(card), sweep.formula.max_batch(card), 1))
 
-    def fake(batch: int) -> StepResult:
+    def fake(batch: int) -> TrackingResult:
         if batch not in runs:
-            done = len(runs) - swept   # fake runs the verification has made so far
+            done = len(runs) - ran_before   # fake runs this verification has made so far
             if done >= max_runs:
                 raise RuntimeError(f"the verification needed more than {max_runs} fake runs; the sweep's line "
                                    f"is too far from the measured peaks")
             note(0.5 + 0.4 * (done + 1) / max_runs, f"verifying batch {batch} (fake)")
             runs[batch] = tracked_step(spec, batch=batch, image_size=size, optimizer=opt, dtype=dt, engine="fake", steps=2, guard=False)
-        return runs[batch]
+        return runs[batch].measurement.tracking
 
-    answers = [_capacity_answer(name, cap, cap_label, sweep, fake) for name, cap, cap_label in (
-        ("whole card", card, "card size"),
-        ("card − CUDA context", card - context_overhead_bytes, f"card − {format_bytes(context_overhead_bytes)} "
-                                                                f"({LABEL_ASSUMPTION})"))]
+    # the timelines between and beyond the swept batches are made from the sweep's line, not run, when
+    # every event is affine in the batch (exact at all four swept batches); one run at the answer confirms
+    # it, or the search runs every batch it examines, as it always may
+    line = BatchLine.make({b: r.measurement.tracking for b, r in runs.items()}) if extrapolate else None
+    made: dict[int, TrackingResult] = {}
+
+    def timeline(batch: int) -> TrackingResult:
+        if line is None or batch in runs:
+            return fake(batch)
+        if batch not in made:
+            made[batch] = line.at(batch)
+        return made[batch]
+
+    capacities = (("whole card", card, "card size"),
+                  ("card − CUDA context", card - context_overhead_bytes, f"card − {format_bytes(context_overhead_bytes)} "
+                                                                         f"({LABEL_ASSUMPTION})"))
+    answers = [_capacity_answer(name, cap, cap_label, sweep, timeline) for name, cap, cap_label in capacities]
+    if line is not None:
+        confirm = answers[0].allocator_batch or answers[0].live_batch
+        if confirm and confirm not in runs and not BatchLine.same(fake(confirm), line.at(confirm)):
+            line = None   # the line did not hold there: every examined batch is run instead
+            answers = [_capacity_answer(name, cap, cap_label, sweep, timeline) for name, cap, cap_label in capacities]
 
     gpu_checks: list[GpuCheck] = []
     if torch.cuda.is_available() and check_on_gpu:
@@ -473,10 +558,10 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
                     "allocator simulator; the CUDA context is an assumption.")
     note(1.0, "done")
     return LargestBatch(spec.name, size, opt, dtype_name(dt), card, int(context_overhead_bytes), sweep, answers,
-                        gpu_checks, gpu_note, verification_runs=len(runs) - swept)
+                        gpu_checks, gpu_note, verification_runs=len(runs) - ran_before)
 
 
-def _capacity_answer(name: str, cap: int, cap_label: str, sweep, fake: Callable[[int], StepResult]) -> CapacityAnswer:
+def _capacity_answer(name: str, cap: int, cap_label: str, sweep, fake: Callable[[int], TrackingResult]) -> CapacityAnswer:
     """One usable capacity's answers: the formula's and the fit's batch, the batch fake runs verify
     (peak at B fits, at B + 1 does not), and the batch the simulated allocator can serve."""
     examined: dict[int, BatchCheck] = {}
