@@ -22,12 +22,13 @@ measured (a fake run and the allocator simulator) beside it.
   in the activation dtype and their fp32 copy for the loss (transformers' ``ForCausalLMLoss``
   upcasts them: ``logits = logits.float()``).
 
-``whatif_measured(...)`` is the measured side: ``gpulab.step`` of the same model and recipe on the
-fake engine following the card's CUDA kernels (a tensor-parallel run on the fake process group), a
+``whatif_measured(...)`` is the measured side: the same model and recipe's two training steps on the
+fake engine following the card's CUDA kernels, as ``gpulab.step`` runs them and made as ``gpulab.fit``
+makes its runs (``predict.fake_step``: a tensor-parallel rank on the fake process group), a
 ZeRO stage applied to that timeline as ``gpulab.fit`` applies it (``predict.sharding.per_rank``:
 stages 1-3 are DeepSpeed's ZeRO-1/2/3), and the timeline replayed through the simulated caching
 allocator. Fake runs are kept for the process (``predict.run_cache``): a setting met before
-answers at once.
+answers at once (the replay aside).
 """
 from __future__ import annotations
 
@@ -198,7 +199,7 @@ def _layers(model: str, dtype: str):
 def whatif_measured(model: str = "hf:gpt2", seq_len: int = 1024, batch: int = 1, recompute: str = "none",
                     precision: str = "bf16", optimizer: str = "adamw", zero: int = 0, dp: int = 1, tp: int = 1,
                     card: str = "H100") -> WhatIfMeasured:
-    """The same settings measured: a fake step (``gpulab.step``), ZeRO applied to its timeline as
+    """The same settings measured: a fake step (``predict.fake_step``), ZeRO applied to its timeline as
     ``gpulab.fit`` applies it, replayed through the simulated allocator (module docstring)."""
     check_whatif(model, seq_len, batch, recompute, precision, optimizer, zero, dp, tp)
     import torch
@@ -207,14 +208,16 @@ def whatif_measured(model: str = "hf:gpt2", seq_len: int = 1024, batch: int = 1,
     from gpulab.measure.engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
     from gpulab.predict import run_cache
     from gpulab.predict import sharding as S
-    from gpulab.predict.step import step
+    from gpulab.measure.cuda_card import kernel_target
+    from gpulab.predict.cards import card_target
+    from gpulab.predict.fake_step import fake_step_timeline
     t0 = time.perf_counter()
     hits = run_cache.info()["hits"]
     dtype, amp = WHATIF_PRECISIONS[precision]
-    r = step(model, batch=batch, seq_len=seq_len, optimizer=optimizer, engine="fake", dtype=dtype, amp=amp,
-             checkpointing=False if recompute == "none" else recompute, tp=tp, gpu=card, guard=False)
-    t = r.measurement.tracking
-    label = f"{LABEL_FAKE_CUDA} ({card})"
+    with kernel_target(card_target(card)):   # the card's kernels (its attention kernel, by compute capability)
+        t, depth = fake_step_timeline(model, batch, seq_len=seq_len, optimizer=optimizer, dtype=dtype, amp=amp,
+                                      checkpointing=False if recompute == "none" else recompute, tp=tp)
+    label = f"{LABEL_FAKE_CUDA} ({card}{'; ' + depth if depth else ''})"
     notes = []
     if zero and dp > 1:
         sh = S.check_sharding(dp, f"zero{zero}", False, optimizer, getattr(torch, dtype))
