@@ -136,3 +136,28 @@ def test_panels_say_which_kind_they_are_and_what_is_stale():
         assert "not offered" in run_only.widget.children[0].value
         with pytest.raises(ValueError, match="needs a GPU"):
             run_only.set(engine="cuda")
+
+
+def test_timings_say_only_what_their_spread_supports():
+    """Lesson 07: a difference between k and k = 1 is stated only when the interquartile ranges do not
+    overlap; a checkpointed step measured faster is the machine's load, never a finding."""
+    import dataclasses
+
+    from gpulab.course.checkpointing import checkpoint_sweep
+    from gpulab.record.runs.checkpoint import Timing
+    r = checkpoint_sweep(4, 8, 4, "divisors of N", "fake")   # memory only: the timings are set below
+
+    def timed(*ms):
+        return Timing([m / 1e3 for m in ms], 1, "cpu")
+
+    def with_times(base, other):
+        pts = [dataclasses.replace(p, timing=base if p.segments == 1 else other) for p in r.points]
+        return dataclasses.replace(r, points=pts)
+    def verdict(result):
+        return result.timing_verdict(result.points[-1])
+    slower = with_times(timed(10, 10, 11, 11, 12), timed(14, 15, 15, 16, 16))
+    assert "slower" in verdict(slower) and "×1.36" in verdict(slower)
+    overlap = with_times(timed(10, 10, 11, 14, 20), timed(12, 13, 13, 14, 15))
+    assert "cannot tell" in verdict(overlap) and "slower" not in verdict(overlap)
+    faster = with_times(timed(20, 21, 22, 23, 24), timed(10, 10, 11, 11, 12))
+    assert "load" in verdict(faster) and "faster than without" in verdict(faster)
