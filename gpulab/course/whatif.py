@@ -286,5 +286,5 @@ def compare_html(formula: WhatIfFormula, measured: WhatIfMeasured | None, pendin
     head = (f"<b>{formula.model}</b>, {count} parameters; seq {formula.seq_len} × batch "
             f"{formula.batch}, {formula.precision}, {formula.optimizer}, recompute {formula.recompute}, "
             f"ZeRO-{formula.zero} over {formula.dp}, TP {formula.tp}: bytes per GPU")
-    caption = f"formula: {formula.label}" + (f"; measured: {measured.label}" if measured else "")
+    caption = formula.label + (f"; measured: {measured.label}" if measured else "")
     return head + html_table(["", "formula", "measured", "error"], rows, caption)
