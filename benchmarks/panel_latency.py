@@ -61,10 +61,12 @@ def _gpulab_moves(panel, n):
     return moves
 
 _rows = []
-_found = [o for o in _gc.get_objects() if isinstance(o, (_Panel, _WhatIf))]
+_found = [o for o in _gc.get_objects() if issubclass(type(o), (_Panel, _WhatIf))]   # no weak proxies
 for _p in _found:
     _title = getattr(_p, "title", "What if? (lesson 11)")
     _waits, _measured = [], []
+    if not hasattr(_p, "controls") or not _p.controls:
+        continue
     for _i in range(__CHANGES__):
         _mv = _gpulab_moves(_p, __CHANGES__)
         if _i >= len(_mv):
