@@ -497,19 +497,9 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
     def sweep_progress(frac: float, text: str) -> None:
         note(0.5 * frac, text)
 
-    # a registered model's sweep and runs are kept for the process: moving the card or the context
-    # re-answers from the same timelines (fake runs depend on nothing else), with the same answers
     key = (spec.name, size, opt, str(dt), tuple(sweep_batches)) if isinstance(model, str) else None
-    if key is not None and key in _KEPT:
-        _KEPT.move_to_end(key)
-        sweep, runs = _KEPT[key]
-    else:
-        sweep = batch_sweep(spec, sweep_batches, size, opt, dt, "fake", steps=2, progress=sweep_progress)
-        runs = {r.batch: r for r in sweep.steps_results}
-        if key is not None:
-            _KEPT[key] = (sweep, runs)
-            while len(_KEPT) > KEPT_SWEEPS:
-                _KEPT.popitem(last=False)
+    sweep, runs = _kept_sweep(key, lambda: batch_sweep(spec, sweep_batches, size, opt, dt, "fake", steps=2,
+                                                       progress=sweep_progress))
     ran_before = len(runs)
     if max_runs is None:
         max_runs = search_run_bound(max(sweep.fit.max_batch(card), sweep.formula.max_batch(card), 1))
@@ -524,28 +514,10 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
             runs[batch] = tracked_step(spec, batch=batch, image_size=size, optimizer=opt, dtype=dt, engine="fake", steps=2, guard=False)
         return runs[batch].measurement.tracking
 
-    # the timelines between and beyond the swept batches are made from the sweep's line, not run, when
-    # every event is affine in the batch (exact at all four swept batches); one run at the answer confirms
-    # it, or the search runs every batch it examines, as it always may
-    line = BatchLine.make({b: r.measurement.tracking for b, r in runs.items()}) if extrapolate else None
-    made: dict[int, TrackingResult] = {}
-
-    def timeline(batch: int) -> TrackingResult:
-        if line is None or batch in runs:
-            return fake(batch)
-        if batch not in made:
-            made[batch] = line.at(batch)
-        return made[batch]
-
     capacities = (("whole card", card, "card size"),
                   ("card − CUDA context", card - context_overhead_bytes, f"card − {format_bytes(context_overhead_bytes)} "
                                                                          f"({LABEL_ASSUMPTION})"))
-    answers = [_capacity_answer(name, cap, cap_label, sweep, timeline) for name, cap, cap_label in capacities]
-    if line is not None:
-        confirm = answers[0].allocator_batch or answers[0].live_batch
-        if confirm and confirm not in runs and not BatchLine.same(fake(confirm), line.at(confirm)):
-            line = None   # the line did not hold there: every examined batch is run instead
-            answers = [_capacity_answer(name, cap, cap_label, sweep, timeline) for name, cap, cap_label in capacities]
+    answers = _answers(capacities, sweep, runs, fake, extrapolate)
 
     gpu_checks: list[GpuCheck] = []
     if torch.cuda.is_available() and check_on_gpu:
@@ -559,6 +531,45 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
     note(1.0, "done")
     return LargestBatch(spec.name, size, opt, dtype_name(dt), card, int(context_overhead_bytes), sweep, answers,
                         gpu_checks, gpu_note, verification_runs=len(runs) - ran_before)
+
+
+def _kept_sweep(key: tuple | None, sweep: Callable[[], SweepResult]) -> tuple[SweepResult, dict[int, StepResult]]:
+    """The sweep and its runs by batch, kept for the process under ``key`` (a registered model's
+    settings; None: not kept): moving the card or the context re-answers from the same timelines (a
+    fake run depends on nothing else), with the same answers."""
+    if key is not None and key in _KEPT:
+        _KEPT.move_to_end(key)
+        return _KEPT[key]
+    made = sweep()
+    kept = (made, {r.batch: r for r in made.steps_results})
+    if key is not None:
+        _KEPT[key] = kept
+        while len(_KEPT) > KEPT_SWEEPS:
+            _KEPT.popitem(last=False)
+    return kept
+
+
+def _answers(capacities, sweep: SweepResult, runs: dict[int, StepResult], fake: Callable[[int], TrackingResult],
+             extrapolate: bool) -> list[CapacityAnswer]:
+    """Each capacity's answer. The timelines between and beyond the swept batches are made from the
+    sweep's line, not run, when every event is affine in the batch (exact at every swept batch); one run
+    at the answer confirms it, or the search runs every batch it examines, as it always may."""
+    line = BatchLine.make({b: r.measurement.tracking for b, r in runs.items()}) if extrapolate else None
+    made: dict[int, TrackingResult] = {}
+
+    def timeline(batch: int) -> TrackingResult:
+        if line is None or batch in runs:
+            return fake(batch)
+        if batch not in made:
+            made[batch] = line.at(batch)
+        return made[batch]
+    answers = [_capacity_answer(name, cap, cap_label, sweep, timeline) for name, cap, cap_label in capacities]
+    if line is not None:
+        confirm = answers[0].allocator_batch or answers[0].live_batch
+        if confirm and confirm not in runs and not BatchLine.same(fake(confirm), line.at(confirm)):
+            line = None   # the line did not hold there: every examined batch is run instead
+            answers = [_capacity_answer(name, cap, cap_label, sweep, timeline) for name, cap, cap_label in capacities]
+    return answers
 
 
 def _capacity_answer(name: str, cap: int, cap_label: str, sweep, fake: Callable[[int], TrackingResult]) -> CapacityAnswer:

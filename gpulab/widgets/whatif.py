@@ -46,6 +46,8 @@ class WhatIfPanel:
     def __init__(self, model: str = "hf:gpt2", seq_len: int = 1024, batch: int = 1, recompute: str = "none",
                  precision: str = "bf16", optimizer: str = "adamw", zero: int = 0, dp: int = 1, tp: int = 1,
                  card: str = "H100", debounce_s: float = DEBOUNCE_S, auto_measure: bool = True):
+        for name in WHATIF_MODELS:   # every model's config read now: a move to any of them is a lookup
+            _shape(name)
         self.controls: dict[str, W.ValueWidget] = {
             "model": dropdown("model", WHATIF_MODELS, model),
             "seq_len": _log_slider("sequence", SEQ_CHOICES, SEQ_CHOICES[0]),
