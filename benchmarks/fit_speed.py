@@ -6,7 +6,16 @@ Qwen2.5-72B), each ``gpulab fit`` (bf16 AdamW, 2048 tokens, on the layout its si
 ``gpulab serve`` (one H100, 8192 tokens) beside ``serve`` of 8B dense, and Gemma-2-9B at 32K on 24 GiB
 (issue 35's done-when); each a whole command in a fresh process, as a user runs it.
 
-    PYTHONPATH=. python benchmarks/fit_speed.py [--quick] [--repeat-off] [--new-models] [--only TEXT] [--floor-each]
+    PYTHONPATH=. python benchmarks/fit_speed.py [--quick] [--repeat-off] [--new-models] [--layouts] [--only TEXT]
+                                                [--floor-each] [--repeat N]
+
+``--layouts`` adds issue 45's layouts (Llama-3.1-70B on 64 H100 as TP 8 × PP 4 with sequence parallelism;
+70B with CP 8 under FSDP2; Mixtral-8x7B with EP 8 under FSDP2, all bf16 AdamW at 4096 tokens) and issue 46's
+``--what-fits`` for 8B on 24 GiB at 4096 tokens, each against the fake-tensor floor (``import torch,
+transformers, torch._dynamo`` plus one ``FakeTensorMode()``: what every fake-tensor tool pays before its
+first op) timed right before it; ``--repeat N`` times each floor-and-command pair N times and prints the
+min and the median of the ratios (a shared machine's load moves both), of the wall times and of the CPU
+times (user + system: on a shared machine they move less with the load; on a quiet one they agree).
 
 It prints each command's seconds and its ratio to the import floor (``python -c "import torch,
 transformers"``) measured in the same run, and whether the answer's depth was laid out from a few
@@ -23,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +58,24 @@ NEW_MODELS = {"mixtral-8x7b": _EIGHT, "qwen3-30b-a3b": _EIGHT, "deepseek-v2-lite
               "qwen2.5-72b-instruct": _EIGHT}
 
 
+# issue 45's layouts and issue 46's what-fits at 4096 tokens, each answered against the fake-tensor floor
+_BF16_4096 = ["--dtype", "bf16", "--optimizer", "adamw", "--seq-len", "4096", "--json"]
+LAYOUTS = [
+    ("70B, 64 H100, TP 8 x PP 4, SP, 4096",
+     ["fit", "hf:llama-3.1-70b", "--gpu", "H100", "--gpus", "64", "--tp", "8", "--pp", "4", "--sequence-parallel",
+      *_BF16_4096]),
+    ("70B, 8 H100, CP 8, FSDP2, 4096",
+     ["fit", "hf:llama-3.1-70b", "--gpu", "H100", "--gpus", "8", "--cp", "8", "--strategy", "fsdp2", *_BF16_4096]),
+    ("Mixtral-8x7B, 8 H100, EP 8, FSDP2, 4096",
+     ["fit", "hf:mixtral-8x7b", "--gpu", "H100", "--gpus", "8", "--ep", "8", "--strategy", "fsdp2", *_BF16_4096]),
+    ("8B, 24 GiB, --what-fits, 4096",
+     ["fit", "hf:llama-3-8b", "--gpu", "24GiB", "--what-fits", *_BF16_4096]),
+]
+# the floor every fake-tensor tool pays (issues 45 and 46): torch, transformers and torch._dynamo imported, one FakeTensorMode
+FAKE_FLOOR = ("import torch, transformers, torch._dynamo; from torch._subclasses.fake_tensor import FakeTensorMode; "
+              "FakeTensorMode()")
+
+
 def _serve(name: str, gpu: str, context: int) -> list[str]:
     return ["serve", f"hf:{name}", "--gpu", gpu, "--context", str(context), "--json"]
 
@@ -62,10 +91,16 @@ def _config_file(folder: str, name: str) -> str:
     return path
 
 
-def _timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
-    t0 = time.perf_counter()
+def _timed(cmd: list[str], env: dict[str, str], cpu: list[float] | None = None) -> tuple[float, str]:
+    """(wall seconds, the answer in short) of ``cmd``; its CPU seconds (user + system, its children's
+    included) appended to ``cpu`` when given: on a shared machine the CPU time moves less with the load
+    than the wall time, and on a quiet one the two agree (a fit is one Python thread)."""
+    t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     seconds = time.perf_counter() - t0
+    if cpu is not None:
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
     if p.returncode not in (0, 2):
         return seconds, f"failed ({p.returncode}): {p.stderr.strip().splitlines()[-1:]}"
     try:
@@ -74,6 +109,10 @@ def _timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
         if "largest_batch" not in answer:   # gpulab serve
             return seconds, (f"fits: {answer.get('fits')}, {answer.get('max_sequences')} sequences (vLLM-style)"
                              + experts)
+        fits = answer.get("what_fits")
+        if fits:   # --what-fits: the recipes that fit beside the asked one's answer
+            return seconds, (f"batch {answer.get('largest_batch')}, {answer.get('runs')} fake runs; what fits at batch "
+                             f"{fits['batch']}: {', '.join(fits['fitting']) or 'nothing tried'}")
         return seconds, (f"batch {answer.get('largest_batch')}, {answer.get('runs')} fake runs; "
                          f"{answer.get('layers') or 'depth: full'}" + experts)
     except (json.JSONDecodeError, TypeError):
@@ -85,6 +124,10 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="the 8B command only")
     ap.add_argument("--repeat-off", action="store_true", help="also run every command with the layer repeat off")
     ap.add_argument("--new-models", action="store_true", help="also issue 35's MoE fits and Gemma-2's serve")
+    ap.add_argument("--layouts", action="store_true",
+                    help="also issue 45's layouts and issue 46's --what-fits at 4096 tokens, against the fake-tensor floor")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="with --layouts: time each fake-tensor floor and command pair this many times (min, median)")
     ap.add_argument("--only", default="", help="only the commands whose description holds this text")
     ap.add_argument("--floor-each", action="store_true",
                     help="time the import floor again right before each command and give its ratio to that one "
@@ -116,6 +159,8 @@ def main() -> int:
             commands.append((f"serve {name}, H100, 8192 tokens", _serve(name, "H100", 8192)))
         # issue 35's done-when: 32768 is past the 8192 positions of gemma-2-9b's config.json, answered with that assumption named
         commands.append(("serve gemma-2-9b, 24 GiB, 32768 tokens", _serve("gemma-2-9b", "24GiB", 32768)))
+    if args.layouts:
+        commands += LAYOUTS
     commands.append(("a bad option", ["fit", "hf:llama-3-8b", "--gpu", "H100", "--optimiser", "adamw"]))
     commands = [c for c in commands if args.only in c[0]]
     print(f"load average before: {_load()}")
@@ -127,6 +172,9 @@ def main() -> int:
     print(f"  + torch._dynamo, which every fake run and optimizer step imports: {dynamo:.1f} s "
           f"({dynamo / floor:.2f}x the floor)")
     for what, cmd in commands:
+        if (what, cmd) in LAYOUTS:   # against the fake-tensor floor, timed right before each repeat
+            print(_against_fake_floor(what, cmd, py, env, max(1, args.repeat)), flush=True)
+            continue
         if args.floor_each and "bad option" not in what:
             floor, _ = _timed([py, "-c", "import torch, transformers"], env)
         seconds, answer = _timed([py, "-m", "gpulab", *cmd], env)
@@ -138,6 +186,24 @@ def main() -> int:
         print(line, flush=True)
     print(f"load average after: {_load()}")
     return 0
+
+
+def _against_fake_floor(what: str, cmd: list[str], py: str, env: dict[str, str], repeat: int) -> str:
+    """``repeat`` pairs of (the fake-tensor floor, the command), each pair back to back: the
+    seconds and ratios, their min and median."""
+    ratios, cpu_ratios, lines, answer = [], [], [], ""
+    for _ in range(repeat):
+        cpu: list[float] = []
+        floor, _ = _timed([py, "-c", FAKE_FLOOR], env, cpu)
+        seconds, answer = _timed([py, "-m", "gpulab", *cmd], env, cpu)
+        ratios.append(seconds / floor)
+        cpu_ratios.append(cpu[1] / cpu[0])
+        lines.append(f"{seconds:.1f} s / {floor:.1f} s wall, {cpu[1]:.1f} s / {cpu[0]:.1f} s CPU")
+    ratios.sort()
+    cpu_ratios.sort()
+    return (f"{what:48s} {ratios[0]:5.2f}x min, {statistics.median(ratios):5.2f}x median the fake-tensor floor; "
+            f"CPU time {cpu_ratios[0]:5.2f}x min, {statistics.median(cpu_ratios):5.2f}x median "
+            f"({'; '.join(lines)}; load {_load()})  {answer}")
 
 
 def _experts(answer: dict) -> str:

@@ -15,7 +15,8 @@ costs. ``--cells N`` also lists each lesson's N slowest cells (from nbclient's t
 ``--record`` writes each code cell's seconds, keyed by its cell id, into docs/lesson-times.json
 (issue #37: the day model, gpulab/course/day_model.py, reads it): for each cell, the CPU
 seconds of the kernel and of every process it started, read from /proc through psutil just
-before and just after the cell runs, and the cell's wall seconds; with the machine, the torch
+before and just after the cell runs, the cell's wall seconds (what the day model counts), and what
+it displays (HTML tables, images, rendered markdown's words); with the machine, the torch
 version, the date and the load average before and after each lesson. ``--only`` re-records those
 lessons and keeps the others' entries. ``--model`` runs nothing: it prints each lesson's modelled
 core path from the notebooks and that record, in its parts, beside the minutes the lesson states.
@@ -41,6 +42,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 import nbformat  # noqa: E402
 
 from conftest import notebook_client  # noqa: E402  (the tests' client: sliced polls)
+
+sys.path.insert(0, str(ROOT))
+from gpulab.course.day_model import cell_key  # noqa: E402  (how the record names a cell)
 
 LESSONS = ROOT / "lessons"
 RECORD = ROOT / "docs" / "lesson-times.json"
@@ -83,8 +87,8 @@ def _kernel_cpu(client) -> float | None:
         return None
 
 
-def _cpu_hooks(client) -> dict:
-    """Hooks that put each code cell's kernel CPU seconds into the returned dict, by cell id."""
+def _cpu_hooks(client, keys: list[str]) -> dict:
+    """Hooks that put each code cell's kernel CPU seconds into the returned dict, by its key."""
     spent, start = {}, {}
 
     def before(cell, cell_index, **_):
@@ -93,7 +97,7 @@ def _cpu_hooks(client) -> dict:
     def after(cell, cell_index, **_):
         a, b = start.pop(cell_index, None), _kernel_cpu(client)
         if a is not None and b is not None:
-            spent[cell.get("id")] = b - a
+            spent[keys[cell_index]] = b - a
 
     client.on_cell_execute, client.on_cell_executed = before, after
     return spent
@@ -101,9 +105,12 @@ def _cpu_hooks(client) -> dict:
 
 def time_lesson(path: Path, timeout: int = 600) -> dict:
     nb = nbformat.read(path, as_version=4)
+    # each cell's key as the stored file has it (nbformat gives a cell stored without an id a new
+    # random one on reading; the day model reads the file and names such a cell by its index)
+    keys = [cell_key(c, i) for i, c in enumerate(json.loads(path.read_text())["cells"])]
     client = notebook_client(nb, timeout=timeout, kernel_name="python3", store_widget_state=True,
                              record_timing=True, resources={"metadata": {"path": str(LESSONS)}})
-    cpu_by_id = _cpu_hooks(client)
+    cpu_by_id = _cpu_hooks(client, keys)
     load0 = os.getloadavg()[0]
     c0, t0 = _children_cpu(), time.perf_counter()
     error = None
@@ -119,12 +126,33 @@ def time_lesson(path: Path, timeout: int = 600) -> dict:
             s = _cell_seconds(cell)
             if s is not None:
                 first = next((ln for ln in cell.source.splitlines() if ln.strip()), "")
-                c = cpu_by_id.get(cell.get("id"))
-                cells.append({"cell": i, "id": cell.get("id"), "seconds": round(s, 2),
-                              "cpu_s": None if c is None else round(c, 2), "source": first[:70]})
+                c = cpu_by_id.get(keys[i])
+                cells.append({"cell": i, "id": keys[i], "seconds": round(s, 2),
+                              "cpu_s": None if c is None else round(c, 2), "source": first[:70],
+                              **displays(cell)})
     return {"lesson": path.stem, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "error": error,
             "load_start": round(load0, 2), "load_end": round(os.getloadavg()[0], 2),
             "cells": sorted(cells, key=lambda c: -c["seconds"])}
+
+
+def displays(cell) -> dict:
+    """What a student looks at in a code cell's outputs, besides the panels (the demo): ``tables``,
+    the outputs that show an HTML table; ``plots``, those that show an image; ``words``, the words
+    of the markdown a cell renders (text/markdown outputs: prose the student reads, counted as the
+    lesson's markdown is, gpulab.course.day_model)."""
+    sys.path.insert(0, str(ROOT))
+    from gpulab.course.day_model import words_of
+    tables = plots = words = 0
+    for out in cell.get("outputs", []):
+        data = out.get("data", {})
+        if any(k.startswith("image/") for k in data):
+            plots += 1
+        elif "<table" in str(data.get("text/html", "")):
+            tables += 1
+        if "text/markdown" in data:
+            md = data["text/markdown"]
+            words += words_of(md if isinstance(md, str) else "".join(md))
+    return {"tables": tables, "plots": plots, "words": words}
 
 
 def _machine() -> str:
@@ -143,8 +171,11 @@ def write_record(rows: list[dict], path: Path = RECORD) -> None:
         "nbclient, a fresh kernel, the lesson's default engine, one lesson at a time). cpu_s: CPU "
         "seconds (user + system) of the kernel and every process it started, read from /proc "
         "before and after the cell; wall_s: the cell's wall seconds (nbclient's execute_input to "
-        "execute_reply), stretched by the machine's load, recorded per lesson. The day model "
-        "(gpulab/course/day_model.py) counts min(cpu_s, wall_s) for a cell.")
+        "execute_reply), stretched by the machine's load, recorded per lesson; tables, plots: the "
+        "cell's outputs that show an HTML table or an image (panels excluded); words: the words of "
+        "the markdown the cell renders. The day model (gpulab/course/day_model.py) counts a cell at "
+        "its wall_s: the time a student waits, on a 2-core machine shared with other jobs (the load "
+        "average is recorded with each lesson), so an upper estimate for a quiet laptop.")
     lessons = record.setdefault("lessons", {})
     for r in rows:
         if r["error"]:
@@ -154,7 +185,8 @@ def write_record(rows: list[dict], path: Path = RECORD) -> None:
             "machine": _machine(), "torch": torch.__version__,
             "load_average_start": r["load_start"], "load_average_end": r["load_end"],
             "wall_s": r["wall_s"], "cpu_s": r["cpu_s"],
-            "cells": {c["id"]: {"cpu_s": c["cpu_s"], "wall_s": c["seconds"]}
+            "cells": {c["id"]: {"cpu_s": c["cpu_s"], "wall_s": c["seconds"], "tables": c["tables"],
+                                "plots": c["plots"], "words": c["words"]}
                       for c in sorted(r["cells"], key=lambda c: c["cell"])}}
     record["lessons"] = dict(sorted(lessons.items()))
     path.write_text(json.dumps(record, indent=1) + "\n")
@@ -165,8 +197,13 @@ def print_model() -> int:
     sys.path.insert(0, str(ROOT))
     from gpulab.course.day_model import lesson_time, stated_minutes
     record = json.loads(RECORD.read_text())
-    print(f"{'lesson':<30}{'words':>6}{'read':>6}{'quest':>6}{'pred':>6}{'run':>6}{'demo':>6}"
-          f"{'model':>7}{'stated':>7}")
+    from gpulab.course.day_model import (MINUTES_PER_DISPLAY, MINUTES_PER_QUESTION, TALK_FACTOR,
+                                         WORDS_PER_MINUTE)
+    print(f"rates: {WORDS_PER_MINUTE} words a minute, {MINUTES_PER_QUESTION} minutes a question, "
+          f"{MINUTES_PER_DISPLAY} a table or plot, cells at their recorded wall time, the demo, "
+          f"all x {TALK_FACTOR} for talk")
+    print(f"{'lesson':<30}{'words':>6}{'read':>6}{'quest':>6}{'pred':>6}{'run':>6}{'disp':>6}{'look':>6}"
+          f"{'demo':>6}{'model':>7}{'stated':>7}")
     for p in sorted(LESSONS.glob("[0-9][0-9]_*.ipynb")):
         stated = stated_minutes(p)[0]
         if stated == 0:
@@ -178,7 +215,8 @@ def print_model() -> int:
             print(f"{p.stem:<30}{str(e)}")
             continue
         print(f"{p.stem:<30}{r['words']:>6}{r['reading']:>6}{r['questions']:>6}{r['predicting']:>6}"
-              f"{r['running']:>6}{r['demo']:>6}{r['core path']:>7}{stated:>7}")
+              f"{r['running']:>6}{r['displays']:>6}{r['looking']:>6}{r['demo']:>6}{r['core path']:>7}"
+              f"{stated:>7}")
     return 0
 
 

@@ -16,6 +16,8 @@ runs imports them. ``fit`` and ``serve`` say what they are doing on stderr as th
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import platform
@@ -144,6 +146,45 @@ def _model_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--json", action="store_true", help=_JSON_HELP)
 
 
+def _plan_options(f: argparse.ArgumentParser) -> None:
+    """fit's answers beside the largest batch: what fits, the fastest plan, the predicted time."""
+    f.add_argument("--what-fits", type=_positive_int, nargs="?", const=1, default=None, metavar="BATCH",
+                   help="also list the recipes that fit at BATCH (default 1), each confirmed by a fake run and "
+                        "ranked by predicted step time")
+    f.add_argument("--fastest", action="store_true",
+                   help="the fastest plan that fits: --what-fits's recipes (and the asked one) at its batch, "
+                        "by predicted step time")
+    f.add_argument("--no-time", action="store_true",
+                   help="leave out the predicted step time (a roofline per op on the card's datasheet speeds)")
+
+
+def _context_options(f: argparse.ArgumentParser) -> None:
+    """fit's CUDA context: given, or assumed for the module loading."""
+    f.add_argument("--context", default=None,
+                   help="memory the CUDA context takes outside PyTorch's allocator (default: assumed from "
+                        "--cuda-module-loading, with the published measurements it rests on)")
+    f.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
+                   help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
+                        "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
+
+
+def _mesh_options(f: argparse.ArgumentParser) -> None:
+    """fit's GPUs and how they hold the model: the mesh's data-parallel part (gpulab.options.Layout)."""
+    f.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
+                   help="spread the step over N GPUs (with --strategy): the answer is one GPU's, the batch per GPU")
+    f.add_argument("--strategy", default=None, choices=("ddp", "zero1", "zero2", "zero3", "fsdp2"),
+                   help="how N GPUs hold the model: ddp, DeepSpeed's zero1/zero2/zero3 (bf16/fp16 Adam), fsdp2")
+    f.add_argument("--dp-replicate", type=_positive_int, default=None, metavar="N",
+                   help="with --gpus: the mesh's replicas (torchtitan's data_parallel_replicate_degree; with "
+                        "--strategy fsdp2 and --dp-shard: HSDP, replicas of shards); gpus = dp_replicate x "
+                        "dp_shard x cp x tp x pp")
+    f.add_argument("--dp-shard", type=_positive_int, default=None, metavar="N",
+                   help="with --gpus: the ranks each replica's state is sharded over (torchtitan's "
+                        "data_parallel_shard_degree; fsdp2 or zero*); default: what --gpus and --strategy leave")
+    f.add_argument("--offload-optimizer", action="store_true",
+                   help="with --strategy zero*/fsdp2: the optimizer state lives in host memory")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; building and using it imports no torch (``gpulab.options``)."""
     p = _Parser(prog="gpulab", description="Where does GPU memory go? Measure it. "
@@ -178,26 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--gpu", required=True, help="a card (H100, A100-40GB, RTX4090, T4 ...) or a size (24GiB, 80GB)")
     f.add_argument("--optimizer", default="adam", choices=list(ALL_OPTIMIZERS))
     f.add_argument("--amp", default=None, choices=list(AMP_NAMES), help="run the forward under torch.autocast")
-    f.add_argument("--context", default=None,
-                   help="memory the CUDA context takes outside PyTorch's allocator (default: assumed from "
-                        "--cuda-module-loading, with the published measurements it rests on)")
-    f.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
-                   help="spread the step over N GPUs (with --strategy): the answer is one GPU's, the batch per GPU")
-    f.add_argument("--strategy", default=None, choices=("ddp", "zero1", "zero2", "zero3", "fsdp2"),
-                   help="how N GPUs hold the model: ddp, DeepSpeed's zero1/zero2/zero3 (bf16/fp16 Adam), fsdp2")
-    f.add_argument("--offload-optimizer", action="store_true",
-                   help="with --strategy zero*/fsdp2: the optimizer state lives in host memory")
-    f.add_argument("--what-fits", type=_positive_int, nargs="?", const=1, default=None, metavar="BATCH",
-                   help="also list the recipes that fit at BATCH (default 1), each confirmed by a fake run and "
-                        "ranked by predicted step time")
-    f.add_argument("--fastest", action="store_true",
-                   help="the fastest plan that fits: --what-fits's recipes (and the asked one) at its batch, "
-                        "by predicted step time")
-    f.add_argument("--no-time", action="store_true",
-                   help="leave out the predicted step time (a roofline per op on the card's datasheet speeds)")
-    f.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
-                   help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
-                        "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
+    _context_options(f)
+    _mesh_options(f)
+    _fsdp_policy_options(f)
+    _plan_options(f)
     _recipe_options(f)
     _quiet_option(f)
     v = sub.add_parser("serve", help="will a language model serve on a GPU: weights, KV cache, prefill and decode "
@@ -283,6 +308,19 @@ def env_info() -> dict[str, Any]:
 REPORT = "please report it with the command you ran"
 
 
+def _fsdp_policy_options(f: argparse.ArgumentParser) -> None:
+    """gpulab fit's FSDP2 MixedPrecisionPolicy and float8 all-gather."""
+    f.add_argument("--param-dtype", default=None, choices=("bf16", "fp32", "fp16"),
+                   help="with --strategy fsdp2: MixedPrecisionPolicy(param_dtype): parameters all-gathered and "
+                        "computed in it, sharded master weights in --dtype (torchtitan: bf16 over fp32)")
+    f.add_argument("--reduce-dtype", default=None, choices=("fp32", "bf16", "fp16"),
+                   help="with --strategy fsdp2: MixedPrecisionPolicy(reduce_dtype): gradients reduce-scattered in "
+                        "it (torchtitan: fp32; default: the parameters' dtype)")
+    f.add_argument("--fp8-all-gather", action="store_true",
+                   help="with --fp8 tensorwise and --strategy fsdp2: weights all-gathered in float8, 1 byte each "
+                        "(torchao's enable_fsdp_float8_all_gather)")
+
+
 def _recipe_options(p: argparse.ArgumentParser) -> None:
     """The training recipe's flags (gpulab.step / gpulab.fit's recipe arguments)."""
     p.add_argument("--accumulate", type=_positive_int, default=1, metavar="K",
@@ -306,10 +344,8 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-impl", default="default", choices=("default", "for-loop", "foreach", "fused"),
                    help="the optimizer's implementation (torch's default on the device, or one named)")
     p.add_argument("--checkpointing", nargs="?", const="full", default=False, type=_checkpointing, metavar="POLICY",
-                   help="a transformers model's own activation checkpointing: full (the default: each block "
-                        "recomputed in backward), selective (PyTorch's op-level selective activation "
-                        "checkpointing, SAC: matmul and attention outputs kept, the rest recomputed) or "
-                        "every-K (every K-th block, e.g. every-2)")
+                   help=f"a transformers model's own activation checkpointing, full where no POLICY is given: "
+                        f"{POLICY_TEXT}")
     p.add_argument("--lora", type=_positive_int, default=0, metavar="R",
                    help="LoRA adapters of rank R (peft) on a frozen base; only they train")
     p.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
@@ -335,12 +371,22 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
                         "are routed: no assumption needed), else balanced; balanced (tokens*k/E rows per expert), "
                         "capacity:F (each expert F times that, dropped or padded), worst (every token to the same k "
                         "experts) or router (the model's own experts kernel)")
+    _parallel_options(p)
+
+
+
+def _parallel_options(p: argparse.ArgumentParser) -> None:
+    """The model-parallel flags (tensor, context, expert, pipeline) and fp8: gpulab.Layout's and the recipe's."""
     p.add_argument("--tp", type=_positive_int, default=1, metavar="N",
-                   help="tensor parallelism over N GPUs (the model's own transformers plan, on PyTorch's fake "
-                        "process group, fake tensors): the answer is one rank's; with --gpus, N divides it")
+                   help="tensor parallelism over N GPUs (torchtitan's layout: the blocks by the model's own "
+                        "transformers plan, the embedding and head split by vocabulary; PyTorch's fake process "
+                        "group, fake tensors): the answer is one rank's; with --gpus, N divides it")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: Megatron-style sequence parallelism (norms and the residual stream on a "
                         "sequence shard)")
+    p.add_argument("--loss-parallel", action="store_true",
+                   help="with --tp: the logits stay split by vocabulary and the cross-entropy is computed on "
+                        "them (torch.distributed.tensor.parallel.loss_parallel, as torchtitan does)")
     p.add_argument("--cp", type=_positive_int, default=1, metavar="N",
                    help="context parallelism over N ranks: the answer is one rank's sequence shard (seq_len/N), "
                         "ring attention's K/V buffers stated as a formula; 2N (with --sequence-parallel 2N x tp) "
@@ -425,7 +471,8 @@ def _main(argv: list[str], own: bool = False) -> int:
         if own and args.command != "env":   # a process that only answers: transformers without torchvision, torchao
             from gpulab.models.lean_imports import skip_unused
             skip_unused()
-        data, text = _answer(args, progress)
+        with _collections_kept_short(own):
+            data, text = _answer(args, progress, own)
     except (RuntimeError, TypeError) as exc:   # torch refusing a size (an overflowing shape): the input's doing
         if "overflow" in str(exc).lower() or "negative dimension" in str(exc):
             raise ValueError(f"a tensor of this size cannot be made ({_one_line(exc)}): use smaller "
@@ -437,7 +484,33 @@ def _main(argv: list[str], own: bool = False) -> int:
     return _emit(json.dumps(data) if args.json else text(data))
 
 
-def _answer(args: argparse.Namespace, progress: StreamProgress | None) -> tuple[dict[str, Any], Any]:
+@contextlib.contextmanager
+def _collections_kept_short(own: bool):
+    """While a process that only answers (``own``: ``python -m gpulab``) works, what the cycle collector
+    has seen survive a full collection is not walked again (``gc.freeze`` after each): the objects the
+    imports made (torch's, transformers'), then the timelines kept so far. A full collection, which
+    ``measure.engines`` makes after each fake run that left a storage alive (some 0.2-0.3 s with torch
+    loaded, more than a small run), then walks what was made since the last one, where a run's
+    reference cycles are. When the answer is made, everything is handed back to the collector
+    (``gc.unfreeze``), so the process ends as it would have. A library call (a notebook, a test) is left
+    alone."""
+    if not own:
+        yield
+        return
+
+    def after(phase: str, info: dict) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            gc.freeze()
+    gc.callbacks.append(after)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(after)
+        gc.unfreeze()
+
+
+def _answer(args: argparse.Namespace, progress: StreamProgress | None,
+            own: bool = False) -> tuple[dict[str, Any], Any]:
     """(the answer as data, its text view): the one place a command imports torch and transformers."""
     if args.command == "env":
         return env_info(), answers.env_text
@@ -464,6 +537,8 @@ def _answer(args: argparse.Namespace, progress: StreamProgress | None) -> tuple[
             raise ValueError("serve needs --context TOKENS (tokens per sequence) or --longest-context")
         return serve(args.model, args.gpu, context_len=args.context, batch=args.batch, **kw).as_dict(), answers.serve_text
     from gpulab.predict.fit import fit
+    if own:   # the imports' objects live as long as the process: out of the collector's walks now
+        gc.freeze()
     context = {"context_bytes": checks.size(args.context)} if args.context else {}
     data = fit(args.model, args.gpu, recipe=args.recipe, layout=args.layout, seq_len=args.seq_len,
                image_size=args.image_size, module_loading=args.cuda_module_loading, progress=progress,

@@ -11,7 +11,9 @@ and passed whole. The grouping follows torchtitan's ``JobConfig`` sections (``tr
 * ``Recipe``: what one training step does: the optimizer and its implementation, the model's
   dtype, autocast and GradScaler, accumulation, clipping, where gradients go, activation memory
   (offloading, chunked loss, checkpointing, compile, the KV cache), LoRA / QLoRA, an MoE's routing
-  assumption and FP8. ``dtype`` is here, not beside the model or the card: the dtype the model is
+  assumption, FP8, and FSDP2's precision settings (``param_dtype`` / ``reduce_dtype``: its
+  ``MixedPrecisionPolicy``, torchtitan's ``training.mixed_precision_param`` / ``_reduce``;
+  ``fp8_all_gather``: float8 weights all-gathered; ``check_fsdp_policy``: fsdp2 only). ``dtype`` is here, not beside the model or the card: the dtype the model is
   built and trained in (pure bf16 training, or fp32 weights under autocast) is a training choice, as
   torchtune's recipe configs hold ``dtype`` and torchtitan's ``training`` section its mixed-precision
   dtypes; the model names an architecture, the card a memory.
@@ -40,9 +42,9 @@ from gpulab.units import check_model_dtype_name
 
 __all__ = ["Layout", "Recipe", "ALL_OPTIMIZERS", "AMP_NAMES", "CHECKPOINTING_POLICIES", "COMPUTE_DTYPE_NAMES", "FOUR_BIT", "FP8_RECIPES",
            "IMPLEMENTATION_NAMES", "LORA_DTYPES", "MAX_STEPS", "POLICY_TEXT", "QUANTIZATIONS", "SCHEDULES", "STRATEGY_NAMES",
-           "check_amp", "check_checkpointing", "check_chunks", "check_cp_ep_options", "check_cp_options",
-           "check_ep_options", "check_fp8", "check_implementation", "check_lora_dtype", "check_pp_options",
-           "check_layout_degrees", "check_rank", "check_routing_text", "check_step_options", "check_targets",
+           "MIXED_PRECISION_DTYPES", "check_amp", "check_checkpointing", "check_chunks", "check_cp_ep_options", "check_cp_options",
+           "check_ep_options", "check_fp8", "check_fsdp_policy", "check_implementation", "check_lora_dtype", "check_pp_options",
+           "check_layout_degrees", "check_mixed_precision", "check_precision_policy", "check_rank", "check_routing_text", "check_step_options", "check_targets",
            "check_together", "check_tp_options", "settings_from"]
 
 # what gpulab.step / gpulab.fit / the CLI take: the lessons' optimizers, then the recipe optimizers
@@ -52,14 +54,15 @@ AMP_NAMES = ("fp16", "bf16")       # the keys of training.loop.AMP_DTYPES
 MAX_STEPS = 10   # tracked steps of one call: each repeats the steady state of step 2
 SCHEDULES = ("1f1b", "gpipe", "interleaved")   # training.pipeline.SCHEDULES: the pipeline schedules gpulab measures
 
-CHECKPOINTING_POLICIES = ("full", "selective", "every-K")
+CHECKPOINTING_POLICIES = ("full", "selective", "torchtitan-op", "every-K")
 POLICY_TEXT = ("full (every block), selective (op-level selective activation checkpointing, SAC: matmul and "
-               "attention outputs kept, the rest recomputed) or every-K (every K-th block, e.g. every-2)")
+               "attention outputs kept, the rest recomputed), torchtitan-op (torchtitan's op-level SAC: its save "
+               "list, every other matmul recomputed) or every-K (every K-th block, e.g. every-2)")
 
 
 def check_checkpointing(value) -> str | bool:
-    """A checkpointing choice as the recipe keeps it: False (none), "full", "selective" or
-    "every-K" with K ≥ 2 ("every-1" is "full"). True means "full". ``ValueError`` naming the
+    """A checkpointing choice as the recipe keeps it: False (none), "full", "selective",
+    "torchtitan-op" or "every-K" with K ≥ 2 ("every-1" is "full"). True means "full". ``ValueError`` naming the
     choices otherwise."""
     if value is False or value is None:
         return False
@@ -67,7 +70,7 @@ def check_checkpointing(value) -> str | bool:
         return "full"
     if isinstance(value, str):
         v = value.strip().lower()
-        if v in ("full", "selective"):
+        if v in ("full", "selective", "torchtitan-op"):
             return v
         if v.startswith("every-") and v[6:].isdigit() and int(v[6:]) >= 1:
             return "full" if int(v[6:]) == 1 else f"every-{int(v[6:])}"
@@ -93,6 +96,52 @@ def check_fp8(fp8) -> str | None:
         raise ValueError(f"fp8 must be one of {', '.join(FP8_RECIPES)} (torchao's float8 training recipes), "
                          f"got {fp8!r}")
     return fp8
+
+
+# --- FSDP2's MixedPrecisionPolicy and float8 all-gather (predict.sharding) ----------------------------
+
+MIXED_PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def check_mixed_precision(name: str, value: Any) -> str | None:
+    """None, or a dtype of FSDP2's ``MixedPrecisionPolicy`` by its short name ("bf16", "fp32", "fp16";
+    torch's names "bfloat16", "float32", "float16" are taken too)."""
+    if value is None:
+        return None
+    text = str(value).removeprefix("torch.").lower()
+    short = {long: short for short, long in MIXED_PRECISION_DTYPES.items()}.get(text, text)
+    if short not in MIXED_PRECISION_DTYPES:
+        raise ValueError(f"{name} must be one of {', '.join(MIXED_PRECISION_DTYPES)} (FSDP2's MixedPrecisionPolicy), "
+                         f"got {value!r}")
+    return short
+
+
+def check_precision_policy(r: Any) -> None:
+    """What the FSDP2 settings of a recipe go with, in the recipe alone: the float8 all-gather is the
+    tensorwise recipe's (torchao's ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``; rowwise
+    scales cannot be computed on a shard), and a parameter dtype replaces autocast (FSDP2 casts the
+    parameters and the forward's inputs itself)."""
+    if r.fp8_all_gather and r.fp8 != "tensorwise":
+        raise ValueError("fp8_all_gather all-gathers tensorwise float8 weights (torchao's enable_fsdp_float8_all_gather): "
+                         "give fp8='tensorwise' with it (--fp8 tensorwise)")
+    if r.param_dtype and r.amp:
+        raise ValueError("param_dtype is FSDP2's mixed precision: the unsharded parameters and the inputs cast to "
+                         "it, no autocast; leave out amp with it")
+
+
+def check_fsdp_policy(recipe: Any, layout: Any) -> None:
+    """FSDP2's settings need FSDP2: a MixedPrecisionPolicy or the float8 all-gather with --strategy
+    fsdp2 over several GPUs, one pipeline stage (the stages' sharding is not modelled with them yet)."""
+    asked = [name for name, on in (("param_dtype", recipe.param_dtype), ("reduce_dtype", recipe.reduce_dtype),
+                                   ("fp8_all_gather", recipe.fp8_all_gather)) if on]
+    if not asked:
+        return
+    what = ", ".join(asked)
+    if layout.strategy != "fsdp2" or layout.gpus is None:
+        raise ValueError(f"{what} {'is' if len(asked) == 1 else 'are'} FSDP2's (fully_shard's MixedPrecisionPolicy, "
+                         f"torchao's float8 all-gather): give strategy='fsdp2' and gpus=N (--strategy fsdp2 --gpus N)")
+    if layout.pp > 1:
+        raise ValueError(f"{what} with pp: each stage's FSDP2 policy is not modelled yet; leave out pp, or {what}")
 
 
 # --- the optimizer's implementation, autocast ------------------------------------------------------
@@ -172,13 +221,16 @@ def check_routing_text(value: Any) -> tuple[str, float]:
 STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")   # predict.sharding.STRATEGIES' keys
 
 
-def check_tp_options(tp: int, sequence_parallel: bool = False) -> None:
+def check_tp_options(tp: int, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
     """ValueError, in one line, for a tensor-parallel degree that is not a whole number >= 1, or
-    sequence parallelism without it."""
+    sequence or loss parallelism without it."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tensor parallelism must be a whole number of ranks >= 1, got {tp!r}")
     if sequence_parallel and tp < 2:
         raise ValueError("sequence parallelism splits the sequence over the tensor-parallel ranks: give --tp 2 or more")
+    if loss_parallel and tp < 2:
+        raise ValueError("loss parallelism computes the loss on logits split over the tensor-parallel ranks' "
+                         "vocabulary shards: give --tp 2 or more")
 
 
 def check_cp_options(cp: int) -> None:
@@ -192,16 +244,12 @@ def check_ep_options(ep: int) -> None:
 
 
 def check_cp_ep_options(cp: int, ep: int, tp: int, pp: int = 1) -> None:
-    """The context- and expert-parallel degrees, and the combinations measured: cp with tp; ep with pp
-    (each stage's experts split) but not with tp or cp (the experts' own tensor-parallel plan is not
-    measured); cp not with pp yet."""
+    """The context- and expert-parallel degrees, each a whole number of ranks. Every combination of
+    them with tp and pp is measured, as torchtitan runs it: ep with tp (the experts whole on each rank,
+    torchtitan's default expert tensor-parallel degree 1: ``training.expert_parallel``), ep with cp
+    (each rank routes its sequence shard's tokens) and cp with pp (each stage's sequence shard)."""
     check_cp_options(cp)
     check_ep_options(ep)
-    if ep > 1 and (tp > 1 or cp > 1):
-        raise ValueError("--ep is measured on its own (experts split, the rest replicated): leave out --tp and --cp "
-                         "with it (the experts' tensor-parallel plan is not measured)")
-    if pp > 1 and cp > 1:
-        raise ValueError("--cp is not measured with --pp yet: give one of them (--ep does combine with --pp)")
 
 
 def check_pp_options(pp: int, microbatches: int | None = None, schedule: str = "1f1b", stage: int = 0,
@@ -274,10 +322,13 @@ class Recipe:
     quant_compute_dtype: str = "input"       # a 4-bit base's compute dtype ("input": the input's)
     routing: Any = None                      # an MoE's routing assumption (training.routing); None: balanced
     fp8: str | None = None                   # torchao's float8 training: "tensorwise" or "rowwise"
+    fp8_all_gather: bool = False             # with fp8 tensorwise and fsdp2: weights all-gathered in float8
+    param_dtype: str | None = None           # fsdp2's MixedPrecisionPolicy: the unsharded parameters' dtype
+    reduce_dtype: str | None = None          # fsdp2's MixedPrecisionPolicy: the dtype gradients are reduced in
 
     def __post_init__(self) -> None:
         for name in ("grad_scaler", "set_to_none", "optimizer_in_backward", "offload_activations", "compile",
-                     "double_quant"):
+                     "double_quant", "fp8_all_gather"):
             _check_bool(name, getattr(self, name))
         if self.use_cache is not None:
             _check_bool("use_cache", self.use_cache)
@@ -289,12 +340,15 @@ class Recipe:
         check_chunks(self.chunked_loss)
         _set(self, "checkpointing", check_checkpointing(self.checkpointing))
         _set(self, "fp8", check_fp8(self.fp8))
+        for name in ("param_dtype", "reduce_dtype"):
+            _set(self, name, check_mixed_precision(name, getattr(self, name)))
+        check_precision_policy(self)
         _set(self, "routing", _routing(self.routing))
         self._check_adapters()
         check_step_options(self, fp16_autocast=self.amp == "fp16")
         if self.fp8 and (self.lora or self.quantize):
-            raise ValueError("fp8 converts the model's own linear layers to torchao's Float8Linear: leave out lora, "
-                             "quantize and tp with fp8 (their layers are not plain nn.Linear)")
+            raise ValueError("fp8 converts the model's own linear layers to torchao's Float8Linear: leave out lora "
+                             "and quantize with fp8 (their layers are not plain nn.Linear)")
 
     def _check_adapters(self) -> None:
         """LoRA's rank, targets, dropout and dtype, and a quantized base's choices: valid, and only with
@@ -352,6 +406,7 @@ class Layout:
     offload_optimizer: bool = False   # with zero*/fsdp2: the optimizer state in host memory
     tp: int = 1                       # tensor-parallel ranks
     sequence_parallel: bool = False   # with tp: norms and the residual stream on a sequence shard
+    loss_parallel: bool = False       # with tp: logits and cross-entropy sharded on the vocabulary
     cp: int = 1                       # context-parallel ranks: each holds a shard of the sequence
     ep: int = 1                       # expert-parallel ranks: each holds experts/ep of every MoE layer
     pp: int = 1                       # pipeline stages
@@ -370,6 +425,7 @@ class Layout:
             raise ValueError(f"unknown strategy {self.strategy!r}: one of {', '.join(STRATEGY_NAMES)}")
         _check_bool("offload_optimizer", self.offload_optimizer)
         _check_bool("sequence_parallel", self.sequence_parallel)
+        _check_bool("loss_parallel", self.loss_parallel)
         check_layout_degrees(self)
         if self.pp > 1 and self.microbatches is None:   # a pipeline's default: one micro-batch per stage
             _set(self, "microbatches", self.pp)
@@ -405,7 +461,9 @@ class Layout:
         """The mesh in words: "mesh dp_replicate 1 × dp_shard 8 × cp 1 × tp 1 × pp 1 (ep 8 from dp_shard × cp)"."""
         dims = " × ".join(f"{k} {v}" for k, v in self.mesh_dims.items() if k != "ep")
         borrowed = f" (ep {self.ep} from dp_shard × cp{' × tp' if self.tp > 1 else ''})" if self.ep > 1 else ""
-        spread = "" if self.gpus is not None or self.dp == 1 else "; no strategy: the dp ranks hold replicas"
+        # without gpus (one rank's step) dp_shard is only the least that ep borrows from (_mesh_dp)
+        spread = ("" if self.gpus is not None or self.dp == 1 else
+                  "; one rank: dp_shard the least the ep group borrows, give gpus for the whole mesh")
         return f"mesh {dims}{borrowed}{spread}"
 
     @property
@@ -494,7 +552,7 @@ def check_layout_degrees(r: Any) -> None:
     """Each parallel degree a whole number, and the combinations gpulab measures (``r``: a ``Layout``,
     or the loop's recipe, which carries the same fields)."""
     check_pp_options(r.pp, r.microbatches, r.schedule, r.pp_stage, r.virtual_stages)
-    check_tp_options(r.tp, r.sequence_parallel)
+    check_tp_options(r.tp, r.sequence_parallel, r.loss_parallel)
     check_cp_ep_options(r.cp, r.ep, r.tp, r.pp)
 
 
@@ -521,10 +579,17 @@ def check_step_options(r: Any, fp16_autocast: bool) -> None:
 
 def check_together(recipe: Any, layout: Any) -> None:
     """What a recipe cannot do in a layout: FP8, LoRA, a quantized base, compile or offloading with
-    tensor parallelism, and what a pipeline stage runs itself (its micro-batches)."""
-    if recipe.fp8 and (recipe.lora or recipe.quantize or layout.tp > 1):
-        raise ValueError("fp8 converts the model's own linear layers to torchao's Float8Linear: leave out lora, "
-                         "quantize and tp with fp8 (their layers are not plain nn.Linear)")
+    tensor parallelism, what a pipeline stage runs itself (its micro-batches), and FSDP2's settings
+    without FSDP2 (``check_fsdp_policy``; ``layout`` a ``Layout``: the loop's recipe has no strategy)."""
+    if isinstance(layout, Layout):
+        check_fsdp_policy(recipe, layout)
+    if recipe.fp8 and (recipe.lora or recipe.quantize):
+        raise ValueError("fp8 converts the model's own linear layers to torchao's Float8Linear: leave out lora "
+                         "and quantize with fp8 (their layers are not plain nn.Linear)")
+    if recipe.fp8 and layout.tp > 1:   # torchtitan runs it: apply_tp(enable_float8_tensorwise_tp=...)
+        raise ValueError("fp8 with tp is not measured yet: torchao's float8 tensor-parallel styles (Float8ColwiseParallel, "
+                         "Float8RowwiseParallel, PrepareFloat8ModuleInput, as torchtitan applies them) are the missing "
+                         "piece; leave out tp or fp8")
     if layout.pp > 1:
         clash = [name for name, on in (("accumulate", recipe.accumulate > 1), ("lora", recipe.lora),
                                        ("quantize", recipe.quantize), ("compile", recipe.compile),
@@ -533,11 +598,19 @@ def check_together(recipe: Any, layout: Any) -> None:
                                        ("optimizer_in_backward", recipe.optimizer_in_backward),
                                        ("grad_scaler", recipe.grad_scaler)) if on]
         if clash:
+            missing = {"accumulate": "a pipeline accumulates over its micro-batches: give --microbatches M instead",
+                       "compile": "torch.compile of a pipeline stage (torchtitan compiles each stage's blocks) is not "
+                                  "measured yet"}
+            why = "; ".join(missing[name] for name in clash if name in missing)
             raise ValueError(f"pipeline parallelism is measured on the model's own stages, micro-batches given by "
-                             f"--microbatches: leave out {', '.join(clash)} with pp")
+                             f"--microbatches: leave out {', '.join(clash)} with pp{f' ({why})' if why else ''}")
     if layout.tp > 1 and (recipe.lora or recipe.quantize or recipe.compile or recipe.offload_activations):
-        raise ValueError("tensor parallelism is measured on the model's own linear layers: leave out lora, quantize, "
-                         "compile and offload_activations with tp")
+        clash = [name for name, on in (("lora", recipe.lora), ("quantize", recipe.quantize), ("compile", recipe.compile),
+                                       ("offload_activations", recipe.offload_activations)) if on]
+        why = ("; torch.compile of the DTensor program (torchtitan compiles each block after TP) is not measured yet"
+               if recipe.compile else "")
+        raise ValueError(f"tensor parallelism is measured on the model's own linear layers: leave out "
+                         f"{', '.join(clash)} with tp{why}")
 
 
 _RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(Recipe))

@@ -44,6 +44,7 @@ BAD = [
     (["serve", "hf:gpt2", "--gpu", "T4", "--longest-context", "--context", "4096"], "--context 4096 would be ignored"),
     (["fit", "hf:tiny-llama", "--gpu", "T4", "--pp", "2", "--microbatches", "2000"], "microbatches"),
     (["fit", "hf:tiny-llama", "--gpu", "T4", "--sequence-parallel"], "--tp 2 or more"),
+    (["fit", "hf:tiny-llama", "--gpu", "T4", "--loss-parallel"], "loss parallelism computes the loss on logits split"),
     (["fit", "hf:tiny-llama", "--gpu", "T4", "--lora", "4", "--lora-dropout", "nan"], "lora_dropout"),
 ]
 

@@ -163,14 +163,11 @@ def test_expert_parallel_refusals_say_what_divides():
         gpulab.step(_llama(), batch=2, seq_len=64, optimizer="adamw", engine="fake", ep=2)
     with pytest.raises(ValueError, match="routing assumption"):
         gpulab.step(_mixtral(), batch=2, seq_len=64, optimizer="adamw", engine="fake", ep=2, routing="router")
-    with pytest.raises(ValueError, match="leave out --tp and --cp"):
-        gpulab.step(_mixtral(), batch=2, seq_len=64, optimizer="adamw", engine="fake", ep=2, tp=2)
     with pytest.raises(ValueError, match=r"--ep 4 does not divide gpus=6"):
         gpulab.fit(_mixtral(), "24MiB", optimizer="adamw", seq_len=64, context_bytes=0, ep=4, gpus=6,
                    strategy="ddp")
-    with pytest.raises(ValueError, match="leave out --tp and --cp"):
-        gpulab.fit(_mixtral(), "24MiB", optimizer="adamw", seq_len=64, context_bytes=0, ep=2, tp=2, gpus=4,
-                   strategy="fsdp2")
+    with pytest.raises(ValueError, match=r"--ep 8 does not divide the 4 data-parallel ranks.*2 × 1 × 2 = 4"):
+        gpulab.Layout(gpus=8, strategy="fsdp2", tp=2, ep=8, dp_replicate=2)   # HSDP: ep borrows dp_shard × cp × tp
 
 
 def _dense_and_expert_params(cfg, ep: int) -> tuple[int, int]:

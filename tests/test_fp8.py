@@ -99,7 +99,7 @@ def test_fp8_raises_the_lessons_peak_and_the_exercise_reads_it():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(fp8="blockwise"), "fp8 must be one of tensorwise, rowwise"),
     (dict(fp8="rowwise", dtype="fp64"), "fp8 casts fp32, bf16 or fp16 weights"),
-    (dict(fp8="rowwise", lora=8), "leave out lora, quantize and tp with fp8"),
+    (dict(fp8="rowwise", lora=8), "leave out lora and quantize with fp8"),
 ])
 def test_bad_fp8_settings_are_one_line_errors(kwargs, match):
     with pytest.raises(ValueError, match=match) as e:

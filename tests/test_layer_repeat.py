@@ -61,7 +61,9 @@ RECIPES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", list(RECIPES.values()), ids=list(RECIPES))
+@pytest.mark.parametrize("options", [*RECIPES.values(), pytest.param(
+    dict(checkpointing="torchtitan-op"), marks=pytest.mark.extended, id="torchtitan's op-level SAC")],
+    ids=[*RECIPES, "torchtitan's op-level SAC"])
 def test_recipes_equal_full_depth(options):
     deep, laid, full = _both(_workload("tiny-llama", 7), user_recipe("adamw", None, **options))
     _assert_same(laid, full)
@@ -288,12 +290,13 @@ def test_periodic_layers_equal_full_depth(spec):
 
 
 PERIODIC_RECIPES = {name: {**RECIPES, **TP}[name] for name in (
-    "full checkpointing", "selective (SAC)", "LoRA", "offload", "accumulation", "tp=2")}
-# Left out, training.tensor_parallel's matters, not the layout's: Gemma-2 under sequence parallelism (its fake
-# step itself fails, before any layout: aten.add got mixed torch.Tensor and DTensor); Qwen3-MoE under any tp
-# (its plan's q_norm style 'replicated_with_grad_allreduce' is refused in one line)
+    "full checkpointing", "selective (SAC)", "LoRA", "offload", "accumulation", "tp=2", "tp=2, sequence parallel")}
+# Left out, training.tensor_parallel's matters, not the layout's: Qwen3-MoE under any tp (its plan's q_norm
+# style 'replicated_with_grad_allreduce' is refused in one line). Gemma-2 under sequence parallelism runs since
+# every norm of its block is sequence-parallel (it failed with "aten.add got mixed torch.Tensor and DTensor")
 PERIODIC_CASES = [("gemma-2 (sliding, global)", name) for name in PERIODIC_RECIPES]
-PERIODIC_CASES += [("qwen3-moe (2 dense, then MoE every 2)", name) for name in PERIODIC_RECIPES if name != "tp=2"]
+PERIODIC_CASES += [("qwen3-moe (2 dense, then MoE every 2)", name) for name in PERIODIC_RECIPES
+                   if not name.startswith("tp=2")]
 # make test runs one recipe for each periodic model (every recipe is laid out on alike layers in
 # test_recipes_equal_full_depth above); the rest of the cross product is marked extended, which
 # make test-extended and CI run

@@ -6,7 +6,12 @@ installed torch. Lesson 09 said PyTorch sets CUDA_MODULE_LOADING through
 * every C++ symbol the lessons name (``CPP_SYMBOLS``, and any backticked ``a::b``, ``camelCase()`` or
   ``kConstant``) is found in the installed torch: its .py files, its headers (torch/include), or,
   failing those, the strings of its libraries (torch/lib/*.so);
-* a symbol known to be gone from PyTorch (``REMOVED``) is not named in backticks as if it existed.
+* a symbol known to be gone from PyTorch (``REMOVED``) is not named in backticks as if it existed;
+* ``CLAIMS``, the registry of the core-day lessons' sentences about PyTorch's internals: each
+  sentence (found by a phrase of it) is still in its lesson, its paragraph names the symbol it
+  rests on, and the installed torch bears the sentence out: the symbol resolves, its Python source
+  says what the sentence says, a header holds the constant, or a library holds the C++ name;
+* every paragraph of a core-day lesson that cites a PyTorch source file is in the registry.
 """
 from __future__ import annotations
 
@@ -36,7 +41,9 @@ CPP_SYMBOLS = {
     "alloc_found_block": "c10/cuda/CUDACachingAllocator.cpp",
     "get_free_block": "c10/cuda/CUDACachingAllocator.cpp",
     "get_allocation_size": "c10/cuda/CUDACachingAllocator.cpp",
-    "kMinBlockSize": "c10/cuda/CUDACachingAllocator.cpp",
+    "kMinBlockSize": "c10/core/AllocatorConfig.h (c10/cuda/CUDACachingAllocator.cpp before)",
+    "alloc_block": "c10/cuda/CUDACachingAllocator.cpp",
+    "release_cached_blocks": "c10/cuda/CUDACachingAllocator.cpp",
     "max_split_size": "c10/cuda/CUDAAllocatorConfig.h",
     "expandable_segments": "c10/cuda/CUDAAllocatorConfig.h",
     "num_alloc_retries": "c10/core/CachingDeviceAllocator.h",
@@ -146,3 +153,194 @@ def test_no_lesson_names_a_removed_symbol_as_current():
 def test_names_are_read_off_the_backticks(text, name):
     assert _python_name(text) == name and _resolves(name)
     assert not _resolves("torch.cuda.maybe_set_cuda_module_loading")
+
+
+# --- the registry: each core-day sentence about PyTorch's internals, tied to the symbol it rests on ---
+#
+# (lesson, a phrase of the sentence, the symbol its paragraph names, the evidence in the installed torch):
+#   ("attr", dotted)            the name resolves
+#   ("source", dotted, text)    the Python source of that object contains the text
+#   ("doc", dotted, text)       its docstring contains the text
+#   ("header", text)            a header of torch/include contains the text
+#   ("lib", symbol)             the symbol is in the Python files, headers or library strings
+#   ("run", check)              a check run on the installed torch (a function returning True)
+
+
+def _maxpool_saves_int64_indices() -> bool:
+    x = torch.randn(1, 1, 4, 4, requires_grad=True)
+    _, idx = torch.nn.functional.max_pool2d_with_indices(x, 2)
+    return idx.dtype == torch.int64
+
+
+def _cpu_dropout_saves_a_float_mask() -> bool:
+    y = torch.nn.functional.dropout(torch.randn(64, requires_grad=True), 0.5, True)
+    saved = [getattr(y.grad_fn, n) for n in dir(y.grad_fn) if n.startswith("_saved_")]
+    return any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in saved) \
+        and torch.ops.aten.native_dropout(torch.randn(4), 0.5, True)[1].dtype == torch.bool
+
+
+def _each_optimizers_state_has_its_parameters_shape_and_dtype() -> bool:
+    """The table of lesson 05: SGD none, momentum one, Adam/AdamW two, RMSprop one, Adagrad one."""
+    expected = {(torch.optim.SGD, ()): set(), (torch.optim.SGD, (("momentum", 0.9),)): {"momentum_buffer"},
+                (torch.optim.Adam, ()): {"exp_avg", "exp_avg_sq"}, (torch.optim.AdamW, ()): {"exp_avg", "exp_avg_sq"},
+                (torch.optim.RMSprop, ()): {"square_avg"}, (torch.optim.Adagrad, ()): {"sum"}}
+    for (cls, kw), keys in expected.items():
+        p = torch.nn.Parameter(torch.randn(3, 2))
+        opt = cls([p], lr=0.1, **dict(kw))
+        p.grad = torch.ones_like(p)
+        opt.step()
+        tensors = {k: v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        if set(tensors) != keys or any(v.shape != p.shape or v.dtype != p.dtype for v in tensors.values()):
+            return False
+    return True
+
+
+CLAIMS = [
+    ("01", "hands out blocks in multiples of 512 bytes", "kMinBlockSize",
+     ("header", "constexpr size_t kMinBlockSize = 512;")),
+    ("03", "max-pool its **input and an int64 index tensor**", "max_pool2d_with_indices",
+     ("run", _maxpool_saves_int64_indices)),
+    ("03", "which the composite `dropout` multiplies by", "native_dropout", ("run", _cpu_dropout_saves_a_float_mask)),
+    ("04", "sets the **peak** of every `memory_stats()` statistic", "torch.cuda.reset_peak_memory_stats()",
+     ("attr", "torch.cuda.reset_peak_memory_stats")),
+    ("04", "(that is `reset_accumulated_memory_stats()`)", "reset_accumulated_memory_stats",
+     ("attr", "torch.cuda.reset_accumulated_memory_stats")),
+    ("04", 'is `memory_stats()["allocated_bytes.all.current"]`', "torch.cuda.memory_allocated()",
+     ("source", "torch.cuda.memory_allocated", "allocated_bytes.all.current")),
+    ("04", 'is `"allocated_bytes.all.peak"`', "torch.cuda.max_memory_allocated()",
+     ("source", "torch.cuda.max_memory_allocated", "allocated_bytes.all.peak")),
+    ("04", '(`"reserved_bytes.all.current"`)', "torch.cuda.memory_reserved()",
+     ("source", "torch.cuda.memory_reserved", "reserved_bytes.all.current")),
+    ("04", "calls `cudaMemGetInfo`", "torch.cuda.mem_get_info()",
+     ("source", "torch.cuda.mem_get_info", "cudaMemGetInfo")),
+    ("04", 'torch.cuda.memory_stats()["requested_bytes.all.peak"]', "requested_bytes", ("lib", "requested_bytes")),
+    ("05", "otherwise it is created **on the CPU**", "_init_group",
+     ("source", "torch.optim.adam.Adam._init_group", 'torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")')),
+    ("05", "create their state lazily inside the first `step()`", "_init_group",
+     ("source", "torch.optim.adam.Adam._init_group", "Lazy state initialization")),
+    ("07", "still runs `use_reentrant=True`", "torch/utils/checkpoint.py",
+     ("source", "torch.utils.checkpoint", "without use_reentrant will raise an exception")),
+    ("07", "still runs `use_reentrant=True`", "checkpoint",
+     ("source", "torch.utils.checkpoint", "use_reentrant = True")),
+    ("07", "still runs `use_reentrant=True`", "checkpoint_sequential",
+     ("source", "torch.utils.checkpoint.checkpoint_sequential", "use_reentrant = True")),
+    ("07", "**last segment runs without checkpointing**", "checkpoint_sequential",
+     ("source", "torch.utils.checkpoint.checkpoint_sequential",
+      "run_function(end + 1, len(functions) - 1, functions)(input)")),
+    ("04", "As PyTorch's source has it", "torch/cuda/memory.py",
+     ("source", "torch.cuda.memory", "def reset_peak_memory_stats")),
+    ("05", "a tensor of the same shape and dtype as the parameter", "torch/optim/*.py",
+     ("run", _each_optimizers_state_has_its_parameters_shape_and_dtype)),
+    ("05", "backward ops run in the dtype autocast chose for the matching forward op", "autocast",
+     ("doc", "torch.autocast", "Backward ops run in the same type that autocast used for corresponding forward ops")),
+    ("05", "Its constructor fills `state[\"sum\"]` for every parameter", "torch/optim/adagrad.py",
+     ("source", "torch.optim.Adagrad.__init__", 'state["sum"]')),
+    ("05", "almost nothing for fused (read off `torch/optim/adam.py`", "torch/optim/adam.py",
+     ("source", "torch.optim.adam", "def _multi_tensor_adam")),
+    ("09", "(simulator; the same rules as `CUDACachingAllocator.cpp`)", "CUDACachingAllocator.cpp",
+     ("header", "constexpr size_t kSmallBuffer = 2097152;")),
+    ("08", "backward ops run in the dtype autocast chose for the matching forward op", "torch.autocast",
+     ("doc", "torch.autocast", "Backward ops run in the same type that autocast used for corresponding forward ops")),
+    ("09", "*best-fit from the cached free blocks*", "get_free_block", ("lib", "get_free_block")),
+    ("09", "*best-fit from the cached free blocks*", "alloc_block", ("lib", "alloc_block")),
+    ("09", "returns *whole free segments* to CUDA", "release_cached_blocks", ("lib", "release_cached_blocks")),
+    ("09", "frees cached segments and retries on its own", "num_alloc_retries", ("lib", "num_alloc_retries")),
+    ("09", "sized by `getChosenWorkspaceSize()`", "getChosenWorkspaceSize", ("lib", "getChosenWorkspaceSize")),
+    ("09", "only when `TORCH_CUBLAS_WORKSPACE_CACHE=1` is set", "isCUDABlasWorkspaceCachingEnabled",
+     ("lib", "isCUDABlasWorkspaceCachingEnabled")),
+    ("11", "Adam keeps two moments per parameter in the parameter's dtype", "_init_group",
+     ("source", "torch.optim.adam.Adam._init_group", 'state["exp_avg_sq"] = torch.zeros_like(')),
+    ("11", "gets the memory-efficient kernel only in fp16 or fp32", "can_use_mem_efficient_attention",
+     ("lib", "can_use_mem_efficient_attention")),
+    ("11", "op-level selective activation checkpointing", "create_selective_checkpoint_contexts",
+     ("attr", "torch.utils.checkpoint.create_selective_checkpoint_contexts")),
+    # lesson 04's data loading (an optional section): what pin_memory and non_blocking change, and where
+    ("04", "`pin_memory=True` is ignored with a warning", "_BaseDataLoaderIter",
+     ("source", "torch.utils.data.dataloader._BaseDataLoaderIter.__init__",
+      "loader.pin_memory and torch.accelerator.is_available()")),
+    ("04", "each batch is copied into pinned memory", "torch.utils.data._utils.pin_memory.pin_memory",
+     ("source", "torch.utils.data._utils.pin_memory.pin_memory", "return data.pin_memory()")),
+    ("04", "has an effect only on a copy between CPU and GPU", "torch.Tensor.copy_",
+     ("doc", "torch.Tensor.copy_", "if ``True`` and this copy is between CPU and GPU")),
+    ("04", "from pinned and pageable memory alike", "torch.Tensor.to",
+     ("doc", "torch.Tensor.to", "applies to both pinned and pageable memory")),
+]
+
+_CITES_SOURCE = re.compile(r"(?:torch|c10|aten)/[\w/.*]+\.(?:py|cpp|h|yaml)|\b[A-Z]\w+\.(?:cpp|h)\b")
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.split())
+
+
+@functools.lru_cache(maxsize=None)
+def _paragraphs(number: str) -> tuple[str, ...]:
+    (path,) = glob.glob(os.path.join(ROOT, "lessons", f"{number}_*.ipynb"))
+    out = []
+    for cell in nbformat.read(path, 4).cells:
+        if cell.cell_type == "markdown":
+            out += [_normal(p) for p in re.split(r"\n\s*\n", cell.source)]
+    return tuple(out)
+
+
+def _core_day() -> list[str]:
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from conftest import core_day_lessons
+    return sorted(core_day_lessons())
+
+
+def _object(dotted: str):
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(dotted)
+
+
+def _borne_out(evidence) -> bool:
+    import inspect
+    kind, *args = evidence
+    if kind == "attr":
+        return _resolves(args[0])
+    if kind == "source":
+        return args[1] in inspect.getsource(_object(args[0]))
+    if kind == "doc":
+        return args[1] in (_object(args[0]).__doc__ or "")
+    if kind == "header":
+        return args[0] in _source_text()
+    if kind == "lib":
+        return _in_installed_torch(args[0])
+    if kind == "run":
+        return bool(args[0]())
+    raise ValueError(f"unknown evidence kind {kind!r}")
+
+
+@pytest.mark.parametrize("claim", CLAIMS, ids=lambda c: f"{c[0]}-{c[2]}")
+def test_each_registered_sentence_names_its_symbol_and_the_installed_torch_bears_it_out(claim):
+    number, phrase, symbol, evidence = claim
+    paragraphs = [p for p in _paragraphs(number) if _normal(phrase) in p]
+    assert paragraphs, f"lesson {number} no longer says {phrase!r}: update CLAIMS with the sentence that replaced it"
+    assert any(symbol in p for p in paragraphs), f"lesson {number}: the sentence with {phrase!r} does not name {symbol}"
+    assert _borne_out(evidence), f"lesson {number}: torch {torch.__version__} does not bear out {phrase!r} ({evidence})"
+
+
+def test_every_core_lesson_paragraph_citing_pytorchs_source_is_registered():
+    registered = {(n, _normal(phrase)) for n, phrase, _, _ in CLAIMS}
+    unregistered = []
+    for number in _core_day():
+        for p in _paragraphs(number):
+            if _CITES_SOURCE.search(p) and not any(n == number and phrase in p for n, phrase in registered):
+                unregistered.append((number, p[:120]))
+    assert not unregistered, f"sentences citing PyTorch's source with no CLAIMS entry: {unregistered}"
+
+
+def test_a_claim_the_installed_torch_does_not_bear_out_fails():
+    assert not _borne_out(("source", "torch.cuda.memory_allocated", "requested_bytes.all.current"))
+    assert not _borne_out(("lib", "maybe_set_cuda_module_loading"))
+    assert not _borne_out(("header", "constexpr size_t kMinBlockSize = 1024;"))

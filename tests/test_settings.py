@@ -38,7 +38,7 @@ def test_repr_shows_what_is_set_and_eq_compares_values():
     (lambda: Layout(pp=2, microbatches=2000), "microbatches must be a whole number from 1 to 1024"),
     (lambda: Layout(strategy="zero4"), "unknown strategy"),
     (lambda: Layout(gpus=0), "gpus must be a whole number"),
-    (lambda: Layout(ep=2, tp=2), "--ep is measured on its own"),
+    (lambda: Layout(gpus=4, strategy="fsdp2", dp_shard=3), "gpus=4 is not dp_replicate × dp_shard × cp × tp × pp"),
 ])
 def test_bad_values_are_refused_when_made(make, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
@@ -72,6 +72,8 @@ def test_fit_with_objects_equals_fit_with_keywords_and_carries_them():
     assert a.answered_recipe == b.answered_recipe == recipe and a.answered_layout == b.answered_layout == layout
     d = a.as_dict()
     assert d["answered_recipe"] == dataclasses.asdict(recipe) and d["answered_layout"]["tp"] == 2
+    layout_note = d["recipe"].pop("tensor_parallel")   # the tensor-parallel layout, stated (training.tensor_parallel)
+    assert layout_note["text"].startswith("tp=2: torchtitan's TP layout")
     assert d["recipe"] == {"accumulate": 2, "tp": 2}   # the existing key: what the answer states
 
 
@@ -82,7 +84,7 @@ def test_a_keyword_that_contradicts_an_object_is_refused():
         gpulab.step("hf:tiny-llama", engine="fake", layout=Layout(tp=2), tp=4)
     with pytest.raises(ValueError, match="recipe must be a gpulab.Recipe"):
         gpulab.fit("mlp", "T4", recipe={"optimizer": "sgd"})
-    with pytest.raises(ValueError, match="leave out lora, quantize, compile"):   # checked together
+    with pytest.raises(ValueError, match="leave out lora with tp"):   # checked together
         gpulab.fit("hf:tiny-llama", "T4", recipe=Recipe(lora=8), layout=Layout(tp=2))
     with pytest.raises(ValueError, match="gpulab.fit answers"):
         gpulab.step("mlp", engine="fake", layout=Layout(gpus=8, strategy="ddp"))

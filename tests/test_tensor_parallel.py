@@ -24,22 +24,22 @@ def _step(tp: int, sp: bool = False):
                        tp=tp, sequence_parallel=sp)
 
 
-def _split_params(cfg, tp: int, embedding_split: bool) -> int:
+def _split_params(cfg, tp: int) -> int:
     """One rank's parameter bytes in bf16, counted from the config: q, k, v, o, gate, up, down and the
-    head split tp ways; the norms whole on every rank; the embedding split by vocabulary with
-    sequence parallelism (torchtitan's plan), whole without (transformers' plan leaves it)."""
+    head split tp ways; the norms whole on every rank; the embedding split by vocabulary, with or
+    without sequence parallelism (torchtitan's layout, transformers' own ``embedding_rowwise``)."""
     h, f, v, n = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
     kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
     split = n * (h * h + 2 * h * kv + h * h + 3 * h * f) + v * h * (0 if cfg.tie_word_embeddings else 1)
     whole = n * 2 * h + h
     embedding = v * h
-    return 2 * (split // tp + whole + (embedding // tp if embedding_split else embedding))
+    return 2 * (split // tp + whole + embedding // tp)
 
 
 @pytest.mark.parametrize("tp,sp", [(2, False), (4, False), (2, True), (4, True)])
 def test_parameters_and_adam_state_per_rank(tp, sp):
     r = _step(tp, sp)
-    params = _split_params(_config(), tp, embedding_split=sp)
+    params = _split_params(_config(), tp)
     by = r.tensor_bytes_by_category
     assert by["parameters"] == pytest.approx(params, abs=512 * 40)     # 512-byte blocks, one per tensor
     assert by["optimizer_state"] == pytest.approx(2 * params, abs=512 * 80)
@@ -49,9 +49,12 @@ def test_parameters_and_adam_state_per_rank(tp, sp):
 def test_activations_are_a_replicated_part_plus_a_split_part():
     """Without sequence parallelism the norms' inputs and the residual stream are whole on every rank
     and the attention and MLP insides are split: A(t) = R + S/t (Korthikanti et al. 2022, Table 2:
-    sbh(10 + 24/t + 5as/(ht)) for GPT-3's block), so A(1) - A(2) = 2 (A(2) - A(4))."""
+    sbh(10 + 24/t + 5as/(ht)) for GPT-3's block), plus E at t > 1, so A(1) - A(2) = 2 (A(2) - A(4)) - E."""
     a = {tp: _step(tp).tensor_bytes_by_category["activations"] for tp in (1, 2, 4)}
-    assert a[1] - a[2] == 2 * (a[2] - a[4])
+    # E: what the vocabulary-parallel embedding saves at any tp > 1: its local token ids (int64) for the
+    # lookup's backward and its mask (in the model's bf16) for the masking multiply's
+    e = BATCH * SEQ * (8 + 2)
+    assert a[1] - a[2] == 2 * (a[2] - a[4]) - e
     assert a[2] - a[4] > 0
 
 
@@ -68,12 +71,35 @@ def test_sequence_parallelism_splits_what_tensor_parallelism_leaves_whole():
     assert sp[2] - split_part // 2 == sp[4] - split_part // 4     # the same G at both degrees
 
 
+def _loss_parallel_saves(tp: int) -> int:
+    """The activations loss parallelism leaves out at ``tp``: without it every rank saves the whole
+    vocabulary's fp32 log-softmax (transformers' loss upcasts the gathered logits), with it the rank's
+    vocabulary shard; D(t) = L·(1 - 1/t) - x, x the loss-parallel cross-entropy's own per-token values."""
+    a = {lp: gpulab.step(_config(), batch=BATCH, seq_len=SEQ, optimizer="adamw", dtype="bf16", engine="fake", tp=tp,
+                         loss_parallel=lp).tensor_bytes_by_category["activations"] for lp in (False, True)}
+    return a[False] - a[True]
+
+
+def test_loss_parallel_splits_the_logits_activations():
+    """L = 4·B·S·V, the fp32 log-softmax of the logits: D(2) = L/2 - x, x within B·S fp32 pairs."""
+    logits = BATCH * SEQ * _config().vocab_size
+    assert _loss_parallel_saves(2) == pytest.approx(4 * logits / 2, abs=BATCH * SEQ * 8 + 64)
+
+
+@pytest.mark.extended
+def test_loss_parallel_splits_the_logits_activations_exactly():
+    """L = 4·(D(4) - D(2)), x cancelled: the whole fp32 log-softmax, 4 bytes a logit, to the byte."""
+    assert 4 * (_loss_parallel_saves(4) - _loss_parallel_saves(2)) == 4 * BATCH * SEQ * _config().vocab_size
+
+
 def test_layouts_that_do_not_divide_are_refused_in_one_line():
     cfg = _config()
     with pytest.raises(ValueError, match="--tp 3 does not divide num_attention_heads = 4"):
         check_tensor_parallel(cfg, 3)
     with pytest.raises(ValueError, match="give --tp 2 or more"):
         check_tensor_parallel(cfg, 1, sequence_parallel=True)
+    with pytest.raises(ValueError, match="loss parallelism .* give --tp 2 or more"):
+        gpulab.Layout(loss_parallel=True)
     with pytest.raises(ValueError, match="no tensor-parallel plan"):
         check_tensor_parallel(hf_configs.make_config("tiny-gpt2"), 2)
     with pytest.raises(ValueError, match="fake engine"):
@@ -135,19 +161,25 @@ def test_lesson_12s_table_and_exercise():
     assert "fake process group" in table._repr_html_()
 
 
-def test_transformers_5_15s_tied_embedding_entry_is_not_applied():
-    """transformers 5.15 adds ``embed_tokens: embedding_rowwise`` to a tied-embedding config's plan (5.24
-    does not): the entry is skipped on either, so a tied model's ranks hold the whole embedding; another
-    style gpulab does not measure is still refused in one line."""
-    from gpulab.training.tensor_parallel import _tied_embedding_entry, fake_world, tensor_parallel
-    tied, untied = _config(), _config()
-    tied.tie_word_embeddings, untied.tie_word_embeddings = True, False
-    assert _tied_embedding_entry(tied, "embed_tokens", "embedding_rowwise")
-    assert not _tied_embedding_entry(untied, "embed_tokens", "embedding_rowwise")
-    assert not _tied_embedding_entry(tied, "layers.*.mlp.up_proj", "embedding_rowwise")
+def test_a_plans_own_embedding_entry_is_the_same_vocabulary_split():
+    """A plan that names the embedding ``embedding_rowwise`` (transformers 5.15 adds it to a tied config's
+    plan; 5.25's lfm2 and diffllama configs have it) gets the same vocabulary-parallel embedding as one
+    that does not; a style gpulab does not measure is still refused in one line."""
+    from torch.distributed.tensor import DTensor
+
+    from gpulab.training.tensor_parallel import fake_world, tensor_parallel
     from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(untied)
-    model.config.base_model_tp_plan = {**(model.config.base_model_tp_plan or {}), "embed_tokens": "embedding_rowwise"}
-    with fake_world(2) as mesh, pytest.raises(ValueError, match="'embedding_rowwise' of embed_tokens is not one"):
+    cfg = _config()
+    shapes = []
+    for entry in ({}, {"embed_tokens": "embedding_rowwise"}):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        model.config.base_model_tp_plan = {**(model.config.base_model_tp_plan or {}), **entry}
+        with fake_world(2) as mesh:
+            weight = tensor_parallel(model, mesh).model.embed_tokens.weight
+            assert isinstance(weight, DTensor)
+            shapes.append(tuple(weight.to_local().shape))
+    assert shapes == [(cfg.vocab_size // 2, cfg.hidden_size)] * 2
+    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, "norm": "sequence_parallel"}
+    with fake_world(2) as mesh, pytest.raises(ValueError, match="'sequence_parallel' of norm is not one"):
         tensor_parallel(model, mesh)

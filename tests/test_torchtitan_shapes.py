@@ -204,28 +204,25 @@ def _gpulab_rank(layout: Layout, stage: int):
 
 
 # (id, torchtitan world and degrees, gpulab layout, stage, xfail reason or None)
-TP_EMBED = ("the embedding under TP: torchtitan splits it by vocabulary (Shard(0)) on every TP rank, its "
-            "gradient too; gpulab keeps the weight whole without SP and a full-vocabulary gradient with SP, "
-            "fixed on branch h-tpembed")
-CP_PP = "CP with PP: refused by gpulab today, fixed on branch h-layouts"
 FSDP4 = dict(world=4, dp_shard=4)
 MESHES = [
     ("fsdp4", FSDP4, Layout(gpus=4, strategy="fsdp2"), 0, None, True),
-    ("tp2", dict(world=2, tp=2), Layout(tp=2), 0, TP_EMBED, False),
-    ("tp2-sp", dict(world=2, tp=2, sp=True), Layout(tp=2, sequence_parallel=True), 0, TP_EMBED, False),
+    ("tp2", dict(world=2, tp=2), Layout(tp=2), 0, None, False),
+    ("tp2-sp", dict(world=2, tp=2, sp=True), Layout(tp=2, sequence_parallel=True), 0, None, False),
     ("pp2-stage0", dict(world=2, pp=2), Layout(pp=2), 0, None, False),
     ("pp2-stage1", dict(world=2, pp=2), Layout(pp=2), 1, None, False),
     ("cp2", dict(world=2, cp=2), Layout(gpus=2, strategy="fsdp2", cp=2), 0, None, False),
-    ("fsdp2-tp2", dict(world=4, dp_shard=2, tp=2), Layout(gpus=4, strategy="fsdp2", tp=2), 0, TP_EMBED, False),
+    ("fsdp2-tp2", dict(world=4, dp_shard=2, tp=2), Layout(gpus=4, strategy="fsdp2", tp=2), 0, None, False),
     ("fsdp2-tp2-sp", dict(world=4, dp_shard=2, tp=2, sp=True),
-     Layout(gpus=4, strategy="fsdp2", tp=2, sequence_parallel=True), 0, TP_EMBED, False),
+     Layout(gpus=4, strategy="fsdp2", tp=2, sequence_parallel=True), 0, None, False),
     ("fsdp2-cp2", dict(world=4, dp_shard=2, cp=2), Layout(gpus=4, strategy="fsdp2", cp=2), 0, None, False),
     ("fsdp2-pp2-stage0", dict(world=4, dp_shard=2, pp=2), Layout(gpus=4, strategy="fsdp2", pp=2), 0, None, False),
     ("fsdp2-pp2-stage1", dict(world=4, dp_shard=2, pp=2), Layout(gpus=4, strategy="fsdp2", pp=2), 1, None, False),
-    ("pp2-tp2-stage0", dict(world=4, tp=2, pp=2), Layout(pp=2, tp=2), 0, TP_EMBED, False),
+    ("pp2-tp2-stage0", dict(world=4, tp=2, pp=2), Layout(pp=2, tp=2), 0, None, False),
     ("pp2-tp2-stage1", dict(world=4, tp=2, pp=2), Layout(pp=2, tp=2), 1, None, False),
-    ("cp2-tp2", dict(world=4, cp=2, tp=2), Layout(gpus=4, strategy="fsdp2", cp=2, tp=2), 0, TP_EMBED, False),
-    ("cp2-pp2-stage0", dict(world=4, cp=2, pp=2), None, 0, CP_PP, False),
+    ("cp2-tp2", dict(world=4, cp=2, tp=2), Layout(gpus=4, strategy="fsdp2", cp=2, tp=2), 0, None, False),
+    ("cp2-pp2-stage0", dict(world=4, cp=2, pp=2), Layout(gpus=4, strategy="fsdp2", cp=2, pp=2), 0, None, False),
+    ("cp2-pp2-stage1", dict(world=4, cp=2, pp=2), Layout(gpus=4, strategy="fsdp2", cp=2, pp=2), 1, None, False),
 ]
 
 
@@ -238,8 +235,7 @@ def _params(meshes):
     for mid, titan_kw, layout, stage, xfail, default in meshes:
         marks = [] if default else [pytest.mark.extended]
         if xfail:
-            marks.append(pytest.mark.xfail(strict=True, raises=ValueError if xfail == CP_PP else AssertionError,
-                                           reason=xfail))
+            marks.append(pytest.mark.xfail(strict=True, raises=AssertionError, reason=xfail))
         yield pytest.param(titan_kw, layout, stage, id=mid, marks=marks)
 
 
@@ -251,8 +247,6 @@ def test_llama_rank_shapes_match_torchtitan(titan_kw, layout, stage):
     rank = stage * (world // pp)   # pp is the mesh's outermost dimension: stage s starts at rank s·world/pp
     # the default run's one mesh in this process (cached: the comparator's own test reuses it), the rest apart
     titan = _fsdp4() if titan_kw == FSDP4 else titan_rank_apart(world, rank, **kw)
-    if layout is None:
-        layout = Layout(gpus=world, strategy="fsdp2", cp=kw.get("cp", 1), pp=pp)   # refused today
     ours = _gpulab_rank(layout, stage)
     diffs = compare(titan, ours)
     assert not diffs, f"{layout.mesh}, stage {stage}:\n" + "\n".join(diffs)

@@ -67,6 +67,9 @@ def step_text(d: dict[str, Any]) -> str:
         lines += [f"{k}: {v}" for k, v in not_tensor_rows(b.get("not_tensors"))]
     if d.get("kernels_note"):
         lines.append(f"kernels: {d['kernels_note']}")
+    if d.get("mesh"):   # one rank of a layout: its mesh, torchtitan's ParallelDims names (Layout.mesh)
+        lines.append(f"layout: {d['mesh']}")
+    lines += [f"layout: {note['text']}" for note in d.get("recipe", {}).values() if isinstance(note, dict)]
     if d.get("cudnn_workspace_label"):
         found = d.get("cudnn_workspace_bytes")
         lines.append(f"{d['cudnn_workspace_label']}" + (f": {format_bytes(found)}, peak with them "

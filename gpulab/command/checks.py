@@ -25,7 +25,8 @@ def recipe_keywords(args: argparse.Namespace) -> dict[str, Any]:
             "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
             "quantize": "nf4" if args.qlora else args.quantize, "lora_dtype": args.lora_dtype,
             "double_quant": not args.no_double_quant, "quant_compute_dtype": args.quant_compute_dtype,
-            "tp": args.tp, "sequence_parallel": args.sequence_parallel, "routing": args.routing,
+            "tp": args.tp, "sequence_parallel": args.sequence_parallel,
+            "loss_parallel": args.loss_parallel, "routing": args.routing,
             "pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule,
             "virtual_stages": args.virtual_stages, "fp8": args.fp8, "cp": args.cp, "ep": args.ep}
 
@@ -35,7 +36,10 @@ def settings(args: argparse.Namespace) -> tuple[Recipe, Layout]:
     (``options.settings_from``): ``step`` and ``fit`` get them whole."""
     flat = {**recipe_keywords(args), "optimizer": args.optimizer, "dtype": args.dtype, "amp": args.amp,
             "pp_stage": args.pp_stage, "gpus": getattr(args, "gpus", None), "strategy": getattr(args, "strategy", None),
-            "offload_optimizer": getattr(args, "offload_optimizer", False)}
+            "offload_optimizer": getattr(args, "offload_optimizer", False),
+            "dp_replicate": getattr(args, "dp_replicate", None), "dp_shard": getattr(args, "dp_shard", None),
+            **{k: getattr(args, k, None) or d for k, d in (("param_dtype", None), ("reduce_dtype", None),
+                                                           ("fp8_all_gather", False))}}
     return settings_from(None, None, flat)
 
 

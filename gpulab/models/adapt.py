@@ -1,5 +1,5 @@
 """What a recipe changes in the model before it trains: the model's own activation checkpointing
-(transformers' ``activation_checkpointing_enable``) under one of three policies, and LoRA adapters
+(transformers' ``activation_checkpointing_enable``) under one of four policies, and LoRA adapters
 (``peft``) on a frozen base.
 
 Checkpointing policies (``CHECKPOINTING_POLICIES``; ``check_checkpointing`` reads them):
@@ -17,6 +17,26 @@ Checkpointing policies (``CHECKPOINTING_POLICIES``; ``check_checkpointing`` read
   is the same idea, but recomputes every second ``mm``; this one keeps them all. It is not
   Megatron-LM's selective recomputation (lesson 07, ``course.selective_checkpointing.selective_checkpoint``),
   which checkpoints only the attention core and keeps everything else.
+* ``"torchtitan-op"``: torchtitan's own op-level policy, as its source writes it (torchtitan 0.3.0,
+  ``torchtitan/distributed/activation_checkpoint.py``: ``SelectiveAC._wrap_block`` and
+  ``_get_default_save_ops``), on every block: the ops saved are torch's compute-intensive list
+  (``torch._functorch.partitioners.get_default_op_list().compute_intensive_ops``: mm, bmm, addmm,
+  the flash and efficient attention kernels, ``_scaled_mm``, convolutions ...) with the cuDNN, math
+  and overrideable attention kernels, ``max`` (the float8 scales' amax), ``linear``, ``topk`` (an
+  MoE's routing) and the ``reduce_scatter_tensor`` / ``all_to_all_single`` collectives; of the
+  ``mm`` and ``linear`` calls in a block only the odd ones (the 1st, 3rd ...: ``mm_count % 2``) are
+  saved, the even ones recomputed; an ``mm`` whose weight has the router's shape is always
+  recomputed (torchtitan's ``force_recompute_mm_shapes_by_fqns=["moe.router.gate"]``; here the
+  modules transformers names ``gate`` whose weight is (experts, hidden)); a CUDA-to-CPU copy is
+  always saved. Each block's call counts from 0 again (a fresh policy per ``context_fn`` call, as
+  torchtitan's ``lambda: create_selective_checkpoint_contexts(_get_custom_policy())``).
+
+``"every-K"`` and torchtitan's per-layer SAC (``selective_ac_option="K"`` up to torchtitan 0.2.2,
+``_apply_layer_sac``; torchtitan 0.3.0 removed it) differ in which blocks they pick: transformers'
+``every_n_layers`` checkpoints blocks 0, K, 2K ... (``layer_index % every_n_layers == 0``,
+ceil(L/K) of L blocks); torchtitan counted from 1 (``_layer_sac_count += 1`` then ``% ac_freq == 0``:
+blocks K-1, 2K-1 ..., floor(L/K) of them, the last block checkpointed when K divides L). gpulab's is
+transformers'.
 
 ``adapted(w, lora=R, lora_targets=..., checkpointing="full")`` is the workload ``w`` built that way:
 the same inputs and loss, a model that is built, checkpointed and wrapped on the run's device
@@ -41,7 +61,7 @@ from gpulab.models.workload import Workload
 from gpulab.options import CHECKPOINTING_POLICIES, POLICY_TEXT, check_checkpointing   # torch-free: the CLI checks first
 
 __all__ = ["CHECKPOINTING_KWARGS", "CHECKPOINTING_POLICIES", "POLICY_TEXT", "SELECTIVE_SAVED_OPS", "adapted", "check_checkpointing", "check_lora",
-           "enable_checkpointing", "quantized_build"]
+           "enable_checkpointing", "quantized_build", "torchtitan_policy", "torchtitan_save_ops"]
 
 # what transformers 5.x passes to torch.utils.checkpoint when none are given (modeling_utils.py,
 # ``_activation_checkpointing_enable``): the non-reentrant implementation
@@ -62,12 +82,81 @@ def _selective_policy(ctx, func, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if func in SELECTIVE_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _policy_arguments(policy: str, enable) -> tuple[dict, dict]:
+def torchtitan_save_ops() -> set:
+    """The ops torchtitan's op-level SAC saves (torchtitan 0.3.0's ``_get_default_save_ops``, read
+    there): torch's compute-intensive ops, the attention kernels, ``max``, ``linear``, ``topk``, and
+    the collectives; ops this torch lacks are left out, as torchtitan's ``_resolve_ops`` leaves them."""
+    from torch._functorch.partitioners import get_default_op_list
+    save = {op.default for op in get_default_op_list().compute_intensive_ops}
+    for path in ("aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_attention_math",
+                 "aten._scaled_dot_product_fused_attention_overrideable", "aten.max", "aten.linear", "aten.topk",
+                 "_c10d_functional.reduce_scatter_tensor", "_c10d_functional.all_to_all_single",
+                 "torch_attn._varlen_attn", "deepep.dispatch", "deepep.combine", "hybridep.dispatch",
+                 "hybridep.combine"):
+        ns, name = path.split(".")
+        op = getattr(getattr(getattr(torch.ops, ns, None), name, None), "default", None)
+        if op is not None:
+            save.add(op)
+    for name in ("flex_attention", "inductor_compiled_code"):   # higher-order ops
+        op = getattr(torch._higher_order_ops, name, None)
+        if op is not None:
+            save.add(op)
+    return save
+
+
+def _router_shapes(model: nn.Module) -> set:
+    """The (in, out) shapes of an MoE router's weight: torchtitan recomputes every ``mm`` of that shape
+    (``force_recompute_mm_shapes_by_fqns``, "moe.router.gate" in its models; transformers names the
+    router ``gate``, a weight of (experts, hidden))."""
+    shapes = set()
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if name.rsplit(".", 1)[-1] == "gate" and isinstance(w, torch.Tensor) and w.dim() == 2:
+            shapes.add(torch.Size((w.shape[1], w.shape[0])))
+    return shapes
+
+
+def torchtitan_policy(save_ops: set, mm_recompute_shapes: set):
+    """A fresh torchtitan op-level policy (its counters at 0) for one checkpointed call: torchtitan's
+    ``SelectiveAC._get_custom_policy().wrapped_policy``, line for line."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    mm_ops = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
+    meta = {"forward_mm_count": 0, "recompute_mm_count": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        if (func == torch.ops.aten._to_copy.default and "cuda" in str(args[0].device) and "device" in kwargs
+                and str(kwargs["device"]) == "cpu"):
+            return CheckpointPolicy.MUST_SAVE
+        key = f"{'recompute' if ctx.is_recompute else 'forward'}_mm_count"
+        if func in mm_ops:
+            shape = args[1].shape
+            if func == torch.ops.aten.linear.default:
+                shape = torch.Size((shape[1], shape[0]))
+            if shape in mm_recompute_shapes:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            meta[key] += 1
+        if func in save_ops:
+            if func in mm_ops and meta[key] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def _torchtitan_context(save_ops: set, shapes: set):
+    from torch.utils import checkpoint as ck
+    return ck.create_selective_checkpoint_contexts(torchtitan_policy(save_ops, shapes))
+
+
+def _policy_arguments(policy: str, enable, model: nn.Module | None = None) -> tuple[dict, dict]:
     """(the kwargs for torch.utils.checkpoint, the enable method's own kwargs) for ``policy``."""
     from torch.utils import checkpoint as ck
     kwargs, own = dict(CHECKPOINTING_KWARGS), {}
-    if policy == "selective":
-        kwargs["context_fn"] = functools.partial(ck.create_selective_checkpoint_contexts, _selective_policy)
+    if policy in ("selective", "torchtitan-op"):
+        kwargs["context_fn"] = (functools.partial(ck.create_selective_checkpoint_contexts, _selective_policy)
+                                if policy == "selective" else
+                                functools.partial(_torchtitan_context, torchtitan_save_ops(),
+                                                  _router_shapes(model) if model is not None else set()))
         if "respect_saved_tensors_hooks" in inspect.signature(ck.checkpoint).parameters:
             # what SAC keeps goes through the surrounding saved-tensor hooks, as any saved tensor does
             # (the tracker's, save_on_cpu's); releases before this argument existed bypass them
@@ -89,7 +178,7 @@ def enable_checkpointing(model: nn.Module, policy: str = "full") -> nn.Module:
                       ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs")):
         enable = getattr(model, name, None)
         if callable(enable):   # transformers 5.x renamed it; the old name warns that it will go
-            kwargs, own = _policy_arguments(policy, enable)
+            kwargs, own = _policy_arguments(policy, enable, model)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 enable(**{key: kwargs}, **own)

@@ -28,28 +28,28 @@ batch, card) is reused, not run again (``predict.run_cache``).
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
+from dataclasses import replace as _dc_replace
 from typing import Any, Callable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
-from gpulab import formulas as F
 from gpulab.allocator.simulator import CachingAllocator
 from gpulab.measure.cuda_card import current_target
 from gpulab.predict.cards import Card, CardBudget, card_with_room, follows_card
 from gpulab.predict.context import context_assumption, context_label
+from gpulab.predict.levers import LABEL_LEVER, Lever, levers_at_batch_one
 from gpulab.measure.engines import LABEL_SIMULATED, Measurement, run
-from gpulab.models.lora import adapter_params, default_targets
 from gpulab.options import Layout, Recipe, settings_from
 from gpulab.training.loop import AMP_DTYPES, LoopRecipe, changed_options, check_recipe_for, loop_recipe, train_experiment
 from gpulab.predict import layer_repeat, run_cache
 from gpulab.predict.progress import Progress, report
 from gpulab.predict.search import largest_fitting
 from gpulab.training.context_parallel import layout_notes
+from gpulab.training.tensor_parallel import tp_notes
 from gpulab.training.routing import is_moe, stated_routing
-from gpulab.categories import Category
 from gpulab.measure.tracking import TrackingResult
 from gpulab.units import dtype_name, format_bytes, parse_dtype
 from gpulab.models.workload import Workload, resolve_workload, step_failed
@@ -60,7 +60,6 @@ __all__ = [
 ]
 
 LABEL_FIT = "fake tensors, CUDA kernels' allocations (no compute) + simulated allocator + assumed CUDA context"
-LABEL_LEVER = "formula (from the measured categories at batch 1)"
 WORKSPACE_LABEL = ("formula: cuBLAS's workspace for the card's compute capability (CublasHandlePool.cpp, "
                    "getChosenWorkspaceSize; CUBLAS_WORKSPACE_CONFIG honoured) for the forward's thread and "
                    "autograd's, and cuBLASLt's; cuDNN workspaces: not predicted")
@@ -77,16 +76,6 @@ class BatchCheck:
     reserved_bytes: int
     fits: bool
     source: str
-
-
-@dataclass(frozen=True)
-class Lever:
-    """What one change would make of batch 1's memory, by formula."""
-    name: str
-    peak_bytes: int          # the new live-tensor peak at batch 1
-    fits: bool
-    formula: str
-    label: str = LABEL_LEVER
 
 
 @dataclass
@@ -181,10 +170,11 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
         use_cache: bool | None = None, compile: bool = False, implementation: str = "default",
         checkpointing: bool | str = False, lora: int = 0, lora_targets: Sequence[str] | None = None,
         lora_dropout: float = 0.0, quantize: str | None = None, lora_dtype: str = "fp32", double_quant: bool = True,
-        quant_compute_dtype: str = "input", routing: Any = None, tp: int = 1, sequence_parallel: bool = False,
+        quant_compute_dtype: str = "input", routing: Any = None, tp: int = 1, sequence_parallel: bool = False, loss_parallel: bool = False,
         pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1,
         fp8: str | None = None, cp: int = 1, ep: int = 1, module_loading: str = "lazy",
         gpus: int | None = None, strategy: str | None = None, offload_optimizer: bool = False,
+        param_dtype: str | None = None, reduce_dtype: str | None = None, fp8_all_gather: bool = False,
         predict_time: bool = True) -> FitResult:
     """The largest batch of ``model`` whose two-step training run fits ``gpu`` (a card name,
     a size such as "24GiB", a ``Card`` or a number of bytes). See the module docstring.
@@ -198,10 +188,13 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
     ``offload_optimizer`` keeping the optimizer state on the host. ``pp`` pipeline stages
     (``microbatches``, ``schedule``: ``training.pipeline``): the batch is the micro-batch, the answer
     the stage that binds, every stage that differs in ``ranks`` (``predict.pipeline_fit``). ``cp``,
-    ``ep``: rank 0 of a context- / expert-parallel group (``training.context_parallel``). The result
-    carries the ``Recipe`` and ``Layout`` it answered (``answered_recipe``, ``answered_layout``).
-    ``predict_time``: the step's predicted time at the answer, ``result.time`` (``predict.plan_time``),
-    where the card has speed figures (else ``result.time_note`` says why not)."""
+    ``ep``: rank 0 of a context- / expert-parallel group (``training.context_parallel``). With fsdp2,
+    ``param_dtype`` / ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy``) run the step in ``param_dtype``
+    over sharded master weights in ``dtype``, and ``fp8_all_gather`` gathers float8 weights
+    (``predict.sharding``). The result carries the ``Recipe`` and ``Layout`` it answered
+    (``answered_recipe``, ``answered_layout``). ``predict_time``: the step's predicted time at the answer,
+    ``result.time`` (``predict.plan_time``), where the card has speed figures (else ``result.time_note``
+    says why not)."""
     t0, place = time.perf_counter(), _place(gpu, context_bytes, module_loading)
     recipe, layout = settings_from(recipe, layout, locals())   # each checked once, then passed whole
     if layout.pp_stage:
@@ -211,19 +204,21 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
     check_recipe_for(loop, w, dt)
     key = run_cache.workload_key(model, w, own_parts=inputs is not None or input_shape is not None or loss is not None)
+    # FSDP2's MixedPrecisionPolicy: the step computes in param_dtype, the sharded master weights stay in dt
+    run_dt = parse_dtype(loop.param_dtype) if loop.param_dtype else dt
     if loop.pp > 1:   # one search per pipeline stage that differs (predict.pipeline_fit)
         from gpulab.predict.pipeline_fit import StageSearch, fit_stages
         result = fit_stages(w, key, dt, loop, place, layout, progress, t0,
                             StageSearch(_search, _sharding, _check, usable_bytes))
     else:
         spread = None if layout.gpus is None else layout.sharded_over   # dp_shard × cp under fsdp2/zero*
-        sharding, shard = _sharding(w, loop, dt, spread, layout.strategy, layout.offload_optimizer)
-        result = _search(w, key, dt, loop, place._replace(sharding=sharding), shard, progress, t0)[0]
+        sharding, shard = _sharding(w, loop, run_dt, spread, layout.strategy, layout.offload_optimizer, master=dt)
+        result = _search(w, key, run_dt, loop, place._replace(sharding=sharding), shard, progress, t0)[0]
     result.answered_recipe, result.answered_layout = recipe, layout
     if predict_time:
         from gpulab.predict.plan_time import time_of_fit
-        time_of_fit(result, w, dt, loop, layout, place.card, progress)
-    return _layout_stated(result, w, loop, dt, layout)
+        time_of_fit(result, w, run_dt, loop, layout, place.card, progress)
+    return _layout_stated(result, w, loop, run_dt, layout)
 
 
 def _layout_stated(result: FitResult, w: Workload, recipe: LoopRecipe, dt: torch.dtype, layout: Layout) -> FitResult:
@@ -233,7 +228,7 @@ def _layout_stated(result: FitResult, w: Workload, recipe: LoopRecipe, dt: torch
         result.mesh = layout.mesh
         result.label = f"{result.label}; {layout.mesh}"
     itemsize = torch.empty((), dtype=recipe.amp or dt).element_size()
-    for name, note in layout_notes(w, recipe, max(1, result.largest_batch), itemsize).items():
+    for name, note in {**tp_notes(recipe), **layout_notes(w, recipe, max(1, result.largest_batch), itemsize)}.items():
         result.label = f"{result.label}; {note['text']}"
         result.recipe = {**result.recipe, name: note}
     return result
@@ -255,11 +250,12 @@ def _search(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecipe,
             result.recipe = {**result.recipe, "routing": routing.text}
         return result, fake_run
 
-    replayed: dict[tuple[int, str], BatchCheck] = {}   # each candidate replayed once
+    replayed = fake_run.checked   # each candidate replayed once
 
     def run_check(b: int) -> BatchCheck:
         if (b, "run") not in replayed:
-            replayed[b, "run"] = _check(fake_run(b), usable, b, "run")
+            t = fake_run(b)
+            replayed[b, "run"], fake_run.checked_on[b] = _check(t, usable, b, "run"), t
         return replayed[b, "run"]
 
     two, checks = fake_run(2), [run_check(2)]
@@ -269,7 +265,7 @@ def _search(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecipe,
         if checks[-1].fits:
             return done(_result(w, place, recipe, dt, 1, one, checks, count(), t0, [],
                            "fake runs at batches 2 (does not fit) and 1 (fits)"))
-        levers = _levers(w, one, recipe.optimizer, dt, usable, sharded=place.sharding is not None)
+        levers = levers_at_batch_one(w, one, recipe.optimizer, dt, usable, sharded=place.sharding is not None)
         return done(_result(w, place, recipe, dt, 0, one, checks, count(), t0, levers,
                             "batch 1 does not fit (fake run): levers below, as formulas"))
     three = fake_run(3)
@@ -281,16 +277,23 @@ def _search(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecipe,
     if line is not None:
         def line_check(b: int) -> BatchCheck:
             if (b, "extrapolated") not in replayed:
-                replayed[b, "extrapolated"] = line.check(b, usable)
+                ran = fake_run.checked_on.get(b)   # at batches 2 and 3 the line's events are the runs' own
+                replayed[b, "extrapolated"] = (_dc_replace(replayed[b, "run"], source="extrapolated")
+                                               if ran is not None and line.same_events(ran, b) else line.check(b, usable))
             return replayed[b, "extrapolated"]
+
+        def line_fits(b: int) -> bool:   # live tensors past the card: no replay can make it fit (``_check``)
+            return line.peak_at(b) <= usable and line_check(b).fits
         report(progress, 0.8, "searching: batches 2 and 3 extrapolated, replayed through the simulated allocator")
-        best = largest_fitting(3, lambda b: line_check(b).fits, limit=MAX_BATCH)
-        live = largest_fitting(best, lambda b: line.at(b).peak_bytes <= usable, limit=MAX_BATCH)
+        best = largest_fitting(3, line_fits, limit=MAX_BATCH)
+        live = largest_fitting(best, lambda b: line.peak_at(b) <= usable, limit=MAX_BATCH)
         checks += [line_check(b) for b in (best, best + 1)]
         real = fake_run(best)
-        predicted = line.at(best)
-        if [e.nbytes for e in real.events] == [e.nbytes for e in predicted.events]:
+        if [e.nbytes for e in real.events] == line.nbytes_at(best):
             fake_run.line = line   # confirmed: a pipeline's other batches are read off it (predict.pipeline_fit)
+            if (best, "run") not in replayed and line.same_events(real, best):   # the replay it had, event for event
+                replayed[best, "run"] = _dc_replace(replayed[best, "extrapolated"], source="run")
+                fake_run.checked_on[best] = real
             checks.append(run_check(best))
             return done(_result(w, place, recipe, dt, best, real, checks, count(), t0, [],
                            f"extrapolated from fake runs at batches 2 and 3 (every storage a + b·c), replayed "
@@ -333,10 +336,13 @@ def _bisect(runs: dict[int, TrackingResult], run_check: Callable[[int], BatchChe
     return largest_fitting(3 if checks[1].fits else 2, fits, limit=MAX_BATCH)
 
 
-def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, offload_optimizer):
+def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, offload_optimizer,
+              master: torch.dtype | None = None):
     """(None, None) for one GPU; else the ``predict.sharding.Sharding`` and the function that turns
     a one-GPU run into one rank's. ``gpus``: the ranks the strategy spreads a rank's state over
-    (``Layout.sharded_over``: dp_shard × cp under fsdp2/zero*, torchtitan's fsdp mesh), None for one GPU."""
+    (``Layout.sharded_over``: dp_shard × cp under fsdp2/zero*, torchtitan's fsdp mesh), None for one GPU.
+    ``dt``: the dtype the run computes in; ``master``: the sharded parameters' (FSDP2's
+    ``MixedPrecisionPolicy``: the model's dtype, where the run's is ``param_dtype``)."""
     from gpulab.predict import sharding as S
     sh = S.check_sharding(gpus, strategy, offload_optimizer, recipe.optimizer, dt)
     if sh is None:
@@ -346,10 +352,18 @@ def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, 
     from dataclasses import replace
 
     from gpulab.training.expert_parallel import expert_parameter_shapes, expert_rank_model
-    sh = replace(sh, ep=recipe.ep)
+    from gpulab.training.fp8 import float8_numel
+    policy = recipe.param_dtype or recipe.reduce_dtype or recipe.fp8_all_gather   # fsdp2's (options.check_fsdp_policy)
+    reduce = parse_dtype(recipe.reduce_dtype) if recipe.reduce_dtype else None
+    sh = replace(sh, ep=recipe.ep, tp=recipe.tp, **(S.precision_policy(dt, master or dt, reduce, recipe.fp8_all_gather)
+                                                    if policy else {}))
     with torch.device("meta"):   # the rank's own model: E/ep experts a layer under ep
         net = w.build(torch.device("meta"), dt) if recipe.ep == 1 else expert_rank_model(w, recipe, dt)
-        layers, experts = S.count_layers(net), expert_parameter_shapes(net)
+        layers = S.count_layers(net, float8=float8_numel if recipe.fp8_all_gather else None)
+        experts = expert_parameter_shapes(net)
+    if recipe.ep > 1 and recipe.tp > 1:   # the experts are DTensors (training.moe_parallel): the tracker files a
+        # storage a DTensor op makes (the optimizer's zeros_like of a parameter) under the DTensor's global shape
+        experts = experts | {(s[0] * recipe.ep, *s[1:]) for s in experts}
     elem = torch.empty((), dtype=dt).element_size()
 
     def one_rank(t: TrackingResult) -> TrackingResult:
@@ -379,6 +393,9 @@ class _FakeRuns:
         self.made: list[int] = []     # every full-depth fake run, in order (a batch run again counts again)
         self.deep = _deep(w, key, dt, recipe, target)
         self.line: _Extrapolation | None = None   # the search's extrapolation, once a fake run confirmed it
+        # each batch the search replayed: (batch, "run" or "extrapolated") -> its check (a pipeline's rows reuse them)
+        self.checked: dict[tuple[int, str], BatchCheck] = {}
+        self.checked_on: dict[int, TrackingResult] = {}   # the run each (batch, "run") check replayed
 
     def __call__(self, b: int, fresh: bool = False) -> TrackingResult:
         if b not in self.runs:
@@ -466,6 +483,21 @@ def _replay(t: TrackingResult, capacity: int | None) -> tuple[int, bool]:
     return r.peak_reserved, bool(r.oom_events)
 
 
+def verdict(t: TrackingResult, usable: int) -> tuple[int, bool]:
+    """(reserved, fits) of ``t`` where the step's tensors may take ``usable`` bytes: where it fits, the
+    reserved peak of its replay with that capacity (``_check``); where not, that of a replay without a
+    limit (what it would need). One replay without a limit answers both where the live tensors alone
+    pass ``usable`` (``_check``: no fit) or where that replay never reserves more than ``usable``: the
+    simulator reads its capacity only when a new segment would pass it (``CachingAllocator._alloc_block``),
+    so that replay is the one with the capacity, event for event. The replay with the capacity is made
+    only where the one without a limit reserves more than ``usable``."""
+    free, _ = _replay(t, None)
+    if t.peak_bytes > usable or free <= usable:
+        return free, t.peak_bytes <= usable
+    reserved, oom = _replay(t, usable)
+    return (free, False) if oom else (reserved, True)
+
+
 def _check(t: TrackingResult, usable: int, batch: int, source: str) -> BatchCheck:
     reserved, oom = _replay(t, usable)
     return BatchCheck(batch, t.peak_bytes, reserved, not oom and t.peak_bytes <= usable, source)
@@ -479,6 +511,7 @@ class _Extrapolation:
     base: TrackingResult
     base_batch: int
     slopes: list[int]
+    _arrays: tuple | None = field(default=None, repr=False, compare=False)   # peak_at's, made once
 
     @classmethod
     def make(cls, lo: TrackingResult, hi: TrackingResult, base_batch: int) -> "_Extrapolation | None":
@@ -495,6 +528,41 @@ class _Extrapolation:
         k = batch - self.base_batch
         events = [e.with_bytes(e.nbytes + k * s, e.delta) for e, s in zip(self.base.events, self.slopes)]
         return TrackingResult.build(self.base.records, events, self.base.device, self.base.rounded)
+
+    def nbytes_at(self, batch: int) -> list[int]:
+        """Each event's bytes at ``batch`` (those of ``at(batch)``'s events), without building its timeline."""
+        k = batch - self.base_batch
+        return [e.nbytes + k * s for e, s in zip(self.base.events, self.slopes)]
+
+    def peak_at(self, batch: int) -> int:
+        """``at(batch).peak_bytes`` without building the timeline: the live bytes after each event
+        (each storage rounded as ``TrackingResult.build`` rounds it, a free taking back what the storage's
+        previous event left) summed in one pass of numpy."""
+        if self._arrays is None:
+            events = self.base.events
+            last: dict[int, int] = {}
+            prev = np.empty(len(events), dtype=np.int64)   # the storage's previous event (-1: none)
+            for i, e in enumerate(events):
+                prev[i] = last.get(e.sid, -1)
+                last[e.sid] = i
+            self._arrays = (np.array([e.nbytes for e in events], dtype=np.int64), np.array(self.slopes, dtype=np.int64),
+                            np.array([e.kind == "free" for e in events], dtype=bool), prev)
+        nbytes, slopes, free, prev = self._arrays
+        if not len(nbytes):
+            return 0
+        now = nbytes + (batch - self.base_batch) * slopes
+        if self.base.rounded:   # formulas.cuda_rounded_bytes
+            now = np.where(now <= 0, 0, (now + 511) // 512 * 512)
+        now[free] = 0
+        before = np.where(prev >= 0, now[prev], 0)
+        return max(0, int(np.cumsum(now - before).max()))
+
+    def same_events(self, t: TrackingResult, batch: int) -> bool:
+        """``t``'s events are ``at(batch)``'s in kind, storage and bytes (all an allocator replay reads),
+        and rounded alike: its replay is theirs."""
+        return t.rounded == self.base.rounded and len(t.events) == len(self.base.events) and all(
+            a.kind == b.kind and a.sid == b.sid for a, b in zip(t.events, self.base.events)) and \
+            [e.nbytes for e in t.events] == self.nbytes_at(batch)
 
     def check(self, batch: int, usable: int) -> BatchCheck:
         return _check(self.at(batch), usable, batch, "extrapolated")
@@ -529,101 +597,3 @@ def _result(w, place: _Place, recipe: LoopRecipe, dt, batch, t: TrackingResult, 
 def _sharding_label() -> str:
     from gpulab.predict.sharding import LABEL
     return LABEL
-
-
-# --- levers -------------------------------------------------------------------------------------
-
-def _optimizer_temporaries(t: TrackingResult) -> int:
-    """The bytes, at the peak, of temporaries the optimizer step made (foreach Adam's copies the size of
-    the parameters it steps): they go with the parameters the optimizer steps."""
-    if t.peak_index < 0 or t.peak_phase != "optimizer":
-        return 0
-    stepped = {sid for sid, r in t.records.items() if r.category is Category.TEMPORARIES and r.phase == "optimizer"}
-    alive: dict[int, int] = {}   # the events' bytes (a rank's timeline resizes events, not records)
-    for e in t.events[: t.peak_index + 1]:
-        if e.kind == "free":
-            alive.pop(e.sid, None)
-        elif e.sid in stepped:
-            alive[e.sid] = F.cuda_rounded_bytes(e.nbytes) if t.rounded else e.nbytes
-    return sum(alive.values())
-
-
-def _levers(w: Workload, t: TrackingResult, opt: str, dt: torch.dtype, usable: int,
-            sharded: bool = False) -> list[Lever]:
-    """Batch 1's peak with one change each, by formula from its categories at the peak (``sharded``:
-    ``t`` is already one rank's, so no lever shards it again)."""
-    c = {k: int(v) for k, v in t.peak_by_category.items()}
-    peak = t.peak_bytes
-    params, grads, state = c.get(Category.PARAMETERS.value, 0), c.get(Category.GRADIENTS.value, 0), \
-        c.get(Category.OPTIMIZER_STATE.value, 0)
-    acts = c.get(Category.ACTIVATIONS.value, 0)
-    opt_temps = _optimizer_temporaries(t)
-    elem = dt.itemsize
-    n_params = params // elem if elem else 0
-    out: list[Lever] = []
-
-    def add(name: str, new_peak: int, formula: str) -> None:
-        out.append(Lever(name, int(new_peak), new_peak <= usable, formula))
-
-    if elem == 4:
-        add("bf16 everywhere (weights, gradients, optimizer state, activations)", peak // 2,
-            "every fp32 tensor at the peak takes 2 bytes per value instead of 4: peak / 2")
-    k = F.optimizer_state_multiplier(opt) if opt in F.OPTIMIZER_STATES else 2   # the recipe optimizers: Adam-like
-    if k and state and opt not in F.RECIPE_OPTIMIZERS:
-        eight = F.eight_bit_optimizer_state_bytes(n_params, states=k)
-        add("8-bit optimizer state (bitsandbytes, blockwise)", peak - state + eight,
-            f"optimizer state {format_bytes(state)} → {k} state(s) of 1 byte per parameter + one fp32 absmax per "
-            f"256 values: "
-            f"{format_bytes(eight)}")
-    layers = _layers(w)
-    boundary = _boundary_bytes(w, elem)
-    if layers and boundary and not acts:
-        add(f"activation checkpointing of each of the {layers} layers", peak,
-            f"no activations are held at the peak (during {t.peak_phase}): checkpointing does not lower it")
-    elif acts and layers and boundary:
-        ckpt = F.checkpointed_activation_bytes(acts / layers, layers, boundary)
-        add(f"activation checkpointing of each of the {layers} layers", peak - acts + int(ckpt),
-            f"activations {format_bytes(acts)} → one layer's ({format_bytes(int(acts / layers))}) plus each layer's "
-            f"input ({format_bytes(int(boundary))} × {layers})")
-    if params and (grads or state):
-        targets = default_targets(w.config) if w.config is not None else ()
-        lora = adapter_params(w.config, rank=16, targets=targets) if targets else 0
-        if lora:
-            lora_bytes = lora * 4 * (2 + k)   # fp32 adapter weights, gradients, optimizer state
-            stepped = (f" and no optimizer-step temporaries ({format_bytes(opt_temps)} at the peak)" if opt_temps
-                       else "")
-            add(f"LoRA (rank 16 on {', '.join(targets)}, as peft adapts by default; base weights frozen)",
-                peak - grads - state - opt_temps + lora_bytes,
-                f"no gradients or optimizer state for the {'' if sharded else f'{n_params:,} '}base weights{stepped}; "
-                f"{lora:,} adapter "
-                f"parameters with fp32 weights, gradients and state: {format_bytes(lora_bytes)}")
-            qlora = int(F.nf4_weight_bytes(n_params))
-            add("QLoRA (4-bit NF4 base weights + LoRA)", peak - grads - state - opt_temps - params + qlora + lora_bytes,
-                f"base weights {format_bytes(params)} → NF4 at about 0.52 bytes per parameter "
-                f"(double-quantized constants): {format_bytes(qlora)}")
-    model_states = params + grads + state + opt_temps
-    if model_states and not sharded:
-        stepped = " + the optimizer step's temporaries" if opt_temps else ""
-        for n in (2, 4, 8, 16, 32, 64):
-            per_device = peak - model_states + math.ceil(model_states / n)
-            if per_device <= usable or n == 64:
-                add(f"sharding over {n} GPUs (ZeRO-3 / FSDP: parameters, gradients and optimizer state split)",
-                    per_device, f"(parameters + gradients + optimizer state{stepped}) / {n} + the rest of batch 1's "
-                                "peak; ignores the layer being gathered and communication buffers")
-                break
-    return out
-
-
-def _layers(w: Workload) -> int:
-    if w.kind != "tokens":
-        return 0
-    return int(_summary(w).get("num_layers") or 0)
-
-
-def _summary(w: Workload) -> dict[str, Any]:
-    return w.facts.summary() if w.facts is not None else {}   # hf_configs.config_summary, read once
-
-
-def _boundary_bytes(w: Workload, elem: int) -> int:
-    s = _summary(w)
-    return int((w.seq_len or 0) * int(s.get("hidden_size") or 0) * elem)

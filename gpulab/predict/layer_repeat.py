@@ -387,32 +387,57 @@ class DepthLayout:
     def expand(self, base: TrackingResult, one_more: TrackingResult, m: int) -> TrackingResult | None:
         """The timeline with ``m`` more blocks than ``base`` (the k-block run), its bytes from
         ``base`` and ``one_more`` (the (k+1)-block run at the same batch). None when these runs do not
-        have the learned shape (then the caller runs the full depth)."""
-        if len(base.events) != self.n_base or len(one_more.events) != len(self.matched) + sum(
-                e - s for _, s, e in self.groups):
+        have the learned shape (then the caller runs the full depth).
+
+        The positions (``positions``) are walked by their index in the laid-out timeline: a k-block
+        event ``i`` sits at ``at_m[i]``, copy ``c`` of group ``g``'s event ``o`` at
+        ``at_g[g] + (c - 1)·size + o``; each free finds its storage there (``_target``'s rule)."""
+        sizes = [e - s for _, s, e in self.groups]
+        if len(base.events) != self.n_base or len(one_more.events) != len(self.matched) + sum(sizes):
             return None
-        def event_at(pos: Pos) -> tuple[TrackingResult, Event]:
+        at: dict[int, list[int]] = {}
+        for g, (point, _, _) in enumerate(self.groups):
+            at.setdefault(point, []).append(g)
+        at_g, at_m, n = [0] * len(self.groups), [0] * self.n_base, 0
+        for i in range(self.n_base + 1):   # the order of ``positions``
+            for g in at.get(i, ()):
+                at_g[g], n = n, n + m * sizes[g]
+            if i < self.n_base:
+                at_m[i], n = n, n + 1
+
+        def index(pos: Pos | None) -> int | None:
+            if pos is None:
+                return None
             if pos[0] == "M":
-                return base, base.events[pos[1]]
-            return one_more, one_more.events[self.groups[pos[1]][1] + pos[3]]
-        sids: dict[Pos, int] = {}
+                return at_m[pos[1]]
+            return at_g[pos[1]] + (pos[2] - 1) * sizes[pos[1]] + pos[3]
+        # (event, its run's records, where its storage was made: its own index for an alloc) in order
+        picked: list = [None] * n
+        for i, e in enumerate(base.events):
+            picked[at_m[i]] = (e, base.records, at_m[i] if e.kind == "alloc" else index(self._target(("M", i), m)))
+        for g, (_, start, _) in enumerate(self.groups):
+            for o, e in enumerate(one_more.events[start:start + sizes[g]]):
+                for c in range(1, m + 1):
+                    j = at_g[g] + (c - 1) * sizes[g] + o
+                    picked[j] = (e, one_more.records, j if e.kind == "alloc" else index(self._target(("G", g, c, o), m)))
+        sids: dict[int, int] = {}
         records: dict[int, StorageRecord] = {}
-        order = list(self.positions(m))
-        picked = [event_at(pos) for pos in order]
-        for pos, (t, e) in zip(order, picked):
+        for j, (e, made, _) in enumerate(picked):
             if e.kind == "alloc":
-                sid = sids[pos] = len(sids)
-                records[sid] = copy.copy(t.records[e.sid])
-                records[sid].sid, records[sid].freed = sid, None
+                sid = sids[j] = len(sids)
+                records[sid] = record = made[e.sid].copied()
+                record.sid, record.freed = sid, None
         events = []
-        for pos, (_, e) in zip(order, picked):   # Event's fields in order: index, kind, sid, then as they are
-            sid = sids.get(pos) if e.kind == "alloc" else sids.get(self._target(pos, m))
+        for j, (e, _, where) in enumerate(picked):   # Event's fields in order: index, kind, sid, then as they are
+            sid = sids.get(where)
             if sid is None:
                 return None
-            if e.kind in ("alloc", "free"):   # the record's own alloc and free indices, this timeline's
-                setattr(records[sid], "created" if e.kind == "alloc" else "freed", len(events))
-            events.append(Event(len(events), e.kind, sid, e.nbytes, e.delta, e.device, e.phase, e.module, e.time)
-                          if _EVENT_FIELDS else dataclasses.replace(e, index=len(events), sid=sid))
+            if e.kind == "alloc":   # the record's own alloc and free indices, this timeline's
+                records[sid].created = j
+            elif e.kind == "free":
+                records[sid].freed = j
+            events.append(Event(j, e.kind, sid, e.nbytes, e.delta, e.device, e.phase, e.module, e.time)
+                          if _EVENT_FIELDS else dataclasses.replace(e, index=j, sid=sid))
         return TrackingResult.build(records, events, device=base.device, rounded=base.rounded)
 
 

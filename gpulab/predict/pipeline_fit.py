@@ -203,6 +203,19 @@ def stage_at(runs, batch: int, largest: int) -> tuple[TrackingResult, bool]:
     return runs(batch), False
 
 
+def _reserved(runs, t: TrackingResult, read: bool, batch: int, check: Callable) -> int:
+    """The simulated reserved peak of ``t``, a searched stage's timeline at ``batch`` (``stage_at``): the
+    replay its search made of that same timeline where it made one (of the run at ``batch``; of the
+    extrapolation there, whose base batch is the run itself), else a replay now."""
+    if read:
+        done = runs.checked.get((batch, "extrapolated"))
+        if done is None and batch == runs.line.base_batch and runs.checked_on.get(batch) is runs.line.base:
+            done = runs.checked.get((batch, "run"))   # the extrapolation at its base: the base run's events
+    else:
+        done = runs.checked.get((batch, "run")) if runs.checked_on.get(batch) is t else None
+    return (done if done is not None else check(t, batch=batch)).reserved_bytes
+
+
 def _row(shape: StageShape, searched: dict, batch: int, check: Callable, layout: tuple[int, int], layers: int,
          per_stage: int) -> StageFit:
     """One stage shape at the pipeline's micro-batch ``batch``: its own search's run there, or the
@@ -222,7 +235,7 @@ def _row(shape: StageShape, searched: dict, batch: int, check: Callable, layout:
                         if res.largest_batch == 0 else "")
     t, read = stage_at(runs, batch, res.largest_batch)
     return StageFit(shape.stages, ranks, shape.role, holds, shape.in_flight, res.largest_batch, t.peak_bytes,
-                    check(t, batch=batch).reserved_bytes, dict(t.peak_by_category),
+                    _reserved(runs, t, read, batch, check), dict(t.peak_by_category),
                     note=f"alone it fits micro-batch {res.largest_batch}" + (
                         f"; read off its search's extrapolation from batches 2 and 3 (confirmed by a fake run at "
                         f"{res.largest_batch}, event for event)" if read else "") if res.largest_batch != batch else "")

@@ -53,7 +53,8 @@ from gpulab.predict.comm_time import COMM_ASSUMPTION, collective_seconds, link_f
 from gpulab.predict.timing import StepTime, step_time_of, timed_experiment, with_host_copies
 from gpulab.training.loop import LoopRecipe, train_experiment
 
-__all__ = ["BUBBLE_SOURCE", "CommPart", "PlanTime", "RankTime", "plan_time", "time_of_fit", "timed_rank"]
+__all__ = ["BUBBLE_SOURCE", "CommPart", "PlanTime", "RankTime", "bubble_seconds", "plan_time", "time_of_fit",
+           "timed_rank"]
 
 BUBBLE_SOURCE = ("Narayanan et al. 2021 (Megatron-LM, SC'21) §2.2: bubble fraction (p-1)/m for GPipe and 1F1B, "
                  "(p-1)/(v·m) interleaved")
@@ -286,11 +287,19 @@ def _dp_comm(strategy: str, n: int, span: int, rank: RankTime, speed: CardSpeed,
                      max(0.0, ag + rs - bwd), why)]
 
 
+def bubble_seconds(pp: int, t: float, virtual_stages: int = 1) -> float:
+    """The pipeline's bubble: (p - 1)·t for GPipe and 1F1B, (p - 1)·t/v interleaved, where ``t`` is the
+    slowest stage's forward + backward of one micro-batch (``BUBBLE_SOURCE``)."""
+    return (pp - 1) * t / virtual_stages
+
+
 def plan_time(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, layout: Any, speed: CardSpeed,
-              strategy: str | None = None) -> PlanTime:
+              strategy: str | None = None, rank: RankTime | None = None) -> PlanTime:
     """The step time of ``recipe`` at per-GPU (micro-)batch ``batch`` under ``layout`` (a
     ``gpulab.Layout``) on ``speed``'s card (module docstring). ``strategy``: the data parallelism
-    (None: ``layout.strategy``, else replicas: ddp)."""
+    (None: ``layout.strategy``, else replicas: ddp). ``rank``: the rank's timed step when already made
+    for the same workload, batch, dtype, recipe and card (``timed_rank``), so that several data-parallel
+    strategies share one timed run (not for a pipeline: its stages are timed apart)."""
     if batch < 1:
         raise ValueError("nothing fits: no step to time")
     gpus = layout.gpus or 1
@@ -299,7 +308,7 @@ def plan_time(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, layo
     notes = []
     if pp > 1:
         return _pipeline_time(w, batch, dt, recipe, layout, speed, strategy, notes)
-    rank = timed_rank(w, batch, dt, recipe, speed)
+    rank = rank if rank is not None else timed_rank(w, batch, dt, recipe, speed)
     s = rank.step
     fwd, bwd, opt = s.by_phase.get("forward", 0.0), s.by_phase.get("backward", 0.0), s.by_phase.get("optimizer", 0.0)
     comm = _dp_comm(strategy, dp * (cp if strategy in ("zero1", "zero2", "zero3", "fsdp2") else 1), dp * tp * cp,
@@ -330,7 +339,7 @@ def _pipeline_time(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe,
     rank = runs[slow]
     s = rank.step
     opt = s.by_phase.get("optimizer", 0.0)
-    bubble = (pp - 1) * t / v
+    bubble = bubble_seconds(pp, t, v)
     formula = (f"(p - 1)·t{'/v' if v > 1 else ''} = {pp - 1}·{t * 1e3:,.1f} ms{f'/{v}' if v > 1 else ''}, "
                f"a fraction (p - 1)/{'(v·m)' if v > 1 else 'm'} = {(pp - 1) / (v * m):.3f} of m·t; {recipe.schedule}, "
                f"{m} micro-batches, t the {'first' if slow == 0 else 'last'} stage's forward + backward of one")

@@ -14,7 +14,6 @@ always stays) and hands out copies, so a caller that changes what it got changes
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections import OrderedDict
 from typing import Any, Callable
@@ -86,6 +85,6 @@ def info() -> dict[str, int]:
 def _copied(t: TrackingResult) -> TrackingResult:
     """A copy that shares nothing mutable with ``t`` (events are frozen and shared)."""
     return dataclasses.replace(
-        t, records={sid: copy.copy(r) for sid, r in t.records.items()}, events=list(t.events),
+        t, records={sid: r.copied() for sid, r in t.records.items()}, events=list(t.events),
         series=[dict(s) for s in t.series], peak_by_category=dict(t.peak_by_category),
         final_by_category=dict(t.final_by_category))

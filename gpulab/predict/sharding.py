@@ -25,6 +25,30 @@ simulated allocator as a one-GPU answer. The label says so: a formula over a mea
   its parameter bytes, counted as held for the whole step (an upper bound: FSDP2 frees them
   after each unit).
 
+FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` (``Sharding.master_elem``,
+``reduce_elem``; torch's ``torch/distributed/fsdp/_fully_shard``): the run computes in ``param_dtype``
+(the unsharded parameters are cast to it before the all-gather, ``FSDPParam.all_gather_inputs``'
+``_to_dtype_if_needed``, and so are the forward's inputs); the sharded parameters, their gradients
+and the optimizer state stay in the model's own dtype (``FSDPParam.orig_dtype``; the reduced
+gradients are accumulated "in each parameter's sharded dtype", ``foreach_reduce``), so each such
+storage of the run (in the run's dtype) is resized by master bytes / run bytes before its split.
+The largest unit is then held as its all-gathered parameters in ``param_dtype``, its unsharded
+gradients in ``param_dtype`` and, where ``reduce_dtype`` differs from the gradients' dtype, the
+reduce-scatter input it copies them into (``foreach_reduce``: ``reduce_scatter_comm.allocate(...,
+dtype=reduce_dtype)``, then ``foreach_reduce_scatter_copy_in``). NB: that buffer exists in the
+gradients' own dtype too when no cast is asked; gpulab's plain fsdp2 count leaves it out, as before.
+
+float8 with FSDP2's float8 all-gather (``Sharding.float8_all_gather``: torchao's
+``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``, tensorwise; torchtitan <= 0.2's
+``float8.enable_fsdp_float8_all_gather`` with ``precompute_float8_dynamic_scale_for_fsdp``; 0.3.0's
+``Float8LinearConverter`` keeps only the rowwise recipes, without it):
+``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` casts each float8 layer's weight shard
+to float8 before the all-gather, so the gathered weights of those layers are 1 byte an element
+instead of ``param_dtype``'s (``Layers.units``: each unit's float8 weights); the gradients are
+unchanged. NB: the one-GPU run's per-matmul weight casts are kept (an upper bound: with the
+float8 all-gather the gathered weight is already float8), and the scales (one fp32 number a
+weight) are not counted.
+
 The optimizer step's temporaries (torch's foreach Adam/AdamW makes copies the size of the
 parameters it steps: ``_foreach_sqrt`` of the second moments in ``_multi_tensor_adam``) are the
 shard's on every strategy but ddp: FSDP2's optimizer steps each rank's DTensor shards, DeepSpeed's
@@ -35,8 +59,9 @@ gradient partition) in host memory: off the GPU.
 
 With expert parallelism (``ep``: the run is rank 0's, holding E/ep experts a layer) the experts'
 parameters, gradients and optimizer state are split over the expert data-parallel group, N/ep
-ranks (torchtitan's ``dp_shard_mod_ep`` mesh for FSDP2; DeepSpeed-MoE's expert data-parallel
-group for ZeRO), the rest over all N: ``per_rank``'s ``experts``, the experts' parameter shapes.
+ranks, or with tensor parallelism N·tp/ep (ep borrows the tp ranks too: torchtitan's ``efsdp``
+mesh, ``dp_shard × cp × tp / ep``, for FSDP2; DeepSpeed-MoE's expert data-parallel group for ZeRO),
+the rest over all N: ``per_rank``'s ``experts``, the experts' parameter shapes.
 
 What only a GPU run adds is not here: NCCL's own buffers and communicator memory, the caching
 allocator's per-stream pools for FSDP2's all-gather and reduce-scatter streams, and DeepSpeed's
@@ -46,6 +71,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -74,12 +101,52 @@ class Sharding:
     strategy: str
     offload_optimizer: bool = False
     ep: int = 1   # expert-parallel ranks among the gpus (module docstring)
+    tp: int = 1   # tensor-parallel ranks beside them, which ep borrows too (torchtitan's efsdp = dp_shard·cp·tp/ep)
+    # FSDP2's MixedPrecisionPolicy and float8 all-gather (module docstring; ``precision_policy``)
+    run_dtype: str = ""            # the dtype the run computes in, whose state storages are resized
+    master_elem: int = 0           # bytes an element of the sharded parameters, gradients and state (0: the run's)
+    reduce_elem: int = 0           # bytes an element of the reduce-scatter input in reduce_dtype (0: no cast)
+    float8_all_gather: bool = False
+
+    @property
+    def expert_ranks(self) -> int:
+        """The ranks the experts' own storages are split over: torchtitan's ``efsdp`` mesh,
+        ``dp_shard × cp × tp / ep`` (``gpus`` being ``dp_shard × cp``), at least 1; without ep the
+        experts are split over tp like the rest (training.moe_parallel) and sharded over ``gpus``."""
+        return self.gpus if self.ep == 1 else max(1, self.gpus * self.tp // self.ep)
 
     def describe(self) -> str:
         off = ", optimizer state offloaded to the host" if self.offload_optimizer else ""
-        experts = (f"; the experts' own share over the expert data-parallel group of gpus/ep = {self.gpus // self.ep} "
+        group = "gpus/ep" if self.tp == 1 else f"gpus × tp / ep = {self.gpus} × {self.tp} / {self.ep}"
+        experts = (f"; the experts' own share over the expert data-parallel group of {group} = {self.expert_ranks} "
                    f"ranks" if self.ep > 1 and self.strategy != "ddp" else "")
-        return f"{self.gpus} GPUs, {self.strategy} ({STRATEGIES[self.strategy]}){off}{experts}"
+        return f"{self.gpus} GPUs, {self.strategy} ({STRATEGIES[self.strategy]}){off}{experts}{self.policy_text()}"
+
+    def policy_text(self) -> str:
+        """FSDP2's precision settings in words ("" where none is set)."""
+        parts = []
+        if self.master_elem:
+            parts.append(f"MixedPrecisionPolicy: {self.run_dtype} parameters computed, sharded master weights, "
+                         f"gradients and optimizer state at {self.master_elem} bytes an element")
+        if self.reduce_elem:
+            parts.append(f"gradients reduce-scattered at {self.reduce_elem} bytes an element")
+        if self.float8_all_gather:
+            parts.append("float8 weights all-gathered (1 byte an element)")
+        return "; " + ", ".join(parts) if parts else ""
+
+
+def precision_policy(run: torch.dtype, master: torch.dtype, reduce: torch.dtype | None,
+                     float8_all_gather: bool = False) -> dict:
+    """The ``Sharding`` fields of FSDP2's MixedPrecisionPolicy and float8 all-gather, the run computing
+    in ``run`` (``param_dtype``, else the model's) over sharded parameters in ``master`` (the model's
+    dtype), gradients reduced in ``reduce`` (None: in their own): master bytes where they differ from
+    the run's, and the reduce-scatter's element size where it casts the gradients (which are in ``run``)."""
+    out: dict = {"run_dtype": str(run).removeprefix("torch."), "float8_all_gather": bool(float8_all_gather)}
+    if master != run:
+        out["master_elem"] = torch.empty((), dtype=master).element_size()
+    if reduce is not None and reduce != run:
+        out["reduce_elem"] = torch.empty((), dtype=reduce).element_size()
+    return out
 
 
 def check_sharding(gpus: int | None, strategy: str | None, offload_optimizer: bool, optimizer: str,
@@ -116,10 +183,20 @@ class Layers:
     total: int
     largest_layer: int       # DeepSpeed: the module with the most parameters of its own
     largest_unit: int        # FSDP2: the largest of the layers of the largest ModuleList, and the root's rest
+    units: tuple[tuple[int, int], ...] = ()   # with float8: each FSDP2 unit's (parameters, float8 weights' elements)
+
+    def gathered_bytes(self, elem: int, float8: bool = False) -> int:
+        """The largest unit's all-gathered parameters: ``elem`` bytes an element, its float8 layers'
+        weights 1 byte where ``float8`` (the largest by bytes, which may be another unit)."""
+        if not float8 or not self.units:
+            return self.largest_unit * elem
+        return max((n - f) * elem + f for n, f in self.units)
 
 
-def count_layers(model: nn.Module) -> Layers:
-    """DeepSpeed's ``model_to_params`` (shared parameters once) and FSDP2's units as gpulab wraps them."""
+def count_layers(model: nn.Module, float8: Callable[[nn.Module], int] | None = None) -> Layers:
+    """DeepSpeed's ``model_to_params`` (shared parameters once) and FSDP2's units as gpulab wraps them;
+    with ``float8`` (a module's float8 weights' elements: ``training.fp8.float8_numel``), each unit's
+    (``Layers.units``)."""
     seen: dict[int, int] = {}
     for p in model.parameters():
         seen.setdefault(id(p), p.numel())
@@ -128,9 +205,13 @@ def count_layers(model: nn.Module) -> Layers:
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     units = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
     if units is None:
-        return Layers(total, largest_layer, total)
+        return Layers(total, largest_layer, total, ((total, float8(model)),) if float8 else ())
     per_unit = [sum(p.numel() for p in u.parameters()) for u in units]
-    return Layers(total, largest_layer, max(max(per_unit), total - sum(per_unit)))
+    shape = ()
+    if float8:
+        f8 = [float8(u) for u in units]
+        shape = (*zip(per_unit, f8), (total - sum(per_unit), float8(model) - sum(f8)))
+    return Layers(total, largest_layer, max(max(per_unit), total - sum(per_unit)), tuple(shape))
 
 
 def _shard(nbytes: int, n: int) -> int:
@@ -166,11 +247,15 @@ def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: 
     cats = {sid: r.category for sid, r in t.records.items()}
     stepped = {sid for sid, r in t.records.items()   # the optimizer step's temporaries: the shard's (docstring)
                if r.category is Category.TEMPORARIES and r.phase == "optimizer"} if s != "ddp" else set()
-    ranks = {sid: sharding.gpus // sharding.ep for sid, r in t.records.items() if tuple(r.shape) in experts}
+    ranks = {sid: sharding.expert_ranks for sid, r in t.records.items() if tuple(r.shape) in experts}
     state_bytes = sum(r.nbytes for r in t.records.values() if r.category is Category.OPTIMIZER_STATE)
     params = sum(r.nbytes for r in t.records.values() if r.category is Category.PARAMETERS)
     # DeepSpeed's fp32 state per parameter, in place of the run's own state storages (by their share)
     ds_scale = (DS_STATE_BYTES * params / param_elem) / state_bytes if s in DEEPSPEED and state_bytes else 1.0
+
+    master = ({sid for sid, r in t.records.items() if r.dtype == sharding.run_dtype and (
+        r.category in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE) or sid in stepped)}
+        if sharding.master_elem else set())
 
     def size(cat: Category, nbytes: int, n: int) -> int:
         return held_bytes(sharding, cat, nbytes, n, ds_scale)
@@ -182,7 +267,8 @@ def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: 
             events.append(e.with_bytes(nbytes, -nbytes))
         else:
             n = ranks.get(e.sid, sharding.gpus)
-            nbytes = _shard(e.nbytes, n) if e.sid in stepped else size(cats[e.sid], e.nbytes, n)
+            full = e.nbytes * sharding.master_elem // param_elem if e.sid in master else e.nbytes
+            nbytes = _shard(full, n) if e.sid in stepped else size(cats[e.sid], full, n)
             events.append(e.with_bytes(nbytes, nbytes - sizes.get(e.sid, 0)))
             sizes[e.sid] = nbytes
     records = dict(t.records)
@@ -192,10 +278,11 @@ def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: 
                            and cats[e.sid] is Category.GRADIENTS), 0)
         template = next(iter(t.records.values()))
         sid = max(records, default=-1) + 1
-        for name, nbytes, at in extra:
+        for name, nbytes, at, *cat in extra:
             where = first_grad if at == "first gradient" else 0
-            rec = replace(template, sid=sid, nbytes=nbytes, category=Category.GRADIENTS if at == "first gradient"
-                          else Category.PARAMETERS, op=name, shape=(nbytes,), dtype="uint8", created=where)
+            category = cat[0] if cat else Category.GRADIENTS if at == "first gradient" else Category.PARAMETERS
+            rec = replace(template, sid=sid, nbytes=nbytes, category=category, op=name, shape=(nbytes,),
+                          dtype="uint8", created=where)
             records[sid] = rec
             ev = replace(events[where] if events else Event(0, "alloc", sid, nbytes, nbytes, t.device, "", "", 0.0),
                          kind="alloc", sid=sid, nbytes=nbytes, delta=nbytes)
@@ -213,9 +300,26 @@ def strategy_extra(sharding: Sharding, layers: Layers, param_elem: int, t: Track
         return [("zero3 gathered largest layer (16-bit weights and gradients)", 2 * layers.largest_layer * param_elem,
                  "start")]
     if s == "fsdp2":
-        return [("fsdp2 largest unit gathered (weights) and unsharded (gradients)", 2 * layers.largest_unit * param_elem,
-                 "start")]
+        return fsdp2_units(sharding, layers, param_elem)
     return []
+
+
+def fsdp2_units(sharding: Sharding, layers: Layers, param_elem: int) -> list[tuple]:
+    """(what, bytes, from when[, category]) FSDP2 holds of its largest unit, unsharded: its parameters
+    and gradients in the run's dtype; under a MixedPrecisionPolicy or the float8 all-gather each
+    apart (module docstring), with the reduce-scatter input where the reduction casts."""
+    unit = layers.largest_unit * param_elem
+    if not (sharding.master_elem or sharding.reduce_elem or sharding.float8_all_gather):
+        return [("fsdp2 largest unit gathered (weights) and unsharded (gradients)", 2 * unit, "start")]
+    gathered = layers.gathered_bytes(param_elem, sharding.float8_all_gather)
+    out = [(f"fsdp2 largest unit all-gathered ({'float8 weights, ' if sharding.float8_all_gather else ''}"
+            f"{sharding.run_dtype or 'run dtype'})", gathered, "start", Category.PARAMETERS),
+           (f"fsdp2 largest unit's unsharded gradients ({sharding.run_dtype or 'run dtype'})", unit, "start",
+            Category.GRADIENTS)]
+    if sharding.reduce_elem:
+        out.append(("fsdp2 reduce-scatter input (reduce_dtype)", layers.largest_unit * sharding.reduce_elem, "start",
+                    Category.GRADIENTS))
+    return out
 
 
 def one_step_gradients(t: TrackingResult) -> int:
@@ -230,7 +334,7 @@ def model_state_bytes(n_params: int, sharding: Sharding, layers: Layers, param_e
     """The per-rank model-state bytes ``per_rank`` arrives at, by the strategy's formula alone (for
     the tests and the lesson: the ZeRO paper's terms with DeepSpeed's and FSDP2's bytes)."""
     n, s = sharding.gpus, sharding.strategy
-    p = g = n_params * param_elem
+    p = g = n_params * (sharding.master_elem or param_elem)
     state = 0 if sharding.offload_optimizer else (
         DS_STATE_BYTES * n_params if s in DEEPSPEED else state_per_param * n_params)
     if s == "ddp":
@@ -241,7 +345,7 @@ def model_state_bytes(n_params: int, sharding: Sharding, layers: Layers, param_e
         return p + (0 if sharding.offload_optimizer else _shard(g, n)) + _shard(state, n)
     if s == "zero3":
         return _shard(p, n) + _shard(state, n) + 2 * layers.largest_layer * param_elem
-    return _shard(p, n) + _shard(g, n) + _shard(state, n) + 2 * layers.largest_unit * param_elem
+    return _shard(p, n) + _shard(g, n) + _shard(state, n) + sum(u[1] for u in fsdp2_units(sharding, layers, param_elem))
 
 
 def deepspeed_estimate(n_params: int, sharding: Sharding, layers: Layers) -> int:
@@ -257,4 +361,5 @@ def deepspeed_estimate(n_params: int, sharding: Sharding, layers: Layers) -> int
 
 
 __all__ = ["DEEPSPEED", "LABEL", "Layers", "STRATEGIES", "Sharding", "check_sharding", "count_layers",
-           "deepspeed_estimate", "held_bytes", "model_state_bytes", "strategy_extra", "one_step_gradients", "per_rank"]
+           "deepspeed_estimate", "fsdp2_units", "held_bytes", "model_state_bytes", "one_step_gradients", "per_rank",
+           "precision_policy", "strategy_extra"]

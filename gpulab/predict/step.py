@@ -24,6 +24,7 @@ from gpulab.models.workload import Workload, resolve_workload, step_failed
 from gpulab.training.loop import (changed_options, check_recipe_for, loop_recipe, recipe_workload, step_peaks,
                                   train_experiment)
 from gpulab.training.context_parallel import layout_notes
+from gpulab.training.tensor_parallel import tp_notes
 from gpulab.training.routing import Routing, is_moe, ran_routed, stated_routing
 from gpulab.units import dtype_name, parse_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
@@ -52,7 +53,8 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
          implementation: str = "default", checkpointing: bool | str = False, lora: int = 0,
          lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0, quantize: str | None = None,
          lora_dtype: str = "fp32", double_quant: bool = True, quant_compute_dtype: str = "input", gpu: Any = None,
-         routing: Any = None, tp: int = 1, sequence_parallel: bool = False, fp8: str | None = None,
+         routing: Any = None, tp: int = 1, sequence_parallel: bool = False, loss_parallel: bool = False,
+         fp8: str | None = None,
          pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b", pp_stage: int = 0,
          virtual_stages: int = 1, cp: int = 1, ep: int = 1, time: Any = False, **engine_limits) -> StepResult:
     """Track ``steps`` training steps of ``model``, by category, beside the formulas' prediction
@@ -69,7 +71,7 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
     ``use_cache=False`` (a language model's forward without its KV cache; None: as its config says), ``compile`` (the
     model under torch.compile with AOTAutograd's partitioner, no code generation), ``implementation`` (the optimizer's:
     "default", "for-loop", "foreach" or "fused"), ``checkpointing`` (a transformers model's own gradient checkpointing:
-    True or "full", "selective" or "every-K", as ``models.adapt`` says), ``lora=R`` with ``lora_targets`` (peft's LoRA
+    True or "full", "selective", "torchtitan-op" or "every-K", as ``models.adapt`` says), ``lora=R`` with ``lora_targets`` (peft's LoRA
     adapters of rank R on a frozen base; None: peft's default layers for the model type; ``lora_dropout`` on the
     adapters' inputs; ``lora_dtype``: "fp32" as peft, "base" as torchtune), ``quantize`` ("nf4", "fp4" or "int8", the
     base as bitsandbytes stores it; ``double_quant``, ``quant_compute_dtype``: ``training.loop``; ``recipe`` names
@@ -113,7 +115,7 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
         w.name, batch, w.image_size or 0, opt, dtype_name(dt), steps, m, predicted, step_peaks=step_peaks(m),
         kind=w.kind, input_text=w.describe_input(batch), seq_len=w.seq_len, amp=amp_key,
         recipe=_layout_stated(m, w, recipe, batch, dt), answered_recipe=asked, answered_layout=layout,
-        time=_step_time(timers, speed, w, batch, recipe, m, steps)), gpu)
+        time=_step_time(timers, speed, w, batch, recipe, m, steps), mesh=_mesh_stated(m, layout)), gpu)
 
 
 def _check_steps(steps: Any) -> None:
@@ -165,12 +167,21 @@ def _routing_stated(m: Measurement, w: Workload, recipe) -> dict[str, Any]:
     return shown
 
 
+def _mesh_stated(m: Measurement, layout: Layout) -> str:
+    """A parallel rank's mesh (torchtitan's ``ParallelDims`` names, ``Layout.mesh``: the smallest that
+    holds the rank, one GPU's step having no ``gpus``), in the label too; "" on one GPU."""
+    if not layout.parallel:
+        return ""
+    m.label = f"{m.label}; {layout.mesh}"
+    return layout.mesh
+
+
 def _layout_stated(m: Measurement, w: Workload, recipe, batch: int, dt: torch.dtype) -> dict[str, Any]:
     """``_routing_stated``, and a context- or expert-parallel rank's layout in words and numbers
     (``training.context_parallel.layout_notes``), in the recipe shown and the label."""
     shown = _routing_stated(m, w, recipe)
     itemsize = torch.empty((), dtype=recipe.amp or dt).element_size()
-    for name, note in layout_notes(w, recipe, batch, itemsize).items():
+    for name, note in {**tp_notes(recipe), **layout_notes(w, recipe, batch, itemsize)}.items():
         shown[name] = note
         m.label = f"{m.label}; {note['text']}"
     return shown
@@ -269,6 +280,7 @@ class StepResult(Measured):
     answered_recipe: Recipe | None = None   # the Recipe and Layout this answer is for (gpulab.options)
     answered_layout: Layout | None = None
     time: StepTime | None = None   # ``time=``: the step's predicted time (``predict.timing``)
+    mesh: str = ""                 # a layout's mesh (Layout.mesh): dp_replicate × dp_shard × cp × tp × pp, ep
 
     def __post_init__(self) -> None:
         m = self.measurement
@@ -335,6 +347,8 @@ class StepResult(Measured):
                      peak_with_workspaces_bytes=self.peak_with_workspaces_bytes)
         if self.time is not None:
             d["time"] = self.time.as_dict()
+        if self.mesh:
+            d["mesh"] = self.mesh
         if m.offloaded is not None:   # activation offloading: the host copies' peak, apart
             d["offloaded_peak_bytes"] = m.offloaded.peak_bytes
         if m.paged is not None:       # a paged optimizer: its unified-memory state, apart

@@ -23,7 +23,7 @@ from gpulab.measure.engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
 from gpulab.models.workload import resolve_workload
 from gpulab.predict import run_cache
 from gpulab.predict.cards import follows_card
-from gpulab.predict.fit import _check, _place, _replay, tracked_at_depth
+from gpulab.predict.fit import _place, tracked_at_depth, verdict
 from gpulab.predict.progress import Progress, report
 from gpulab.training.loop import RECIPE_DEFAULTS, check_recipe_for, user_recipe
 from gpulab.units import dtype_name, format_bytes, parse_dtype
@@ -174,8 +174,7 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
         report(progress, len(tried) / (len(CANDIDATES) + 2), f"what fits at batch {batch}: {name}, a fake run "
                f"replayed through the simulated caching allocator")
         t, _ = tracked_at_depth(w, key, batch, dt, recipe, target)
-        check = _check(t, usable, batch, "run")   # what it needs on a card without a limit, when it fails
-        return (check.reserved_bytes if check.fits else _replay(t, None)[0]), check.fits
+        return verdict(t, usable)   # what it needs on a card without a limit, when it fails
 
     tried: list[Tried] = []
     asked_reserved, asked_fits = attempt({})

@@ -41,6 +41,7 @@ import torch
 
 from gpulab.measure.engines import LABEL_FORMULA
 from gpulab.options import check_cp_ep_options, check_cp_options   # torch-free: the CLI checks them first
+from gpulab.training.routing import is_moe
 from gpulab.units import format_bytes
 
 __all__ = ["RING_SOURCE", "RingBuffers", "check_context_parallel", "check_cp_ep_options", "check_cp_options", "layout_notes", "ring_buffers",
@@ -135,11 +136,18 @@ def layout_notes(w: Any, r: Any, batch: int, itemsize: int) -> dict[str, dict[st
     if r.ep > 1:
         from gpulab.training.expert_parallel import ep_buffers, total_experts
         c = w.config
-        buffers = ep_buffers(r.routing, batch * w.seq_len, c.num_experts_per_tok, total_experts(c), r.ep,
+        # the rank's tokens: its sequence shard's, and with tp 1/tp of its tp group's (moe_parallel)
+        tokens = batch * (w.seq_len // r.cp) // r.tp
+        buffers = ep_buffers(r.routing, tokens, c.num_experts_per_tok, total_experts(c), r.ep,
                              c.hidden_size, itemsize)
+        whole = "router whole" if r.tp > 1 else "attention and router whole"
         notes["expert_parallel"] = {
-            **buffers.as_dict(),
+            **buffers.as_dict(), "tokens": tokens,
             "text": (f"ep={r.ep}: rank 0 holds {buffers.local_experts} of {total_experts(c)} experts per layer (their "
-                     f"weights, gradients and optimizer state), attention and router whole; measured "
-                     f"{buffers.text}")}
+                     f"weights, gradients and optimizer state), {whole}; measured {buffers.text}")}
+    if r.tp > 1 and w.config is not None and w.kind == "tokens" and is_moe(w.config):
+        from gpulab.training.expert_parallel import total_experts
+        from gpulab.training.moe_parallel import moe_tp_text
+        notes["moe_tensor_parallel"] = {"experts_tp_split": r.ep == 1,
+                                        "text": f"tp={r.tp}: {moe_tp_text(r.tp, r.ep, total_experts(w.config))}"}
     return notes

@@ -164,11 +164,12 @@ def ep_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index
     import torch.distributed as dist
     from torch.distributed._functional_collectives import all_to_all_single_autograd
     ep, experts = self.gpulab_ep
-    tokens, k = hidden_states.size(0), top_k_index.size(-1)
+    split = getattr(self, "gpulab_token_split", 1)   # with tp: each TP rank dispatches 1/tp of the tokens
+    tokens, k = hidden_states.size(0) // split, top_k_index.size(-1)
     call = self.gpulab_calls["n"]
     self.gpulab_calls["n"] = call + 1
     rows = expert_rows(self.gpulab_routing, ep * tokens, k, experts, call)[:experts // ep]
-    group = dist.group.WORLD
+    group = getattr(self, "gpulab_ep_group", None) or dist.group.WORLD
     pairs = torch.zeros(tokens * k, dtype=torch.long, device=hidden_states.device)   # (token, expert) rows, by expert
     send = hidden_states[pairs]
     received = all_to_all_single_autograd(send, _even(sum(rows), ep), _even(tokens * k, ep), group)
@@ -183,7 +184,7 @@ def ep_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index
     del received, outputs
     back = all_to_all_single_autograd(combined, _even(tokens * k, ep), _even(sum(rows), ep), group)
     del combined
-    weighted = back * top_k_weights.reshape(-1, 1).to(back.dtype)
+    weighted = back * top_k_weights[:tokens].reshape(-1, 1).to(back.dtype)
     final = torch.zeros_like(hidden_states)
     final.index_add_(0, pairs // k, weighted)
     return final

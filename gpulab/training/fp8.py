@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 __all__ = ["FP8_RECIPES", "FP8_DTYPES", "KINDS", "Fp8Added", "check_fp8", "check_fp8_for", "check_fp8_workload", "fp8_added",
-           "fp8_convert", "fp8_layers"]
+           "fp8_convert", "fp8_layers", "float8_numel"]
 
 from gpulab.options import FP8_RECIPES, check_fp8   # torch-free: the CLI checks --fp8 first
 
@@ -95,6 +95,12 @@ def fp8_layers(net: nn.Module) -> tuple[list[str], list[str]]:
         if type(m) is nn.Linear:
             (converted if m is not head and _eligible(m) else kept).append(name)
     return converted, kept
+
+
+def float8_numel(net: nn.Module) -> int:
+    """The elements of the weights ``fp8_convert`` turns to float8 in ``net`` (``fp8_layers``' converted
+    layers): what FSDP2's float8 all-gather gathers at 1 byte an element (``predict.sharding``)."""
+    return sum(net.get_submodule(name).weight.numel() for name in fp8_layers(net)[0])
 
 
 def check_fp8_for(net: nn.Module, dtype: torch.dtype | None, name: str) -> None:

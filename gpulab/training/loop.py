@@ -39,7 +39,8 @@ tracker's phase. Where lessons differ, the ``LoopRecipe`` says how:
   (``recipe_loss``);
 * ``checkpointing``: the model's own activation checkpointing (transformers' gradient checkpointing)
   under a policy (``models.adapt``): "full" (each block recomputed in backward from its saved
-  input), "selective" (matmul and attention outputs kept, the rest recomputed) or "every-K"; ``lora`` (a rank) and ``lora_targets``:
+  input), "selective" (matmul and attention outputs kept, the rest recomputed), "torchtitan-op"
+  (torchtitan's op-level SAC: every other matmul recomputed) or "every-K"; ``lora`` (a rank) and ``lora_targets``:
   peft's LoRA adapters on a frozen base, only they trained, ``lora_dropout`` on their inputs;
   ``lora_dtype``: the adapters in fp32 (peft's default) or in the model's dtype ("base", torchtune's);
   ``quantize``: the base's linear layers stored as bitsandbytes stores them, "nf4" (with LoRA:
@@ -53,6 +54,8 @@ tracker's phase. Where lessons differ, the ``LoopRecipe`` says how:
   whose dims do not divide by 16, as torchtitan) swapped for torchao's ``Float8Linear`` right after
   the model is built (``training.fp8``): each matmul casts its input and weight to float8 with
   their scales, and backward casts again;
+* ``param_dtype``, ``reduce_dtype``, ``fp8_all_gather``: FSDP2's settings, carried for
+  ``predict.sharding`` (the loop runs one GPU's step; ``gpulab.fit`` runs it in ``param_dtype``);
 * ``cp`` / ``ep``: one rank of a context-parallel group (its sequence shard: ``training.context_parallel``)
   or of an expert-parallel group (its experts, tokens dispatched by all-to-all on the fake process
   group: ``training.expert_parallel``);
@@ -70,7 +73,9 @@ setup", "after zero_grad i", "before step i", "after step i", counting steps fro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -79,7 +84,8 @@ import torch
 
 from gpulab.measure.engines import Measurement, RunContext
 from gpulab.measure.fake_mode import scalars_read_as_one
-from gpulab.options import Layout, Recipe, check_layout_degrees, check_step_options, check_together
+from gpulab.options import (Layout, Recipe, check_layout_degrees, check_mixed_precision, check_precision_policy,
+                            check_step_options, check_together)
 from gpulab.models.adapt import adapted, check_checkpointing, check_lora
 from gpulab.models.quantized import COMPUTE_DTYPES, FOUR_BIT
 from gpulab.models.registry import ModelSpec
@@ -92,7 +98,8 @@ from gpulab.training.fp8 import check_fp8, check_fp8_for, check_fp8_workload, fp
 from gpulab.training.optimizers import build_optimizer, check_implementation, check_optimizer, make_optimizer
 from gpulab.training.pipeline import check_pipeline, pipeline_stage, run_in_flight, stage_step
 from gpulab.training.routing import Routing, install_routing, is_moe, parse_routing
-from gpulab.training.tensor_parallel import check_tensor_parallel, fake_world, tensor_parallel
+from gpulab.training.moe_parallel import check_moe_tensor_parallel, moe_blocks, moe_tensor_parallel, tp_ep_meshes
+from gpulab.training.tensor_parallel import check_tensor_parallel, fake_world, loss_parallel_context, tensor_parallel
 
 __all__ = ["AMP_DTYPES", "RECIPE_DEFAULTS", "ZERO_GRAD", "LoopRecipe", "loop_recipe", "step_experiment", "step_peaks", "train_experiment",
            "changed_options", "check_recipe_for", "recipe_loss", "user_recipe"]
@@ -132,6 +139,7 @@ class LoopRecipe:
     routing: Routing | str | None = None   # None: balanced where the model has routed experts
     tp: int = 1                          # tensor-parallel ranks (training.tensor_parallel: a fake process group)
     sequence_parallel: bool = False      # with tp: the norms and the residual stream on a sequence shard
+    loss_parallel: bool = False          # with tp: the logits and the cross-entropy sharded on the vocabulary
     cp: int = 1                          # context-parallel ranks: the run is one rank's sequence shard (training.context_parallel)
     ep: int = 1                          # expert-parallel ranks: the run holds E/ep experts (training.expert_parallel)
     pp: int = 1                          # pipeline stages (training.pipeline): the run is one stage's
@@ -140,11 +148,19 @@ class LoopRecipe:
     virtual_stages: int = 1              # with the interleaved schedule: model chunks per rank (Megatron's virtual pipeline size)
     pp_stage: int = 0                    # with pp: the stage this run measures (gpulab.fit runs each that differs)
     fp8: str | None = None               # torchao's float8 training recipe: "tensorwise" or "rowwise"
+    # FSDP2's settings (options.check_fsdp_policy: fsdp2 only): the loop runs one GPU's step in the model's
+    # dtype; predict.sharding makes one rank's bytes of them (fit runs the step in param_dtype)
+    fp8_all_gather: bool = False
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
 
     def __post_init__(self):
         # the same checks as the public Recipe and Layout (gpulab.options), on the fields the loop shares
         check_chunks(self.chunked_loss)
         object.__setattr__(self, "fp8", check_fp8(self.fp8))
+        for name in ("param_dtype", "reduce_dtype"):
+            object.__setattr__(self, name, check_mixed_precision(name, getattr(self, name)))
+        check_precision_policy(self)
         check_layout_degrees(self)
         check_together(self, self)
         if self.pp > 1 and self.microbatches is None:   # a pipeline's default: one micro-batch per stage
@@ -158,37 +174,29 @@ class LoopRecipe:
         check_step_options(self, fp16_autocast=self.amp == torch.float16)
 
 
-# the recipe options gpulab.step, gpulab.fit and the CLI take, and their defaults
-RECIPE_DEFAULTS = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False, "set_to_none": True,
-                   "optimizer_in_backward": False, "offload_activations": False, "chunked_loss": 0,
-                   "use_cache": None, "compile": False, "implementation": "default", "checkpointing": False,
-                   "lora": 0, "lora_targets": None, "lora_dropout": 0.0, "quantize": None, "lora_dtype": "fp32",
-                   "double_quant": True, "quant_compute_dtype": "input", "routing": None, "tp": 1,
-                   "sequence_parallel": False, "pp": 1, "microbatches": None, "schedule": "1f1b", "pp_stage": 0,
-                   "virtual_stages": 1, "fp8": None, "cp": 1, "ep": 1}
+def _loop_options() -> dict[str, Any]:
+    """The recipe options gpulab.step, gpulab.fit and the CLI take, and their defaults: the fields of
+    the public ``Recipe`` and ``Layout`` that the loop's recipe carries too, read off the dataclasses
+    (``optimizer`` and ``amp`` are named apart; ``dtype`` and the layout's GPUs are not the loop's), in
+    the dataclasses' order (the order an answer lists the options it changed in)."""
+    loop = {f.name for f in dataclasses.fields(LoopRecipe)} - {"optimizer", "amp"}
+    return {f.name: f.default for cls in (Recipe, Layout) for f in dataclasses.fields(cls) if f.name in loop}
 
 
-def user_recipe(optimizer: str, amp: str | None = None, *, accumulate: int = 1, clip_grad_norm: float | None = None,
-                grad_scaler: bool = False, set_to_none: bool = True, optimizer_in_backward: bool = False,
-                offload_activations: bool = False, chunked_loss: int = 0, use_cache: bool | None = None,
-                compile: bool = False, implementation: str = "default", checkpointing: bool | str = False, lora: int = 0,
-                lora_targets: Sequence[str] | None = None, lora_dropout: float = 0.0,
-                quantize: str | None = None, lora_dtype: str = "fp32", double_quant: bool = True,
-                quant_compute_dtype: str | None = "input", routing: Any = None, tp: int = 1,
-                sequence_parallel: bool = False, pp: int = 1, microbatches: int | None = None,
-                schedule: str = "1f1b", pp_stage: int = 0, virtual_stages: int = 1, fp8: str | None = None, cp: int = 1,
-                ep: int = 1) -> LoopRecipe:
+RECIPE_DEFAULTS = _loop_options()
+
+
+def user_recipe(optimizer: str, amp: str | None = None, **options: Any) -> LoopRecipe:
     """The loop's recipe of ``gpulab.step`` / ``gpulab.fit`` from their flat arguments (``amp``: "fp16",
-    "bf16" or None), through the public ``Recipe`` and ``Layout`` (``gpulab.options``), which check
-    them: bad values raise ``ValueError`` saying what is allowed."""
-    recipe = Recipe(optimizer, amp=amp, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
-                    grad_scaler=grad_scaler, set_to_none=set_to_none, optimizer_in_backward=optimizer_in_backward,
-                    offload_activations=offload_activations, chunked_loss=chunked_loss, use_cache=use_cache,
-                    compile=compile, implementation=implementation, checkpointing=checkpointing, lora=lora,
-                    lora_targets=lora_targets, lora_dropout=lora_dropout, quantize=quantize, lora_dtype=lora_dtype,
-                    double_quant=double_quant, quant_compute_dtype=quant_compute_dtype, routing=routing, fp8=fp8)
-    layout = Layout(tp=tp, sequence_parallel=sequence_parallel, pp=pp, microbatches=microbatches, schedule=schedule,
-                    pp_stage=pp_stage, virtual_stages=virtual_stages, cp=cp, ep=ep)
+    "bf16" or None; ``options``: any of ``RECIPE_DEFAULTS``, the rest keep their defaults), through the
+    public ``Recipe`` and ``Layout`` (``gpulab.options``), which check them: bad values raise
+    ``ValueError`` saying what is allowed."""
+    unknown = sorted(set(options) - set(RECIPE_DEFAULTS))
+    if unknown:
+        raise TypeError(f"user_recipe() got unexpected option(s) {', '.join(unknown)}; valid: {', '.join(RECIPE_DEFAULTS)}")
+    recipe_fields = {f.name for f in dataclasses.fields(Recipe)}
+    recipe = Recipe(optimizer, amp=amp, **{k: v for k, v in options.items() if k in recipe_fields})
+    layout = Layout(**{k: v for k, v in options.items() if k not in recipe_fields})
     check_together(recipe, layout)
     return loop_recipe(recipe, layout)
 
@@ -208,7 +216,10 @@ def loop_recipe(recipe: Recipe, layout: Layout) -> LoopRecipe:
                       lora=recipe.lora, lora_targets=recipe.lora_targets, lora_dropout=recipe.lora_dropout,
                       quantize=recipe.quantize, lora_dtype=recipe.lora_dtype, double_quant=recipe.double_quant,
                       quant_compute_dtype=recipe.quant_compute_dtype, routing=recipe.routing, fp8=recipe.fp8,
-                      tp=layout.tp, sequence_parallel=layout.sequence_parallel, cp=layout.cp, ep=layout.ep,
+                      fp8_all_gather=recipe.fp8_all_gather, param_dtype=recipe.param_dtype,
+                      reduce_dtype=recipe.reduce_dtype,
+                      tp=layout.tp, sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel,
+                      cp=layout.cp, ep=layout.ep,
                       pp=layout.pp, microbatches=layout.microbatches, schedule=layout.schedule,
                       virtual_stages=layout.virtual_stages, pp_stage=layout.pp_stage)
 
@@ -232,13 +243,15 @@ def check_recipe_for(r: LoopRecipe, w: Workload, dtype: torch.dtype | None = Non
     if r.routing is not None and (w.kind == "image" or w.config is not None and not is_moe(w.config)):
         raise ValueError(f"routing is a mixture of experts' assumption; {w.name} has no routed experts: leave routing out")
     if r.tp > 1:
-        check_tensor_parallel(w.config, r.tp, r.sequence_parallel)
+        check_tensor_parallel(w.config, r.tp, r.sequence_parallel, r.loss_parallel)
     if r.pp > 1:
         check_pipeline(w.config if w.kind == "tokens" else None, r.pp, r.virtual_stages)
     if r.cp > 1:
         check_context_parallel(w, r.cp, r.tp, r.sequence_parallel)
     if r.ep > 1:
         check_expert_parallel(w.config, r.ep, r.routing)
+    if r.tp > 1 and w.kind == "tokens" and is_moe(w.config):
+        check_moe_tensor_parallel(w, r.tp, r.cp, r.ep)
     if r.chunked_loss and w.facts.task != "causal-lm":   # read once, when the model was resolved
         raise ValueError(f"chunked_loss splits a causal language model's head from its body; {w.name} is trained "
                          f"as a {w.facts.task}: leave chunked_loss out")
@@ -375,8 +388,20 @@ def _in_layout(r: LoopRecipe, ctx: RunContext, steps: Callable) -> dict[str, Any
     if ctx.engine != "fake":
         raise ValueError("tensor and expert parallelism are measured on the fake engine, in PyTorch's fake process group "
                          "(training.tensor_parallel): use engine='fake'")
-    with fake_world(r.tp * r.ep) as mesh:
-        return steps(ctx, lambda net: tensor_parallel(net, mesh, r.sequence_parallel) if r.tp > 1 else net)
+    if r.tp == 1:   # expert parallelism alone: the world is the ep group
+        with fake_world(r.ep):
+            return steps(ctx, lambda net: net)
+    # rank 0 of a tp group and of an ep group
+    with fake_world(math.lcm(r.tp, r.ep)) as world, loss_parallel_context(r.loss_parallel):
+        tp_mesh, ep_mesh = tp_ep_meshes(world, r.tp, r.ep)
+
+        def parallel(net: torch.nn.Module) -> torch.nn.Module:
+            apply_tp = functools.partial(tensor_parallel, mesh=tp_mesh, sequence_parallel=r.sequence_parallel,
+                                         loss_parallel=r.loss_parallel)
+            if not moe_blocks(net):
+                return apply_tp(net)
+            return moe_tensor_parallel(net, tp_mesh, ep_mesh, r.sequence_parallel, apply_tp)
+        return steps(ctx, parallel)
 
 
 class _InBackward:

@@ -5,24 +5,42 @@ A layout of N ranks is too large for N real processes on a laptop, and most of i
 ``fake_world(N)`` starts ``torch.distributed`` with the fake backend
 (``torch.testing._internal.distributed.fake_pg``: every collective returns at once, nothing is
 sent), the one torchtitan's memory estimator runs FSDP2 on; ``tensor_parallel`` then splits the
-model with ``torch.distributed.tensor.parallel.parallelize_module`` by the model's own
-tensor-parallel plan (transformers' ``config.base_model_tp_plan``: ``colwise`` for q/k/v and the
-MLP's gate and up projections, ``rowwise`` for the output and down projections; the head's
-``colwise_gather_output`` from the model class's ``_tp_plan``). The step then runs on fake tensors
-under the tracker, which counts a DTensor by its local shard: rank 0's memory, and every rank of
-a tensor-parallel group is alike.
+model with ``torch.distributed.tensor.parallel.parallelize_module``. The step then runs on fake
+tensors under the tracker, which counts a DTensor by its local shard: rank 0's memory, and every
+rank of a tensor-parallel group is alike.
 
-``sequence_parallel`` (Megatron-LM's sequence parallelism, Korthikanti et al. 2022 §4.2.2): the
-norms run on a sequence shard (``SequenceParallel``), each block's attention and MLP gather their
-input (``PrepareModuleInput``: ``Shard(1)`` to ``Replicate()``) and the row-wise projections
-reduce-scatter their output back to a sequence shard (``RowwiseParallel(output_layouts=Shard(1))``),
-as torchtitan parallelizes Llama. Only for decoders whose blocks name ``input_layernorm``,
-``self_attn``, ``post_attention_layernorm`` and ``mlp`` (Llama, Mistral, Qwen2 and kin); others say so.
+The layout (``LAYOUT``, stated in every answer) is torchtitan's, on a transformers model:
 
-NB: the embedding is not split. transformers 5.15 (Colab's) adds ``embed_tokens: embedding_rowwise``
-(a vocabulary-parallel embedding) to every tied-embedding config's plan; 5.24 does not, and neither
-is measured here: that entry is skipped, so the answer is the same on both (every rank holds the
-whole embedding, as in the model's own plan).
+* the blocks by the model's own tensor-parallel plan (transformers' ``config.base_model_tp_plan``:
+  ``colwise`` for q/k/v and the MLP's gate and up projections, ``rowwise`` for the output and down
+  projections), which torchtitan's Llama plan splits alike;
+* the embedding vocabulary-parallel (``VocabParallelEmbedding``): each rank holds rows
+  ``V/tp`` of it, looks up the tokens that fall in its rows on its local shard, zeroes the others,
+  and the ranks' partial outputs are all-reduced (reduce-scattered to a sequence shard with sequence
+  parallelism). Its gradient is computed on the local shard, so it has the weight's local shape
+  ``(V/tp, h)``: torchtitan 0.3's ``Embedding.forward`` (its ``tp_group`` path, under ``local_map``)
+  and Megatron-LM's ``VocabParallelEmbedding`` do so. NB: the DTensor route to the same split,
+  torch's ``RowwiseParallel`` on an ``nn.Embedding`` (torchtitan's ``apply_tp`` before 0.3) and
+  transformers' ``embedding_rowwise`` (``EmbeddingParallel``, which ``init_parallel_plans`` adds to
+  every model's ``tp_plan`` in 5.25), holds the weight split but its gradient whole and replicated
+  ``(V, h)`` on every rank: DTensor's ``embedding_dense_backward_strategy``
+  (``torch/distributed/tensor/_ops/_embedding_ops.py``) has no vocabulary-sharded (``Shard(0)``)
+  strategy. ``tests/test_tp_embedding_real.py`` checks both on two real gloo ranks;
+* the head column-parallel (``ColwiseParallel``: the weight ``Shard(0)``, its rows the vocabulary)
+  with its logits all-gathered to the whole vocabulary on every rank (transformers'
+  ``colwise_gather_output``, torchtitan without loss parallelism), or with ``loss_parallel`` left
+  sharded on the vocabulary (``output_layouts=Shard(-1)``) and the cross-entropy computed on them
+  under ``torch.distributed.tensor.parallel.loss_parallel()``, as torchtitan's ``apply_tp`` does
+  unless ``disable_loss_parallel`` (0.3's ``lm_head`` always ends in ``Shard(-1)``);
+* a tied embedding and head stay one parameter (both ``Shard(0)`` of the same ``(V, h)`` weight;
+  torchtitan's ``Decoder`` re-points ``tok_embeddings.weight`` at ``lm_head.weight`` so too).
+
+``sequence_parallel`` (Megatron-LM's sequence parallelism, Korthikanti et al. 2022 §4.2.2): every
+norm of a block runs on a sequence shard (``SequenceParallel``), each block's attention and MLP
+gather their input (``PrepareModuleInput``: ``Shard(1)`` to ``Replicate()``) and the row-wise
+projections reduce-scatter their output back to a sequence shard (``RowwiseParallel(output_layouts=
+Shard(1))``), as torchtitan parallelizes Llama. For decoder blocks made of ``self_attn``, ``mlp``
+and norms (Llama's two, Gemma-2's four around each half); others say so.
 
 NB: the fake group's collectives allocate their outputs as the real ones do (all-gather,
 reduce-scatter, all-reduce results); NCCL's own buffers are not in it (GPU-only).
@@ -31,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import types
 from typing import Any, Iterator
 
 import torch
@@ -38,10 +57,29 @@ from torch import nn
 
 from gpulab.options import check_tp_options   # torch-free: the CLI checks it before torch loads
 
-__all__ = ["TP_STYLES", "check_tensor_parallel", "check_tp_options", "fake_world", "tensor_parallel"]
+__all__ = ["LAYOUT", "TP_STYLES", "check_tensor_parallel", "check_tp_options", "fake_world", "layout_text",
+           "loss_parallel_context", "tensor_parallel", "tp_notes",
+           "vocab_parallel_embedding"]
 
-TP_STYLES = ("colwise", "rowwise", "colwise_gather_output")
-_SP_BLOCK = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+TP_STYLES = ("colwise", "rowwise", "embedding_rowwise")
+LAYOUT = "torchtitan's TP layout (vocabulary-parallel embedding and head)"
+_SP_PARTS = ("self_attn", "mlp")
+
+
+def layout_text(sequence_parallel: bool = False, loss_parallel: bool = False) -> str:
+    """The tensor-parallel layout an answer states (module docstring)."""
+    logits = ("logits and loss sharded on the vocabulary (loss_parallel)" if loss_parallel
+              else "logits gathered whole on every rank")
+    return f"{LAYOUT}{', sequence parallel' if sequence_parallel else ''}, {logits}"
+
+
+def tp_notes(r: Any) -> dict[str, dict[str, Any]]:
+    """What a tensor-parallel rank's answer states about its layout (``r``: the loop's recipe): which
+    layout, in the recipe shown and the label; nothing without tensor parallelism."""
+    if r.tp == 1:
+        return {}
+    text = layout_text(r.sequence_parallel, r.loss_parallel)
+    return {"tensor_parallel": {"layout": text, "text": f"tp={r.tp}: {text}"}}
 
 
 @contextlib.contextmanager
@@ -66,10 +104,19 @@ def fake_world(size: int) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def check_tensor_parallel(config: Any, tp: int, sequence_parallel: bool = False) -> None:
+def loss_parallel_context(on: bool) -> Any:
+    """``torch.distributed.tensor.parallel.loss_parallel()`` when ``on`` (the cross-entropy on logits
+    sharded on the vocabulary, forward and backward inside it), else nothing."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+    return loss_parallel()
+
+
+def check_tensor_parallel(config: Any, tp: int, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
     """ValueError, in one line, when ``config`` cannot be split ``tp`` ways: no plan, or heads, KV
     heads or the MLP's width that ``tp`` does not divide (and ``check_tp_options``)."""
-    check_tp_options(tp, sequence_parallel)
+    check_tp_options(tp, sequence_parallel, loss_parallel)
     if tp == 1:
         return
     plan = getattr(config, "base_model_tp_plan", None) if config is not None else None
@@ -84,16 +131,11 @@ def check_tensor_parallel(config: Any, tp: int, sequence_parallel: bool = False)
                              f"use a tp that divides {value}")
 
 
-def _tied_embedding_entry(config: Any, pattern: str, style: str) -> bool:
-    """transformers 5.15's own addition to a tied-embedding config's plan (``PretrainedConfig.__init__``:
-    ``"embed_tokens": "embedding_rowwise"`` when ``tie_word_embeddings``), which its later releases (5.24)
-    no longer make: not applied, so the embedding stays whole on every rank on both (module docstring)."""
-    return pattern == "embed_tokens" and style == "embedding_rowwise" and bool(getattr(config, "tie_word_embeddings", False))
-
-
-def tensor_parallel(model: nn.Module, mesh: Any, sequence_parallel: bool = False) -> nn.Module:
-    """``model`` split over ``mesh`` in place by its transformers tensor-parallel plan (module
-    docstring); returns it."""
+def tensor_parallel(model: nn.Module, mesh: Any, sequence_parallel: bool = False,
+                    loss_parallel: bool = False) -> nn.Module:
+    """``model`` split over ``mesh`` in place in torchtitan's layout (module docstring); returns it.
+    With ``loss_parallel`` the head's logits stay a DTensor sharded on the vocabulary: the loss and
+    its backward must run inside ``loss_parallel_context(True)``."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
@@ -105,8 +147,10 @@ def tensor_parallel(model: nn.Module, mesh: Any, sequence_parallel: bool = False
     names = [n for n, _ in base.named_modules()]
     layout: dict[str, Any] = {}
     for pattern, style in plan.items():
-        if _tied_embedding_entry(model.config, pattern, style):
+        if style == "embedding_rowwise":   # the vocabulary-parallel embedding below, whatever the plan says
             continue
+        if style == "replicated_with_grad_allreduce":   # replicated by _replicate_the_rest (its gradient's
+            continue                                      # all-reduce allocates nothing more)
         if style not in styles:
             raise ValueError(f"tensor-parallel style {style!r} of {pattern} is not one gpulab measures ({', '.join(TP_STYLES)})")
         for name in fnmatch.filter(names, pattern):
@@ -117,33 +161,85 @@ def tensor_parallel(model: nn.Module, mesh: Any, sequence_parallel: bool = False
     if sequence_parallel:
         blocks = [n for n in names if fnmatch.fnmatch(n, "layers.*") and n.count(".") == 1]
         for block in blocks:
-            if not all(f"{block}.{part}" in names for part in _SP_BLOCK):
-                raise ValueError(f"sequence parallelism is measured for decoder blocks with {', '.join(_SP_BLOCK)}; "
-                                 f"{block} has other parts")
-            for part in ("input_layernorm", "post_attention_layernorm"):
-                layout[f"{block}.{part}"] = SequenceParallel()
-            for part in ("self_attn", "mlp"):
-                layout[f"{block}.{part}"] = PrepareModuleInput(
-                    input_kwarg_layouts={"hidden_states": Shard(1)} if part == "self_attn" else None,
-                    desired_input_kwarg_layouts={"hidden_states": Replicate()} if part == "self_attn" else None,
-                    input_layouts=None if part == "self_attn" else (Shard(1),),
-                    desired_input_layouts=None if part == "self_attn" else (Replicate(),))
-        # a DTensor of the whole sequence's shape: the rotary positions are the whole sequence's
-        if getattr(base, "embed_tokens", None) is not None:   # (a later pipeline stage has none)
-            layout["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                                     use_local_output=False)
+            layout.update(_sequence_parallel_block(base.get_submodule(block), block, PrepareModuleInput,
+                                                   SequenceParallel, Replicate, Shard))
         if list(base.norm.parameters()):   # (before a pipeline's last stage: an Identity)
             layout["norm"] = SequenceParallel()
+    embedding = getattr(base, "embed_tokens", None)   # (a later pipeline stage has none)
     # module by module in the model's order (a layer's projections together, not each projection over all
     # layers): every layer's setup events then follow each other alike, as layer repeat lays them out
     order = {n: i for i, n in enumerate(names)}
-    parallelize_module(base, mesh, dict(sorted(layout.items(), key=lambda kv: order[kv[0]])))
     head = getattr(model, "lm_head", None)
-    if head is not None and isinstance(head, nn.Linear):
+    tied = (isinstance(embedding, nn.Embedding) and isinstance(head, nn.Linear)
+            and head.weight is embedding.weight)
+    if isinstance(embedding, nn.Embedding):   # first, in the model's order
+        vocab_parallel_embedding(embedding, mesh, Shard(1) if sequence_parallel else Replicate())
+    parallelize_module(base, mesh, dict(sorted(layout.items(), key=lambda kv: order[kv[0]])))
+    if isinstance(head, nn.Linear):
+        if tied:   # the embedding's Shard(0) weight is already the head's: no second copy is made
+            head.weight = base.embed_tokens.weight
         parallelize_module(head, mesh, ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
-                                                       output_layouts=Replicate()))
+                                                       output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                                       use_local_output=not loss_parallel))
+        if tied:   # one (V, h) weight, Shard(0) in both: one parameter, as the model ties it
+            head.weight = base.embed_tokens.weight
     _replicate_the_rest(model, mesh)
     return model
+
+
+def _sequence_parallel_block(block: nn.Module, name: str, prepare: Any, sequence: Any, replicate: Any,
+                             shard: Any) -> dict[str, Any]:
+    """A decoder block's sequence-parallel styles: ``SequenceParallel`` for each norm the block applies
+    to the residual stream (Llama's ``input_layernorm`` and ``post_attention_layernorm``; Gemma-2's
+    four, ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` too), the attention's and
+    the MLP's input gathered from the sequence shard."""
+    parts = dict(block.named_children())
+    norms = [n for n, m in parts.items() if n not in _SP_PARTS and "norm" in type(m).__name__.lower()]
+    others = [n for n, m in parts.items() if n not in _SP_PARTS and n not in norms and list(m.parameters())]
+    if not all(p in parts for p in _SP_PARTS) or others or not norms:
+        raise ValueError(f"sequence parallelism is measured for decoder blocks made of {' and '.join(_SP_PARTS)} and "
+                         f"norms; {name} ({type(block).__name__}) has {', '.join(others or sorted(parts))}: leave out "
+                         f"--sequence-parallel")
+    out: dict[str, Any] = {f"{name}.{n}": sequence() for n in norms}
+    out[f"{name}.self_attn"] = prepare(input_kwarg_layouts={"hidden_states": shard(1)},
+                                       desired_input_kwarg_layouts={"hidden_states": replicate()})
+    out[f"{name}.mlp"] = prepare(input_layouts=(shard(1),), desired_input_layouts=(replicate(),))
+    return out
+
+
+def vocab_parallel_embedding(module: nn.Module, mesh: Any, output_layout: Any) -> nn.Module:
+    """``module``, an ``nn.Embedding`` (or a subclass that scales its output, Gemma's), split over the
+    vocabulary in place: the weight ``Shard(0)``; the forward looks the tokens up on the local shard
+    (the module's own forward, its weight swapped for the local one for the call), zeroes the tokens
+    outside the rank's rows, and the partial sums go to ``output_layout`` (``Replicate()``: an
+    all-reduce, returned as a plain tensor; ``Shard(1)``: a reduce-scatter, kept a DTensor), as
+    torchtitan's ``Embedding.forward`` and Megatron's ``VocabParallelEmbedding`` do: the weight's
+    gradient has its local shape."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    weight = module.weight
+    if not isinstance(weight, DTensor):
+        module.register_parameter("weight", nn.Parameter(distribute_tensor(weight.detach(), mesh, [Shard(0)]),
+                                                         requires_grad=weight.requires_grad))
+    offset = mesh.get_local_rank() * -(-module.num_embeddings // mesh.size())   # torch.chunk's rows: ceil(V/tp) a rank
+    forward = module.forward
+
+    def vocab_parallel_forward(ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        ids = ids.to_local() if isinstance(ids, DTensor) else ids   # token ids: the same on every rank
+        param = module._parameters["weight"]
+        local = param.to_local()   # differentiable: the gradient reaches the parameter as Shard(0)
+        rows = local.shape[0]
+        inside = (ids >= offset) & (ids < offset + rows)
+        module._parameters["weight"] = local   # transformers' _use_local_dtensor_params swaps alike
+        try:
+            out = forward((ids - offset).clamp(0, max(rows - 1, 0)), *args, **kwargs)
+        finally:
+            module._parameters["weight"] = param
+        out = out * inside.unsqueeze(-1).to(out.dtype)
+        out = DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [output_layout])
+        return out.to_local() if output_layout == Replicate() else out
+
+    module.forward = vocab_parallel_forward
+    return module
 
 
 def _replicate_the_rest(model: nn.Module, mesh: Any) -> None:
