@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gpulab.course import sweeps as S
+from gpulab.predict.batch_line import BatchLine
 from gpulab.course.finetune import custom_config, finetune_check, recipe_options
 from gpulab.allocator.simulator import CachingAllocator
 from gpulab.predict import run_cache
@@ -23,14 +24,14 @@ def _bytes(t):
 def test_the_sweeps_line_makes_the_run_it_did_not_make():
     sweep = S.batch_sweep("cnn", (8, 16, 32, 64), optimizer="adam", engine="fake")
     runs = {r.batch: r.measurement.tracking for r in sweep.steps_results}
-    line = S.BatchLine.make({b: runs[b] for b in (8, 16, 32)})
-    assert line is not None and S.BatchLine.same(line.at(64), runs[64])       # the fourth run, made exactly
+    line = BatchLine.make({b: runs[b] for b in (8, 16, 32)})
+    assert line is not None and BatchLine.same(line.at(64), runs[64])       # the fourth run, made exactly
     assert line.at(64).peak_bytes == runs[64].peak_bytes
     bent = dict(runs)
     e = bent[32].events[5]
     bent[32] = dataclasses.replace(bent[32], events=[*bent[32].events[:5], e.with_bytes(e.nbytes + 512, e.delta + 512),
                                                      *bent[32].events[6:]])
-    assert S.BatchLine.make({b: bent[b] for b in (8, 16, 32)}) is None       # not affine: no line, runs instead
+    assert BatchLine.make({b: bent[b] for b in (8, 16, 32)}) is None       # not affine: no line, runs instead
 
 
 @pytest.mark.extended

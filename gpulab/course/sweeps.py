@@ -36,6 +36,7 @@ from gpulab.formulas import MemoryFit, fit_memory_model, max_batch
 from gpulab.models.registry import ModelSpec, check_image_size, resolve_model
 from gpulab.categories import Category
 from gpulab.measure.records import TrackingResult
+from gpulab.predict.batch_line import BatchLine
 from gpulab.units import GiB, MiB, dtype_name, format_bytes, parse_dtype
 from gpulab.views import error_percent, fmt_error, html_table
 
@@ -412,54 +413,6 @@ KEPT_SWEEPS = 8   # sweeps (four fake runs each, and the runs that verified them
 _KEPT: "OrderedDict[tuple, tuple[SweepResult, dict[int, StepResult]]]" = OrderedDict()
 
 
-@dataclass
-class BatchLine:
-    """Every event's bytes of a fake run as ``a + batch·c``, read off the sweep's runs: the timelines
-    at the sweep's batches are the same operations in the same order, and each storage's bytes are
-    affine in the batch, checked exactly at every swept batch (``make`` returns None otherwise). A
-    timeline at another batch is then made, not run (``at``); ``largest_batch`` confirms its answer
-    with one run (``predict.fit`` does the same for a transformer)."""
-    base: TrackingResult
-    base_batch: int
-    slopes: list[int]
-
-    @classmethod
-    def make(cls, runs: dict[int, TrackingResult]) -> "BatchLine | None":
-        if len(runs) < 3:
-            return None
-        (b0, t0), (b1, t1), *rest = sorted(runs.items())
-        if len(t0.events) != len(t1.events) or any(a.kind != b.kind or a.sid != b.sid
-                                                   for a, b in zip(t0.events, t1.events)):
-            return None
-        slopes = []
-        for a, b in zip(t0.events, t1.events):
-            step, left = divmod(b.nbytes - a.nbytes, b1 - b0)
-            if left or step < 0:
-                return None
-            slopes.append(step)
-        line = cls(t0, b0, slopes)
-        return line if all(line.same(line.at(b), t) for b, t in rest) else None
-
-    def at(self, batch: int) -> TrackingResult:
-        k = batch - self.base_batch
-        events, sizes = [], {}
-        for e, c in zip(self.base.events, self.slopes):
-            if e.kind == "free":
-                nbytes = sizes.get(e.sid, e.nbytes + k * c)
-                events.append(e.with_bytes(nbytes, -nbytes))
-            else:
-                nbytes = e.nbytes + k * c
-                events.append(e.with_bytes(nbytes, nbytes - sizes.get(e.sid, 0)))
-                sizes[e.sid] = nbytes
-        return TrackingResult.build(self.base.records, events, self.base.device, self.base.rounded)
-
-    @staticmethod
-    def same(a: TrackingResult, b: TrackingResult) -> bool:
-        """The same timeline: every event's kind, storage and bytes."""
-        return len(a.events) == len(b.events) and all(
-            x.kind == y.kind and x.sid == y.sid and x.nbytes == y.nbytes for x, y in zip(a.events, b.events))
-
-
 def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_size: int | None = None,
                   optimizer: str = "sgd", dtype: str | torch.dtype = "float32",
                   context_overhead_bytes: int = CONTEXT_OVERHEAD_ASSUMED,
@@ -474,11 +427,9 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
     line; for the allocator, the live answer scaled by the simulator's overhead) and then
     gallops and bisects, so it needs about 2·log2(distance from the guess) + 2 fake runs:
     logarithmic in the batch for any card size. ``max_runs`` (default: ``search_run_bound``
-    of the sweep's answer) is a safety bound that turns a runaway search into an error. ``extrapolate``
-    (the default): a batch the search examines is made from the sweep's line (``BatchLine``: exact when
-    every event is affine in the batch, checked at every swept batch) and the answer confirmed by one
-    run, instead of running each; False runs each (the same answers, slower). With a GPU and ``check_on_gpu``, the allocator-
-    simulated answer for the whole card and the batch after it run for real, with
+    of the sweep's answer) turns a runaway search into an error. ``extrapolate``: the examined batches made
+    from the sweep's line (``predict.batch_line``), not run (False: run, the same answers). With a GPU and
+    ``check_on_gpu``, the allocator-simulated answer for the whole card and the batch after it run for real, with
     ``torch.cuda.set_per_process_memory_fraction`` limiting the allocator to the card."""
     if not card_gib or card_gib <= 0:
         raise ValueError(f"card size must be a positive number of GiB, got {card_gib!r}")
@@ -551,9 +502,8 @@ def _kept_sweep(key: tuple | None, sweep: Callable[[], SweepResult]) -> tuple[Sw
 
 def _answers(capacities, sweep: SweepResult, runs: dict[int, StepResult], fake: Callable[[int], TrackingResult],
              extrapolate: bool) -> list[CapacityAnswer]:
-    """Each capacity's answer. The timelines between and beyond the swept batches are made from the
-    sweep's line, not run, when every event is affine in the batch (exact at every swept batch); one run
-    at the answer confirms it, or the search runs every batch it examines, as it always may."""
+    """Each capacity's answer, the examined batches made from the sweep's line where it holds (exact at
+    every swept batch), confirmed by one run at the answer; else every examined batch is run."""
     line = BatchLine.make({b: r.measurement.tracking for b, r in runs.items()}) if extrapolate else None
     made: dict[int, TrackingResult] = {}
 
