@@ -42,7 +42,7 @@ from gpulab.units import format_bytes
 
 __all__ = [
     "RECOMPUTE", "WHATIF_MODELS", "WHATIF_OPTIMIZERS", "WHATIF_PRECISIONS", "WhatIfFormula", "WhatIfMeasured",
-    "check_whatif", "compare_html", "whatif_formula", "whatif_measured"
+    "check_whatif", "compare_html", "explain", "model_shape", "whatif_formula", "whatif_measured"
 ]
 
 WHATIF_MODELS = ("hf:gpt2", "hf:tiny-llama", "hf:qwen2.5-0.5b", "hf:llama-3-8b", "hf:mistral-7b")
@@ -56,7 +56,7 @@ FORMULA_LABEL = "formula (parameters from the config, ZeRO paper §5, Korthikant
 
 
 @functools.lru_cache(maxsize=None)
-def _shape(model: str) -> dict[str, Any]:
+def model_shape(model: str) -> dict[str, Any]:
     """What the formula needs of a built-in config, read once: P, h, a, L, V, max positions, dropout."""
     from gpulab.course.transformer_activations import dropout_probabilities
     from gpulab.course.transformer_params import param_formula
@@ -83,7 +83,7 @@ def check_whatif(model: str, seq_len: int, batch: int, recompute: str, precision
     F.check_optimizer(optimizer)
     if zero not in ZERO_STAGES:
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
-    m = _shape(model)
+    m = model_shape(model)
     if m["max_positions"] and seq_len > m["max_positions"]:
         raise ValueError(f"{model} takes at most {m['max_positions']} positions: choose a sequence of "
                          f"{m['max_positions']} or fewer")

@@ -16,6 +16,7 @@ measurement, when the panel is shown, runs in the cell itself (a Run All gets a 
 answer, and nothing measures behind later cells)."""
 from __future__ import annotations
 
+import html
 import threading
 import time
 from typing import Any
@@ -23,9 +24,9 @@ from typing import Any
 import ipywidgets as W
 
 from gpulab.course.whatif import (RECOMPUTE, WHATIF_MODELS, WHATIF_OPTIMIZERS, WHATIF_PRECISIONS, WhatIfFormula,
-                                  WhatIfMeasured, compare_html, explain, whatif_formula, whatif_measured, _shape)
+                                  WhatIfMeasured, compare_html, explain, whatif_formula, whatif_measured, model_shape)
 from gpulab.predict.cards import card_names
-from gpulab.widgets.base import MEASURE_LOCK, _escape, check_control_value, dropdown
+from gpulab.widgets.base import MEASURE_LOCK, check_control_value, dropdown
 
 __all__ = ["DEBOUNCE_S", "WhatIfPanel", "whatif_panel"]
 
@@ -47,7 +48,7 @@ class WhatIfPanel:
                  precision: str = "bf16", optimizer: str = "adamw", zero: int = 0, dp: int = 1, tp: int = 1,
                  card: str = "H100", debounce_s: float = DEBOUNCE_S, auto_measure: bool = True):
         for name in WHATIF_MODELS:   # every model's config read now: a move to any of them is a lookup
-            _shape(name)
+            model_shape(name)
         self.controls: dict[str, W.ValueWidget] = {
             "model": dropdown("model", WHATIF_MODELS, model),
             "seq_len": _log_slider("sequence", SEQ_CHOICES, SEQ_CHOICES[0]),
@@ -116,7 +117,7 @@ class WhatIfPanel:
         """The sequence slider offers what the model takes (tiny-llama: 256 positions), keeping the
         chosen length when it still fits and the longest that fits otherwise: the slider never shows a
         length the model refuses."""
-        most = _shape(model)["max_positions"] or SEQ_CHOICES[-1]
+        most = model_shape(model)["max_positions"] or SEQ_CHOICES[-1]
         seq = self.controls["seq_len"]
         choices = [s for s in SEQ_CHOICES if s <= most] or [SEQ_CHOICES[0]]
         keep = seq.value if seq.value in choices else choices[-1]
@@ -139,13 +140,13 @@ class WhatIfPanel:
 
     def _render(self) -> None:
         if self.formula is None:
-            self.formula_html.value = f"<div class='gpulab-blocked'>{_escape(self.formula_error or '')}</div>"
+            self.formula_html.value = f"<div class='gpulab-blocked'>{html.escape(self.formula_error or '')}</div>"
             self.measured_note.value = ""
             return
         current = self.measured if self.measured and self.measured.settings == self._measure_args() else None
         self.formula_html.value = compare_html(self.formula, current, pending="measuring…")
         notes = "".join(f"<li>{n}</li>" for n in explain(self.formula, current))
-        err = f"<div class='gpulab-blocked'>Measured side: {_escape(self.error)}</div>" if self.error else ""
+        err = f"<div class='gpulab-blocked'>Measured side: {html.escape(self.error)}</div>" if self.error else ""
         self.measured_note.value = err + (f"<ul style='margin:2px 0'>{notes}</ul>" if notes else "")
 
     def _measure_args(self) -> dict[str, Any]:
