@@ -186,7 +186,7 @@ def _lerp(a: float, b: float, f: float) -> float:
 def _laid_out(a: StepTime, b: StepTime, f: float) -> StepTime:
     """Every additive figure of ``a`` (depth d1) and ``b`` (d2) laid out to d1 + f·(d2 − d1)."""
     ops = {}
-    for name in set(a.by_op) | set(b.by_op):
+    for name in sorted(set(a.by_op) | set(b.by_op)):
         oa, ob = a.by_op.get(name), b.by_op.get(name)
         base = ob or oa
         zero = replace(base, count=0, seconds=0.0, flops=0, nbytes=0, compute_bound=0)
@@ -195,7 +195,7 @@ def _laid_out(a: StepTime, b: StepTime, f: float) -> StepTime:
                             flops=round(_lerp(oa.flops, ob.flops, f)), nbytes=round(_lerp(oa.nbytes, ob.nbytes, f)),
                             compute_bound=round(_lerp(oa.compute_bound, ob.compute_bound, f)))
     colls = {}
-    for key in set(a.collectives) | set(b.collectives):
+    for key in sorted(set(a.collectives) | set(b.collectives), key=repr):
         ca, cb = a.collectives.get(key), b.collectives.get(key)
         base = cb or ca
         zero = replace(base, count=0, nbytes=0, seconds=0.0)
