@@ -15,7 +15,6 @@ quotient, with the load average (the machine is shared). A benchmark: it prints,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import time
 
@@ -23,7 +22,7 @@ import torch
 from transformers import GPT2Config
 
 import gpulab
-from gpulab.measure.cpu_speed import measure_cpu_speed
+from gpulab.measure.cpu_speed import measure_cpu_speed, one_thread
 from gpulab.models.adapt import CHECKPOINTING_KWARGS
 from gpulab.models.workload import resolve_workload
 from gpulab.predict.card_speeds import CardSpeed, cpu_card_speed
@@ -75,15 +74,6 @@ def measured_seconds(cfg, batch: int, checkpointing: bool, implementation: str =
     return min(times)
 
 
-@contextlib.contextmanager
-def one_thread():
-    """torch on one thread for the code inside (``time.thread_time`` then counts all its work)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def cpu_card() -> CardSpeed:

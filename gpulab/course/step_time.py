@@ -25,7 +25,6 @@ algorithms, fused attention): the card's figure is the time model's for these op
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 
 from gpulab.course.exercises import ChoiceExercise
-from gpulab.measure.cpu_speed import measure_cpu_speed
+from gpulab.measure.cpu_speed import measure_cpu_speed, one_thread
 from gpulab.measure.engines import run
 from gpulab.models.workload import Workload, forward, resolve_workload
 from gpulab.predict.card_speeds import CardSpeed, cpu_card_speed, speed_of
@@ -49,15 +48,6 @@ __all__ = ["BatchThroughput", "RecomputeTime", "batch_throughput", "cpu_as_card"
 MEASURED = "measured on this CPU (one thread, thread CPU time)"
 
 
-@contextlib.contextmanager
-def one_thread():
-    """torch on one thread for the code inside (``time.thread_time`` then counts all its work)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def cpu_as_card() -> CardSpeed:

@@ -7,12 +7,13 @@ the same way): the best run is the machine's rate with the least interference fr
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CpuSpeed", "measure_cpu_speed"]
+__all__ = ["CpuSpeed", "measure_cpu_speed", "one_thread"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +62,14 @@ def measure_cpu_speed(matmul_n: int = 1024, copy_mib: int = 128, tiny_ops: int =
            f"{tiny_ops} one-element adds")
     return CpuSpeed(2 * matmul_n ** 3 / t_mm, 2 * src.numel() * src.element_size() / t_copy,
                     t_tiny / tiny_ops, torch.get_num_threads(), how)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread for the code inside (``time.thread_time`` then counts all its work)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
