@@ -1157,12 +1157,7 @@ def plain_train(case: Case, model, batch: int, stand_in: bool, after_build: Call
         del loss
         net.zero_grad(set_to_none=True)
     after_build()
-    last = clock.last if clock is not None else STEPS
-    for i in range(last):
-        if clock is not None:
-            if i == STEPS and measured is not None:
-                measured()
-            clock.at(i + 1)
+    for i in _plain_steps(clock, measured):
         if i and opt is not None:
             opt.zero_grad(set_to_none=set_to_none)
         for _ in range(accumulate):
@@ -1188,12 +1183,24 @@ def plain_train(case: Case, model, batch: int, stand_in: bool, after_build: Call
             scaler.update()
         else:
             opt.step()
-    if clock is not None:
-        clock.at(clock.last + 1)
     torch.cuda.synchronize()
     if in_backward:
         for h in handles:
             h.remove()
+
+
+def _plain_steps(clock, measured: Callable[[], None] | None):
+    """The step indices of a plain run. Without ``clock``: the ``STEPS`` measured steps. With it:
+    ``measured()`` once the measured steps are done, every step marked for the CUDA events, and the
+    end of the last marked when the caller's loop is through (the generator's trailer)."""
+    for i in range(clock.last if clock is not None else STEPS):
+        if clock is not None:
+            if i == STEPS and measured is not None:
+                measured()
+            clock.at(i + 1)
+        yield i
+    if clock is not None:
+        clock.at(clock.last + 1)
 
 
 def _stage_model(case: Case, model, dt, dev):
@@ -1285,12 +1292,7 @@ def plain_pipeline(case: Case, model, batch: int, after_build: Callable[[], None
         else:   # the gradient the next stage sends back, in a receive buffer of the output's shape
             out.backward(torch.zeros_like(out))
     after_build()
-    last_step = clock.last if clock is not None else STEPS
-    for i in range(last_step):
-        if clock is not None:
-            if i == STEPS and measured is not None:
-                measured()
-            clock.at(i + 1)
+    for i in _plain_steps(clock, measured):
         if i:
             opt.zero_grad(set_to_none=True)
         held = {}
@@ -1301,8 +1303,6 @@ def plain_pipeline(case: Case, model, batch: int, after_build: Callable[[], None
             else:
                 backward(a.stage_index, held.pop(key))
         opt.step()
-    if clock is not None:
-        clock.at(clock.last + 1)
     torch.cuda.synchronize()
 
 
@@ -1338,12 +1338,7 @@ def plain_fsdp2(case: Case, model, batch: int, after_build: Callable[[], None],
             data = w.inputs(batch, dt)
         args, inputs, labels = _batch(data)
         after_build()
-        last_step = clock.last if clock is not None else STEPS
-        for i in range(last_step):
-            if clock is not None:
-                if i == STEPS and measured is not None:
-                    measured()
-                clock.at(i + 1)
+        for i in _plain_steps(clock, measured):
             if i:
                 opt.zero_grad(set_to_none=True)
             output = net(*args, **inputs)
@@ -1352,8 +1347,6 @@ def plain_fsdp2(case: Case, model, batch: int, after_build: Callable[[], None],
             loss.backward()
             del loss
             opt.step()
-        if clock is not None:
-            clock.at(clock.last + 1)
         if device == "cuda":
             torch.cuda.synchronize()
         local = sum(p.to_local().numel() for p in net.parameters())
