@@ -10,7 +10,7 @@ from gpulab.allocator.simulator import CachingAllocator
 from gpulab.models import hf_configs
 from gpulab.models.workload import resolve_workload
 from gpulab.predict import layer_repeat as L
-from gpulab.predict.fit import _run
+from gpulab.predict.fake_runs import fake_run as _run
 from gpulab.predict.sharding import one_step_gradients
 from gpulab.training.loop import user_recipe
 
