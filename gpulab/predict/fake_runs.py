@@ -75,7 +75,7 @@ def not_laid_out(w: Workload, recipe: LoopRecipe) -> str | None:
 
 
 def tracked(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe: LoopRecipe, target: tuple,
-             fresh: bool = False, timed: bool = False) -> TrackingResult:
+            fresh: bool = False, timed: bool = False) -> TrackingResult:
     """The fake run's timeline at ``batch``, reused when this process made it already for the same
     workload ``key`` (``run_cache.workload_key``), recipe, dtype and ``target`` (the card). ``timed``:
     the run is made under an ``OpTimer`` and its step's ops kept beside its timeline (``timed_step``
@@ -122,7 +122,7 @@ def timed_step(w: Workload, key: tuple | None, depth: int | None, batch: int, dt
 
 
 def fake_run(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, timers: list | None = None,
-         from_step: int = 0) -> Measurement:
+             from_step: int = 0) -> Measurement:
     """The two-step fake run at ``batch``; ``timers``: under an ``OpTimer``, appended there, that the
     tracker tells every op (``predict.timing.timed_experiment``), recording from step ``from_step`` on."""
     experiment = train_experiment(w, [batch, batch], dt, recipe)
