@@ -338,7 +338,8 @@ def _recipe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-kv-cache-in-training", action="store_true",
                    help="a language model's training forward with use_cache=False (by default its config decides)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile with AOTAutograd's partitioner (aot_eager_decomp_partition: no code generation)")
+                   help="torch.compile: inductor's partition and memory plan (lowered and scheduled, no code generated), "
+                        "beside the same graphs run op by op (the upper bound)")
     p.add_argument("--offload-activations", action="store_true",
                    help="saved activations copied to host memory (save_on_cpu); their peak is reported apart")
     p.add_argument("--optimizer-impl", default="default", choices=("default", "for-loop", "foreach", "fused"),

@@ -311,7 +311,7 @@ class Recipe:
     offload_activations: bool = False        # saved activations in host memory (save_on_cpu)
     chunked_loss: int = 0                    # a language model's head and loss in K chunks of positions
     use_cache: bool | None = None            # False: the training forward without its KV cache
-    compile: bool = False                    # torch.compile with AOTAutograd's partitioner
+    compile: bool = False                    # torch.compile: inductor's partition and plan (training.inductor_plan)
     checkpointing: bool | str = False        # False, "full", "selective" or "every-K"
     lora: int = 0                            # LoRA adapters' rank (0: none)
     lora_targets: tuple[str, ...] | None = None   # the layers LoRA adapts (None: peft's default)

@@ -1,4 +1,5 @@
 import pathlib
+import re
 
 import pytest
 import torch
@@ -51,7 +52,73 @@ def notebook_errors(nb) -> list[str]:
     if "gpulab-error" in state:
         j = state.index("gpulab-error")
         errors.append(f"a panel showed an error (widget state): {state[j:j + 300]}")
+    return errors + rendering_errors(nb)
+
+
+# a cell whose last line shows a figure: a plot method or a figure-making function
+FIGURE_CALL = re.compile(r"(\.plot\(|plot_\w*\(|\w_figure\(|\.figure\(|\.timeline\(|timeline\(|_bars\()")
+ESCAPED_AS_TEXT = ("&#x27;", "&gt;", "&lt;", "&amp;", "&quot;")          # entities shown as text in text/plain
+DOUBLE_ESCAPED = ("&amp;#x27;", "&amp;gt;", "&amp;lt;", "&amp;quot;", "&amp;amp;")   # HTML escaped twice
+
+
+def rendering_errors(nb) -> list[str]:
+    """What a student would see wrongly rendered (#47 item 8): a figure shown as its text
+    (``<Figure size ...>``), a cell whose last line shows a figure without an image among its outputs,
+    HTML entities shown as text (``&#x27;``, ``&gt;`` in a plain-text output, or escaped twice in HTML),
+    in a cell's outputs or in a panel's Output widget (the stored widget state)."""
+    import json
+
+    errors = []
+    for i, cell in enumerate(nb.cells):
+        if cell.get("cell_type") != "code":
+            continue
+        outs = cell.get("outputs", [])
+        # what shows as text: streams, and plain-text outputs with no richer form beside them (a figure's
+        # PNG carries "<Figure size ...>" as its text/plain, which the front end does not show)
+        plain = "".join(_shown_text(o) for o in outs)
+        html = json.dumps([o.get("data", {}).get("text/html", "") for o in outs if "data" in o])
+        if "<Figure size" in plain:
+            errors.append(f"cell {i}: a figure shows as text ({plain[plain.index('<Figure size'):][:60]!r}), not a picture")
+        if any(e in plain for e in ESCAPED_AS_TEXT):
+            errors.append(f"cell {i}: HTML entities shown as text: {plain[:200]!r}")
+        if any(e in html for e in DOUBLE_ESCAPED):
+            errors.append(f"cell {i}: HTML escaped twice (entities shown as text)")
+        src = [ln for ln in "".join(cell.get("source", "")).splitlines() if ln.strip() and not ln.strip().startswith("#")]
+        if src and "_panel(" not in "".join(cell.get("source", "")) and FIGURE_CALL.search(src[-1]) \
+                and not any("image/png" in o.get("data", {}) for o in outs):
+            errors.append(f"cell {i}: its last line ({src[-1].strip()[:60]!r}) shows a figure, but no image came out")
+    for outs in _widget_outputs(nb.metadata.get("widgets", {})):   # what panels' Output widgets show
+        plain = "".join(_shown_text(o) for o in outs)
+        if "<Figure size" in plain:
+            errors.append("a panel shows a figure as text (widget state): <Figure size ...>")
+        if any(e in json.dumps(outs) for e in DOUBLE_ESCAPED):
+            errors.append("a panel shows HTML escaped twice (widget state)")
     return errors
+
+
+def _shown_text(o: dict) -> str:
+    """The text a front end shows for one output: a stream's, or a plain-text-only result's."""
+    if o.get("output_type") == "stream":
+        t = o.get("text", "")
+    else:
+        data = o.get("data", {})
+        rich = {"text/html", "image/png", "application/vnd.jupyter.widget-view+json"} & set(data)
+        t = "" if rich else data.get("text/plain", "")
+    return t if isinstance(t, str) else "".join(t)
+
+
+def _widget_outputs(node) -> list[list[dict]]:
+    """Every ``outputs`` list in a stored widget state (Output widgets keep what they show there)."""
+    found = []
+    if isinstance(node, dict):
+        if isinstance(node.get("outputs"), list):
+            found.append([o for o in node["outputs"] if isinstance(o, dict)])
+        for v in node.values():
+            found += _widget_outputs(v)
+    elif isinstance(node, list):
+        for v in node:
+            found += _widget_outputs(v)
+    return found
 
 
 # ---------------------------------------------------------------------------------------------

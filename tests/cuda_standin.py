@@ -17,6 +17,11 @@ What it replaces, and only that:
 * **device facts**: ``torch.cuda.is_available`` and friends, ``mem_get_info`` (total minus a CUDA
   context, other processes and the reserved pool), NVML's used memory. The device's name is
   ``STANDIN_NAME``, so no number from it can be mistaken for a measurement.
+* **CUDA events**: ``torch.cuda.Event(enable_timing=True)`` records the host's clock (no GPU ran
+  anything: ``elapsed_time`` is the stand-in's own wall time, never a GPU's).
+* **the allocator's history**: ``torch.cuda.memory._record_memory_history`` and ``_snapshot`` give
+  the simulated allocator's segments and a ``device_traces`` list of ``alloc`` / ``free_completed``
+  events (address, size, the Python frames that made it) in the shape PyTorch's snapshot has.
 
 The tracker sees meta tensors; in the stand-in it names their device ``cuda:0`` (every meta tensor
 a tracker sees during a stand-in test counts as the GPU's). Values are not computed: ``.item()``,
@@ -27,6 +32,8 @@ implementation, and CUDA autocast does not cast them. The counters follow what d
 from __future__ import annotations
 
 import contextlib
+import time
+import traceback
 import types
 import weakref
 from collections import Counter
@@ -78,6 +85,8 @@ class StandInGPU:
         self._refs: dict[int, weakref.ref] = {}
         self._workspace = None
         self._creating = 0                       # > 0 while a cuda-device call runs
+        self.trace: list[dict[str, Any]] | None = None   # _record_memory_history: on while a list
+        self.trace_max = 0
 
     # ---- storages ------------------------------------------------------------------------------
     def is_gpu(self, t: Any) -> bool:
@@ -97,15 +106,41 @@ class StandInGPU:
         old = self._blocks.get(key)
         if old is not None:
             if old.size and st.nbytes() != old.requested:     # resized: a new buffer
+                self._record("free_completed", old)
                 self.sim.free(old)
                 self._blocks[key] = self._malloc(st.nbytes())
             return
         self._blocks[key] = self._malloc(st.nbytes())
         self._refs[key] = weakref.ref(st, self._make_free(key))
 
+    def _record(self, action: str, blk) -> None:
+        if self.trace is None or blk is None or not blk.size:
+            return
+        frames = [{"filename": f.filename, "line": f.lineno, "name": f.name}
+                  for f in reversed(traceback.extract_stack(limit=24)[:-3])]
+        self.trace.append({"action": action, "addr": blk.addr, "size": blk.size, "stream": 0,
+                           "time_us": int(time.time() * 1e6), "frames": frames})
+        if self.trace_max and len(self.trace) > self.trace_max:
+            del self.trace[0]
+
+    def record_memory_history(self, enabled: Any = "all", context: Any = "all", stacks: str = "all",
+                              max_entries: int = 0, **_kwargs: Any) -> None:
+        """``torch.cuda.memory._record_memory_history``: ``enabled=None`` stops recording."""
+        if enabled is None or enabled is False:
+            self.trace = None
+        else:
+            self.trace, self.trace_max = ([] if self.trace is None else self.trace), int(max_entries or 0)
+
+    def snapshot_with_trace(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """``torch.cuda.memory._snapshot()``: segments and the recorded trace (empty when off)."""
+        return {"segments": self.memory_snapshot(), "device_traces": [list(self.trace or [])],
+                "allocator_settings": {}, "stand_in": STANDIN_NAME}
+
     def _malloc(self, nbytes: int):
         try:
-            return self.sim.malloc(nbytes)
+            blk = self.sim.malloc(nbytes)
+            self._record("alloc", blk)
+            return blk
         except SimulatedOutOfMemoryError as exc:
             raise torch.OutOfMemoryError(
                 f"CUDA out of memory ({STANDIN_NAME}). Tried to allocate {nbytes / MiB:.2f} MiB. "
@@ -123,6 +158,7 @@ class StandInGPU:
             blk = gpu._blocks.pop(key, None)
             gpu._refs.pop(key, None)
             if blk is not None:
+                gpu._record("free_completed", blk)
                 gpu.sim.free(blk)
         return on_free
 
@@ -177,6 +213,7 @@ class StandInGPU:
             "memory_stats": logged("memory_stats", lambda device=None: sim.stats()),
             "mem_get_info": logged("mem_get_info", lambda device=None: (self.free_bytes(), self.total_bytes)),
             "memory_snapshot": logged("memory_snapshot", self.memory_snapshot),
+            "Event": StandInEvent,
         }
 
     def memory_snapshot(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
@@ -186,6 +223,32 @@ class StandInGPU:
                  "blocks": [{"size": b.size, "requested_size": b.requested,
                              "state": "active_allocated" if b.allocated else "inactive"} for b in seg.blocks]}
                 for seg in self.sim.segment_map()]
+
+
+class StandInEvent:
+    """``torch.cuda.Event``: the host's clock at ``record`` (the stand-in runs no GPU: an elapsed
+    time from it is the stand-in's wall time, never a GPU's)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self.t: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def elapsed_time(self, end: "StandInEvent") -> float:
+        if not (self.enable_timing and end.enable_timing) or self.t is None or end.t is None:
+            raise RuntimeError("Both events must be recorded with enable_timing=True before elapsed_time")
+        return (end.t - self.t) * 1e3
 
 
 class _Redirect(TorchFunctionMode):
@@ -200,7 +263,13 @@ class _Redirect(TorchFunctionMode):
         gpu = self.gpu
         name = getattr(func, "__name__", "")
         first = args[0] if args else None
-        if gpu.is_gpu(first):
+        # a value read from the GPU: zeros (every meta tensor here is the GPU's, also one made on
+        # "meta" from a GPU tensor's device, such as GradScaler's found_inf); but the truth of such an
+        # unmarked one is True, so that a loop it guards ends (generate()'s "all sequences finished")
+        if (isinstance(first, torch.Tensor) and first.device.type == "meta" and not gpu.is_gpu(first)
+                and name == "__bool__"):
+            return True
+        if isinstance(first, torch.Tensor) and first.device.type == "meta":
             if name in ("item", "__bool__", "__float__", "__int__", "__index__"):
                 return func(_zeros_like_host(first), *args[1:], **kwargs)
             if name in ("tolist", "cpu", "numpy"):
@@ -249,6 +318,12 @@ class _Observer(TorchDispatchMode):
         gpu = self.gpu
         flat_in = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
         on_gpu = gpu._creating > 0 or any(gpu.is_gpu(t) for t in flat_in)
+        if (func is torch.ops.aten.copy_.default and isinstance(args[0], torch.Tensor)
+                and args[0].device.type == "cpu" and gpu.is_gpu(args[1])):
+            return args[0]      # a GPU tensor copied to the host (save_on_cpu): no values to copy
+        if (func is torch.ops.aten._to_copy.default and gpu.is_gpu(args[0])
+                and str((kwargs or {}).get("device", "")) == "cpu"):
+            return _zeros_like_host(args[0])   # .cpu() where the function mode is off (a saved-tensor hook)
         if on_gpu and func.overloadpacket.__name__ in MATMUL_OPS:
             gpu._matmul()
         out = func(*args, **(kwargs or {}))
@@ -276,6 +351,8 @@ def standin_gpu(monkeypatch, **kwargs: Any):
     # torch 2.11's optimizers ask the driver directly (torch.cuda.graphs), which a machine
     # without CUDA answers with an error; 2.15 asks the stream above
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", gpu.record_memory_history)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", gpu.snapshot_with_trace)
     monkeypatch.setattr(torch.cuda.graphs, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(gpulab.measure.gpu, "_nvml", lambda: (None, f"{STANDIN_NAME}: no NVML"), raising=False)
     monkeypatch.setattr(gpulab.measure.gpu, "nvml_used_bytes", lambda index=0: gpu.nvml_used(), raising=False)

@@ -2,6 +2,8 @@
 accumulation measured, the exercises and the panel."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gpulab.course import distributed as D
@@ -93,9 +95,25 @@ def test_compare_strategies_and_figures(tmp_path, monkeypatch):
     assert "measured above" not in str(panel._render(panel.result)[0])
     assert measured_again == [dict(world_size=2, strategy="fsdp2", model="cnn", width=32)], \
         "a Run after the first showing measures again"
+    # a setting not measured yet: every strategy at once, in one set of processes; then switching strategy
+    # shows what was measured, and Run again measures afresh
+    from gpulab.distributed.sharding import STRATEGIES
+    asked = []
+    monkeypatch.setattr(W, "measure_strategies", lambda specs, ws: asked.append((specs, ws)) or [
+        dataclasses.replace(comp.runs[i % len(comp.runs)], spec=s,
+                            run=dataclasses.replace(comp.runs[i % len(comp.runs)].run, world_size=ws))
+        for i, s in enumerate(specs)])
     other = W.sharding_panel(strategy="ddp", world_size=1, model="cnn", width=32, measured=comp.runs)
-    other.run()   # no run at these settings (one process): measured
-    assert measured_again[-1] == dict(world_size=1, strategy="ddp", model="cnn", width=32)
+    ddp1 = other.run()
+    assert [(s.strategy, s.model, s.width) for s in asked[0][0]] == [(s, "cnn", 32) for s in STRATEGIES]
+    assert asked[0][1] == 1 and ddp1.spec.strategy == "ddp" and ddp1.world_size == 1
+    other.set(strategy="fsdp2")
+    assert len(asked) == 1 and other.result.spec.strategy == "fsdp2" and other.result.world_size == 1
+    assert "measured earlier" in other._render(other.result)[0].data
+    n = len(measured_again)
+    other.run()
+    assert len(measured_again) == n + 1 and measured_again[-1] == dict(world_size=1, strategy="fsdp2", model="cnn",
+                                                                       width=32)
 
 
 @pytest.mark.slow

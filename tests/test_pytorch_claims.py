@@ -254,6 +254,16 @@ CLAIMS = [
      ("lib", "can_use_mem_efficient_attention")),
     ("11", "op-level selective activation checkpointing", "create_selective_checkpoint_contexts",
      ("attr", "torch.utils.checkpoint.create_selective_checkpoint_contexts")),
+    # lesson 04's data loading (an optional section): what pin_memory and non_blocking change, and where
+    ("04", "`pin_memory=True` is ignored with a warning", "_BaseDataLoaderIter",
+     ("source", "torch.utils.data.dataloader._BaseDataLoaderIter.__init__",
+      "loader.pin_memory and torch.accelerator.is_available()")),
+    ("04", "each batch is copied into pinned memory", "torch.utils.data._utils.pin_memory.pin_memory",
+     ("source", "torch.utils.data._utils.pin_memory.pin_memory", "return data.pin_memory()")),
+    ("04", "has an effect only on a copy between CPU and GPU", "torch.Tensor.copy_",
+     ("doc", "torch.Tensor.copy_", "if ``True`` and this copy is between CPU and GPU")),
+    ("04", "from pinned and pageable memory alike", "torch.Tensor.to",
+     ("doc", "torch.Tensor.to", "applies to both pinned and pageable memory")),
 ]
 
 _CITES_SOURCE = re.compile(r"(?:torch|c10|aten)/[\w/.*]+\.(?:py|cpp|h|yaml)|\b[A-Z]\w+\.(?:cpp|h)\b")

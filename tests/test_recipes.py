@@ -256,14 +256,18 @@ def test_the_kv_cache_follows_the_config_and_the_lever_turns_it_off(capsys):
 
 
 def test_compile_measures_what_aotautograds_partitioner_saves(capsys):
-    """torch.compile(backend="aot_eager_decomp_partition"): the tracked step runs the compiled
-    graphs (decomposed ops, no native_layer_norm), and the min-cut partitioner saves less than eager
-    GPT-2 does (it recomputes cheap pointwise ops in backward); the cpu and fake engines agree."""
+    """torch.compile through inductor's front end (training.inductor_plan): the tracked step runs the
+    compiled graphs op by op (decomposed ops, no native_layer_norm), and the min-cut partitioner saves
+    less than eager GPT-2 does (it recomputes cheap pointwise ops in backward); the cpu and fake
+    engines agree, on the op-by-op run and on inductor's plan for the CPU, which is below the run."""
     kw = dict(batch=4, seq_len=64, guard=False, steps=1)
     eager = gpulab.step("hf:tiny-gpt2", engine="cpu", **kw)
     cpu = gpulab.step("hf:tiny-gpt2", engine="cpu", compile=True, **kw)
     fake = gpulab.step("hf:tiny-gpt2", engine="fake", fake_target="cpu", compile=True, **kw)
     assert cpu.peak_by_category == fake.peak_by_category and cpu.step_peaks == fake.step_peaks
+    assert cpu.compiled["inductor_step_peaks"] == fake.compiled["inductor_step_peaks"]
+    assert [g["kind"] for g in cpu.compiled["graphs"]] == ["forward", "backward"]
+    assert cpu.inductor_peak_bytes < cpu.peak_bytes   # fused kernels hold fewer temporaries
     ops = {r.op for r in cpu.measurement.tracking.records.values()}
     assert "native_layer_norm" in {r.op for r in eager.measurement.tracking.records.values()}
     assert "native_layer_norm" not in ops   # decomposed: AOTAutograd's graphs ran, not the eager model

@@ -54,7 +54,8 @@ def test_the_record_set_is_documented_data():
     kinds = {e.kind for e in R.EXPERIMENTS}
     assert kinds == {"step", "fragmentation", "allocator timeline", "rounding", "tensor bytes", "model build",
                      "layer build", "implementations", "modelsize", "depthwise", "forward table",
-                     "inference vs training", "inplace", "grad modes", "lifetimes", "checkpoint", "precision"}
+                     "inference vs training", "inplace", "grad modes", "lifetimes", "checkpoint", "precision",
+                     "throughput", "checkpoint cost"}
     steps = {(e.params["model"], e.params["optimizer"]) for e in R.EXPERIMENTS if e.kind == "step"}
     for model in ("vgg16", "alexnet", "resnet18", "cnn", "mlp"):
         for opt in ("sgd", "momentum", "adam"):
@@ -628,3 +629,29 @@ def test_record_quick_on_a_real_gpu_is_valid(tmp_path):
     assert L.validate_record(data) == [], L.validate_record(data)
     assert data["provenance"]["gpu_name"] == torch.cuda.get_device_name(0)
     assert L.load_records(tmp_path) and L.find_record("step", tmp_path, model="mlp", optimizer="sgd")
+
+
+@pytest.mark.extended
+def test_the_llm_time_sweeps_run_under_the_stand_in():
+    """Issue 48: throughput against the batch and checkpointing's time cost, plain steps timed, each
+    with the allocator's peak; a batch the (1 GiB) device cannot hold is out of memory and the sweep
+    goes on. The record set runs them on Qwen2.5-0.5B; here a tiny Llama, one timed step each."""
+    from cuda_standin import standin_gpu as install
+    from gpulab.record.runs.llm_time import POLICIES
+    (tp,) = [e for e in R.EXPERIMENTS if e.kind == "throughput"]
+    (cc,) = [e for e in R.EXPERIMENTS if e.kind == "checkpoint cost"]
+    assert tp.params["batches"] == [1, 2, 4, 8, 16] and cc.params["policies"] == list(POLICIES) == ["none", "full", "selective"]
+    small = {"model": "hf:tiny-llama", "seq_len": 64, "dtype": "bf16", "optimizer": "adamw", "warmup": 1, "repeats": 2}
+    with pytest.MonkeyPatch.context() as mp, install(mp, total_bytes=1 << 30, context_bytes=100 << 20):
+        sweep = R.run_experiment(R.RecordExperiment("t", "throughput", {**small, "batches": [1, 4, 100_000]}))
+        cost = R.run_experiment(R.RecordExperiment("c", "checkpoint cost", {**small, "batch": 4,
+                                                                             "policies": list(POLICIES)}))
+    one, four, huge = sweep["points"]
+    assert one["status"] == four["status"] == "ran" and huge["status"].startswith("out of memory")
+    assert 0 < one["peak_allocated_bytes"] < four["peak_allocated_bytes"]
+    assert len(four["samples_s"]) == 2 and four["tokens_per_s"] == pytest.approx(4 * 64 / four["median_s"])
+    none, full, selective = cost["points"]
+    assert [p["checkpointing"] for p in cost["points"]] == ["none", "full", "selective"]
+    assert full["peak_allocated_bytes"] < none["peak_allocated_bytes"] and none["slowdown"] == 1.0
+    assert full["slowdown"] > 0 and selective["status"] == "ran"
+    json.dumps([sweep, cost])

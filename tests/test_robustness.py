@@ -48,6 +48,10 @@ _TIMING = [
     re.compile(r"[×x]\s*[\d.]+\s+(as long|comparing)", re.I),  # time ratios ("takes ×1.37 as long")
     # a verdict made from a time ratio (lesson 07: checkpointing's slowdown on this shared CPU)
     re.compile(r"the slowdown is modest|breaks for speed on this CPU", re.I),
+    # lesson 07's sentence on what the timings' spreads support (CheckpointResult.timing_verdict): which of
+    # its three it is depends on this shared CPU's noise, run to run
+    re.compile(r"At k = \d+ a step (?:is slower|measured faster).*?(?:do not overlap \(.*?\)\)\.|more rounds\.)"
+               r"|The timings of k = \d+ and k = 1 overlap.*?narrow the spreads\.", re.S),
     # the machine's free RAM right now (not a lesson's measurement; other processes move it)
     re.compile(r"available now[\s|]+[\d.,]+\s*[KMGT]i?B\s*/\s*[\d.,]+\s*[KMGT]i?B", re.I),
 ]
@@ -351,6 +355,19 @@ def test_a_cells_panel_texts_are_those_its_widgets_hold():
 
 def test_normalise_drops_timings_keeps_memory():
     assert normalise("done in 0.23 s; peak 12.5 MiB") == normalise("done in 1.70 s; peak 12.5 MiB")
+    # lesson 07's sentence about the timings' spreads: which of its three it is, is noise
+    import dataclasses
+
+    from gpulab.course.checkpointing import checkpoint_sweep
+    from gpulab.record.runs.checkpoint import Timing
+    r = checkpoint_sweep(4, 8, 4, "divisors of N", "fake")
+    texts = set()
+    for base, other in (((10, 11, 12), (14, 15, 16)), ((10, 14, 20), (12, 13, 15)), ((20, 22, 24), (10, 11, 12))):
+        pts = [dataclasses.replace(p, timing=Timing([t / 1e3 for t in (base if p.segments == 1 else other)], 1, "cpu"))
+               for p in r.points]
+        timed = dataclasses.replace(r, points=pts)
+        texts.add(normalise(f"Time: {timed.timing_verdict(timed.points[-1])} Lowest 2 MiB"))
+    assert len(texts) == 1 and "Lowest 2 MiB" in texts.pop()   # the three read alike; the memory stays
     assert normalise("step took 31 ms, 4.0 GiB") == normalise("step took 45 ms, 4.0 GiB")
     assert normalise("peak 12.5 MiB") != normalise("peak 12.6 MiB")
     a = "<table><tr><th>segments</th><th>peak</th><th>time (ms)</th></tr><tr><td>2</td><td>3 MiB</td><td>12.1</td></tr></table>"

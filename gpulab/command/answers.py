@@ -52,6 +52,11 @@ def step_text(d: dict[str, Any]) -> str:
         lines.append(f"{'steps':<17}" + ", ".join(f"step {i + 1}: {format_bytes(p)}" for i, p in enumerate(d["step_peaks"]))
                      + f"  (from step 2 on the optimizer state is held: the steady state is "
                        f"{format_bytes(d['steady_peak_bytes'])})")
+    if d.get("compiled"):
+        c = d["compiled"]
+        lines.append(f"{'compiled':<17}" + ", ".join(f"step {i + 1}: {format_bytes(p)}" for i, p in
+                                                   enumerate(c["inductor_step_peaks"]))
+                     + f"  by {c['label']}; total {format_bytes(c['bound_bytes'])} above is {c['bound_label']}")
     if "allocator" in d:
         a = d["allocator"]
         if "allocator_blocks" in d:

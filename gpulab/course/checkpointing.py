@@ -177,6 +177,29 @@ class CheckpointResult:
             raise ValueError(f"stat must be 'median' or 'min', got {stat!r}")
         return getattr(p.timing, stat) / getattr(self.baseline.timing, stat)
 
+    def timing_verdict(self, p: "SegmentPoint | None" = None) -> str:
+        """The sentence about ``p``'s step time (default: the best k) against k = 1 that the noise
+        supports, computed from the two interquartile ranges: a difference is stated only when they do
+        not overlap, and a checkpointed step measured faster than the plain one (recomputing cannot make
+        it so) is called what it is, the machine's load changing between the timings."""
+        p = p or self.best
+        a, b = self.baseline.timing, p.timing
+        if a is None or b is None:
+            return "Not timed."
+        if p.segments == 1:
+            return "k = 1 is the step without checkpointing."
+        span = (f"k = {p.segments}: {b.low * 1e3:.1f}–{b.high * 1e3:.1f} ms, k = 1: {a.low * 1e3:.1f}–"
+                f"{a.high * 1e3:.1f} ms (interquartile ranges of {len(b.samples)} and {len(a.samples)} timed steps)")
+        if b.low > a.high:
+            return (f"At k = {p.segments} a step is slower than without checkpointing: ×{b.median / a.median:.2f} "
+                    f"comparing medians, and the spreads do not overlap ({span}).")
+        if b.high < a.low:
+            return (f"At k = {p.segments} a step measured faster than without checkpointing ({span}), which "
+                    f"recomputing cannot make it: the machine's load changed between the timings. Time again "
+                    f"on a quieter machine, or with more rounds.")
+        return (f"The timings of k = {p.segments} and k = 1 overlap ({span}): this run cannot tell which is "
+                f"faster. More timed rounds, or a quieter machine, narrow the spreads.")
+
     def as_dict(self) -> dict[str, Any]:
         return {"n_blocks": self.n_blocks, "width": self.width, "batch": self.batch, "map_bytes": self.map_bytes,
                 "engine": self.engine, "label": self.label, "timing_label": self.timing_label,
@@ -209,7 +232,7 @@ class CheckpointResult:
                 f"one map = {format_bytes(self.map_bytes)}. Memory: {html.escape(self.label)}. "
                 f"Time: {html.escape(self.timing_label)}.<br>Lowest measured peak at <b>k = {b.segments}</b> "
                 f"({format_bytes(b.peak_bytes)}, vs {format_bytes(base.peak_bytes)} without checkpointing); "
-                f"√N = {self.sqrt_n:.1f}.")
+                f"√N = {self.sqrt_n:.1f}.<br>Time: {html.escape(self.timing_verdict())}")
         return head + html_table(
             ["k", "segment sizes", "peak", "activations + temporaries at peak", "formula (segments)",
              "formula error", "formula (Chen N/k + k)", "step ms: median (IQR)", "time vs k=1: median (fastest)",
@@ -380,7 +403,7 @@ def checkpoint_claims(result: CheckpointResult, deeper: CheckpointResult | None 
             parts.append(f"At k = {best.segments} one step took ×{slow:.2f} as long comparing the fastest runs "
                          f"(×{med:.2f} comparing medians), against ×{pred:.2f} predicted for one extra forward of "
                          f"the checkpointed blocks; the rest is checkpoint's own Python overhead and this shared "
-                         f"CPU's noise. A GPU's ratio differs: measure there.")
+                         f"CPU's noise. {result.timing_verdict(best)} A GPU's ratio differs: measure there.")
             ev += [Evidence(f"measured time at k = {best.segments} vs k = 1, fastest runs", f"×{slow:.2f}",
                             result.timing_label),
                    Evidence(f"measured time at k = {best.segments} vs k = 1, medians", f"×{med:.2f}",

@@ -2,16 +2,20 @@
 
 A transformer preset (GPT-2, Llama-3-8B, Mistral-7B from ``gpulab.models.hf_configs``, or a custom
 Llama-style size), a card, a sequence length and batch, a method (full fine-tuning, LoRA,
-QLoRA), an optimizer, a precision and an activation checkpointing policy: ``gpulab.step`` builds the
-model from its config under fake tensors (no memory at any size) as the recipe says
+QLoRA), an optimizer, a precision and an activation checkpointing policy: gpulab's one training loop
+builds the model from its config under fake tensors (no memory at any size) as the recipe says
 (``models.adapt``: peft's LoRA adapters; QLoRA's base Linear weights stored as bitsandbytes stores
-NF4, ``models.quantized``; transformers' own checkpointing), runs two training steps on the fake
-engine following CUDA's kernels, the timeline is replayed through the simulated caching
+NF4, ``models.quantized``; transformers' own checkpointing) and runs two training steps on the fake
+engine following CUDA's kernels, as ``gpulab.step`` does, made as ``gpulab.fit`` makes its runs
+(``predict.fake_step``: laid out from a few layers where the layers are alike, the same timeline to the
+byte, and kept for the process); the timeline is replayed through the simulated caching
 allocator, and an assumed CUDA context is added. The verdict is ``reserved + context <= card``
 (the total CUDA reports for the card where it is known), with the margin.
 """
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,7 +27,8 @@ from gpulab.measure.engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
 from gpulab.models.adapt import check_checkpointing
 from gpulab.models.hf_configs import hf_entry, make_config
 from gpulab.models.workload import resolve_workload
-from gpulab.predict.step import step
+from gpulab.predict.breakdown import validate_batch
+from gpulab.predict.fake_step import fake_step_timeline
 from gpulab.training.loop import recipe_workload, user_recipe
 from gpulab.units import format_bytes
 
@@ -39,6 +44,8 @@ LORA_RANK = 16
 CHECKPOINTING_CHOICES = ("none", "full", "selective", "every-2")
 
 Progress = Callable[[float, str], None] | None
+KEPT_ANSWERS = 32   # measured steps kept for the process: the card decides only the verdict
+_MEASURED: "OrderedDict[tuple, tuple]" = OrderedDict()
 
 
 def custom_config(hidden: int = 2048, layers: int = 16):
@@ -137,18 +144,32 @@ def finetune_check(preset: str = "llama-3-8b", card: str = "H100", seq_len: int 
         progress(0.1, "building the model under fake tensors and running two steps")
     # QLoRA computes in bf16 on its 4-bit base (bnb_4bit_compute_dtype): an fp32 request runs the adapters in bf16
     run_dtype = torch.bfloat16 if method == "qlora" and dtype == torch.float32 else dtype
-    result = step(config, batch=batch, seq_len=seq_len, optimizer=optimizer, engine="fake", dtype=run_dtype, amp=amp,
-                  **options)
-    if progress:
-        progress(0.8, "replaying the timeline through the simulated allocator")
-    # the counts, from the same adapted model without its quantization (which packs two NF4 values a byte)
-    plain = recipe_workload(resolve_workload(config, seq_len=seq_len),
-                            user_recipe(optimizer, **{**options, "quantize": None, "checkpointing": False}))
-    n_params, trainable = plain.parameter_counts(run_dtype)
-    reserved = CachingAllocator().replay(result.measurement.tracking.events, strict=False).peak_reserved
+    validate_batch(batch)
+    size = (hidden, layers) if preset == "custom" else None   # the custom sliders shape only the custom model
+    key = (preset, size, seq_len, batch, method, optimizer, precision, options["checkpointing"])
+    if key in _MEASURED:   # the card only decides the verdict: the step's memory is the same
+        _MEASURED.move_to_end(key)
+        measured = _MEASURED[key]
+    else:
+        t0 = time.perf_counter()
+        tracking, depth = fake_step_timeline(config, batch, seq_len=seq_len, optimizer=optimizer, dtype=run_dtype,
+                                             amp=amp, **options)
+        if progress:
+            progress(0.8, "replaying the timeline through the simulated allocator")
+        # the counts, from the same adapted model without its quantization (which packs two NF4 values a byte)
+        plain = recipe_workload(resolve_workload(config, seq_len=seq_len),
+                                user_recipe(optimizer, **{**options, "quantize": None, "checkpointing": False}))
+        n_params, trainable = plain.parameter_counts(run_dtype)
+        reserved = CachingAllocator().replay(tracking.events, strict=False).peak_reserved
+        label = (f"{LABEL_FAKE_CUDA} ({depth}) + {LABEL_SIMULATED}" if depth else f"{LABEL_FAKE_CUDA} + {LABEL_SIMULATED}")
+        measured = (n_params, trainable, dict(tracking.peak_by_category), tracking.peak_bytes, reserved, label,
+                    time.perf_counter() - t0)
+        _MEASURED[key] = measured
+        while len(_MEASURED) > KEPT_ANSWERS:
+            _MEASURED.popitem(last=False)
+    n_params, trainable, by_category, peak, reserved, label, seconds = measured
     if progress:
         progress(1.0, "done")
     return FinetuneAnswer(preset, c.name, c.reported_total_bytes, seq_len, batch, method, optimizer, precision,
-                          options["checkpointing"], n_params, trainable, dict(result.peak_by_category),
-                          result.peak_bytes, reserved, context_bytes, LABEL_FAKE_CUDA + " + " + LABEL_SIMULATED,
-                          result.measurement.seconds)
+                          options["checkpointing"], n_params, trainable, dict(by_category), peak, reserved,
+                          context_bytes, label, seconds)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import html
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -34,6 +35,8 @@ from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
 from gpulab.formulas import MemoryFit, fit_memory_model, max_batch
 from gpulab.models.registry import ModelSpec, check_image_size, resolve_model
 from gpulab.categories import Category
+from gpulab.measure.records import TrackingResult
+from gpulab.predict.batch_line import BatchLine
 from gpulab.units import GiB, MiB, dtype_name, format_bytes, parse_dtype
 from gpulab.views import error_percent, fmt_error, html_table
 
@@ -399,19 +402,22 @@ class LargestBatch:
         return fig
 
 
-def _replay(step: StepResult, capacity: int | None) -> tuple[int, bool]:
+def _replay(t: TrackingResult, capacity: int | None) -> tuple[int, bool]:
     """Replay a fake run's timeline through the allocator simulator with ``capacity`` as the
     device size (None: unlimited): (peak reserved bytes, whether an allocation failed)."""
-    res = CachingAllocator(capacity_bytes=None if capacity is None else int(capacity)).replay(
-        step.measurement.tracking.events, strict=False)
+    res = CachingAllocator(capacity_bytes=None if capacity is None else int(capacity)).replay(t.events, strict=False)
     return res.peak_reserved, bool(res.oom_events)
+
+
+KEPT_SWEEPS = 8   # sweeps (four fake runs each, and the runs that verified them) kept for the process
+_KEPT: "OrderedDict[tuple, tuple[SweepResult, dict[int, StepResult]]]" = OrderedDict()
 
 
 def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_size: int | None = None,
                   optimizer: str = "sgd", dtype: str | torch.dtype = "float32",
                   context_overhead_bytes: int = CONTEXT_OVERHEAD_ASSUMED,
                   sweep_batches: Sequence[int] = (8, 16, 32, 64), check_on_gpu: bool = True,
-                  progress: Progress = None, max_runs: int | None = None) -> LargestBatch:
+                  progress: Progress = None, max_runs: int | None = None, extrapolate: bool = True) -> LargestBatch:
     """The largest batch whose steady-state training step fits a ``card_gib`` GiB card.
 
     Two usable capacities are answered: the whole card, and the card minus an *assumed*
@@ -421,8 +427,9 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
     line; for the allocator, the live answer scaled by the simulator's overhead) and then
     gallops and bisects, so it needs about 2·log2(distance from the guess) + 2 fake runs:
     logarithmic in the batch for any card size. ``max_runs`` (default: ``search_run_bound``
-    of the sweep's answer) is a safety bound that turns a runaway search into an error. With a GPU and ``check_on_gpu``, the allocator-
-    simulated answer for the whole card and the batch after it run for real, with
+    of the sweep's answer) turns a runaway search into an error. ``extrapolate``: the examined batches made
+    from the sweep's line (``predict.batch_line``), not run (False: run, the same answers). With a GPU and
+    ``check_on_gpu``, the allocator-simulated answer for the whole card and the batch after it run for real, with
     ``torch.cuda.set_per_process_memory_fraction`` limiting the allocator to the card."""
     if not card_gib or card_gib <= 0:
         raise ValueError(f"card size must be a positive number of GiB, got {card_gib!r}")
@@ -441,26 +448,27 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
     def sweep_progress(frac: float, text: str) -> None:
         note(0.5 * frac, text)
 
-    sweep = batch_sweep(spec, sweep_batches, size, opt, dt, "fake", steps=2, progress=sweep_progress)
-    runs: dict[int, StepResult] = {r.batch: r for r in sweep.steps_results}
-    swept = len(runs)
+    key = (spec.name, size, opt, str(dt), tuple(sweep_batches)) if isinstance(model, str) else None
+    sweep, runs = _kept_sweep(key, lambda: batch_sweep(spec, sweep_batches, size, opt, dt, "fake", steps=2,
+                                                       progress=sweep_progress))
+    ran_before = len(runs)
     if max_runs is None:
         max_runs = search_run_bound(max(sweep.fit.max_batch(card), sweep.formula.max_batch(card), 1))
 
-    def fake(batch: int) -> StepResult:
+    def fake(batch: int) -> TrackingResult:
         if batch not in runs:
-            done = len(runs) - swept   # fake runs the verification has made so far
+            done = len(runs) - ran_before   # fake runs this verification has made so far
             if done >= max_runs:
                 raise RuntimeError(f"the verification needed more than {max_runs} fake runs; the sweep's line "
                                    f"is too far from the measured peaks")
             note(0.5 + 0.4 * (done + 1) / max_runs, f"verifying batch {batch} (fake)")
             runs[batch] = tracked_step(spec, batch=batch, image_size=size, optimizer=opt, dtype=dt, engine="fake", steps=2, guard=False)
-        return runs[batch]
+        return runs[batch].measurement.tracking
 
-    answers = [_capacity_answer(name, cap, cap_label, sweep, fake) for name, cap, cap_label in (
-        ("whole card", card, "card size"),
-        ("card − CUDA context", card - context_overhead_bytes, f"card − {format_bytes(context_overhead_bytes)} "
-                                                                f"({LABEL_ASSUMPTION})"))]
+    capacities = (("whole card", card, "card size"),
+                  ("card − CUDA context", card - context_overhead_bytes, f"card − {format_bytes(context_overhead_bytes)} "
+                                                                         f"({LABEL_ASSUMPTION})"))
+    answers = _answers(capacities, sweep, runs, fake, extrapolate)
 
     gpu_checks: list[GpuCheck] = []
     if torch.cuda.is_available() and check_on_gpu:
@@ -473,10 +481,48 @@ def largest_batch(model: str | ModelSpec = "vgg16", card_gib: float = 16, image_
                     "allocator simulator; the CUDA context is an assumption.")
     note(1.0, "done")
     return LargestBatch(spec.name, size, opt, dtype_name(dt), card, int(context_overhead_bytes), sweep, answers,
-                        gpu_checks, gpu_note, verification_runs=len(runs) - swept)
+                        gpu_checks, gpu_note, verification_runs=len(runs) - ran_before)
 
 
-def _capacity_answer(name: str, cap: int, cap_label: str, sweep, fake: Callable[[int], StepResult]) -> CapacityAnswer:
+def _kept_sweep(key: tuple | None, sweep: Callable[[], SweepResult]) -> tuple[SweepResult, dict[int, StepResult]]:
+    """The sweep and its runs by batch, kept for the process under ``key`` (a registered model's
+    settings; None: not kept): moving the card or the context re-answers from the same timelines (a
+    fake run depends on nothing else), with the same answers."""
+    if key is not None and key in _KEPT:
+        _KEPT.move_to_end(key)
+        return _KEPT[key]
+    made = sweep()
+    kept = (made, {r.batch: r for r in made.steps_results})
+    if key is not None:
+        _KEPT[key] = kept
+        while len(_KEPT) > KEPT_SWEEPS:
+            _KEPT.popitem(last=False)
+    return kept
+
+
+def _answers(capacities, sweep: SweepResult, runs: dict[int, StepResult], fake: Callable[[int], TrackingResult],
+             extrapolate: bool) -> list[CapacityAnswer]:
+    """Each capacity's answer, the examined batches made from the sweep's line where it holds (exact at
+    every swept batch), confirmed by one run at the answer; else every examined batch is run."""
+    line = BatchLine.make({b: r.measurement.tracking for b, r in runs.items()}) if extrapolate else None
+    made: dict[int, TrackingResult] = {}
+
+    def timeline(batch: int) -> TrackingResult:
+        if line is None or batch in runs:
+            return fake(batch)
+        if batch not in made:
+            made[batch] = line.at(batch)
+        return made[batch]
+    answers = [_capacity_answer(name, cap, cap_label, sweep, timeline) for name, cap, cap_label in capacities]
+    if line is not None:
+        confirm = answers[0].allocator_batch or answers[0].live_batch
+        if confirm and confirm not in runs and not BatchLine.same(fake(confirm), line.at(confirm)):
+            line = None   # the line did not hold there: every examined batch is run instead
+            answers = [_capacity_answer(name, cap, cap_label, sweep, timeline) for name, cap, cap_label in capacities]
+    return answers
+
+
+def _capacity_answer(name: str, cap: int, cap_label: str, sweep, fake: Callable[[int], TrackingResult]) -> CapacityAnswer:
     """One usable capacity's answers: the formula's and the fit's batch, the batch fake runs verify
     (peak at B fits, at B + 1 does not), and the batch the simulated allocator can serve."""
     examined: dict[int, BatchCheck] = {}

@@ -165,6 +165,15 @@ def cuda_sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                         mask=attn_mask is not None, is_causal=is_causal, dropout_p=float(dropout_p), requires_grad=grad)
 
 
+@torch.compiler.assume_constant_result
+def _count_traced(backend: str) -> bool:
+    """``KernelTarget.seen`` counted once per trace: dynamo calls this while it traces and keeps its
+    result as a constant, so its graphs hold no guard on the count (which would recompile them at
+    every new count: ``len(...seen) != 0``)."""
+    current_target().seen[backend] += 1
+    return True
+
+
 def _cuda_sdpa(original):
     """``F.scaled_dot_product_attention`` as CUDA runs it on the target card (``cuda_sdpa_backend``):
     the CUDA cuDNN / flash / memory-efficient ATen ops, whose fake kernels give the outputs (and so
@@ -173,7 +182,10 @@ def _cuda_sdpa(original):
     (CPU's choice). Each choice is counted on the target (``KernelTarget.seen``) for the answer's label."""
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         backend = cuda_sdpa_backend(query, key, value, attn_mask, bool(is_causal), dropout_p)
-        current_target().seen[backend] += 1
+        if torch.compiler.is_compiling():   # counted as dynamo traces it, no guard on the count
+            _count_traced(backend)
+        else:
+            current_target().seen[backend] += 1
         same_heads = not enable_gqa or key.shape[-3] == query.shape[-3]
         if backend == "math":
             return torch.ops.aten._scaled_dot_product_attention_math(

@@ -55,7 +55,8 @@ from gpulab.predict.comm_time import COMM_ASSUMPTION, collective_seconds, link_f
 from gpulab.predict.timing import StepTime, cost_ops, with_host_copies
 from gpulab.training.loop import LoopRecipe
 
-__all__ = ["BUBBLE_SOURCE", "CommPart", "PlanTime", "RankTime", "Runs", "plan_time", "time_of_fit", "timed_rank"]
+__all__ = ["BUBBLE_SOURCE", "CommPart", "PlanTime", "RankTime", "Runs", "bubble_seconds", "plan_time", "time_of_fit",
+           "timed_rank"]
 
 BUBBLE_SOURCE = ("Narayanan et al. 2021 (Megatron-LM, SC'21) §2.2: bubble fraction (p-1)/m for GPipe and 1F1B, "
                  "(p-1)/(v·m) interleaved")
@@ -294,11 +295,20 @@ def _dp_comm(strategy: str, n: int, span: int, rank: RankTime, speed: CardSpeed,
                      max(0.0, ag + rs - bwd), why)]
 
 
+def bubble_seconds(pp: int, t: float, virtual_stages: int = 1) -> float:
+    """The pipeline's bubble: (p - 1)·t for GPipe and 1F1B, (p - 1)·t/v interleaved, where ``t`` is the
+    slowest stage's forward + backward of one micro-batch (``BUBBLE_SOURCE``)."""
+    return (pp - 1) * t / virtual_stages
+
+
 def plan_time(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, layout: Any, speed: CardSpeed,
-              strategy: str | None = None, runs: Runs = Runs()) -> PlanTime:
+              strategy: str | None = None, rank: RankTime | None = None, runs: Runs = Runs()) -> PlanTime:
     """The step time of ``recipe`` at per-GPU (micro-)batch ``batch`` under ``layout`` (a
     ``gpulab.Layout``) on ``speed``'s card (module docstring). ``strategy``: the data parallelism
-    (None: ``layout.strategy``, else replicas: ddp)."""
+    (None: ``layout.strategy``, else replicas: ddp). ``rank``: the rank's timed step when already made
+    for the same workload, batch, dtype, recipe and card (``timed_rank``), so that several data-parallel
+    strategies share one timed run (not for a pipeline: its stages are timed apart). ``runs``: where the
+    timed runs are kept (``Runs``: those of ``gpulab fit``'s search)."""
     if batch < 1:
         raise ValueError("nothing fits: no step to time")
     gpus = layout.gpus or 1
@@ -307,7 +317,7 @@ def plan_time(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, layo
     notes = []
     if pp > 1:
         return _pipeline_time(w, batch, dt, recipe, layout, speed, strategy, notes, runs)
-    rank = timed_rank(w, batch, dt, recipe, speed, runs)
+    rank = rank if rank is not None else timed_rank(w, batch, dt, recipe, speed, runs)
     s = rank.step
     fwd, bwd, opt = s.by_phase.get("forward", 0.0), s.by_phase.get("backward", 0.0), s.by_phase.get("optimizer", 0.0)
     comm = _dp_comm(strategy, dp * (cp if strategy in ("zero1", "zero2", "zero3", "fsdp2") else 1), dp * tp * cp,
@@ -338,7 +348,7 @@ def _pipeline_time(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe,
     rank = ranks[slow]
     s = rank.step
     opt = s.by_phase.get("optimizer", 0.0)
-    bubble = (pp - 1) * t / v
+    bubble = bubble_seconds(pp, t, v)
     formula = (f"(p - 1)·t{'/v' if v > 1 else ''} = {pp - 1}·{t * 1e3:,.1f} ms{f'/{v}' if v > 1 else ''}, "
                f"a fraction (p - 1)/{'(v·m)' if v > 1 else 'm'} = {(pp - 1) / (v * m):.3f} of m·t; {recipe.schedule}, "
                f"{m} micro-batches, t the {'first' if slow == 0 else 'last'} stage's forward + backward of one")
@@ -399,7 +409,7 @@ def time_of_fit(result: Any, w: Workload, dt: torch.dtype, recipe: LoopRecipe, l
     strategy = layout.strategy or (result.sharding.split(", ")[1].split(" ")[0] if result.sharding else None)
     t0 = time.perf_counter()
     try:
-        result.time = plan_time(w, result.largest_batch, dt, recipe, layout, speed, strategy, runs)
+        result.time = plan_time(w, result.largest_batch, dt, recipe, layout, speed, strategy, runs=runs)
     except ValueError as why:
         result.time_note = str(why)
         return

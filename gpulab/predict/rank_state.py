@@ -7,7 +7,8 @@ parallelism on the fake process group, E/ep experts a layer), and reads, after t
 each parameter's local shape (a DTensor's ``to_local()``), its gradient's and its optimizer
 state's. A data-parallel strategy is not a run of its own in ``fit``: it resizes the run's storages
 by ``predict.sharding.held_bytes`` (FSDP2: each tensor ``ceil(bytes / n)`` over ``n = dp_shard ×
-cp`` ranks, the experts' over ``n / ep``); each row's ``held`` bytes are that same function's.
+cp`` ranks, the experts' over torchtitan's ``efsdp``, ``n × tp / ep``: ``Sharding.expert_ranks``); each
+row's ``held`` bytes are that same function's.
 
 What the strategy adds beside the rank's own tensors (FSDP2's gathered unit, ZeRO-3's gathered
 layer, DDP's buckets) is ``extra``: ``predict.sharding``'s terms, not tensors of the model.
@@ -88,8 +89,8 @@ def rank_state(model: Any, layout: Layout | None = None, *, stage: int = 0, opti
     from gpulab.models.workload import resolve_workload
     from gpulab.predict import sharding as S
     from gpulab.predict.layer_repeat import workload_with_depth
-    from gpulab.training.expert_parallel import expert_parameter_shapes
     from gpulab.training.loop import check_recipe_for, loop_recipe, train_experiment
+    from gpulab.training.routing import experts_modules
     from gpulab.units import parse_dtype
 
     layout = layout or Layout()
@@ -104,7 +105,9 @@ def rank_state(model: Any, layout: Layout | None = None, *, stage: int = 0, opti
         w = workload_with_depth(w, w.config.num_hidden_layers // loop.pp)
 
     def report(ctx, net, opt, scaler) -> dict[str, Any]:
-        experts = expert_parameter_shapes(net)
+        # the routed experts' own parameters, by identity: under EP × TP they are DTensors whose
+        # shape is the global one (E experts), their local shard E/ep (training.moe_parallel)
+        experts = {id(p) for _, m in experts_modules(net) for p in m.parameters(recurse=False)}
         rows = []
         for name, p in net.named_parameters():
             if not p.requires_grad:
@@ -112,7 +115,7 @@ def rank_state(model: Any, layout: Layout | None = None, *, stage: int = 0, opti
             state = {k: (_local(v), _nbytes(_local(v), v.element_size()))
                      for k, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
             local = _local(p)
-            rows.append((name, local, _local(p.grad), state, p.element_size(), local in experts))
+            rows.append((name, local, _local(p.grad), state, p.element_size(), id(p) in experts))
         return {"rank_tensors": rows}
 
     m = run(train_experiment(w, [batch], dt, loop, report=report), "fake")
@@ -120,14 +123,16 @@ def rank_state(model: Any, layout: Layout | None = None, *, stage: int = 0, opti
         raise ValueError(f"{w.name}: the rank's step failed on the fake engine: {m.error}")
     spread = None if layout.gpus is None else layout.sharded_over
     sh = S.check_sharding(spread, layout.strategy, layout.offload_optimizer, optimizer, dt)
+    if sh is not None:   # the experts' share over torchtitan's efsdp mesh (Sharding.expert_ranks), as fit's
+        sh = replace(sh, ep=loop.ep, tp=loop.tp)
     n = 1 if sh is None else sh.gpus
-    n_experts = max(1, n // loop.ep)
+    n_experts = 1 if sh is None else sh.expert_ranks
     tensors = {}
     for name, shape, grad, state, itemsize, expert in m.value["rank_tensors"]:
         own = {Category.PARAMETERS: _nbytes(shape, itemsize), Category.GRADIENTS: _nbytes(grad, itemsize),
                Category.OPTIMIZER_STATE: sum(b for _, b in state.values())}
         over = n_experts if expert else n
-        held = {c.value: b if sh is None else S.held_bytes(replace(sh, ep=loop.ep), c, b, over)
+        held = {c.value: b if sh is None else S.held_bytes(sh, c, b, over)
                 for c, b in own.items()}
         tensors[name] = TensorState(name, shape, grad, {k: s for k, (s, _) in state.items()}, itemsize, expert, held)
     extra = [] if sh is None else _strategy_extra(w, loop, dt, sh, m)

@@ -13,6 +13,7 @@ in the result's ``recipe`` and label (``training.context_parallel.layout_notes``
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -21,8 +22,8 @@ import torch
 from gpulab.measure.engines import (FAKE_TARGETS, LABEL_FORMULA, Measured, Measurement, choose_engine, run,
                                validate_fake_target)
 from gpulab.models.workload import Workload, resolve_workload, step_failed
-from gpulab.training.loop import (changed_options, check_recipe_for, loop_recipe, recipe_workload, step_peaks,
-                                  train_experiment)
+from gpulab.training.loop import (changed_options, check_recipe_for, inductor_step_peaks, loop_recipe, recipe_workload,
+                                  step_peaks, train_experiment)
 from gpulab.training.context_parallel import layout_notes
 from gpulab.training.tensor_parallel import tp_notes
 from gpulab.training.routing import Routing, is_moe, ran_routed, stated_routing
@@ -69,7 +70,8 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
     ``offload_activations`` (saved activations in host memory: the result's ``offloaded_peak_bytes``, apart from the
     device's), ``chunked_loss=K`` (a language model's head and loss K chunks of positions at a time, torchtune's way),
     ``use_cache=False`` (a language model's forward without its KV cache; None: as its config says), ``compile`` (the
-    model under torch.compile with AOTAutograd's partitioner, no code generation), ``implementation`` (the optimizer's:
+    model under torch.compile: inductor's partition and memory plan, no code generated, in ``compiled`` beside
+    the op-by-op run of the same graphs, the upper bound that ``peak_bytes`` is), ``implementation`` (the optimizer's:
     "default", "for-loop", "foreach" or "fused"), ``checkpointing`` (a transformers model's own gradient checkpointing:
     True or "full", "selective", "torchtitan-op" or "every-K", as ``models.adapt`` says), ``lora=R`` with ``lora_targets`` (peft's LoRA
     adapters of rank R on a frozen base; None: peft's default layers for the model type; ``lora_dropout`` on the
@@ -115,7 +117,28 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
         w.name, batch, w.image_size or 0, opt, dtype_name(dt), steps, m, predicted, step_peaks=step_peaks(m),
         kind=w.kind, input_text=w.describe_input(batch), seq_len=w.seq_len, amp=amp_key,
         recipe=_layout_stated(m, w, recipe, batch, dt), answered_recipe=asked, answered_layout=layout,
-        time=_step_time(timers, speed, w, batch, recipe, m, steps), mesh=_mesh_stated(m, layout)), gpu)
+        time=_step_time(timers, speed, w, batch, recipe, m, steps), mesh=_mesh_stated(m, layout),
+        compiled_answer=functools.partial(_compiled_answer, m) if "inductor" in _value(m) else None), gpu)
+
+
+def _value(m: Measurement) -> dict[str, Any]:
+    return m.value if isinstance(m.value, dict) else {}
+
+
+def _compiled_answer(m: Measurement) -> dict[str, Any] | None:
+    """With ``compile``: inductor's plan for the step (``training.inductor_plan``), each step's peak
+    with the plan in each compiled call's place, beside the tracker's op-by-op run of the same
+    graphs (every intermediate allocated: the upper bound)."""
+    peaks = inductor_step_peaks(m)
+    if not peaks:
+        return None
+    plans = m.value["inductor"]
+    where = "CUDA" if plans.device == "cuda" else plans.device.upper()
+    return {"inductor_step_peaks": peaks, "inductor_peak_bytes": max(peaks), "bound_bytes": m.peak_bytes,
+            "label": f"inductor's plan, the answer for torch.compile (its graphs lowered and scheduled for {where}, "
+                     f"no code generated: its fused kernels' buffers, in-place reuses and frees)",
+            "bound_label": "the same graphs run op by op (every intermediate allocated): the upper bound",
+            **plans.as_dict(m.tracking.rounded)}
 
 
 def _check_steps(steps: Any) -> None:
@@ -280,6 +303,8 @@ class StepResult(Measured):
     answered_recipe: Recipe | None = None   # the Recipe and Layout this answer is for (gpulab.options)
     answered_layout: Layout | None = None
     time: StepTime | None = None   # ``time=``: the step's predicted time (``predict.timing``)
+    # ``compile``: inductor's plan beside the op-by-op bound (``_compiled_answer``), lowered when ``compiled`` is first read
+    compiled_answer: Callable[[], dict[str, Any] | None] | None = field(default=None, repr=False, compare=False)
     mesh: str = ""                 # a layout's mesh (Layout.mesh): dp_replicate × dp_shard × cp × tp × pp, ep
 
     def __post_init__(self) -> None:
@@ -291,6 +316,18 @@ class StepResult(Measured):
     def peak_with_workspaces_bytes(self) -> int:
         """The live tensors' peak plus the recorded cuDNN workspaces at the peak (where known)."""
         return self.peak_bytes + (self.cudnn_workspace_bytes or 0)
+
+    @functools.cached_property
+    def compiled(self) -> dict[str, Any] | None:
+        """With ``compile``: inductor's plan for the step (its graphs lowered now, the first time it is
+        read), each step's peak by it, beside ``peak_bytes``, the op-by-op upper bound; None without."""
+        return self.compiled_answer() if self.compiled_answer is not None else None
+
+    @property
+    def inductor_peak_bytes(self) -> int | None:
+        """With ``compile``: the step's peak by inductor's own memory plan (``peak_bytes`` is the op-by-op
+        run of the same graphs, its upper bound); None without."""
+        return self.compiled["inductor_peak_bytes"] if self.compiled else None
 
     @property
     def first_step_peak_bytes(self) -> int:
@@ -339,6 +376,8 @@ class StepResult(Measured):
         }
         if self.recipe:
             d["recipe"] = dict(self.recipe)
+        if self.compiled is not None:
+            d["compiled"] = dict(self.compiled)
         for name in ("answered_recipe", "answered_layout"):   # the objects asked, every field (dataclasses.asdict)
             if getattr(self, name) is not None:
                 d[name] = asdict(getattr(self, name))

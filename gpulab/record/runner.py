@@ -51,6 +51,11 @@ holds only what the library itself runs, so the command never imports the course
   from 1 to 16 blocks of Linear(128, 128) + ReLU at batch 512, peaks per k and step times;
 * ``precision`` (lesson 08's mixed-precision panel, its default): ``precision_run``'s fp32,
   autocast bf16 and pure bf16 steps of cnn at batch 32 with adam;
+* ``throughput`` and ``checkpoint cost`` (lessons 04, 07 and 11: real GPU seconds, issue 48): a plain
+  AdamW step of Qwen2.5-0.5B in bf16 at 1024 positions timed (``record.runs.llm_time``: warm-up, then
+  synchronized calls, the median) at batch 1, 2, 4, 8 and 16 (tokens a second, the allocator's peak; a
+  batch that does not fit is recorded as out of memory), and at batch 8 with checkpointing off, full
+  and selective (each policy's slowdown over none);
 * the CUDA context estimate (lesson 09, lesson 00): NVML used − ``memory_reserved`` before the
   experiments, in the record's ``device`` section.
 
@@ -86,6 +91,9 @@ from gpulab.models.registry import MODELS
 from gpulab.record.kinds import kinds
 from gpulab.record.lookup import RECORD_FORMAT, is_stand_in
 from gpulab.record.runs.checkpoint import CHECKPOINT_SEGMENTS
+from gpulab.record.runs.llm_time import POLICIES
+
+LLM_TIME_MODEL = "hf:qwen2.5-0.5b"   # the throughput and checkpoint-cost sweeps' model (lessons 07, 11)
 
 __all__ = [
     "CHECKPOINT_SEGMENTS", "EXPERIMENTS", "RecordExperiment", "experiment_set", "provenance",
@@ -99,7 +107,7 @@ class RecordExperiment:
     kind: str                      # "step", "fragmentation", "allocator timeline", "rounding",
                                    # "tensor bytes", "layer build", "model build", "implementations",
                                    # "modelsize", "depthwise", "forward table", "inference vs training", "inplace", "grad modes",
-                                   # "lifetimes", "checkpoint", "precision"
+                                   # "lifetimes", "checkpoint", "precision", "throughput", "checkpoint cost"
     params: dict[str, Any] = field(default_factory=dict)
     serves: str = ""               # the lesson panel that shows it
     quick: bool = False            # part of ``--quick``
@@ -172,6 +180,12 @@ def _experiments() -> tuple[RecordExperiment, ...]:
     out.append(RecordExperiment("autocast", "precision",
                                 {"model": "cnn", "batch": 32, "image_size": 32, "optimizer": "adam",
                                  "low": "bfloat16", "steps": 2}, "lesson 08 mixed-precision panel (its default)"))
+    llm = {"model": LLM_TIME_MODEL, "seq_len": 1024, "dtype": "bf16", "optimizer": "adamw", "warmup": 2, "repeats": 5}
+    out.append(RecordExperiment("throughput sweep", "throughput", {**llm, "batches": [1, 2, 4, 8, 16]},
+                                "lessons 04 and 11: throughput against the batch (real GPU seconds)"))
+    out.append(RecordExperiment("checkpointing's time cost", "checkpoint cost",
+                                {**llm, "batch": 8, "policies": list(POLICIES)},
+                                "lessons 07 and 11: checkpointing's time cost (real GPU seconds)"))
     seen, unique = set(), []
     for e in out:   # the step panel's default repeats an entry of the grid: keep one
         key = (e.kind, json.dumps(e.params, sort_keys=True))

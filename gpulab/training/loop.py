@@ -27,13 +27,15 @@ tracker's phase. Where lessons differ, the ``LoopRecipe`` says how:
 * ``use_cache``: None runs a language model as its config says (transformers builds its KV cache
   in a training forward too when ``config.use_cache`` is true, the default of most configs);
   False passes ``use_cache=False`` to every forward (the lever that turns it off);
-* ``compile``: the model under ``torch.compile(backend="aot_eager_decomp_partition")``: dynamo
-  captures the forward, AOTAutograd traces forward and backward with PyTorch's decompositions and
-  its min-cut partitioner chooses what to save for backward, run without code generation. The
-  capture and first run at each batch size happen with the tracker paused (a warm-up); the
-  measured steps run the compiled graphs (the tracker sees their ops). Inductor would also fuse
-  pointwise ops into kernels, so its temporaries would be fewer; what it saves is the same
-  partitioner's choice. Inside the compiled region ops are attributed to the whole model. With
+* ``compile``: the model under ``torch.compile`` with inductor's own front end (``compile_fx``: its
+  decompositions, joint-graph passes and min-cut partitioner choose the forward and backward graphs
+  and what is saved for backward) and no code generation (``training.inductor_plan``): each graph is
+  lowered and scheduled as inductor would for the run's device (CUDA on the fake engine's CUDA
+  target), and its buffers read in its kernels' order (``InductorPlans``: the experiment returns them
+  as ``inductor``); the measured steps run the same graphs op by op, so the tracker's peak is the
+  upper bound where every intermediate is allocated, and ``inductor_step_peaks`` puts inductor's
+  plan in each compiled call's place. The capture and first run at each batch size happen with the
+  tracker paused (a warm-up). Inside the compiled region ops are attributed to the whole model. With
   ``chunked_loss`` (torchtune compiles both) the chunked loss function is compiled whole: the
   body, the head chunk by chunk and each chunk's cross-entropy, one graph partitioned as one
   (``recipe_loss``);
@@ -94,6 +96,7 @@ from gpulab.training.chunked_loss import check_chunks, chunked_lm_loss
 from gpulab.training.context_parallel import check_context_parallel, sequence_shard
 from gpulab.training.expert_parallel import (check_expert_parallel, expert_shard_workload, install_expert_parallel,
                                              total_experts)
+from gpulab.training.inductor_plan import InductorPlans, planned_peak
 from gpulab.training.fp8 import check_fp8, check_fp8_for, check_fp8_workload, fp8_convert
 from gpulab.training.optimizers import build_optimizer, check_implementation, check_optimizer, make_optimizer
 from gpulab.training.pipeline import check_pipeline, pipeline_stage, run_in_flight, stage_step
@@ -101,7 +104,8 @@ from gpulab.training.routing import Routing, install_routing, is_moe, parse_rout
 from gpulab.training.moe_parallel import check_moe_tensor_parallel, moe_blocks, moe_tensor_parallel, tp_ep_meshes
 from gpulab.training.tensor_parallel import check_tensor_parallel, fake_world, loss_parallel_context, tensor_parallel
 
-__all__ = ["AMP_DTYPES", "RECIPE_DEFAULTS", "ZERO_GRAD", "LoopRecipe", "loop_recipe", "step_experiment", "step_peaks", "train_experiment",
+__all__ = ["AMP_DTYPES", "RECIPE_DEFAULTS", "ZERO_GRAD", "LoopRecipe", "inductor_step_peaks", "loop_recipe", "step_experiment",
+           "step_peaks", "train_experiment",
            "changed_options", "check_recipe_for", "recipe_loss", "user_recipe"]
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -313,11 +317,11 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
             _assume_routing(net, w, r)
             if r.register_model or r.compile:   # compile: the tracker's parameter hooks exist before dynamo guards
                 ctx.tracker.register(net)
-            step_loss = recipe_loss(w, r, net) if r.pp == 1 else stage_step(net, w.config.hidden_size, r)
-            warmed = None
+            plans = _plans(ctx) if r.compile else None
+            step_loss = recipe_loss(w, r, net, plans) if r.pp == 1 else stage_step(net, w.config.hidden_size, r)
             opt = _optimizers(r, net, ctx.engine == "fake")
         scaler = torch.amp.GradScaler(ctx.device.type) if r.grad_scaler else None
-        data, data_batch, marks = None, None, []
+        data, data_batch, marks, warmed = None, None, [], None
         for i, b in enumerate(batches):
             if b != data_batch:
                 data = None
@@ -328,8 +332,7 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
                             ctx.label(t)
                 data_batch = b
             if r.compile and b != warmed:   # capture and compile at this batch size, unrecorded
-                _warm_up(ctx, step_loss, net, data, r)
-                warmed = b
+                warmed = _warm_up(ctx, step_loss, net, data, r, b)
             if i == 0:
                 moment(ctx, "after setup")
             marks.append(ctx.mark())
@@ -359,7 +362,8 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
             moment(ctx, f"after step {i + 1}")
         marks.append(ctx.mark())
         ctx.snapshot("after step")
-        out = {"n_param_tensors": sum(1 for _ in net.parameters()), "step_marks": marks}
+        out = {"n_param_tensors": sum(1 for _ in net.parameters()), "step_marks": marks} \
+            | ({"inductor": plans} if plans is not None else {})
         if report is not None:
             out.update(report(ctx, net, opt, scaler))
         if r.teardown:   # the run's end frees everything: not the optimizer's doing
@@ -452,15 +456,19 @@ def _optimizers(r: LoopRecipe, net: torch.nn.Module, fake: bool):
     return _InBackward(r, params, fake) if r.optimizer_in_backward else _one_optimizer(r, params)
 
 
-def recipe_loss(w: Workload, r: LoopRecipe, net: torch.nn.Module) -> Callable[[Any], torch.Tensor]:
+def recipe_loss(w: Workload, r: LoopRecipe, net: torch.nn.Module,
+                plans: InductorPlans | None = None) -> Callable[[Any], torch.Tensor]:
     """What the loop's forward phase runs on one batch: ``data -> loss``. The model's own forward
     and ``w.loss``, or ``chunked_lm_loss`` in ``r.chunked_loss`` chunks; with ``r.compile`` the
     model, or with a chunked loss the whole chunked function (body, head chunk by chunk and
-    cross-entropy: one graph that AOTAutograd partitions), under ``torch.compile``."""
+    cross-entropy: one graph that AOTAutograd partitions), under ``torch.compile``, each graph's
+    plan kept in ``plans`` (none given: planned for the model's own device)."""
+    if r.compile and plans is None:
+        plans = InductorPlans(next(net.parameters()).device.type)
     if r.chunked_loss:
-        chunked = _compiled(chunked_lm_loss) if r.compile else chunked_lm_loss
+        chunked = _compiled(chunked_lm_loss, plans) if r.compile else chunked_lm_loss
         return lambda data: chunked(net, _forward_options(data, r), r.chunked_loss)
-    run_net = _compiled(net) if r.compile else net
+    run_net = _compiled(net, plans) if r.compile else net
 
     def own_loss(data):
         output = forward(run_net, _forward_options(data, r))
@@ -470,24 +478,48 @@ def recipe_loss(w: Workload, r: LoopRecipe, net: torch.nn.Module) -> Callable[[A
     return own_loss
 
 
-def _compiled(fn: Callable) -> Callable:
-    """``fn`` (the model, or the chunked loss) under ``torch.compile`` with AOTAutograd's partitioner
-    and no code generation; dynamo's caches emptied first (each run builds a fresh model, and dynamo
-    would count every one as a recompile of the same code, then fall back to eager after its limit)."""
+def _compiled(fn: Callable, plans: InductorPlans) -> Callable:
+    """``fn`` (the model, or the chunked loss) under ``torch.compile`` with inductor's front end and
+    its plans instead of code (``plans.backend()``); dynamo's caches emptied first (each run builds a
+    fresh model, and dynamo would count every one as a recompile of the same code, then fall back to
+    eager after its limit)."""
     torch._dynamo.reset()
-    return torch.compile(fn, backend="aot_eager_decomp_partition")
+    return torch.compile(fn, backend=plans.backend())
+
+
+def _plans(ctx: RunContext) -> InductorPlans:
+    """Where this run's compiled graphs are planned: CUDA when it follows CUDA's kernels (the card's
+    compute capability: ``measure.cuda_card.current_target``), else its own device."""
+    from gpulab.measure.cuda_card import current_target
+    if ctx.kernels == "cuda":
+        return InductorPlans("cuda", current_target().rules, ctx.mark)
+    return InductorPlans(ctx.device.type, mark=ctx.mark)
+
+
+def inductor_step_peaks(m: Measurement) -> list[int]:
+    """With ``compile``: each training step's peak with inductor's plan in each compiled call's place
+    (``training.inductor_plan.planned_peak``); [] without."""
+    value = m.value if isinstance(m.value, dict) else {}
+    plans, marks = value.get("inductor"), value.get("step_marks")
+    if plans is None or not marks or m.tracking is None or m.oom:
+        return []
+    t = m.tracking
+    totals = [sum(s.values()) for s in t.series]
+    return [planned_peak(t.events, totals, plans, t.rounded, a, b) for a, b in zip(marks, marks[1:])]
 
 
 def _warm_up(ctx: RunContext, step_loss: Callable[[Any], torch.Tensor], net: torch.nn.Module, data,
-             r: LoopRecipe) -> None:
+             r: LoopRecipe, batch: int) -> int:
     """One forward and backward of the compiled model with the tracker paused (dynamo captures,
-    AOTAutograd partitions), then the gradients dropped: the measured steps run the compiled graphs."""
+    AOTAutograd partitions), then the gradients dropped: the measured steps run the compiled graphs.
+    Returns ``batch``, the size now compiled for."""
     with ctx.tracker.paused():
         with _autocast(ctx.device, r.amp):
             loss = step_loss(data)
         loss.backward()
         del loss
         net.zero_grad(set_to_none=True)
+    return batch
 
 
 def _forward_options(data, r: LoopRecipe):

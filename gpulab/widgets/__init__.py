@@ -32,3 +32,5 @@ from gpulab.widgets.distributed import sharding_panel  # noqa: E402  (lesson 12)
 __all__ += ["sharding_panel"]
 from gpulab.widgets.oom import oom_panel  # noqa: E402  (lesson 13)
 __all__ += ["oom_panel"]
+from gpulab.widgets.whatif import whatif_panel  # noqa: E402  (lesson 11)
+__all__ += ["whatif_panel"]

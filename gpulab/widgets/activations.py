@@ -16,7 +16,7 @@ from gpulab.models.registry import MODELS
 from gpulab.record.lookup import RecordLookup, find_record
 from gpulab.record.views import counter_text, allocator_rows, recorded_html
 from gpulab.units import format_bytes
-from gpulab.widgets.base import Panel, dropdown, slider, ENGINES, model_controls
+from gpulab.widgets.base import Panel, dropdown, slider, ENGINES, engine_dropdown, model_controls
 from gpulab.widgets.guard import memory_guard
 
 __all__ = [
@@ -129,7 +129,7 @@ def modelsize_panel(batch: int = 1, dtype: str = "float32", engine: str = "auto"
     controls = {
         "batch": slider("batch", batch, 1, 256, log=True),
         "dtype": dropdown("dtype", ACT_DTYPES, dtype),
-        "engine": dropdown("engine", ENGINES, engine),
+        "engine": engine_dropdown(engine),
     }
     return Panel("The articles' modelsize() vs what autograd saves", controls, compute_modelsize,
                  render_modelsize, auto_run=True, guard=memory_guard(_modelsize_guard_bytes),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -28,9 +29,15 @@ import ipywidgets as W
 from IPython.display import HTML, display
 
 __all__ = [
-    "ENGINES", "GuardVerdict", "Panel", "REUSED_NOTE", "check_control_value", "dropdown", "model_controls",
+    "ENGINES", "GuardVerdict", "MEASURE_LOCK", "NO_GPU_NOTE", "Panel", "REUSED_NOTE", "check_control_value", "dropdown",
+    "engine_choices", "engine_dropdown", "model_controls", "slider_layout",
     "reuse_first", "slider", "with_value"
 ]
+
+
+# gpulab's tracker hooks every module of the process while it measures (global module hooks): a panel
+# that measures on a worker thread (widgets.whatif) and a Panel's run in the kernel's thread take turns
+MEASURE_LOCK = threading.RLock()
 
 
 @dataclass
@@ -61,6 +68,7 @@ class Panel:
         self.last_seconds = 0.0
         self._running = False
         self._pending = False
+        self.stale = False
 
         self.output = W.Output()
         self.output.add_class("gpulab-output")
@@ -78,7 +86,18 @@ class Panel:
             if hasattr(c, "continuous_update"):
                 c.continuous_update = False
             c.observe(self._on_change, names="value")
-        header = W.HTML(f"<h4 style='margin:4px 0'>{title}</h4>" + (f"<div>{description}</div>" if description else ""))
+        if not auto_run:   # a run-only panel: its Run button says so, and its header carries a badge
+            self.run_button.description = "Run (needed after a change)"
+            self.run_button.layout = W.Layout(width="auto")
+        badge = ("<span class='gpulab-live' style='background:#e6f4ea;border-radius:3px;padding:1px 5px;"
+                 "font-size:0.8em'>live: reruns on every change</span>" if auto_run else
+                 "<span class='gpulab-runonly' style='background:#fff4e0;border-radius:3px;padding:1px 5px;"
+                 "font-size:0.8em'>run-only: press Run after a change</span>")
+        no_gpu = ("<div class='gpulab-nogpu' style='font-size:0.85em;color:#555'>" + NO_GPU_NOTE + "</div>"
+                  if "engine" in controls and "cuda" not in getattr(controls["engine"], "_options_values", ("cuda",))
+                  else "")
+        header = W.HTML(f"<h4 style='margin:4px 0'>{title} {badge}</h4>"
+                        + (f"<div>{description}</div>" if description else "") + no_gpu)
         row = W.HBox([self.run_button, self.progress, self.safe_button, self.status])
         self.widget = W.VBox([header, W.HBox(list(controls.values()), layout=W.Layout(flex_flow="row wrap")),
                               row, self.output])
@@ -110,7 +129,17 @@ class Panel:
         if self.auto_run:
             self.run()
         else:
-            self.status.value = "<i>settings changed: press Run</i>"
+            self.mark_stale()
+
+    def mark_stale(self) -> None:
+        """A run-only panel whose controls moved: the result shown is for other settings. The status
+        says so in bold, the output is greyed, and the Run button is highlighted until the next run."""
+        self.stale = True
+        self.status.value = ("<b style='color:#b35900'>stale: the result below is for the previous settings; "
+                             "press Run</b>")
+        self.output.add_class("gpulab-stale")
+        self.output.layout.opacity = "0.45"
+        self.run_button.button_style = "warning"
 
     def _on_click(self, _button) -> None:
         self.run()
@@ -150,6 +179,7 @@ class Panel:
         self.status.value = "running…"
         t0 = time.perf_counter()
         self.error, self.blocked = None, None
+        self._fresh()   # what is shown next is for these settings (a result, a refusal or an error)
         try:
             verdict = self._guard(params) if self._guard else GuardVerdict(True)
             if not verdict.ok:
@@ -159,10 +189,11 @@ class Panel:
                     self.safe_button.layout.display = ""
                 self.status.value = "not run (see below)"
                 return
-            if self._wants_progress:
-                result = self._compute(progress=self._report_progress, **params)
-            else:
-                result = self._compute(**params)
+            with MEASURE_LOCK:
+                if self._wants_progress:
+                    result = self._compute(progress=self._report_progress, **params)
+                else:
+                    result = self._compute(**params)
             self.result = result
             self.runs += 1
             self._show(self._render(result))
@@ -179,6 +210,12 @@ class Panel:
             self.progress.value = 100
             self.progress.layout.visibility = "hidden"
             self.run_button.disabled = False
+
+    def _fresh(self) -> None:
+        self.stale = False
+        self.output.remove_class("gpulab-stale")
+        self.output.layout.opacity = None
+        self.run_button.button_style = "primary"
 
     def _show(self, items: list[Any]) -> None:
         from matplotlib.figure import Figure
@@ -249,6 +286,9 @@ def check_control_value(name: str, control: W.Widget, value: Any) -> None:
                              f"range), got {value!r}")
     elif hasattr(control, "_options_values") and value not in control._options_values:
         choices = list(control._options_values)
+        if value == "cuda" and value in ENGINES and set(choices) <= set(ENGINES):
+            raise ValueError(f"{name} 'cuda' needs a GPU: torch.cuda.is_available() is False here; choose one of "
+                             f"{', '.join(choices)} (auto and fake answer for a GPU)")
         shown = ", ".join(map(repr, choices)) if len(choices) <= 20 else f"{choices[0]!r} ... {choices[-1]!r}"
         raise ValueError(f"{name} must be one of {shown} (the panel's choices), got {value!r}")
 
@@ -261,16 +301,26 @@ def with_value(name: str, control: W.Widget, value: Any) -> W.Widget:
     return control
 
 
+def slider_layout(description: str) -> W.Layout:
+    """A slider wide enough for its track: ipywidgets gives every control 300 px in all
+    (``--jp-widgets-inline-width``), and a description shown whole ("description_width": "initial")
+    takes its width out of them: "assumed CUDA context (MiB)" left the track no room. About 7 px a
+    character of description, plus 200 px for the track and 60 px for the value."""
+    return W.Layout(width=f"{7 * len(description) + 260}px", min_width="300px")
+
+
 def slider(description: str, value: int, min: int, max: int, step: int = 1, log: bool = False) -> W.Widget:
     """An integer slider (or a dropdown of powers of two when ``log``) that fires on release. A
     ``value`` outside the range is refused (``check_control_value``), never clamped."""
     if log:
         options = [v for v in (2**i for i in range(0, 16)) if min <= v <= max]
         control = W.SelectionSlider(options=options, value=options[0], description=description,
-                                    continuous_update=False, style={"description_width": "initial"})
+                                    continuous_update=False, style={"description_width": "initial"},
+                                    layout=slider_layout(description))
     else:
         control = W.IntSlider(value=min, min=min, max=max, step=step, description=description,
-                              continuous_update=False, style={"description_width": "initial"})
+                              continuous_update=False, style={"description_width": "initial"},
+                              layout=slider_layout(description))
     return with_value(description, control, value)
 
 
@@ -285,7 +335,21 @@ def dropdown(description: str, options, value=None) -> W.Dropdown:
     return control
 
 
-ENGINES = ("auto", "cpu", "fake", "cuda")
+ENGINES = ("auto", "cpu", "fake", "cuda")   # every engine; a panel offers ``engine_choices()``
+NO_GPU_NOTE = ("The <code>cuda</code> engine is not offered: <code>torch.cuda.is_available()</code> is False on "
+               "this machine (no GPU). <i>auto</i> and <i>fake</i> answer for a GPU instead.")
+
+
+def engine_choices() -> tuple[str, ...]:
+    """The engines a panel offers: ``cuda`` only where ``torch.cuda.is_available()``."""
+    import torch
+    return ENGINES if torch.cuda.is_available() else tuple(e for e in ENGINES if e != "cuda")
+
+
+def engine_dropdown(value: str = "auto") -> W.Dropdown:
+    """The engine control: the engines that can run here (``engine_choices``); asking for ``cuda``
+    without a GPU is refused in one line saying why."""
+    return dropdown("engine", engine_choices(), value)
 
 
 def model_controls(model: str, *, batch: int | None = None, batch_max: int = 256, batch_min: int = 1,
@@ -309,5 +373,5 @@ def model_controls(model: str, *, batch: int | None = None, batch_max: int = 256
         controls["optimizer"] = dropdown("optimizer", OPTIMIZERS, optimizer)
     controls.update(extra or {})
     if engine is not None:
-        controls["engine"] = dropdown("engine", ENGINES, engine)
+        controls["engine"] = engine_dropdown(engine)
     return controls

@@ -13,7 +13,7 @@ from gpulab.course.checkpointing import SEGMENT_CHOICES, CheckpointResult, check
 from gpulab.record.lookup import RecordLookup, find_record
 from gpulab.record.views import counter_text, recorded_html
 from gpulab.units import format_bytes
-from gpulab.widgets.base import Panel, dropdown, slider, ENGINES
+from gpulab.widgets.base import Panel, dropdown, slider, ENGINES, engine_dropdown
 from gpulab.widgets.guard import memory_guard
 
 __all__ = [
@@ -69,7 +69,7 @@ def checkpoint_panel(n_blocks: int = 16, width: int = 128, batch: int = 512,
         "batch": slider("batch", batch, 1, 4096, log=True),
         "segments": dropdown("segments k", SEGMENT_CHOICES, segments),
         "repeats": slider("timed rounds", repeats, 1, 21),
-        "engine": dropdown("engine", ENGINES, engine),
+        "engine": engine_dropdown(engine),
     }
     return Panel("Checkpointing: memory against recompute time", controls, compute_checkpoint, render_checkpoint,
                  guard=memory_guard(predict_checkpoint_peak),

@@ -14,7 +14,7 @@ from gpulab.measure.engines import DEFAULT_MAX_CPU_BYTES, choose_engine
 from gpulab.course.start import SIZE_OPTIONS_MIB, EngineDemo, engine_demo
 from gpulab.course.tensor_plots import engine_demo_figure, to_png
 from gpulab.units import MiB, format_bytes
-from gpulab.widgets.base import GuardVerdict, Panel, dropdown, ENGINES, with_value
+from gpulab.widgets.base import GuardVerdict, Panel, dropdown, ENGINES, engine_dropdown, with_value
 from gpulab.widgets.guard import free_memory
 
 __all__ = [
@@ -83,7 +83,7 @@ def engine_panel(size_mib: int = 4, engine: str = "auto",
                  cpu_limit_mib: int = DEFAULT_MAX_CPU_BYTES // MiB) -> Panel:
     controls = {
         "size_mib": _mib_slider("tensor size", SIZE_OPTIONS_MIB, size_mib),
-        "engine": dropdown("engine", ENGINES, engine),
+        "engine": engine_dropdown(engine),
         "cpu_limit_mib": _mib_slider("auto: cpu engine up to", CPU_LIMIT_OPTIONS_MIB, cpu_limit_mib),
     }
     return Panel("Which engine answers?", controls, compute_engine_demo, render_engine_demo,

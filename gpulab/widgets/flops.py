@@ -14,7 +14,7 @@ from gpulab.course.flops import (DepthwiseResult, ParamsFlops, depthwise_figure,
 from gpulab.record.lookup import RecordLookup, find_record
 from gpulab.record.views import recorded_html
 from gpulab.units import format_bytes
-from gpulab.widgets.base import Panel, dropdown, slider, ENGINES, model_controls
+from gpulab.widgets.base import Panel, dropdown, slider, ENGINES, engine_dropdown, model_controls
 from gpulab.widgets.guard import memory_guard
 
 __all__ = [
@@ -83,7 +83,7 @@ def depthwise_panel(in_channels: int = 64, out_channels: int = 128, image_size: 
         "batch": slider("batch", batch, 1, 256, log=True),
         "bn_relu": W.Checkbox(value=bn_relu, description="BatchNorm + ReLU after each conv", indent=False),
         "dtype": dropdown("dtype", ACT_DTYPES, dtype),
-        "engine": dropdown("engine", ENGINES, engine),
+        "engine": engine_dropdown(engine),
     }
     return Panel("Depthwise-separable vs standard convolution", controls, compute_depthwise, render_depthwise,
                  auto_run=True, guard=memory_guard(_depthwise_bytes),

@@ -12,7 +12,7 @@ from gpulab.course.inference import ModesResult, inference_modes
 from gpulab.record.lookup import RecordLookup, find_record
 from gpulab.record.views import counter_text, recorded_html
 from gpulab.units import format_bytes
-from gpulab.widgets.base import Panel, dropdown, slider, ENGINES
+from gpulab.widgets.base import Panel, dropdown, slider, ENGINES, engine_dropdown
 from gpulab.widgets.guard import memory_guard
 
 __all__ = [
@@ -57,7 +57,7 @@ def grad_modes_panel(batch: int = 64, channels: int = 32, image_size: int = 32, 
         "batch": slider("batch", batch, 1, 512, log=True),
         "channels": slider("channels", channels, 1, 256, log=True),
         "image_size": slider("image size", image_size, 8, 256, step=8),
-        "engine": dropdown("engine", ENGINES, engine),
+        "engine": engine_dropdown(engine),
     }
     return Panel("train() / eval() × grad / no_grad / inference_mode", controls, compute_modes, render_modes,
                  guard=memory_guard(predict_modes_peak),

@@ -10,7 +10,7 @@ from gpulab.course.inplace import BLOCKS, MODES, InplaceResult, inplace_experime
 from gpulab.record.lookup import RecordLookup, find_record
 from gpulab.record.views import counter_text, recorded_html
 from gpulab.units import format_bytes
-from gpulab.widgets.base import Panel, dropdown, slider, ENGINES
+from gpulab.widgets.base import Panel, dropdown, slider, ENGINES, engine_dropdown
 from gpulab.widgets.guard import memory_guard
 
 __all__ = [
@@ -69,7 +69,7 @@ def inplace_panel(block: str = "conv-relu", depth: int = 4, channels: int = 16, 
         "batch": slider("batch", batch, 1, 256, log=True),
         "image_size": slider("image size", image_size, 8, 256, step=8),
         "mode": dropdown("mode", MODES, mode),
-        "engine": dropdown("engine", ENGINES, engine),
+        "engine": engine_dropdown(engine),
     }
     return Panel("ReLU(inplace=True): what it saves, and what it does not", controls, compute_inplace,
                  render_inplace, guard=memory_guard(predict_inplace_peak),

@@ -11,7 +11,7 @@ from gpulab.training.optimizers import OPTIMIZERS
 from gpulab.models.registry import MODELS
 from gpulab.course.sweeps import CARDS_GIB, CONTEXT_OVERHEAD_ASSUMED, LargestBatch, largest_batch
 from gpulab.units import MiB
-from gpulab.widgets.base import Panel, dropdown, with_value
+from gpulab.widgets.base import Panel, dropdown, slider_layout, with_value
 
 __all__ = ["compute_largest", "largest_batch_panel", "render_largest"]
 
@@ -35,7 +35,8 @@ def largest_batch_panel(model: str = "vgg16", card_gib: int = 16, optimizer: str
         "optimizer": dropdown("optimizer", OPTIMIZERS, optimizer),
         "context_mib": with_value("context_mib", W.IntSlider(
             value=0, min=0, max=2048, step=64, description="assumed CUDA context (MiB)", continuous_update=False,
-            style={"description_width": "initial"}), context_mib),   # refused out of range, never clamped
+            style={"description_width": "initial"}, layout=slider_layout("assumed CUDA context (MiB)")),
+            context_mib),   # refused out of range, never clamped
     }
     return Panel("The largest batch that fits a card", controls, compute_largest, render_largest,
                  description="Fake tensors (no compute) at four batch sizes, a fitted line solved for the card, "

@@ -12,7 +12,7 @@ from gpulab.course.inference import GRAD_MODES, LifetimesResult, forward_lifetim
 from gpulab.record.lookup import RecordLookup, find_record
 from gpulab.record.views import counter_text, recorded_html
 from gpulab.units import format_bytes
-from gpulab.widgets.base import Panel, dropdown, slider, ENGINES
+from gpulab.widgets.base import Panel, dropdown, slider, ENGINES, engine_dropdown
 from gpulab.widgets.guard import memory_guard
 
 __all__ = [
@@ -60,7 +60,7 @@ def lifetimes_panel(grad_mode: str = "no_grad forward", batch: int = 8, channels
         "batch": slider("batch", batch, 1, 128, log=True),
         "channels": slider("channels", channels, 1, 128, log=True),
         "image_size": slider("image size", image_size, 16, 256, step=16),
-        "engine": dropdown("engine", ENGINES, engine),
+        "engine": engine_dropdown(engine),
     }
     return Panel("del and name reuse inside forward", controls, compute_lifetimes, render_lifetimes,
                  guard=memory_guard(predict_lifetimes_peak),

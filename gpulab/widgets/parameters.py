@@ -16,7 +16,7 @@ from gpulab.course.parameters import (LAYER_KINDS, MODEL_DTYPES, LayerParams, Mo
 from gpulab.record.lookup import RecordLookup, find_record
 from gpulab.record.views import allocator_rows, recorded_html
 from gpulab.units import format_bytes, parse_dtype
-from gpulab.widgets.base import Panel, dropdown, ENGINES, with_value
+from gpulab.widgets.base import Panel, dropdown, ENGINES, engine_dropdown, with_value
 from gpulab.widgets.guard import memory_guard
 
 __all__ = [
@@ -69,7 +69,7 @@ def layer_panel(kind: str = "Conv2d", in_size: int = 64, out_size: int = 128, ke
         "groups": _int_box("groups", groups, 100_000),
         "bias": W.Checkbox(value=bias, description="bias", indent=False, layout=W.Layout(width="80px")),
         "dtype": dropdown("dtype", MODEL_DTYPES, dtype),
-        "engine": dropdown("engine", ENGINES, engine),
+        "engine": engine_dropdown(engine),
     }
     return Panel("One layer: formula vs the real module", controls, compute_layer, render_layer,
                  auto_run=True, guard=memory_guard(_layer_bytes),
@@ -111,7 +111,7 @@ def parameters_panel(model: str = "vgg16", dtype: str = "float32", engine: str =
     controls = {
         "model": dropdown("model", list(MODELS), model),
         "dtype": dropdown("dtype", MODEL_DTYPES, dtype),
-        "engine": dropdown("engine", ENGINES, engine),
+        "engine": engine_dropdown(engine),
     }
     return Panel("A model layer by layer: formula vs numel()", controls, compute_model, render_model,
                  auto_run=True, guard=memory_guard(_model_bytes),

@@ -20,7 +20,7 @@ from gpulab.course.tensor_plots import rounding_figure, tensor_bytes_figure, to_
 from gpulab.record.lookup import RecordLookup, find_record
 from gpulab.record.views import recorded_html
 from gpulab.units import DTYPES, parse_dtype
-from gpulab.widgets.base import GuardVerdict, Panel, dropdown, with_value
+from gpulab.widgets.base import ENGINES, GuardVerdict, Panel, dropdown, engine_dropdown, with_value
 from gpulab.widgets.env import engine_guard
 
 __all__ = [
@@ -29,7 +29,7 @@ __all__ = [
     "rounding_panel", "tensor_bytes_panel"
 ]
 
-ENGINE_OPTIONS = ["auto", "cpu", "fake", "cuda"]
+ENGINE_OPTIONS = list(ENGINES)   # every engine; a panel offers engine_choices()
 
 
 def compute_tensor_bytes(shape: str, dtype: str, operation: str, engine: str) -> TensorBytesResult:
@@ -79,7 +79,7 @@ def tensor_bytes_panel(shape: str = DEFAULT_SHAPE, dtype: str = "float32", opera
                         layout=W.Layout(width="220px")),
         "dtype": dropdown("dtype", dtype_names(), dtype),
         "operation": dropdown("operation", list(OPERATIONS), operation),
-        "engine": dropdown("engine", ENGINE_OPTIONS, engine),
+        "engine": engine_dropdown(engine),
     }
     return Panel("Tensor bytes: views, slices and copies", controls, compute_tensor_bytes,
                  render_tensor_bytes, auto_run=True, guard=_guard,
@@ -123,7 +123,7 @@ def rounding_panel(dtype: str = "float32", max_elements: int = 300, engine: str 
         "max_elements": with_value("max_elements", W.IntSlider(value=16, min=16, max=2048, step=16,
                                                                description="up to elements", continuous_update=False,
                                                                style={"description_width": "initial"}), max_elements),
-        "engine": dropdown("engine", ENGINE_OPTIONS, engine),
+        "engine": engine_dropdown(engine),
     }
     return Panel("512-byte blocks on CUDA", controls, compute_rounding, render_rounding, auto_run=True,
                  description="Tensors of 0, 1, 2, … elements: the bytes they request, and what the CUDA "
