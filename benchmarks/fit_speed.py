@@ -7,7 +7,7 @@ Qwen2.5-72B), each ``gpulab fit`` (bf16 AdamW, 2048 tokens, on the layout its si
 (issue 35's done-when); each a whole command in a fresh process, as a user runs it.
 
     PYTHONPATH=. python benchmarks/fit_speed.py [--quick] [--repeat-off] [--new-models] [--layouts] [--only TEXT]
-                                                [--floor-each] [--repeat N]
+                                                [--floor-each] [--repeat N] [--time-cost]
 
 ``--layouts`` adds issue 45's layouts (Llama-3.1-70B on 64 H100 as TP 8 × PP 4 with sequence parallelism;
 70B with CP 8 under FSDP2; Mixtral-8x7B with EP 8 under FSDP2, all bf16 AdamW at 4096 tokens) and issue 46's
@@ -16,6 +16,11 @@ transformers, torch._dynamo`` plus one ``FakeTensorMode()``: what every fake-ten
 first op) timed right before it; ``--repeat N`` times each floor-and-command pair N times and prints the
 min and the median of the ratios (a shared machine's load moves both), of the wall times and of the CPU
 times (user + system: on a shared machine they move less with the load; on a quiet one they agree).
+
+``--time-cost`` (issue 46, item 7) runs ``TIME_COST``'s commands (answers on cards with speed figures, so
+each has a predicted step time) with ``--no-time`` and without, back to back, ``--repeat N`` times: the CPU
+seconds of each and the share the time model adds (CPU time, min and median over the repeats), beside the
+fake-tensor floor's CPU seconds; ``--only`` picks among them.
 
 It prints each command's seconds and its ratio to the import floor (``python -c "import torch,
 transformers"``) measured in the same run, and whether the answer's depth was laid out from a few
@@ -71,6 +76,15 @@ LAYOUTS = [
     ("8B, 24 GiB, --what-fits, 4096",
      ["fit", "hf:llama-3-8b", "--gpu", "24GiB", "--what-fits", *_BF16_4096]),
 ]
+# issue 46's cost of the time model: answers with a predicted step time (cards with speed figures)
+TIME_COST = [
+    ("8B, 1 H100, bf16 AdamW, 2048",
+     ["fit", "hf:llama-3-8b", "--gpu", "H100", "--dtype", "bf16", "--optimizer", "adamw", "--seq-len", "2048",
+      "--json"]),
+    *LAYOUTS[:3],
+    ("8B, H100, fp32 AdamW, --what-fits, 4096",   # the asked recipe does not fit; most candidates do, each timed
+     ["fit", "hf:llama-3-8b", "--gpu", "H100", "--optimizer", "adamw", "--seq-len", "4096", "--what-fits", "--json"]),
+]
 # the floor every fake-tensor tool pays (issues 45 and 46): torch, transformers and torch._dynamo imported, one FakeTensorMode
 FAKE_FLOOR = ("import torch, transformers, torch._dynamo; from torch._subclasses.fake_tensor import FakeTensorMode; "
               "FakeTensorMode()")
@@ -110,9 +124,13 @@ def _timed(cmd: list[str], env: dict[str, str], cpu: list[float] | None = None) 
             return seconds, (f"fits: {answer.get('fits')}, {answer.get('max_sequences')} sequences (vLLM-style)"
                              + experts)
         fits = answer.get("what_fits")
+        if answer.get("time"):   # the predicted step, where the card has speed figures
+            experts += f"; step {answer['time']['seconds'] * 1e3:,.3f} ms predicted"
         if fits:   # --what-fits: the recipes that fit beside the asked one's answer
+            fastest = (fits.get("fastest") or {}).get("name")
             return seconds, (f"batch {answer.get('largest_batch')}, {answer.get('runs')} fake runs; what fits at batch "
-                             f"{fits['batch']}: {', '.join(fits['fitting']) or 'nothing tried'}")
+                             f"{fits['batch']}: {', '.join(fits['fitting']) or 'nothing tried'}"
+                             + (f"; fastest: {fastest}" if fastest else "") + experts)
         return seconds, (f"batch {answer.get('largest_batch')}, {answer.get('runs')} fake runs; "
                          f"{answer.get('layers') or 'depth: full'}" + experts)
     except (json.JSONDecodeError, TypeError):
@@ -132,7 +150,11 @@ def main() -> int:
     ap.add_argument("--floor-each", action="store_true",
                     help="time the import floor again right before each command and give its ratio to that one "
                          "(a shared machine's load moves between commands)")
+    ap.add_argument("--time-cost", action="store_true",
+                    help="only TIME_COST's commands, each with --no-time and without: the share the time model adds")
     args = ap.parse_args()
+    if args.time_cost:
+        return _time_cost(sys.executable, {**os.environ, "PYTHONPATH": os.getcwd()}, max(1, args.repeat), args.only)
     py = sys.executable
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     folder = tempfile.mkdtemp(prefix="gpulab-fit-speed-")
@@ -204,6 +226,29 @@ def _against_fake_floor(what: str, cmd: list[str], py: str, env: dict[str, str],
     return (f"{what:48s} {ratios[0]:5.2f}x min, {statistics.median(ratios):5.2f}x median the fake-tensor floor; "
             f"CPU time {cpu_ratios[0]:5.2f}x min, {statistics.median(cpu_ratios):5.2f}x median "
             f"({'; '.join(lines)}; load {_load()})  {answer}")
+
+
+def _time_cost(py: str, env: dict[str, str], repeat: int, only: str) -> int:
+    """Each of ``TIME_COST``'s commands with ``--no-time`` and without, back to back, ``repeat`` times: the
+    CPU seconds of each (user + system of the process and its children) and what the time adds, as a share
+    of the command without it (min and median over the repeats)."""
+    print(f"load average before: {_load()}")
+    cpu: list[float] = []
+    _timed([py, "-c", FAKE_FLOOR], env, cpu)
+    print(f"fake-tensor floor: {cpu[0]:.1f} s CPU")
+    for what, cmd in [c for c in TIME_COST if only in c[0]]:
+        added, pairs = [], []
+        for _ in range(repeat):
+            cpu = []
+            _timed([py, "-m", "gpulab", *cmd, "--no-time"], env, cpu)
+            _, answer = _timed([py, "-m", "gpulab", *cmd], env, cpu)
+            added.append(cpu[1] / cpu[0] - 1)
+            pairs.append(f"{cpu[1]:.1f}/{cpu[0]:.1f}")
+        added.sort()
+        print(f"{what:40s} time adds {added[0]:+.1%} min, {statistics.median(added):+.1%} median of the CPU time "
+              f"(with/without, s: {'; '.join(pairs)}; load {_load()})  {answer}", flush=True)
+    print(f"load average after: {_load()}")
+    return 0
 
 
 def _experts(answer: dict) -> str:

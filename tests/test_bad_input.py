@@ -162,11 +162,11 @@ def test_lora_targets_and_rank_are_refused_before_any_fake_run(argv, said, capsy
     """--lora-targets nope and --lora 100000 were refused by peft's wrapping, after the first fake run
     had started (a progress line, then the error): now check_recipe_for reads the model's linear
     layers off a meta-device build first, and the refusal is the one line on stderr."""
-    from gpulab.predict import fit as fit_module
+    from gpulab.predict import fake_runs   # fit's fake runs (predict.fake_runs.fake_run)
 
     def no_run(*a, **k):
         raise AssertionError("a fake run started before the LoRA settings were checked")
-    monkeypatch.setattr(fit_module, "train_experiment", no_run)
+    monkeypatch.setattr(fake_runs, "train_experiment", no_run)
     code, out, err = run_main(["fit", "hf:tiny-llama", "--gpu", "24GiB", "--seq-len", "32", *argv], capsys)
     assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("gpulab: error: "), err
     assert all(s in err for s in said), err

@@ -8,7 +8,8 @@ import torch
 
 import gpulab
 from gpulab.predict.cards import parse_gpu
-from gpulab.predict.fit import _check, _Extrapolation, _run
+from gpulab.predict.fake_runs import fake_run as _run
+from gpulab.predict.fit import _check, _Extrapolation
 from gpulab.training.loop import LoopRecipe
 from gpulab.units import MiB
 from gpulab.models.workload import resolve_workload

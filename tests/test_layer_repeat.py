@@ -10,7 +10,7 @@ from gpulab.allocator.simulator import CachingAllocator
 from gpulab.models import hf_configs
 from gpulab.models.workload import resolve_workload
 from gpulab.predict import layer_repeat as L
-from gpulab.predict.fit import _run
+from gpulab.predict.fake_runs import fake_run as _run
 from gpulab.predict.sharding import one_step_gradients
 from gpulab.training.loop import user_recipe
 
@@ -198,7 +198,7 @@ def test_fit_answers_the_same_with_and_without_layer_repeat(monkeypatch):
     laid = fit_module.fit(cfg, "96MiB", **options)
     assert "12 layers laid out from fake runs of 2 and 3 layers" in laid.layers
     run_cache.clear()
-    monkeypatch.setattr(fit_module.layer_repeat, "not_repeatable", lambda *a, **k: "switched off by the test")
+    monkeypatch.setattr(L, "not_repeatable", lambda *a, **k: "switched off by the test")   # what fit's runs read
     full = fit_module.fit(cfg, "96MiB", **options)
     assert full.layers == "switched off by the test"
     assert (laid.largest_batch, laid.peak_bytes, laid.reserved_bytes) == (full.largest_batch, full.peak_bytes,

@@ -41,12 +41,13 @@ def test_a_tensor_parallel_step_costs_the_collectives_its_run_issued():
 
 def test_a_depth_laid_out_from_two_small_runs_equals_the_full_depth_timed():
     from gpulab.predict.layer_repeat import workload_with_depth
-    w = workload_with_depth(resolve_workload("hf:tiny-llama", seq_len=32), 6)
+    # 12 layers: the memory search lays that depth out (layer_repeat.MIN_REPEAT_DEPTH), and the time follows it
+    w = workload_with_depth(resolve_workload("hf:tiny-llama", seq_len=32), 12)
     recipe = loop_recipe(Recipe(optimizer="adamw"), Layout())
     laid = timed_rank(w, 2, torch.float32, recipe, H100)
     assert laid.depth.startswith("timed at 2 and 3 layers")
-    from gpulab.predict.plan_time import _timed_at
-    full, params, grads = _timed_at(w, None, 2, torch.float32, recipe, H100, 64, "tokens")
+    from gpulab.predict.plan_time import Runs, _timed_at
+    full, params, grads = _timed_at(w, None, 2, torch.float32, recipe, H100, 64, "tokens", Runs())
     assert laid.step.flops == full.flops and laid.step.kernels == full.kernels
     assert laid.step.seconds == pytest.approx(full.seconds, rel=1e-9)
     assert laid.param_bytes == params and laid.grad_bytes == grads

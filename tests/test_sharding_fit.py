@@ -78,7 +78,7 @@ def test_one_rank_holds_less_as_more_is_sharded(gpt2_runs):
 def test_per_rank_resizes_each_storage_as_the_strategy_holds_it():
     """The one-GPU run's parameters, gradients and optimizer state, resized storage by storage:
     their largest bytes over the run against the strategy's formula on the one-GPU figures."""
-    from gpulab.predict.fit import _run
+    from gpulab.predict.fake_runs import fake_run as _run
     from gpulab.models.workload import resolve_workload
     from gpulab.training.loop import user_recipe
     w = resolve_workload("hf:gpt2", seq_len=32)

@@ -165,7 +165,7 @@ def test_mixed_precision_policy_per_rank_against_a_hand_count():
     all-gathered and its gradients in bf16 (2 + 2 bytes an element) and the reduce-scatter input in
     fp32 (4). The one-GPU run is made in bf16; per_rank's largest bytes of each category equal the count."""
     from gpulab.models.workload import resolve_workload
-    from gpulab.predict.fit import _run
+    from gpulab.predict.fake_runs import fake_run as _run
     from gpulab.training.loop import loop_recipe
     import transformers
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -99,6 +99,9 @@ class MemoryTracker(TorchDispatchMode):
         # CUDA storages' addresses in the order they were seen (the cuda engine sets a list, to
         # tell the allocator's trace entries that are tensors from those that are not)
         self.cuda_addresses: list[tuple[int, int]] | None = None
+        # told every op after the tracker has seen it: ``observer(func, args, kwargs, out)`` (``predict.timing``'s
+        # ``OpTimer``): the ops a second dispatch mode inside the tracker would see, without that mode's cost
+        self.op_observer: Any = None
 
     # ---- context management -------------------------------------------------------
     def __enter__(self) -> "MemoryTracker":
@@ -162,6 +165,8 @@ class MemoryTracker(TorchDispatchMode):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self._see(t, op=_op_name(func))
+        if self.op_observer is not None:
+            self.op_observer(func, args, kwargs or {}, out)
         return out
 
     # ---- bookkeeping ---------------------------------------------------------------------

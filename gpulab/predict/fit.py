@@ -41,10 +41,12 @@ from gpulab.measure.cuda_card import current_target
 from gpulab.predict.cards import Card, CardBudget, card_with_room, follows_card
 from gpulab.predict.context import context_assumption, context_label
 from gpulab.predict.levers import LABEL_LEVER, Lever, levers_at_batch_one
-from gpulab.measure.engines import LABEL_SIMULATED, Measurement, run
+from gpulab.measure.engines import LABEL_SIMULATED
 from gpulab.options import Layout, Recipe, settings_from
-from gpulab.training.loop import AMP_DTYPES, LoopRecipe, changed_options, check_recipe_for, loop_recipe, train_experiment
-from gpulab.predict import layer_repeat, run_cache
+from gpulab.training.loop import AMP_DTYPES, LoopRecipe, changed_options, check_recipe_for, loop_recipe
+from gpulab.predict import run_cache
+from gpulab.predict.fake_runs import deep_runs as _deep, depth_text as _depth_text, not_laid_out
+from gpulab.predict.fake_runs import target_of as _target, tracked as _tracked, tracked_at_depth
 from gpulab.predict.progress import Progress, report
 from gpulab.predict.search import largest_fitting
 from gpulab.training.context_parallel import layout_notes
@@ -52,11 +54,12 @@ from gpulab.training.tensor_parallel import tp_notes
 from gpulab.training.routing import is_moe, stated_routing
 from gpulab.measure.tracking import TrackingResult
 from gpulab.units import dtype_name, format_bytes, parse_dtype
-from gpulab.models.workload import Workload, resolve_workload, step_failed
+from gpulab.models.workload import Workload, resolve_workload
+
 
 __all__ = [
     "BatchCheck", "FitResult", "LABEL_FIT", "LABEL_LEVER", "Lever", "MAX_BATCH",
-    "MAX_FALLBACK_RUNS", "Progress", "WORKSPACE_LABEL", "fit", "tracked_at_depth"
+    "MAX_FALLBACK_RUNS", "Progress", "WORKSPACE_LABEL", "fit", "not_laid_out", "tracked_at_depth"
 ]
 
 LABEL_FIT = "fake tensors, CUDA kernels' allocations (no compute) + simulated allocator + assumed CUDA context"
@@ -195,7 +198,7 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
     (``answered_recipe``, ``answered_layout``). ``predict_time``: the step's predicted time at the answer,
     ``result.time`` (``predict.plan_time``), where the card has speed figures (else ``result.time_note``
     says why not)."""
-    t0, place = time.perf_counter(), _place(gpu, context_bytes, module_loading)
+    t0, place = time.perf_counter(), _place(gpu, context_bytes, module_loading, predict_time)
     recipe, layout = settings_from(recipe, layout, locals())   # each checked once, then passed whole
     if layout.pp_stage:
         raise ValueError("pp_stage picks the stage gpulab.step measures; gpulab.fit answers every stage: leave it out")
@@ -215,9 +218,9 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
         sharding, shard = _sharding(w, loop, run_dt, spread, layout.strategy, layout.offload_optimizer, master=dt)
         result = _search(w, key, run_dt, loop, place._replace(sharding=sharding), shard, progress, t0)[0]
     result.answered_recipe, result.answered_layout = recipe, layout
-    if predict_time:
-        from gpulab.predict.plan_time import time_of_fit
-        time_of_fit(result, w, run_dt, loop, layout, place.card, progress)
+    if predict_time:   # from the runs the search made at the answer's batch, timed (predict.run_ops)
+        from gpulab.predict.plan_time import Runs, time_of_fit
+        time_of_fit(result, w, run_dt, loop, layout, place.card, progress, Runs(key, _target(place.card)))
     return _layout_stated(result, w, loop, run_dt, layout)
 
 
@@ -239,7 +242,7 @@ def _search(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecipe,
     """``fit``'s search for one workload and recipe (module docstring): the answer, and the fake runs
     it made (a pipeline's other stages are read at the answer's batch from theirs)."""
     usable = usable_bytes(place)
-    fake_run = _FakeRuns(w, key, dt, recipe, ("cuda", repr(place.card)), shard, progress)
+    fake_run = _FakeRuns(w, key, dt, recipe, _target(place.card), shard, progress, place.timed)
     runs, count = fake_run.runs, fake_run.count
 
     def done(result: FitResult) -> tuple[FitResult, _FakeRuns]:
@@ -371,27 +374,33 @@ def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, 
     return sh, one_rank
 
 
-def _place(gpu: str | Card | int, context_bytes: int | None, module_loading: str) -> "_Place":
-    """The card asked for and the CUDA context on it (given, or assumed for ``module_loading``)."""
+def _place(gpu: str | Card | int, context_bytes: int | None, module_loading: str, timed: bool = False) -> "_Place":
+    """The card asked for and the CUDA context on it (given, or assumed for ``module_loading``); ``timed``:
+    the step's time is asked, so the fake runs are timed where the card has speed figures."""
     assumed = context_bytes is None
     if assumed:
         context_bytes = context_assumption(module_loading).nbytes
     # the card (a name, a size, a Card or bytes) with room for the context: a card smaller than an
     # assumed context is said to be so, with the option that replaces the assumption (predict.cards)
-    return _Place(card_with_room(gpu, context_bytes, assumed), context_bytes, module_loading)
+    card = card_with_room(gpu, context_bytes, assumed)
+    if timed:
+        from gpulab.predict.plan_time import speed_or_why
+        timed = speed_or_why(card)[0] is not None
+    return _Place(card, context_bytes, module_loading, timed=timed)
 
 
 class _FakeRuns:
     """``fit``'s fake runs by batch (``self(b)``), each made once: laid out from a few layers where
-    the layers are alike (``_deep``), else at full depth; one rank's when ``shard`` is given."""
+    the layers are alike (``_deep``), else at full depth; one rank's when ``shard`` is given. ``timed``:
+    every run the step's time reads is timed (``_deep``; ``predict.run_ops``)."""
 
     def __init__(self, w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecipe, target: tuple, shard,
-                 progress: Progress):
+                 progress: Progress, timed: bool = False):
         self.w, self.key, self.dt, self.recipe, self.target = w, key, dt, recipe, target
-        self.shard, self.progress = shard, progress
+        self.shard, self.progress, self.timed = shard, progress, timed
         self.runs: dict[int, TrackingResult] = {}
         self.made: list[int] = []     # every full-depth fake run, in order (a batch run again counts again)
-        self.deep = _deep(w, key, dt, recipe, target)
+        self.deep = _deep(w, key, dt, recipe, target, timed)
         self.line: _Extrapolation | None = None   # the search's extrapolation, once a fake run confirmed it
         # each batch the search replayed: (batch, "run" or "extrapolated") -> its check (a pipeline's rows reuse them)
         self.checked: dict[tuple[int, str], BatchCheck] = {}
@@ -405,7 +414,7 @@ class _FakeRuns:
                    f", then replaying it through the simulated allocator")
             t = deep.at(b, fresh) if deep is not None else None
             if t is None:
-                t = _tracked(self.w, self.key, b, self.dt, self.recipe, self.target, fresh)
+                t = _tracked(self.w, self.key, b, self.dt, self.recipe, self.target, fresh, self.timed)
                 self.made.append(b)
             self.runs[b] = t if self.shard is None else self.shard(t)
         return self.runs[b]
@@ -417,64 +426,6 @@ class _FakeRuns:
     def layers(self) -> str:
         """How the depth was run (``FitResult.layers``)."""
         return _depth_text(self.deep, self.w, self.recipe)
-
-
-def _deep(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecipe, target: tuple) -> "layer_repeat.Deep | None":
-    """The full depth laid out from runs of a few layers (``predict.layer_repeat``), where the
-    model's layers are alike; None where they are not (then every run has the full depth)."""
-    if _not_laid_out(w, recipe) is not None:
-        return None
-
-    def small(wk: Workload, b: int, fresh: bool) -> TrackingResult:
-        wkey = run_cache.workload_key(wk.config, wk, own_parts=False) if key is not None else None
-        return _tracked(wk, wkey, b, dt, recipe, target, fresh)
-    return layer_repeat.Deep(w, small)
-
-
-def tracked_at_depth(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe: LoopRecipe,
-                     target: tuple) -> tuple[TrackingResult, str]:
-    """One fake run's full-depth timeline at ``batch``, laid out from a few layers where the layers
-    are alike (``_deep``), else run at full depth; and how (``layer_repeat.Deep.describe``)."""
-    deep = _deep(w, key, dt, recipe, target)
-    t = deep.at(batch) if deep is not None else None
-    if t is None:
-        t = _tracked(w, key, batch, dt, recipe, target)
-    return t, _depth_text(deep, w, recipe)
-
-
-def _depth_text(deep: "layer_repeat.Deep | None", w: Workload, recipe: LoopRecipe) -> str:
-    """How a timeline's depth was run: laid out from a few layers (``Deep.describe``), or why not."""
-    if deep is not None:
-        return deep.describe()
-    return _not_laid_out(w, recipe) or ""
-
-
-def _not_laid_out(w: Workload, recipe: LoopRecipe) -> str | None:
-    """Why every run has the full depth (None: it is laid out from a few layers)."""
-    if recipe.virtual_stages > 1:
-        return ("interleaved pipeline: a rank's chunks take turns in its schedule, so every run has the rank's "
-                "full depth")
-    return layer_repeat.not_repeatable(w.config, recipe.checkpointing, w.facts)
-
-
-def _tracked(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe: LoopRecipe, target: tuple,
-             fresh: bool = False) -> TrackingResult:
-    """The fake run's timeline at ``batch``, reused when this process made it already for the same
-    workload ``key`` (``run_cache.workload_key``), recipe, dtype and ``target`` (the card)."""
-    return run_cache.measured(run_cache.run_key(key, recipe, dt, batch, target),
-                              lambda: _run(w, batch, dt, recipe).tracking, fresh=fresh)[0]
-
-
-def _run(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe) -> Measurement:
-    try:
-        m = run(train_experiment(w, [batch, batch], dt, recipe), "fake", fake_target="cuda")
-    except ValueError:
-        raise
-    except Exception as exc:   # the model's own error: say which input was tried and how to pass one
-        raise ValueError(step_failed(w, batch, "on the fake engine", exc)) from exc
-    if m.oom or m.tracking is None:
-        raise RuntimeError(f"the fake run at batch {batch} failed: {m.error}")
-    return m
 
 
 def _replay(t: TrackingResult, capacity: int | None) -> tuple[int, bool]:
@@ -573,6 +524,7 @@ class _Place(NamedTuple):
     context_bytes: int
     module_loading: str
     sharding: Any = None     # predict.sharding.Sharding when the answer is one rank's
+    timed: bool = False      # the fake runs are timed (predict.run_ops): the step's time is asked, the card has speeds
 
 
 def _result(w, place: _Place, recipe: LoopRecipe, dt, batch, t: TrackingResult, checks, runs, t0, levers,

@@ -1,13 +1,16 @@
 """A plan's step time: one rank's kernels from a timed fake run, then what its layout adds (the
 data-parallel collectives, the pipeline's bubble and its sends), each with its overlap named.
 
-**One rank's kernels.** A timed fake run (``predict.timing.OpTimer``) of the recipe at the plan's
-batch, on the card's kernels: a tensor-parallel rank's run issues its own collectives on the fake
-process group, costed where they sit (``timing.TP_OVERLAP``). A deep stack is timed at two small
-depths ``d1 < d2`` that differ by one period of alike layers (``layer_repeat.Pattern``), and every
-figure is laid out linearly to the full depth: t(L) = t(d1) + (L − d1)/(d2 − d1) · (t(d2) − t(d1)),
-exact for a sum of per-op costs when the layers repeat op for op (the premise ``layer_repeat``
-checks for memory). Where they do not repeat so, the full depth is timed.
+**One rank's kernels.** The ops of the recipe's fake run at the plan's batch, on the card's kernels
+(``predict.timing.OpTimer``): the very runs ``gpulab fit``'s search (or ``what_fits``) made for the
+memory answer, timed as they ran and kept with their ops (``predict.fake_runs.timed_step``,
+``predict.run_ops``), so the time adds no fake run of its own; a run none kept is made here. A
+tensor-parallel rank's run issues its own collectives on the fake process group, costed where they sit
+(``timing.TP_OVERLAP``). Where the search lays a deep stack out from a few layers, the time reads the
+same two small depths ``d1 < d2`` that differ by one period of alike layers (``layer_repeat.Pattern``),
+and every figure is laid out linearly to the full depth: t(L) = t(d1) + (L − d1)/(d2 − d1) ·
+(t(d2) − t(d1)), exact for a sum of per-op costs when the layers repeat op for op (the premise
+``layer_repeat`` checks for memory). Where the search runs the full depth, so does the time.
 
 **Data parallelism** (``dp`` ranks; their bytes are the rank's own parameters P and gradients G,
 read from the timed run's "after step" snapshot, so a tensor-parallel shard moves its shard):
@@ -45,15 +48,14 @@ from typing import Any
 
 import torch
 
-from gpulab.measure.engines import run
 from gpulab.models.workload import Workload
 from gpulab.predict import layer_repeat
 from gpulab.predict.card_speeds import CardSpeed
 from gpulab.predict.comm_time import COMM_ASSUMPTION, collective_seconds, link_for
-from gpulab.predict.timing import StepTime, step_time_of, timed_experiment, with_host_copies
-from gpulab.training.loop import LoopRecipe, train_experiment
+from gpulab.predict.timing import StepTime, cost_ops, with_host_copies
+from gpulab.training.loop import LoopRecipe
 
-__all__ = ["BUBBLE_SOURCE", "CommPart", "PlanTime", "RankTime", "bubble_seconds", "plan_time", "time_of_fit",
+__all__ = ["BUBBLE_SOURCE", "CommPart", "PlanTime", "RankTime", "Runs", "bubble_seconds", "plan_time", "time_of_fit",
            "timed_rank"]
 
 BUBBLE_SOURCE = ("Narayanan et al. 2021 (Megatron-LM, SC'21) §2.2: bubble fraction (p-1)/m for GPipe and 1F1B, "
@@ -113,7 +115,9 @@ class PlanTime:
     model_flops: float = 0.0       # the step's model FLOPs over every GPU (3 × forward, recompute not counted)
     depth: str = ""
     notes: list[str] = field(default_factory=list)
-    wall_s: float = 0.0            # what predicting it took here (its timed fake runs)
+    # what predicting it took in this process (costing the kept runs' ops, and any timed run made for it): not
+    # part of the answer's data (``as_dict``), which identical questions answer identically
+    wall_s: float = 0.0
 
     @property
     def label(self) -> str:
@@ -154,7 +158,7 @@ class PlanTime:
         out.append(f"  assumptions: {a.text} ({a.source}); "
                    f"{COMM_ASSUMPTION if self.comm or self.rank.comm_s else 'no communication'}")
         out += [f"  {n}" for n in self.notes]
-        out.append(f"  how: {self.depth}" + (f"; {self.wall_s:.1f} s here" if self.wall_s else ""))
+        out.append(f"  how: {self.depth}")
         out.append(f"  card: {self.speed.source}" + (f"; links: {self.speed.links.source}" if self.speed.links else ""))
         return out
 
@@ -168,7 +172,7 @@ class PlanTime:
                 "exposed_comm_seconds": self.exposed_comm_s, "bubble_seconds": self.bubble_s,
                 "bubble_formula": self.bubble_formula, "items": self.items, "unit": self.unit,
                 "items_per_s": self.items_per_s, "gpus": self.gpus, "mfu": self.mfu, "mfu_dtype": self.rank.mfu_dtype,
-                "model_flops": self.model_flops, "depth": self.depth, "notes": list(self.notes), "wall_seconds": self.wall_s,
+                "model_flops": self.model_flops, "depth": self.depth, "notes": list(self.notes),
                 "rank": self.rank.as_dict(), "lines": self.lines(),
                 "assumptions": {"compute_efficiency": a.compute_efficiency, "memory_efficiency": a.memory_efficiency,
                                 "launch_overhead_s": a.launch_overhead_s, "source": a.source,
@@ -183,10 +187,16 @@ def _lerp(a: float, b: float, f: float) -> float:
     return a + f * (b - a)
 
 
+def _in_order(a: dict, b: dict) -> list:
+    """The keys of ``b`` then those only ``a`` has, each in its dict's order (the order the run met
+    them): the same answer in every process, where a set's order is not."""
+    return [*b, *(k for k in a if k not in b)]
+
+
 def _laid_out(a: StepTime, b: StepTime, f: float) -> StepTime:
     """Every additive figure of ``a`` (depth d1) and ``b`` (d2) laid out to d1 + f·(d2 − d1)."""
     ops = {}
-    for name in sorted(set(a.by_op) | set(b.by_op)):
+    for name in _in_order(a.by_op, b.by_op):
         oa, ob = a.by_op.get(name), b.by_op.get(name)
         base = ob or oa
         zero = replace(base, count=0, seconds=0.0, flops=0, nbytes=0, compute_bound=0)
@@ -195,7 +205,7 @@ def _laid_out(a: StepTime, b: StepTime, f: float) -> StepTime:
                             flops=round(_lerp(oa.flops, ob.flops, f)), nbytes=round(_lerp(oa.nbytes, ob.nbytes, f)),
                             compute_bound=round(_lerp(oa.compute_bound, ob.compute_bound, f)))
     colls = {}
-    for key in sorted(set(a.collectives) | set(b.collectives), key=repr):
+    for key in _in_order(a.collectives, b.collectives):
         ca, cb = a.collectives.get(key), b.collectives.get(key)
         base = cb or ca
         zero = replace(base, count=0, nbytes=0, seconds=0.0)
@@ -212,48 +222,46 @@ def _laid_out(a: StepTime, b: StepTime, f: float) -> StepTime:
                    host_bytes=round(_lerp(a.host_bytes, b.host_bytes, f)))
 
 
+@dataclass(frozen=True)
+class Runs:
+    """Where a plan's timed fake runs come from: those ``gpulab fit``'s search or ``what_fits`` made and
+    ``run_cache`` kept with their ops, under the workload's ``key`` and the card's ``target`` as
+    ``predict.fit`` keys them; a run none kept is made now, timed (``predict.fit.timed_step``). The
+    default keeps nothing: every run made here."""
+    key: tuple | None = None
+    target: tuple = ("cuda", "")
+
+
 def _timed_at(w: Workload, depth: int | None, batch: int, dt: torch.dtype, recipe: LoopRecipe, speed: CardSpeed,
-              items: int, unit: str) -> tuple[StepTime, int, int]:
-    """One timed two-step fake run (the steady state is its second step) at ``depth`` layers (None: as
-    ``w`` is): its step time and its parameters' and gradients' bytes after the step."""
-    wd = w if depth is None else layer_repeat.workload_with_depth(w, depth)
-    box: list = []
-    per_step = recipe.accumulate if recipe.pp == 1 else (1 if recipe.virtual_stages == 1 else None)
-    m = run(timed_experiment(train_experiment(wd, [batch, batch], dt, recipe), box, per_step), "fake",
-            fake_target="cuda")
-    if m.oom or m.tracking is None:
-        raise ValueError(f"the timed fake run failed: {m.error}")
-    t = step_time_of(box[0].ops, speed, items, unit)
-    if m.offloaded is not None:
-        t = with_host_copies(t, sum(r.nbytes for r in m.offloaded.records.values()) // 2)
-    after = next((s.by_category for s in m.snapshots if s.name == "after step"), {})
-    return t, after.get("parameters", 0), after.get("gradients", 0)
+              items: int, unit: str, runs: Runs) -> tuple[StepTime, int, int]:
+    """The steady step of the two-step fake run at ``depth`` layers (None: as ``w`` is) and ``batch``
+    (``predict.fit.timed_step``): its step time and its parameters' and gradients' bytes after the step."""
+    from gpulab.predict.fake_runs import timed_step
+    ops = timed_step(w, runs.key, depth, batch, dt, recipe, runs.target)
+    t = cost_ops(list(ops.ops), speed, items, unit)
+    if ops.offloaded_bytes:   # the run's two steps' host copies: one step's
+        t = with_host_copies(t, ops.offloaded_bytes // 2)
+    return t, ops.param_bytes, ops.grad_bytes
 
 
-def timed_rank(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, speed: CardSpeed) -> RankTime:
-    """One rank's step at ``w``'s full depth (module docstring): two small timed depths laid out, or the
-    full depth timed where the layers do not repeat op for op."""
+def timed_rank(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, speed: CardSpeed,
+               runs: Runs = Runs()) -> RankTime:
+    """One rank's step at ``w``'s full depth (module docstring): two small timed depths laid out where
+    the memory search lays the depth out (``predict.fit``: the same runs), else the full depth timed."""
+    from gpulab.predict.fake_runs import not_laid_out
     per = w.seq_len if w.kind == "tokens" and w.seq_len else 1
     items, unit = batch * per * recipe.accumulate, ("tokens" if per > 1 else "samples")
-    why = None if w.config is not None and getattr(w, "facts", None) is not None else "not a transformers stack"
-    if why is None and recipe.virtual_stages > 1:
-        why = "interleaved chunks take turns"
-    if why is None:   # its reasons but the depth's own (timing pays for small runs at any depth)
-        why = layer_repeat.not_repeatable(w.config, recipe.checkpointing, w.facts)
-        if why is not None and "full depth is as cheap" in why:
-            why = None
-    pattern = None
-    if why is None:
-        pattern = layer_repeat.block_pattern(w.config, min_depth=0, facts=w.facts)
-        if isinstance(pattern, str):
-            why, pattern = pattern, None
+    why = not_laid_out(w, recipe)
+    pattern = None if why is not None else layer_repeat.block_pattern(w.config, min_depth=0, facts=w.facts)
+    if isinstance(pattern, str):
+        why, pattern = pattern, None
     if pattern is None:
-        t, p, g = _timed_at(w, None, batch, dt, recipe, speed, items, unit)
+        t, p, g = _timed_at(w, None, batch, dt, recipe, speed, items, unit, runs)
         return RankTime(t, p, g, f"timed at full depth ({why})")
     depth = getattr(w.config, w.facts.depth_field)
     d1, d2, _ = pattern.depths(depth)
-    a, pa, ga = _timed_at(w, d1, batch, dt, recipe, speed, items, unit)
-    b, pb, gb = _timed_at(w, d2, batch, dt, recipe, speed, items, unit)
+    a, pa, ga = _timed_at(w, d1, batch, dt, recipe, speed, items, unit, runs)
+    b, pb, gb = _timed_at(w, d2, batch, dt, recipe, speed, items, unit, runs)
     f = (depth - d1) / (d2 - d1)
     return RankTime(_laid_out(a, b, f), round(_lerp(pa, pb, f)), round(_lerp(ga, gb, f)),
                     f"timed at {d1} and {d2} layers, laid out to {depth} (t(L) = t({d1}) + (L - {d1})/{d2 - d1}"
@@ -294,12 +302,13 @@ def bubble_seconds(pp: int, t: float, virtual_stages: int = 1) -> float:
 
 
 def plan_time(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, layout: Any, speed: CardSpeed,
-              strategy: str | None = None, rank: RankTime | None = None) -> PlanTime:
+              strategy: str | None = None, rank: RankTime | None = None, runs: Runs = Runs()) -> PlanTime:
     """The step time of ``recipe`` at per-GPU (micro-)batch ``batch`` under ``layout`` (a
     ``gpulab.Layout``) on ``speed``'s card (module docstring). ``strategy``: the data parallelism
     (None: ``layout.strategy``, else replicas: ddp). ``rank``: the rank's timed step when already made
     for the same workload, batch, dtype, recipe and card (``timed_rank``), so that several data-parallel
-    strategies share one timed run (not for a pipeline: its stages are timed apart)."""
+    strategies share one timed run (not for a pipeline: its stages are timed apart). ``runs``: where the
+    timed runs are kept (``Runs``: those of ``gpulab fit``'s search)."""
     if batch < 1:
         raise ValueError("nothing fits: no step to time")
     gpus = layout.gpus or 1
@@ -307,8 +316,8 @@ def plan_time(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, layo
     strategy = strategy or layout.strategy or "ddp"
     notes = []
     if pp > 1:
-        return _pipeline_time(w, batch, dt, recipe, layout, speed, strategy, notes)
-    rank = rank if rank is not None else timed_rank(w, batch, dt, recipe, speed)
+        return _pipeline_time(w, batch, dt, recipe, layout, speed, strategy, notes, runs)
+    rank = rank if rank is not None else timed_rank(w, batch, dt, recipe, speed, runs)
     s = rank.step
     fwd, bwd, opt = s.by_phase.get("forward", 0.0), s.by_phase.get("backward", 0.0), s.by_phase.get("optimizer", 0.0)
     comm = _dp_comm(strategy, dp * (cp if strategy in ("zero1", "zero2", "zero3", "fsdp2") else 1), dp * tp * cp,
@@ -322,21 +331,21 @@ def plan_time(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, layo
 
 
 def _pipeline_time(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, layout: Any, speed: CardSpeed,
-                   strategy: str, notes: list[str]) -> PlanTime:
+                   strategy: str, notes: list[str], runs: Runs) -> PlanTime:
     """GPipe, 1F1B or interleaved 1F1B over ``recipe.pp`` stages (module docstring)."""
     pp, m, v, tp = recipe.pp, recipe.microbatches, recipe.virtual_stages, recipe.tp
     layers = w.config.num_hidden_layers
     stage_w = layer_repeat.workload_with_depth(w, layers // pp)
-    runs = {}
+    ranks = {}
     for stage in (0, pp - 1):
         r = replace(recipe, pp_stage=stage) if v > 1 else replace(recipe, pp_stage=stage, microbatches=1)
-        runs[stage] = timed_rank(stage_w, batch, dt, r, speed)
+        ranks[stage] = timed_rank(stage_w, batch, dt, r, speed, runs)
     share = m if v > 1 else 1   # an interleaved run is the rank's whole schedule: its m micro-batches
     per_mb = {s: (r.step.by_phase.get("forward", 0.0) + r.step.by_phase.get("backward", 0.0)) / share
-              for s, r in runs.items()}
+              for s, r in ranks.items()}
     slow = max(per_mb, key=per_mb.get)
     t = per_mb[slow]
-    rank = runs[slow]
+    rank = ranks[slow]
     s = rank.step
     opt = s.by_phase.get("optimizer", 0.0)
     bubble = bubble_seconds(pp, t, v)
@@ -364,11 +373,11 @@ def _pipeline_time(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe,
             notes.append("data parallelism assumed ddp (Megatron-LM's default, as the memory answer says)")
     seconds = m * t + bubble + opt + sum(c.exposed_s for c in comm)
     # model FLOPs: every stage's forward, a middle stage as the first without its embedding (no FLOPs)
-    first, last = runs[0].step.forward_flops / share, runs[pp - 1].step.forward_flops / share
+    first, last = ranks[0].step.forward_flops / share, ranks[pp - 1].step.forward_flops / share
     stage_fwd = first + last + (pp - 2) * first
     gpus = layout.gpus or pp * tp
     model_flops = 3 * stage_fwd * m * tp * layout.dp * recipe.cp
-    notes.append(f"stages timed: first and last ({runs[0].depth}); a middle stage holds the first's layers without "
+    notes.append(f"stages timed: first and last ({ranks[0].depth}); a middle stage holds the first's layers without "
                  f"the embedding, so it is no slower")
     return PlanTime(speed.name, speed, s, seconds, m * t, opt, comm, bubble, formula,
                     items=s.items * m * layout.dp, unit=s.unit, gpus=gpus, model_flops=model_flops,
@@ -385,9 +394,9 @@ def speed_or_why(card: Any) -> tuple[CardSpeed | None, str]:
 
 
 def time_of_fit(result: Any, w: Workload, dt: torch.dtype, recipe: LoopRecipe, layout: Any, card: Any,
-                progress: Any = None) -> None:
+                progress: Any = None, runs: Runs = Runs()) -> None:
     """``gpulab.fit``'s answer (a ``FitResult``) given its step time at the batch it found: ``result.time``,
-    or ``result.time_note`` saying why there is none."""
+    or ``result.time_note`` saying why there is none. ``runs``: where the search's timed runs are kept."""
     from gpulab.predict.progress import report
     speed, why = speed_or_why(card)
     if speed is None:
@@ -396,11 +405,11 @@ def time_of_fit(result: Any, w: Workload, dt: torch.dtype, recipe: LoopRecipe, l
     if result.largest_batch < 1:
         result.time_note = "nothing fits: no step to time"
         return
-    report(progress, 1.0, f"timing the step at batch {result.largest_batch} on {speed.name} (fake runs)")
+    report(progress, 1.0, f"timing the step at batch {result.largest_batch} on {speed.name} (the search's fake runs)")
     strategy = layout.strategy or (result.sharding.split(", ")[1].split(" ")[0] if result.sharding else None)
     t0 = time.perf_counter()
     try:
-        result.time = plan_time(w, result.largest_batch, dt, recipe, layout, speed, strategy)
+        result.time = plan_time(w, result.largest_batch, dt, recipe, layout, speed, strategy, runs=runs)
     except ValueError as why:
         result.time_note = str(why)
         return
@@ -417,9 +426,10 @@ def _one_gpu_layout(recipe: LoopRecipe):
 
 
 def time_candidates(w: Workload, batch: int, base_dt: torch.dtype, recipe_of: Any, asked_fits: bool, tried: list,
-                    card: Any, progress: Any = None) -> tuple[dict | None, list, str]:
+                    card: Any, progress: Any = None, runs: Runs = Runs()) -> tuple[dict | None, list, str]:
     """``what_fits``'s asked recipe (where it fits) and each fitting candidate timed at ``batch``: (the
-    asked one's time, the candidates with theirs, why none where the card has no speeds)."""
+    asked one's time, the candidates with theirs, why none where the card has no speeds). ``runs``: where
+    ``what_fits``'s own timed runs are kept."""
     from gpulab.predict.progress import report
     from gpulab.units import parse_dtype
     speed, why = speed_or_why(card)
@@ -430,7 +440,7 @@ def time_candidates(w: Workload, batch: int, base_dt: torch.dtype, recipe_of: An
         report(progress, 1.0, f"timing {name} at batch {batch} on {speed.name}")
         recipe = recipe_of(changes)
         dt = parse_dtype(changes["dtype"]) if "dtype" in changes else base_dt
-        return plan_time(w, batch, dt, recipe, _one_gpu_layout(recipe), speed).as_dict()
+        return plan_time(w, batch, dt, recipe, _one_gpu_layout(recipe), speed, runs=runs).as_dict()
     try:
         asked = timed({}, "the asked recipe") if asked_fits else None
         out = [replace(t, time=timed(t.changes, t.name)) if t.fits else t for t in tried]

@@ -8,6 +8,10 @@ the recipe (every field), the dtype, the batch, the card and target whose kernel
 and the versions of gpulab and torch. A workload of the user's own (an ``nn.Module``, a builder,
 their inputs or loss) has no key and is always run: gpulab cannot tell when it changes.
 
+A run made with a timer (``predict.run_ops``) keeps its step's ops beside its timeline (``keep_ops``,
+``kept_ops``), under the same key and forgotten with it: a timeline is the same whether or not a timer
+watched its run, so a timed question reuses a timeline only where its ops were kept too.
+
 The cache holds at most ``MAX_ENTRIES`` timelines and ``MAX_EVENTS`` events in all (about 470 bytes
 each with their records and series: some 100 MB; the least recently used goes first, the newest
 always stays) and hands out copies, so a caller that changes what it got changes nothing kept here.
@@ -20,12 +24,13 @@ from typing import Any, Callable
 
 from gpulab.measure.tracking import TrackingResult
 
-__all__ = ["MAX_ENTRIES", "MAX_EVENTS", "clear", "info", "measured", "run_key", "workload_key"]
+__all__ = ["MAX_ENTRIES", "MAX_EVENTS", "clear", "info", "keep_ops", "kept_ops", "kept_ops_by_batch", "measured", "run_key", "workload_key"]
 
 MAX_ENTRIES = 64
 MAX_EVENTS = 200_000     # an 8B transformer's two-step timeline: some 15,000 events
 
 _kept: OrderedDict[tuple, TrackingResult] = OrderedDict()
+_ops: dict[tuple, Any] = {}   # a timed run's ops (predict.run_ops.RunOps: frozen), by the key of its timeline
 _counts = {"hits": 0, "runs": 0}
 
 
@@ -61,19 +66,40 @@ def measured(key: tuple | None, run: Callable[[], TrackingResult], *,
         _kept.move_to_end(key)
         _counts["hits"] += 1
         return _copied(_kept[key]), True
+    if key is not None:
+        _ops.pop(key, None)   # a run made again keeps only its own ops (``run`` may keep them: ``keep_ops``)
     t = run()
     _counts["runs"] += 1
     if key is not None:
         _kept[key] = _copied(t)
         _kept.move_to_end(key)
         while len(_kept) > 1 and (len(_kept) > MAX_ENTRIES or sum(len(k.events) for k in _kept.values()) > MAX_EVENTS):
-            _kept.popitem(last=False)
+            _ops.pop(_kept.popitem(last=False)[0], None)
     return t, False
+
+
+def keep_ops(key: tuple | None, ops: Any) -> None:
+    """Keep a timed run's ops under ``key`` (its timeline's: ``measured`` keeps that), replacing any."""
+    if key is not None:
+        _ops[key] = ops
+
+
+def kept_ops(key: tuple | None) -> Any:
+    """The ops kept under ``key`` where its timeline is kept too, else None."""
+    return _ops.get(key) if key is not None and key in _kept else None
+
+
+def kept_ops_by_batch(key: tuple | None) -> dict[int, Any]:
+    """{batch: ops} kept for the run ``key`` names at every batch (``run_key``'s fields but the batch alike)."""
+    if key is None:
+        return {}
+    return {k[4]: ops for k, ops in _ops.items() if k[:4] == key[:4] and k[5:] == key[5:] and k in _kept}
 
 
 def clear() -> None:
     """Forget every kept timeline (and the counts)."""
     _kept.clear()
+    _ops.clear()
     _counts.update(hits=0, runs=0)
 
 

@@ -25,7 +25,9 @@ Where this differs from RuntimeEstimator, and why:
   fake CUDA target's stand-in copies are also costed as device copies (HBM, 50x faster: a sliver).
 - RuntimeEstimator needs a GPU to read the peak; here the card's row gives it, so any machine answers.
 
-The tracker already knows the phase of every op (forward, backward, optimizer); the timer reads it
+The tracker already knows the phase of every op (forward, backward, optimizer) and sees every op: it
+tells the timer each one (``MemoryTracker.op_observer``: no second dispatch mode to pass through, which
+costs a fake run about a quarter more where the observer costs a tenth), and the timer reads the phase
 (``MemoryTracker.current_phase``) and counts steps by it: a step starts at a forward that follows
 anything but a backward (so accumulation's micro-batches stay in one step), or, told the micro-batches
 a step runs (``per_step``), at a forward after a backward once the step has run that many (the optimizer
@@ -49,7 +51,7 @@ from gpulab.predict.comm_time import COMM_ASSUMPTION, CollectiveCost, collective
 from gpulab.tables import html_table
 
 __all__ = ["HOST_OVERLAP", "OpCost", "OpTimer", "StepTime", "TP_OVERLAP", "cost_ops", "dtype_key", "op_bytes",
-           "roofline_seconds", "step_time_of", "timed_experiment"]
+           "roofline_seconds", "step_ops", "step_time_of", "timed_experiment"]
 
 TP_OVERLAP = ("tensor parallelism's collectives on the critical path (each block's all-reduce, or sequence "
               "parallelism's all-gather and reduce-scatter, waits for its matmul and the next op waits for it)")
@@ -112,13 +114,17 @@ def _group_size(args: tuple) -> int:
 
 
 class OpTimer(TorchDispatchMode):
-    """Records every kernel-launching aten op of a run with its FLOPs, bytes and phase. Entered
-    inside a ``MemoryTracker`` (``timed_experiment``): it sees each op first and hands it on."""
+    """Records every kernel-launching aten op of a run with its FLOPs, bytes and phase. Told each op by
+    the run's ``MemoryTracker`` (``timed_experiment``: its ``op_observer``, after the tracker has seen
+    it), or entered as a dispatch mode of its own inside the tracker: the same ops either way.
+    ``from_step``: the steps before it are counted but their ops are not recorded (a run whose answer is
+    its last step)."""
 
-    def __init__(self, phase_of: Callable[[], str], per_step: int | None = None) -> None:
+    def __init__(self, phase_of: Callable[[], str], per_step: int | None = None, from_step: int = 0) -> None:
         super().__init__()
         self._phase_of = phase_of
         self._per_step = per_step
+        self._from = from_step
         self._forwards = 0   # forward phases entered in this step
         self.ops: list[OpCost] = []
         self.step = 0
@@ -133,25 +139,32 @@ class OpTimer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self(func, args, kwargs, out)
+        return out
+
+    def __call__(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        """Record one op that ran (``func(*args, **kwargs)`` gave ``out``)."""
         if func is _PRIM_DEVICE or func.is_view:
-            return out
+            return
         outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
         if not outs:   # metadata queries, scalars read back
-            return out
+            return
         phase = self._phase_of()
         if phase == "forward" and self._last != "forward":
             if self._last != "backward" or (self._per_step is not None and self._forwards >= self._per_step):
                 self.step, self._forwards = self.step + 1, 0
             self._forwards += 1
         self._last = phase
-        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if self.step < self._from:
+            return
+        ins = _tensors(args, kwargs)
         packet = func._overloadpacket
         if func.namespace in ("_c10d_functional", "_c10d_functional_autograd"):
             kind = _COLLECTIVES.get(packet.__name__)
             if kind is not None:   # S as nccl-tests counts it: the whole array (an all-gather's output)
                 nbytes = op_bytes(outs[0]) if kind == "all_gather" else op_bytes(ins[0])
                 self.ops.append(OpCost(packet.__name__, phase, self.step, 0, nbytes, "", kind, _group_size(args)))
-            return out   # wait_tensor: a wait, no kernel of its own
+            return   # wait_tensor: a wait, no kernel of its own
 
         flops, key = 0, ""
         if packet in flop_registry:
@@ -160,18 +173,39 @@ class OpTimer(TorchDispatchMode):
             key = min(floats, key=lambda k: _RANK.get(k, 9))
         self.ops.append(OpCost(packet.__name__, phase, self.step, flops,
                                sum(op_bytes(t) for t in ins) + sum(op_bytes(t) for t in outs), key))
-        return out
 
 
-def timed_experiment(experiment: Callable[[Any], Any], box: list, per_step: int | None = None) -> Callable[[Any], Any]:
-    """``experiment`` run under an ``OpTimer`` reading the run's tracker for phases; the timer is
-    appended to ``box`` for the caller to read after ``engines.run`` returns. ``per_step``: the
-    micro-batches (forwards) a step runs, where known (``OpTimer``)."""
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an op's arguments, in ``tree_flatten((args, kwargs))``'s order: flat tuples
+    and lists (a foreach op's) read directly, anything else flattened."""
+    out = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            if all(isinstance(v, torch.Tensor) or not isinstance(v, (tuple, list, dict)) for v in value):
+                out += [v for v in value if isinstance(v, torch.Tensor)]
+            else:
+                out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        elif isinstance(value, dict):
+            out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return out
+
+
+def timed_experiment(experiment: Callable[[Any], Any], box: list, per_step: int | None = None,
+                     from_step: int = 0) -> Callable[[Any], Any]:
+    """``experiment`` run with an ``OpTimer`` told every op by the run's tracker (its ``op_observer``),
+    reading the tracker for phases; the timer is appended to ``box`` for the caller to read after
+    ``engines.run`` returns. ``per_step``: the micro-batches (forwards) a step runs, where known;
+    ``from_step``: the first step whose ops are recorded (``OpTimer``)."""
     def timed(ctx):
-        timer = OpTimer(ctx.tracker.current_phase, per_step)
+        timer = OpTimer(ctx.tracker.current_phase, per_step, from_step)
         box.append(timer)
-        with timer:
+        before, ctx.tracker.op_observer = ctx.tracker.op_observer, timer
+        try:
             return experiment(ctx)
+        finally:
+            ctx.tracker.op_observer = before
     return timed
 
 
@@ -292,10 +326,15 @@ class StepTime:
                 "lines": self.lines()}
 
 
-def step_time_of(ops: list[OpCost], speed: CardSpeed, items: int, unit: str) -> StepTime:
-    """The last step's ops (phases forward, backward, optimizer) costed on ``speed``."""
+def step_ops(ops: list[OpCost]) -> list[OpCost]:
+    """The last step's ops (phases forward, backward, optimizer): the steady state."""
     last = max((o.step for o in ops if o.phase == "forward"), default=0)
-    return cost_ops([o for o in ops if o.step == last and o.phase in _STEP_PHASES], speed, items, unit)
+    return [o for o in ops if o.step == last and o.phase in _STEP_PHASES]
+
+
+def step_time_of(ops: list[OpCost], speed: CardSpeed, items: int, unit: str) -> StepTime:
+    """The last step's ops (``step_ops``) costed on ``speed``."""
+    return cost_ops(step_ops(ops), speed, items, unit)
 
 
 def cost_ops(ops: list[OpCost], speed: CardSpeed, items: int, unit: str) -> StepTime:

@@ -23,7 +23,7 @@ from gpulab.measure.engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
 from gpulab.models.workload import resolve_workload
 from gpulab.predict import run_cache
 from gpulab.predict.cards import follows_card
-from gpulab.predict.fit import _place, tracked_at_depth, verdict
+from gpulab.predict.fit import _place, _target, tracked_at_depth, verdict
 from gpulab.predict.progress import Progress, report
 from gpulab.training.loop import RECIPE_DEFAULTS, check_recipe_for, user_recipe
 from gpulab.units import dtype_name, format_bytes, parse_dtype
@@ -153,10 +153,10 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
     before each candidate (``predict.progress``). ``predict_time``: each recipe that fits gets its predicted
     step time (``predict.plan_time``), and ``ranked`` orders them by it."""
     t0 = time.perf_counter()
-    place = _place(gpu, context_bytes, module_loading)
+    place = _place(gpu, context_bytes, module_loading, predict_time)
     usable = max(0, place.card.reported_total_bytes - place.context_bytes - place.card.workspace_bytes())
     w = resolve_workload(model, seq_len=seq_len, image_size=image_size)
-    key, target = run_cache.workload_key(model, w, own_parts=False), ("cuda", repr(place.card))
+    key, target = run_cache.workload_key(model, w, own_parts=False), _target(place.card)
     base_dt = parse_dtype(dtype) if dtype is not None else torch.float32
     unknown = sorted(set(options) - set(RECIPE_DEFAULTS))
     if unknown:
@@ -173,7 +173,7 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
         dt = parse_dtype(changes["dtype"]) if "dtype" in changes else base_dt
         report(progress, len(tried) / (len(CANDIDATES) + 2), f"what fits at batch {batch}: {name}, a fake run "
                f"replayed through the simulated caching allocator")
-        t, _ = tracked_at_depth(w, key, batch, dt, recipe, target)
+        t, _ = tracked_at_depth(w, key, batch, dt, recipe, target, place.timed)   # timed: read by the time below
         return verdict(t, usable)   # what it needs on a card without a limit, when it fails
 
     tried: list[Tried] = []
@@ -207,9 +207,9 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
                 break
     asked_time, time_note = None, ""
     if predict_time:
-        from gpulab.predict.plan_time import time_candidates
+        from gpulab.predict.plan_time import Runs, time_candidates
         asked_time, tried, time_note = time_candidates(w, batch, base_dt, recipe_of, asked_fits, tried, place.card,
-                                                       progress)
+                                                       progress, Runs(key, target))
     return WhatFits(w.name, place.card.name, place.card.reported_total_bytes, place.context_bytes, batch,
                     {k: (dtype_name(v) if isinstance(v, torch.dtype) else v) for k, v in asked.items()
                      if k in ("optimizer", "dtype") or v != RECIPE_DEFAULTS.get(k)},
