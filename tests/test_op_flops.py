@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 import gpulab
 from gpulab.predict.card_speeds import speed_of
+from gpulab.predict.op_flops import ADDED_FORMULAS
 from gpulab.predict.timing import OpCost, cost_ops
 
 B, S, H, KV, D = 2, 16, 4, 2, 8   # batch, sequence, query heads, key/value heads (grouped), head dim
+FORWARD = 2 * (2 * B * H * S * S * D)    # q·kᵀ and weights·v, each 2·b·h·s_q·s_k·d at the query's heads
+BACKWARD = 5 * (2 * B * H * S * S * D)   # scores recomputed, grad v, grad scores, grad q, grad k
 
 
 class _Attention(nn.Module):
@@ -33,15 +37,23 @@ class _Attention(nn.Module):
 
 def test_cpu_flash_attention_is_counted_as_torch_s_sdpa_formula_from_its_shapes():
     t = gpulab.step(_Attention(), input_shape=(S, H * D), batch=B, fake_target="cpu", gpu="H100", time=True, steps=1).time
-    forward = 2 * (2 * B * H * S * S * D)          # q·kᵀ and weights·v, each 2·b·h·s_q·s_k·d at the query's heads
-    backward = 5 * (2 * B * H * S * S * D)         # scores recomputed, grad v, grad scores, grad q, grad k
     fwd, bwd = t.by_op["_scaled_dot_product_flash_attention_for_cpu"], \
         t.by_op["_scaled_dot_product_flash_attention_for_cpu_backward"]
     assert (fwd.count, bwd.count) == (1, 1)
-    assert (fwd.flops, bwd.flops) == (forward, backward)
+    assert (fwd.flops, bwd.flops) == (FORWARD, BACKWARD)
     assert not t.uncounted_compute and not any("attention" in n for n in t.no_formula)
     # the linears' FLOPs beside attention's: the step's total is theirs and attention's, nothing else
-    assert t.flops == sum(o.flops for o in t.by_op.values()) > forward + backward
+    assert t.flops == sum(o.flops for o in t.by_op.values()) > FORWARD + BACKWARD
+
+
+def test_flop_counter_mode_given_the_added_formulas_counts_cpu_flash_attention():
+    """What the capstone's ``step_flops`` passes FlopCounterMode (``custom_mapping``), on real tensors."""
+    aten = torch.ops.aten
+    with FlopCounterMode(display=False, custom_mapping=ADDED_FORMULAS) as counter:
+        _Attention()(torch.randn(B, S, H * D)).sum().backward()
+    counts = counter.get_flop_counts()["Global"]
+    assert counts[aten._scaled_dot_product_flash_attention_for_cpu] == FORWARD
+    assert counts[aten._scaled_dot_product_flash_attention_for_cpu_backward] == BACKWARD
 
 
 def test_the_answer_names_the_ops_it_has_no_flop_formula_for():

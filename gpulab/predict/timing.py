@@ -67,6 +67,7 @@ _COLLECTIVES = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_ga
 # the kinds of op torch.utils.flop_counter's formulas cover (matrix multiplies, convolutions, attention):
 # one of these without a formula has its compute left out of the step (``StepTime.uncounted_compute``)
 _COMPUTE_KINDS = ("mm", "conv", "attention")
+_WHERE = f"torch {torch.__version__.split('+')[0]}'s torch.utils.flop_counter"
 _PRIM_DEVICE = torch.ops.prim.device.default
 _STEP_PHASES = ("forward", "backward", "optimizer")
 _KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
@@ -289,7 +290,8 @@ class StepTime:
     @property
     def uncounted_compute(self) -> dict[str, int]:
         """The ops without a FLOP formula whose names say they are of a kind torch's formulas cover
-        (``_COMPUTE_KINDS``, e.g. ``_grouped_mm``): their compute is missing from ``flops`` and the time."""
+        (``_COMPUTE_KINDS``, e.g. ``_grouped_mm``): their compute is missing from ``flops`` and from the
+        time (only their bytes are costed)."""
         return {n: c for n, c in self.no_formula.items() if any(k in n for k in _COMPUTE_KINDS)}
 
     def formula_lines(self) -> list[str]:
@@ -297,15 +299,16 @@ class StepTime:
         kinds first, on a line of their own)."""
         if not self.no_formula:
             return []
-        where = f"torch {torch.__version__.split('+')[0]}'s torch.utils.flop_counter"
         named = sorted(self.no_formula.items(), key=lambda kv: (-kv[1], kv[0]))
-        out = []
-        if self.uncounted_compute:
-            out.append(f"  NB: no FLOP formula in {where} for " + ", ".join(
-                f"{n} ({c} calls)" for n, c in self.uncounted_compute.items()) + ": their compute is left out")
-        out.append(f"  no FLOP formula in {where} (0 FLOPs, costed by their bytes): {sum(self.no_formula.values()):,} "
-                   f"calls of {len(named)} ops: " + ", ".join(f"{n} ×{c}" for n, c in named))
-        return out
+        return [*self.uncounted_lines(), f"  no FLOP formula in {_WHERE} (0 FLOPs, costed by their bytes): "
+                f"{sum(self.no_formula.values()):,} calls of {len(named)} ops: " + ", ".join(f"{n} ×{c}" for n, c in named)]
+
+    def uncounted_lines(self, what: str = "") -> list[str]:
+        """A line naming the ``uncounted_compute`` ops, where there are any (``what``: whose step)."""
+        if not self.uncounted_compute:
+            return []
+        return [f"  NB: {what}no FLOP formula in {_WHERE} for " + ", ".join(
+            f"{n} ({c} calls)" for n, c in self.uncounted_compute.items()) + ": their compute is left out"]
 
     def top_ops(self, n: int = 8) -> list[OpTotals]:
         return sorted(self.by_op.values(), key=lambda o: -o.seconds)[:n]
