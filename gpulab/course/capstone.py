@@ -260,7 +260,7 @@ def step_flops(you: YourModel, batch: int, options: dict[str, Any] | None = None
 
     def counted(ctx):
         # grouped-query attention runs the CPU flash kernel here too (``fake_cuda._cuda_sdpa``), which
-        # torch < 2.15's registry has no formula for (``predict.op_flops``)
+        # torch 2.11's registry has no formula for (``predict.op_flops``)
         with FlopCounterMode(display=False, custom_mapping=ADDED_FORMULAS) as counter:
             experiment(ctx)
         return counter.get_total_flops()

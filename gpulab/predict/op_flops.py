@@ -2,15 +2,16 @@
 scaled-dot-product-attention variants an older torch's registry lacks, torch's own SDPA formula
 (``sdpa_flop_count``, ``sdpa_backward_flop_count``) applied to the op's shapes.
 
-NB: torch's registry gained ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (the
-kernels ``F.scaled_dot_product_attention`` runs on a CPU, so on the fake engine following this CPU) in
-2.15; torch 2.11's registry has no entry for them, so a count there scores the CPU engine's attention 0.
-Here they are counted as 2.15's registry counts them (``sdpa_flop`` and ``sdpa_backward_flop`` in
-torch/utils/flop_counter.py): grouped-query k/v (``enable_gqa``: fewer k/v heads than the query's)
-counted at the query's heads, as 2.15's ``sdpa_flop_count`` does and the kernel broadcasts them; 2.11's
-``sdpa_flop_count`` asserts equal heads, so the k/v shapes it is given carry the query's heads. Causal
-masking is not modelled, as in torch's formulas (an upper bound). Where the installed torch's registry
-has a formula, it is used unchanged.
+NB: torch 2.15's registry has ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (the
+kernels ``F.scaled_dot_product_attention`` runs on a CPU, so on the fake engine following this CPU, and
+for grouped-query attention on the fake CUDA target too: ``fake_cuda._cuda_sdpa``); torch 2.11's
+(Colab's, gpulab's floor) has no entry for them, so a count there scores that attention 0. Where the
+installed registry lacks them, they are counted as 2.15's registry counts them (``sdpa_flop`` and
+``sdpa_backward_flop`` in torch/utils/flop_counter.py): grouped-query k/v (``enable_gqa``: fewer k/v
+heads than the query's) counted at the query's heads, as 2.15's ``sdpa_flop_count`` does and the kernel
+broadcasts them; 2.11's ``sdpa_flop_count`` asserts equal heads, so the k/v shapes it is given carry the
+query's heads. Causal masking is not modelled, as in torch's formulas (an upper bound). Where the
+installed torch's registry has a formula, it is used unchanged.
 """
 from __future__ import annotations
 
