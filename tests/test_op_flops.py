@@ -45,8 +45,8 @@ def test_cpu_flash_attention_is_counted_as_torch_s_sdpa_formula_from_its_shapes(
     assert (fwd.count, bwd.count) == (1, 1)
     assert (fwd.flops, bwd.flops) == (FORWARD, BACKWARD)
     assert not t.uncounted_compute and not any("attention" in n for n in t.no_formula)
-    # the linears' FLOPs beside attention's: the step's total is theirs and attention's, nothing else
-    assert t.flops == sum(o.flops for o in t.by_op.values()) > FORWARD + BACKWARD
+    # the whole forward: the three linears' 2·tokens·in·out beside attention's
+    assert t.forward_flops == FORWARD + 2 * B * S * H * D * (H * D + 2 * KV * D + H * D)
 
 
 def test_flop_counter_mode_given_the_added_formulas_counts_cpu_flash_attention():
