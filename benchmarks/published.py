@@ -136,14 +136,12 @@ def _megatron_gpt(hidden: int, heads: int, layers: int):
                                    use_cache=False)
 
 
-def _megatron_tflops(hidden: int, heads: int, layers: int, *, batch: int, tp: int = 1) -> tuple[float, str]:
-    """One rank's predicted model TFLOP/s on the H100 row (model FLOPs: 3 x the forward's, counted by the
-    timer; with tp > 1 the step is the TP group's work, as ``_titan_tps`` says, so the figure per GPU is the
-    same quotient)."""
+def _megatron_tflops(hidden: int, heads: int, layers: int, *, batch: int) -> tuple[float, str]:
+    """One GPU's predicted model TFLOP/s on the H100 row (model FLOPs: 3 x the forward's, counted by the
+    timer) for ``batch`` sequences of 4,096 tokens."""
     from gpulab.predict.step import step
-    kw = {"tp": tp, "sequence_parallel": True} if tp > 1 else {}
     r = step(_megatron_gpt(hidden, heads, layers), batch=batch, seq_len=4096, optimizer="adamw", amp="bf16",
-             engine="fake", gpu="H100", time=True, **kw)
+             engine="fake", gpu="H100", time=True)
     t = r.time
     tflops = t.model_flops / t.seconds / 1e12
     return tflops, (f"{t.label}: step {t.seconds:.3f} s for {t.items:,} tokens, {tflops:,.1f} model TFLOP/s, MFU "
@@ -185,10 +183,11 @@ TIME_ROWS += [
     TimeRow(MEGATRON, MEGATRON_GPU, "Megatron-LM GPT 7.1B, TP 2, DP 48 (weak scaling)",
             "| 7.1B | 32 | 4096 | 30 | 2 | 1 | 48 | 96 | 192 | 465.9 | 47% | 44.7 |", 465.9,
             "GPT 7.1B: 32 heads, hidden 4096, 30 layers, TP 2, PP 1, DP 48, 96 GPUs, global batch 192 x 4096 (4 "
-            "sequences a TP group), per-GPU teraFLOP/s 465.9, MFU 47% (second row); gpulab: one TP rank, tp=2 with "
-            "sequence parallelism, batch 4 x 4096, bf16 autocast, AdamW",
-            _MEGATRON_OUT + "; TP's communication overlap (--tp-comm-overlap: gpulab puts TP's collectives on the "
-            "critical path)", lambda: _megatron_tflops(4096, 32, 30, batch=4, tp=2), "TFLOP/s per GPU"),
+            "sequences a TP group), per-GPU teraFLOP/s 465.9, MFU 47% (second row); gpulab: the TP group's work on "
+            "one GPU (GPT-2's architecture has no transformers tensor-parallel plan, so gpulab runs it unsplit), "
+            "batch 4 x 4096, bf16 autocast, AdamW: the model FLOP/s a GPU of the group runs if TP splits evenly",
+            _MEGATRON_OUT + "; TP's collectives (overlapped there, --tp-comm-overlap) and the smaller GEMMs a TP "
+            "rank runs", lambda: _megatron_tflops(4096, 32, 30, batch=4), "TFLOP/s per GPU"),
     TimeRow(NCCL_212, NCCL_GPU, "nccl-tests busbw, 8 H100 NVLink, ring / non-all-reduce",
             "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of "
             "370GB/s, which you can observe as \"BusBw\" when running non-allreduce operations, or when running with "

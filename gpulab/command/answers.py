@@ -252,8 +252,10 @@ def fastest_layouts_text(d: dict[str, Any]) -> str:
                      f"{tp_comm * 1e3:,.1f} | {t['exposed_comm_seconds'] * 1e3:,.1f} | {t['bubble_seconds'] * 1e3:,.1f}")
     for p in d["plans"]:
         if not p["fits"]:
-            lines.append(f"  does not fit: {p['name']}" + (f" ({p['note']})" if p["note"] else "")
-                         + f", needs {format_bytes(p['needed_bytes'])} of {format_bytes(p['capacity_bytes'])}")
+            lines.append(f"  does not fit: {p['name']}, needs {format_bytes(p['needed_bytes'])} of "
+                         f"{format_bytes(p['capacity_bytes'])} at batch 1")
+        elif not p["timed"]:
+            lines.append(f"  fits at batch {p['largest_batch']}, not timed: {p['name']} ({p['note']})")
     if d["fastest"]:
         f = d["fastest"]
         lines.append(f"fastest: {f['name']} ({f['mesh']}), batch {f['largest_batch']} a GPU"

@@ -41,7 +41,12 @@ class LayoutPlan:
 
     @property
     def fits(self) -> bool:
-        return self.largest_batch >= 1 and self.time is not None
+        return self.largest_batch >= 1
+
+    @property
+    def timed(self) -> bool:
+        """It fits and its step was predicted (``note`` says why not otherwise)."""
+        return self.fits and self.time is not None
 
     @property
     def name(self) -> str:
@@ -57,7 +62,7 @@ class LayoutPlan:
                 "mesh_dims": self.layout.mesh_dims, "largest_batch": self.largest_batch,
                 "microbatches": self.layout.microbatches if self.layout.pp > 1 else None,
                 "reserved_bytes": self.reserved_bytes, "needed_bytes": self.needed_bytes,
-                "capacity_bytes": self.capacity_bytes, "fits": self.fits, "note": self.note,
+                "capacity_bytes": self.capacity_bytes, "fits": self.fits, "timed": self.timed, "note": self.note,
                 "seconds": self.seconds, "time": None if t is None else t.as_dict()}
 
 
@@ -78,8 +83,8 @@ class FastestLayouts:
 
     @property
     def ranked(self) -> list[LayoutPlan]:
-        """The plans that fit, fastest first (most tokens or samples a second)."""
-        return sorted((p for p in self.plans if p.fits), key=lambda p: -p.time.items_per_s)
+        """The plans that fit and were timed, fastest first (most tokens or samples a second)."""
+        return sorted((p for p in self.plans if p.timed), key=lambda p: -p.time.items_per_s)
 
     @property
     def fastest(self) -> LayoutPlan | None:
