@@ -72,18 +72,19 @@ TORCHTITAN_GPU = ("H100 96 GB HBM2e (2.4 TB/s), 500 W power limit, Grand Teton h
 
 
 def _titan_tps(model: str, *, batch: int, checkpointing: str, tp: int = 1) -> tuple[float, str]:
-    """One rank's step predicted on the H100 row, as tokens/s per GPU. NB: with tp > 1 the timer counts
-    the DTensor ops' FLOPs at the whole model's size (the rank's model FLOPs are 6 x parameters x tokens,
-    shown in ``how``), so its step is the TP group's work on one GPU: the group's tp GPUs take 1/tp of
-    it for tp times the tokens, and the tokens/s per GPU is the step's tokens/s."""
+    """One rank's step predicted on the H100 row, as tokens/s per GPU. With tp > 1 the rank's step is its
+    share of the TP group's work (the timer costs each DTensor op as the rank's local kernel,
+    ``predict.timing._local_share``) while the step's tokens are the group's: the tokens/s per GPU is the
+    step's tokens/s over tp."""
     from gpulab.predict.step import step
     kw = {"tp": tp, "sequence_parallel": True} if tp > 1 else {}
     r = step(f"hf:{model}", batch=batch, seq_len=8192, optimizer="adamw", amp="bf16", engine="fake", use_cache=False,
              checkpointing=checkpointing, gpu="H100", time=True, **kw)
     t = r.time
-    share = t.model_flops / (6 * _parameters(model) * t.items)
-    return t.items_per_s, (f"{t.label}: step {t.seconds:.3f} s for {t.items:,} tokens, MFU {t.mfu:.1%}; the "
-                           f"step's model FLOPs are {share:.2f} x 6 x parameters x tokens; {t.assumptions.text}")
+    share = t.model_flops * tp / (6 * _parameters(model) * t.items)
+    return t.items_per_s / tp, (f"{t.label}: step {t.seconds:.3f} s for {t.items:,} tokens"
+                                + (f" over a TP group of {tp}" if tp > 1 else "") + f", MFU {t.mfu:.1%}; the "
+                                f"step's model FLOPs are {share:.2f} x 6 x parameters x tokens; {t.assumptions.text}")
 
 
 def _parameters(model: str) -> int:
