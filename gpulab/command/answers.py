@@ -241,7 +241,7 @@ def fastest_layouts_text(d: dict[str, Any]) -> str:
              f"{d['tried']} layouts tried, {len(d['ranked'])} fit, {len(d['skipped'])} left out; {d['seconds']:.1f} s",
              f"  each: {d['label']}",
              f"  {'layout':<52}{'batch':>7}{'reserved':>12}{'step ms':>10}{'tokens/s':>13}{'MFU':>7}   "
-             f"compute | TP comm | DP comm exposed | bubble (ms)"]
+             f"compute (TP comm inside it) | TP comm | DP comm exposed | bubble (ms)"]
     by_name = {p["name"]: p for p in d["plans"]}
     for name in d["ranked"]:
         p, t = by_name[name], by_name[name]["time"]
