@@ -55,7 +55,8 @@ loop ``gpulab.training.loop.LoopRecipe``, a batch) it compares:
   ``_snapshot()`` pickled under ``OUT/traces/`` with a JSON of its provenance, and the largest blocks
   alive at its peak in the report (the T4 case's beside its twin's);
 * the T4 case's attention reproduced on the CPU (``t4_dropout_on_cpu``: what the math kernel saves
-  in a real CPU run and in gpulab's fake engine), in the report.
+  in a real CPU run, a float32 dropout noise, and in gpulab's fake engine, CUDA's bool mask), in the
+  report.
 
 Each plain step is what a practitioner writes (the one loop's order, each recipe option as PyTorch's
 documentation writes it: autocast, GradScaler, ``clip_grad_norm_``, micro-batches, ``save_on_cpu``,
@@ -705,13 +706,14 @@ def t4_cpu_lines(t: dict[str, Any] | None) -> list[str]:
           "- `F.dropout` under the same fake engine saves: " +
           ", ".join(f"{x['dtype']} {'×'.join(map(str, x['shape']))}" for x in t.get("fake_f_dropout", [])) + ".", "",
           "`at::dropout` (aten/src/ATen/native/Dropout.cpp) runs `native_dropout` (output and a bool mask, saved) only "
-          "for a CUDA input (`is_fused_kernel_acceptable`); a CPU or fake-CPU input goes through `_dropout_impl`, "
-          "whose noise tensor has the input's dtype (here float32) and is saved by `mul`. The math composite calls "
-          "`at::dropout` from C++, where gpulab's Python swap of `F.dropout` for `native_dropout` does not reach: the "
-          f"fake engine keeps {t.get('fake_t4_excess_per_element', 0):g} bytes an s×s element more than CUDA (a float32 "
-          f"noise for a bool mask), {gv._mib(t.get('excess_per_layer_at_full_bytes'))} a layer for GPT-2 at 8 × 1024 "
-          "(12 heads). The GPU trace of gpt2-t4-kernels-bf16 and gpt2-bf16 above says whether that is the whole "
-          "difference.", ""]
+          "for a CUDA input (`is_fused_kernel_acceptable`); a CPU input goes through `_dropout_impl`, whose noise "
+          "tensor has the input's dtype (here float32) and is saved by `mul`. The math composite calls `at::dropout` "
+          f"from C++: the CPU run keeps {t.get('cpu_excess_per_element', 0):g} bytes an s×s element more than CUDA, "
+          f"{gv._mib(t.get('excess_per_layer_at_full_bytes'))} a layer for GPT-2 at 8 × 1024 (12 heads), the size "
+          "of the T4 case's over-prediction per layer on the H100 run of 2026-11-27 (docs/validation.md). gpulab's fake engine now registers CUDA's "
+          "choice on `aten::dropout` itself (`measure.fake_cuda._cuda_dropout_op`) and keeps "
+          f"{t.get('fake_t4_excess_per_element', 0):g} bytes more. The GPU trace of gpt2-t4-kernels-bf16 and "
+          "gpt2-bf16 above says whether that was the whole difference.", ""]
     return L
 
 
@@ -1566,10 +1568,11 @@ def t4_dropout_on_cpu(batch: int = 2, heads: int = 2, seq: int = 64, head_dim: i
     ``at::dropout`` (aten/src/ATen/native/Dropout.cpp) takes ``native_dropout`` (the output and a
     bool mask, saved) only for a CUDA input (``is_fused_kernel_acceptable``); else ``_dropout_impl``
     multiplies by a noise tensor of the input's dtype (``at::empty_like(input).bernoulli_``), which
-    ``mul`` saves. The dropout inside the math composite is that C++ call, which gpulab's Python
-    patch of ``F.dropout`` does not reach. Returns the saved tensors and the s×s bytes per element
-    each run keeps beyond CUDA's (whose dropout saves a bool mask), and that excess at ``full``
-    (GPT-2's 8 × 12 heads × 1024 positions) per layer."""
+    ``mul`` saves. The dropout inside the math composite is that C++ call: the real CPU run keeps the
+    noise, and gpulab's fake engine, which registers CUDA's choice on ``aten::dropout`` itself
+    (``measure.fake_cuda._cuda_dropout_op``), keeps the bool mask. Returns the saved tensors, the s×s
+    bytes per element each run keeps beyond CUDA's, and the CPU path's excess at ``full`` (GPT-2's
+    8 × 12 heads × 1024 positions) per layer: what the fake engine kept before that registration."""
     import torch
     import torch.nn.functional as F
     from torch._subclasses import FakeTensorMode
@@ -1612,7 +1615,7 @@ def t4_dropout_on_cpu(batch: int = 2, heads: int = 2, seq: int = 64, head_dim: i
         noise = pair[1]["bytes"] if len(pair) == 2 else 0
         out[f"{key}_excess_per_element"] = (noise - bool_mask) / elems
     b, h, s = full
-    out["excess_per_layer_at_full_bytes"] = int(out["fake_t4_excess_per_element"] * b * h * s * s)
+    out["excess_per_layer_at_full_bytes"] = int(out["cpu_excess_per_element"] * b * h * s * s)
     return out
 
 

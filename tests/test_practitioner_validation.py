@@ -427,16 +427,17 @@ def test_trace_peak_names_the_blocks_alive_at_the_peak_and_their_difference(pv):
 
 
 def test_the_t4_case_reproduced_on_the_cpu(pv):
-    """The math kernel's attention with dropout: the real CPU run and gpulab's fake engine for a T4
-    both save an s×s float32 noise tensor (``_dropout_impl``), where CUDA's ``native_dropout`` saves a
-    bool mask (what gpulab's own ``F.dropout`` swap saves): 3 bytes an element, 288 MiB a GPT-2 layer
-    at 8 × 12 heads × 1024²; with the bf16 reduction allowed the math path stays in bf16."""
+    """The math kernel's attention with dropout: the real CPU run saves an s×s float32 noise tensor
+    (``_dropout_impl``), where CUDA's ``native_dropout`` saves a bool mask, as gpulab's fake engine for a
+    T4 now does (``fake_cuda._cuda_dropout_op``) and its own ``F.dropout`` swap did: 3 bytes an element,
+    288 MiB a GPT-2 layer at 8 × 12 heads × 1024²; with the bf16 reduction allowed the math path stays in
+    bf16."""
     t = pv.t4_dropout_on_cpu(batch=2, heads=2, seq=32, head_dim=8)
     n = 2 * 2 * 32 * 32
-    for key in ("cpu", "fake_t4"):
-        four_d = [x for x in t[f"{key}_square"] if len(x["shape"]) == 4]
-        assert [x["dtype"] for x in four_d] == ["float32", "float32"] and four_d[1]["bytes"] == 4 * n, key
-        assert t[f"{key}_excess_per_element"] == 3.0
+    four_d = {key: [(x["dtype"], x["bytes"]) for x in t[f"{key}_square"] if len(x["shape"]) == 4]
+              for key in ("cpu", "fake_t4")}
+    assert four_d["cpu"] == [("float32", 4 * n), ("float32", 4 * n)] and t["cpu_excess_per_element"] == 3.0
+    assert four_d["fake_t4"] == [("float32", 4 * n), ("bool", n)] and t["fake_t4_excess_per_element"] == 0.0
     assert [(x["dtype"], x["bytes"]) for x in t["fake_f_dropout"]] == [("bool", n)]
     assert {x["dtype"] for x in t["cpu_reduction_allowed"]} == {"bfloat16"}
     assert t["excess_per_layer_at_full_bytes"] == 8 * 12 * 1024 * 1024 * 3
