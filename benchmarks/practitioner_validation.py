@@ -710,8 +710,9 @@ def t4_cpu_lines(t: dict[str, Any] | None) -> list[str]:
           "tensor has the input's dtype (here float32) and is saved by `mul`. The math composite calls `at::dropout` "
           f"from C++: the CPU run keeps {t.get('cpu_excess_per_element', 0):g} bytes an s×s element more than CUDA, "
           f"{gv._mib(t.get('excess_per_layer_at_full_bytes'))} a layer for GPT-2 at 8 × 1024 (12 heads), the size "
-          "of the T4 case's over-prediction per layer on the H100 run of 2026-11-27 (docs/validation.md). gpulab's fake engine now registers CUDA's "
-          "choice on `aten::dropout` itself (`measure.fake_cuda._cuda_dropout_op`) and keeps "
+          "of the T4 case's over-prediction per layer on the H100 run of 2026-11-27 (docs/validation.md). "
+          "gpulab's fake engine now registers CUDA's choice on `aten::dropout` itself "
+          "(`measure.fake_cuda._cuda_dropout_op`) and keeps "
           f"{t.get('fake_t4_excess_per_element', 0):g} bytes more. The GPU trace of gpt2-t4-kernels-bf16 and "
           "gpt2-bf16 above says whether that was the whole difference.", ""]
     return L
