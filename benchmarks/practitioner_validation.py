@@ -1992,7 +1992,7 @@ def validate(out: pathlib.Path, md: pathlib.Path | None = None, *, cases: Sequen
              command: Sequence[str] | None = None, merge: bool = False,
              progress: Callable[[str], None] | None = None, sweep: bool | None = None) -> Report:
     """Every case on CUDA device 0, then the cuDNN workspace sweep (``WORKSPACE_SWEEP``, ``QUICK_SWEEP``
-    with ``quick``; ``sweep``: None runs it unless ``names`` picks cases), the report rewritten after
+    with ``quick``; ``sweep``: None runs it unless ``cases`` or ``names`` picks cases), the report rewritten after
     each. ``cases``: the list (default ``CASES``, scaled down with ``quick``); ``names``: only these.
     ``merge``: keep the cases of ``out``'s earlier report (same GPU) that this run does not run again."""
     from gpulab.predict.context import context_assumption
@@ -2059,7 +2059,8 @@ def validate(out: pathlib.Path, md: pathlib.Path | None = None, *, cases: Sequen
                                if r.ran else "")
             + "".join(f"; fit {f.card}: {f.verdict}" for f in r.fit))
         save()
-    for setting in (QUICK_SWEEP if quick else WORKSPACE_SWEEP) if (not names if sweep is None else sweep) else ():
+    do_sweep = (cases is None and not names) if sweep is None else sweep
+    for setting in (QUICK_SWEEP if quick else WORKSPACE_SWEEP) if do_sweep else ():
         if deadline - time.monotonic() < MIN_SWEEP_S:
             report.not_run.append(f"cuDNN workspace sweep {setting.name}: time limit reached")
             continue
