@@ -195,6 +195,12 @@ def _each_optimizers_state_has_its_parameters_shape_and_dtype() -> bool:
     return True
 
 
+def _layer_norm_saves_its_input() -> bool:
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    y = torch.nn.LayerNorm(8)(x)
+    return type(y.grad_fn).__name__.startswith("NativeLayerNormBackward") and y.grad_fn._saved_input is x
+
+
 CLAIMS = [
     ("01", "hands out blocks in multiples of 512 bytes", "kMinBlockSize",
      ("header", "constexpr size_t kMinBlockSize = 512;")),
@@ -264,6 +270,18 @@ CLAIMS = [
      ("doc", "torch.Tensor.copy_", "if ``True`` and this copy is between CPU and GPU")),
     ("04", "from pinned and pageable memory alike", "torch.Tensor.to",
      ("doc", "torch.Tensor.to", "applies to both pinned and pageable memory")),
+    # the review of 2026-12-07: sentences corrected against torch 2.15
+    ("01", "would leave 1 MiB or less over", "kSmallSize", ("header", "constexpr size_t kSmallSize = 1048576;")),
+    ("05", "SGD's `_init_group` only reads `momentum_buffer`", "_init_group",
+     ("source", "torch.optim.sgd.SGD._init_group", 'momentum_buffer_list.append(state.get("momentum_buffer"))')),
+    ("05", "its `step()` stores the buffer the first update made", "_init_group",
+     ("source", "torch.optim.sgd.SGD.step", 'state["momentum_buffer"] = momentum_buffer')),
+    ("07", "LayerNorm 1 (`native_layer_norm`) also saves the block's input", "native_layer_norm",
+     ("run", _layer_norm_saves_its_input)),
+    ("09", "otherwise newer releases give it back after each call", "TORCH_CUBLAS_WORKSPACE_CACHE",
+     ("header", "workspace = at::cuda::allocateCUDABlasWorkspace(size);")),
+    ("09", "otherwise newer releases give it back after each call", "TORCH_CUBLAS_WORKSPACE_CACHE",
+     ("lib", "TORCH_CUBLAS_WORKSPACE_CACHE")),
 ]
 
 _CITES_SOURCE = re.compile(r"(?:torch|c10|aten)/[\w/.*]+\.(?:py|cpp|h|yaml)|\b[A-Z]\w+\.(?:cpp|h)\b")
