@@ -201,6 +201,25 @@ def _layer_norm_saves_its_input() -> bool:
     return type(y.grad_fn).__name__.startswith("NativeLayerNormBackward") and y.grad_fn._saved_input is x
 
 
+def _sdpa_math_computes_bf16_in_float32() -> bool:
+    """``_scaled_dot_product_attention_math`` on bf16 inputs: its matmuls run on float32 copies."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.matmul.default):
+                seen.append(out.dtype)
+            return out
+
+    q = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16, requires_grad=True)
+    with Log():
+        out = torch.ops.aten._scaled_dot_product_attention_math(q, q, q)[0]
+    return bool(seen) and set(seen) == {torch.float32} and out.dtype == torch.bfloat16
+
+
 CLAIMS = [
     ("01", "hands out blocks in multiples of 512 bytes", "kMinBlockSize",
      ("header", "constexpr size_t kMinBlockSize = 512;")),
@@ -282,6 +301,20 @@ CLAIMS = [
      ("header", "workspace = at::cuda::allocateCUDABlasWorkspace(size);")),
     ("09", "otherwise newer releases give it back after each call", "TORCH_CUBLAS_WORKSPACE_CACHE",
      ("lib", "TORCH_CUBLAS_WORKSPACE_CACHE")),
+    ("07", "yes, once the last needed tensor is recomputed", "use_reentrant=False",
+     ("doc", "torch.utils.checkpoint.checkpoint", "Non-reentrant checkpoint stops recomputation as soon as")),
+    ("08", "and caches it for the rest of the region", "cache_enabled",
+     ("doc", "torch.autocast", "Whether the weight cache inside autocast should be enabled.")),
+    ("11", "which computes in float32 and saves", "_scaled_dot_product_attention_math",
+     ("run", _sdpa_math_computes_bf16_in_float32)),
+    ("14", "`param.copy_(input_param)` in `Module._load_from_state_dict`", "_load_from_state_dict",
+     ("source", "torch.nn.Module._load_from_state_dict", "param.copy_(input_param)")),
+    ("14", "PyTorch warns so and suggests `assign=True`", "assign=True",
+     ("source", "torch.nn.Module._load_from_state_dict", "which is a no-op")),
+    ("14", "keeping the module's `requires_grad`", "assign=True",
+     ("source", "torch.nn.Module._load_from_state_dict", "requires_grad=param.requires_grad")),
+    ("14", "is `mmap.MAP_PRIVATE`", "get_default_mmap_options",
+     ("doc", "torch.serialization.get_default_mmap_options", "Defaults to ``mmap.MAP_PRIVATE``")),
 ]
 
 _CITES_SOURCE = re.compile(r"(?:torch|c10|aten)/[\w/.*]+\.(?:py|cpp|h|yaml)|\b[A-Z]\w+\.(?:cpp|h)\b")
