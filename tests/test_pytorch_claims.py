@@ -315,6 +315,12 @@ CLAIMS = [
      ("source", "torch.nn.Module._load_from_state_dict", "requires_grad=param.requires_grad")),
     ("14", "is `mmap.MAP_PRIVATE`", "get_default_mmap_options",
      ("doc", "torch.serialization.get_default_mmap_options", "Defaults to ``mmap.MAP_PRIVATE``")),
+    ("07", "the segment's parameters get **no gradient** (a warning, not an error)", "use_reentrant=True",
+     ("source", "torch.utils.checkpoint", "None of the inputs have requires_grad=True. Gradients will be None")),
+    ("07", "keyword arguments, `torch.autograd.grad`, `backward(inputs=...)`", "use_reentrant=True",
+     ("source", "torch.utils.checkpoint", "with .grad() or passing an `inputs` parameter to .backward()")),
+    ("07", "keyword arguments, `torch.autograd.grad`, `backward(inputs=...)`", "use_reentrant=True",
+     ("source", "torch.utils.checkpoint", "if kwargs and use_reentrant:")),
 ]
 
 _CITES_SOURCE = re.compile(r"(?:torch|c10|aten)/[\w/.*]+\.(?:py|cpp|h|yaml)|\b[A-Z]\w+\.(?:cpp|h)\b")
