@@ -28,6 +28,10 @@ Where this differs from RuntimeEstimator, and why:
   offloaded bytes, twice) go over the card's host link (PCIe), not overlapped (``HOST_OVERLAP``); the
   fake CUDA target's stand-in copies are also costed as device copies (HBM, 50x faster: a sliver).
 - RuntimeEstimator needs a GPU to read the peak; here the card's row gives it, so any machine answers.
+- A tensor-parallel run's ops reach the timer as DTensor ops at their global shapes (the tracker sees
+  DTensor's dispatch, not the local ops under it): each is costed as the rank's kernel, its FLOPs times
+  ``_local_share`` (the output's local share, a ``Partial`` output's divided by its mesh size) and its
+  bytes those of the local shards (``_local``).
 
 The tracker already knows the phase of every op (forward, backward, optimizer) and sees every op: it
 tells the timer each one (``MemoryTracker.op_observer``: no second dispatch mode to pass through, which
@@ -177,12 +181,34 @@ class OpTimer(TorchDispatchMode):
         flops, key = 0, ""
         formula = flop_formula(packet)
         if formula is not None:
-            flops = int(formula(*args, **kwargs, out_val=out))
+            flops = int(formula(*args, **kwargs, out_val=out) * _local_share(outs[0]))
             floats = [dtype_key(t.dtype) for t in ins if t.is_floating_point()] or [dtype_key(outs[0].dtype)]
             key = min(floats, key=lambda k: _RANK.get(k, 9))
         self.ops.append(OpCost(packet.__name__, phase, self.step, flops,
-                               sum(op_bytes(t) for t in ins) + sum(op_bytes(t) for t in outs), key,
+                               sum(op_bytes(_local(t)) for t in ins) + sum(op_bytes(_local(t)) for t in outs), key,
                                formula=formula is not None))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank's kernel reads or writes), else ``t``."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+def _local_share(out: torch.Tensor) -> float:
+    """The share of a DTensor op's FLOPs (counted at the global shapes DTensor dispatches) that this rank's
+    kernel runs: its output's local elements over the global ones (a ``Shard`` placement splits the work by
+    the output), divided again by each mesh dimension the output is ``Partial`` over (the work split along
+    the reduction, each rank holding a full-shaped partial sum: a row-wise linear). 1 for a plain tensor and
+    for a replicated output (every rank runs it whole)."""
+    inner = getattr(out, "_local_tensor", None)
+    if not isinstance(inner, torch.Tensor) or not out.numel():
+        return 1.0
+    share = inner.numel() / out.numel()
+    for placement, size in zip(out.placements, out.device_mesh.shape):
+        if placement.is_partial():
+            share /= size
+    return share
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
