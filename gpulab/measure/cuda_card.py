@@ -38,9 +38,9 @@ its capability. Each rule below follows PyTorch's source, cited by file and func
   thread-local pool window), and autograd runs backward on its own device thread, so a training
   step holds two. ``parseCUDABlasLtWorkspaceSize`` adds cuBLASLt's own (``CUBLASLT_WORKSPACE_SIZE``,
   default 1024 KiB). On the H200 recorded here (torch 2.11.0+cu130) the first step kept 68,157,440
-  bytes allocated after it: 2 × 32 MiB + 1 MiB, as these rules give. NB: PyTorch's newest file keeps
-  workspaces only with ``TORCH_CUBLAS_WORKSPACE_CACHE=1`` (``isCUDABlasWorkspaceCachingEnabled``,
-  off by default on CUDA); otherwise a matmul allocates one for its own duration
+  bytes allocated after it: 2 × 32 MiB + 1 MiB, as these rules give. NB: from torch 2.15 on,
+  PyTorch keeps workspaces only with ``TORCH_CUBLAS_WORKSPACE_CACHE=1``
+  (``isCUDABlasWorkspaceCachingEnabled``, off by default on CUDA); otherwise a matmul allocates one for its own duration
   (``getCurrentCUDABlasHandleWithWorkspace``) or leaves cuBLAS its default workspace, so there these
   kept figures are an upper bound.
 """
