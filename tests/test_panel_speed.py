@@ -48,7 +48,7 @@ def test_largest_batch_answers_unchanged(model, card_gib, optimizer):
 
 @pytest.mark.extended
 def test_fine_tune_check_answers_as_the_full_depth_step():
-    """A custom 12-layer Llama-style model (laid out from runs of 2 and 3 layers) with LoRA: the kept,
+    """A custom 12-layer Llama-style model (laid out from runs of 1 and 2 layers) with LoRA: the kept,
     laid-out timeline gives gpulab.step's full-depth numbers, and asking again measures nothing."""
     config = custom_config(hidden=128, layers=12)
     options = recipe_options("lora", "none")

@@ -432,8 +432,8 @@ class _FakeRuns:
 
 def _replay(t: TrackingResult, capacity: int | None) -> tuple[int, bool]:
     """(simulated peak reserved, whether an allocation failed) with ``capacity`` (None: no limit)."""
-    r = CachingAllocator(capacity_bytes=capacity).replay(t.events, strict=False)
-    return r.peak_reserved, bool(r.oom_events)
+    peak, ooms = CachingAllocator(capacity_bytes=capacity).replay_peak(t.events)   # replay's peak and OOMs
+    return peak, bool(ooms)
 
 
 def verdict(t: TrackingResult, usable: int) -> tuple[int, bool]:
