@@ -7,6 +7,8 @@
 #          exhaustive cross products): CI runs it after make test
 #   make test-colab  the lessons headless plus the quick suite under Google Colab's versions
 #          (colab/pins.txt), in their own .venv-colab: not part of `make test`
+#   make test-claims-oldest  the PyTorch claim registry and the number scan on that oldest torch
+#          (Colab's), in .venv-oldest: not part of `make test`
 #
 # Which PyTorch build goes into .venv (TORCH=auto, the default, decides by the machine):
 #   cpu    PyTorch's CPU-only wheels from PyTorch's CPU index (about 1 GB in the venv): the choice
@@ -140,6 +142,30 @@ test-colab: $(COLAB_STAMP)
 	echo "$$out" | grep '^Would install' || echo "pip would install nothing new"; \
 	if echo "$$out" | grep '^Would install' | grep -qiE ' (torch|torchvision|transformers|ipywidgets)-[0-9]'; then \
 	  echo "gpulab: the Colab install line would replace one of Colab's torch, torchvision, transformers, ipywidgets" >&2; exit 1; fi
+
+# The claim registry and the number scan on the oldest torch the lessons support (issue 47: they run
+# on Colab's torch, colab/pins.txt's, through the newest). .venv-oldest gets that torch on gpulab's
+# oldest Python (OLDEST_PYTHON), the registry's default build (a CUDA build, about 4 GB: its
+# libraries hold the C++ names tests/test_pytorch_claims.py looks for; a CPU-only build would skip
+# those checks), and only what these tests import; test-claims-oldest runs the claim registry, the
+# number scan and the docs test there. Not in `make test`: it downloads a second torch.
+OLDEST_VENV   ?= .venv-oldest
+OLDEST_PYTHON ?= python3.11
+OLDEST_PY     := $(OLDEST_VENV)/bin/python
+OLDEST_STAMP  := $(OLDEST_VENV)/.gpulab-oldest
+OLDEST_TESTS  := tests/test_pytorch_claims.py tests/test_typed_numbers.py tests/test_docs.py
+.PHONY: test-claims-oldest
+
+$(OLDEST_STAMP): $(COLAB_PINS) pyproject.toml | $(if $(filter $(UV_HOME)/bin/uv,$(UV)),$(UV_HOME)/bin/uv)
+	test -x $(OLDEST_PY) || $(UV) venv --python $(OLDEST_PYTHON) $(OLDEST_VENV)
+	$(UV) pip install --compile-bytecode --python $(OLDEST_PY) -c $(COLAB_PINS) torch \
+	    'pytest>=8,<9.1' 'pytest-timeout>=2.3' 'nbformat>=5.9' numpy
+	$(UV) pip install --compile-bytecode --python $(OLDEST_PY) --no-deps -e .
+	touch $@
+
+test-claims-oldest: $(OLDEST_STAMP)
+	@$(OLDEST_PY) -c 'import torch; print("gpulab: torch", torch.__version__)'
+	$(OLDEST_PY) -m pytest -p no:cacheprovider -q $(OLDEST_TESTS)
 
 # the browser test (tests/test_browser.py) drives Debian's chromium; install it when missing
 chromium:

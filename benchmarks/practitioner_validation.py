@@ -3,7 +3,7 @@ checked on one GPU against plain PyTorch.
 
 The command a GPU session runs (one H100 or H200; it stops starting cases after --time-limit):
 
-    PYTHONPATH=. python benchmarks/practitioner_validation.py --out "$OUT/practitioner" --md docs/gpu-validation.md --time-limit 510 --commit SHA; cp docs/gpu-validation.md "$OUT/practitioner/"
+    PYTHONPATH=. python benchmarks/practitioner_validation.py --out "$OUT/practitioner" --md docs/gpu-validation.md --time-limit 520 --commit SHA; cp docs/gpu-validation.md "$OUT/practitioner/"
 
 (``$OUT``: the folder the device machine sends back; ``SHA``: ``git rev-parse HEAD`` where the
 command is prepared, since that machine's copy has no .git; the ``cp`` brings the updated doc back.
@@ -16,7 +16,9 @@ twelve, 37 s for the two FP8 cases, 25 s for the two T4-kernel ones); issue 48's
 checks are estimated from those times and the sizes at about 500 s (each case ~4-12 s with its 8 timed
 steps, each fit check ~15 s, compile's inductor ~25 s): the cases run in ``CASES``' order, the most
 important first (the T4 case traced, the snapshots for the lessons, the MoE and sliding-window models),
-and what the time limit leaves out is reported as not run.
+and what the time limit leaves out is reported as not run. Then the cuDNN workspace sweep
+(``WORKSPACE_SWEEP``: seven ResNet-50 and VGG-16 settings, one step each on gpulab's cuda engine,
+~1-2 s each, ~10 s in all) records the allocations no tensor owns for each setting, in the time left.
 
 Options: ``--quick`` (tiny configs and small batches: what the test suite runs under the CUDA
 stand-in, tests/cuda_standin.py), ``--cases a,b`` (a subset, by name), ``--case-limit S`` (seconds
@@ -54,8 +56,12 @@ loop ``gpulab.training.loop.LoopRecipe``, a batch) it compares:
   a generate() at batch 4): ``torch.cuda.memory._record_memory_history`` around the measured steps,
   ``_snapshot()`` pickled under ``OUT/traces/`` with a JSON of its provenance, and the largest blocks
   alive at its peak in the report (the T4 case's beside its twin's);
+* the cuDNN workspace sweep (``workspace_setting_run``): per setting, the allocator's peak beyond the
+  tensors' blocks, the allocations no tensor owns (count, largest, live at the peak) and the reserved
+  peak beside the simulator's replays, in the report; ``--no-sweep`` leaves it out;
 * the T4 case's attention reproduced on the CPU (``t4_dropout_on_cpu``: what the math kernel saves
-  in a real CPU run and in gpulab's fake engine), in the report.
+  in a real CPU run, a float32 dropout noise, and in gpulab's fake engine, CUDA's bool mask), in the
+  report.
 
 Each plain step is what a practitioner writes (the one loop's order, each recipe option as PyTorch's
 documentation writes it: autocast, GradScaler, ``clip_grad_norm_``, micro-batches, ``save_on_cpu``,
@@ -120,7 +126,7 @@ PROCESS_TOL = 0.05       # predicted whole process vs NVML used
 FIT_EXACT_SHARE = 0.90   # fit's batch exact in at least this share of the checks, never one too many
 FIT_PROBES = 3           # batches tried beyond b + 1 (or below b) to say by how much fit missed
 
-DEFAULT_TIME_LIMIT_S = 510
+DEFAULT_TIME_LIMIT_S = 520
 DEFAULT_CASE_LIMIT_S = 150
 MIN_CASE_S = 10          # no case is started with less time than this left
 
@@ -318,6 +324,113 @@ def quick_cases(cases: Sequence[Case] = CASES) -> list[Case]:
     return out
 
 
+# ---- cuDNN's convolution workspaces by setting (issue 48 item 3) ---------------------------------
+
+@dataclass(frozen=True)
+class WorkspaceSetting:
+    """A convolution network's training step whose cuDNN workspaces the sweep records: a
+    ``torchvision.models`` builder, a batch of ``image_size``² images, autocast or not, and
+    ``channels_last`` (the weights converted: cuDNN then runs channels-last convolutions,
+    ``cudnn_conv_suggest_memory_format``). SGD with momentum, one step, as the ResNet-50 case."""
+    name: str
+    model: str
+    batch: int
+    amp: str | None = None
+    channels_last: bool = False
+    image_size: int = 224
+
+
+# Why a record and not a rule: with ``torch.backends.cudnn.benchmark`` off, ``Conv_v8.cpp`` asks
+# cuDNN's heuristics for engine configs (``get_configs_from_heuristics``) and runs the first that
+# builds and fits (``try_configs``), allocating that plan's ``getWorkspaceSize()``; which engine
+# cuDNN ranks first, and its workspace, are cuDNN's (closed) answer per card, version, shape,
+# dtype and layout. In the order run (the ResNet-50 case's own setting first); ~1-2 s each on an H100.
+WORKSPACE_SWEEP: tuple[WorkspaceSetting, ...] = (
+    WorkspaceSetting("resnet50-b64-fp32", "resnet50", 64),
+    WorkspaceSetting("resnet50-b64-fp32-channels-last", "resnet50", 64, channels_last=True),
+    WorkspaceSetting("resnet50-b64-bf16-autocast", "resnet50", 64, amp="bf16"),
+    WorkspaceSetting("resnet50-b64-bf16-autocast-channels-last", "resnet50", 64, amp="bf16", channels_last=True),
+    WorkspaceSetting("resnet50-b32-fp32", "resnet50", 32),
+    WorkspaceSetting("vgg16-b16-fp32", "vgg16", 16),
+    WorkspaceSetting("vgg16-b16-bf16-autocast-channels-last", "vgg16", 16, amp="bf16", channels_last=True),
+)
+QUICK_SWEEP: tuple[WorkspaceSetting, ...] = (   # --quick: a small ResNet on small images
+    WorkspaceSetting("resnet18-b2-fp32-channels-last", "resnet18", 2, channels_last=True, image_size=32),
+    WorkspaceSetting("resnet18-b2-bf16-autocast", "resnet18", 2, amp="bf16", image_size=32),
+)
+MIN_SWEEP_S = 5          # no sweep setting is started with less time than this left
+
+
+def workspace_setting_run(setting: WorkspaceSetting) -> dict[str, Any]:
+    """One setting on gpulab's cuda engine (its tracker beside the allocator's own trace): the
+    allocator's peak beyond the live tensors' blocks; the allocations no tensor owns
+    (``measure.non_tensor``: cuDNN's convolution workspaces on every GPU measured so far): how many,
+    the largest, their bytes live at the trace's peak, by C++ site where the trace has frames; the
+    real reserved peak beside the simulator's replay of the tensors alone and of the whole trace
+    (the segments the workspaces add). Never raises: an error is the setting's result."""
+    import torch
+    import torchvision
+
+    import gpulab
+    from gpulab.predict.replay import replay_events
+    out: dict[str, Any] = {k: getattr(setting, k) for k in setting.__dataclass_fields__}
+    t0 = time.monotonic()
+    try:
+        net = getattr(torchvision.models, setting.model)()
+        if setting.channels_last:
+            net = net.to(memory_format=torch.channels_last)
+        free_memory()
+        r = gpulab.step(net, batch=setting.batch, input_shape=(3, setting.image_size, setting.image_size),
+                        optimizer="momentum", engine="cuda", amp=setting.amp, steps=1, guard=False)
+        m = r.measurement
+        if m.engine != "cuda":
+            raise RuntimeError(f"the step ran on the {m.engine} engine, not cuda")
+        if m.oom:
+            raise RuntimeError(f"out of memory: {m.error}")
+        a, beyond = m.allocator or {}, m.beyond_tensors or {}
+        nt = beyond.get("not_tensors") or {}
+        out.update(tensors_peak=m.blocks.peak_bytes if m.blocks else None,
+                   allocated_peak=a.get("peak_allocated_delta"), reserved_peak=a.get("peak_reserved_delta"),
+                   beyond_tensors=beyond.get("bytes"), not_tensor_count=nt.get("count"),
+                   not_tensor_largest=nt.get("largest_bytes"), not_tensor_at_peak=nt.get("at_peak"),
+                   not_tensor_total=nt.get("total_bytes"), sites=nt.get("site_bytes") or {},
+                   tensors_reserved=replay_events(m.tracking.events).peak_reserved,
+                   trace_reserved=nt.get("replayed_peak_reserved"))
+        del r, m
+    except Exception as exc:  # noqa: BLE001 - the setting's result, the sweep goes on
+        out["error"] = gv._error(exc)
+    finally:
+        free_memory()
+    out["seconds"] = round(time.monotonic() - t0, 2)
+    return out
+
+
+def workspace_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The sweep's table, as markdown."""
+    if not rows:
+        return []
+    L = ["### cuDNN workspaces by setting (issue 48 item 3)", "",
+         "Each setting's one training step (SGD with momentum) on gpulab's cuda engine: the allocator's peak beyond "
+         "the live tensors' blocks, the allocations no tensor owns in the allocator's own trace "
+         "(`gpulab.measure.non_tensor`; cuDNN's convolution workspaces on every GPU measured so far), and the real "
+         "reserved peak beside the simulator's replay of the tensors alone and of the whole trace. "
+         "cuDNN picks its algorithms at run time, so these figures hold for this card, cuDNN and torch only.", ""]
+    head = ["setting", "tensors' peak", "allocated peak", "beyond tensors", "no tensor's: count", "largest",
+            "live at the trace's peak", "reserved peak", "replayed: tensors", "replayed: whole trace", "time"]
+    body = []
+    for r in rows:
+        if r.get("error"):
+            body.append([r["name"], f"error: {r['error'].splitlines()[0]}"] + [""] * (len(head) - 2))
+            continue
+        body.append([r["name"], gv._mib(r.get("tensors_peak")), gv._mib(r.get("allocated_peak")),
+                     gv._mib(r.get("beyond_tensors")),
+                     "—" if r.get("not_tensor_count") is None else str(r["not_tensor_count"]),
+                     gv._mib(r.get("not_tensor_largest")), gv._mib(r.get("not_tensor_at_peak")),
+                     gv._mib(r.get("reserved_peak")), gv._mib(r.get("tensors_reserved")),
+                     gv._mib(r.get("trace_reserved")), _seconds(r.get("seconds"))])
+    return L + gv._table(head, body) + [""]
+
+
 # ---- results -------------------------------------------------------------------------------------
 
 @dataclass
@@ -408,6 +521,7 @@ class Report:
     time_limit: float | None = None
     earlier: list[str] = field(default_factory=list)   # cases kept from an earlier run (--merge)
     t4_cpu: dict[str, Any] | None = None   # the T4 case's attention on the CPU (t4_dropout_on_cpu)
+    workspaces: list[dict[str, Any]] = field(default_factory=list)   # the cuDNN workspace sweep
     format: int = REPORT_FORMAT
 
     def as_dict(self) -> dict[str, Any]:
@@ -428,6 +542,8 @@ def merge_earlier(report: Report, old: Report) -> None:
     if old.device.get("gpu_name") != report.device.get("gpu_name"):
         report.not_run.append(f"the earlier report (device {old.device.get('gpu_name')}) was not merged: another device")
         return
+    if not report.workspaces:
+        report.workspaces = list(old.workspaces)
     mine = [c for c in report.cases if not any(c is k for k in old.cases)]   # idempotent: saved after each case
     kept = [c for c in old.cases if c.name not in {m.name for m in mine}]
     order = {c.name: i for i, c in enumerate(CASES)}
@@ -645,6 +761,7 @@ def render(report: Report) -> str:
                             [[gv._mib(d["bytes"]), d["more"], gv._signed_bytes(d["bytes"] * d["more"])] for d in diff])
                   if diff else ["None: the same blocks are alive at both peaks."]) + [""]
     L += t4_cpu_lines(report.t4_cpu)
+    L += workspace_lines(report.workspaces)
     gen = [r for r in report.cases if r.serve]
     for r in gen:
         L += [f"{r.name}: `gpulab serve` for the same context: " + ", ".join(
@@ -705,13 +822,15 @@ def t4_cpu_lines(t: dict[str, Any] | None) -> list[str]:
           "- `F.dropout` under the same fake engine saves: " +
           ", ".join(f"{x['dtype']} {'×'.join(map(str, x['shape']))}" for x in t.get("fake_f_dropout", [])) + ".", "",
           "`at::dropout` (aten/src/ATen/native/Dropout.cpp) runs `native_dropout` (output and a bool mask, saved) only "
-          "for a CUDA input (`is_fused_kernel_acceptable`); a CPU or fake-CPU input goes through `_dropout_impl`, "
-          "whose noise tensor has the input's dtype (here float32) and is saved by `mul`. The math composite calls "
-          "`at::dropout` from C++, where gpulab's Python swap of `F.dropout` for `native_dropout` does not reach: the "
-          f"fake engine keeps {t.get('fake_t4_excess_per_element', 0):g} bytes an s×s element more than CUDA (a float32 "
-          f"noise for a bool mask), {gv._mib(t.get('excess_per_layer_at_full_bytes'))} a layer for GPT-2 at 8 × 1024 "
-          "(12 heads). The GPU trace of gpt2-t4-kernels-bf16 and gpt2-bf16 above says whether that is the whole "
-          "difference.", ""]
+          "for a CUDA input (`is_fused_kernel_acceptable`); a CPU input goes through `_dropout_impl`, whose noise "
+          "tensor has the input's dtype (here float32) and is saved by `mul`. The math composite calls `at::dropout` "
+          f"from C++: the CPU run keeps {t.get('cpu_excess_per_element', 0):g} bytes an s×s element more than CUDA, "
+          f"{gv._mib(t.get('excess_per_layer_at_full_bytes'))} a layer for GPT-2 at 8 × 1024 (12 heads), the size "
+          "of the T4 case's over-prediction per layer on the H100 run of 2026-11-27 (docs/validation.md). "
+          "gpulab's fake engine now registers CUDA's choice on `aten::dropout` itself "
+          "(`measure.fake_cuda._cuda_dropout_op`) and keeps "
+          f"{t.get('fake_t4_excess_per_element', 0):g} bytes more. The GPU trace of gpt2-t4-kernels-bf16 and "
+          "gpt2-bf16 above says whether that was the whole difference.", ""]
     return L
 
 
@@ -1566,10 +1685,11 @@ def t4_dropout_on_cpu(batch: int = 2, heads: int = 2, seq: int = 64, head_dim: i
     ``at::dropout`` (aten/src/ATen/native/Dropout.cpp) takes ``native_dropout`` (the output and a
     bool mask, saved) only for a CUDA input (``is_fused_kernel_acceptable``); else ``_dropout_impl``
     multiplies by a noise tensor of the input's dtype (``at::empty_like(input).bernoulli_``), which
-    ``mul`` saves. The dropout inside the math composite is that C++ call, which gpulab's Python
-    patch of ``F.dropout`` does not reach. Returns the saved tensors and the s×s bytes per element
-    each run keeps beyond CUDA's (whose dropout saves a bool mask), and that excess at ``full``
-    (GPT-2's 8 × 12 heads × 1024 positions) per layer."""
+    ``mul`` saves. The dropout inside the math composite is that C++ call: the real CPU run keeps the
+    noise, and gpulab's fake engine, which registers CUDA's choice on ``aten::dropout`` itself
+    (``measure.fake_cuda._cuda_dropout_op``), keeps the bool mask. Returns the saved tensors, the s×s
+    bytes per element each run keeps beyond CUDA's, and the CPU path's excess at ``full`` (GPT-2's
+    8 × 12 heads × 1024 positions) per layer: what the fake engine kept before that registration."""
     import torch
     import torch.nn.functional as F
     from torch._subclasses import FakeTensorMode
@@ -1612,7 +1732,7 @@ def t4_dropout_on_cpu(batch: int = 2, heads: int = 2, seq: int = 64, head_dim: i
         noise = pair[1]["bytes"] if len(pair) == 2 else 0
         out[f"{key}_excess_per_element"] = (noise - bool_mask) / elems
     b, h, s = full
-    out["excess_per_layer_at_full_bytes"] = int(out["fake_t4_excess_per_element"] * b * h * s * s)
+    out["excess_per_layer_at_full_bytes"] = int(out["cpu_excess_per_element"] * b * h * s * s)
     return out
 
 
@@ -1870,10 +1990,11 @@ def validate(out: pathlib.Path, md: pathlib.Path | None = None, *, cases: Sequen
              quick: bool = False, names: Sequence[str] | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
              case_limit: float = DEFAULT_CASE_LIMIT_S, do_fit: bool = True, commit: str | None = None,
              command: Sequence[str] | None = None, merge: bool = False,
-             progress: Callable[[str], None] | None = None) -> Report:
-    """Every case on CUDA device 0, the report rewritten after each. ``cases``: the list (default
-    ``CASES``, scaled down with ``quick``); ``names``: only these. ``merge``: keep the cases of
-    ``out``'s earlier report (same GPU) that this run does not run again."""
+             progress: Callable[[str], None] | None = None, sweep: bool | None = None) -> Report:
+    """Every case on CUDA device 0, then the cuDNN workspace sweep (``WORKSPACE_SWEEP``, ``QUICK_SWEEP``
+    with ``quick``; ``sweep``: None runs it unless ``cases`` or ``names`` picks cases), the report rewritten after
+    each. ``cases``: the list (default ``CASES``, scaled down with ``quick``); ``names``: only these.
+    ``merge``: keep the cases of ``out``'s earlier report (same GPU) that this run does not run again."""
     from gpulab.predict.context import context_assumption
     t0 = time.monotonic()
     deadline = t0 + time_limit_s
@@ -1938,6 +2059,14 @@ def validate(out: pathlib.Path, md: pathlib.Path | None = None, *, cases: Sequen
                                if r.ran else "")
             + "".join(f"; fit {f.card}: {f.verdict}" for f in r.fit))
         save()
+    do_sweep = (cases is None and not names) if sweep is None else sweep
+    for setting in (QUICK_SWEEP if quick else WORKSPACE_SWEEP) if do_sweep else ():
+        if deadline - time.monotonic() < MIN_SWEEP_S:
+            report.not_run.append(f"cuDNN workspace sweep {setting.name}: time limit reached")
+            continue
+        say(f"cuDNN workspace sweep: {setting.name}")
+        report.workspaces.append(workspace_setting_run(setting))
+        save()
     save()
     return report
 
@@ -1954,6 +2083,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--case-limit", type=float, default=DEFAULT_CASE_LIMIT_S,
                    help=f"seconds one case may take, fit checks included (default {DEFAULT_CASE_LIMIT_S})")
     p.add_argument("--no-fit", action="store_true", help="leave the fit checks out")
+    p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=None,
+                   help="the cuDNN workspace sweep after the cases (default: on, off when --cases picks cases)")
     p.add_argument("--commit", default=None, help="gpulab's git commit, where the machine has no .git")
     p.add_argument("--merge", action="store_true",
                    help="keep the cases of OUT's earlier report (same GPU) that this run does not run again")
@@ -1972,6 +2103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report = validate(out, md, quick=args.quick, names=names, time_limit_s=args.time_limit,
                           case_limit=args.case_limit, do_fit=not args.no_fit, commit=args.commit, merge=args.merge,
+                          sweep=args.sweep,
                           command=["benchmarks/practitioner_validation.py", *(sys.argv[1:] if argv is None else argv)],
                           progress=lambda msg: print(f"[practitioner] {msg}", flush=True))
     except ValueError as exc:

@@ -153,7 +153,10 @@ def _plan_options(f: argparse.ArgumentParser) -> None:
                         "ranked by predicted step time")
     f.add_argument("--fastest", action="store_true",
                    help="the fastest plan that fits: --what-fits's recipes (and the asked one) at its batch, "
-                        "by predicted step time")
+                        "by predicted step time; with --gpus N, the layouts of N GPUs for the asked recipe instead "
+                        "(data parallelism ddp/zero2/zero3/fsdp2, tp 1/2/4/8 within a node, pp dividing the layers, "
+                        "ep for experts; --tp/--pp/--ep/--strategy given fix that degree), each at its largest "
+                        "batch, ranked by predicted tokens/s, with those left out and why")
     f.add_argument("--no-time", action="store_true",
                    help="leave out the predicted step time (a roofline per op on the card's datasheet speeds)")
 
@@ -537,10 +540,16 @@ def _answer(args: argparse.Namespace, progress: StreamProgress | None,
         if args.context is None:
             raise ValueError("serve needs --context TOKENS (tokens per sequence) or --longest-context")
         return serve(args.model, args.gpu, context_len=args.context, batch=args.batch, **kw).as_dict(), answers.serve_text
-    from gpulab.predict.fit import fit
     if own:   # the imports' objects live as long as the process: out of the collector's walks now
         gc.freeze()
     context = {"context_bytes": checks.size(args.context)} if args.context else {}
+    if args.fastest and args.gpus:   # the layouts of N GPUs for the asked recipe (predict.fastest)
+        from gpulab.predict.fastest import fastest_layouts
+        return fastest_layouts(args.model, args.gpu, args.gpus, recipe=args.recipe, seq_len=args.seq_len,
+                               image_size=args.image_size, module_loading=args.cuda_module_loading,
+                               progress=progress, **context, **checks.fastest_pins(args)).as_dict(), \
+            answers.fastest_layouts_text
+    from gpulab.predict.fit import fit
     data = fit(args.model, args.gpu, recipe=args.recipe, layout=args.layout, seq_len=args.seq_len,
                image_size=args.image_size, module_loading=args.cuda_module_loading, progress=progress,
                predict_time=not args.no_time, **context).as_dict()

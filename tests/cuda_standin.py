@@ -51,7 +51,8 @@ GiB = 1024 * MiB
 
 # cuBLAS's default workspace config ":4096:2:16:8" (2 x 4096 KiB + 8 x 16 KiB), allocated through
 # the caching allocator by the first matmul on a handle/stream and kept for the process's lifetime
-# (aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize / getNewWorkspace).
+# (aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize / getNewWorkspace: torch 2.11 to
+# 2.14; from 2.15 on, kept so only with TORCH_CUBLAS_WORKSPACE_CACHE=1).
 CUBLAS_WORKSPACE = 2 * 4096 * 1024 + 8 * 16 * 1024
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv"}
 

@@ -5,17 +5,23 @@ cuBLAS's workspace (aten/src/ATen/cuda/CublasHandlePool.cpp); the card flows fro
 recorded on the H200 are added where the question is that recorded step."""
 from __future__ import annotations
 
+import functools
 import json
+import mmap
+import pathlib
+import re
+import struct
 
 import pytest
 import torch
 
 import gpulab
-from gpulab.measure.cuda_card import (DEFAULT_TARGET, KernelTarget, cublas_workspace_bytes, current_target,
-                                      gemm_alignment, kernel_target, sdpa_backend, step_workspace_bytes)
+from gpulab.measure.cuda_card import (DEFAULT_TARGET, KernelTarget, _between, _cudnn_ok, _efficient_ok, _flash_ok,
+                                      cublas_workspace_bytes, current_target, gemm_alignment, kernel_target,
+                                      sdpa_backend, step_workspace_bytes)
 from gpulab.measure.engines import LABEL_FAKE_CUDA, run
 from gpulab.measure.fake_cuda import cuda_sdpa_backend
-from gpulab.predict.cards import parse_gpu
+from gpulab.predict.cards import FP8_CAPABILITY, check_fp8_card, parse_gpu
 from gpulab.record.lookup import PACKAGE_DIR
 
 Q = (2, 8, 128, 64)   # batch, heads, sequence, head dim: every kernel's constraints hold
@@ -153,3 +159,131 @@ def test_the_cli_step_takes_a_card(capsys):
     assert "kernels: CUDA kernels of a T4 (sm75)" in out and "cuDNN workspaces: not predicted" in out
     assert cli.main(["step", "cnn", "--engine", "fake", "--gpu", "H1000"]) == 2
     assert "cannot read --gpu" in capsys.readouterr().err
+
+
+# --- the rules against the installed torch: the messages its sdp_utils.cpp, CublasHandlePool.cpp and
+# Blas.cpp compiled into libtorch_cuda.so name the bounds each check enforces ---------------------------
+
+@functools.lru_cache(maxsize=1)
+def _libtorch_cuda_rodata() -> bytes:
+    """The read-only data (``.rodata``, where the messages live) of the installed libtorch_cuda.so."""
+    lib = pathlib.Path(torch.__file__).parent / "lib" / "libtorch_cuda.so"
+    if not lib.exists():
+        pytest.skip("this torch has no libtorch_cuda.so (a CPU-only build): its CUDA rules cannot be read")
+    with lib.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        assert m[:5] == b"\x7fELF\x02", "expected a 64-bit ELF file"
+        shoff, = struct.unpack_from("<Q", m, 0x28)
+        size, count, names = struct.unpack_from("<HHH", m, 0x3A)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", m, shoff + i * size) for i in range(count)]
+        strtab = sections[names][4]
+        for name, _, _, _, offset, length, *_ in sections:
+            if m[strtab + name:m.find(b"\0", strtab + name)] == b".rodata":
+                return bytes(m[offset:offset + length])
+    raise AssertionError("no .rodata section")
+
+
+def _message(start: bytes) -> str:
+    """The installed torch's message that begins with ``start`` (to its end: the next NUL byte)."""
+    data = _libtorch_cuda_rodata()
+    at = data.find(start)
+    assert at >= 0, f"the installed torch no longer says {start!r}: re-read sdp_utils.cpp and update cuda_card"
+    return data[at:data.index(b"\0", at)].decode()
+
+
+def _sm(text: str) -> tuple[int, int]:
+    """"sm121" or "SM86" -> (12, 1), (8, 6): the last digit is the minor version."""
+    digits = text[2:]
+    return int(digits[:-1]), int(digits[-1])
+
+
+def _neighbours(low: tuple[int, int], high: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The capabilities just outside [low, high] (minor versions 0-9)."""
+    below = (low[0], low[1] - 1) if low[1] else (low[0] - 1, 9)
+    return below, (high[0], high[1] + 1)
+
+
+_SQ = 128
+_ALLOWED = {   # each kernel's check with every other constraint met (fp16, head dim 64, no mask, no dropout)
+    "flash": lambda cc: _flash_ok(cc, "float16", 64, 64, 64, _SQ, _SQ, False, False, 0.0, False),
+    "efficient": lambda cc: _efficient_ok(cc, "float16", 64, 64, 64),
+    "cudnn": lambda cc: _cudnn_ok(cc, "float16", 64, 64, _SQ, _SQ, 0.0),
+}
+
+
+@pytest.mark.parametrize("kernel, start", [
+    ("flash", b"Flash attention only supports gpu architectures in the range"),      # check_flash_attention_hardware_support
+    ("efficient", b"Mem Efficient Attention only supports gpu architectures in the range"),
+    ("cudnn", b"cuDNN MHA only supports gpu architectures in the range"),            # check_cudnn_hardware_support
+])
+def test_each_kernels_capability_range_is_the_installed_torchs(kernel, start):
+    low, high = map(_sm, re.search(r"\[(sm\d+), (sm\d+)\]", _message(start)).groups())
+    allowed = _ALLOWED[kernel]
+    below, above = _neighbours(low, high)
+    assert allowed(low) and allowed(high) and not allowed(below) and not allowed(above), (kernel, low, high)
+
+
+def test_the_sm86_89_and_sm120_121_training_limit_is_the_installed_torchs():
+    """check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120: training cannot use flash
+    with a head dim in (192, 224], or in (224, 256] with dropout, on those capabilities."""
+    text = _message(b"Flash attention currently doesn't support training with head_dim")
+    text += _message(b" (192, 224] or (head_dim") + _message(b" (224, 256] and dropout > 0.0)")
+    ranges = sorted({tuple(map(_sm, r)) for r in re.findall(r"(SM\d+)-(SM\d+)", text)})
+    assert ranges == [((8, 6), (8, 9)), ((12, 0), (12, 1))]
+
+    def flash(cc, d, p=0.0):
+        return _flash_ok(cc, "bfloat16", d, d, d, _SQ, _SQ, False, False, p, True)
+    for low, high in ranges:
+        for cc in (low, high):
+            assert flash(cc, 192) and not flash(cc, 200) and flash(cc, 240) and not flash(cc, 240, 0.1), cc
+        for cc in _neighbours(low, high):
+            if _between(cc, (8, 0), (12, 1)):
+                assert flash(cc, 200) and flash(cc, 240, 0.1), cc
+
+
+def test_cudnns_dropout_and_sequence_rules_are_the_installed_torchs():
+    assert "multiple of 1/16" in _message(b"cuDNN dropout probability resolution is limited to 1/16")
+    _message(b"cudnn SDPA does not support key/value sequence length 1.")
+    _message(b"cudnn SDPA does not support query sequence length 1 with dropout.")
+    h100 = (9, 0)
+    assert _cudnn_ok(h100, "bfloat16", 64, 64, _SQ, _SQ, 3 / 16) and not _cudnn_ok(h100, "bfloat16", 64, 64, _SQ, _SQ, 0.1)
+    assert not _cudnn_ok(h100, "bfloat16", 64, 64, _SQ, 1, 0.0)
+    assert _cudnn_ok(h100, "bfloat16", 64, 64, 1, _SQ, 0.0) and not _cudnn_ok(h100, "bfloat16", 64, 64, 1, _SQ, 1 / 16)
+    # check_cudnn_tensor_shapes: q / k 192 with v 128 on sm90 / sm10x (cuDNN 9.11 and up), 128 elsewhere
+    _message(b"head_dim should be no more than")
+    qk, v = (2, 8, 128, 192), (2, 8, 128, 128)
+    got = {card: sdpa_backend(CC[card], torch.bfloat16, qk, qk, v) for card in ("A100-80GB", "L4", "H100", "B200")}
+    assert got == {"A100-80GB": "efficient", "L4": "efficient", "H100": "cudnn", "B200": "cudnn"}
+    assert sdpa_backend(CC["H100"], torch.bfloat16, qk, qk, qk) == "flash"      # 192 for v too: not cuDNN's pair
+
+
+def test_fp8_and_cublas_defaults_are_the_installed_torchs():
+    """torch._scaled_mm's capability (Blas.cpp) is gpulab's FP8_CAPABILITY; the cuBLAS workspace's
+    unreadable-config fallback and the workspace-cache switch exist in this torch (docs/cards.md)."""
+    caps = re.search(r">= (\d+)\.(\d+) or (\d+)\.(\d+)", _message(b"torch._scaled_mm is only supported on CUDA"))
+    assert min((int(caps[1]), int(caps[2])), (int(caps[3]), int(caps[4]))) == FP8_CAPABILITY == (8, 9)
+    with pytest.raises(ValueError, match="has no float8 matmul"):
+        check_fp8_card("A100-80GB", "tensorwise")
+    for card in ("L4", "RTX 4090", "H100", "B200"):
+        check_fp8_card(card, "rowwise")
+    _message(b"Could not parse CUBLAS_WORKSPACE_CONFIG, using default workspace size of")
+    _message(b"TORCH_CUBLAS_WORKSPACE_CACHE")
+
+
+def test_the_card_table_in_docs_is_what_gpulab_computes():
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "cards.md").read_text()
+    table = text.split("<!-- CARD_TABLE:")[1].split("<!-- CARD_TABLE_END -->")[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("|") and not line.startswith("|---")][1:]
+    assert [r[0] for r in rows] == ["T4", "A100-80GB", "L4", "RTX 4090", "H100", "B200", "RTX 5090"]
+    q, wide = (8, 12, 1024, 64), (8, 12, 1024, 256)
+    for name, sm, *kernels, workspaces in rows:
+        card = parse_gpu(name)
+        cc = card.capability
+
+        def pick(dtype, shape=q, **kw):
+            return sdpa_backend(cc, dtype, shape, shape, shape, requires_grad=True, **{"is_causal": True, **kw})
+        assert sm == f"{cc[0]}.{cc[1]}"
+        assert kernels == [pick(torch.float32), pick(torch.float16), pick(torch.bfloat16),
+                           pick(torch.bfloat16, dropout_p=0.1), pick(torch.bfloat16, is_causal=False, mask=True),
+                           pick(torch.bfloat16, wide), pick(torch.bfloat16, wide, dropout_p=0.1)], name
+        assert workspaces == f"{step_workspace_bytes(cc, env={}):,} B", name

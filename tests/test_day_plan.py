@@ -39,6 +39,7 @@ TEACHING_MINUTES = 390   # 6½ hours
 SET_UP_MINUTES = 15
 BUFFER = 0.10            # of the lessons' minutes, for questions
 TOLERANCE = 0.10         # a lesson's stated core path against the model's
+WORD_BUDGET = 900        # words a core-day lesson's core path may hold (issue #47, item 1)
 
 
 def _plan(text: str | None = None) -> list[tuple[int, int, str, str, str]]:
@@ -127,6 +128,16 @@ def test_the_model_counts_every_part():
 def test_each_core_lessons_stated_core_path_is_within_ten_percent_of_the_model(number):
     problem = off_by_more_than_tolerance(_notebook(number), _record())
     assert problem is None, problem
+
+
+@pytest.mark.parametrize("number", CORE_DAY)
+def test_each_core_lessons_core_path_keeps_its_word_budget(number):
+    """Issue #47: at most WORD_BUDGET words on a core-day lesson's core path, counted as the day model
+    reads them (its core-path markdown and the markdown its core-path cells render); more goes into an
+    optional section or a collapsed "Going further" block."""
+    words = lesson_time(_notebook(number), _record()).words
+    assert words <= WORD_BUDGET, (f"lesson {number}: {words} words on its core path, over the budget of "
+                                  f"{WORD_BUDGET}; tighten it or move detail off the core path")
 
 
 FULL = re.compile(r"about (\d+) minutes in full")

@@ -24,7 +24,7 @@ from conftest import ROOT
 from gpulab.cli import build_parser
 
 README = ROOT / "README.md"
-PAGES = [README] + [ROOT / "docs" / f"{name}.md" for name in ("cli", "api", "engines", "validation", "setup", "teaching", "facilitation")]
+PAGES = [README] + [ROOT / "docs" / f"{name}.md" for name in ("cli", "api", "engines", "validation", "cards", "setup", "teaching", "facilitation")]
 README_MAX_LINES = 170
 GENERATOR = ROOT / "docs" / "make_cli_md.py"
 

@@ -18,7 +18,9 @@ from gpulab.training import loop as E
 from gpulab.models import registry as M
 from gpulab.measure.engines import LABEL_FAKE_CPU, LABEL_FAKE_CUDA, run
 from gpulab.predict.step import step as tracked_step
-from gpulab.measure.fake_cuda import STILL_DIFFERS
+from gpulab.measure import fake_cuda
+from gpulab.measure.cuda_card import KernelTarget, kernel_target
+from gpulab.measure.fake_cuda import STILL_DIFFERS, cuda_kernels
 from gpulab.formulas import cuda_rounded_bytes
 from gpulab.categories import Category
 from gpulab.measure.tracking import TrackingResult
@@ -118,6 +120,56 @@ def test_fake_cuda_tensors_cannot_run_backward_without_a_gpu():
         x = torch.randn(4, device="cuda", requires_grad=True)
         with pytest.raises(RuntimeError, match="hasPrimaryContext"):
             (x * 2).sum().backward()
+
+
+_B, _H, _S, _D = 2, 2, 32, 8     # s×s: 4,096 elements, 512-byte blocks exactly in bool and float32
+
+
+def _math_attention_with_dropout(ctx):
+    q, k, v = (ctx.label(torch.randn(_B, _H, _S, _D, dtype=torch.bfloat16, requires_grad=True)) for _ in range(3))
+    nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True).sum().backward()
+
+
+def _saved_by_math_sdpa(device):
+    """(dtype, shape) of what autograd saves for ``_scaled_dot_product_attention_math`` with dropout."""
+    saved = []
+    q, k, v = (torch.randn(_B, _H, _S, _D, dtype=torch.bfloat16, device=device, requires_grad=True)
+               for _ in range(3))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t,
+                                                  lambda t: t):
+        torch.ops.aten._scaled_dot_product_attention_math(q, k, v, None, 0.1, True, None)
+    return sorted(saved, key=str)
+
+
+def test_math_attentions_dropout_saves_cudas_bool_mask():
+    """The math composite (attention.cpp) calls ``at::dropout`` from C++ on the float32 weights: on a
+    CUDA input ``native_dropout`` (a bool mask saved), on a CPU one ``_dropout_impl`` (a float32 noise
+    saved). The reference is the installed torch's own dispatch on fake tensors on a cuda device (forward
+    only); the CUDA target's fake CPU tensors save the same, and the predicted peak of a T4 step (sm75:
+    bf16 takes the math kernel) is 3 bytes an s×s element below the CPU path's, exactly."""
+    with FakeTensorMode():
+        cuda = _saved_by_math_sdpa("cuda")
+        cpu = _saved_by_math_sdpa("cpu")
+    with FakeTensorMode(), kernel_target(KernelTarget("T4", (7, 5))), cuda_kernels():
+        emulated = _saved_by_math_sdpa("cpu")
+    square = (_B, _H, _S, _S)
+    assert (torch.bool, square) in cuda and (torch.bool, square) not in cpu        # the reference differs
+    assert emulated == cuda
+    with kernel_target(KernelTarget("T4", (7, 5))):
+        fixed = run(_math_attention_with_dropout, "fake", fake_target="cuda")
+        with pytest.MonkeyPatch.context() as mp:      # without the op-level swap: the CPU's noise
+            mp.setattr(fake_cuda, "_cuda_dropout_op", contextlib.nullcontext)
+            noise = run(_math_attention_with_dropout, "fake", fake_target="cuda")
+    assert "math attention" in fixed.kernels_note
+    assert _saved_dtypes(fixed).count("bool") == 1 and "bool" not in _saved_dtypes(noise)
+    elems = _B * _H * _S * _S
+    assert noise.peak_bytes - fixed.peak_bytes == (4 - 1) * elems == 12_288
+    assert noise.peak_by_category["activations"] - fixed.peak_by_category["activations"] == 3 * elems
+    with cuda_kernels():      # a real tensor inside keeps the CPU's dropout (noise, saved by mul)
+        real = torch.ops.aten.dropout(torch.randn(4, 4, requires_grad=True), 0.5, True)
+    with FakeTensorMode():    # and a fake one after: the registration is gone
+        after = torch.ops.aten.dropout(torch.randn(4, 4, requires_grad=True), 0.5, True)
+    assert type(real.grad_fn).__name__ == type(after.grad_fn).__name__ == "MulBackward0"
 
 
 def test_inplace_and_eval_dropout_are_left_alone():

@@ -16,6 +16,8 @@ from gpulab.predict import run_cache
 from gpulab.predict import layer_repeat as L
 from gpulab.predict.fake_step import fake_step_timeline
 from gpulab.predict.step import step
+from gpulab.predict.cards import card_target
+from gpulab.measure.cuda_card import kernel_target
 
 
 def _bytes(t):
@@ -51,16 +53,19 @@ def test_fine_tune_check_answers_as_the_full_depth_step():
     laid-out timeline gives gpulab.step's full-depth numbers, and asking again measures nothing."""
     config = custom_config(hidden=128, layers=12)
     options = recipe_options("lora", "none")
-    full = step(config, batch=2, seq_len=64, optimizer="adamw", engine="fake", dtype=torch.bfloat16, **options)
+    full = step(config, batch=2, seq_len=64, optimizer="adamw", engine="fake", dtype=torch.bfloat16, gpu="H100",
+                **options)   # the check follows the card's kernels, as gpulab.fit does
     answer = finetune_check("custom", "H100", 64, 2, "lora", "adamw", "bf16", "none", hidden=128, layers=12)
     t = full.measurement.tracking
     assert answer.peak_bytes == t.peak_bytes and answer.peak_by_category == dict(t.peak_by_category)
     assert answer.reserved_bytes == CachingAllocator().replay(t.events, strict=False).peak_reserved
     assert "laid out" in answer.label
     before = run_cache.info()
-    again = finetune_check("custom", "RTX 4090", 64, 2, "lora", "adamw", "bf16", "none", hidden=128, layers=12)
-    assert run_cache.info() == before and again.peak_bytes == answer.peak_bytes and again.card == "RTX 4090"
-    laid, how = fake_step_timeline(config, 2, seq_len=64, optimizer="adamw", dtype=torch.bfloat16, **options)
+    again = finetune_check("custom", "H100", 64, 2, "lora", "adamw", "bf16", "none", hidden=128, layers=12,
+                           context_bytes=2**30)   # only the verdict changes: no new run
+    assert run_cache.info() == before and again.peak_bytes == answer.peak_bytes and again.context_bytes == 2**30
+    with kernel_target(card_target("H100")):
+        laid, how = fake_step_timeline(config, 2, seq_len=64, optimizer="adamw", dtype=torch.bfloat16, **options)
     assert _bytes(laid) == _bytes(t) and "laid out" in how
 
 

@@ -201,6 +201,12 @@ def test_lesson_12s_pipeline_table_and_exercise():
     whole, staged = layouts.rows
     assert whole.first == whole.last and staged.middle < staged.first < whole.first / 3
     assert "formula" in layouts._repr_html_()
+    # the sentence lesson 12 renders: Llama-3.1-70B's parameters by its config's formula (80 layers of
+    # 8192 wide attention with 8 KV heads of 128, a 28672 MLP, two norms; embedding and head untied)
+    h, kv, inter, vocab = 8192, 8 * 128, 28672, 128256
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * inter + 2 * h
+    assert layouts.parameters == 80 * per_layer + 2 * vocab * h + h
+    assert layouts.reading().startswith("hf:llama-3.1-70b has 70.6 billion parameters: at 8 bytes each, 564 GB")
 
 
 def _megatron_interleaved_held(pp: int, v: int, m: int, rank: int) -> int:

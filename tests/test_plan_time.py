@@ -37,6 +37,10 @@ def test_a_tensor_parallel_step_costs_the_collectives_its_run_issued():
     assert r.time.comm_s == pytest.approx(sum(c.seconds for c in r.time.collectives.values()))
     assert r.time.seconds == pytest.approx(sum(r.time.by_phase.values()))
     assert "reduce-scatter over 2 ranks (NVLink)" in repr(r.time)
+    # each DTensor op costed as the rank's own kernel: tiny-llama's every FLOP is in a linear, attention or
+    # the head, each split over the 2 ranks (timing._local_share), so the rank runs half of one GPU's FLOPs
+    one = gpulab.step("hf:tiny-llama", batch=2, seq_len=32, gpu="H100", time=True)
+    assert r.time.flops == one.time.flops // 2 and r.time.model_flops == pytest.approx(one.time.model_flops / 2)
 
 
 def test_a_depth_laid_out_from_two_small_runs_equals_the_full_depth_timed():

@@ -55,7 +55,7 @@ def test_without_a_gpu_it_exits_2_with_one_line(pv, capsys, monkeypatch, tmp_pat
 
 def test_the_gpu_command_is_at_the_top_of_the_docstring(pv):
     head = "\n".join(pv.__doc__.split("\n\n")[1:3])
-    assert "PYTHONPATH=. python benchmarks/practitioner_validation.py --out" in head and "--time-limit 510" in head
+    assert "PYTHONPATH=. python benchmarks/practitioner_validation.py --out" in head and "--time-limit 520" in head
     assert pv.DEFAULT_TIME_LIMIT_S <= 540 - 20     # the script fits 9 minutes on an H100, its setup included
     assert len(pv.CASES) >= 30 and len({c.name for c in pv.CASES}) == len(pv.CASES)
     assert sum(len(c.fit_cards) for c in pv.CASES) >= 12
@@ -139,7 +139,8 @@ def test_quick_run_under_the_standin_goes_end_to_end(pv, quick_run):
     assert all("cuda_standin" not in x["where"] and x["where"] != "no frames" for x in tr["largest"])
     assert gpt2["trace"] is None
     # the T4 case on the CPU: in the report, every run
-    assert raw["t4_cpu"]["fake_t4_excess_per_element"] == 3.0
+    assert raw["t4_cpu"]["fake_t4_excess_per_element"] == 0.0 and raw["t4_cpu"]["cpu_excess_per_element"] == 3.0
+    assert raw["workspaces"] == []          # --cases picks cases: no cuDNN workspace sweep
     # the fit check: an emulated card, the allocator limited, b and b + 1 tried, an OOM caught
     (fit,) = gpt2["fit"]
     assert fit["card"] == "context+100MiB" and fit["card_bytes"] == 600 * MiB and fit["context_bytes"] == 500 * MiB
@@ -427,20 +428,49 @@ def test_trace_peak_names_the_blocks_alive_at_the_peak_and_their_difference(pv):
 
 
 def test_the_t4_case_reproduced_on_the_cpu(pv):
-    """The math kernel's attention with dropout: the real CPU run and gpulab's fake engine for a T4
-    both save an s×s float32 noise tensor (``_dropout_impl``), where CUDA's ``native_dropout`` saves a
-    bool mask (what gpulab's own ``F.dropout`` swap saves): 3 bytes an element, 288 MiB a GPT-2 layer
-    at 8 × 12 heads × 1024²; with the bf16 reduction allowed the math path stays in bf16."""
+    """The math kernel's attention with dropout: the real CPU run saves an s×s float32 noise tensor
+    (``_dropout_impl``), where CUDA's ``native_dropout`` saves a bool mask, as gpulab's fake engine for a
+    T4 now does (``fake_cuda._cuda_dropout_op``) and its own ``F.dropout`` swap did: 3 bytes an element,
+    288 MiB a GPT-2 layer at 8 × 12 heads × 1024²; with the bf16 reduction allowed the math path stays in
+    bf16."""
     t = pv.t4_dropout_on_cpu(batch=2, heads=2, seq=32, head_dim=8)
     n = 2 * 2 * 32 * 32
-    for key in ("cpu", "fake_t4"):
-        four_d = [x for x in t[f"{key}_square"] if len(x["shape"]) == 4]
-        assert [x["dtype"] for x in four_d] == ["float32", "float32"] and four_d[1]["bytes"] == 4 * n, key
-        assert t[f"{key}_excess_per_element"] == 3.0
+    four_d = {key: [(x["dtype"], x["bytes"]) for x in t[f"{key}_square"] if len(x["shape"]) == 4]
+              for key in ("cpu", "fake_t4")}
+    assert four_d["cpu"] == [("float32", 4 * n), ("float32", 4 * n)] and t["cpu_excess_per_element"] == 3.0
+    assert four_d["fake_t4"] == [("float32", 4 * n), ("bool", n)] and t["fake_t4_excess_per_element"] == 0.0
     assert [(x["dtype"], x["bytes"]) for x in t["fake_f_dropout"]] == [("bool", n)]
     assert {x["dtype"] for x in t["cpu_reduction_allowed"]} == {"bfloat16"}
     assert t["excess_per_layer_at_full_bytes"] == 8 * 12 * 1024 * 1024 * 3
     assert not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()     # the setting put back
+
+
+def test_the_cudnn_workspace_sweep_under_the_standin(pv):
+    """One setting of the sweep (a channels-last ResNet on the cuda engine): its figures, each from
+    the run (the stand-in's allocator holds tensors only: nothing beyond them), and the report's table;
+    the sweep is bounded: ResNet-50 and VGG-16 settings only, the ResNet-50 case's own first."""
+    setting = pv.QUICK_SWEEP[0]
+    assert setting.channels_last and setting.amp is None
+    with pytest.MonkeyPatch.context() as mp:
+        cm, gpu = _standin(mp)
+        try:
+            pv.warm_up()
+            r = pv.workspace_setting_run(setting)
+            left = gpu.sim.memory_allocated()
+        finally:
+            cm.__exit__(None, None, None)
+    assert "error" not in r, r.get("error")
+    assert r["name"] == setting.name and r["tensors_peak"] > 0 and r["reserved_peak"] > 0
+    assert r["allocated_peak"] == r["tensors_peak"] + r["beyond_tensors"] and r["beyond_tensors"] == 0
+    assert r["tensors_reserved"] > 0 and 0 < r["seconds"]
+    assert left == gpu.sim.memory_allocated() and left <= 20 * MiB    # given back: the workspace-like segment only
+    text = "\n".join(pv.workspace_lines([r, {"name": "broken", "error": "RuntimeError: boom\nframes"}]))
+    assert f"| {setting.name} | {r['tensors_peak'] / MiB:,.2f} MiB |" in text
+    assert "| broken | error: RuntimeError: boom |" in text
+    assert [s.model for s in pv.WORKSPACE_SWEEP][0] == "resnet50" and pv.WORKSPACE_SWEEP[0].batch == 64
+    assert {s.model for s in pv.WORKSPACE_SWEEP} == {"resnet50", "vgg16"} and len(pv.WORKSPACE_SWEEP) <= 8
+    assert {(s.amp, s.channels_last) for s in pv.WORKSPACE_SWEEP} == {(None, False), (None, True), ("bf16", False),
+                                                                       ("bf16", True)}
 
 
 # --- every case under the stand-in (extended) -----------------------------------------------------
@@ -457,6 +487,8 @@ def test_every_case_runs_under_the_standin(pv, tmp_path):
         finally:
             cm.__exit__(None, None, None)
     assert [r.name for r in rep.cases] == [c.name for c in pv.CASES] and not rep.not_run
+    assert [w["name"] for w in rep.workspaces] == [s.name for s in pv.QUICK_SWEEP]      # the sweep, after the cases
+    assert all("error" not in w and w["tensors_peak"] > 0 for w in rep.workspaces), rep.workspaces
     moe, sliding = (pv.MODELS[k][1]() for k in ("mixtral-small", "gemma3-small"))
     assert type(moe).__name__ == "MixtralConfig" and moe.num_local_experts > moe.num_experts_per_tok
     assert sliding.sliding_window < 2048 and "sliding_attention" in sliding.layer_types   # the case's 2048 positions

@@ -55,3 +55,16 @@ def test_an_unknown_row_names_the_ones_there_are():
     from gpulab.record.published import published_check
     with pytest.raises(ValueError, match="no published figure called 'nope'; there are: vanilla, batch 4"):
         published_check("nope")
+
+
+def test_time_rows_quote_their_figure_and_the_bus_bandwidth_rows_follow_nccl_tests_formula():
+    p = _module()
+    for r in p.TIME_ROWS:   # the figure is the quoted text's, in its unit
+        shown = f"{r.published:,.1f}".rstrip("0").rstrip(".")
+        assert shown in r.quote.replace("GB/s", ""), (r.name, shown, r.quote)
+    from gpulab.predict.card_speeds import CARD_SPEEDS
+    link = CARD_SPEEDS["H100"].links.nvlink_gbs
+    for r in (r for r in p.TIME_ROWS if r.unit == "GB/s bus bandwidth"):
+        # nccl-tests: busbw = algbw x factor, and gpulab's collective time is S x factor / link: busbw = link
+        predicted, how = r.predict()
+        assert abs(predicted - link) < 1e-6 * link and "busbw = S x" in how

@@ -12,6 +12,15 @@ installed torch. Lesson 09 said PyTorch sets CUDA_MODULE_LOADING through
   rests on, and the installed torch bears the sentence out: the symbol resolves, its Python source
   says what the sentence says, a header holds the constant, or a library holds the C++ name;
 * every paragraph of a core-day lesson that cites a PyTorch source file is in the registry.
+
+The lessons run on torch 2.11 (Google Colab's, gpulab's floor) through the newest release. A symbol
+that only some of these have is listed in ``IN_RELEASES`` with its first and last release; a sentence
+resting on it says which releases those are, and the test checks both sides of that bound on the
+installed torch: present inside the range, absent outside it. ``make test-claims-oldest`` runs these
+tests on torch 2.11 (docs/architecture.md, "Supported versions").
+
+On a CPU-only build of torch (``TORCH=cpu``) the libraries hold no CUDA code, so a C++ name that lives
+only in libtorch_cuda.so cannot be found there: those checks skip, saying so, rather than fail.
 """
 from __future__ import annotations
 
@@ -35,8 +44,9 @@ CPP_SYMBOLS = {
     "can_use_mem_efficient_attention": "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp",
     "_scaled_dot_product_attention_math": "aten/src/ATen/native/transformers/attention.cpp",
     "getChosenWorkspaceSize": "aten/src/ATen/cuda/CublasHandlePool.cpp",
-    "isCUDABlasWorkspaceCachingEnabled": "aten/src/ATen/cuda/CUDAContextLight.h (newer than torch 2.11's validation)",
-    "TORCH_CUBLAS_WORKSPACE_CACHE": "aten/src/ATen/cuda/CublasHandlePool.cpp",
+    "isCUDABlasWorkspaceCachingEnabled": "aten/src/ATen/cuda/CUDAContextLight.h (torch 2.15 on)",
+    "TORCH_CUBLAS_WORKSPACE_CACHE": "aten/src/ATen/cuda/CublasHandlePool.cpp (torch 2.15 on)",
+    "getNewWorkspace": "aten/src/ATen/cuda/CublasHandlePool.cpp (torch 2.11 to 2.14)",
     "CUBLAS_WORKSPACE_CONFIG": "aten/src/ATen/cuda/CublasHandlePool.cpp",
     "alloc_found_block": "c10/cuda/CUDACachingAllocator.cpp",
     "get_free_block": "c10/cuda/CUDACachingAllocator.cpp",
@@ -51,9 +61,31 @@ CPP_SYMBOLS = {
     "num_ooms": "c10/core/CachingDeviceAllocator.h",
     "aten::empty": "aten/src/ATen/native/native_functions.yaml",
 }
-# gone from PyTorch: a lesson may mention it as history, never in backticks as a current symbol
-REMOVED = {"maybe_set_cuda_module_loading": "pytorch/pytorch#158712 (July 2025)",
-           "getNewWorkspace": "CublasHandlePool.cpp, not in torch 2.15's libraries or headers"}
+# gone from every torch the lessons support (2.11 on): a lesson may mention it as history, never in
+# backticks as a current symbol
+REMOVED = {"maybe_set_cuda_module_loading": "pytorch/pytorch#158712 (July 2025); not in torch 2.11's libraries"}
+
+# in only some of the releases the lessons support: name -> (first release with it, last release with
+# it), None where the range is open. Read off the released wheels' libraries and headers (2.11.0,
+# 2.12.1, 2.13.0, 2.14.1, 2.15.0): the cuBLAS workspace of a (handle, stream) was cached by
+# getNewWorkspace through 2.14; 2.15 caches it only with TORCH_CUBLAS_WORKSPACE_CACHE=1.
+IN_RELEASES = {
+    "isCUDABlasWorkspaceCachingEnabled": ("2.15", None),
+    "TORCH_CUBLAS_WORKSPACE_CACHE": ("2.15", None),
+    "getNewWorkspace": (None, "2.14"),
+}
+
+
+def _release(version: str | None = None) -> tuple[int, int]:
+    """``"2.11.0+cu130"`` -> ``(2, 11)``; the installed torch's when no version is given."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version or torch.__version__).groups()
+    return int(major), int(minor)
+
+
+def _in_range(since: str | None, until: str | None, version: str | None = None) -> bool:
+    """Whether a release lies in [since, until] (major.minor; None leaves that side open)."""
+    r = _release(version)
+    return (since is None or r >= _release(since)) and (until is None or r <= _release(until))
 
 _CPP_LOOKING = re.compile(r"[A-Za-z_]\w*::\w+|[a-z]+[A-Z]\w*\(\)|k[A-Z]\w+")
 
@@ -123,6 +155,16 @@ def _in_installed_torch(symbol: str) -> bool:
     return symbol in _source_text() or _in_libraries(symbol)
 
 
+def _has_cuda_libraries() -> bool:
+    """A CUDA build of torch ships libtorch_cuda.so; a CPU-only build has no CUDA code to search."""
+    return bool(glob.glob(os.path.join(TORCH_DIR, "lib", "libtorch_cuda*.so*")))
+
+
+def _cuda_only_skip(names) -> None:
+    pytest.skip(f"torch {torch.__version__} is a CPU-only build: its libraries hold no CUDA code, so "
+                f"{sorted(names)} cannot be looked for here; run this test on a CUDA build")
+
+
 def test_every_torch_name_in_the_lessons_markdown_exists_in_the_installed_torch():
     names = sorted({(lesson, _python_name(t)) for lesson, t in _backticked() if t.startswith("torch.")})
     assert len(names) > 20   # the scan sees the lessons' names
@@ -137,8 +179,32 @@ def test_every_cpp_symbol_the_lessons_name_is_in_the_installed_torch():
     # any other backticked name that looks like C++ is checked too, registry or not
     cpp |= {m.removesuffix("()") for _, t in _backticked() for m in _CPP_LOOKING.findall(t)
             if not t.startswith("torch.")}
-    missing = sorted(s for s in cpp if not _in_installed_torch(s))
+    # a symbol of only some releases: present in those, absent from the others
+    elsewhere = {s for s in cpp if s in IN_RELEASES and not _in_range(*IN_RELEASES[s])}
+    there = sorted(s for s in elsewhere if _in_installed_torch(s))
+    assert not there, f"torch {torch.__version__} has {there}, outside the releases IN_RELEASES gives"
+    missing = sorted(s for s in cpp - elsewhere if not _in_installed_torch(s))
+    if missing and not _has_cuda_libraries():
+        _cuda_only_skip(missing)
     assert not missing, f"named in a lesson, absent from torch {torch.__version__}: {missing}"
+
+
+def test_a_symbol_of_only_some_releases_is_named_with_its_releases():
+    """A lesson naming a symbol of IN_RELEASES rests on a CLAIMS entry with the same releases, whose
+    sentence names them (the registry test checks that)."""
+    ranged = {(c[2], c[3][1], c[3][2]) for c in CLAIMS if c[3][0] == "releases"}
+    named = {t.removesuffix("()") for _, t in _backticked()} & set(IN_RELEASES)
+    assert named   # the lessons name some
+    unranged = sorted(s for s in named if (s, *IN_RELEASES[s]) not in ranged)
+    assert not unranged, f"named in a lesson without a CLAIMS entry giving its releases {IN_RELEASES}: {unranged}"
+
+
+@pytest.mark.parametrize("version, since, until, inside", [
+    ("2.11.0+cu130", None, "2.14", True), ("2.14.1", None, "2.14", True), ("2.15.0", None, "2.14", False),
+    ("2.11.0", "2.15", None, False), ("2.15.0+cpu", "2.15", None, True), ("2.16.0a0+git1234", "2.15", None, True),
+    ("2.12.1", "2.12", "2.13", True), ("2.9.1", "2.12", "2.13", False)])
+def test_release_ranges(version, since, until, inside):
+    assert _in_range(since, until, version) is inside
 
 
 def test_no_lesson_names_a_removed_symbol_as_current():
@@ -158,6 +224,9 @@ def test_names_are_read_off_the_backticks(text, name):
 # --- the registry: each core-day sentence about PyTorch's internals, tied to the symbol it rests on ---
 #
 # (lesson, a phrase of the sentence, the symbol its paragraph names, the evidence in the installed torch):
+#   ("releases", since, until, evidence)
+#                               the evidence holds on releases since..until (major.minor, None: open) and
+#                               fails on the others; the paragraph names the bounds (e.g. "2.15")
 #   ("attr", dotted)            the name resolves
 #   ("source", dotted, text)    the Python source of that object contains the text
 #   ("doc", dotted, text)       its docstring contains the text
@@ -195,6 +264,31 @@ def _each_optimizers_state_has_its_parameters_shape_and_dtype() -> bool:
     return True
 
 
+def _layer_norm_saves_its_input() -> bool:
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    y = torch.nn.LayerNorm(8)(x)
+    return type(y.grad_fn).__name__.startswith("NativeLayerNormBackward") and y.grad_fn._saved_input is x
+
+
+def _sdpa_math_computes_bf16_in_float32() -> bool:
+    """``_scaled_dot_product_attention_math`` on bf16 inputs: its matmuls run on float32 copies."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.matmul.default):
+                seen.append(out.dtype)
+            return out
+
+    q = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16, requires_grad=True)
+    with Log():
+        out = torch.ops.aten._scaled_dot_product_attention_math(q, q, q)[0]
+    return bool(seen) and set(seen) == {torch.float32} and out.dtype == torch.bfloat16
+
+
 CLAIMS = [
     ("01", "hands out blocks in multiples of 512 bytes", "kMinBlockSize",
      ("header", "constexpr size_t kMinBlockSize = 512;")),
@@ -215,7 +309,11 @@ CLAIMS = [
      ("source", "torch.cuda.mem_get_info", "cudaMemGetInfo")),
     ("04", 'torch.cuda.memory_stats()["requested_bytes.all.peak"]', "requested_bytes", ("lib", "requested_bytes")),
     ("05", "otherwise it is created **on the CPU**", "_init_group",
-     ("source", "torch.optim.adam.Adam._init_group", 'torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")')),
+     ("releases", "2.13", None, ("source", "torch.optim.adam.Adam._init_group",
+                                 'torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")'))),
+    ("05", "torch 2.11 and 2.12 leave the device out", "torch.set_default_device",
+     ("releases", None, "2.12", ("source", "torch.optim.adam.Adam._init_group",
+                                 "else torch.tensor(0.0, dtype=_get_scalar_dtype())\n"))),
     ("05", "create their state lazily inside the first `step()`", "_init_group",
      ("source", "torch.optim.adam.Adam._init_group", "Lazy state initialization")),
     ("07", "still runs `use_reentrant=True`", "torch/utils/checkpoint.py",
@@ -247,7 +345,9 @@ CLAIMS = [
     ("09", "frees cached segments and retries on its own", "num_alloc_retries", ("lib", "num_alloc_retries")),
     ("09", "sized by `getChosenWorkspaceSize()`", "getChosenWorkspaceSize", ("lib", "getChosenWorkspaceSize")),
     ("09", "only when `TORCH_CUBLAS_WORKSPACE_CACHE=1` is set", "isCUDABlasWorkspaceCachingEnabled",
-     ("lib", "isCUDABlasWorkspaceCachingEnabled")),
+     ("releases", "2.15", None, ("lib", "isCUDABlasWorkspaceCachingEnabled"))),
+    ("09", "the workspace stays with its handle", "getNewWorkspace",
+     ("releases", None, "2.14", ("lib", "getNewWorkspace"))),
     ("11", "Adam keeps two moments per parameter in the parameter's dtype", "_init_group",
      ("source", "torch.optim.adam.Adam._init_group", 'state["exp_avg_sq"] = torch.zeros_like(')),
     ("11", "gets the memory-efficient kernel only in fp16 or fp32", "can_use_mem_efficient_attention",
@@ -264,6 +364,38 @@ CLAIMS = [
      ("doc", "torch.Tensor.copy_", "if ``True`` and this copy is between CPU and GPU")),
     ("04", "from pinned and pageable memory alike", "torch.Tensor.to",
      ("doc", "torch.Tensor.to", "applies to both pinned and pageable memory")),
+    # the review of 2026-12-07: sentences corrected against torch 2.15
+    ("01", "would leave 1 MiB or less over", "kSmallSize", ("header", "constexpr size_t kSmallSize = 1048576;")),
+    ("05", "SGD's `_init_group` only reads `momentum_buffer`", "_init_group",
+     ("source", "torch.optim.sgd.SGD._init_group", 'momentum_buffer_list.append(state.get("momentum_buffer"))')),
+    ("05", "its `step()` stores the buffer the first update made", "_init_group",
+     ("source", "torch.optim.sgd.SGD.step", 'state["momentum_buffer"] = momentum_buffer')),
+    ("07", "LayerNorm 1 (`native_layer_norm`) also saves the block's input", "native_layer_norm",
+     ("run", _layer_norm_saves_its_input)),
+    ("09", "otherwise torch 2.15 and later give it back after each call", "TORCH_CUBLAS_WORKSPACE_CACHE",
+     ("releases", "2.15", None, ("header", "workspace = at::cuda::allocateCUDABlasWorkspace(size);"))),
+    ("09", "otherwise torch 2.15 and later give it back after each call", "TORCH_CUBLAS_WORKSPACE_CACHE",
+     ("releases", "2.15", None, ("lib", "TORCH_CUBLAS_WORKSPACE_CACHE"))),
+    ("07", "yes, once the last needed tensor is recomputed", "use_reentrant=False",
+     ("doc", "torch.utils.checkpoint.checkpoint", "Non-reentrant checkpoint stops recomputation as soon as")),
+    ("08", "and caches it for the rest of the region", "cache_enabled",
+     ("doc", "torch.autocast", "Whether the weight cache inside autocast should be enabled.")),
+    ("11", "which computes in float32 and saves", "_scaled_dot_product_attention_math",
+     ("run", _sdpa_math_computes_bf16_in_float32)),
+    ("14", "`param.copy_(input_param)` in `Module._load_from_state_dict`", "_load_from_state_dict",
+     ("source", "torch.nn.Module._load_from_state_dict", "param.copy_(input_param)")),
+    ("14", "PyTorch warns so and suggests `assign=True`", "assign=True",
+     ("source", "torch.nn.Module._load_from_state_dict", "which is a no-op")),
+    ("14", "keeping the module's `requires_grad`", "assign=True",
+     ("source", "torch.nn.Module._load_from_state_dict", "requires_grad=param.requires_grad")),
+    ("14", "is `mmap.MAP_PRIVATE`", "get_default_mmap_options",
+     ("doc", "torch.serialization.get_default_mmap_options", "Defaults to ``mmap.MAP_PRIVATE``")),
+    ("07", "the segment's parameters get **no gradient** (a warning, not an error)", "use_reentrant=True",
+     ("source", "torch.utils.checkpoint", "None of the inputs have requires_grad=True. Gradients will be None")),
+    ("07", "keyword arguments, `torch.autograd.grad`, `backward(inputs=...)`", "use_reentrant=True",
+     ("source", "torch.utils.checkpoint", "with .grad() or passing an `inputs` parameter to .backward()")),
+    ("07", "keyword arguments, `torch.autograd.grad`, `backward(inputs=...)`", "use_reentrant=True",
+     ("source", "torch.utils.checkpoint", "if kwargs and use_reentrant:")),
 ]
 
 _CITES_SOURCE = re.compile(r"(?:torch|c10|aten)/[\w/.*]+\.(?:py|cpp|h|yaml)|\b[A-Z]\w+\.(?:cpp|h)\b")
@@ -303,9 +435,15 @@ def _object(dotted: str):
     raise ImportError(dotted)
 
 
-def _borne_out(evidence) -> bool:
+def _borne_out(evidence) -> bool | None:
+    """Whether the installed torch bears the evidence out; None where it cannot tell (a C++ name
+    absent from a CPU-only build, whose libraries hold no CUDA code)."""
     import inspect
     kind, *args = evidence
+    if kind == "releases":
+        since, until, inner = args
+        held = _borne_out(inner)
+        return None if held is None else held == _in_range(since, until)
     if kind == "attr":
         return _resolves(args[0])
     if kind == "source":
@@ -315,7 +453,7 @@ def _borne_out(evidence) -> bool:
     if kind == "header":
         return args[0] in _source_text()
     if kind == "lib":
-        return _in_installed_torch(args[0])
+        return True if _in_installed_torch(args[0]) else (False if _has_cuda_libraries() else None)
     if kind == "run":
         return bool(args[0]())
     raise ValueError(f"unknown evidence kind {kind!r}")
@@ -327,7 +465,14 @@ def test_each_registered_sentence_names_its_symbol_and_the_installed_torch_bears
     paragraphs = [p for p in _paragraphs(number) if _normal(phrase) in p]
     assert paragraphs, f"lesson {number} no longer says {phrase!r}: update CLAIMS with the sentence that replaced it"
     assert any(symbol in p for p in paragraphs), f"lesson {number}: the sentence with {phrase!r} does not name {symbol}"
-    assert _borne_out(evidence), f"lesson {number}: torch {torch.__version__} does not bear out {phrase!r} ({evidence})"
+    if evidence[0] == "releases":
+        bounds = [v for v in evidence[1:3] if v]
+        assert any(all(v in p for v in bounds) for p in paragraphs if symbol in p), \
+            f"lesson {number}: the sentence with {phrase!r} does not say which releases ({bounds}) have {symbol}"
+    held = _borne_out(evidence)
+    if held is None:
+        _cuda_only_skip([symbol])
+    assert held, f"lesson {number}: torch {torch.__version__} does not bear out {phrase!r} ({evidence})"
 
 
 def test_every_core_lesson_paragraph_citing_pytorchs_source_is_registered():
@@ -344,3 +489,7 @@ def test_a_claim_the_installed_torch_does_not_bear_out_fails():
     assert not _borne_out(("source", "torch.cuda.memory_allocated", "requested_bytes.all.current"))
     assert not _borne_out(("lib", "maybe_set_cuda_module_loading"))
     assert not _borne_out(("header", "constexpr size_t kMinBlockSize = 1024;"))
+    # a symbol every supported release has, claimed to stop at 2.10 or to start at 9.0
+    assert not _borne_out(("releases", None, "2.10", ("attr", "torch.cuda.memory_stats")))
+    assert not _borne_out(("releases", "9.0", None, ("attr", "torch.cuda.memory_stats")))
+    assert _borne_out(("releases", "2.11", None, ("attr", "torch.cuda.memory_stats")))

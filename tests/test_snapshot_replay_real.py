@@ -374,6 +374,8 @@ def test_the_shipped_h200_snapshot_is_the_tests_file_labelled_with_its_provenanc
     assert rows["segments at the end"] == ["19", "19 (+0)", "27 (+8)"]
     assert rows["reserved at the end"] == ["1,288 MiB", "1,288 MiB (0 B)", "1,292 MiB (+4.0 MiB)"]
     assert rows["allocations at the address the file records"] == ["144", "144", "— (its own addresses)"]
+    assert cmp.reading() == ("From an empty allocator the same rules end with 27 segments (+8 against the file's 19) "
+                             "and 1,292 MiB reserved (+4.0 MiB).")   # lesson 13 renders it
     html = cmp._repr_html_()
     assert "in the file: recorded on NVIDIA H200, 2026-11-26, torch 2.11.0+cu130" in html
     assert "simulated allocator, start rebuilt from the file" in html

@@ -232,3 +232,39 @@ def _what_fits_lines(d: dict[str, Any]) -> list[str]:
 def _speed_text(t: dict[str, Any]) -> str:
     """"412.3 ms, 9,934 tokens/s, MFU 51.6%": a predicted step in brief."""
     return f"{t['seconds'] * 1e3:,.1f} ms, {t['items_per_s']:,.0f} {t['unit']}/s, MFU {t['mfu']:.1%}"
+
+
+def fastest_layouts_text(d: dict[str, Any]) -> str:
+    """``gpulab fit --fastest --gpus N``: every layout tried, fastest first, then those left out and why."""
+    recipe = ", ".join(f"{k} {v}" for k, v in d["recipe"].items() if v is not None)
+    lines = [f"{d['model']} on {d['gpus']} × {d['card']} ({recipe}): the fastest layout that fits, "
+             f"{d['tried']} layouts tried, {len(d['ranked'])} fit, {len(d['skipped'])} left out; {d['seconds']:.1f} s",
+             f"  each: {d['label']}",
+             f"  {'layout':<52}{'batch':>7}{'reserved':>12}{'step ms':>10}{'tokens/s':>13}{'MFU':>7}   "
+             f"compute (TP comm inside it) | TP comm | DP comm exposed | bubble (ms)"]
+    by_name = {p["name"]: p for p in d["plans"]}
+    for name in d["ranked"]:
+        p, t = by_name[name], by_name[name]["time"]
+        batch = f"{p['largest_batch']}" + (f"×{p['microbatches']}" if p["microbatches"] else "")
+        tp_comm = t["rank"].get("comm_seconds", 0.0) * (p["microbatches"] or 1)
+        lines.append(f"  {name:<52}{batch:>7}{format_bytes(p['reserved_bytes']):>12}{t['seconds'] * 1e3:>10,.1f}"
+                     f"{t['items_per_s']:>13,.0f}{t['mfu']:>7.1%}   {t['compute_seconds'] * 1e3:,.1f} | "
+                     f"{tp_comm * 1e3:,.1f} | {t['exposed_comm_seconds'] * 1e3:,.1f} | {t['bubble_seconds'] * 1e3:,.1f}")
+    for p in d["plans"]:
+        if not p["fits"]:
+            lines.append(f"  does not fit: {p['name']}, needs {format_bytes(p['needed_bytes'])} of "
+                         f"{format_bytes(p['capacity_bytes'])} at batch 1")
+        elif not p["timed"]:
+            lines.append(f"  fits at batch {p['largest_batch']}, not timed: {p['name']} ({p['note']})")
+    if d["fastest"]:
+        f = d["fastest"]
+        lines.append(f"fastest: {f['name']} ({f['mesh']}), batch {f['largest_batch']} a GPU"
+                     + (f" × {f['microbatches']} micro-batches" if f["microbatches"] else ""))
+        lines += [f"  {line}" for line in f["time"]["lines"]]
+    else:
+        lines.append("no layout tried fits: a larger card, more GPUs, or a recipe that saves memory (--what-fits)")
+    lines.append("left out:")
+    lines += [f"  {s['what']}: {s['why']}" for s in d["skipped"]]
+    lines.append("assumptions:")
+    lines += [f"  {k}: {v}" for k, v in d["assumptions"].items()]
+    return "\n".join(lines)

@@ -12,7 +12,7 @@ from gpulab.predict.cards import card_with_room, check_fp8_card, parse_gpu
 from gpulab.predict.context import context_assumption
 from gpulab.units import format_bytes
 
-__all__ = ["check_values", "recipe_keywords", "settings", "size"]
+__all__ = ["check_values", "fastest_pins", "recipe_keywords", "settings", "size"]
 
 
 def recipe_keywords(args: argparse.Namespace) -> dict[str, Any]:
@@ -50,6 +50,8 @@ def check_values(args: argparse.Namespace) -> None:
         parse_gpu(args.gpu)
     if args.command == "fit" and args.pp_stage:
         raise ValueError("--pp-stage picks the stage gpulab step measures; gpulab fit answers every stage: leave it out")
+    if args.command == "fit" and args.fastest and args.gpus:
+        check_fastest_layouts(args)
     if args.command in ("step", "fit"):
         args.recipe, args.layout = settings(args)   # every option's value and combination, before torch loads
     if args.command in ("step", "fit") and args.gpu is not None:
@@ -76,3 +78,35 @@ def size(text: str, flag: str = "--context") -> int:
         return parse_gpu(text).memory_bytes
     except ValueError as exc:
         raise ValueError(str(exc).replace("--gpu", flag, 1)) from None
+
+
+def fastest_pins(args: argparse.Namespace) -> dict[str, Any]:
+    """``--fastest --gpus N``: the degrees the flags fix (set away from their defaults); the rest are tried."""
+    pins = {k: getattr(args, k) for k in ("tp", "pp", "ep", "cp") if getattr(args, k) != 1}
+    return {**pins, **({"strategy": args.strategy} if args.strategy else {})}
+
+
+def check_fastest_layouts(args: argparse.Namespace) -> None:
+    """``--fastest --gpus N`` tries the mesh itself: what would fix it another way is refused in one line."""
+    if args.gpus < 2:
+        raise ValueError("--fastest with --gpus ranks layouts of 2 or more GPUs: give --gpus N with N >= 2, or leave "
+                         "--gpus out for the fastest recipe on one GPU")
+    if args.what_fits:
+        raise ValueError("--fastest --gpus N ranks the layouts of N GPUs for the asked recipe, --what-fits ranks "
+                         "recipes on the asked layout: give one of them")
+    if args.no_time:
+        raise ValueError("--fastest ranks plans by their predicted time: leave out --no-time")
+    if args.cp != 1:
+        raise ValueError("--fastest does not rank context-parallel layouts: the rank's run has ring attention's "
+                         "sequence shard without its K/V exchange, so its time would be too small; leave out --cp")
+    given = [f for f, on in (("--dp-replicate", args.dp_replicate), ("--dp-shard", args.dp_shard),
+                             ("--offload-optimizer", args.offload_optimizer), ("--microbatches", args.microbatches),
+                             ("--virtual-stages", args.virtual_stages != 1),
+                             ("--schedule", args.schedule != "1f1b")) if on]
+    if given:
+        raise ValueError(f"--fastest --gpus N lays out the mesh itself (1F1B, 4 micro-batches a stage): leave out "
+                         f"{', '.join(given)}")
+    for flag, n in (("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep)):
+        if args.gpus % n:
+            raise ValueError(f"--gpus {args.gpus} is not a multiple of {flag} {n}: the layouts of N GPUs keep "
+                             f"N = dp × tp × pp (× cp); give --gpus as a multiple of {n}")

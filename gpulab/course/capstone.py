@@ -37,6 +37,7 @@ from gpulab.models.hf_configs import is_config, task_of
 from gpulab.models.workload import Workload, resolve_workload, step_failed
 from gpulab.predict.cards import Card, card_names, parse_gpu
 from gpulab.predict.fit import LABEL_FIT, FitResult, fit
+from gpulab.predict.op_flops import ADDED_FORMULAS
 from gpulab.predict.step import step as gpulab_step
 from gpulab.predict.what_fits import CANDIDATES
 from gpulab.tables import html_table
@@ -244,7 +245,8 @@ class _Run:
 def step_flops(you: YourModel, batch: int, options: dict[str, Any] | None = None) -> int:
     """The FLOPs of one training step of your model at ``batch`` with the base recipe and ``options``:
     ``FlopCounterMode`` around the loop ``gpulab.step`` runs (``training.loop.train_experiment``), on
-    the fake engine following CUDA's kernels (CUDA's attention kernels, counted by their shapes).
+    the fake engine following CUDA's kernels (CUDA's attention kernels, counted by their shapes; grouped-query
+    attention passes through to the CPU flash kernel, counted as ``predict.op_flops`` says).
 
     A run of its own: FlopCounterMode's module hooks keep tensors that checkpointing recomputes
     alive longer (measured: a GPT-2-style model's checkpointed peak rose by half under it), so the
@@ -257,7 +259,9 @@ def step_flops(you: YourModel, batch: int, options: dict[str, Any] | None = None
     experiment = train_experiment(you.workload, [batch], dt, recipe)
 
     def counted(ctx):
-        with FlopCounterMode(display=False) as counter:
+        # grouped-query attention runs the CPU flash kernel here too (``fake_cuda._cuda_sdpa``), which
+        # torch 2.11's registry has no formula for (``predict.op_flops``)
+        with FlopCounterMode(display=False, custom_mapping=ADDED_FORMULAS) as counter:
             experiment(ctx)
         return counter.get_total_flops()
     try:
@@ -273,8 +277,10 @@ def step_flops(you: YourModel, batch: int, options: dict[str, Any] | None = None
 
 def measure_recipe(you: YourModel, batch: int, options: dict[str, Any] | None = None) -> _Run:
     """Your model at ``batch`` with the base recipe and ``options``: the peak of two training steps
-    (``gpulab.step`` on the fake engine, CUDA's kernels) and the FLOPs of one (``step_flops``)."""
-    s = gpulab_step(you.workload, batch=batch, engine="fake", **you.fit_options(options))
+    (``gpulab.step`` on the fake engine, your card's CUDA kernels, the ones ``gpulab.fit`` follows:
+    bf16 attention on a T4 is the math kernel's float32, not a fused kernel's) and the FLOPs of one
+    (``step_flops``)."""
+    s = gpulab_step(you.workload, batch=batch, engine="fake", gpu=you.card, **you.fit_options(options))
     return _Run(s.peak_bytes, {k: int(v) for k, v in s.measurement.peak_by_category.items()},
                 step_flops(you, batch, options), s.label)
 

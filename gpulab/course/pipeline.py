@@ -111,6 +111,15 @@ class LayoutTable:
     rows: tuple[LayoutRow, ...]
     capacity: int
     label: str
+    parameters: int = 0   # the whole model's, counted on the meta device
+
+    def reading(self) -> str:
+        """The whole model's states in a sentence (Markdown), from the counted parameters: lesson 12
+        renders it instead of typing the figure (issue 47, item 4)."""
+        from gpulab.units import format_bytes
+        return (f"{self.model} has {self.parameters / 1e9:.1f} billion parameters: at 8 bytes each, "
+                f"{format_bytes(8 * self.parameters, 'decimal', 0)} of model states "
+                f"({format_bytes(8 * self.parameters)}) before any activation.")
 
     def _repr_html_(self) -> str:
         from gpulab.tables import html_table
@@ -151,6 +160,8 @@ def layout_states(model: str = "hf:llama-3.1-70b", layouts: tuple[tuple[int, int
         else:
             rows.append(LayoutRow(tp, pp, 8 * (block + embedding), 8 * block, 8 * (block + ends)))
     card = parse_gpu(gpu)
+    whole = config.num_hidden_layers * count(one.model.layers[0], 1) + count(one.model.embed_tokens, 1) \
+        + count(one.model.norm, 1) + (count(one.lm_head, 1) if not config.tie_word_embeddings else 0)
     return LayoutTable(model, tuple(rows), card.reported_total_bytes,
                        "formula: model states per GPU from parameters counted on the meta device (matrices split "
-                       "tp ways, norms whole), 8 bytes a parameter; activations not included")
+                       "tp ways, norms whole), 8 bytes a parameter; activations not included", whole)

@@ -86,6 +86,16 @@ class StartComparison:
             rows[4].append(f"{rep.same_address[0]:,}" if rep.same_address else "— (its own addresses)")
         return rows
 
+    def reading(self) -> str:
+        """What the empty start changed, in a sentence (Markdown), every figure from this result:
+        lesson 13 renders it instead of typing it (issue 47, item 4)."""
+        real_end = sum(s.size for s in self.imported.segments)
+        end = sum(s.size for s in self.empty.segments)
+        extra = len(self.empty.segments) - len(self.imported.segments)
+        return (f"From an empty allocator the same rules end with {len(self.empty.segments)} segments "
+                f"({extra:+d} against the file's {len(self.imported.segments)}) and {_mib(end)} reserved "
+                f"({format_delta(end - real_end)}).")
+
     def _repr_html_(self) -> str:
         header = ["", f"in the file: {self.imported.label}", "simulated allocator, start rebuilt from the file",
                   "simulated allocator, from an empty allocator"]

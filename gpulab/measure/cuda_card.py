@@ -21,9 +21,9 @@ its capability. Each rule below follows PyTorch's source, cited by file and func
     ``minimum_gemm_alignment`` (sm80+: 8 for 16-bit, 4 for fp32; sm7x: 8 for fp16, 1 for fp32, no
     tensor cores for fp32 there; older: 1);
   - cuDNN (``can_use_cudnn_attention``): ``check_cudnn_hardware_support`` sm80..sm121, fp16 / bf16,
-    ``check_cudnn_tensor_shapes``: head dims <= 128 (NB: 256 on sm90/sm10x with cuDNN newer than
-    9.22, not modelled) and a multiple of 8, keys longer than 1; ``check_cudnn_dropout``: p a
-    multiple of 1/16;
+    ``check_cudnn_tensor_shapes``: head dims <= 128, or q / k 192 with v 128 on sm90 / sm10x (cuDNN
+    9.11 and up; NB: 256 on sm90/sm10x with cuDNN newer than 9.22 and its frontend 1.24, not
+    modelled), a multiple of 8, keys longer than 1; ``check_cudnn_dropout``: p a multiple of 1/16;
   - math (``_scaled_dot_product_attention_math``, aten/src/ATen/native/transformers/attention.cpp):
     anything else; it upcasts fp16 / bf16 q, k, v to float32 ("Keep query, key, value in high
     precision") and saves the s×s attention weights for backward.
@@ -38,9 +38,9 @@ its capability. Each rule below follows PyTorch's source, cited by file and func
   thread-local pool window), and autograd runs backward on its own device thread, so a training
   step holds two. ``parseCUDABlasLtWorkspaceSize`` adds cuBLASLt's own (``CUBLASLT_WORKSPACE_SIZE``,
   default 1024 KiB). On the H200 recorded here (torch 2.11.0+cu130) the first step kept 68,157,440
-  bytes allocated after it: 2 × 32 MiB + 1 MiB, as these rules give. NB: PyTorch's newest file keeps
-  workspaces only with ``TORCH_CUBLAS_WORKSPACE_CACHE=1`` (``isCUDABlasWorkspaceCachingEnabled``,
-  off by default on CUDA); otherwise a matmul allocates one for its own duration
+  bytes allocated after it: 2 × 32 MiB + 1 MiB, as these rules give. NB: from torch 2.15 on,
+  PyTorch keeps workspaces only with ``TORCH_CUBLAS_WORKSPACE_CACHE=1``
+  (``isCUDABlasWorkspaceCachingEnabled``, off by default on CUDA); otherwise a matmul allocates one for its own duration
   (``getCurrentCUDABlasHandleWithWorkspace``) or leaves cuBLAS its default workspace, so there these
   kept figures are an upper bound.
 """
@@ -168,7 +168,8 @@ def _efficient_ok(cc, dtype, dq, dk, dv) -> bool:
 def _cudnn_ok(cc, dtype, dq, dv, sq, sk, dropout_p) -> bool:
     if not _between(cc, (8, 0), (12, 1)) or _dtype(dtype) not in _HALF:
         return False
-    if dq > 128 or dv > 128 or dq % 8 or dv % 8 or sk == 1 or (dropout_p and sq == 1):
+    limit = 192 if (cc == (9, 0) or cc[0] == 10) and (dq, dv) == (192, 128) else 128   # cuDNN 9.11 and up
+    if dq > limit or dv > limit or dq % 8 or dv % 8 or sk == 1 or (dropout_p and sq == 1):
         return False
     return dropout_p * 16 == int(dropout_p * 16)
 

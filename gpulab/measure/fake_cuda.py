@@ -28,7 +28,13 @@ choices explicitly (``cuda_kernels()``), each one checked against PyTorch's sour
   the duration) call ``torch.native_dropout``, which allocates exactly what the fused CUDA
   kernel does.
   ``dropout_`` (``inplace=True``), ``Dropout1d/2d/3d`` and alpha dropout take the same
-  non-fused path on both devices and are left alone.
+  non-fused path on both devices and are left alone. ``at::dropout`` called from C++ (the math
+  attention composite ``_scaled_dot_product_attention_math`` in
+  aten/src/ATen/native/transformers/attention.cpp calls it on the float32 weights) never meets the
+  Python patch: for a fake CPU input it would run
+  ``_dropout_impl`` and save a float32 noise tensor, 3 bytes an element more than CUDA's bool mask.
+  ``_cuda_dropout_op`` registers CUDA's choice on the op itself (``aten::dropout`` at the
+  ``AutogradCPU`` key, fake inputs only) for the duration.
 * **512-byte blocks**: the engine reports the run on ``cuda:0`` with every storage rounded
   up to the caching allocator's 512-byte block (``c10/cuda/CUDACachingAllocator.cpp``
   ``kMinBlockSize``), as the tracker does for a real CUDA run.
@@ -37,8 +43,9 @@ choices explicitly (``cuda_kernels()``), each one checked against PyTorch's sour
   compute capability and the input dtype decide between cuDNN, flash, memory-efficient and math;
   no card named: an A100/H100-class GPU's sm80 rules). cuDNN, flash and memory-efficient save the
   output and a float32 softmax statistic per row; math saves the s×s attention weights, in float32
-  (``cuda_sdpa_backend``). Transformers' mask builder is told the sequences are not packed, as it
-  finds on real positions (``unpacked_sequences``).
+  (``cuda_sdpa_backend``), and with dropout the bool mask of CUDA's ``native_dropout`` (see dropout).
+  Transformers' mask builder is told the sequences are not packed, as it finds on real positions
+  (``unpacked_sequences``).
 * **RMSNorm**: ``aten::rms_norm`` on a CUDA tensor runs the fused kernel ``_fused_rms_norm``
   (one output and a float32 ``rstd`` per row, saved with the input and weight), while on the CPU
   it decomposes into pow / mean / rsqrt / mul, which save three input-sized tensors. Inside
@@ -150,6 +157,30 @@ def _cuda_dropout_functions() -> Iterator[None]:
         yield
     finally:
         torch.nn.functional.dropout, torch.dropout = f_orig, t_orig
+
+
+@contextlib.contextmanager
+def _cuda_dropout_op() -> Iterator[None]:
+    """``aten::dropout`` as ``Dropout.cpp``'s ``dropout`` runs it on a CUDA input, for fake CPU inputs,
+    registered at the ``AutogradCPU`` key for the duration: training with 0 < p < 1 on a non-empty
+    input (``is_fused_kernel_acceptable``) it is ``native_dropout`` (its output, and a bool mask that
+    autograd saves); anything else, and every real tensor, runs the op's own composite (``_dropout_impl``).
+    It reaches the calls C++ makes (the math attention's ``at::dropout``), which ``_cuda_dropout_functions``
+    cannot."""
+    lib = torch.library.Library("aten", "IMPL")
+    op = torch.ops.aten.dropout.default
+
+    def dropout(keyset, input, p, train):
+        if is_fake(input) and train and 0.0 < p < 1.0 and input.numel() > 0:
+            return torch.native_dropout(input, p, True)[0]
+        # the C++ composite, under autograd (``op.decompose`` would take torch/_decomp's Python one,
+        # which is native_dropout on any device)
+        return op._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, input, p, train)
+    try:
+        lib.impl("dropout", dropout, "AutogradCPU", with_keyset=True)
+        yield
+    finally:
+        lib._destroy()
 
 
 def cuda_sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -319,8 +350,8 @@ class cuda_kernels(contextlib.AbstractContextManager):
         stack.callback(_EMULATING.reset, token)
         try:
             stack.enter_context(kernel_target(self.target))
-            for cm in (_cuda_optimizer_defaults(), _cuda_dropout_functions(), _cuda_attention(), _cuda_rms_norm(),
-                       cuda_autocast_policy()):
+            for cm in (_cuda_optimizer_defaults(), _cuda_dropout_functions(), _cuda_dropout_op(), _cuda_attention(),
+                       _cuda_rms_norm(), cuda_autocast_policy()):
                 stack.enter_context(cm)
         except BaseException:
             stack.close()

@@ -158,6 +158,7 @@ class PlanTime:
         out.append(f"  assumptions: {a.text} ({a.source}); "
                    f"{COMM_ASSUMPTION if self.comm or self.rank.comm_s else 'no communication'}")
         out += [f"  {n}" for n in self.notes]
+        out += self.rank.uncounted_lines()
         out.append(f"  how: {self.depth}")
         out.append(f"  card: {self.speed.source}" + (f"; links: {self.speed.links.source}" if self.speed.links else ""))
         return out

@@ -10,8 +10,9 @@ simulator (``gpulab.allocator.simulator``), and on a GPU the real allocator next
   ``beyond_allocator_bytes()``: NVML used - ``memory_reserved`` (the CUDA context, other
   processes, memory not allocated through PyTorch), only on CUDA. The cuBLAS and cuDNN workspaces
   are *not* in it: PyTorch allocates them through the caching allocator (``getNewWorkspace()`` in
-  ``aten/src/ATen/cuda/CublasHandlePool.cpp``), so they count in ``memory_allocated`` and
-  ``memory_reserved``, and ``empty_cache()`` does not free them.
+  ``aten/src/ATen/cuda/CublasHandlePool.cpp``, torch 2.11 to 2.14), so they count in
+  ``memory_allocated`` and ``memory_reserved``, and ``empty_cache()`` does not free them. From torch
+  2.15 on, a cuBLAS workspace is kept so only with ``TORCH_CUBLAS_WORKSPACE_CACHE=1``.
 
 Every number from the simulator is labelled ``LABEL_SIMULATED`` ("simulated allocator"); the
 tracked timelines it replays carry their own engine label (cpu/fake/cuda).

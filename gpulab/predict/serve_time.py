@@ -54,6 +54,7 @@ class ServeTime:
                 f"{self.speed.bandwidth_gbs:,.0f} GB/s = {self.floor_s * 1e3:,.2f} ms (memory efficiency "
                 f"{a.memory_efficiency:g}); the op-by-op step adds activations, launches ({d.kernels:,} kernels) "
                 f"and compute-bound ops",
+                *p.uncounted_lines("prefill: "), *d.uncounted_lines("decode: "),
                 f"  assumptions: {a.text} ({a.source})",
                 f"  card: {self.speed.source}"]
 

@@ -2,7 +2,10 @@
 per aten op on a card's datasheet speeds (``predict.card_speeds``), as PyTorch's
 ``RuntimeEstimator`` does (torch/distributed/_tools/runtime_estimator.py, "operator-level-cost-model").
 
-Per op: FLOPs from ``torch.utils.flop_counter.flop_registry`` (0 for an op it has no formula for),
+Per op: FLOPs from ``torch.utils.flop_counter.flop_registry``, with the SDPA variants an older torch's
+registry lacks counted by torch's own SDPA formula (``predict.op_flops``); 0 for an op without a formula
+(torch's formulas cover matrix multiplies, convolutions and attention), and the answer names those ops
+(``StepTime.no_formula``),
 bytes = its tensor inputs' and outputs' sizes (a stride-0 dimension read once, as
 ``torch.utils._runtime_estimation.get_num_bytes``), and
 time = max(FLOPs / (peak[dtype] × compute_efficiency), bytes / (bandwidth × memory_efficiency))
@@ -24,6 +27,10 @@ Where this differs from RuntimeEstimator, and why:
   offloaded bytes, twice) go over the card's host link (PCIe), not overlapped (``HOST_OVERLAP``); the
   fake CUDA target's stand-in copies are also costed as device copies (HBM, 50x faster: a sliver).
 - RuntimeEstimator needs a GPU to read the peak; here the card's row gives it, so any machine answers.
+- A tensor-parallel run's ops reach the timer as DTensor ops at their global shapes (the tracker sees
+  DTensor's dispatch, not the local ops under it): each is costed as the rank's kernel, its FLOPs times
+  ``_local_share`` (the output's local share, a ``Partial`` output's divided by its mesh size) and its
+  bytes those of the local shards (``_local``).
 
 The tracker already knows the phase of every op (forward, backward, optimizer) and sees every op: it
 tells the timer each one (``MemoryTracker.op_observer``: no second dispatch mode to pass through, which
@@ -44,10 +51,9 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
-
 from gpulab.predict.card_speeds import CardSpeed, TimeAssumptions
 from gpulab.predict.comm_time import COMM_ASSUMPTION, CollectiveCost, collective_seconds, link_for
+from gpulab.predict.op_flops import flop_formula
 from gpulab.tables import html_table
 
 __all__ = ["HOST_OVERLAP", "OpCost", "OpTimer", "StepTime", "TP_OVERLAP", "cost_ops", "dtype_key", "op_bytes",
@@ -62,6 +68,10 @@ _COLLECTIVES = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_ga
                 "all_to_all_single": "all_to_all", "broadcast": "broadcast", "broadcast_": "broadcast"}
 
 
+# the kinds of op torch.utils.flop_counter's formulas cover (matrix multiplies, convolutions, attention):
+# one of these without a formula has its compute left out of the step (``StepTime.uncounted_compute``)
+_COMPUTE_KINDS = ("mm", "conv", "attention")
+_WHERE = f"torch {torch.__version__.split('+')[0]}'s torch.utils.flop_counter"
 _PRIM_DEVICE = torch.ops.prim.device.default
 _STEP_PHASES = ("forward", "backward", "optimizer")
 _KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
@@ -101,6 +111,7 @@ class OpCost:
     dtype: str   # the FLOPs' dtype key ("" for an op without FLOPs)
     kind: str = "kernel"   # "kernel", or a collective's NCCL name ("all_reduce" ...)
     group: int = 1         # a collective's ranks
+    formula: bool = True   # a kernel with a FLOP formula (``predict.op_flops``); False: scored 0 FLOPs, costed by its bytes
 
 
 def _group_size(args: tuple) -> int:
@@ -167,12 +178,36 @@ class OpTimer(TorchDispatchMode):
             return   # wait_tensor: a wait, no kernel of its own
 
         flops, key = 0, ""
-        if packet in flop_registry:
-            flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+        formula = flop_formula(packet)
+        if formula is not None:
+            flops = int(formula(*args, **kwargs, out_val=out) * _local_share(outs[0]))
             floats = [dtype_key(t.dtype) for t in ins if t.is_floating_point()] or [dtype_key(outs[0].dtype)]
             key = min(floats, key=lambda k: _RANK.get(k, 9))
         self.ops.append(OpCost(packet.__name__, phase, self.step, flops,
-                               sum(op_bytes(t) for t in ins) + sum(op_bytes(t) for t in outs), key))
+                               sum(op_bytes(_local(t)) for t in ins) + sum(op_bytes(_local(t)) for t in outs), key,
+                               formula=formula is not None))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank's kernel reads or writes), else ``t``."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+def _local_share(out: torch.Tensor) -> float:
+    """The share of a DTensor op's FLOPs (counted at the global shapes DTensor dispatches) that this rank's
+    kernel runs: its output's local elements over the global ones (a ``Shard`` placement splits the work by
+    the output), divided again by each mesh dimension the output is ``Partial`` over (the work split along
+    the reduction, each rank holding a full-shaped partial sum: a row-wise linear). 1 for a plain tensor and
+    for a replicated output (every rank runs it whole)."""
+    inner = getattr(out, "_local_tensor", None)
+    if not isinstance(inner, torch.Tensor) or not out.numel():
+        return 1.0
+    share = inner.numel() / out.numel()
+    for placement, size in zip(out.placements, out.device_mesh.shape):
+        if placement.is_partial():
+            share /= size
+    return share
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -245,6 +280,7 @@ class StepTime:
     host_s: float = 0.0         # host-device copies (offloading), inside ``seconds``
     collectives: dict[str, CollectiveCost] = field(default_factory=dict)
     host_bytes: int = 0
+    no_formula: dict[str, int] = field(default_factory=dict)   # kernels without a FLOP formula: calls by name
 
     @property
     def label(self) -> str:
@@ -277,6 +313,29 @@ class StepTime:
         work = self.compute_bound_s + self.memory_bound_s
         return self.compute_bound_s / work if work else 0.0
 
+    @property
+    def uncounted_compute(self) -> dict[str, int]:
+        """The ops without a FLOP formula whose names say they are of a kind torch's formulas cover
+        (``_COMPUTE_KINDS``, e.g. ``_grouped_mm``): their compute is missing from ``flops`` and from the
+        time (only their bytes are costed)."""
+        return {n: c for n, c in self.no_formula.items() if any(k in n for k in _COMPUTE_KINDS)}
+
+    def formula_lines(self) -> list[str]:
+        """The ops the step met without a FLOP formula, named with their calls (the uncounted compute
+        kinds first, on a line of their own)."""
+        if not self.no_formula:
+            return []
+        named = sorted(self.no_formula.items(), key=lambda kv: (-kv[1], kv[0]))
+        return [*self.uncounted_lines(), f"  no FLOP formula in {_WHERE} (0 FLOPs, costed by their bytes): "
+                f"{sum(self.no_formula.values()):,} calls of {len(named)} ops: " + ", ".join(f"{n} ×{c}" for n, c in named)]
+
+    def uncounted_lines(self, what: str = "") -> list[str]:
+        """A line naming the ``uncounted_compute`` ops, where there are any (``what``: whose step)."""
+        if not self.uncounted_compute:
+            return []
+        return [f"  NB: {what}no FLOP formula in {_WHERE} for " + ", ".join(
+            f"{n} ({c} calls)" for n, c in self.uncounted_compute.items()) + ": their compute is left out"]
+
     def top_ops(self, n: int = 8) -> list[OpTotals]:
         return sorted(self.by_op.values(), key=lambda o: -o.seconds)[:n]
 
@@ -290,6 +349,7 @@ class StepTime:
                 f"  compute-bound {self.compute_bound_share:.0%} of op time; {self.kernels:,} kernels, "
                 f"launch {self.launch_s * 1e3:.3f} ms",
                 *self.comm_lines(),
+                *self.formula_lines(),
                 f"  assumptions: {self.assumptions.text} ({self.assumptions.source})",
                 f"  card: {self.speed.source}"]
 
@@ -322,7 +382,8 @@ class StepTime:
                 "assumptions": {"compute_efficiency": a.compute_efficiency, "memory_efficiency": a.memory_efficiency,
                                 "launch_overhead_s": a.launch_overhead_s, "source": a.source},
                 "card_source": self.speed.source, "comm_seconds": self.comm_s, "host_seconds": self.host_s,
-                "host_bytes": self.host_bytes, "collectives": [c.as_dict() for c in self.collectives.values()],
+                "host_bytes": self.host_bytes, "no_formula": dict(self.no_formula),
+                "uncounted_compute": self.uncounted_compute, "collectives": [c.as_dict() for c in self.collectives.values()],
                 "lines": self.lines()}
 
 
@@ -345,6 +406,7 @@ def cost_ops(ops: list[OpCost], speed: CardSpeed, items: int, unit: str) -> Step
     by_op: dict[str, OpTotals] = {}
     flops_by_dtype: dict[str, int] = defaultdict(int)
     collectives: dict[str, CollectiveCost] = {}
+    no_formula: dict[str, int] = defaultdict(int)
     compute_s = memory_s = comm_s = 0.0
     kernels = flops = forward_flops = 0
     for o in ops:
@@ -369,6 +431,8 @@ def cost_ops(ops: list[OpCost], speed: CardSpeed, items: int, unit: str) -> Step
             tot.nbytes + o.nbytes
         tot.compute_bound += c > m
         kernels += 1
+        if not o.formula:
+            no_formula[o.name] += 1
         flops += o.flops
         forward_flops += o.flops if o.phase == "forward" else 0
         if o.flops:
@@ -376,7 +440,7 @@ def cost_ops(ops: list[OpCost], speed: CardSpeed, items: int, unit: str) -> Step
     mfu_dtype = max(flops_by_dtype, key=flops_by_dtype.get) if flops_by_dtype else ""
     return StepTime(speed.name, speed, sum(by_phase.values()), dict(by_phase), compute_s, memory_s,
                     kernels * a.launch_overhead_s, kernels, flops, forward_flops, mfu_dtype, items, unit, by_op,
-                    comm_s, 0.0, collectives, 0)
+                    comm_s, 0.0, collectives, 0, dict(no_formula))
 
 
 def with_host_copies(t: StepTime, offloaded_bytes: int) -> StepTime:

@@ -1,0 +1,218 @@
+"""``gpulab fit --fastest --gpus N``: the layouts of N GPUs for one recipe, each answered as
+``gpulab fit`` answers it alone (its largest per-GPU batch, fake runs replayed through the simulated
+allocator, and its predicted step time at that batch, ``predict.plan_time``), ranked by tokens (or
+samples) a second, fastest first.
+
+Which layouts are tried, and which are left out and why (before any fake run, some by a formula that
+shows they are dominated or cannot fit), is ``predict.layout_choices``. Layouts of one rank shape
+(the same tp, pp and ep: ddp, zero2, zero3 and fsdp2 differ only in what a rank keeps of the same
+run) share their fake runs (``predict.run_cache``): a strategy costs allocator replays, and a run
+only at a batch the others did not reach.
+
+A plan's time is one rank's kernels (its tensor-parallel collectives on the critical path), the
+data-parallel collectives' exposed part and the pipeline's bubble, each with its assumption named
+(``plan_time.OVERLAP``, ``comm_time.COMM_ASSUMPTION``, ``plan_time.BUBBLE_SOURCE``, the card's
+efficiencies); the answer carries them with every plan.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpulab.predict.layout_choices import MAX_SHAPES, LayoutChoices, Skipped, layout_choices, memory_floor
+from gpulab.predict.progress import Progress, report
+
+__all__ = ["FastestLayouts", "LayoutPlan", "fastest_layouts"]
+
+
+@dataclass
+class LayoutPlan:
+    """One layout answered: its mesh, the largest per-GPU (micro-)batch that fits, the memory there and
+    the predicted step (``time``: ``plan_time.PlanTime``; None where nothing fits, ``note`` says why)."""
+    layout: Any                     # gpulab.Layout
+    largest_batch: int
+    reserved_bytes: int
+    needed_bytes: int
+    capacity_bytes: int
+    time: Any = None
+    note: str = ""
+    seconds: float = 0.0            # what answering it took here
+
+    @property
+    def fits(self) -> bool:
+        return self.largest_batch >= 1
+
+    @property
+    def timed(self) -> bool:
+        """It fits and its step was predicted (``note`` says why not otherwise)."""
+        return self.fits and self.time is not None
+
+    @property
+    def name(self) -> str:
+        lay = self.layout
+        parts = [f"tp {lay.tp}"] + ([f"sp"] if lay.sequence_parallel else []) + [f"pp {lay.pp}"]
+        parts += [f"{lay.microbatches} micro-batches 1F1B"] if lay.pp > 1 else []
+        parts += [f"ep {lay.ep}"] if lay.ep > 1 else []
+        return (f"{lay.strategy} dp {lay.dp}, " if lay.strategy else "dp 1, ") + ", ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        t = self.time
+        return {"name": self.name, "layout": self.layout.changed(), "mesh": self.layout.mesh,
+                "mesh_dims": self.layout.mesh_dims, "largest_batch": self.largest_batch,
+                "microbatches": self.layout.microbatches if self.layout.pp > 1 else None,
+                "reserved_bytes": self.reserved_bytes, "needed_bytes": self.needed_bytes,
+                "capacity_bytes": self.capacity_bytes, "fits": self.fits, "timed": self.timed, "note": self.note,
+                "seconds": self.seconds, "time": None if t is None else t.as_dict()}
+
+
+@dataclass
+class FastestLayouts:
+    """Every layout tried for one recipe on ``gpus`` GPUs (``plans``, in the order tried), those left
+    out (``skipped``, each with why), and the ranking by predicted tokens (samples) a second."""
+    model: str
+    card: str
+    gpus: int
+    recipe: dict[str, Any]
+    plans: list[LayoutPlan] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    seconds: float = 0.0
+    fake_runs_note: str = ""
+    assumptions: dict[str, str] = field(default_factory=dict)
+    label: str = ""
+
+    @property
+    def ranked(self) -> list[LayoutPlan]:
+        """The plans that fit and were timed, fastest first (most tokens or samples a second)."""
+        return sorted((p for p in self.plans if p.timed), key=lambda p: -p.time.items_per_s)
+
+    @property
+    def fastest(self) -> LayoutPlan | None:
+        r = self.ranked
+        return r[0] if r else None
+
+    @property
+    def tried(self) -> int:
+        return len(self.plans)
+
+    def as_dict(self) -> dict[str, Any]:
+        f = self.fastest
+        return {"model": self.model, "card": self.card, "gpus": self.gpus, "recipe": self.recipe,
+                "plans": [p.as_dict() for p in self.plans], "ranked": [p.name for p in self.ranked],
+                "fastest": None if f is None else f.as_dict(), "tried": self.tried,
+                "skipped": [s.as_dict() for s in self.skipped], "seconds": self.seconds,
+                "assumptions": self.assumptions, "label": self.label}
+
+    def __repr__(self) -> str:
+        f = self.fastest
+        return (f"FastestLayouts({self.model} on {self.gpus} × {self.card}: {self.tried} layouts tried, "
+                f"{len(self.ranked)} fit; fastest: {f.name if f else 'none fits'})")
+
+    def _repr_html_(self) -> str:
+        from gpulab.views import html_table
+        rows = [[p.name, p.largest_batch, f"{p.reserved_bytes / 2 ** 30:,.2f} GiB",
+                 f"{p.time.seconds * 1e3:,.1f} ms" if p.time else "",
+                 f"{p.time.items_per_s:,.0f}" if p.time else p.note] for p in self.ranked]
+        return html_table(["layout", "batch per GPU", "reserved", "step", "tokens/s"], rows, repr(self))
+
+
+def _params_and_shape(w: Any, dt: Any) -> tuple[int, int | None, int | None]:
+    """(parameters, layers, routed experts) of the model, counted on the meta device."""
+    import torch
+
+    from gpulab.predict.sharding import count_layers
+    from gpulab.training.expert_parallel import _EXPERT_FIELDS
+    with torch.device("meta"):
+        n = count_layers(w.build(torch.device("meta"), dt)).total
+    layers = experts = None
+    if w.kind == "tokens" and w.facts is not None and w.facts.depth_field:
+        layers = int(getattr(w.config, w.facts.depth_field))
+        experts = next((int(getattr(w.config, f)) for f in _EXPERT_FIELDS
+                        if isinstance(getattr(w.config, f, None), int) and getattr(w.config, f) > 0), None)
+    return n, layers, experts
+
+
+def fastest_layouts(model: Any, gpu: Any, gpus: int, *, recipe: Any = None, tp: int | None = None,
+                    pp: int | None = None, ep: int | None = None, cp: int | None = None, strategy: str | None = None,
+                    seq_len: int | None = None, image_size: int | None = None, context_bytes: int | None = None,
+                    module_loading: str = "lazy", microbatches_per_stage: int = 4, max_shapes: int | None = MAX_SHAPES,
+                    progress: Progress = None) -> FastestLayouts:
+    """The layouts of ``gpus`` GPUs for ``recipe`` (a ``gpulab.Recipe``; None: ``gpulab.fit``'s default),
+    each answered by ``gpulab.fit`` (module docstring), ranked by predicted tokens (samples) a second.
+    ``tp``, ``pp``, ``ep``, ``strategy``: fixed where given, else tried over (``predict.layout_choices``);
+    ``microbatches_per_stage``: a pipeline's micro-batches, that many per stage (1F1B). ``max_shapes``: the
+    cost bound, rank shapes (tp, pp, ep) tried, fewest model-parallel GPUs first (None: every one)."""
+    import torch
+
+    from gpulab import formulas as F
+    from gpulab.models.workload import resolve_workload
+    from gpulab.options import Recipe, settings_from
+    from gpulab.predict.comm_time import COMM_ASSUMPTION
+    from gpulab.predict.fit import _place, fit, usable_bytes
+    from gpulab.predict.plan_time import BUBBLE_SOURCE, OVERLAP, speed_or_why
+    from gpulab.predict.sharding import check_sharding
+    from gpulab.training.loop import check_recipe_for, loop_recipe
+    from gpulab.units import parse_dtype
+
+    t0 = time.perf_counter()
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 2:
+        raise ValueError(f"the fastest layout spreads the step over 2 or more GPUs, not gpus={gpus!r}: give --gpus N "
+                         f"(N >= 2), or leave --gpus out for the fastest recipe on one GPU")
+    recipe = recipe if recipe is not None else Recipe()
+    if not isinstance(recipe, Recipe):
+        raise ValueError(f"recipe must be a gpulab.Recipe, got {type(recipe).__name__}")
+    place = _place(gpu, context_bytes, module_loading, True)
+    speed, why = speed_or_why(place.card)
+    if speed is None:
+        raise ValueError(f"the fastest layout ranks layouts by their predicted time: {why}")
+    if speed.links is None:
+        raise ValueError(f"{speed.name} has no link figures in gpulab's card table: its layouts' communication "
+                         f"cannot be timed")
+    usable = usable_bytes(place)
+    w = resolve_workload(model, seq_len=seq_len, image_size=image_size)
+    dt = parse_dtype(recipe.dtype) if recipe.dtype is not None else torch.float32
+    n_params, layers, experts = _params_and_shape(w, dt)
+    full = not (recipe.lora or recipe.quantize or recipe.param_dtype)
+    k = F.optimizer_state_multiplier(recipe.optimizer) if recipe.optimizer in F.OPTIMIZER_STATES else 2
+
+    def check(lay: Any) -> None:
+        settings_from(recipe, lay, {})
+        loop = loop_recipe(recipe, lay)
+        check_recipe_for(loop, w, dt)
+        if lay.strategy is not None:
+            check_sharding(lay.sharded_over, lay.strategy, False, recipe.optimizer, dt)
+
+    pinned = {k2: v for k2, v in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp), ("strategy", strategy))
+              if v is not None}
+    choices: LayoutChoices = layout_choices(gpus, speed.links.gpus_per_node, layers, experts, recipe, check,
+                                            lambda lay: memory_floor(n_params, dt.itemsize, k, lay, full), usable,
+                                            pinned, microbatches_per_stage, max_shapes)
+    plans: list[LayoutPlan] = []
+    for i, lay in enumerate(choices.layouts):
+        report(progress, i / max(1, len(choices.layouts)), f"layout {i + 1} of {len(choices.layouts)}: "
+               f"{lay.mesh}, {lay.strategy or 'no data parallelism'}")
+        t1 = time.perf_counter()
+        try:
+            r = fit(model, place.card, recipe=recipe, layout=lay, seq_len=seq_len, image_size=image_size,
+                    context_bytes=place.context_bytes, module_loading=module_loading, predict_time=True)
+        except ValueError as why:   # what only the fit sees (a shape a rank cannot take): left out, saying why
+            choices.skipped.append(Skipped(lay.mesh + f", {lay.strategy}", str(why)))
+            continue
+        plans.append(LayoutPlan(lay, r.largest_batch, r.reserved_bytes, r.needed_bytes, r.capacity_bytes, r.time,
+                                r.time_note, time.perf_counter() - t1))
+    a = speed.assumptions
+    assumptions = {
+        "efficiency": f"{a.text} ({a.source})",
+        "bandwidths": (f"NVLink {speed.links.nvlink_gbs} GB/s, network {speed.links.network_gbs} GB/s a direction, "
+                       f"{speed.links.gpus_per_node} GPUs a node ({speed.links.source})"),
+        "communication": COMM_ASSUMPTION,
+        "overlap": "; ".join(f"{s}: {OVERLAP[s]}" for s in ("ddp", "zero2", "fsdp2")) + "; tensor parallelism's "
+                   "collectives: on the critical path",
+        "pipeline": f"1F1B with {microbatches_per_stage} micro-batches a stage; bubble {BUBBLE_SOURCE}",
+        "batch": "each layout at the largest per-GPU (micro-)batch it fits, found as gpulab fit finds it",
+    }
+    return FastestLayouts(w.name, place.card.name, gpus,
+                          {"optimizer": recipe.optimizer, "dtype": recipe.dtype, **recipe.changed()},
+                          plans, choices.skipped, time.perf_counter() - t0, assumptions=assumptions,
+                          label=f"each layout: gpulab fit's answer (fake runs, simulated allocator) and its step "
+                                f"predicted (roofline, {speed.name})")
