@@ -43,6 +43,6 @@ def finetune_panel(preset: str = "llama-3-8b", card: str = "RTX 4090", seq_len: 
                  description="The model is built from its config under fake tensors (no memory at any size); two "
                              "training steps run following CUDA's kernels; the simulated caching allocator and an "
                              "assumed CUDA context are added. The custom sliders apply to the <i>custom</i> model.",
-                 real_run="fake-tensor runs of a few layers, laid out to the model's depth, then the allocator "
-                          "replayed over the whole step: seconds for a setting not met before, at once for one met "
-                          "before (the card only changes the verdict)")
+                 real_run="fake-tensor runs (of a few layers, laid out to the model's depth, where its layers are "
+                          "alike), then the allocator replayed over the whole step: seconds for a setting not met "
+                          "before, at once for one met before")
