@@ -67,4 +67,4 @@ def precision_panel(model: str = "cnn", batch: int = 32, image_size: int | None 
                              "<code>GradScaler</code>), and with the whole model in 16 bits; the peak of each by "
                              "category.",
                  real_run="three training runs of two steps each (fp32, autocast, the whole model in 16 bits), real "
-                          "on the cpu or cuda engine, after the fake engine has checked that they fit")
+                          "where the engine is cpu or cuda (after the fake engine has checked that they fit)")
