@@ -12,6 +12,10 @@ A run made with a timer (``predict.run_ops``) keeps its step's ops beside its ti
 ``kept_ops``), under the same key and forgotten with it: a timeline is the same whether or not a timer
 watched its run, so a timed question reuses a timeline only where its ops were kept too.
 
+The layouts ``predict.layer_repeat`` learns (where a model's layers repeat) are kept too, per model and
+recipe without the sequence length or batch (``layouts``): a run at another sequence length takes one
+only where it rebuilds that run's (k+1)-layer timeline exactly, as a run at another batch does.
+
 The cache holds at most ``MAX_ENTRIES`` timelines and ``MAX_EVENTS`` events in all (about 470 bytes
 each with their records and series: some 100 MB; the least recently used goes first, the newest
 always stays) and hands out copies, so a caller that changes what it got changes nothing kept here.
