@@ -65,7 +65,9 @@ __all__ = [
 LABEL_FIT = "fake tensors, CUDA kernels' allocations (no compute) + simulated allocator + assumed CUDA context"
 WORKSPACE_LABEL = ("formula: cuBLAS's workspace for the card's compute capability (CublasHandlePool.cpp, "
                    "getChosenWorkspaceSize; CUBLAS_WORKSPACE_CONFIG honoured) for the forward's thread and "
-                   "autograd's, and cuBLASLt's; cuDNN workspaces: not predicted")
+                   "autograd's, and cuBLASLt's, kept as torch 2.11-2.14 keep them (from 2.15 only with "
+                   "TORCH_CUBLAS_WORKSPACE_CACHE=1, isCUDABlasWorkspaceCachingEnabled; else an upper bound); "
+                   "cuDNN workspaces: not predicted")
 MAX_BATCH = 1 << 20
 MAX_FALLBACK_RUNS = 12
 
