@@ -49,6 +49,23 @@ KEPT_ANSWERS = 32   # measured steps kept for the process: the card decides only
 _MEASURED: "OrderedDict[tuple, tuple]" = OrderedDict()
 
 
+def _parameter_counts(preset: str, size: tuple[int, int] | None, config: Any, seq_len: int, method: str,
+                      optimizer: str, options: dict[str, Any], dtype: torch.dtype) -> tuple[int, int]:
+    """(parameters, trainable) of the adapted model, from the same model without its quantization (which
+    packs two NF4 values a byte), built on the meta device. Kept per model, method, optimizer and dtype:
+    the sequence length, batch, checkpointing and card change the inputs and the step, never the
+    parameters, so a move of those sliders does not build the model's skeleton again."""
+    key = (preset, size, method, optimizer, str(dtype))
+    if key not in _COUNTS:
+        plain = recipe_workload(resolve_workload(config, seq_len=seq_len),
+                                user_recipe(optimizer, **{**options, "quantize": None, "checkpointing": False}))
+        _COUNTS[key] = plain.parameter_counts(dtype)
+    return _COUNTS[key]
+
+
+_COUNTS: dict[tuple, tuple[int, int]] = {}
+
+
 def custom_config(hidden: int = 2048, layers: int = 16):
     """A Llama-style config of a chosen size: 128-wide heads, 4 query heads per KV head, a SwiGLU
     width of about 3.5 × hidden (rounded up to 256), a 32,000-token vocabulary."""
@@ -162,10 +179,7 @@ def finetune_check(preset: str = "llama-3-8b", card: str = "H100", seq_len: int 
                                                  dtype=run_dtype, amp=amp, **options)
         if progress:
             progress(0.8, "replaying the timeline through the simulated allocator")
-        # the counts, from the same adapted model without its quantization (which packs two NF4 values a byte)
-        plain = recipe_workload(resolve_workload(config, seq_len=seq_len),
-                                user_recipe(optimizer, **{**options, "quantize": None, "checkpointing": False}))
-        n_params, trainable = plain.parameter_counts(run_dtype)
+        n_params, trainable = _parameter_counts(preset, size, config, seq_len, method, optimizer, options, run_dtype)
         reserved = CachingAllocator().replay(tracking.events, strict=False).peak_reserved
         fake = label_fake_cuda(followed)
         label = f"{fake} ({depth}) + {LABEL_SIMULATED}" if depth else f"{fake} + {LABEL_SIMULATED}"
