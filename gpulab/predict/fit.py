@@ -211,8 +211,8 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
     run_dt = parse_dtype(loop.param_dtype) if loop.param_dtype else dt
     if loop.pp > 1:   # one search per pipeline stage that differs (predict.pipeline_fit)
         from gpulab.predict.pipeline_fit import StageSearch, fit_stages
-        result = fit_stages(w, key, dt, loop, place, layout, progress, t0,
-                            StageSearch(_search, _sharding, _check, usable_bytes))
+        result = fit_stages(w, key, run_dt, loop, place, layout, progress, t0,
+                            StageSearch(_search, _sharding, _check, usable_bytes), master=dt)
     else:
         spread = None if layout.gpus is None else layout.sharded_over   # dp_shard × cp under fsdp2/zero*
         sharding, shard = _sharding(w, loop, run_dt, spread, layout.strategy, layout.offload_optimizer, master=dt)
