@@ -450,6 +450,14 @@ class Layout:
         return self.dp
 
     @property
+    def shard_group(self) -> tuple[tuple[str, int], ...]:
+        """``sharded_over`` as the mesh's dimensions it is the product of: (("dp_shard", 4), ("cp", 2))
+        under fsdp2/zero*, (("dp_replicate", r), ("dp_shard", s)) otherwise."""
+        if self.strategy in SHARDED_STRATEGIES:
+            return (("dp_shard", self.dp_shard), ("cp", self.cp))
+        return (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard))
+
+    @property
     def mesh_dims(self) -> dict[str, int]:
         """The mesh torchtitan's ``ParallelDims`` names, outermost replicas first, and ``ep``."""
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,

@@ -83,7 +83,7 @@ def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopReci
     assumed = gpus is not None and gpus > group and strategy is None
     spread = None if gpus is None else layout.sharded_over   # with ddp assumed: the dp replicas
     sharding, shard = fit_parts.sharding(stage_w, recipe, dt, spread, DEFAULT_STRATEGY if assumed else strategy,
-                                         offload, master=master)
+                                         offload, master=master, layout=layout)
     place = place._replace(sharding=sharding)
     per_stage = gpus // pp if gpus else recipe.tp   # (the Layout checked that tp × pp divides gpus)
     v = recipe.virtual_stages

@@ -107,6 +107,11 @@ class Sharding:
     master_elem: int = 0           # bytes an element of the sharded parameters, gradients and state (0: the run's)
     reduce_elem: int = 0           # bytes an element of the reduce-scatter input in reduce_dtype (0: no cast)
     float8_all_gather: bool = False
+    # the layout it comes from (``Layout.shard_group``, ``Layout.mesh``): what ``describe`` states; a
+    # Sharding made without them (the formulas' tests, the lesson) says ``gpus`` alone
+    world: int = 0                                  # all the GPUs of the mesh (0: gpus)
+    group: tuple[tuple[str, int], ...] = ()         # the mesh dimensions whose product is ``gpus``
+    mesh: str = ""
 
     @property
     def expert_ranks(self) -> int:
@@ -116,11 +121,23 @@ class Sharding:
         return self.gpus if self.ep == 1 else max(1, self.gpus * self.tp // self.ep)
 
     def describe(self) -> str:
+        """"16 GPUs, fsdp2 (...); N = dp_shard × cp = 4 × 2 = 8 ranks; mesh ...": the GPUs, the strategy,
+        the group it splits (or replicates) over as the mesh's dimensions, and the experts' group."""
         off = ", optimizer state offloaded to the host" if self.offload_optimizer else ""
-        group = "gpus/ep" if self.tp == 1 else f"gpus × tp / ep = {self.gpus} × {self.tp} / {self.ep}"
-        experts = (f"; the experts' own share over the expert data-parallel group of {group} = {self.expert_ranks} "
-                   f"ranks" if self.ep > 1 and self.strategy != "ddp" else "")
-        return f"{self.gpus} GPUs, {self.strategy} ({STRATEGIES[self.strategy]}){off}{experts}{self.policy_text()}"
+        group = self.group or (("gpus", self.gpus),)
+        names, sizes = " × ".join(k for k, _ in group), " × ".join(str(v) for _, v in group)
+        product = f"{names} = {sizes} = {self.gpus}" if len(group) > 1 else f"{names} = {self.gpus}"
+        split = (f"every rank holds everything, {product} replicas" if self.strategy == "ddp" else
+                 f"N = {product} ranks")
+        experts = ""
+        if self.ep > 1 and self.strategy != "ddp":
+            tp = f" × tp" if self.tp > 1 else ""
+            tps = f" × {self.tp}" if self.tp > 1 else ""
+            experts = (f"; the experts' own share over the expert data-parallel group (torchtitan's efsdp), "
+                       f"{names}{tp} / ep = {sizes}{tps} / {self.ep} = {self.expert_ranks} ranks")
+        mesh = f"; {self.mesh}" if self.mesh else ""
+        return (f"{self.world or self.gpus} GPUs, {self.strategy} ({STRATEGIES[self.strategy]}){off}; {split}"
+                f"{experts}{self.policy_text()}{mesh}")
 
     def policy_text(self) -> str:
         """FSDP2's precision settings in words ("" where none is set)."""
