@@ -6,7 +6,9 @@ Each lesson is opened and run top to bottom, then every gpulab panel on it gets 
 changes the way tests/test_browser.py makes them: the first slider one step left (right at its
 lower end), and again, then the first dropdown to its next option, and again; a run-only panel is
 then run (its Run button). Prints, per panel: the median and the largest wait over those changes,
-and for the what-if panel its formula side (every move) and its measured side apart.
+and for the what-if panel its formula side (every move) and its measured side apart. The kernel-side
+mode also prints the kernel process's CPU time per change (all its threads: the what-if's worker
+included), which a shared machine's load does not inflate as it does the wait.
 
 * default: the lesson runs in a fresh kernel through nbclient (as tests/test_lessons.py runs it) and
   the changes are made in that kernel: the wait is the kernel's, from the change to the rendered answer;
@@ -64,7 +66,7 @@ _rows = []
 _found = [o for o in _gc.get_objects() if issubclass(type(o), (_Panel, _WhatIf))]   # no weak proxies
 for _p in _found:
     _title = getattr(_p, "title", "What if? (lesson 11)")
-    _waits, _measured = [], []
+    _waits, _measured, _cpu = [], [], []
     if not hasattr(_p, "controls") or not _p.controls:
         continue
     for _i in range(__CHANGES__):
@@ -72,7 +74,7 @@ for _p in _found:
         if _i >= len(_mv):
             break
         _c, _v = _mv[_i]
-        _t0 = _time.perf_counter()
+        _t0, _c0 = _time.perf_counter(), _time.process_time()
         _c.value = _v
         if isinstance(_p, _Panel) and not _p.auto_run:
             _p.run()
@@ -80,8 +82,9 @@ for _p in _found:
         if isinstance(_p, _WhatIf):
             _p.wait(300)
             _measured.append(_time.perf_counter() - _t0)
+        _cpu.append(_time.process_time() - _c0)
     _rows.append({"panel": _title, "kind": "live" if getattr(_p, "auto_run", True) else "run-only",
-                  "waits": _waits, "measured": _measured, "error": getattr(_p, "error", None)})
+                  "waits": _waits, "measured": _measured, "cpu": _cpu, "error": getattr(_p, "error", None)})
 print("GPULAB-LATENCY " + _json.dumps(_rows))
 '''
 
@@ -219,6 +222,8 @@ def main() -> None:
             if "panel" not in r:
                 continue
             line = f"  {r['panel'][:60]:60s} {r.get('kind', ''):8s} {_fmt(r['waits'])}"
+            if r.get("cpu"):
+                line += f"; CPU median {statistics.median(r['cpu']):.2f} s, max {max(r['cpu']):.2f} s"
             if r.get("measured"):
                 line += f"; measured side {_fmt(r['measured'])}"
             if r.get("error"):

@@ -29,7 +29,7 @@ def table():
 def _step(batch: int, **options) -> int:
     """The peak of gpulab.step, called on its own (the public API, not the course module)."""
     return gpulab.step(MODEL, batch=batch, seq_len=SEQ, engine="fake", optimizer="adamw", use_cache=False,
-                       **options).peak_bytes
+                       gpu=CARD, **options).peak_bytes
 
 
 def test_savings_equal_the_difference_of_two_separate_step_runs(table):
@@ -40,6 +40,18 @@ def test_savings_equal_the_difference_of_two_separate_step_runs(table):
     assert table.saved_bytes("bf16 autocast") == base - _step(b, amp="bf16")
     assert table.saved_bytes("checkpointing") == base - _step(b, checkpointing=True)
     assert table.saved_bytes("checkpointing") > 0
+
+
+def test_the_fixed_batch_peak_follows_the_cards_kernels_as_the_fit_does():
+    """bf16 attention on a T4 (sm75) runs the math kernel, in float32: the table's saving at the fixed
+    batch must come from the T4's kernels, as its largest batch does, not from a fused kernel's."""
+    from gpulab.course.capstone import measure_recipe
+    you = your_model(MODEL, "T4", seq_len=SEQ)
+    on_t4 = measure_recipe(you, 2, {"amp": "bf16"})
+    assert on_t4.peak_bytes == gpulab.step(MODEL, batch=2, seq_len=SEQ, engine="fake", optimizer="adamw",
+                                           use_cache=False, amp="bf16", gpu="T4").peak_bytes
+    assert on_t4.peak_bytes != gpulab.step(MODEL, batch=2, seq_len=SEQ, engine="fake", optimizer="adamw",
+                                           use_cache=False, amp="bf16").peak_bytes   # another kernel's plan
 
 
 def test_largest_batches_are_gpulab_fits_and_the_fixed_batch_is_the_baselines(table):

@@ -55,6 +55,17 @@ def test_checkpointing_lowers_the_activations():
     assert (ckpt.checkpointing, selective.checkpointing, plain.checkpointing) == ("full", "selective", False)
 
 
+def test_the_step_follows_the_cards_kernels():
+    """A T4 (sm75) has no bf16 flash or memory-efficient attention: SDPA runs the math kernel, which
+    saves float32 attention weights; an A100 (sm80) runs a fused kernel. The check, like gpulab.fit,
+    follows the card it is asked about (it used to answer every card with the same sm80 step)."""
+    t4 = finetune_check("gpt2", "T4", seq_len=256, batch=4, method="full", precision="bf16")
+    a100 = finetune_check("gpt2", "A100-40GB", seq_len=256, batch=4, method="full", precision="bf16")
+    assert "T4 (sm75)" in t4.label and "A100" in a100.label
+    assert t4.peak_by_category["activations"] > a100.peak_by_category["activations"]
+    assert t4.peak_by_category["parameters"] == a100.peak_by_category["parameters"]
+
+
 def test_custom_size_and_the_builder_is_shapes_only():
     cfg = custom_config(1024, 4)
     with torch.device("meta"):

@@ -104,3 +104,18 @@ def test_a_pipelines_rows_reuse_their_searches_replays(replays, monkeypatch):
     assert [r.__dict__ for r in reused.ranks] == [r.__dict__ for r in replayed.ranks]
     # the same replays, the rows' own made again where their search had made them (here stage 1's, at its own batch)
     assert set(replays) == set(made) and len(replays) > len(made)
+
+
+def test_the_lean_replay_gives_the_replays_peak_and_failures(timelines):
+    """``CachingAllocator.replay_peak`` (what fit's checks read) against ``replay``'s own peak reserved and
+    failed allocations, without a limit and with limits that make allocations fail (the cache released,
+    then out of memory) or sit just at the peak."""
+    failed = 0
+    for t in timelines.values():
+        whole = CachingAllocator().replay(t.events, strict=False)
+        for capacity in (None, whole.peak_reserved, whole.peak_reserved - 1, t.peak_bytes, whole.peak_reserved // 2):
+            r = CachingAllocator(capacity_bytes=capacity).replay(t.events, strict=False)
+            assert CachingAllocator(capacity_bytes=capacity).replay_peak(t.events) == (r.peak_reserved,
+                                                                                       len(r.oom_events))
+            failed += len(r.oom_events)
+    assert failed > 0

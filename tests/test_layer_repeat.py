@@ -1,4 +1,4 @@
-"""Exact at any depth: a step laid out from fake runs of 2, 3 and 4 blocks equals the full-depth
+"""Exact at any depth: a step laid out from fake runs of 1, 2 and 3 blocks equals the full-depth
 fake run event for event (same storages, bytes, categories, phases), so the same peak, the same
 categories at the peak and the same simulated reserved memory (gpulab.predict.layer_repeat)."""
 from __future__ import annotations
@@ -115,8 +115,8 @@ def test_periodic_and_prefixed_layers_are_patterns():
     cfg.layer_types = None
     cfg.first_k_dense_replace = 3
     assert L.block_pattern(cfg) == L.Pattern(3, 1, "the first 3 layers dense")
-    cfg.first_k_dense_replace = 1      # only the first differs: the runs' first block shows it
-    assert L.block_pattern(cfg) == L.Pattern()
+    cfg.first_k_dense_replace = 1      # one dense layer: a prefix too (a one-layer run would hold it alone)
+    assert L.block_pattern(cfg) == L.Pattern(1, 1, "the first layer dense")
     cfg.first_k_dense_replace, cfg.decoder_sparse_step = None, 2
     assert L.block_pattern(cfg) == L.Pattern(0, 2, "decoder_sparse_step 2")
     cfg.mlp_only_layers = [0, 1]       # dense first layers, then a mixture of experts every 2
@@ -134,8 +134,9 @@ def test_periodic_and_prefixed_layers_are_patterns():
     assert "runs of 8 and 14 layers cost about what 26 layers do, so all 26 run" in L.not_repeatable(gemma3)
     gemma3.num_hidden_layers, gemma3.layer_types = 62, [gemma3.layer_types[i % 6] for i in range(62)]   # 27B's depth
     assert L.not_repeatable(gemma3) is None
-    for name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite"):
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b"):
         assert L.block_pattern(hf_configs.make_config(name)) == L.Pattern()
+    assert L.block_pattern(hf_configs.make_config("deepseek-v2-lite")) == L.Pattern(1, 1, "the first layer dense")
 
 
 def _shrunk(name: str, depth: int, seq_len: int = 32, **fields):
@@ -158,13 +159,17 @@ PATTERNS = {   # each built-in's own layer pattern, small: (name, depth, fields)
     "deepseek-v2 (2 dense, then MoE)": ("deepseek-v2-lite", 7, dict(
         first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         moe_intermediate_size=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, head_dim=8)),
+    "deepseek-v2-lite (1 dense, then MoE)": ("deepseek-v2-lite", 7, dict(
+        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, head_dim=8)),
     "mixtral (MoE alike)": ("mixtral-8x7b", 6, dict(num_local_experts=4)),
     "qwen3-moe (MoE alike)": ("qwen3-30b-a3b", 6, dict(num_experts=8, moe_intermediate_size=32)),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", list(PATTERNS.values()), ids=list(PATTERNS))
+@pytest.mark.parametrize("spec", [pytest.param(*[v], marks=pytest.mark.extended) if "1 dense" in k else v
+                                  for k, v in PATTERNS.items()], ids=list(PATTERNS))
 def test_layer_patterns_equal_full_depth(spec):
     """Mixtures of experts (all MoE layers alike, or after a dense prefix) laid out from a few layers equal the
     full-depth run."""
@@ -196,7 +201,7 @@ def test_fit_answers_the_same_with_and_without_layer_repeat(monkeypatch):
     options = dict(optimizer="adamw", dtype="bf16", seq_len=64, context_bytes=0)
     run_cache.clear()
     laid = fit_module.fit(cfg, "96MiB", **options)
-    assert "12 layers laid out from fake runs of 2 and 3 layers" in laid.layers
+    assert "12 layers laid out from fake runs of 1 and 2 layers" in laid.layers
     run_cache.clear()
     monkeypatch.setattr(L, "not_repeatable", lambda *a, **k: "switched off by the test")   # what fit's runs read
     full = fit_module.fit(cfg, "96MiB", **options)

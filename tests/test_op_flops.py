@@ -3,16 +3,22 @@
 engine's attention scored 0. Checked against the formula written out here from the shapes
 (torch.utils.flop_counter's ``sdpa_flop_count``: 2·b·h·s²·d for q·kᵀ and as much for the weights
 times v, causal masking not modelled; ``sdpa_backward_flop_count``: five such matmuls), the same on
-every torch; and the answer naming the ops it has no formula for. Runs under torch 2.11 and 2.15."""
+every torch; and the answer naming the ops it has no formula for. Runs under torch 2.11 and 2.15.
+
+``_grouped_mm`` (MoE experts), which neither release's registry has, by gpulab's formula: checked on
+real CPU kernels (forward and backward, every operand pairing) against the per-group matmuls that
+``offs`` delimits, and in a tiny Mixtral's step against the count from the routing (tokens·top-k rows
+through three hidden×intermediate matrices)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import gpulab
 from gpulab.predict.card_speeds import speed_of
-from gpulab.predict.op_flops import ADDED_FORMULAS
+from gpulab.predict.op_flops import ADDED_FORMULAS, ADDED_SOURCES
 from gpulab.predict.timing import OpCost, cost_ops
 
 B, S, H, KV, D = 2, 16, 4, 2, 8   # batch, sequence, query heads, key/value heads (grouped), head dim
@@ -38,7 +44,10 @@ class _Attention(nn.Module):
 def test_cpu_flash_attention_is_counted_as_torch_s_sdpa_formula_from_its_shapes():
     release = tuple(int(p) for p in torch.__version__.split(".")[:2])
     if release == (2, 11) or release >= (2, 15):   # the releases read: 2.11 lacks both formulas, 2.15 has both
-        assert len(ADDED_FORMULAS) == (2 if release == (2, 11) else 0)
+        sdpa = {n for n in ADDED_SOURCES if "attention" in n}
+        assert len(sdpa) == (2 if release == (2, 11) else 0)
+    if release in ((2, 11), (2, 15)):                # neither has one for _grouped_mm
+        assert "_grouped_mm" in ADDED_SOURCES and "gpulab's own formula" in ADDED_SOURCES["_grouped_mm"]
     t = gpulab.step(_Attention(), input_shape=(S, H * D), batch=B, fake_target="cpu", gpu="H100", time=True, steps=1).time
     fwd, bwd = t.by_op["_scaled_dot_product_flash_attention_for_cpu"], \
         t.by_op["_scaled_dot_product_flash_attention_for_cpu_backward"]
@@ -71,3 +80,54 @@ def test_the_answer_names_the_ops_it_has_no_flop_formula_for():
     assert "3 calls of 2 ops: add ×2, _grouped_mm ×1" in text
     assert t.as_dict()["no_formula"] == {"_grouped_mm": 1, "add": 2}
     assert not cost_ops(ops[:1], speed_of("H100"), 64, "tokens").formula_lines()
+
+
+# _grouped_mm's operand pairings (torch/_meta_registrations.py, _create_grouped_mm_output_tensor), each with
+# its group sizes from offs: (a's shape, b's shape, offs, the per-group (m, k, n) of each matmul)
+_OFFS = (8, 24, 40, 48)
+_SIZES = [e - s for s, e in zip((0, *_OFFS), _OFFS)]
+GROUPED = {
+    "2d-3d (tokens, k) x (g, k, n)": ((48, 32), (4, 32, 64), _OFFS, [(m, 32, 64) for m in _SIZES]),
+    "3d-2d (g, m, k) x (k, n)": ((4, 16, 32), (32, 48), _OFFS, [(16, 32, n) for n in _SIZES]),
+    "2d-2d (m, k) x (k, n), offs along k": ((32, 48), (48, 64), _OFFS, [(32, k, 64) for k in _SIZES]),
+    "3d-3d batched": ((4, 16, 32), (4, 32, 16), None, [(16, 32, 16)] * 4),
+}
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
+@pytest.mark.parametrize("case", GROUPED.values(), ids=GROUPED.keys())
+def test_grouped_mm_counts_its_groups_matmuls_forward_and_backward(case):
+    """Real CPU kernels under FlopCounterMode: the forward is the groups' matmuls, 2·m·k·n each; its
+    backward runs ``_grouped_mm`` twice more (grad of a, grad of b), each as many FLOPs again."""
+    a_shape, b_shape, offs, groups = case
+    a, b = torch.randn(a_shape, requires_grad=True), torch.randn(b_shape, requires_grad=True)
+    offs = None if offs is None else torch.tensor(offs, dtype=torch.int32)
+    with FlopCounterMode(display=False, custom_mapping=ADDED_FORMULAS) as counter:
+        out = torch._grouped_mm(a, b, offs)
+        forward = counter.get_total_flops()
+        out.backward(torch.randn_like(out))
+    per_groups = sum(2 * m * k * n for m, k, n in groups)
+    assert (forward, counter.get_total_flops()) == (per_groups, 3 * per_groups)
+
+
+def test_moe_experts_counted_as_the_routing_says():
+    """A tiny Mixtral's training step (transformers' default experts implementation, ``_grouped_mm``):
+    each MoE layer sends tokens·top-k rows through the fused gate-up (hidden → 2·intermediate) and the
+    down (intermediate → hidden) matrices, 2·rows·hidden·intermediate·3 FLOPs forward, twice that
+    backward; the rest of the forward by the linears' 2·tokens·in·out and attention's formula."""
+    transformers = pytest.importorskip("transformers")
+    h, i, e, k, heads, kv, vocab, layers, b, s = 32, 64, 4, 2, 4, 2, 128, 2, 2, 16
+    cfg = transformers.MixtralConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
+                                     num_attention_heads=heads, num_key_value_heads=kv, num_local_experts=e,
+                                     num_experts_per_tok=k, vocab_size=vocab, max_position_embeddings=64)
+    t = gpulab.step(cfg, batch=b, seq_len=s, engine="fake", gpu="H100", time=True, steps=1).time
+    tokens, d = b * s, h // heads
+    experts = layers * 2 * (tokens * k) * h * i * 3
+    rest = (layers * 2 * tokens * h * (h + 2 * kv * d + h + e)     # q, k, v, o and the router
+            + layers * 2 * (2 * b * heads * s * s * d)               # attention (causal masking not modelled)
+            + 2 * tokens * h * vocab)                                 # the LM head
+    assert t.by_op["_grouped_mm"].count == layers * 6                # 2 forward, 4 backward per layer
+    assert t.by_op["_grouped_mm"].flops == 3 * experts
+    assert t.forward_flops == rest + experts
+    assert "_grouped_mm" not in t.no_formula and not t.uncounted_compute
+    assert t.added_formulas == {"_grouped_mm": layers * 6} and "gpulab's own formula" in repr(t)

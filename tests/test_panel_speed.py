@@ -13,8 +13,11 @@ from gpulab.predict.batch_line import BatchLine
 from gpulab.course.finetune import custom_config, finetune_check, recipe_options
 from gpulab.allocator.simulator import CachingAllocator
 from gpulab.predict import run_cache
+from gpulab.predict import layer_repeat as L
 from gpulab.predict.fake_step import fake_step_timeline
 from gpulab.predict.step import step
+from gpulab.predict.cards import card_target
+from gpulab.measure.cuda_card import kernel_target
 
 
 def _bytes(t):
@@ -46,20 +49,23 @@ def test_largest_batch_answers_unchanged(model, card_gib, optimizer):
 
 @pytest.mark.extended
 def test_fine_tune_check_answers_as_the_full_depth_step():
-    """A custom 12-layer Llama-style model (laid out from runs of 2 and 3 layers) with LoRA: the kept,
+    """A custom 12-layer Llama-style model (laid out from runs of 1 and 2 layers) with LoRA: the kept,
     laid-out timeline gives gpulab.step's full-depth numbers, and asking again measures nothing."""
     config = custom_config(hidden=128, layers=12)
     options = recipe_options("lora", "none")
-    full = step(config, batch=2, seq_len=64, optimizer="adamw", engine="fake", dtype=torch.bfloat16, **options)
+    full = step(config, batch=2, seq_len=64, optimizer="adamw", engine="fake", dtype=torch.bfloat16, gpu="H100",
+                **options)   # the check follows the card's kernels, as gpulab.fit does
     answer = finetune_check("custom", "H100", 64, 2, "lora", "adamw", "bf16", "none", hidden=128, layers=12)
     t = full.measurement.tracking
     assert answer.peak_bytes == t.peak_bytes and answer.peak_by_category == dict(t.peak_by_category)
     assert answer.reserved_bytes == CachingAllocator().replay(t.events, strict=False).peak_reserved
     assert "laid out" in answer.label
     before = run_cache.info()
-    again = finetune_check("custom", "RTX 4090", 64, 2, "lora", "adamw", "bf16", "none", hidden=128, layers=12)
-    assert run_cache.info() == before and again.peak_bytes == answer.peak_bytes and again.card == "RTX 4090"
-    laid, how = fake_step_timeline(config, 2, seq_len=64, optimizer="adamw", dtype=torch.bfloat16, **options)
+    again = finetune_check("custom", "H100", 64, 2, "lora", "adamw", "bf16", "none", hidden=128, layers=12,
+                           context_bytes=2**30)   # only the verdict changes: no new run
+    assert run_cache.info() == before and again.peak_bytes == answer.peak_bytes and again.context_bytes == 2**30
+    with kernel_target(card_target("H100")):
+        laid, how = fake_step_timeline(config, 2, seq_len=64, optimizer="adamw", dtype=torch.bfloat16, **options)
     assert _bytes(laid) == _bytes(t) and "laid out" in how
 
 
@@ -71,3 +77,75 @@ def test_strategies_measured_together_as_alone():
     alone = measure_strategy(specs[-1], 2)
     strip = [dataclasses.replace(r, losses=[]) for r in alone.ranks]
     assert [dataclasses.replace(r, losses=[]) for r in together[-1].ranks] == strip
+
+
+def test_fine_tune_counts_kept_per_model_equal_a_fresh_build():
+    """The fine-tune check keeps its parameter counts per model, method, optimizer and dtype (a
+    sequence-length move builds no skeleton): what it keeps equals a fresh meta build at another
+    sequence length, and a different method is counted afresh."""
+    from gpulab.course import finetune as FT
+    from gpulab.models.workload import resolve_workload
+    from gpulab.training.loop import recipe_workload, user_recipe
+    config = custom_config(hidden=256, layers=2)
+    FT._COUNTS.clear()
+    options = recipe_options("lora", "none")
+    kept = FT._parameter_counts("custom", (256, 2), config, 64, "lora", "adamw", options, torch.bfloat16)
+    fresh = recipe_workload(resolve_workload(config, seq_len=512), user_recipe(
+        "adamw", **{**options, "quantize": None, "checkpointing": False})).parameter_counts(torch.bfloat16)
+    assert kept == fresh and fresh[0] > fresh[1] > 0   # adapters trained, the base frozen
+    assert FT._parameter_counts("custom", (256, 2), config, 512, "lora", "adamw", options, torch.bfloat16) == fresh
+    assert list(FT._COUNTS) == [("custom", (256, 2), "lora", "adamw", "torch.bfloat16")]   # one build, one key
+
+
+def test_a_slow_panel_says_what_it_runs_and_how_long_its_last_run_took():
+    """A panel with ``real_run`` states it in its header, and while running shows the last run's
+    measured seconds (its own ``last_seconds``), never a typed figure; other panels say only running."""
+    from gpulab.widgets.base import Panel, slider
+    seen = []
+
+    def compute(n):
+        seen.append(panel.status.value)
+        return n
+
+    panel = Panel("slow", {"n": slider("n", 1, 1, 4)}, compute, lambda r: [], auto_run=True,
+                  real_run="a real run on this machine")
+    panel.run()
+    assert seen[-1] == "running…" and "a real run on this machine" in panel.widget.children[0].value
+    first = panel.last_seconds
+    panel.controls["n"].value = 2
+    assert seen[-1] == f"running… (the last run here took {first:.1f} s)" and panel.result == 2
+    plain = Panel("quick", {"n": slider("n", 1, 1, 4)}, lambda n: seen.append(plain.status.value), lambda r: [],
+                  auto_run=True)
+    plain.run()
+    plain.run()
+    assert seen[-1] == "running…" and "gpulab-realrun" not in plain.widget.children[0].value
+
+
+def _layout_reused_against_learned(options, layers):
+    """(the step at seq 32 with the layout learned at seq 64 kept, the same step with a fresh learn, fake
+    runs made for each): a sequence-length move of lesson 11's panels takes the kept layout."""
+    config = custom_config(hidden=128, layers=layers)
+    run_cache.clear()
+    fake_step_timeline(config, 1, seq_len=64, optimizer="adamw", dtype=torch.bfloat16, **options)
+    before = run_cache.info()["runs"]
+    reused, how = fake_step_timeline(config, 1, seq_len=32, optimizer="adamw", dtype=torch.bfloat16, **options)
+    made_reused = run_cache.info()["runs"] - before
+    run_cache.clear()   # forgets the layouts too: the slow path, learned from three small runs
+    learned, _ = fake_step_timeline(config, 1, seq_len=32, optimizer="adamw", dtype=torch.bfloat16, **options)
+    assert "laid out" in how
+    return reused, learned, made_reused, run_cache.info()["runs"]
+
+
+def test_a_layout_learned_at_one_sequence_length_serves_another_exactly():
+    reused, learned, made_reused, made_learned = _layout_reused_against_learned(recipe_options("full", "none"), L.MIN_REPEAT_DEPTH)
+    assert [(e.kind, e.nbytes, e.sid) for e in reused.events] == [(e.kind, e.nbytes, e.sid) for e in learned.events]
+    assert reused.peak_bytes == learned.peak_bytes and reused.peak_by_category == learned.peak_by_category
+    assert made_reused == made_learned - 1     # the deepest small run, which only teaches the layout, not made
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("method,policy", [("lora", "none"), ("qlora", "selective"), ("full", "full")])
+def test_a_kept_layout_answers_as_a_learned_one_for_the_recipes(method, policy):
+    reused, learned, made_reused, made_learned = _layout_reused_against_learned(recipe_options(method, policy), 12)
+    assert [(e.kind, e.nbytes, e.sid) for e in reused.events] == [(e.kind, e.nbytes, e.sid) for e in learned.events]
+    assert made_reused < made_learned

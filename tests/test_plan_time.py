@@ -49,7 +49,7 @@ def test_a_depth_laid_out_from_two_small_runs_equals_the_full_depth_timed():
     w = workload_with_depth(resolve_workload("hf:tiny-llama", seq_len=32), 12)
     recipe = loop_recipe(Recipe(optimizer="adamw"), Layout())
     laid = timed_rank(w, 2, torch.float32, recipe, H100)
-    assert laid.depth.startswith("timed at 2 and 3 layers")
+    assert laid.depth.startswith("timed at 1 and 2 layers")
     from gpulab.predict.plan_time import Runs, _timed_at
     full, params, grads = _timed_at(w, None, 2, torch.float32, recipe, H100, 64, "tokens", Runs())
     assert laid.step.flops == full.flops and laid.step.kernels == full.kernels

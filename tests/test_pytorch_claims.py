@@ -264,6 +264,31 @@ def _each_optimizers_state_has_its_parameters_shape_and_dtype() -> bool:
     return True
 
 
+def _layer_norm_saves_its_input() -> bool:
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    y = torch.nn.LayerNorm(8)(x)
+    return type(y.grad_fn).__name__.startswith("NativeLayerNormBackward") and y.grad_fn._saved_input is x
+
+
+def _sdpa_math_computes_bf16_in_float32() -> bool:
+    """``_scaled_dot_product_attention_math`` on bf16 inputs: its matmuls run on float32 copies."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.matmul.default):
+                seen.append(out.dtype)
+            return out
+
+    q = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16, requires_grad=True)
+    with Log():
+        out = torch.ops.aten._scaled_dot_product_attention_math(q, q, q)[0]
+    return bool(seen) and set(seen) == {torch.float32} and out.dtype == torch.bfloat16
+
+
 CLAIMS = [
     ("01", "hands out blocks in multiples of 512 bytes", "kMinBlockSize",
      ("header", "constexpr size_t kMinBlockSize = 512;")),
@@ -339,6 +364,38 @@ CLAIMS = [
      ("doc", "torch.Tensor.copy_", "if ``True`` and this copy is between CPU and GPU")),
     ("04", "from pinned and pageable memory alike", "torch.Tensor.to",
      ("doc", "torch.Tensor.to", "applies to both pinned and pageable memory")),
+    # the review of 2026-12-07: sentences corrected against torch 2.15
+    ("01", "would leave 1 MiB or less over", "kSmallSize", ("header", "constexpr size_t kSmallSize = 1048576;")),
+    ("05", "SGD's `_init_group` only reads `momentum_buffer`", "_init_group",
+     ("source", "torch.optim.sgd.SGD._init_group", 'momentum_buffer_list.append(state.get("momentum_buffer"))')),
+    ("05", "its `step()` stores the buffer the first update made", "_init_group",
+     ("source", "torch.optim.sgd.SGD.step", 'state["momentum_buffer"] = momentum_buffer')),
+    ("07", "LayerNorm 1 (`native_layer_norm`) also saves the block's input", "native_layer_norm",
+     ("run", _layer_norm_saves_its_input)),
+    ("09", "otherwise torch 2.15 and later give it back after each call", "TORCH_CUBLAS_WORKSPACE_CACHE",
+     ("releases", "2.15", None, ("header", "workspace = at::cuda::allocateCUDABlasWorkspace(size);"))),
+    ("09", "otherwise torch 2.15 and later give it back after each call", "TORCH_CUBLAS_WORKSPACE_CACHE",
+     ("releases", "2.15", None, ("lib", "TORCH_CUBLAS_WORKSPACE_CACHE"))),
+    ("07", "yes, once the last needed tensor is recomputed", "use_reentrant=False",
+     ("doc", "torch.utils.checkpoint.checkpoint", "Non-reentrant checkpoint stops recomputation as soon as")),
+    ("08", "and caches it for the rest of the region", "cache_enabled",
+     ("doc", "torch.autocast", "Whether the weight cache inside autocast should be enabled.")),
+    ("11", "which computes in float32 and saves", "_scaled_dot_product_attention_math",
+     ("run", _sdpa_math_computes_bf16_in_float32)),
+    ("14", "`param.copy_(input_param)` in `Module._load_from_state_dict`", "_load_from_state_dict",
+     ("source", "torch.nn.Module._load_from_state_dict", "param.copy_(input_param)")),
+    ("14", "PyTorch warns so and suggests `assign=True`", "assign=True",
+     ("source", "torch.nn.Module._load_from_state_dict", "which is a no-op")),
+    ("14", "keeping the module's `requires_grad`", "assign=True",
+     ("source", "torch.nn.Module._load_from_state_dict", "requires_grad=param.requires_grad")),
+    ("14", "is `mmap.MAP_PRIVATE`", "get_default_mmap_options",
+     ("doc", "torch.serialization.get_default_mmap_options", "Defaults to ``mmap.MAP_PRIVATE``")),
+    ("07", "the segment's parameters get **no gradient** (a warning, not an error)", "use_reentrant=True",
+     ("source", "torch.utils.checkpoint", "None of the inputs have requires_grad=True. Gradients will be None")),
+    ("07", "keyword arguments, `torch.autograd.grad`, `backward(inputs=...)`", "use_reentrant=True",
+     ("source", "torch.utils.checkpoint", "with .grad() or passing an `inputs` parameter to .backward()")),
+    ("07", "keyword arguments, `torch.autograd.grad`, `backward(inputs=...)`", "use_reentrant=True",
+     ("source", "torch.utils.checkpoint", "if kwargs and use_reentrant:")),
 ]
 
 _CITES_SOURCE = re.compile(r"(?:torch|c10|aten)/[\w/.*]+\.(?:py|cpp|h|yaml)|\b[A-Z]\w+\.(?:cpp|h)\b")

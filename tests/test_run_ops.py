@@ -86,12 +86,12 @@ def test_experts_whose_tokens_do_not_split_evenly_are_not_laid_out():
 
 
 def test_fits_time_from_its_search_equals_separate_timed_runs():
-    """12 layers: the search lays the depth out from runs of 2 and 3 layers, timed; the time made the way
+    """12 layers: the search lays the depth out from runs of 1 and 2 layers, timed; the time made the way
     it was before (its own timed runs, nothing kept) is the same to the last bit."""
     run_cache.clear()
     cfg = with_depth(hf_configs.make_config("tiny-llama"), 12)
     r = gpulab.fit(cfg, "H100", seq_len=32, optimizer="adamw")
-    assert r.largest_batch > 3 and r.time is not None and r.time.depth.startswith("timed at 2 and 3 layers")
+    assert r.largest_batch > 3 and r.time is not None and r.time.depth.startswith("timed at 1 and 2 layers")
     w = resolve_workload(cfg, seq_len=32)
     alone = plan_time(w, r.largest_batch, torch.float32, loop_recipe(Recipe(optimizer="adamw"), Layout()), Layout(),
                       H100, runs=Runs())

@@ -277,8 +277,10 @@ def step_flops(you: YourModel, batch: int, options: dict[str, Any] | None = None
 
 def measure_recipe(you: YourModel, batch: int, options: dict[str, Any] | None = None) -> _Run:
     """Your model at ``batch`` with the base recipe and ``options``: the peak of two training steps
-    (``gpulab.step`` on the fake engine, CUDA's kernels) and the FLOPs of one (``step_flops``)."""
-    s = gpulab_step(you.workload, batch=batch, engine="fake", **you.fit_options(options))
+    (``gpulab.step`` on the fake engine, your card's CUDA kernels, the ones ``gpulab.fit`` follows:
+    bf16 attention on a T4 is the math kernel's float32, not a fused kernel's) and the FLOPs of one
+    (``step_flops``)."""
+    s = gpulab_step(you.workload, batch=batch, engine="fake", gpu=you.card, **you.fit_options(options))
     return _Run(s.peak_bytes, {k: int(v) for k, v in s.measurement.peak_by_category.items()},
                 step_flops(you, batch, options), s.label)
 

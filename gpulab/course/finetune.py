@@ -6,7 +6,7 @@ QLoRA), an optimizer, a precision and an activation checkpointing policy: gpulab
 builds the model from its config under fake tensors (no memory at any size) as the recipe says
 (``models.adapt``: peft's LoRA adapters; QLoRA's base Linear weights stored as bitsandbytes stores
 NF4, ``models.quantized``; transformers' own checkpointing) and runs two training steps on the fake
-engine following CUDA's kernels, as ``gpulab.step`` does, made as ``gpulab.fit`` makes its runs
+engine following the card's CUDA kernels, made as ``gpulab.fit`` makes its runs
 (``predict.fake_step``: laid out from a few layers where the layers are alike, the same timeline to the
 byte, and kept for the process); the timeline is replayed through the simulated caching
 allocator, and an assumed CUDA context is added. The verdict is ``reserved + context <= card``
@@ -22,8 +22,9 @@ from typing import Any, Callable
 import torch
 
 from gpulab.allocator.simulator import CachingAllocator
-from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, CardBudget, parse_gpu
-from gpulab.measure.engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
+from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED, CardBudget, card_target, parse_gpu
+from gpulab.measure.cuda_card import kernel_target
+from gpulab.measure.engines import LABEL_SIMULATED, label_fake_cuda
 from gpulab.models.adapt import check_checkpointing
 from gpulab.models.hf_configs import hf_entry, make_config
 from gpulab.models.workload import resolve_workload
@@ -46,6 +47,23 @@ CHECKPOINTING_CHOICES = ("none", "full", "selective", "every-2")
 Progress = Callable[[float, str], None] | None
 KEPT_ANSWERS = 32   # measured steps kept for the process: the card decides only the verdict
 _MEASURED: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+
+def _parameter_counts(preset: str, size: tuple[int, int] | None, config: Any, seq_len: int, method: str,
+                      optimizer: str, options: dict[str, Any], dtype: torch.dtype) -> tuple[int, int]:
+    """(parameters, trainable) of the adapted model, from the same model without its quantization (which
+    packs two NF4 values a byte), built on the meta device. Kept per model, method, optimizer and dtype:
+    the sequence length, batch, checkpointing and card change the inputs and the step, never the
+    parameters, so a move of those sliders does not build the model's skeleton again."""
+    key = (preset, size, method, optimizer, str(dtype))
+    if key not in _COUNTS:
+        plain = recipe_workload(resolve_workload(config, seq_len=seq_len),
+                                user_recipe(optimizer, **{**options, "quantize": None, "checkpointing": False}))
+        _COUNTS[key] = plain.parameter_counts(dtype)
+    return _COUNTS[key]
+
+
+_COUNTS: dict[tuple, tuple[int, int]] = {}
 
 
 def custom_config(hidden: int = 2048, layers: int = 16):
@@ -146,22 +164,25 @@ def finetune_check(preset: str = "llama-3-8b", card: str = "H100", seq_len: int 
     run_dtype = torch.bfloat16 if method == "qlora" and dtype == torch.float32 else dtype
     validate_batch(batch)
     size = (hidden, layers) if preset == "custom" else None   # the custom sliders shape only the custom model
-    key = (preset, size, seq_len, batch, method, optimizer, precision, options["checkpointing"])
-    if key in _MEASURED:   # the card only decides the verdict: the step's memory is the same
+    # the card's kernels decide the tensors too (bf16 attention on a T4, sm75, is the math kernel's
+    # float32 weights, not a fused kernel's): the runs follow them, as gpulab.fit's do
+    target = card_target(c)
+    key = (preset, size, seq_len, batch, method, optimizer, precision, options["checkpointing"],
+           (target.name, target.capability) if target else None)
+    if key in _MEASURED:
         _MEASURED.move_to_end(key)
         measured = _MEASURED[key]
     else:
         t0 = time.perf_counter()
-        tracking, depth = fake_step_timeline(config, batch, seq_len=seq_len, optimizer=optimizer, dtype=run_dtype,
-                                             amp=amp, **options)
+        with kernel_target(target) as followed:
+            tracking, depth = fake_step_timeline(config, batch, seq_len=seq_len, optimizer=optimizer,
+                                                 dtype=run_dtype, amp=amp, **options)
         if progress:
             progress(0.8, "replaying the timeline through the simulated allocator")
-        # the counts, from the same adapted model without its quantization (which packs two NF4 values a byte)
-        plain = recipe_workload(resolve_workload(config, seq_len=seq_len),
-                                user_recipe(optimizer, **{**options, "quantize": None, "checkpointing": False}))
-        n_params, trainable = plain.parameter_counts(run_dtype)
+        n_params, trainable = _parameter_counts(preset, size, config, seq_len, method, optimizer, options, run_dtype)
         reserved = CachingAllocator().replay(tracking.events, strict=False).peak_reserved
-        label = (f"{LABEL_FAKE_CUDA} ({depth}) + {LABEL_SIMULATED}" if depth else f"{LABEL_FAKE_CUDA} + {LABEL_SIMULATED}")
+        fake = label_fake_cuda(followed)
+        label = f"{fake} ({depth}) + {LABEL_SIMULATED}" if depth else f"{fake} + {LABEL_SIMULATED}"
         measured = (n_params, trainable, dict(tracking.peak_by_category), tracking.peak_bytes, reserved, label,
                     time.perf_counter() - t0)
         _MEASURED[key] = measured

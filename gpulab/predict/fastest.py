@@ -51,7 +51,7 @@ class LayoutPlan:
     @property
     def name(self) -> str:
         lay = self.layout
-        parts = [f"tp {lay.tp}"] + ([f"sp"] if lay.sequence_parallel else []) + [f"pp {lay.pp}"]
+        parts = [f"tp {lay.tp}"] + (["sp"] if lay.sequence_parallel else []) + [f"pp {lay.pp}"]
         parts += [f"{lay.microbatches} micro-batches 1F1B"] if lay.pp > 1 else []
         parts += [f"ep {lay.ep}"] if lay.ep > 1 else []
         return (f"{lay.strategy} dp {lay.dp}, " if lay.strategy else "dp 1, ") + ", ".join(parts)
@@ -147,9 +147,8 @@ def fastest_layouts(model: Any, gpu: Any, gpus: int, *, recipe: Any = None, tp: 
     from gpulab import formulas as F
     from gpulab.models.workload import resolve_workload
     from gpulab.options import Recipe, settings_from
-    from gpulab.predict.comm_time import COMM_ASSUMPTION
     from gpulab.predict.fit import _place, fit, usable_bytes
-    from gpulab.predict.plan_time import BUBBLE_SOURCE, OVERLAP, speed_or_why
+    from gpulab.predict.plan_time import speed_or_why
     from gpulab.predict.sharding import check_sharding
     from gpulab.training.loop import check_recipe_for, loop_recipe
     from gpulab.units import parse_dtype
@@ -200,8 +199,22 @@ def fastest_layouts(model: Any, gpu: Any, gpus: int, *, recipe: Any = None, tp: 
             continue
         plans.append(LayoutPlan(lay, r.largest_batch, r.reserved_bytes, r.needed_bytes, r.capacity_bytes, r.time,
                                 r.time_note, time.perf_counter() - t1))
+    assumptions = _assumptions(speed, microbatches_per_stage)
+    return FastestLayouts(w.name, place.card.name, gpus,
+                          {"optimizer": recipe.optimizer, "dtype": recipe.dtype, **recipe.changed()},
+                          plans, choices.skipped, time.perf_counter() - t0, assumptions=assumptions,
+                          label=f"each layout: gpulab fit's answer (fake runs, simulated allocator) and its step "
+                                f"predicted (roofline, {speed.name})")
+
+
+def _assumptions(speed: Any, microbatches_per_stage: int) -> dict[str, str]:
+    """What every plan's time assumes, named: the card's efficiency, its links, NCCL's factors, the
+    overlap per strategy, the pipeline's schedule and the batch each layout runs at."""
+    from gpulab.predict.comm_time import COMM_ASSUMPTION
+    from gpulab.predict.plan_time import BUBBLE_SOURCE, OVERLAP
+
     a = speed.assumptions
-    assumptions = {
+    return {
         "efficiency": f"{a.text} ({a.source})",
         "bandwidths": (f"NVLink {speed.links.nvlink_gbs} GB/s, network {speed.links.network_gbs} GB/s a direction, "
                        f"{speed.links.gpus_per_node} GPUs a node ({speed.links.source})"),
@@ -211,8 +224,3 @@ def fastest_layouts(model: Any, gpu: Any, gpus: int, *, recipe: Any = None, tp: 
         "pipeline": f"1F1B with {microbatches_per_stage} micro-batches a stage; bubble {BUBBLE_SOURCE}",
         "batch": "each layout at the largest per-GPU (micro-)batch it fits, found as gpulab fit finds it",
     }
-    return FastestLayouts(w.name, place.card.name, gpus,
-                          {"optimizer": recipe.optimizer, "dtype": recipe.dtype, **recipe.changed()},
-                          plans, choices.skipped, time.perf_counter() - t0, assumptions=assumptions,
-                          label=f"each layout: gpulab fit's answer (fake runs, simulated allocator) and its step "
-                                f"predicted (roofline, {speed.name})")

@@ -65,7 +65,9 @@ __all__ = [
 LABEL_FIT = "fake tensors, CUDA kernels' allocations (no compute) + simulated allocator + assumed CUDA context"
 WORKSPACE_LABEL = ("formula: cuBLAS's workspace for the card's compute capability (CublasHandlePool.cpp, "
                    "getChosenWorkspaceSize; CUBLAS_WORKSPACE_CONFIG honoured) for the forward's thread and "
-                   "autograd's, and cuBLASLt's; cuDNN workspaces: not predicted")
+                   "autograd's, and cuBLASLt's, kept as torch 2.11-2.14 keep them (from 2.15 only with "
+                   "TORCH_CUBLAS_WORKSPACE_CACHE=1, isCUDABlasWorkspaceCachingEnabled; else an upper bound); "
+                   "cuDNN workspaces: not predicted")
 MAX_BATCH = 1 << 20
 MAX_FALLBACK_RUNS = 12
 
@@ -434,8 +436,8 @@ class _FakeRuns:
 
 def _replay(t: TrackingResult, capacity: int | None) -> tuple[int, bool]:
     """(simulated peak reserved, whether an allocation failed) with ``capacity`` (None: no limit)."""
-    r = CachingAllocator(capacity_bytes=capacity).replay(t.events, strict=False)
-    return r.peak_reserved, bool(r.oom_events)
+    peak, ooms = CachingAllocator(capacity_bytes=capacity).replay_peak(t.events)   # replay's peak and OOMs
+    return peak, bool(ooms)
 
 
 def verdict(t: TrackingResult, usable: int) -> tuple[int, bool]:

@@ -67,9 +67,13 @@ __all__ = ["BASE_BLOCKS", "Deep", "DepthLayout", "MAX_EVENTS", "MIN_REPEAT_DEPTH
            "not_repeatable", "same_timeline",
            "with_depth", "workload_with_depth"]
 
-BASE_BLOCKS = 2          # k: the first and the last block; k+1 and k+2 add middle ones
+# k: one block. A fake run's cost is its ops, so the small runs cost about their layers: runs of 1, 2 and 3 layers
+# hold 6 where runs of 2, 3 and 4 (the k = 2 this module started with, a first and a last block apart) hold 9.
+# The checks are the same: a layout that does not rebuild the deeper runs exactly is refused, and the caller
+# then runs the full depth
+BASE_BLOCKS = 1
 MAX_EVENTS = 4_000_000   # a laid-out timeline longer than this is refused (memory: about 1 KiB an event)
-MIN_REPEAT_DEPTH = 12   # shallower stacks run at full depth: 7 runs of 2-4 layers cost about what 3 full-depth runs do
+MIN_REPEAT_DEPTH = 12   # shallower stacks run at full depth (measured when the runs were of 2-4 layers: 7 of them cost about 3 full-depth runs)
 
 _DIGITS = re.compile(r"\d+")
 # Events are made field by field (dataclasses.replace costs 10 times more) while Event has these fields
@@ -105,10 +109,9 @@ class Pattern:
 
     @property
     def blocks(self) -> int:
-        """k, the periods in the smallest run: the first and the last layer apart where every layer is
-        alike; one period where they repeat every few (two periods of Gemma-3's six layers cost 12 layers
-        a run; the (k+2)-period run that the layout is learned from still holds a first, a middle and a
-        last period)."""
+        """k, the periods in the smallest run: ``BASE_BLOCKS``, one layer where every layer is alike, one
+        period where they repeat every few (two periods of Gemma-3's six layers would cost 12 layers a run;
+        the (k+2)-period run that the layout is learned from holds a first, a middle and a last period)."""
         return BASE_BLOCKS if self.period == 1 else 1
 
     def depths(self, depth: int) -> tuple[int, int, int]:
@@ -132,8 +135,10 @@ def block_pattern(config: Any, min_depth: int = MIN_REPEAT_DEPTH,
     if depth < min_depth:
         return f"{depth} layers: the full depth is as cheap"
     dense = getattr(config, "first_k_dense_replace", None)
-    prefix = dense if isinstance(dense, int) and dense > 1 else 0   # one dense layer: the runs' first block shows it
-    period, why = 1, [f"the first {prefix} layers dense"] if prefix else []
+    # one dense layer too: a run of one block (BASE_BLOCKS) would hold the dense layer alone, and one more block
+    # would add a layer unlike it (measured: no layout learned, every run at full depth)
+    prefix = dense if isinstance(dense, int) and dense >= 1 else 0
+    period, why = 1, [f"the first {prefix} layers dense" if prefix > 1 else "the first layer dense"] if prefix else []
     only = getattr(config, "mlp_only_layers", None)
     if only not in (None, [], ()):
         if list(only) != list(range(len(only))):
@@ -272,7 +277,8 @@ class Deep:
                     f"events repeated, learned with {c} layers; exact where the blocks are alike)")
         else:
             block = f"each period of {self.pattern.period} layers" if self.pattern.period > 1 else "each layer"
-            past = f" past the first {self.pattern.prefix} layers" if self.pattern.prefix else ""
+            prefix = self.pattern.prefix
+            past = (f" past the first {prefix} layers" if prefix > 1 else " past the first layer") if prefix else ""
             text = (f"{self.depth} layers laid out from fake runs of {a} and {b} layers (the events of {block}"
                     f"{past} repeated, learned with {c} layers; {self.pattern.why}; exact where the layers repeat so)")
         return text + (f"; all {self.depth} layers run {self.why}" if self.why else "")

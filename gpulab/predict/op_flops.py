@@ -10,8 +10,20 @@ installed registry lacks them, they are counted as 2.15's registry counts them (
 ``sdpa_backward_flop`` in torch/utils/flop_counter.py): grouped-query k/v (``enable_gqa``: fewer k/v
 heads than the query's) counted at the query's heads, as 2.15's ``sdpa_flop_count`` does and the kernel
 broadcasts them; 2.11's ``sdpa_flop_count`` asserts equal heads, so the k/v shapes it is given carry the
-query's heads. Causal masking is not modelled, as in torch's formulas (an upper bound). Where the
-installed torch's registry has a formula, it is used unchanged.
+query's heads. Causal masking is not modelled, as in torch's formulas (an upper bound).
+
+NB: no torch release read (2.11, 2.15) has a formula for ``aten._grouped_mm`` (the grouped GEMM that
+transformers' default MoE experts implementation runs, ``grouped_mm_experts_forward`` in
+transformers/integrations/moe.py), so torch's count scores MoE expert layers 0. gpulab's own formula
+(``grouped_mm_flops``) counts it from the shapes as ``_create_grouped_mm_output_tensor`` (torch/
+_meta_registrations.py) reads them: 2·m·k·n summed over the groups, whichever operand ``offs`` splits.
+Its backward is ``_grouped_mm`` again (derivatives.yaml: ``_grouped_mm_mat1_backward``,
+``_grouped_mm_mat2_backward``), so this one formula covers it. Rows past ``offs[-1]`` (expert
+parallelism's sentinel tokens, which the kernel skips) are counted: an upper bound there, exact where
+the groups fill the operand, as transformers' offsets do without expert parallelism.
+
+Where the installed torch's registry has a formula, it is used unchanged; ``ADDED_SOURCES`` names the
+source of each one added.
 """
 from __future__ import annotations
 
@@ -20,7 +32,8 @@ from typing import Callable
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
-__all__ = ["ADDED_FORMULAS", "flop_formula", "sdpa_backward_flops", "sdpa_forward_flops"]
+__all__ = ["ADDED_FORMULAS", "ADDED_SOURCES", "flop_formula", "grouped_mm_flops", "sdpa_backward_flops",
+           "sdpa_forward_flops"]
 
 _aten = torch.ops.aten
 
@@ -45,11 +58,34 @@ def sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *ar
                                     _at_query_heads(query_shape, value_shape))
 
 
-_SDPA = {"_scaled_dot_product_flash_attention_for_cpu": sdpa_forward_flops,
-         "_scaled_dot_product_flash_attention_for_cpu_backward": sdpa_backward_flops}
+def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``_grouped_mm(mat_a, mat_b, offs, bias, out_dtype)``'s FLOPs from its shapes: 2·m·k·n over the
+    groups, for each pairing the op takes (``_create_grouped_mm_output_tensor``):
+    2-D (m, k) × 3-D (g, k, n), ``offs`` splitting a's rows (the MoE forward, and the backward's grad of
+    the input): 2·m·k·n; 3-D (g, m, k) × 2-D (k, n), ``offs`` splitting b's columns: 2·m·k·n;
+    2-D (m, k) × 2-D (k, n) → (g, m, n), ``offs`` splitting k (the backward's grad of the weights,
+    aᵀ (k, tokens) × grad (tokens, n)): 2·m·k·n; 3-D × 3-D, a batched matmul: 2·g·m·k·n. The bias's
+    adds are not counted, as the registry's ``addmm_flop`` leaves them out."""
+    if len(a_shape) == 3 and len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+    return 2 * a_shape[-2] * a_shape[-1] * b_shape[-1]
+
+
+# the formulas gpulab adds where the installed torch's registry lacks them: op name -> (formula, source)
+_FORMULAS = {
+    "_scaled_dot_product_flash_attention_for_cpu": (
+        sdpa_forward_flops, "torch 2.15's sdpa_flop (torch/utils/flop_counter.py), on this torch's sdpa_flop_count"),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (
+        sdpa_backward_flops, "torch 2.15's sdpa_backward_flop (torch/utils/flop_counter.py), on this torch's "
+                             "sdpa_backward_flop_count"),
+    "_grouped_mm": (
+        grouped_mm_flops, "gpulab's own formula (predict.op_flops.grouped_mm_flops: 2·m·k·n over the groups, "
+                          "from the shapes; torch 2.11 and 2.15 have none)"),
+}
+_MISSING = [name for name in _FORMULAS if hasattr(_aten, name) and getattr(_aten, name) not in flop_registry]
 # the formulas (on shapes, as ``FlopCounterMode(custom_mapping=...)`` takes them) this torch's registry lacks
-ADDED_FORMULAS: dict = {getattr(_aten, name): f for name, f in _SDPA.items()
-                        if hasattr(_aten, name) and getattr(_aten, name) not in flop_registry}
+ADDED_FORMULAS: dict = {getattr(_aten, name): _FORMULAS[name][0] for name in _MISSING}
+ADDED_SOURCES: dict[str, str] = {name: _FORMULAS[name][1] for name in _MISSING}   # op name -> whose formula
 _ADDED_RAW = {op: shape_wrapper(f) for op, f in ADDED_FORMULAS.items()}
 
 

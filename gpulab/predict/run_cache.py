@@ -12,6 +12,10 @@ A run made with a timer (``predict.run_ops``) keeps its step's ops beside its ti
 ``kept_ops``), under the same key and forgotten with it: a timeline is the same whether or not a timer
 watched its run, so a timed question reuses a timeline only where its ops were kept too.
 
+The layouts ``predict.layer_repeat`` learns (where a model's layers repeat) are kept too, per model and
+recipe without the sequence length or batch (``layouts``): a run at another sequence length takes one
+only where it rebuilds that run's (k+1)-layer timeline exactly, as a run at another batch does.
+
 The cache holds at most ``MAX_ENTRIES`` timelines and ``MAX_EVENTS`` events in all (about 470 bytes
 each with their records and series: some 100 MB; the least recently used goes first, the newest
 always stays) and hands out copies, so a caller that changes what it got changes nothing kept here.
@@ -24,7 +28,8 @@ from typing import Any, Callable
 
 from gpulab.measure.tracking import TrackingResult
 
-__all__ = ["MAX_ENTRIES", "MAX_EVENTS", "clear", "info", "keep_ops", "kept_ops", "kept_ops_by_batch", "measured", "run_key", "workload_key"]
+__all__ = ["MAX_ENTRIES", "MAX_EVENTS", "clear", "info", "keep_ops", "kept_ops", "kept_ops_by_batch", "layouts", "measured",
+           "run_key", "workload_key"]
 
 MAX_ENTRIES = 64
 MAX_EVENTS = 200_000     # an 8B transformer's two-step timeline: some 15,000 events
@@ -32,6 +37,7 @@ MAX_EVENTS = 200_000     # an 8B transformer's two-step timeline: some 15,000 ev
 _kept: OrderedDict[tuple, TrackingResult] = OrderedDict()
 _ops: dict[tuple, Any] = {}   # a timed run's ops (predict.run_ops.RunOps: frozen), by the key of its timeline
 _counts = {"hits": 0, "runs": 0}
+_layouts: OrderedDict[tuple, list] = OrderedDict()   # layer_repeat's learned layouts, by model and recipe
 
 
 def workload_key(model: Any, w: Any, *, own_parts: bool) -> tuple | None:
@@ -96,10 +102,23 @@ def kept_ops_by_batch(key: tuple | None) -> dict[int, Any]:
     return {k[4]: ops for k, ops in _ops.items() if k[:4] == key[:4] and k[5:] == key[5:] and k in _kept}
 
 
+def layouts(key: tuple) -> list:
+    """The list of layouts (``predict.layer_repeat.DepthLayout``) learned in this process for the model and
+    recipe ``key`` names (``run_key`` with the sequence length and batch left out), shared by every run of
+    them: a layout learned at one setting is kept for the next, which takes it only where it rebuilds that
+    setting's runs exactly. At most ``MAX_ENTRIES`` keys (the least recently used goes first)."""
+    kept = _layouts.setdefault(key, [])
+    _layouts.move_to_end(key)
+    while len(_layouts) > MAX_ENTRIES:
+        _layouts.popitem(last=False)
+    return kept
+
+
 def clear() -> None:
-    """Forget every kept timeline (and the counts)."""
+    """Forget every kept timeline and layout (and the counts)."""
     _kept.clear()
     _ops.clear()
+    _layouts.clear()
     _counts.update(hits=0, runs=0)
 
 

@@ -3,9 +3,10 @@ per aten op on a card's datasheet speeds (``predict.card_speeds``), as PyTorch's
 ``RuntimeEstimator`` does (torch/distributed/_tools/runtime_estimator.py, "operator-level-cost-model").
 
 Per op: FLOPs from ``torch.utils.flop_counter.flop_registry``, with the SDPA variants an older torch's
-registry lacks counted by torch's own SDPA formula (``predict.op_flops``); 0 for an op without a formula
-(torch's formulas cover matrix multiplies, convolutions and attention), and the answer names those ops
-(``StepTime.no_formula``),
+registry lacks counted by torch's own SDPA formula and ``_grouped_mm`` (MoE experts) by gpulab's
+(``predict.op_flops``; the answer names the ops so counted, ``StepTime.added_formulas``); 0 for an op
+without a formula (torch's formulas cover matrix multiplies, convolutions and attention), and the
+answer names those ops (``StepTime.no_formula``),
 bytes = its tensor inputs' and outputs' sizes (a stride-0 dimension read once, as
 ``torch.utils._runtime_estimation.get_num_bytes``), and
 time = max(FLOPs / (peak[dtype] × compute_efficiency), bytes / (bandwidth × memory_efficiency))
@@ -53,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from gpulab.predict.card_speeds import CardSpeed, TimeAssumptions
 from gpulab.predict.comm_time import COMM_ASSUMPTION, CollectiveCost, collective_seconds, link_for
-from gpulab.predict.op_flops import flop_formula
+from gpulab.predict.op_flops import ADDED_SOURCES, flop_formula
 from gpulab.tables import html_table
 
 __all__ = ["HOST_OVERLAP", "OpCost", "OpTimer", "StepTime", "TP_OVERLAP", "cost_ops", "dtype_key", "op_bytes",
@@ -320,13 +321,22 @@ class StepTime:
         time (only their bytes are costed)."""
         return {n: c for n, c in self.no_formula.items() if any(k in n for k in _COMPUTE_KINDS)}
 
+    @property
+    def added_formulas(self) -> dict[str, int]:
+        """The ops counted by a formula gpulab adds where this torch's registry has none
+        (``op_flops.ADDED_SOURCES``): calls by name."""
+        return {n: o.count for n, o in self.by_op.items() if n in ADDED_SOURCES and n not in self.no_formula}
+
     def formula_lines(self) -> list[str]:
-        """The ops the step met without a FLOP formula, named with their calls (the uncounted compute
-        kinds first, on a line of their own)."""
+        """The ops counted by a formula gpulab adds, each with its source, and the ops the step met
+        without a FLOP formula, named with their calls (the uncounted compute kinds first, on a line of
+        their own)."""
+        out = [f"  FLOPs of {n} ({c} calls) by {ADDED_SOURCES[n]}, not in {_WHERE}"
+               for n, c in self.added_formulas.items()]
         if not self.no_formula:
-            return []
+            return out
         named = sorted(self.no_formula.items(), key=lambda kv: (-kv[1], kv[0]))
-        return [*self.uncounted_lines(), f"  no FLOP formula in {_WHERE} (0 FLOPs, costed by their bytes): "
+        return [*out, *self.uncounted_lines(), f"  no FLOP formula in {_WHERE} (0 FLOPs, costed by their bytes): "
                 f"{sum(self.no_formula.values()):,} calls of {len(named)} ops: " + ", ".join(f"{n} ×{c}" for n, c in named)]
 
     def uncounted_lines(self, what: str = "") -> list[str]:
@@ -383,6 +393,7 @@ class StepTime:
                                 "launch_overhead_s": a.launch_overhead_s, "source": a.source},
                 "card_source": self.speed.source, "comm_seconds": self.comm_s, "host_seconds": self.host_s,
                 "host_bytes": self.host_bytes, "no_formula": dict(self.no_formula),
+                "added_formulas": self.added_formulas,
                 "uncounted_compute": self.uncounted_compute, "collectives": [c.as_dict() for c in self.collectives.values()],
                 "lines": self.lines()}
 

@@ -134,4 +134,6 @@ def modelsize_panel(batch: int = 1, dtype: str = "float32", engine: str = "auto"
     return Panel("The articles' modelsize() vs what autograd saves", controls, compute_modelsize,
                  render_modelsize, auto_run=True, guard=memory_guard(_modelsize_guard_bytes),
                  description="Every lesson model at its default image size: the estimate (every layer's "
-                             "output, in-place ReLUs skipped, ×2) next to a tracked forward with grad.")
+                             "output, in-place ReLUs skipped, ×2) next to a tracked forward with grad.",
+                 real_run="a forward and backward, and a forward under no_grad, of every lesson model, real where "
+                          "the engine is cpu or cuda")

@@ -53,7 +53,7 @@ class Panel:
     def __init__(self, title: str, controls: dict[str, W.ValueWidget],
                  compute: Callable[..., Any], render: Callable[[Any], list[Any]], *,
                  auto_run: bool = False, guard: Callable[[dict[str, Any]], GuardVerdict] | None = None,
-                 description: str = "", run_on_show: bool = True):
+                 description: str = "", run_on_show: bool = True, real_run: str = ""):
         self.title = title
         self.controls = controls
         self._compute = compute
@@ -69,6 +69,7 @@ class Panel:
         self._running = False
         self._pending = False
         self.stale = False
+        self.real_run = real_run
 
         self.output = W.Output()
         self.output.add_class("gpulab-output")
@@ -96,8 +97,10 @@ class Panel:
         no_gpu = ("<div class='gpulab-nogpu' style='font-size:0.85em;color:#555'>" + NO_GPU_NOTE + "</div>"
                   if "engine" in controls and "cuda" not in getattr(controls["engine"], "_options_values", ("cuda",))
                   else "")
+        slow = (f"<div class='gpulab-realrun' style='font-size:0.85em;color:#555'>⏱ {real_run}; the status "
+                "says how long each run took.</div>" if real_run else "")
         header = W.HTML(f"<h4 style='margin:4px 0'>{title} {badge}</h4>"
-                        + (f"<div>{description}</div>" if description else "") + no_gpu)
+                        + (f"<div>{description}</div>" if description else "") + no_gpu + slow)
         row = W.HBox([self.run_button, self.progress, self.safe_button, self.status])
         self.widget = W.VBox([header, W.HBox(list(controls.values()), layout=W.Layout(flex_flow="row wrap")),
                               row, self.output])
@@ -176,7 +179,7 @@ class Panel:
         self.safe_button.layout.display = "none"
         self.progress.layout.visibility = "visible"
         self.progress.value = 5
-        self.status.value = "running…"
+        self.status.value = self.running_text()
         t0 = time.perf_counter()
         self.error, self.blocked = None, None
         self._fresh()   # what is shown next is for these settings (a result, a refusal or an error)
@@ -210,6 +213,13 @@ class Panel:
             self.progress.value = 100
             self.progress.layout.visibility = "hidden"
             self.run_button.disabled = False
+
+    def running_text(self) -> str:
+        """The status while a run is in progress; for a panel whose run takes seconds (its header's
+        ``real_run`` line says what it runs), how long its last run took here, so a room knows the wait."""
+        if self.real_run and self.runs:
+            return f"running… (the last run here took {self.last_seconds:.1f} s)"
+        return "running…"
 
     def _fresh(self) -> None:
         self.stale = False

@@ -74,4 +74,7 @@ def checkpoint_panel(n_blocks: int = 16, width: int = 128, batch: int = 512,
     return Panel("Checkpointing: memory against recompute time", controls, compute_checkpoint, render_checkpoint,
                  guard=memory_guard(predict_checkpoint_peak),
                  description="<code>checkpoint_sequential(blocks, k, x, use_reentrant=False)</code> for each k: "
-                             "the peak under the tracker, then the step timed without it.")
+                             "the peak under the tracker, then the step timed without it.",
+                 real_run="a real run where the engine is cpu or cuda: each k is measured under the tracker, then its step is "
+                          "timed <i>timed rounds</i> times, so an answer takes seconds; press Run once and talk "
+                          "while it sweeps")

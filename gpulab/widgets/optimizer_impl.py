@@ -63,4 +63,5 @@ def implementation_panel(model: str = "mlp", optimizer: str = "adam", batch: int
     return Panel("for-loop vs foreach vs fused", controls, compute_implementations, render_implementations,
                  guard=memory_guard(predict_implementations_peak),
                  description="Two steps with each implementation of the optimizer; how many bytes of "
-                             "temporaries are alive at the peak of the second <code>step()</code>.")
+                             "temporaries are alive at the peak of the second <code>step()</code>.",
+                 real_run="two training steps per implementation, real where the engine is cpu or cuda")

@@ -62,4 +62,6 @@ def optimizer_panel(model: str = "mlp", batch: int = 8, engine: str = "auto") ->
     return Panel("Optimizer state, measured", controls, compute_optimizers, render_optimizers,
                  guard=memory_guard(predict_optimizers_peak),
                  description="One training step per optimizer on a fresh model; the tracker's optimizer-state "
-                             "bytes just before and just after <code>step()</code>, next to the formula.")
+                             "bytes just before and just after <code>step()</code>, next to the formula.",
+                 real_run="one training step per optimizer, real where the engine is cpu or cuda (after the fake "
+                          "engine has checked that Adam's, the most state, fits)")

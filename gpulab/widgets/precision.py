@@ -65,4 +65,6 @@ def precision_panel(model: str = "cnn", batch: int = 32, image_size: int | None 
                  guard=memory_guard(predict_precision_peak),
                  description="Two training steps each in float32, under <code>torch.autocast</code> (fp16 adds "
                              "<code>GradScaler</code>), and with the whole model in 16 bits; the peak of each by "
-                             "category.")
+                             "category.",
+                 real_run="three training runs of two steps each (fp32, autocast, the whole model in 16 bits), real "
+                          "where the engine is cpu or cuda (after the fake engine has checked that they fit)")

@@ -68,4 +68,5 @@ def sweep_panel(model: str = "cnn", optimizer: str = "sgd", largest: int = 32, e
                  guard=memory_guard(predict_sweep_peak),
                  description="Two training steps at each of four batch sizes (the second step is the steady "
                              "state, with the optimizer state alive); the peak of each, a least-squares line "
-                             "through them, and the formulas' line.")
+                             "through them, and the formulas' line.",
+                 real_run="training steps at four batch sizes, real where the engine is cpu or cuda")
