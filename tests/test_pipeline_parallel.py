@@ -270,6 +270,7 @@ def test_interleaved_layouts_that_do_not_divide_are_refused_in_one_line():
         check_pp_options(1, None, "1f1b", 0, 2)
 
 
+@pytest.mark.extended   # ~30 s quiet; the interleaved schedule's chunks per rank stay in the default run
 def test_fit_answers_an_interleaved_pipeline_per_rank():
     f = gpulab.fit(_config(8), "24MiB", optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0, pp=4,
                    microbatches=8, schedule="interleaved", virtual_stages=2)

@@ -289,6 +289,46 @@ def _sdpa_math_computes_bf16_in_float32() -> bool:
     return bool(seen) and set(seen) == {torch.float32} and out.dtype == torch.bfloat16
 
 
+def _fused_exists_for_sgd_adam_adamw_adagrad_not_rmsprop() -> bool:
+    """Lesson 05: ``fused=True`` is accepted (and steps) on the CPU for SGD, Adam, AdamW and Adagrad;
+    RMSprop has no such argument."""
+    for cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad):
+        p = torch.nn.Parameter(torch.randn(3, 2))
+        opt = cls([p], lr=0.1, fused=True)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        if not opt.param_groups[0].get("fused"):
+            return False
+    try:
+        torch.optim.RMSprop([torch.nn.Parameter(torch.randn(2))], fused=True)
+    except TypeError:
+        return True
+    return False
+
+
+def _scalar_mul_saves_nothing_and_softmax_saves_its_output() -> bool:
+    """Lesson 07: ``x * 0.5`` saves nothing of ``x`` (only the number, as a 0-dim wrapped tensor);
+    softmax saves its output (the same storage), not its input."""
+    x = torch.randn(2, 3, requires_grad=True)
+    scaled = x * 0.5
+    saved = [getattr(scaled.grad_fn, n) for n in dir(scaled.grad_fn) if n.startswith("_saved_")]
+    probs = torch.softmax(scaled, dim=-1)
+    soft = [getattr(probs.grad_fn, n) for n in dir(probs.grad_fn) if n.startswith("_saved_")]
+    soft_tensors = [t for t in soft if isinstance(t, torch.Tensor)]
+    return (all(t.dim() == 0 for t in saved if isinstance(t, torch.Tensor)) and scaled.grad_fn._saved_self is None
+            and len(soft_tensors) == 1 and soft_tensors[0].data_ptr() == probs.data_ptr())
+
+
+def _frozen_linear_saves_no_input() -> bool:
+    """Lesson 11: a linear layer whose weight is frozen saves no input for a weight gradient (addmm
+    saves ``mat1`` only when ``mat2`` needs a gradient)."""
+    x = torch.randn(2, 4, requires_grad=True)
+    frozen, trained = torch.nn.Linear(4, 4).requires_grad_(False), torch.nn.Linear(4, 4)
+    a, b = frozen(x).grad_fn, trained(x).grad_fn
+    return (type(a).__name__ == "AddmmBackward0" and a._saved_mat1 is None
+            and b._saved_mat1 is not None and b._saved_mat1.shape == x.shape)
+
+
 CLAIMS = [
     ("01", "hands out blocks in multiples of 512 bytes", "kMinBlockSize",
      ("header", "constexpr size_t kMinBlockSize = 512;")),
@@ -396,6 +436,18 @@ CLAIMS = [
      ("source", "torch.utils.checkpoint", "with .grad() or passing an `inputs` parameter to .backward()")),
     ("07", "keyword arguments, `torch.autograd.grad`, `backward(inputs=...)`", "use_reentrant=True",
      ("source", "torch.utils.checkpoint", "if kwargs and use_reentrant:")),
+    # review3 of 2026-12-07: the core path of lessons 05, 07, 08, 11
+    ("05", "(the default since torch 2.0)", "zero_grad(set_to_none=True)",
+     ("source", "torch.optim.Optimizer.zero_grad", "def zero_grad(self, set_to_none: bool = True)")),
+    ("05", "On CUDA, foreach", "_default_to_fused_or_foreach",
+     ("source", "torch.optim.optimizer._default_to_fused_or_foreach", "foreach = not fused and all(")),
+    ("05", "RMSprop has none, and the panel says so", "fused",
+     ("run", _fused_exists_for_sgd_adam_adamw_adagrad_not_rmsprop)),
+    ("07", "a multiply by a Python number saves nothing", "softmax",
+     ("run", _scalar_mul_saves_nothing_and_softmax_saves_its_output)),
+    ("08", "multiplies the loss by a large scale (2¹⁶ to start)", "GradScaler",
+     ("source", "torch.amp.GradScaler.__init__", "init_scale: float = 2.0**16")),
+    ("11", "a frozen linear layer's `addmm` does not save its input", "addmm", ("run", _frozen_linear_saves_no_input)),
 ]
 
 _CITES_SOURCE = re.compile(r"(?:torch|c10|aten)/[\w/.*]+\.(?:py|cpp|h|yaml)|\b[A-Z]\w+\.(?:cpp|h)\b")

@@ -158,7 +158,7 @@ def _bert(engine: str, **kw):
                        lora=4, **target, **kw)
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("kind", ["nf4", pytest.param("int8", marks=pytest.mark.extended)])   # int8: make test-extended (time)
 def test_the_cpu_and_fake_engines_agree_on_a_quantized_base(kind):
     # every training step alike; the setup differs by design: real tensors are built in full
     # precision, then quantized (models.adapt.quantized_build), fake ones built quantized

@@ -351,7 +351,8 @@ def _llama(engine: str, model: str = "hf:tiny-llama", **kw):
 # Checkpointing on BERT: on tiny-gpt2 and tiny-llama the real CPU attention and the fake one allocate
 # differently sized scratch tensors (a few KiB of temporaries apart), with or without checkpointing
 @pytest.mark.parametrize("model, kw", [("hf:bert-base-uncased", {"checkpointing": "selective"}),
-                                       ("hf:bert-base-uncased", {"lora": 4, "checkpointing": "full"}),
+                                       pytest.param("hf:bert-base-uncased", {"lora": 4, "checkpointing": "full"},
+                                                    marks=pytest.mark.extended),   # BERT at full size twice: make test's time
                                        ("hf:tiny-gpt2", {"lora": 4}), ("hf:tiny-gpt2", {"implementation": "for-loop"})])
 def test_checkpointing_lora_and_the_implementation_agree_on_cpu_and_fake(model, kw):
     # the training steps alike (with LoRA the fake model is built as a meta skeleton, without the

@@ -425,6 +425,22 @@ def test_rapid_clicks_each_run():
     assert panel.result.batch == 4
 
 
+def test_a_model_too_big_for_the_image_size_moves_the_size_and_answers():
+    """Found by the panel benchmark: the step panel at image size 32, model -> alexnet, refused the pair
+    ("image size 32 is too small for alexnet"). The size now follows to the model's default, and a size
+    the new model takes is left as the student set it."""
+    from gpulab.models.registry import resolve_model
+    from gpulab.widgets import step_panel
+    panel = step_panel(model="cnn", batch=2, image_size=32, engine="fake")
+    panel.controls["model"].value = "alexnet"
+    assert panel.controls["image_size"].value == resolve_model("alexnet").default_image_size
+    panel.run_button.click()
+    assert panel.error is None and panel.blocked is None and panel.result.image_size == panel.controls["image_size"].value
+    panel.controls["image_size"].value = 240
+    panel.controls["model"].value = "cnn"
+    assert panel.controls["image_size"].value == 240
+
+
 def test_click_during_run_queues_one_rerun_with_newest_values():
     from gpulab.widgets import step_panel
     panel = step_panel(model="cnn", batch=4, engine="fake")

@@ -379,9 +379,25 @@ def model_controls(model: str, *, batch: int | None = None, batch_max: int = 256
     if image_size is not False:
         size = image_size or resolve_model(model).default_image_size
         controls["image_size"] = slider("image size", size, image_min, 512, step=16)
+        _size_follows_model(controls["model"], controls["image_size"])
     if optimizer is not None:
         controls["optimizer"] = dropdown("optimizer", OPTIMIZERS, optimizer)
     controls.update(extra or {})
     if engine is not None:
         controls["engine"] = engine_dropdown(engine)
     return controls
+
+
+def _size_follows_model(model: W.ValueWidget, size: W.ValueWidget) -> None:
+    """When the student picks a model the image size slider is too small for (alexnet at 32), the slider
+    moves to that model's default size, so the panel answers instead of refusing the pair."""
+    from gpulab.models.registry import check_image_size, resolve_model
+
+    def follow(change: dict) -> None:
+        spec = resolve_model(change["new"])
+        try:
+            check_image_size(spec, int(size.value))
+        except ValueError:
+            size.value = max(int(size.min), min(int(size.max), int(spec.default_image_size)))
+
+    model.observe(follow, names="value")
