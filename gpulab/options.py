@@ -131,7 +131,8 @@ def check_precision_policy(r: Any) -> None:
 
 def check_fsdp_policy(recipe: Any, layout: Any) -> None:
     """FSDP2's settings need FSDP2: a MixedPrecisionPolicy or the float8 all-gather with --strategy
-    fsdp2 over several GPUs, one pipeline stage (the stages' sharding is not modelled with them yet)."""
+    fsdp2 over several GPUs (with pp, each stage's ``fully_shard`` gets the policy, as torchtitan's
+    ``apply_fsdp_to_decoder`` does per model part: ``predict.pipeline_fit``)."""
     asked = [name for name, on in (("param_dtype", recipe.param_dtype), ("reduce_dtype", recipe.reduce_dtype),
                                    ("fp8_all_gather", recipe.fp8_all_gather)) if on]
     if not asked:
@@ -140,8 +141,6 @@ def check_fsdp_policy(recipe: Any, layout: Any) -> None:
     if layout.strategy != "fsdp2" or layout.gpus is None:
         raise ValueError(f"{what} {'is' if len(asked) == 1 else 'are'} FSDP2's (fully_shard's MixedPrecisionPolicy, "
                          f"torchao's float8 all-gather): give strategy='fsdp2' and gpus=N (--strategy fsdp2 --gpus N)")
-    if layout.pp > 1:
-        raise ValueError(f"{what} with pp: each stage's FSDP2 policy is not modelled yet; leave out pp, or {what}")
 
 
 # --- the optimizer's implementation, autocast ------------------------------------------------------
@@ -449,6 +448,14 @@ class Layout:
         if self.strategy in SHARDED_STRATEGIES:
             return self.dp_shard * self.cp
         return self.dp
+
+    @property
+    def shard_group(self) -> tuple[tuple[str, int], ...]:
+        """``sharded_over`` as the mesh's dimensions it is the product of: (("dp_shard", 4), ("cp", 2))
+        under fsdp2/zero*, (("dp_replicate", r), ("dp_shard", s)) otherwise."""
+        if self.strategy in SHARDED_STRATEGIES:
+            return (("dp_shard", self.dp_shard), ("cp", self.cp))
+        return (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard))
 
     @property
     def mesh_dims(self) -> dict[str, int]:

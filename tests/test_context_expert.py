@@ -182,7 +182,7 @@ def _dense_and_expert_params(cfg, ep: int) -> tuple[int, int]:
 @pytest.mark.parametrize("strategy", ["fsdp2", "zero1", "zero3"])
 def test_expert_parallel_under_a_sharding_strategy(strategy):
     """ep 4 of 8 GPUs under FSDP2 / ZeRO: formula, as torchtitan's dp_shard_mod_ep and DeepSpeed-MoE's expert
-    data-parallel group lay it out: the rank's experts split over gpus/ep = 2 ranks, the rest over 8.
+    data-parallel group lay it out: the rank's experts split over gpus / ep = 2 ranks, the rest over 8.
     Parameters (bf16): FSDP2 and ZeRO-3 split them (2·dense/8 + 2·experts/2), ZeRO-1 keeps them whole;
     optimizer state: FSDP2 the run's own bf16 moments split alike (4 bytes a parameter), ZeRO DeepSpeed's
     16 bytes a parameter split alike. Each storage is split on its own (rounded up), hence the slack."""
@@ -209,7 +209,7 @@ def test_expert_parallel_under_a_sharding_strategy(strategy):
                                                       abs=slack)
     per_param = 4 if strategy == "fsdp2" else 16
     assert held(Category.OPTIMIZER_STATE) == pytest.approx(per_param * (dense / 8 + experts / 2), abs=2 * slack)
-    assert "expert data-parallel group of gpus/ep = 2 ranks" in sh.describe()
+    assert "expert data-parallel group (torchtitan's efsdp), gpus / ep = 8 / 4 = 2 ranks" in sh.describe()
 
 
 def test_fit_per_rank_with_cp_and_ep():
@@ -274,7 +274,7 @@ def test_expert_parallel_pipeline_stages():
     assert made["all_to_all_single"] == 2 * 2 * 1   # 2 MoE layers × dispatch and combine × the 1 in flight (last stage)
     fit = gpulab.fit(cfg, "24MiB", optimizer="adamw", dtype="bf16", seq_len=64, context_bytes=0, ep=2, pp=2,
                      gpus=8, strategy="fsdp2")
-    assert len(fit.ranks) == 2 and "gpus/ep = 2 ranks" in fit.sharding and "rank 0 holds 4 of 8" in fit.label
+    assert len(fit.ranks) == 2 and "dp_shard × cp / ep = 4 × 1 / 2 = 2 ranks" in fit.sharding and "rank 0 holds 4 of 8" in fit.label
     with pytest.raises(ValueError, match=r"--ep 4 does not divide the 2 data-parallel ranks of each stage"):
         gpulab.fit(cfg, "24MiB", optimizer="adamw", dtype="bf16", seq_len=64, context_bytes=0, ep=4, pp=2, gpus=4,
                    strategy="fsdp2")
@@ -298,16 +298,22 @@ def test_fsdp2_with_cp_shards_over_dp_shard_times_cp():
     def held(run, cat):
         allocs = [e for e in run.events if e.kind == "alloc" and run.records[e.sid].category is cat
                   and not run.records[e.sid].op.startswith("fsdp2")]
-        return sum(e.nbytes for e in allocs), len(allocs)
+        return sum(e.nbytes for e in allocs), allocs
+
+    def padded(e):   # FSDP2's rank 0: ceil(d0 / 8) rows of a tensor (fully_shard's padded shard)
+        shape = t.records[e.sid].shape
+        return -(-shape[0] // 8) * (e.nbytes // shape[0]) if shape and e.nbytes % shape[0] == 0 else e.nbytes / 8
     for cat in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE):
-        (whole, n), (mine, _) = held(t, cat), held(rank, cat)
-        assert whole > 0 and whole / 8 <= mine <= whole / 8 + n, cat
+        (whole, allocs), (mine, _) = held(t, cat), held(rank, cat)
+        most = sum(padded(e) for e in allocs)
+        assert whole > 0 and whole / 8 <= mine <= most + len(allocs), (cat, whole / 8, mine, most)
     fit = gpulab.fit(_llama(), "24MiB", optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0, layout=lay)
-    assert fit.sharding.startswith("8 GPUs, fsdp2")
+    assert fit.sharding.startswith("8 GPUs, fsdp2") and "N = dp_shard × cp = 1 × 8 = 8 ranks" in fit.sharding
     assert fit.mesh == "mesh dp_replicate 1 × dp_shard 1 × cp 8 × tp 1 × pp 1" and fit.mesh in fit.label
     one = gpulab.fit(_llama(), "24MiB", optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0, cp=8, gpus=8,
                      strategy="ddp")
-    assert one.sharding.startswith("1 GPUs, ddp")   # ddp replicates: cp 8 of 8 GPUs leaves no replica to spread over
+    assert one.sharding.startswith("8 GPUs, ddp")   # ddp replicates: cp 8 of 8 GPUs leaves no replica to spread over
+    assert "dp_replicate × dp_shard = 1 × 1 = 1 replicas" in one.sharding
 
 
 def test_mixtral_ep_8_states_its_mesh():
@@ -320,6 +326,6 @@ def test_mixtral_ep_8_states_its_mesh():
                    strategy="fsdp2")
     mesh = "mesh dp_replicate 1 × dp_shard 8 × cp 1 × tp 1 × pp 1 (ep 8 from dp_shard × cp)"
     assert f.largest_batch >= 1 and f.mesh == mesh and mesh in f.label and "rank 0 holds 1 of 8" in f.label
-    assert "gpus/ep = 1 ranks" in f.sharding
+    assert "dp_shard × cp / ep = 8 × 1 / 8 = 1 ranks" in f.sharding
     d = json.loads(json.dumps(f.as_dict(), default=str))
     assert d["mesh"] == mesh and f"layout: {mesh}" in fit_text(d)

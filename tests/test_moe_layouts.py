@@ -148,7 +148,7 @@ def test_fit_ep_with_tp_splits_experts_over_efsdp():
     mesh, dp_shard·cp·tp/ep = 4·1·2/4 = 2 ranks, the rest over dp_shard·cp = 4."""
     f = gpulab.fit(_mixtral(), "24MiB", optimizer="adamw", dtype="bf16", seq_len=SEQ, context_bytes=0, ep=4, tp=2,
                    gpus=8, strategy="fsdp2")
-    assert f.largest_batch >= 1 and "gpus × tp / ep = 4 × 2 / 4 = 2 ranks" in f.sharding
+    assert f.largest_batch >= 1 and "dp_shard × cp × tp / ep = 4 × 1 × 2 / 4 = 2 ranks" in f.sharding
     assert f.mesh == "mesh dp_replicate 1 × dp_shard 4 × cp 1 × tp 2 × pp 1 (ep 4 from dp_shard × cp × tp)"
     assert "not tp-split" in f.label
 
@@ -188,8 +188,8 @@ def test_fsdp2_splits_ep_tp_experts_over_efsdp():
     assert (lay.dp_shard, lay.sharded_over) == (4, 4)
     t = _step(tp=2, ep=4).measurement.tracking
     sh, one_rank = _sharding(resolve_workload(_mixtral(), seq_len=SEQ), LoopRecipe("adamw", tp=2, ep=4),
-                             torch.bfloat16, lay.sharded_over, "fsdp2", False)
-    assert sh.expert_ranks == 2 and "gpus × tp / ep = 4 × 2 / 4 = 2 ranks" in sh.describe()
+                             torch.bfloat16, lay.sharded_over, "fsdp2", False, layout=lay)
+    assert sh.expert_ranks == 2 and "dp_shard × cp × tp / ep = 4 × 1 × 2 / 4 = 2 ranks" in sh.describe()
     rank = one_rank(t)
     state = [e for e in rank.events if e.kind == "alloc" and rank.records[e.sid].category is Category.OPTIMIZER_STATE]
     experts = L * (E // 4) * 3 * H * F

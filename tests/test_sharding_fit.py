@@ -1,6 +1,7 @@
 """Several GPUs in `gpulab fit` (gpulab.predict.sharding): one rank's bytes as DDP, DeepSpeed's
 ZeRO stages and FSDP2 hold them, checked against DeepSpeed's own estimator functions, the ZeRO
 paper's formula and the one-GPU run they are made from."""
+import math
 import os
 
 import pytest
@@ -110,13 +111,19 @@ def test_per_rank_resizes_each_storage_as_the_strategy_holds_it():
         assert near(most(t, "gradients"), grads, 2 * k["gradients"] + 1), strategy
         # foreach AdamW's step makes parameter-sized copies: on a sharded optimizer, the shard's
         assert stepped(one) >= 2 * p, stepped(one)
-        assert stepped(t) == (stepped(one) if strategy == "ddp" else stepped(one, n)), strategy
+        assert stepped(t) == (stepped(one) if strategy == "ddp" else stepped(one, n, strategy == "fsdp2")), strategy
 
 
-def stepped(t, n=1):
-    """The bytes the optimizer step's temporaries are made with (each split ``n`` ways, rounded up)."""
+def stepped(t, n=1, rows=False):
+    """The bytes the optimizer step's temporaries are made with (each split ``n`` ways, rounded up; with
+    ``rows``, FSDP2's rank-0 shard of a tensor of the parameter's shape, ``ceil(d0 / n)`` rows)."""
     ids = {sid for sid, r in t.records.items() if r.category.value == "temporaries" and r.phase == "optimizer"}
-    return sum(-(-e.nbytes // n) for e in t.events if e.kind == "alloc" and e.sid in ids)
+
+    def share(e):
+        r = t.records[e.sid]
+        d0 = r.shape[0] if rows and r.shape and math.prod(r.shape) * getattr(torch, r.dtype).itemsize == r.nbytes else 0
+        return -(-d0 // n) * (e.nbytes // d0) if d0 and e.nbytes % d0 == 0 else -(-e.nbytes // n)
+    return sum(share(e) for e in t.events if e.kind == "alloc" and e.sid in ids)
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -164,3 +171,46 @@ def test_fsdp2_per_rank_matches_lesson_12s_gloo_measurement():
     assert abs(m["optimizer_state"] - most("optimizer_state")) <= 2 * pad, (m, most("optimizer_state"))
     assert abs(m["gradients"] - S.one_step_gradients(one.measurement.tracking) / 2) <= pad, m
     assert m["parameters while computing"] <= most("parameters"), (m, most("parameters"), gathered)
+
+
+def test_fsdp2_holds_rank_zeros_padded_shard_as_fully_shard_allocates_it():
+    """FSDP2 chunks each parameter on dim 0 and allocates every rank's shard at the first chunk's size
+    (``FSDPParam._init_sharded_param``: ``padded_sharded_param_size``). A router-like (8, 64) weight over
+    16 ranks: rank 0 holds 1 row, twice numel / 16. torch's own ``fully_shard`` on the fake process group
+    (rank 0 of 16) gives the padded size; gpulab's per_rank holds it for the parameter, its gradient and
+    each moment, where a (64, 64) weight splits evenly. ``ceil(bytes / n)`` (the unpadded split) would not."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from gpulab.categories import Category
+    from gpulab.measure.records import Event, StorageRecord, TrackingResult
+    n = 16
+    net = torch.nn.Sequential(torch.nn.Linear(64, 8, bias=False), torch.nn.Linear(64, 64, bias=False))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    try:
+        fully_shard(net, mesh=init_device_mesh("cpu", (n,)))
+        fsdp = {tuple(p._orig_size): p for p in net._get_fsdp_state()._fsdp_param_group.fsdp_params}
+        theirs = {shape: p._sharded_param_data.numel() * 4 for shape, p in fsdp.items()}   # fp32, padded storage
+    finally:
+        dist.destroy_process_group()
+    assert theirs == {(8, 64): 1 * 64 * 4, (64, 64): 4 * 64 * 4}
+    records, events, sid = {}, [], 0
+    for shape in theirs:
+        for cat in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE, Category.OPTIMIZER_STATE):
+            nbytes = shape[0] * shape[1] * 4
+            records[sid] = StorageRecord(sid, nbytes, "cuda:0", "float32", shape, cat, "", "forward", "x", sid)
+            events.append(Event(sid, "alloc", sid, nbytes, nbytes, "cuda:0", "forward", "", 0.0))
+            sid += 1
+    t = TrackingResult.build(records, events, "cuda:0", rounded=False)
+    rank = S.per_rank(t, S.Sharding(n, "fsdp2"), S.Layers(0, 0, 0), 4)
+    held = {}
+    for e in rank.events:
+        r = rank.records[e.sid]
+        if r.op == "x":
+            held.setdefault((tuple(r.shape), r.category), []).append(e.nbytes)
+    for shape, nbytes in theirs.items():
+        for cat in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE):
+            assert set(held[shape, cat]) == {nbytes}, (shape, cat, held[shape, cat])
+    assert -(-8 * 64 * 4 // n) != theirs[(8, 64)]   # the unpadded split differs: the test can fail

@@ -120,8 +120,6 @@ def test_router_shapes_force_recompute():
     (dict(recipe=Recipe("adamw", param_dtype="bf16"), layout=Layout()), "give strategy='fsdp2'"),
     (dict(recipe=Recipe("adamw", reduce_dtype="fp32"), layout=Layout(gpus=8, strategy="zero3")),
      "give strategy='fsdp2'"),
-    (dict(recipe=Recipe("adamw", param_dtype="bf16"), layout=Layout(gpus=8, strategy="fsdp2", pp=2)),
-     "with pp"),
 ])
 def test_fsdp2_settings_need_fsdp2(kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -195,6 +193,44 @@ def test_mixed_precision_policy_per_rank_against_a_hand_count():
     # the formula alone says the same model states
     assert S.model_state_bytes(total, sh, layers, 2, 8) == (-(-4 * total // n)) * 2 + (-(-8 * total // n)) \
         + (2 + 2 + 4) * unit
+
+
+def test_mixed_precision_policy_with_pp_is_taken():
+    """torchtitan applies FSDP2 with its MixedPrecisionPolicy to each pipeline stage
+    (``apply_fsdp_to_decoder`` per model part): the layout is answered, not refused."""
+    recipe, layout = settings_from(Recipe("adamw", param_dtype="bf16", reduce_dtype="fp32"),
+                                   Layout(gpus=8, strategy="fsdp2", pp=2), {})
+    assert (recipe.param_dtype, layout.pp, layout.sharded_over) == ("bf16", 2, 4)
+
+
+@pytest.mark.extended
+def test_mixed_precision_policy_per_pipeline_stage_against_a_hand_count():
+    """pp 2 × dp_shard 4, fsdp2 with MixedPrecisionPolicy(bf16, fp32) over fp32 master weights: each
+    stage's rank holds its own stage's parameters sharded in fp32 (4 bytes / 4 ranks) and AdamW's fp32
+    moments (8 / 4), plus its largest unit all-gathered in bf16 (2 bytes), counted by hand from the
+    config per stage (first: embedding + 2 blocks; last: 2 blocks + norm + head). Run in fp32 without the
+    policy the gathered unit is two fp32 copies (8 bytes): the comparison can fail. (Extended: two
+    pipeline fits, about 15 s.)"""
+    import gpulab
+    import transformers
+    v, h, i = 256, 64, 128
+    cfg = transformers.LlamaConfig(vocab_size=v, hidden_size=h, intermediate_size=i, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    _, block, root = _llama_params(v, h, i, 2, 4, 2)
+    stage = {"first": v * h + 2 * block, "last": 2 * block + h + v * h}
+    unit, n = max(block, root), 4
+    kw = dict(optimizer="adamw", dtype="fp32", seq_len=16, gpus=8, strategy="fsdp2", pp=2, predict_time=False,
+              context_bytes=0)
+    policy = gpulab.fit(cfg, "1GiB", param_dtype="bf16", reduce_dtype="fp32", **kw)
+    plain = gpulab.fit(cfg, "1GiB", **kw)
+    tensors = 2 * 9 + 2   # a stage's parameters at most: 2 blocks of 9, and the embedding or the norm and head
+    near = lambda a, b, k: abs(a - b) <= 513 * k   # each storage rounded up to 512 B, its shard to a byte
+    for rows, gathered in ((policy.ranks, 2 * unit), (plain.ranks, 8 * unit)):
+        assert {r.role for r in rows} == set(stage)
+        for r in rows:
+            own, got = stage[r.role], r.peak_by_category
+            assert near(got["parameters"], 4 * own // n + gathered, tensors + 2), (r.role, got)
+            assert near(got["optimizer_state"], 8 * own // n, 3 * tensors), (r.role, got)   # two moments, a step
 
 
 def test_float8_all_gather_gathers_one_byte_weights():

@@ -15,7 +15,7 @@ the gradient column checks gpulab's gradients against torchtitan's parameters' l
 gpulab's side ran a real backward on its fake engine. Compared per mesh, for the rank torchtitan
 builds (rank 0 of the stage): per tensor, the local shape of the weight, its gradient and Adam's two
 moments (under FSDP2, torchtitan's local shape is gpulab's with dim 0 split ``dp_shard × cp`` ways,
-and gpulab holds ``ceil(bytes / n)``), and the bytes per rank by category. Named differences:
+and gpulab holds rank 0's padded shard, ``ceil(d0 / n)`` rows: ``predict.sharding.shard_rows``), and the bytes per rank by category. Named differences:
 
 * Adam's ``step``: torch keeps a 4-byte scalar per parameter whole on every rank; gpulab's formula
   splits every optimizer-state byte ``n`` ways (``predict.sharding.held_bytes``), so it holds
@@ -36,9 +36,10 @@ mapped by ``QWEN3_MOE_TO_HF``. The routed experts' weights are FSDP-sharded over
   (``apply_fsdp_to_decoder``: no padded experts); the shapes expected follow it, gpulab's bytes
   are alike.
 * ``FSDP2_PAD``: where ``n`` does not divide a tensor's dim 0, FSDP2's rank 0 holds ``ceil(d0 / n)``
-  rows (``FSDPParam._init_sharded_param`` pads every rank's shard to ``chunks[0]``'s size), gpulab
-  ``ceil(bytes / n)``, the average rank: the router's (8, 64) gate over 16 ranks. Such lines carry
-  the term; a mesh expects them or none.
+  rows (``FSDPParam._init_sharded_param`` pads every rank's shard to ``chunks[0]``'s size); gpulab
+  holds the same (``predict.sharding.shard_rows``; it held ``ceil(bytes / n)``, the average rank,
+  before). The router's (8, 64) gate over 16 ranks is such a tensor: its meshes now expect no
+  difference; a line that differs there still carries the term.
 """
 from __future__ import annotations
 
@@ -397,9 +398,9 @@ MOE_MESHES = [
     ("moe-fsdp4-ep4", dict(world=4, dp_shard=4, ep=4), dict(gpus=4, strategy="fsdp2", ep=4), 0, None, False),
     ("moe-fsdp4-ep2", dict(world=4, dp_shard=4, ep=2), dict(gpus=4, strategy="fsdp2", ep=2), 0, None, False),
     # 16 ranks: torchtitan splits the experts on dim 1 (efsdp × ep > E); the router's (8, 64) gate over 16
-    # ranks differs by FSDP2's padding, the named term (each such line FSDP2_PAD, none other)
-    ("moe-fsdp16", dict(world=16, dp_shard=16), dict(gpus=16, strategy="fsdp2"), 0, FSDP2_PAD, False),
-    ("moe-fsdp16-ep2", dict(world=16, dp_shard=16, ep=2), dict(gpus=16, strategy="fsdp2", ep=2), 0, FSDP2_PAD,
+    # ranks is padded to one row a rank (FSDP2's padding, which gpulab holds: predict.sharding.shard_rows)
+    ("moe-fsdp16", dict(world=16, dp_shard=16), dict(gpus=16, strategy="fsdp2"), 0, None, False),
+    ("moe-fsdp16-ep2", dict(world=16, dp_shard=16, ep=2), dict(gpus=16, strategy="fsdp2", ep=2), 0, None,
      False),
     ("moe-fsdp2-ep2-pp2-stage0", dict(world=4, dp_shard=2, ep=2, pp=2), dict(gpus=4, strategy="fsdp2", ep=2, pp=2),
      0, None, False),

@@ -213,11 +213,12 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
     run_dt = parse_dtype(loop.param_dtype) if loop.param_dtype else dt
     if loop.pp > 1:   # one search per pipeline stage that differs (predict.pipeline_fit)
         from gpulab.predict.pipeline_fit import StageSearch, fit_stages
-        result = fit_stages(w, key, dt, loop, place, layout, progress, t0,
-                            StageSearch(_search, _sharding, _check, usable_bytes))
+        result = fit_stages(w, key, run_dt, loop, place, layout, progress, t0,
+                            StageSearch(_search, _sharding, _check, usable_bytes), master=dt)
     else:
         spread = None if layout.gpus is None else layout.sharded_over   # dp_shard × cp under fsdp2/zero*
-        sharding, shard = _sharding(w, loop, run_dt, spread, layout.strategy, layout.offload_optimizer, master=dt)
+        sharding, shard = _sharding(w, loop, run_dt, spread, layout.strategy, layout.offload_optimizer, master=dt,
+                                    layout=layout)
         result = _search(w, key, run_dt, loop, place._replace(sharding=sharding), shard, progress, t0)[0]
     result.answered_recipe, result.answered_layout = recipe, layout
     if predict_time:   # from the runs the search made at the answer's batch, timed (predict.run_ops)
@@ -342,12 +343,13 @@ def _bisect(runs: dict[int, TrackingResult], run_check: Callable[[int], BatchChe
 
 
 def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, offload_optimizer,
-              master: torch.dtype | None = None):
+              master: torch.dtype | None = None, layout: Any = None):
     """(None, None) for one GPU; else the ``predict.sharding.Sharding`` and the function that turns
     a one-GPU run into one rank's. ``gpus``: the ranks the strategy spreads a rank's state over
     (``Layout.sharded_over``: dp_shard × cp under fsdp2/zero*, torchtitan's fsdp mesh), None for one GPU.
     ``dt``: the dtype the run computes in; ``master``: the sharded parameters' (FSDP2's
-    ``MixedPrecisionPolicy``: the model's dtype, where the run's is ``param_dtype``)."""
+    ``MixedPrecisionPolicy``: the model's dtype, where the run's is ``param_dtype``). ``layout``: the
+    ``gpulab.Layout`` answered, whose GPUs, mesh and sharding group (``Layout.shard_group``) the answer states."""
     from gpulab.predict import sharding as S
     sh = S.check_sharding(gpus, strategy, offload_optimizer, recipe.optimizer, dt)
     if sh is None:
@@ -362,6 +364,8 @@ def _sharding(w: Workload, recipe: LoopRecipe, dt: torch.dtype, gpus, strategy, 
     reduce = parse_dtype(recipe.reduce_dtype) if recipe.reduce_dtype else None
     sh = replace(sh, ep=recipe.ep, tp=recipe.tp, **(S.precision_policy(dt, master or dt, reduce, recipe.fp8_all_gather)
                                                     if policy else {}))
+    if layout is not None and layout.gpus is not None:   # stated as the mesh lays it out
+        sh = replace(sh, world=layout.gpus, group=layout.shard_group, mesh=layout.mesh)
     with torch.device("meta"):   # the rank's own model: E/ep experts a layer under ep
         net = w.build(torch.device("meta"), dt) if recipe.ep == 1 else expert_rank_model(w, recipe, dt)
         layers = S.count_layers(net, float8=float8_numel if recipe.fp8_all_gather else None)

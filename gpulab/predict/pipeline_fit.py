@@ -69,10 +69,13 @@ class StageFit:
 
 
 def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecipe, place, layout: Any,
-               progress: Progress, t0: float, fit_parts: StageSearch):
+               progress: Progress, t0: float, fit_parts: StageSearch, master: torch.dtype | None = None):
     """``fit``'s answer (a ``FitResult``) for ``recipe.pp`` stages (module docstring); ``layout``: the
     ``gpulab.Layout`` ``fit`` got (its mesh checked: gpus = dp_replicate × dp_shard × cp × tp × pp, ep
-    dividing dp_shard × cp × tp)."""
+    dividing dp_shard × cp × tp). ``dt``: the dtype the stages compute in; ``master``: the sharded
+    parameters' where FSDP2's MixedPrecisionPolicy differs (``param_dtype``): each stage is its own
+    ``fully_shard`` with the policy, as torchtitan's ``parallelize`` applies ``apply_fsdp_to_decoder``
+    to each model part (``pipeline_llm``), so each stage's storages are resized as one GPU's are."""
     pp, layers = recipe.pp, w.config.num_hidden_layers
     stage_w = layer_repeat.workload_with_depth(w, layers // pp)
     gpus, strategy, offload = layout.gpus, layout.strategy, layout.offload_optimizer
@@ -80,7 +83,7 @@ def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopReci
     assumed = gpus is not None and gpus > group and strategy is None
     spread = None if gpus is None else layout.sharded_over   # with ddp assumed: the dp replicas
     sharding, shard = fit_parts.sharding(stage_w, recipe, dt, spread, DEFAULT_STRATEGY if assumed else strategy,
-                                         offload)
+                                         offload, master=master, layout=layout)
     place = place._replace(sharding=sharding)
     per_stage = gpus // pp if gpus else recipe.tp   # (the Layout checked that tp × pp divides gpus)
     v = recipe.virtual_stages
@@ -110,6 +113,10 @@ def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopReci
                        f"batch below a step; the answer is the {binding.role} stage's (it binds)"
                        + (f"; data parallel assumed {DEFAULT_STRATEGY} (Megatron-LM's default: no distributed "
                           f"optimizer; --strategy changes it)" if assumed else "")
+                       + (f"; fsdp2 counted resharding after forward (the largest unit gathered at a time), "
+                          f"where torchtitan's default under pp keeps each stage's parameters gathered from "
+                          f"forward to backward (its get_fsdp_reshard_after_forward_policy: not pp_enabled), "
+                          f"which holds more" if strategy == "fsdp2" else "")
                        + every_k_note(recipe.checkpointing, layers, pp * v))
     answer.method = f"each pipeline stage that differs searched as one GPU's step; {answer.method}"
     answer.label = f"{answer.label}; {INTERLEAVED_LABEL if v > 1 else SCHEDULE_LABEL}"

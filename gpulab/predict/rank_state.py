@@ -6,9 +6,10 @@ run of ``training.loop.train_experiment``: the model cut to the pipeline stage, 
 parallelism on the fake process group, E/ep experts a layer), and reads, after the optimizer step,
 each parameter's local shape (a DTensor's ``to_local()``), its gradient's and its optimizer
 state's. A data-parallel strategy is not a run of its own in ``fit``: it resizes the run's storages
-by ``predict.sharding.held_bytes`` (FSDP2: each tensor ``ceil(bytes / n)`` over ``n = dp_shard ×
-cp`` ranks, the experts' over torchtitan's ``efsdp``, ``n × tp / ep``: ``Sharding.expert_ranks``); each
-row's ``held`` bytes are that same function's.
+by ``predict.sharding.held_bytes`` (FSDP2: each tensor split over ``n = dp_shard × cp`` ranks, rank 0's
+shard padded to ``ceil(d0 / n)`` rows as ``fully_shard`` allocates it (``shard_rows``), the experts' over
+torchtitan's ``efsdp``, ``n × tp / ep``: ``Sharding.expert_ranks``); each row's ``held`` bytes are that
+same function's, tensor by tensor.
 
 What the strategy adds beside the rank's own tensors (FSDP2's gathered unit, ZeRO-3's gathered
 layer, DDP's buckets) is ``extra``: ``predict.sharding``'s terms, not tensors of the model.
@@ -132,8 +133,13 @@ def rank_state(model: Any, layout: Layout | None = None, *, stage: int = 0, opti
         own = {Category.PARAMETERS: _nbytes(shape, itemsize), Category.GRADIENTS: _nbytes(grad, itemsize),
                Category.OPTIMIZER_STATE: sum(b for _, b in state.values())}
         over = n_experts if expert else n
-        held = {c.value: b if sh is None else S.held_bytes(sh, c, b, over)
-                for c, b in own.items()}
+        held = {c.value: b for c, b in own.items()}
+        if sh is not None:   # each storage as fit's per_rank resizes it (FSDP2: rank 0's padded shard, shard_rows)
+            def one(cat, s, b):
+                return S.held_bytes(sh, cat, b, over, rows=S.shard_rows(s or (), b, itemsize, over, expert))
+            held = {Category.PARAMETERS.value: one(Category.PARAMETERS, shape, own[Category.PARAMETERS]),
+                    Category.GRADIENTS.value: one(Category.GRADIENTS, grad, own[Category.GRADIENTS]),
+                    Category.OPTIMIZER_STATE.value: sum(one(Category.OPTIMIZER_STATE, s, b) for s, b in state.values())}
         tensors[name] = TensorState(name, shape, grad, {k: s for k, (s, _) in state.items()}, itemsize, expert, held)
     extra = [] if sh is None else _strategy_extra(w, loop, dt, sh, m)
     label = (f"rank 0 of stage {stage} of {layout.mesh}: the fake-engine run's tensors (fake process group), "

@@ -20,7 +20,8 @@ simulated allocator as a one-GPU answer. The label says so: a formula over a mea
   and gradients gathered (4 bytes a parameter of the module with the most parameters of its own).
 * ``fsdp2`` (``torch.distributed.fsdp.fully_shard`` on every layer of the model's largest
   ``ModuleList`` and on the root, ``reshard_after_forward=True``): parameters, gradients and
-  optimizer state split N ways in the run's own dtypes; the largest unit's parameters gathered
+  optimizer state split N ways in the run's own dtypes (rank 0's shard of each tensor padded to
+  ``ceil(d0 / N)`` rows, as ``fully_shard`` allocates it: ``shard_rows``); the largest unit's parameters gathered
   while it computes and its gradients unsharded until they are reduce-scattered: two copies of
   its parameter bytes, counted as held for the whole step (an upper bound: FSDP2 frees them
   after each unit).
@@ -107,6 +108,11 @@ class Sharding:
     master_elem: int = 0           # bytes an element of the sharded parameters, gradients and state (0: the run's)
     reduce_elem: int = 0           # bytes an element of the reduce-scatter input in reduce_dtype (0: no cast)
     float8_all_gather: bool = False
+    # the layout it comes from (``Layout.shard_group``, ``Layout.mesh``): what ``describe`` states; a
+    # Sharding made without them (the formulas' tests, the lesson) says ``gpus`` alone
+    world: int = 0                                  # all the GPUs of the mesh (0: gpus)
+    group: tuple[tuple[str, int], ...] = ()         # the mesh dimensions whose product is ``gpus``
+    mesh: str = ""
 
     @property
     def expert_ranks(self) -> int:
@@ -116,11 +122,23 @@ class Sharding:
         return self.gpus if self.ep == 1 else max(1, self.gpus * self.tp // self.ep)
 
     def describe(self) -> str:
+        """"16 GPUs, fsdp2 (...); N = dp_shard × cp = 4 × 2 = 8 ranks; mesh ...": the GPUs, the strategy,
+        the group it splits (or replicates) over as the mesh's dimensions, and the experts' group."""
         off = ", optimizer state offloaded to the host" if self.offload_optimizer else ""
-        group = "gpus/ep" if self.tp == 1 else f"gpus × tp / ep = {self.gpus} × {self.tp} / {self.ep}"
-        experts = (f"; the experts' own share over the expert data-parallel group of {group} = {self.expert_ranks} "
-                   f"ranks" if self.ep > 1 and self.strategy != "ddp" else "")
-        return f"{self.gpus} GPUs, {self.strategy} ({STRATEGIES[self.strategy]}){off}{experts}{self.policy_text()}"
+        group = self.group or (("gpus", self.gpus),)
+        names, sizes = " × ".join(k for k, _ in group), " × ".join(str(v) for _, v in group)
+        product = f"{names} = {sizes} = {self.gpus}" if len(group) > 1 else f"{names} = {self.gpus}"
+        split = (f"every rank holds everything, {product} replicas" if self.strategy == "ddp" else
+                 f"N = {product} ranks")
+        experts = ""
+        if self.ep > 1 and self.strategy != "ddp":
+            tp = f" × tp" if self.tp > 1 else ""
+            tps = f" × {self.tp}" if self.tp > 1 else ""
+            experts = (f"; the experts' own share over the expert data-parallel group (torchtitan's efsdp), "
+                       f"{names}{tp} / ep = {sizes}{tps} / {self.ep} = {self.expert_ranks} ranks")
+        mesh = f"; {self.mesh}" if self.mesh else ""
+        return (f"{self.world or self.gpus} GPUs, {self.strategy} ({STRATEGIES[self.strategy]}){off}; {split}"
+                f"{experts}{self.policy_text()}{mesh}")
 
     def policy_text(self) -> str:
         """FSDP2's precision settings in words ("" where none is set)."""
@@ -214,28 +232,51 @@ def count_layers(model: nn.Module, float8: Callable[[nn.Module], int] | None = N
     return Layers(total, largest_layer, max(max(per_unit), total - sum(per_unit)), tuple(shape))
 
 
-def _shard(nbytes: int, n: int) -> int:
+def _shard(nbytes: int, n: int, rows: int = 0) -> int:
+    """One rank's share of ``nbytes`` split ``n`` ways; with ``rows`` (FSDP2's ``Shard(0)`` of a tensor
+    with that dim 0), rank 0's padded shard, ``ceil(rows / n)`` rows (``shard_rows``)."""
+    if rows and n > 1 and nbytes % rows == 0:
+        return -(-rows // n) * (nbytes // rows)
     return -(-nbytes // n)
 
 
-def held_bytes(sharding: Sharding, cat: Category, nbytes: int, n: int, ds_scale: float = 1.0) -> int:
+def shard_rows(shape: tuple[int, ...], nbytes: int, itemsize: int, n: int, expert: bool = False) -> int:
+    """The dim 0 FSDP2 splits a storage's tensor on, for rank 0's padded shard (0: split as bytes).
+    ``fully_shard`` chunks each parameter on dim 0 (``FSDPParam._init_sharded_param``:
+    ``_chunk_with_empty``, ``torch.chunk``'s ``ceil(d0 / n)`` rows a chunk) and allocates every rank's
+    shard at ``chunks[0]``'s size (``padded_sharded_param = param_data.new_zeros(padded_sharded_size)``,
+    "0th always padded"); the gradient is reduce-scattered into the same padded size, and the optimizer
+    state follows the local shard (``ceil(d0 / n)`` rows on rank 0). So rank 0 holds ``ceil(d0 / n)``
+    rows, more than ``numel / n`` where ``n`` does not divide d0: a router's 8-row gate over 16 ranks
+    holds one row a rank, not half. Not where the storage's first tensor shape does not account for
+    its bytes (a DTensor filed under its global shape), nor for a routed expert's weights with fewer
+    rows (experts) than ranks, which torchtitan shards on dim 1 instead (``apply_fsdp_to_decoder``:
+    ``Shard(1)`` when ``efsdp × ep`` exceeds E), an even split."""
+    if not shape or n <= 1 or math.prod(shape) * itemsize != nbytes or (expert and shape[0] < n):
+        return 0
+    return shape[0]
+
+
+def held_bytes(sharding: Sharding, cat: Category, nbytes: int, n: int, ds_scale: float = 1.0, rows: int = 0) -> int:
     """The bytes one rank holds under ``sharding`` of a storage of ``nbytes`` in category ``cat`` that
     the strategy splits over ``n`` ranks (module docstring; ``ds_scale``: DeepSpeed's fp32 state per
-    parameter over the run's own state bytes). ``per_rank`` resizes every storage by it; other
-    categories are held whole."""
+    parameter over the run's own state bytes; ``rows``: the storage's dim 0 under FSDP2, rank 0's
+    padded shard, ``shard_rows``). ``per_rank`` resizes every storage by it; other categories are
+    held whole."""
     s = sharding.strategy
+    pad = rows if s == "fsdp2" else 0   # DeepSpeed splits a flat partition: bytes
     if cat is Category.OPTIMIZER_STATE:
         if sharding.offload_optimizer:
             return 0
-        return _shard(int(math.ceil(nbytes * ds_scale)), n) if s != "ddp" else nbytes
+        return _shard(int(math.ceil(nbytes * ds_scale)), n, pad) if s != "ddp" else nbytes
     if cat is Category.PARAMETERS:
-        return _shard(nbytes, n) if s in ("zero3", "fsdp2") else nbytes
+        return _shard(nbytes, n, pad) if s in ("zero3", "fsdp2") else nbytes
     if cat is Category.GRADIENTS:
         if s == "zero3":   # reduced into the fp32 partition (in the 16 bytes) as they come
             return 0
         if s == "zero2":   # the 16-bit gradient partition (with the optimizer state on the host when offloaded)
             return 0 if sharding.offload_optimizer else _shard(nbytes, n)
-        return _shard(nbytes, n) if s == "fsdp2" else nbytes
+        return _shard(nbytes, n, pad) if s == "fsdp2" else nbytes
     return nbytes
 
 
@@ -257,8 +298,14 @@ def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: 
         r.category in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE) or sid in stepped)}
         if sharding.master_elem else set())
 
-    def size(cat: Category, nbytes: int, n: int) -> int:
-        return held_bytes(sharding, cat, nbytes, n, ds_scale)
+    def size(cat: Category, nbytes: int, n: int, rows: int) -> int:
+        return held_bytes(sharding, cat, nbytes, n, ds_scale, rows)
+
+    def rows_of(sid: int, n: int) -> int:   # FSDP2's padded dim 0 (shard_rows); DeepSpeed's partitions: bytes
+        if s != "fsdp2":
+            return 0
+        r = t.records[sid]
+        return shard_rows(tuple(r.shape), r.nbytes, _itemsize(r.dtype), n, sid in ranks)   # ranks: the experts'
 
     events, sizes = [], {}
     for e in t.events:
@@ -268,7 +315,8 @@ def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: 
         else:
             n = ranks.get(e.sid, sharding.gpus)
             full = e.nbytes * sharding.master_elem // param_elem if e.sid in master else e.nbytes
-            nbytes = _shard(full, n) if e.sid in stepped else size(cats[e.sid], full, n)
+            rows = rows_of(e.sid, n)
+            nbytes = _shard(full, n, rows) if e.sid in stepped else size(cats[e.sid], full, n, rows)
             events.append(e.with_bytes(nbytes, nbytes - sizes.get(e.sid, 0)))
             sizes[e.sid] = nbytes
     records = dict(t.records)
@@ -289,6 +337,12 @@ def per_rank(t: TrackingResult, sharding: Sharding, layers: Layers, param_elem: 
             events.insert(where, ev)
             sid += 1
     return TrackingResult.build(records, events, t.device, t.rounded)
+
+
+def _itemsize(dtype: str) -> int:
+    """Bytes an element of a record's dtype ("bfloat16", "float32" ...; 1 where torch has no such name)."""
+    dt = getattr(torch, dtype, None)
+    return dt.itemsize if isinstance(dt, torch.dtype) else 1
 
 
 def strategy_extra(sharding: Sharding, layers: Layers, param_elem: int, t: TrackingResult) -> list[tuple[str, int, str]]:
@@ -362,4 +416,4 @@ def deepspeed_estimate(n_params: int, sharding: Sharding, layers: Layers) -> int
 
 __all__ = ["DEEPSPEED", "LABEL", "Layers", "STRATEGIES", "Sharding", "check_sharding", "count_layers",
            "deepspeed_estimate", "fsdp2_units", "held_bytes", "model_state_bytes", "one_step_gradients", "per_rank",
-           "precision_policy", "strategy_extra"]
+           "precision_policy", "shard_rows", "strategy_extra"]
