@@ -165,7 +165,9 @@ def test_exercises_expect_computed_values():
     ref = _reference("mlp", "adam")
     after = O.exercise_state_after_first_step("mlp", "adam")
     assert after.check(ref["after"]).ok
-    assert after.check(2 * ref["param_bytes"]).ok          # the 24 B of step counters are within tolerance
+    assert after.check(round(ref["after"], -3)).ok          # a rounded answer is within tolerance
+    no_counters = after.check(2 * ref["param_bytes"])       # the GPU's answer: the question asks for the CPU's
+    assert not no_counters.ok and "step counters" in no_counters.message
     assert not after.check(4 * ref["param_bytes"]).ok       # params + grads + state is not the state
     before = O.exercise_state_before_first_step("mlp", "adam")
     assert before.check(ref["before"]).ok and ref["before"] == 0

@@ -530,9 +530,10 @@ def exercise_state_after_first_step(model: str = "mlp", optimizer: str = "adam")
     """Predict-first: optimizer state bytes right after the first ``step()``."""
     from gpulab.course.exercises import Exercise
     from gpulab.predict.breakdown import breakdown
+    from gpulab.course.exercises import CheckResult
     bd = breakdown(model)
     key = _check_optimizer(optimizer)
-    return Exercise(
+    ex = Exercise(
         question=f"{bd.model} has {bd.total_params:,} float32 parameters in {bd.param_tensors} tensors. How many "
                  f"bytes of optimizer state does {key} hold right after its first step()?",
         expected=lambda: F.optimizer_state_bytes(bd.param_bytes, bd.param_tensors, key),
@@ -540,6 +541,27 @@ def exercise_state_after_first_step(model: str = "mlp", optimizer: str = "adam")
                 f"4-byte step counter per parameter tensor for the optimizers that keep one ({LABEL_FORMULA}).",
         unit="bytes", rel_tol=0.001,
         hint="Each state tensor has the shape and dtype of its parameter; count how many per parameter.")
+    plain_check = ex.check
+    no_counters = F.optimizer_state_multiplier(key) * bd.param_bytes
+
+    def check(answer: Any) -> CheckResult:
+        """The state without its step counters, typed exactly, is the GPU's answer, not this CPU's: the
+        tolerance (for rounded answers) would accept it, so it is answered on its own."""
+        res = plain_check(answer)
+        try:
+            said = float(answer)
+        except (TypeError, ValueError, OverflowError):
+            return res
+        counters = res.expected - no_counters
+        if counters and said == no_counters:
+            return CheckResult(False, answer, res.expected,
+                               f"You said {int(said):,} bytes: the state without its step counters. That is right "
+                               f"on a GPU, where the counters live in host memory; this run is on the CPU, so add "
+                               f"the {int(counters):,} bytes of counters (4 per parameter tensor). Try again.")
+        return res
+
+    ex.check = check
+    return ex
 
 
 def exercise_state_before_first_step(model: str = "mlp", optimizer: str = "adam"):
