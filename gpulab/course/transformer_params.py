@@ -202,4 +202,4 @@ def exercise_layer_params(name: str = "llama-3-8b") -> Exercise:
                  f"({LABEL_FORMULA}, checked against numel() of the model transformers builds)."),
         unit="parameters",
         hint="Count the four attention matrices (k and v are smaller with grouped-query attention) and the MLP's "
-             "matrices (three for SwiGLU); norms are tiny.")
+             "matrices (three for SwiGLU), then the norms: small, but counted (a weight of h values per RMSNorm).")
