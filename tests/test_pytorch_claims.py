@@ -406,6 +406,10 @@ CLAIMS = [
      ("doc", "torch.Tensor.to", "applies to both pinned and pageable memory")),
     # the review of 2026-12-07: sentences corrected against torch 2.15
     ("01", "would leave 1 MiB or less over", "kSmallSize", ("header", "constexpr size_t kSmallSize = 1048576;")),
+    ("04", "20 MiB for requests of 1 to 10 MiB, a larger request's own size", "get_allocation_size",
+     ("header", "constexpr size_t kMinLargeAlloc = 10485760;")),
+    ("04", "20 MiB for requests of 1 to 10 MiB, a larger request's own size", "get_allocation_size",
+     ("header", "constexpr size_t kRoundLarge = 2097152;")),
     ("05", "SGD's `_init_group` only reads `momentum_buffer`", "_init_group",
      ("source", "torch.optim.sgd.SGD._init_group", 'momentum_buffer_list.append(state.get("momentum_buffer"))')),
     ("05", "its `step()` stores the buffer the first update made", "_init_group",
