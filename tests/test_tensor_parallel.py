@@ -183,3 +183,21 @@ def test_a_plans_own_embedding_entry_is_the_same_vocabulary_split():
     model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, "norm": "sequence_parallel"}
     with fake_world(2) as mesh, pytest.raises(ValueError, match="'sequence_parallel' of norm is not one"):
         tensor_parallel(model, mesh)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied head"])
+def test_setup_holds_only_the_ranks_shard(tied):
+    """A rank's setup never holds the whole model: built on meta, split there, then given storage
+    (torchtitan's meta build, parallelize, ``to_empty``). Its setup peak is its own parameters (counted
+    from the config) plus the batch's token ids and labels, under the whole model's bytes; a tied head
+    stays one parameter with the embedding."""
+    cfg = _config()
+    cfg.tie_word_embeddings = tied
+    r = gpulab.step(cfg, batch=BATCH, seq_len=SEQ, optimizer="adamw", dtype="bf16", engine="fake", tp=2)
+    tracking = r.measurement.tracking
+    setup = max(sum(tracking.series[i].values()) for i, e in enumerate(tracking.events) if e.phase == "setup")
+    local, whole = _split_params(cfg, 2), _split_params(cfg, 1)
+    inputs = 2 * BATCH * SEQ * 8   # int64 token ids and labels
+    assert r.tensor_bytes_by_category["parameters"] == pytest.approx(local, abs=512 * 40)   # 512-byte blocks
+    assert local + inputs <= setup <= local + inputs + 512 * 40
+    assert setup < whole

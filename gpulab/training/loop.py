@@ -102,7 +102,8 @@ from gpulab.training.optimizers import build_optimizer, check_implementation, ch
 from gpulab.training.pipeline import check_pipeline, pipeline_stage, run_in_flight, stage_step
 from gpulab.training.routing import Routing, install_routing, is_moe, parse_routing
 from gpulab.training.moe_parallel import check_moe_tensor_parallel, moe_blocks, moe_tensor_parallel, tp_ep_meshes
-from gpulab.training.tensor_parallel import check_tensor_parallel, fake_world, loss_parallel_context, tensor_parallel
+from gpulab.training.tensor_parallel import (check_tensor_parallel, fake_world, loss_parallel_context, materialize_shards,
+                                             tensor_parallel)
 
 __all__ = ["AMP_DTYPES", "RECIPE_DEFAULTS", "ZERO_GRAD", "LoopRecipe", "inductor_step_peaks", "loop_recipe", "step_experiment",
            "step_peaks", "train_experiment",
@@ -309,11 +310,15 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
         with ctx.phase("setup"):
             if r.seed is not None:
                 torch.manual_seed(r.seed)
-            net = w.build(ctx.device, dtype)
+            # tensor parallel (the fake engine only: _in_layout): built on meta and split there, then only
+            # the rank's shards given storage, as torchtitan does (meta, parallelize, to_empty)
+            net = w.build(torch.device("meta") if r.tp > 1 else ctx.device, dtype)
             if r.fp8:   # torchao's Float8Linear in place of the linear layers, before anything reads them
                 check_fp8_for(net, dtype, w.name)
                 fp8_convert(net, r.fp8)
             net = parallel(pipeline_stage(net, r.pp, r.pp_stage))
+            if r.tp > 1:
+                net = materialize_shards(net, ctx.device)
             _assume_routing(net, w, r)
             if r.register_model or r.compile:   # compile: the tracker's parameter hooks exist before dynamo guards
                 ctx.tracker.register(net)

@@ -42,6 +42,11 @@ projections reduce-scatter their output back to a sequence shard (``RowwiseParal
 Shard(1))``), as torchtitan parallelizes Llama. For decoder blocks made of ``self_attn``, ``mlp``
 and norms (Llama's two, Gemma-2's four around each half); others say so.
 
+The loop builds the model on the meta device, splits it there, then gives each tensor storage
+(``materialize_shards``: a DTensor its local shard only), as torchtitan 0.3's ``trainer.py`` builds
+under ``torch.device("meta")``, runs ``parallelize_fn``, then ``model.to_empty(device=init_device)``:
+a rank's setup never holds the whole model.
+
 NB: the fake group's collectives allocate their outputs as the real ones do (all-gather,
 reduce-scatter, all-reduce results); NCCL's own buffers are not in it (GPU-only).
 """
@@ -272,3 +277,36 @@ def _inputs_replicated(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
 def _outputs_local(module: nn.Module, outputs: Any, mesh: Any) -> Any:
     from torch.distributed.tensor import DTensor
     return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+def materialize_shards(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """``module``, built and split on the meta device, given empty storages on ``device`` (in place;
+    under a ``FakeTensorMode`` fake tensors): a DTensor parameter or buffer only its local shard
+    (``DTensor.from_local`` of the meta DTensor's local shape, its mesh, placements, global shape and
+    stride), a plain one its whole shape. torchtitan 0.3 (trainer.py) builds on meta, parallelizes, then
+    ``model.to_empty(device=...)``: a rank never holds the whole model. Not ``Module.to_empty``
+    itself: its ``_apply`` of ``torch.empty_like`` gives a meta parameter held by two modules (a tied
+    ``nn.Embedding`` and ``nn.Linear``) back as two parameters with two storages, and under a
+    ``FakeTensorMode`` ``empty_like`` refuses a real meta tensor (``validate_and_convert_non_fake_tensors``);
+    here each tensor is made once and put back in every slot that held it (a tied weight stays one
+    parameter, a shared buffer one buffer). The values are uninitialised: for memory questions only."""
+    from torch.distributed.tensor import DTensor
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            if isinstance(t, DTensor):
+                local = torch.empty(t.to_local().shape, dtype=t.dtype, device=device)
+                out = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+                                         shape=t.shape, stride=t.stride())
+            else:
+                out = torch.empty(t.shape, dtype=t.dtype, device=device)
+            made[id(t)] = nn.Parameter(out, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else out
+        return made[id(t)]
+    with torch.no_grad():
+        for m in module.modules():
+            for slots in (m._parameters, m._buffers):
+                for name, t in slots.items():
+                    if t is not None:
+                        slots[name] = empty(t)
+    return module
