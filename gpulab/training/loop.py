@@ -310,16 +310,7 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
         with ctx.phase("setup"):
             if r.seed is not None:
                 torch.manual_seed(r.seed)
-            # tensor parallel (the fake engine only: _in_layout): built on meta and split there, then only
-            # the rank's shards given storage, as torchtitan does (meta, parallelize, to_empty)
-            net = w.build(torch.device("meta") if r.tp > 1 else ctx.device, dtype)
-            if r.fp8:   # torchao's Float8Linear in place of the linear layers, before anything reads them
-                check_fp8_for(net, dtype, w.name)
-                fp8_convert(net, r.fp8)
-            net = parallel(pipeline_stage(net, r.pp, r.pp_stage))
-            if r.tp > 1:
-                net = materialize_shards(net, ctx.device)
-            _assume_routing(net, w, r)
+            net = _rank_model(w, r, ctx.device, dtype, parallel)
             if r.register_model or r.compile:   # compile: the tracker's parameter hooks exist before dynamo guards
                 ctx.tracker.register(net)
             plans = _plans(ctx) if r.compile else None
@@ -377,6 +368,23 @@ def train_experiment(w: Workload, batches: Sequence[int], dtype: torch.dtype | N
                 del opt, net, step_loss   # step_loss holds the model too
         return out
     return experiment
+
+
+def _rank_model(w: Workload, r: LoopRecipe, device: torch.device, dtype: torch.dtype | None,
+                parallel: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
+    """This rank's model: ``w`` built in ``dtype``, fp8-converted, cut to its pipeline stage, split by
+    ``parallel`` and run under its routing assumption. Under tensor parallelism (the fake engine only:
+    ``_in_layout``) it is built on meta and split there, then only the rank's shards get storage, as
+    torchtitan does (meta, parallelize, to_empty)."""
+    net = w.build(torch.device("meta") if r.tp > 1 else device, dtype)
+    if r.fp8:   # torchao's Float8Linear in place of the linear layers, before anything reads them
+        check_fp8_for(net, dtype, w.name)
+        fp8_convert(net, r.fp8)
+    net = parallel(pipeline_stage(net, r.pp, r.pp_stage))
+    if r.tp > 1:
+        net = materialize_shards(net, device)
+    _assume_routing(net, w, r)
+    return net
 
 
 def _assume_routing(net: torch.nn.Module, w: Workload, r: LoopRecipe) -> None:
