@@ -1,10 +1,10 @@
 # Two commands for a newcomer (see README):
 #   make lab    create/update .venv with what the lessons need, open them in JupyterLab
-#   make test   create/update .venv with the test tools too, run the whole test suite
+#   make test   create/update .venv with the test tools too, run the default test suite
 # and one for developers:
 #   make quick  unit and panel tests only (no lesson execution, browser or Binder): a few minutes
-#   make test-extended  what make test leaves out (homework lessons in the browser, the rest of the
-#          exhaustive cross products): CI runs it after make test
+#   make test-extended  what make test leaves out (the extension and homework lessons, headless and in
+#          the browser; the rest of the exhaustive cross products): CI runs it after make test
 #   make test-colab  the lessons headless plus the quick suite under Google Colab's versions
 #          (colab/pins.txt), in their own .venv-colab: not part of `make test`
 #   make test-claims-oldest  the PyTorch claim registry and the number scan on that oldest torch
