@@ -202,28 +202,31 @@ def _report(pv, raw):
 def test_the_plain_step_allocates_what_the_one_loop_allocates(pv):
     """The plain step (no tracker) is the one loop's step: under the stand-in, where both run on
     the same kernels, its allocator peaks equal the cuda engine's run of ``gpulab.step`` to the byte."""
-    import gpulab
     cases = {c.name: c for c in pv.quick_cases()}
-    got = {}
+    for name in ("llama1b-lora",):   # LoRA built as the prediction builds it (recipe_workload)
+        engine, plain = _engine_and_plain_peaks(pv, cases[name])
+        assert engine == plain and plain[0] > 0, name
+
+
+def _engine_and_plain_peaks(pv, c):
+    """Case ``c`` under the stand-in, twice: ``gpulab.step`` on the cuda engine, then the plain step;
+    each one's (allocated, reserved) peak above what was there before it."""
+    import gpulab
     with pytest.MonkeyPatch.context() as mp:
         cm, _ = _standin(mp)
         try:
             pv.warm_up()
-            for name in ("llama1b-lora",):   # LoRA built as the prediction builds it (recipe_workload)
-                c = cases[name]
-                _, model = pv.model_arg(c)
-                a = gpulab.step(model, batch=c.batch, seq_len=c.seq_len, optimizer=c.optimizer, steps=pv.STEPS,
-                                engine="cuda", dtype=c.dtype, guard=False, **c.options).measurement.allocator
-                pv.free_memory()
-                base, rbase = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-                pv.plain_run(c, model, c.batch, True)
-                got[name] = ((a["peak_allocated_delta"], a["peak_reserved_delta"]),
-                             (torch.cuda.max_memory_allocated() - base, torch.cuda.max_memory_reserved() - rbase))
-                pv.free_memory()
+            _, model = pv.model_arg(c)
+            a = gpulab.step(model, batch=c.batch, seq_len=c.seq_len, optimizer=c.optimizer, steps=pv.STEPS,
+                            engine="cuda", dtype=c.dtype, guard=False, **c.options).measurement.allocator
+            pv.free_memory()
+            base, rbase = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+            pv.plain_run(c, model, c.batch, True)
+            plain = (torch.cuda.max_memory_allocated() - base, torch.cuda.max_memory_reserved() - rbase)
+            pv.free_memory()
         finally:
             cm.__exit__(None, None, None)
-    for name, (engine, plain) in got.items():
-        assert engine == plain and plain[0] > 0, name
+    return (a["peak_allocated_delta"], a["peak_reserved_delta"]), plain
 
 
 # --- out of memory, errors, time limits ------------------------------------------------------------
@@ -518,23 +521,8 @@ NEW_RECIPES = ("gpt2-fp16-gradscaler", "gpt2-accumulate4-clip", "gpt2-opt-in-bac
 def test_each_new_plain_step_allocates_what_the_one_loop_allocates(pv, name):
     """The plain steps of issue 48's recipes (written as PyTorch's documentation writes each option)
     against gpulab's cuda engine on the same (stand-in) kernels: equal to the byte."""
-    import gpulab
-    c = {c.name: c for c in pv.quick_cases()}[name]
-    with pytest.MonkeyPatch.context() as mp:
-        cm, _ = _standin(mp)
-        try:
-            pv.warm_up()
-            _, model = pv.model_arg(c)
-            a = gpulab.step(model, batch=c.batch, seq_len=c.seq_len, optimizer=c.optimizer, steps=pv.STEPS,
-                            engine="cuda", dtype=c.dtype, guard=False, **c.options).measurement.allocator
-            pv.free_memory()
-            base, rbase = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-            pv.plain_run(c, model, c.batch, True)
-            plain = (torch.cuda.max_memory_allocated() - base, torch.cuda.max_memory_reserved() - rbase)
-            pv.free_memory()
-        finally:
-            cm.__exit__(None, None, None)
-    assert (a["peak_allocated_delta"], a["peak_reserved_delta"]) == plain and plain[0] > 0
+    engine, plain = _engine_and_plain_peaks(pv, {c.name: c for c in pv.quick_cases()}[name])
+    assert engine == plain and plain[0] > 0
 
 
 @pytest.mark.extended
