@@ -149,3 +149,39 @@ def test_a_kept_layout_answers_as_a_learned_one_for_the_recipes(method, policy):
     reused, learned, made_reused, made_learned = _layout_reused_against_learned(recipe_options(method, policy), 12)
     assert [(e.kind, e.nbytes, e.sid) for e in reused.events] == [(e.kind, e.nbytes, e.sid) for e in learned.events]
     assert made_reused < made_learned
+
+
+def _optimizer_runs_alike(a, b):
+    """Two optimizer runs count the same bytes: every tracker event, the moments, optimizer.state."""
+    assert a.optimizer == b.optimizer and a.engine == b.engine == "cpu"
+    ta, tb = a.measurement.tracking, b.measurement.tracking
+    assert [(e.kind, e.nbytes, e.phase, e.module) for e in ta.events] == \
+           [(e.kind, e.nbytes, e.phase, e.module) for e in tb.events]
+    assert ta.series == tb.series and ta.peak_by_category == tb.peak_by_category
+    assert a.moments == b.moments and a.state_names == b.state_names
+    assert a.measurement.peak_bytes == b.measurement.peak_bytes and a.state_after_bytes == b.state_after_bytes
+
+
+def test_optimizer_panels_on_one_thread_count_what_two_threads_count():
+    """Lesson 05's optimizer and implementation panels run on one CPU thread (``cpu_threads(1)``): the
+    same bytes, event for event, as the comparisons on two threads."""
+    from gpulab.course.optimizers import compare_implementations, compare_optimizers
+    from gpulab.record.runs.checkpoint import cpu_threads
+    from gpulab.widgets.optimizer_impl import compute_implementations
+    from gpulab.widgets.optimizers import compute_optimizers
+    with cpu_threads(2):
+        two = compare_optimizers("mlp", batch=2, engine="cpu")
+    one = compute_optimizers("mlp", 2, "cpu")
+    assert [r.optimizer for r in one.runs] == [r.optimizer for r in two.runs] and len(one.runs) >= 6
+    for a, b in zip(one.runs, two.runs):
+        _optimizer_runs_alike(a, b)
+    assert any(r.state_after_bytes > 0 for r in one.runs)   # state was there to count
+    with cpu_threads(2):
+        two_impl = compare_implementations("mlp", "adam", batch=2, engine="cpu")
+    one_impl = compute_implementations("mlp", "adam", 2, "cpu")
+    assert [r.implementation for r in one_impl.rows] == [r.implementation for r in two_impl.rows]
+    for a, b in zip(one_impl.rows, two_impl.rows):
+        assert (a.run is None) == (b.run is None) and a.unsupported == b.unsupported
+        if a.run is not None:
+            _optimizer_runs_alike(a.run, b.run)
+            assert a.run.step_peak() == b.run.step_peak()
