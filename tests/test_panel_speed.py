@@ -177,11 +177,37 @@ def test_optimizer_panels_on_one_thread_count_what_two_threads_count():
         _optimizer_runs_alike(a, b)
     assert any(r.state_after_bytes > 0 for r in one.runs)   # state was there to count
     with cpu_threads(2):
-        two_impl = compare_implementations("mlp", "adam", batch=2, engine="cpu")
-    one_impl = compute_implementations("mlp", "adam", 2, "cpu")
+        two_impl = compare_implementations("mlp", "momentum", batch=2, engine="cpu")
+    one_impl = compute_implementations("mlp", "momentum", 2, "cpu")
     assert [r.implementation for r in one_impl.rows] == [r.implementation for r in two_impl.rows]
     for a, b in zip(one_impl.rows, two_impl.rows):
         assert (a.run is None) == (b.run is None) and a.unsupported == b.unsupported
         if a.run is not None:
             _optimizer_runs_alike(a.run, b.run)
             assert a.run.step_peak() == b.run.step_peak()
+
+
+def test_checkpoint_panel_reuses_its_sweep_for_a_subset_of_k_and_measures_again_on_run():
+    """Lesson 07's panel (``reusing_sweeps``, as checkpoint_panel wires it): the divisors of N after a sweep
+    of every k are that sweep's points (memory as a fresh sweep of the divisors measures it, the timings
+    kept), under the note; Run with nothing moved measures afresh; another N is measured."""
+    from gpulab.course.checkpointing import SEGMENT_CHOICES, checkpoint_sweep
+    from gpulab.widgets.checkpoint import REUSED_SWEEP_NOTE, checkpoint_panel, compute_checkpoint, reusing_sweeps
+    assert checkpoint_panel()._compute.__name__ == "compute_or_reuse"
+    compute, render = reusing_sweeps(compute_checkpoint, lambda r: ["shown"])
+    every = compute(6, 8, 4, SEGMENT_CHOICES[0], 1, "cpu")
+    assert render(every) == ["shown"]
+    divisors = compute(6, 8, 4, "divisors of N", 1, "cpu")
+    fresh = checkpoint_sweep(6, 8, 4, "divisors of N", "cpu", repeats=1)
+    assert [p.segments for p in divisors.points] == [p.segments for p in fresh.points] == [1, 2, 3, 6]
+    for p, q in zip(divisors.points, fresh.points):
+        assert (p.peak_bytes, p.activation_side, p.peak_by_category, p.chen_bytes, p.sequential_bytes) == \
+               (q.peak_bytes, q.activation_side, q.peak_by_category, q.chen_bytes, q.sequential_bytes)
+        assert p.timing is every.point(p.segments).timing            # the sweep's own timing, not a new one
+    assert (divisors.label, divisors.timing_label, divisors.map_bytes) == (fresh.label, fresh.timing_label, fresh.map_bytes)
+    assert render(divisors)[0].data == REUSED_SWEEP_NOTE and render(divisors)[1:] == ["shown"]
+    again = compute(6, 8, 4, "divisors of N", 1, "cpu")              # Run, nothing moved: measured again
+    assert again.point(2).timing is not every.point(2).timing and render(again) == ["shown"]
+    other = compute(5, 8, 4, "divisors of N", 1, "cpu")
+    assert [p.segments for p in other.points] == [1, 5] and render(other) == ["shown"]
+    assert compute(6, 8, 4, "divisors of N", 2, "cpu").point(2).timing is not again.point(2).timing   # other rounds
