@@ -211,3 +211,19 @@ def test_checkpoint_panel_reuses_its_sweep_for_a_subset_of_k_and_measures_again_
     other = compute(5, 8, 4, "divisors of N", 1, "cpu")
     assert [p.segments for p in other.points] == [1, 5] and render(other) == ["shown"]
     assert compute(6, 8, 4, "divisors of N", 2, "cpu").point(2).timing is not again.point(2).timing   # other rounds
+
+
+def test_activation_panel_measures_only_the_length_a_move_adds():
+    """Lesson 11's activation panel keeps its runs (``activation_vs_seq(kept=)``): a sweep that shares a
+    length with an earlier one reuses that length's runs, and its rows equal a fresh sweep's."""
+    from collections import OrderedDict
+
+    from gpulab.course.transformer_activations import activation_vs_seq
+    kept = OrderedDict()
+    first = activation_vs_seq("tiny-gpt2", (32, 64), kept=kept)
+    second = activation_vs_seq("tiny-gpt2", (16, 32), kept=kept)
+    fresh = activation_vs_seq("tiny-gpt2", (16, 32))
+    assert second.rows == fresh.rows and second.model == fresh.model
+    assert [(r.per_layer_bytes, r.contents) for r in second.runs] == [(r.per_layer_bytes, r.contents) for r in fresh.runs]
+    assert second.runs[2] is first.runs[0] and second.runs[3] is first.runs[1]     # s = 32: kept, not measured again
+    assert second.runs[0] is not fresh.runs[0] and len(kept) == 6
