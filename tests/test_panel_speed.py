@@ -227,3 +227,61 @@ def test_activation_panel_measures_only_the_length_a_move_adds():
     assert [(r.per_layer_bytes, r.contents) for r in second.runs] == [(r.per_layer_bytes, r.contents) for r in fresh.runs]
     assert second.runs[2] is first.runs[0] and second.runs[3] is first.runs[1]     # s = 32: kept, not measured again
     assert second.runs[0] is not fresh.runs[0] and len(kept) == 6
+
+
+def _same_timeline(a, b):
+    assert [(e.kind, e.nbytes, e.phase, e.module) for e in a.events] == [(e.kind, e.nbytes, e.phase, e.module) for e in b.events]
+    assert a.series == b.series and a.peak_bytes == b.peak_bytes and a.peak_by_category == b.peak_by_category
+
+
+@pytest.mark.extended
+def test_step_sweep_and_precision_panels_on_one_thread_count_what_two_threads_count():
+    """Lessons 04's step and sweep panels and 08's precision panel run on one CPU thread: the same
+    timelines, event for event, as the library's calls on two threads."""
+    from gpulab.course.precision import precision_step
+    from gpulab.course.sweeps import batch_sweep
+    from gpulab.predict.step import step as tracked_step
+    from gpulab.record.runs.checkpoint import cpu_threads
+    from gpulab.widgets.precision import compute_precision
+    from gpulab.widgets.step import compute_step
+    from gpulab.widgets.sweep import compute_sweep, sweep_batches
+    size = 32   # the mlp's default image size
+    with cpu_threads(2):
+        step2 = tracked_step("mlp", batch=2, image_size=size, optimizer="adam", dtype="float32", engine="cpu",
+                             steps=1, guard=False)
+        sweep2 = batch_sweep("mlp", sweep_batches(4), optimizer="adam", engine="cpu", steps=2)
+        prec2 = precision_step("mlp", 2, size, "adam", "bfloat16", "cpu")
+    _same_timeline(compute_step("mlp", 2, size, "adam", "float32", "cpu").measurement.tracking, step2.measurement.tracking)
+    sweep1 = compute_sweep("mlp", "adam", 4, "cpu")
+    assert [p.batch for p in sweep1.points] == [p.batch for p in sweep2.points] == [1, 2, 4]
+    for a, b in zip(sweep1.steps_results, sweep2.steps_results):
+        _same_timeline(a.measurement.tracking, b.measurement.tracking)
+    prec1 = compute_precision("mlp", 2, size, "adam", "bfloat16", "cpu")
+    assert list(prec1.runs) == list(prec2.runs) and len(prec1.runs) >= 2
+    for mode in prec1.runs:   # autocast's frees inside forward come in an order that varies run to run on
+        a, b = prec1.runs[mode].measurement.tracking, prec2.runs[mode].measurement.tracking   # any thread count
+        assert sorted((e.kind, e.nbytes, e.phase) for e in a.events) == sorted((e.kind, e.nbytes, e.phase) for e in b.events)
+        assert (a.peak_bytes, a.peak_by_category, a.final_bytes) == (b.peak_bytes, b.peak_by_category, b.final_bytes)
+    assert prec1._repr_html_() == prec2._repr_html_()
+
+
+@pytest.mark.extended
+def test_lesson_03_and_09_panels_on_one_thread_answer_as_on_two():
+    """Lesson 03's modelsize and depthwise panels and 09's allocator panel run on one CPU thread: the
+    same tables (their HTML, every number), and the same replayed allocator, as on two threads."""
+    from gpulab.course.flops import depthwise_vs_standard
+    from gpulab.course.modelsize import modelsize_vs_saved
+    from gpulab.models.registry import MODELS
+    from gpulab.predict.replay import workload
+    from gpulab.record.runs.checkpoint import cpu_threads
+    from gpulab.widgets.activations import compute_modelsize
+    from gpulab.widgets.allocator import compute_allocator
+    from gpulab.widgets.flops import compute_depthwise
+    with cpu_threads(2):
+        size2 = modelsize_vs_saved(tuple(MODELS), 1, "float32", "cpu")
+        depth2 = depthwise_vs_standard(16, 32, 28, 2, True, "float32", "cpu")
+        alloc2 = workload("training step", "cnn", 4, expandable_segments=False, empty_cache=False)
+    assert compute_modelsize(1, "float32", "cpu")._repr_html_() == size2._repr_html_()
+    assert compute_depthwise(16, 32, 28, 2, True, "float32", "cpu")._repr_html_() == depth2._repr_html_()
+    alloc1 = compute_allocator("cnn", 4, "training step", False, False)
+    assert (alloc1.allocated, alloc1.reserved, alloc1.stats) == (alloc2.allocated, alloc2.reserved, alloc2.stats)
