@@ -496,7 +496,9 @@ def exercise_where_activations(model: str = "vgg16"):
 
     def explain() -> str:
         d = first_block_vs_classifier(model)
-        return (f"Layer outputs for one 224×224 float32 image: the first block {format_bytes(d['first block'])}, the "
+        return (f"Every leaf layer's output for one 224×224 float32 image, each counted on its own (an in-place "
+                f"ReLU's too, though it shares its conv's storage): the first block "
+                f"{format_bytes(d['first block'])}, the "
                 f"classifier {format_bytes(d['classifier'])} ({d['first block'] / max(1, d['classifier']):,.0f}×; "
                 f"shapes from a forward of the real model). An output holds channels × H × W values: the first "
                 f"block has only 64 channels, but at the full 224×224, while a Linear layer outputs 4096 values per "
