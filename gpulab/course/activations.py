@@ -382,8 +382,8 @@ class InferenceVsTraining:
                          f"training keeps {self.ratio:,.1f}× the non-parameter memory of inference at the peak")
         dt = html_table(["saved tensors by dtype", "bytes"],
                         [[k, format_bytes(v, digits=2)] for k, v in sorted(t.saved_by_dtype.items())],
-                        "int64: max-pool indices. Dropout's mask is a float tensor on CPU and fake tensors "
-                        "(input × noise), a bool tensor with CUDA's fused kernel")
+                        "int64: max-pool indices. Dropout's mask is a float tensor with the CPU's kernels, real "
+                        "or fake (input × noise), a bool tensor with CUDA's fused kernel")
         note = self.gap_note()
         note = f"<p class='gpulab-label'>{html.escape(note)}</p>" if note else ""
         return head + cats + cmp + note + dt
