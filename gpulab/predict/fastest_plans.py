@@ -189,8 +189,8 @@ def _pairs(s: Any, recipe: Any, changes: list, pinned: dict, microbatches_per_st
     for c, r in changes:
         # the asked recipe's rank shapes (its bounds read from their runs); its own first ones where it had none
         chosen = choices(s, r, pinned, microbatches_per_stage, None if shapes else max_shapes)
-        for k in chosen.skipped:
-            if (k.what, k.why) not in asked_left:
+        for k in chosen.skipped:   # a refusal only on the shapes tried (a shape not tried is named once, below)
+            if (k.what, k.why) not in asked_left and (k.memory or not shapes or k.shape is None or k.shape in shapes):
                 kind = "memory" if k.memory else "cost" if "the cost bound" in k.why else "refused"
                 pruned.append(Pruned(k.what, c.name, kind, k.why))
         other = {}

@@ -48,10 +48,12 @@ _SHARDED = ("zero1", "zero2", "zero3", "fsdp2")
 
 @dataclass(frozen=True)
 class Skipped:
-    """A layout (or a family of them) not tried, and why; ``memory``: left out by its memory floor."""
+    """A layout (or a family of them) not tried, and why; ``memory``: left out by its memory floor;
+    ``shape``: its rank shape (tp, pp, ep), where it is one layout."""
     what: str
     why: str
     memory: bool = False
+    shape: tuple[int, int, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"what": self.what, "why": self.why, "memory": self.memory}
@@ -146,13 +148,14 @@ def layout_choices(gpus: int, gpus_per_node: int, layers: int | None, experts: i
                         lay = Layout(gpus=gpus, strategy=s, tp=t, sequence_parallel=t > 1, pp=p, ep=e, **pipe)
                         check(lay)
                     except ValueError as why:
-                        out.skipped.append(Skipped(what, str(why)))
+                        out.skipped.append(Skipped(what, str(why), shape=(t, p, e)))
                         continue
                     low = floor(lay)
                     if low > usable:
                         out.skipped.append(Skipped(what, f"its weights, gradients and optimizer state alone take at "
                                                          f"least {low / 2 ** 30:,.2f} GiB a rank (formula, a floor), "
-                                                         f"more than the {usable / 2 ** 30:,.2f} GiB usable", True))
+                                                         f"more than the {usable / 2 ** 30:,.2f} GiB usable", True,
+                                                    (t, p, e)))
                         continue
                     out.layouts.append(lay)
     return _bounded(out, max_shapes)
