@@ -286,7 +286,7 @@ def _pruned_lines(d: dict[str, Any]) -> list[str]:
                         ("memory", "pruned by memory: weights, gradients and optimizer state alone pass the card "
                                    "(a formula floor)"),
                         ("refused", "refused: the layout cannot take the change"),
-                        ("cost", "not tried, the cost bound (rank shapes past the first four)")):
+                        ("cost", "not tried, the cost bound")):
         rows = [p for p in d["pruned"] if p["bound"] == bound]
         if rows and bound == "time":
             lines.append(f"{what}:")

@@ -226,7 +226,11 @@ def answer(s: Setup, lay: Any, recipe: Any) -> LayoutPlan | Skipped:
         r = fit(s.model, s.place.card, recipe=recipe, layout=lay, seq_len=s.seq_len, image_size=s.image_size,
                 context_bytes=s.place.context_bytes, module_loading=s.module_loading, predict_time=True)
     except ValueError as why:
-        return Skipped(lay.mesh + f", {lay.strategy}", str(why))
+        return Skipped(lay.mesh + f", {lay.strategy or 'one replica'}", str(why))
+    except RuntimeError as why:   # fit's batch search gave up (its fallback's run budget): said, not the whole answer
+        if "the search needed more than" not in str(why):
+            raise
+        return Skipped(lay.mesh + f", {lay.strategy or 'one replica'}", f"gpulab fit could not answer it: {why}")
     return LayoutPlan(lay, r.largest_batch, r.reserved_bytes, r.needed_bytes, r.capacity_bytes, r.time, r.time_note,
                       time.perf_counter() - t1)
 
