@@ -162,18 +162,18 @@ def setup(model: Any, gpu: Any, gpus: int, recipe: Any, seq_len: int | None, ima
           context_bytes: int | None, module_loading: str) -> Setup:
     """The shared part of ``fastest_layouts`` (and ``predict.fastest_plans``), its input checked: one line
     for what cannot be answered."""
-    import torch
-
-    from gpulab.models.workload import resolve_workload
     from gpulab.options import Recipe
-    from gpulab.predict.fit import _place, usable_bytes
-    from gpulab.predict.plan_time import speed_or_why
-    from gpulab.units import parse_dtype
-    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 2:
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 2:   # checked before torch and the model load
         raise ValueError(f"the fastest layout spreads the step over 2 or more GPUs, not gpus={gpus!r}: give --gpus N "
                          f"(N >= 2), or leave --gpus out for the fastest recipe on one GPU")
     if not isinstance(recipe, Recipe):
         raise ValueError(f"recipe must be a gpulab.Recipe, got {type(recipe).__name__}")
+    import torch
+
+    from gpulab.models.workload import resolve_workload
+    from gpulab.predict.fit import _place, usable_bytes
+    from gpulab.predict.plan_time import speed_or_why
+    from gpulab.units import parse_dtype
     place = _place(gpu, context_bytes, module_loading, True)
     speed, why = speed_or_why(place.card)
     if speed is None:
