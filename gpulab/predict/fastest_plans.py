@@ -158,7 +158,11 @@ def fastest_plans(model: Any, gpu: Any, gpus: int, *, recipe: Any = None, tp: in
         if got.timed and (best is None or got.time.items_per_s > best.time.items_per_s):
             best = got
     assumptions = {**base.assumptions, "recipes": "each recipe at its own largest batch; a pair is left unrun where "
-                   "its memory floor passes the card or its time bound cannot beat the fastest found (plan_bounds)"}
+                   "its memory floor passes the card or its time bound cannot beat the fastest found (plan_bounds)",
+                   "time bound": "tokens/s at any batch <= dp x tokens a sample / the sum over the step's ops of "
+                   "max(FLOPs a sample / compute, bytes a sample / bandwidth) (each op affine in the batch: the asked "
+                   "recipe's runs at batches 2 and 3), x m/(m + p - 1) for a pipeline; a change's is the asked "
+                   "recipe's because of what it does to the ops a sample: " + "; ".join(SAME_OR_MORE.values())}
     if any(p.changes.get("optimizer") and p.timed and not p.time.optimizer_s for p in plans):
         assumptions["8-bit state"] = ("its optimizer step is not timed: on the fake engine bitsandbytes' fused update "
                                       "issues no op (training.eight_bit), so a plan with it is that step too fast")
