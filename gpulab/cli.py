@@ -516,8 +516,8 @@ def _collections_kept_short(own: bool):
     ``measure.engines`` makes after each fake run that left a storage alive (some 0.2-0.3 s with torch
     loaded, more than a small run), then walks what was made since the last one, where a run's
     reference cycles are. When the answer is made, everything is handed back to the collector
-    (``gc.unfreeze``), so the process ends as it would have. A library call (a notebook, a test) is left
-    alone."""
+    (``gc.unfreeze``), so a process that then ends the usual way (an error, a closed pipe: ``_ended``) ends
+    as it would have. A library call (a notebook, a test) is left alone."""
     if not own:
         yield
         return
