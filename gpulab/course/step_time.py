@@ -348,8 +348,8 @@ class RecomputeTime:
                     f"{self.measured_span(k).text()}): on this machine, now, the measurement cannot tell them apart.")
         word = "slower" if b.min > a.min else "faster"
         return (f"At k = {k} the intervals do not overlap with k = {k0}'s: the step is {word}, "
-                f"×{self.measured_ratio(k):.2f} as long comparing the fastest steps (span "
-                f"{self.measured_span(k).text()}), against ×"
+                f"×{self.measured_ratio(k):.2f} as long comparing the fastest steps (the intervals allow "
+                f"×{self.measured_span(k).low:.2f}–×{self.measured_span(k).high:.2f}), against ×"
                 f"{self.predicted_ratio(k):.2f} predicted for this CPU.")
 
     def rows(self) -> list[list[Any]]:
