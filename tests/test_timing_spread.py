@@ -74,3 +74,17 @@ def test_lesson_04s_loader_table_marks_an_overlap_as_no_conclusion():
     rows = {row[0]: row for row in r.rows()}
     assert rows["num_workers=2"][2] == "×1.67 [×1.43–×1.83]" and rows["num_workers=2"][3] == "apart"
     assert rows["pin"][2].endswith(NO_CONCLUSION) and rows["pin"][3] == "overlap"
+
+
+def test_lesson_07s_recompute_table_and_conclusion_say_no_conclusion_inside_the_noise():
+    from gpulab.course.step_time import RecomputePoint, RecomputeTime
+    t0, t1 = SimpleNamespace(seconds=0.010, flops=1), SimpleNamespace(seconds=0.013, flops=1)
+
+    def planted(a, b):
+        return RecomputeTime(4, 8, 2, None, "H100", [RecomputePoint(1, t0, t0, 0, _t(*a)),
+                                                     RecomputePoint(4, t1, t1, 0, _t(*b))])
+    close = planted((10, 13), (12, 14))
+    assert NO_CONCLUSION in close.conclusion(4) and close.rows()[1][5].endswith(NO_CONCLUSION)
+    apart = planted((10, 11), (12, 13))
+    assert NO_CONCLUSION not in apart.conclusion(4) and "allow ×1.09–×1.30" in apart.conclusion(4)
+    assert apart.rows()[1][5] == "×1.20 [×1.09–×1.30]" and apart.rows()[0][5] == "—"
