@@ -465,11 +465,11 @@ CLAIMS = [
      ("source", "torch.amp.GradScaler.__init__", "init_scale: float = 2.0**16")),
     ("11", "a frozen linear layer's `addmm` does not save its input", "addmm", ("run", _frozen_linear_saves_no_input)),
     # review-b of 2026-12-07: the core path of lessons 07, 08, 09, 11, 14
-    ("08", "softmax and norms on CUDA but not on the CPU", "ATen/autocast_mode.h",
+    ("08", "softmax and norms on CUDA, by `ATen/autocast_mode.h`, but not on the CPU", "ATen/autocast_mode.h",
      ("header", "_(softmax, int)")),
-    ("08", "softmax and norms on CUDA but not on the CPU", "ATen/autocast_mode.h",
+    ("08", "softmax and norms on CUDA, by `ATen/autocast_mode.h`, but not on the CPU", "ATen/autocast_mode.h",
      ("header", "_(native_layer_norm)")),
-    ("08", "softmax and norms on CUDA but not on the CPU", "ATen/autocast_mode.h",
+    ("08", "softmax and norms on CUDA, by `ATen/autocast_mode.h`, but not on the CPU", "ATen/autocast_mode.h",
      ("run", _cpu_autocast_keeps_softmax_and_norms_low_and_losses_fp32)),
 ]
 
