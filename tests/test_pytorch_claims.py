@@ -417,6 +417,7 @@ CLAIMS = [
      ("doc", "torch.Tensor.to", "applies to both pinned and pageable memory")),
     # the review of 2026-12-07: sentences corrected against torch 2.15
     ("01", "would leave 1 MiB or less over", "kSmallSize", ("header", "constexpr size_t kSmallSize = 1048576;")),
+    ("01", "cuts small blocks from segments of", "kSmallBuffer", ("header", "constexpr size_t kSmallBuffer = 2097152;")),
     ("04", "20 MiB for requests of 1 to 10 MiB, a larger request's own size", "get_allocation_size",
      ("header", "constexpr size_t kMinLargeAlloc = 10485760;")),
     ("04", "20 MiB for requests of 1 to 10 MiB, a larger request's own size", "get_allocation_size",
