@@ -151,12 +151,16 @@ def _plan_options(f: argparse.ArgumentParser) -> None:
     f.add_argument("--what-fits", type=_positive_int, nargs="?", const=1, default=None, metavar="BATCH",
                    help="also list the recipes that fit at BATCH (default 1), each confirmed by a fake run and "
                         "ranked by predicted step time")
-    f.add_argument("--fastest", action="store_true",
-                   help="the fastest plan that fits: --what-fits's recipes (and the asked one) at its batch, "
-                        "by predicted step time; with --gpus N, the layouts of N GPUs for the asked recipe instead "
-                        "(data parallelism ddp/zero2/zero3/fsdp2, tp 1/2/4/8 within a node, pp dividing the layers, "
-                        "ep for experts; --tp/--pp/--ep/--strategy given fix that degree), each at its largest "
-                        "batch, ranked by predicted tokens/s, with those left out and why")
+    f.add_argument("--fastest", nargs="?", const="plan", default=None, choices=("plan", "layout"),
+                   help="the fastest plan that fits, by predicted step time: on one GPU, --what-fits's recipes (and "
+                        "the asked one) at its batch; with --gpus N, the layouts of N GPUs (data parallelism "
+                        "ddp/zero2/zero3/fsdp2, tp 1/2/4/8 within a node, pp dividing the layers, ep for experts; "
+                        "--tp/--pp/--ep/--strategy given fix that degree) times the asked recipe and each single "
+                        "change --what-fits knows (loss in chunks, optimizer step in backward, bf16, 8-bit state, "
+                        "selective or full checkpointing), each at its largest batch, ranked by predicted tokens/s; "
+                        "pairs whose memory floor passes the card or whose time bound cannot win are not run, and "
+                        "the answer counts and names them. '--fastest layout' holds the asked recipe fixed "
+                        "(layouts only)")
     f.add_argument("--no-time", action="store_true",
                    help="leave out the predicted step time (a roofline per op on the card's datasheet speeds)")
 
@@ -543,11 +547,13 @@ def _answer(args: argparse.Namespace, progress: StreamProgress | None,
     if own:   # the imports' objects live as long as the process: out of the collector's walks now
         gc.freeze()
     context = {"context_bytes": checks.size(args.context)} if args.context else {}
-    if args.fastest and args.gpus:   # the layouts of N GPUs for the asked recipe (predict.fastest)
+    if args.fastest and args.gpus:   # recipes × layouts of N GPUs (predict.fastest_plans), or layouts only
         from gpulab.predict.fastest import fastest_layouts
-        return fastest_layouts(args.model, args.gpu, args.gpus, recipe=args.recipe, seq_len=args.seq_len,
-                               image_size=args.image_size, module_loading=args.cuda_module_loading,
-                               progress=progress, **context, **checks.fastest_pins(args)).as_dict(), \
+        from gpulab.predict.fastest_plans import fastest_plans
+        search = fastest_plans if args.fastest == "plan" else fastest_layouts
+        return search(args.model, args.gpu, args.gpus, recipe=args.recipe, seq_len=args.seq_len,
+                      image_size=args.image_size, module_loading=args.cuda_module_loading,
+                      progress=progress, **context, **checks.fastest_pins(args)).as_dict(), \
             answers.fastest_layouts_text
     from gpulab.predict.fit import fit
     data = fit(args.model, args.gpu, recipe=args.recipe, layout=args.layout, seq_len=args.seq_len,

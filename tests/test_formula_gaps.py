@@ -44,3 +44,19 @@ def test_lesson_09s_simulated_against_recorded_reserved_is_explained_from_the_re
     assert format_bytes(r["allocator"]["peak_reserved_delta"]) in text
     assert format_bytes(r["allocator"]["peak_allocated_delta"] - r["peak_bytes"]) + " that no tensor owns" in text
     assert real.label in text
+
+
+def test_lesson_04s_gradients_and_activations_under_their_formulas_at_a_backward_peak_are_explained():
+    """The step panel's cnn peaks in backward: gradients and activations sit more than 10% under their
+    formulas there (not every layer has its gradient yet; autograd keeps less than every output).
+    The table says why; an MLP peaking in optimizer.step() has every gradient, and gets no such note."""
+    import gpulab
+    cnn = gpulab.step("cnn", batch=32, optimizer="adam", engine="fake", steps=1)
+    m, f = cnn.tensor_bytes_by_category, cnn.predicted
+    assert cnn.measurement.tracking.peak_phase == "backward"
+    assert m["gradients"] < 0.9 * f["gradients"] and m["activations"] < 0.9 * f["activations"]
+    page = cnn._repr_html_()
+    assert "only the layers backward has already reached" in page and "autograd saves only what" in page
+    mlp = gpulab.step("mlp", batch=32, optimizer="adam", engine="fake", steps=1)
+    assert mlp.measurement.tracking.peak_phase == "optimizer"
+    assert "only the layers backward has already reached" not in mlp._repr_html_()

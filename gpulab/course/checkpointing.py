@@ -321,8 +321,8 @@ def exercise_checkpoint_maps(n_blocks: int = 16, segments: int = 4):
                  f"exist at once (the last segment is not checkpointed, the others are recomputed one at a time "
                  f"in backward): (k - 1) + largest segment. Chen et al.'s N/k + k = {chen:g} counts x as one of "
                  f"the k kept inputs, so when k divides N it is exactly one map more ({LABEL_FORMULA}). The "
-                 f"panel below measures the activation side within about one map of this (the gradient in "
-                 f"flight)."),
+                 f"panel below measures the activation side within about one map of this (a gradient in "
+                 f"flight, or a map freed before the step's peak, which comes in backward)."),
         unit="maps", rel_tol=0.0,
         hint="Count two things: the inputs checkpoint keeps at segment boundaries (the first segment's input is "
              "x, the model input), and the most maps of one segment that exist at the same time.")

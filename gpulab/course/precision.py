@@ -117,8 +117,8 @@ def expected_ratio(category: str, mode: str) -> float | None:
     """Formula: bytes of ``category`` in ``mode`` relative to fp32, if each tensor simply took
     the dtype its mode gives it (2/4 for a 16-bit float, 1 where the dtype does not change).
     Temporaries have no formula (None).
-    NB: autocast activations are *not* all 16-bit: ops on autocast's fp32 list (losses,
-    softmax, norms on some backends), int64 indices (max-pool) and masks keep their dtype, and
+    NB: autocast activations are *not* all 16-bit: ops on autocast's fp32 list (losses;
+    softmax and norms on CUDA, not on the CPU), int64 indices (max-pool) and masks keep their dtype, and
     autocast adds 16-bit copies of the weights it saves; the measurement shows how far off."""
     if mode == "fp32" or category == "temporaries":
         return 1.0 if mode == "fp32" else None

@@ -94,8 +94,8 @@ STILL_DIFFERS: tuple[tuple[str, str], ...] = (
                           "picks (cuDNN, flash, memory-efficient or math, by sdp_utils.cpp's rules; no card named: "
                           "an A100/H100's); cuDNN attention is assumed newer than 9.15 on sm90/sm100, and its "
                           "allocations are the flash kernel's kind (output and a float32 statistic per row)"),
-    ("fused / capturable optimizers", "their step counters live on the GPU but are counted as host memory "
-                                      "(one 512-byte block per parameter tensor)"),
+    ("fused / capturable optimizers", "their step counters live on the GPU, one 512-byte block per parameter "
+                                      "tensor there, but the fake run counts them as host memory"),
 )
 
 
