@@ -11,7 +11,7 @@ Qwen2.5-72B), each ``gpulab fit`` (bf16 AdamW, 2048 tokens, on the layout its si
 
 ``--layouts`` adds issue 45's layouts (Llama-3.1-70B on 64 H100 as TP 8 × PP 4 with sequence parallelism;
 70B with CP 8 under FSDP2; Mixtral-8x7B with EP 8 under FSDP2, all bf16 AdamW at 4096 tokens) and issue 46's
-``--what-fits`` for 8B on 24 GiB at 4096 tokens and ``--fastest`` over the layouts of 8 H100 for 8B, each against the fake-tensor floor (``import torch,
+``--what-fits`` for 8B on 24 GiB at 4096 tokens and ``--fastest`` over recipes × the layouts of 8 H100 for 8B (and ``--fastest layout``, the layouts alone), each against the fake-tensor floor (``import torch,
 transformers, torch._dynamo`` plus one ``FakeTensorMode()``: what every fake-tensor tool pays before its
 first op) timed right before it; ``--repeat N`` times each floor-and-command pair N times and prints the
 min and the median of the ratios (a shared machine's load moves both), of the wall times and of the CPU
@@ -75,9 +75,12 @@ LAYOUTS = [
      ["fit", "hf:mixtral-8x7b", "--gpu", "H100", "--gpus", "8", "--ep", "8", "--strategy", "fsdp2", *_BF16_4096]),
     ("8B, 24 GiB, --what-fits, 4096",
      ["fit", "hf:llama-3-8b", "--gpu", "24GiB", "--what-fits", *_BF16_4096]),
-    # issue 46's fastest plan across layouts: every layout of 8 H100 tried (predict.fastest, its cost bound)
-    ("8B, 8 H100, --fastest over layouts, 4096",
+    # issue 46's fastest plan across recipes x layouts (predict.fastest_plans, its pruning), and across the
+    # layouts of 8 H100 for the asked recipe alone (--fastest layout: predict.fastest, its cost bound)
+    ("8B, 8 H100, --fastest (recipes x layouts), 4096",
      ["fit", "hf:llama-3-8b", "--gpu", "H100", "--gpus", "8", "--fastest", *_BF16_4096]),
+    ("8B, 8 H100, --fastest layout (asked recipe), 4096",
+     ["fit", "hf:llama-3-8b", "--gpu", "H100", "--gpus", "8", "--fastest", "layout", *_BF16_4096]),
 ]
 # issue 46's cost of the time model: answers with a predicted step time (cards with speed figures)
 TIME_COST = [
@@ -123,11 +126,13 @@ def _timed(cmd: list[str], env: dict[str, str], cpu: list[float] | None = None) 
     try:
         answer = json.loads(p.stdout)
         experts = _experts(answer)
-        if "plans" in answer:   # gpulab fit --fastest --gpus N: the layouts tried
+        if "plans" in answer:   # gpulab fit --fastest --gpus N: the plans tried
             f = answer.get("fastest") or {}
-            return seconds, (f"{answer['tried']} layouts tried, {len(answer['ranked'])} fit, {len(answer['skipped'])} "
-                             f"left out; fastest: {f.get('name', 'none')}" + (f", {f['time']['items_per_s']:,.0f} "
-                                                                              f"tokens/s" if f else ""))
+            pairs = (f"{answer['pairs']} pairs, {answer['pruned_memory']} pruned by memory, {answer['pruned_time']} by "
+                     f"time, " if "pairs" in answer else "")
+            return seconds, (f"{pairs}{answer['tried']} plans tried, {len(answer['ranked'])} fit, "
+                             f"{len(answer['skipped'])} layouts left out; fastest: {f.get('name', 'none')}"
+                             + (f", {f['time']['items_per_s']:,.0f} tokens/s" if f else ""))
         if "largest_batch" not in answer:   # gpulab serve
             return seconds, (f"fits: {answer.get('fits')}, {answer.get('max_sequences')} sequences (vLLM-style)"
                              + experts)

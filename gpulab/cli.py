@@ -151,12 +151,16 @@ def _plan_options(f: argparse.ArgumentParser) -> None:
     f.add_argument("--what-fits", type=_positive_int, nargs="?", const=1, default=None, metavar="BATCH",
                    help="also list the recipes that fit at BATCH (default 1), each confirmed by a fake run and "
                         "ranked by predicted step time")
-    f.add_argument("--fastest", action="store_true",
-                   help="the fastest plan that fits: --what-fits's recipes (and the asked one) at its batch, "
-                        "by predicted step time; with --gpus N, the layouts of N GPUs for the asked recipe instead "
-                        "(data parallelism ddp/zero2/zero3/fsdp2, tp 1/2/4/8 within a node, pp dividing the layers, "
-                        "ep for experts; --tp/--pp/--ep/--strategy given fix that degree), each at its largest "
-                        "batch, ranked by predicted tokens/s, with those left out and why")
+    f.add_argument("--fastest", nargs="?", const="plan", default=None, choices=("plan", "layout"),
+                   help="the fastest plan that fits, by predicted step time: on one GPU, --what-fits's recipes (and "
+                        "the asked one) at its batch; with --gpus N, the layouts of N GPUs (data parallelism "
+                        "ddp/zero2/zero3/fsdp2, tp 1/2/4/8 within a node, pp dividing the layers, ep for experts; "
+                        "--tp/--pp/--ep/--strategy given fix that degree) times the asked recipe and each single "
+                        "change --what-fits knows (loss in chunks, optimizer step in backward, bf16, 8-bit state, "
+                        "selective or full checkpointing), each at its largest batch, ranked by predicted tokens/s; "
+                        "pairs whose memory floor passes the card or whose time bound cannot win are not run, and "
+                        "the answer counts and names them. '--fastest layout' holds the asked recipe fixed "
+                        "(layouts only)")
     f.add_argument("--no-time", action="store_true",
                    help="leave out the predicted step time (a roofline per op on the card's datasheet speeds)")
 
@@ -248,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's gpu_memory_utilization: the share of the card it plans with (default 0.9)")
     v.add_argument("--cuda-context", default=None, metavar="SIZE",
                    help="memory the CUDA context takes outside PyTorch's allocator (default: gpulab's H200 "
-                        "measurement, 1,383.88 MiB with lazy loading)")
+                        f"measurement, {_assumed_context()} with lazy loading)")
     v.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
                    help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
                         "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
@@ -427,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = _join_negative_sizes([a for a in argv if a != "--debug"])
     as_json = "--json" in argv   # an error is then also one JSON object on stdout: {"error": "..."}
     try:
-        return _main(argv, own)
+        code = _main(argv, own)
     except KeyboardInterrupt:
         print("gpulab: interrupted", file=sys.stderr)
         return _json_error("interrupted", as_json, 130)
@@ -446,6 +450,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = f"internal error: {type(exc).__name__}: {_one_line(exc)} ({REPORT}; add --debug for the traceback)"
         print(f"gpulab: {text}", file=sys.stderr)
         return _json_error(text, as_json)
+    return _ended(code) if own else code
+
+
+def _ended(code: int) -> int:
+    """A process that only answered (``python -m gpulab``, the ``gpulab`` script) ends here, its answer
+    written: stdout and stderr flushed, logging shut down, then ``os._exit`` without the interpreter's
+    teardown, which frees torch's and transformers' modules and the timelines kept one by one (measured
+    on the 70B TP 8 × PP 4 fit: 1.3 to 1.9 s of CPU on the shared 2-core machine, more than a small
+    fit's fake runs). Nothing else waits for the exit: every file gpulab writes is closed where it is
+    written, and the other exit handlers torch and transformers' imports register (PIL's cache, filelock's
+    and huggingface_hub's sessions) hold nothing that outlives the process. Where a stream cannot be
+    flushed (a closed pipe), the usual exit."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        return code
+    if "logging" in sys.modules:
+        sys.modules["logging"].shutdown()
+    os._exit(code)
+
+
+def _assumed_context() -> str:
+    """The lazy-loading context size fit and serve assume, as the GPU validation printed it
+    (``gpulab.predict.cards.CUDA_CONTEXT_ASSUMED``; no torch import)."""
+    from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED
+    from gpulab.units import MiB
+    return f"{CUDA_CONTEXT_ASSUMED / MiB:,.2f} MiB"
 
 
 def _json_error(text: str, as_json: bool, code: int = 2) -> int:
@@ -496,8 +528,8 @@ def _collections_kept_short(own: bool):
     ``measure.engines`` makes after each fake run that left a storage alive (some 0.2-0.3 s with torch
     loaded, more than a small run), then walks what was made since the last one, where a run's
     reference cycles are. When the answer is made, everything is handed back to the collector
-    (``gc.unfreeze``), so the process ends as it would have. A library call (a notebook, a test) is left
-    alone."""
+    (``gc.unfreeze``), so a process that then ends the usual way (an error, a closed pipe: ``_ended``) ends
+    as it would have. A library call (a notebook, a test) is left alone."""
     if not own:
         yield
         return
@@ -543,11 +575,13 @@ def _answer(args: argparse.Namespace, progress: StreamProgress | None,
     if own:   # the imports' objects live as long as the process: out of the collector's walks now
         gc.freeze()
     context = {"context_bytes": checks.size(args.context)} if args.context else {}
-    if args.fastest and args.gpus:   # the layouts of N GPUs for the asked recipe (predict.fastest)
+    if args.fastest and args.gpus:   # recipes × layouts of N GPUs (predict.fastest_plans), or layouts only
         from gpulab.predict.fastest import fastest_layouts
-        return fastest_layouts(args.model, args.gpu, args.gpus, recipe=args.recipe, seq_len=args.seq_len,
-                               image_size=args.image_size, module_loading=args.cuda_module_loading,
-                               progress=progress, **context, **checks.fastest_pins(args)).as_dict(), \
+        from gpulab.predict.fastest_plans import fastest_plans
+        search = fastest_plans if args.fastest == "plan" else fastest_layouts
+        return search(args.model, args.gpu, args.gpus, recipe=args.recipe, seq_len=args.seq_len,
+                      image_size=args.image_size, module_loading=args.cuda_module_loading,
+                      progress=progress, **context, **checks.fastest_pins(args)).as_dict(), \
             answers.fastest_layouts_text
     from gpulab.predict.fit import fit
     data = fit(args.model, args.gpu, recipe=args.recipe, layout=args.layout, seq_len=args.seq_len,

@@ -96,13 +96,29 @@ def step_html(step) -> str:
                       "in a single step <code>optimizer.step()</code> creates it after this peak (during "
                       f"{html.escape(m.tracking.peak_phase)}), so the peak holds none of it. From the second step on "
                       "it is alive through every forward and backward.</p>")
+    gap_note = _backward_peak_gaps(step.predicted, step.tensor_bytes_by_category, m.tracking.peak_phase)
     steps = ""
     if len(step.step_peaks) > 1:
         steps = ("<p>Each step's peak: " + ", ".join(f"step {i + 1}: <b>{format_bytes(p)}</b>"
                                                      for i, p in enumerate(step.step_peaks))
                  + ". From the second step on, the optimizer state exists: that is the steady state every later "
                    "step lives in.</p>")
-    return title + table + state_note + steps + extra
+    return title + table + state_note + gap_note + steps + extra
+
+
+def _backward_peak_gaps(predicted: dict, measured: dict, phase: str) -> str:
+    """Why the gradients and activations at a backward peak sit more than 10% under their formulas."""
+    def under(category: str) -> bool:
+        formula = predicted.get(category) or 0
+        return formula > 0 and measured.get(category, 0) < 0.9 * formula
+    notes = []
+    if phase == "backward" and under("gradients"):
+        notes.append("gradients: at this peak, during backward, only the layers backward has already reached "
+                     "have their gradient; all of them exist once it ends.")
+    if under("activations"):
+        notes.append("activations: the formula counts every layer's output; autograd saves only what each "
+                     "backward formula needs, and backward frees it as it goes (lesson 03).")
+    return "".join(f"<p class='gpulab-label'>{html.escape(n)}</p>" for n in notes)
 
 
 def fit_html(r) -> str:

@@ -184,3 +184,26 @@ def test_a_mistyped_card_is_one_line_in_the_notebook_with_did_you_mean(capsys):
     res = shell.run_cell("you = your_model(42, 'T4')")
     shown = capsys.readouterr()
     assert len([ln for ln in (shown.out + shown.err).splitlines() if ln.strip()]) == 1
+
+
+def test_a_technique_that_changes_the_attention_kernel_says_so(table):
+    """On a T4 (sm75) bf16 autocast gets SDPA's math kernel, which saves the s×s attention weights, where
+    float32 got the memory-efficient one: its row adds memory. The table's sentence and the checker's
+    explanation name both kernels, read off each row's gpulab.fit (its kernels line); a row whose kernel
+    did not change gets no such sentence."""
+    import dataclasses
+
+    def with_kernels(row, attention):
+        return dataclasses.replace(row, fit=dataclasses.replace(
+            row.fit, kernels=f"CUDA kernels of a T4 (sm75): {attention}"))
+
+    base, amp, rest = table.rows[0], table.row("bf16 autocast"), [r for r in table.rows[1:] if r.name != "bf16 autocast"]
+    changed = dataclasses.replace(table, rows=[with_kernels(base, "memory-efficient attention (x)"),
+                                               with_kernels(amp, "math attention (y)"),
+                                               *[with_kernels(r, "memory-efficient attention (x)") for r in rest]])
+    said = [s for s in changed.sentences() if s.startswith("bf16 autocast:")]
+    assert len(said) == 1 and "math attention (y), not the baseline's memory-efficient attention (x)" in said[0]
+    assert "math attention (y)" in exercise_batch_gain(changed, "bf16 autocast").reveal().message
+    assert not any("attention kernel" in s for s in changed.sentences() if not s.startswith("bf16 autocast:"))
+    same = dataclasses.replace(changed, rows=[with_kernels(r, "math attention (y)") for r in changed.rows])
+    assert not any("attention kernel" in s for s in same.sentences())

@@ -1,4 +1,4 @@
-"""``gpulab fit --fastest --gpus N`` (predict.fastest, predict.layout_choices): the layouts of N GPUs for one
+"""``gpulab fit --fastest layout --gpus N`` (predict.fastest, predict.layout_choices): the layouts of N GPUs for one
 recipe, each answered as ``gpulab.fit`` answers it alone, ranked by predicted tokens/s; those left out say why.
 Checked against ``gpulab.fit`` of each layout alone, the plan-time parts summed by hand, and the memory floor
 against a fit that finds nothing fits."""
@@ -77,7 +77,7 @@ def test_bad_fastest_layout_flags_are_one_line(capsys, args, says):
 def test_the_cli_answers_a_pipeline_layout_with_its_bubble(capsys):
     # --pp 2 on 2 GPUs fixes the mesh: one layout (dp 1, 1F1B, 8 micro-batches); tp 2 cannot join it
     argv = ["fit", "hf:tiny-llama", "--gpu", "H100", "--gpus", "2", "--pp", "2", "--seq-len", "32", "--dtype", "bf16",
-            "--optimizer", "adamw", "--fastest", "--context", f"{_context(3) // 1024}KiB", "--quiet"]
+            "--optimizer", "adamw", "--fastest", "layout", "--context", f"{_context(3) // 1024}KiB", "--quiet"]
     assert cli.main([*argv, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     (p,) = d["plans"]

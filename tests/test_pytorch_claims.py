@@ -319,6 +319,17 @@ def _scalar_mul_saves_nothing_and_softmax_saves_its_output() -> bool:
             and len(soft_tensors) == 1 and soft_tensors[0].data_ptr() == probs.data_ptr())
 
 
+def _cpu_autocast_keeps_softmax_and_norms_low_and_losses_fp32() -> bool:
+    """Lesson 08: CPU autocast's float32 list has the losses but not softmax or the norms (CUDA's, in
+    ``ATen/autocast_mode.h``, has all three): under bf16 autocast on the CPU softmax and layer_norm of
+    a bf16 tensor stay bf16, mse_loss runs in float32."""
+    h = torch.randn(4, 8, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return (torch.softmax(h, -1).dtype == torch.bfloat16
+                and torch.nn.functional.layer_norm(h, (8,)).dtype == torch.bfloat16
+                and torch.nn.functional.mse_loss(h, torch.zeros_like(h)).dtype == torch.float32)
+
+
 def _frozen_linear_saves_no_input() -> bool:
     """Lesson 11: a linear layer whose weight is frozen saves no input for a weight gradient (addmm
     saves ``mat1`` only when ``mat2`` needs a gradient)."""
@@ -406,6 +417,7 @@ CLAIMS = [
      ("doc", "torch.Tensor.to", "applies to both pinned and pageable memory")),
     # the review of 2026-12-07: sentences corrected against torch 2.15
     ("01", "would leave 1 MiB or less over", "kSmallSize", ("header", "constexpr size_t kSmallSize = 1048576;")),
+    ("01", "cuts small blocks from segments of", "kSmallBuffer", ("header", "constexpr size_t kSmallBuffer = 2097152;")),
     ("04", "20 MiB for requests of 1 to 10 MiB, a larger request's own size", "get_allocation_size",
      ("header", "constexpr size_t kMinLargeAlloc = 10485760;")),
     ("04", "20 MiB for requests of 1 to 10 MiB, a larger request's own size", "get_allocation_size",
@@ -452,6 +464,13 @@ CLAIMS = [
     ("08", "multiplies the loss by a large scale (2¹⁶ to start)", "GradScaler",
      ("source", "torch.amp.GradScaler.__init__", "init_scale: float = 2.0**16")),
     ("11", "a frozen linear layer's `addmm` does not save its input", "addmm", ("run", _frozen_linear_saves_no_input)),
+    # review-b of 2026-12-07: the core path of lessons 07, 08, 09, 11, 14
+    ("08", "softmax and norms on CUDA, by `ATen/autocast_mode.h`, but not on the CPU", "ATen/autocast_mode.h",
+     ("header", "_(softmax, int)")),
+    ("08", "softmax and norms on CUDA, by `ATen/autocast_mode.h`, but not on the CPU", "ATen/autocast_mode.h",
+     ("header", "_(native_layer_norm)")),
+    ("08", "softmax and norms on CUDA, by `ATen/autocast_mode.h`, but not on the CPU", "ATen/autocast_mode.h",
+     ("run", _cpu_autocast_keeps_softmax_and_norms_low_and_losses_fp32)),
 ]
 
 _CITES_SOURCE = re.compile(r"(?:torch|c10|aten)/[\w/.*]+\.(?:py|cpp|h|yaml)|\b[A-Z]\w+\.(?:cpp|h)\b")

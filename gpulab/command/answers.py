@@ -235,19 +235,25 @@ def _speed_text(t: dict[str, Any]) -> str:
 
 
 def fastest_layouts_text(d: dict[str, Any]) -> str:
-    """``gpulab fit --fastest --gpus N``: every layout tried, fastest first, then those left out and why."""
+    """``gpulab fit --fastest --gpus N``: every plan run, fastest first, then those left out and why
+    (with the recipes searched: the pairs not run, counted and named)."""
     recipe = ", ".join(f"{k} {v}" for k, v in d["recipe"].items() if v is not None)
-    lines = [f"{d['model']} on {d['gpus']} × {d['card']} ({recipe}): the fastest layout that fits, "
-             f"{d['tried']} layouts tried, {len(d['ranked'])} fit, {len(d['skipped'])} left out; {d['seconds']:.1f} s",
+    plans = "recipes × layouts" if "recipes" in d else "layout"
+    head = (f"{d['pairs']} layout × recipe pairs, {d['tried']} run, {len(d['ranked'])} fit, {d['pruned_memory']} "
+            f"pruned by memory, {d['pruned_time']} by time, {d['refused']} refused, {d['cost_bound']} past the cost "
+            f"bound" if "recipes" in d else f"{d['tried']} layouts tried, {len(d['ranked'])} fit")
+    width = max([52] + [len(p["name"]) + 2 for p in d["plans"]])
+    lines = [f"{d['model']} on {d['gpus']} × {d['card']} ({recipe}): the fastest {plans} that fits, {head}, "
+             f"{len(d['skipped'])} layouts left out; {d['seconds']:.1f} s",
              f"  each: {d['label']}",
-             f"  {'layout':<52}{'batch':>7}{'reserved':>12}{'step ms':>10}{'tokens/s':>13}{'MFU':>7}   "
-             f"compute (TP comm inside it) | TP comm | DP comm exposed | bubble (ms)"]
+             f"  {'plan' if 'recipes' in d else 'layout':<{width}}{'batch':>7}{'reserved':>12}{'step ms':>10}"
+             f"{'tokens/s':>13}{'MFU':>7}   compute (TP comm inside it) | TP comm | DP comm exposed | bubble (ms)"]
     by_name = {p["name"]: p for p in d["plans"]}
     for name in d["ranked"]:
         p, t = by_name[name], by_name[name]["time"]
         batch = f"{p['largest_batch']}" + (f"×{p['microbatches']}" if p["microbatches"] else "")
         tp_comm = t["rank"].get("comm_seconds", 0.0) * (p["microbatches"] or 1)
-        lines.append(f"  {name:<52}{batch:>7}{format_bytes(p['reserved_bytes']):>12}{t['seconds'] * 1e3:>10,.1f}"
+        lines.append(f"  {name:<{width}}{batch:>7}{format_bytes(p['reserved_bytes']):>12}{t['seconds'] * 1e3:>10,.1f}"
                      f"{t['items_per_s']:>13,.0f}{t['mfu']:>7.1%}   {t['compute_seconds'] * 1e3:,.1f} | "
                      f"{tp_comm * 1e3:,.1f} | {t['exposed_comm_seconds'] * 1e3:,.1f} | {t['bubble_seconds'] * 1e3:,.1f}")
     for p in d["plans"]:
@@ -263,8 +269,32 @@ def fastest_layouts_text(d: dict[str, Any]) -> str:
         lines += [f"  {line}" for line in f["time"]["lines"]]
     else:
         lines.append("no layout tried fits: a larger card, more GPUs, or a recipe that saves memory (--what-fits)")
-    lines.append("left out:")
+    lines += _pruned_lines(d) if "recipes" in d else []
+    lines.append("layouts left out:" if "recipes" in d else "left out:")
     lines += [f"  {s['what']}: {s['why']}" for s in d["skipped"]]
     lines.append("assumptions:")
     lines += [f"  {k}: {v}" for k, v in d["assumptions"].items()]
     return "\n".join(lines)
+
+
+def _pruned_lines(d: dict[str, Any]) -> list[str]:
+    """The recipes searched and the layout × recipe pairs not run, by why (``predict.fastest_plans``)."""
+    lines = [f"recipes searched: {', '.join(d['recipes'])}"]
+    lines += [f"  recipe left out: {why}" for why in d["recipes_left_out"]]
+    for bound, what in (("time", "pruned by time: tokens/s at any batch bounded (plan_bounds) at or below the "
+                                 "fastest found"),
+                        ("memory", "pruned by memory: weights, gradients and optimizer state alone pass the card "
+                                   "(a formula floor)"),
+                        ("refused", "refused: the layout cannot take the change"),
+                        ("cost", "not tried, the cost bound")):
+        rows = [p for p in d["pruned"] if p["bound"] == bound]
+        if rows and bound == "time":
+            lines.append(f"{what}:")
+            lines += [f"  {p['recipe']} on {p['layout']}: at most {p['rate']:,.0f}" for p in rows]
+        elif rows:   # one line per recipe and reason, its layouts named
+            lines.append(f"{what}:")
+            groups: dict[tuple[str, str], list[str]] = {}
+            for p in rows:
+                groups.setdefault((p["recipe"], p["why"]), []).append(p["layout"])
+            lines += [f"  {rec} on {'; '.join(lays)}: {why}" for (rec, why), lays in groups.items()]
+    return lines

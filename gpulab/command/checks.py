@@ -52,6 +52,9 @@ def check_values(args: argparse.Namespace) -> None:
         raise ValueError("--pp-stage picks the stage gpulab step measures; gpulab fit answers every stage: leave it out")
     if args.command == "fit" and args.fastest and args.gpus:
         check_fastest_layouts(args)
+    if args.command == "fit" and args.fastest == "layout" and not args.gpus:
+        raise ValueError("--fastest layout ranks the layouts of N GPUs: give --gpus N (N >= 2), or --fastest alone "
+                         "for the fastest recipe on one GPU")
     if args.command in ("step", "fit"):
         args.recipe, args.layout = settings(args)   # every option's value and combination, before torch loads
     if args.command in ("step", "fit") and args.gpu is not None:
@@ -92,8 +95,8 @@ def check_fastest_layouts(args: argparse.Namespace) -> None:
         raise ValueError("--fastest with --gpus ranks layouts of 2 or more GPUs: give --gpus N with N >= 2, or leave "
                          "--gpus out for the fastest recipe on one GPU")
     if args.what_fits:
-        raise ValueError("--fastest --gpus N ranks the layouts of N GPUs for the asked recipe, --what-fits ranks "
-                         "recipes on the asked layout: give one of them")
+        raise ValueError("--fastest --gpus N ranks the layouts of N GPUs times the recipes, --what-fits ranks "
+                         "recipes on the asked layout at one batch: give one of them")
     if args.no_time:
         raise ValueError("--fastest ranks plans by their predicted time: leave out --no-time")
     if args.cp != 1:

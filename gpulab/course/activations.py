@@ -382,8 +382,8 @@ class InferenceVsTraining:
                          f"training keeps {self.ratio:,.1f}× the non-parameter memory of inference at the peak")
         dt = html_table(["saved tensors by dtype", "bytes"],
                         [[k, format_bytes(v, digits=2)] for k, v in sorted(t.saved_by_dtype.items())],
-                        "int64: max-pool indices. Dropout's mask is a float tensor on CPU and fake tensors "
-                        "(input × noise), a bool tensor with CUDA's fused kernel")
+                        "int64: max-pool indices. Dropout's mask is a float tensor with the CPU's kernels, real "
+                        "or fake (input × noise), a bool tensor with CUDA's fused kernel")
         note = self.gap_note()
         note = f"<p class='gpulab-label'>{html.escape(note)}</p>" if note else ""
         return head + cats + cmp + note + dt
@@ -496,7 +496,9 @@ def exercise_where_activations(model: str = "vgg16"):
 
     def explain() -> str:
         d = first_block_vs_classifier(model)
-        return (f"Layer outputs for one 224×224 float32 image: the first block {format_bytes(d['first block'])}, the "
+        return (f"Every leaf layer's output for one 224×224 float32 image, each counted on its own (an in-place "
+                f"ReLU's too, though it shares its conv's storage): the first block "
+                f"{format_bytes(d['first block'])}, the "
                 f"classifier {format_bytes(d['classifier'])} ({d['first block'] / max(1, d['classifier']):,.0f}×; "
                 f"shapes from a forward of the real model). An output holds channels × H × W values: the first "
                 f"block has only 64 channels, but at the full 224×224, while a Linear layer outputs 4096 values per "

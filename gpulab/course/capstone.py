@@ -416,7 +416,7 @@ class DecisionTable:
                        f"({abs(saved) / b0.peak_bytes:.0%} of the baseline's peak); largest batch "
                        f"{b0.largest_batch} → {r.largest_batch} ({self.batch_gained(r.name):+,}); FLOPs per step "
                        f"×{self.flops_ratio(r.name):.3f}; {_k(self.micro_batches(r.name))} to {self.target_batch}. "
-                       f"Also: {r.technique.cost}.")
+                       f"Also: {r.technique.cost}." + _kernel_change(r, b0))
         tech = self.rows[1:]
         best = max(tech, key=lambda r: r.largest_batch)
         out.append(f"Largest batch: {best.name} ({best.largest_batch}).")
@@ -457,6 +457,22 @@ class _Html:
 
 def _signed_bytes(n: int) -> str:
     return ("−" if n < 0 else "+") + format_bytes(abs(n)) if n else "0 B"
+
+
+def _attention_kernels(r: Row) -> str:
+    """The attention kernels a row's fake runs followed, read off ``gpulab.fit``'s kernels line
+    ("CUDA kernels of a T4 (sm75): math attention (...)" -> "math attention (...)"); "" when none."""
+    kernels = getattr(r.fit, "kernels", "") or ""
+    return kernels.split(": ", 1)[1] if ": " in kernels else ""
+
+
+def _kernel_change(r: Row, base: Row) -> str:
+    """" Its attention kernel is ..., not the baseline's ..." when the technique changed the kernel the card's
+    SDPA chooses (a T4 in bf16: the math kernel, which saves the s×s attention weights), else ""."""
+    mine, theirs = _attention_kernels(r), _attention_kernels(base)
+    if not mine or not theirs or mine == theirs:
+        return ""
+    return f" Its attention kernel on this card is {mine}, not the baseline's {theirs}: see lesson 11, section 3."
 
 
 def _k(k: int | None) -> str:
@@ -557,7 +573,7 @@ def exercise_batch_gain(table: DecisionTable, name: str) -> ChoiceExercise:
         return (f"gpulab.fit: {base.largest_batch} → {row.largest_batch} on {table.you.card.name}. At batch "
                 f"{table.batch} the peak moved by {_signed_bytes(row.peak_bytes - base.peak_bytes)} ({moved or 'nothing'}): "
                 f"only what grows with the batch buys a larger batch; what does not (weights, gradients, optimizer "
-                f"state) only leaves more room once.")
+                f"state) only leaves more room once." + _kernel_change(row, base))
     q = (f"With {row.name}, the largest batch of {table.you.name} on {table.you.card.name} "
          f"(the baseline's is {base.largest_batch}) is:")
     return ChoiceExercise(q, dict(_GAIN_OPTIONS), expected, explain)

@@ -568,11 +568,15 @@ def exercise_state_before_first_step(model: str = "mlp", optimizer: str = "adam"
     """Predict-first: optimizer state bytes after construction, before any ``step()``."""
     from gpulab.course.exercises import Exercise
     key = _check_optimizer(optimizer)
+    if key == "adagrad":
+        raise ValueError("Adagrad fills its state in its constructor, so it holds state before the first step(); "
+                         "this question is about an optimizer that creates it lazily (adam, adamw, sgd, ...)")
     return Exercise(
         question=f"And before the first step(): how many bytes of state does a freshly built {key} hold?",
         expected=lambda: 0,
-        explain="None: torch.optim creates the state lazily, inside the first step() (the _init_group of each "
-                "optimizer), so a model that fits before the first step can still run out of memory in it.",
+        explain=f"None: {key} creates its state lazily, inside the first step() (its _init_group; Adagrad is the "
+                "exception, filling its state in the constructor), so a model that fits before the first step can "
+                "still run out of memory in it.",
         unit="bytes", rel_tol=0.0)
 
 

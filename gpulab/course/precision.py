@@ -117,8 +117,8 @@ def expected_ratio(category: str, mode: str) -> float | None:
     """Formula: bytes of ``category`` in ``mode`` relative to fp32, if each tensor simply took
     the dtype its mode gives it (2/4 for a 16-bit float, 1 where the dtype does not change).
     Temporaries have no formula (None).
-    NB: autocast activations are *not* all 16-bit: ops on autocast's fp32 list (losses,
-    softmax, norms on some backends), int64 indices (max-pool) and masks keep their dtype, and
+    NB: autocast activations are *not* all 16-bit: ops on autocast's fp32 list (losses;
+    softmax and norms on CUDA, not on the CPU), int64 indices (max-pool) and masks keep their dtype, and
     autocast adds 16-bit copies of the weights it saves; the measurement shows how far off."""
     if mode == "fp32" or category == "temporaries":
         return 1.0 if mode == "fp32" else None
@@ -294,7 +294,7 @@ def exercise_autocast_bytes_per_param(optimizer: str = "adam", low: str = "bfloa
         explain=(f"autocast casts copies for each matmul/conv; the parameters themselves stay float32 (4 B), so their "
                  f"gradients are float32 (4 B) and {optimizer} keeps {states} float32 state tensor(s) per parameter "
                  f"({4 * states} B): {persistent_bytes_per_param(optimizer, mode):g} B, exactly as in float32 "
-                 f"training. Only activations shrink ({LABEL_FORMULA})."),
+                 f"training. Only activations and temporaries shrink ({LABEL_FORMULA})."),
         unit="bytes/param", rel_tol=0.0,
         hint="Which of these does autocast cast to 16 bits: the parameters, or copies of them?")
 

@@ -363,7 +363,7 @@ class OomStory:
         table = html_table(["category at the peak", "bytes", "share of the peak", "explained in"], [], "")
         table = table.replace("</table>", body + "</table>")
         return (head + table + f"<p class='gpulab-label'>{html.escape(self.label)}; binary units. What the "
-                f"allocator holds beyond these tensors (the CUDA context, cached blocks) comes on top: "
+                f"GPU holds beyond these tensors (the CUDA context, the allocator's cached blocks) comes on top: "
                 f"<a href='{f}'>{html.escape(n)}</a>.</p>")
 
     def __repr__(self) -> str:

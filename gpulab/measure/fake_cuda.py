@@ -77,9 +77,8 @@ __all__ = [
 ]
 
 STILL_DIFFERS: tuple[tuple[str, str], ...] = (
-    ("CUDA context", "the driver's and PyTorch's own memory on the card (1,383.88 MiB on gpulab's H200 after "
-                     "training steps): not a tensor, so never counted; fit, serve and lesson 04 add the measured "
-                     "figure (predict.context)"),
+    ("CUDA context", "the driver's and PyTorch's own memory on the card: not a tensor, so never counted; fit, "
+                     "serve and lesson 04 add the measured figure (predict.context)"),
     ("cuBLAS / cuDNN workspaces", "matmul and convolution workspaces the libraries allocate through the "
                                   "caching allocator: fit and serve add cuBLAS's by the card's compute capability "
                                   "(measure.cuda_card); cuDNN's depend on the algorithm it picks at run time, and "
@@ -94,8 +93,8 @@ STILL_DIFFERS: tuple[tuple[str, str], ...] = (
                           "picks (cuDNN, flash, memory-efficient or math, by sdp_utils.cpp's rules; no card named: "
                           "an A100/H100's); cuDNN attention is assumed newer than 9.15 on sm90/sm100, and its "
                           "allocations are the flash kernel's kind (output and a float32 statistic per row)"),
-    ("fused / capturable optimizers", "their step counters live on the GPU but are counted as host memory "
-                                      "(one 512-byte block per parameter tensor)"),
+    ("fused / capturable optimizers", "their step counters live on the GPU, one 512-byte block per parameter "
+                                      "tensor there, but the fake run counts them as host memory"),
 )
 
 

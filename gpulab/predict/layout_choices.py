@@ -48,12 +48,15 @@ _SHARDED = ("zero1", "zero2", "zero3", "fsdp2")
 
 @dataclass(frozen=True)
 class Skipped:
-    """A layout (or a family of them) not tried, and why."""
+    """A layout (or a family of them) not tried, and why; ``memory``: left out by its memory floor;
+    ``shape``: its rank shape (tp, pp, ep), where it is one layout."""
     what: str
     why: str
+    memory: bool = False
+    shape: tuple[int, int, int] | None = None
 
-    def as_dict(self) -> dict[str, str]:
-        return {"what": self.what, "why": self.why}
+    def as_dict(self) -> dict[str, Any]:
+        return {"what": self.what, "why": self.why, "memory": self.memory}
 
 
 @dataclass
@@ -71,20 +74,22 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def memory_floor(n_params: int, itemsize: int, state_multiplier: int, layout: Any, full_training: bool) -> int:
+def memory_floor(n_params: int, itemsize: int, state_multiplier: int, layout: Any, full_training: bool,
+                 no_gradients: bool = False) -> int:
     """A lower bound on one rank's bytes: its share of the weights, and (``full_training``) of the
     gradients (itemsize each) and optimizer state (``state_multiplier`` × the weights, torch's
     optimizers keeping it in the parameters' dtype), each divided as the layout divides it. A rank
     of ``tp`` × ``pp`` × ``ep`` holds at least 1/(tp·pp·ep) of every parameter (the largest stage
     holds at least the mean; EP divides only the experts); ddp keeps all of the rest, zero1 shards
     the state, zero2 the gradients too, zero3/fsdp2 everything over ``dp_shard × cp``. Activations,
-    temporaries and DeepSpeed's fp32 master copy are left out: a floor."""
+    temporaries and DeepSpeed's fp32 master copy are left out: a floor. ``no_gradients``: the optimizer
+    steps each parameter in backward, so no step keeps a whole set of gradients: none counted."""
     w = n_params * itemsize / (layout.tp * layout.pp * layout.ep)
     if not full_training:
         return int(w)
     s = layout.sharded_over if layout.strategy in _SHARDED else 1
     st = layout.strategy or "ddp"
-    grads = w / s if st in ("zero2", "zero3", "fsdp2") else w
+    grads = 0 if no_gradients else w / s if st in ("zero2", "zero3", "fsdp2") else w
     state = state_multiplier * w / s if st in _SHARDED else state_multiplier * w
     weights = w / s if st in ("zero3", "fsdp2") else w
     return int(weights + grads + state)
@@ -143,13 +148,14 @@ def layout_choices(gpus: int, gpus_per_node: int, layers: int | None, experts: i
                         lay = Layout(gpus=gpus, strategy=s, tp=t, sequence_parallel=t > 1, pp=p, ep=e, **pipe)
                         check(lay)
                     except ValueError as why:
-                        out.skipped.append(Skipped(what, str(why)))
+                        out.skipped.append(Skipped(what, str(why), shape=(t, p, e)))
                         continue
                     low = floor(lay)
                     if low > usable:
                         out.skipped.append(Skipped(what, f"its weights, gradients and optimizer state alone take at "
                                                          f"least {low / 2 ** 30:,.2f} GiB a rank (formula, a floor), "
-                                                         f"more than the {usable / 2 ** 30:,.2f} GiB usable"))
+                                                         f"more than the {usable / 2 ** 30:,.2f} GiB usable", True,
+                                                    (t, p, e)))
                         continue
                     out.layouts.append(lay)
     return _bounded(out, max_shapes)

@@ -298,7 +298,7 @@ def check_control_value(name: str, control: W.Widget, value: Any) -> None:
         choices = list(control._options_values)
         if value == "cuda" and value in ENGINES and set(choices) <= set(ENGINES):
             raise ValueError(f"{name} 'cuda' needs a GPU: torch.cuda.is_available() is False here; choose one of "
-                             f"{', '.join(choices)} (auto and fake answer for a GPU)")
+                             f"{', '.join(choices)} (each number's label says whose kernels answered)")
         shown = ", ".join(map(repr, choices)) if len(choices) <= 20 else f"{choices[0]!r} ... {choices[-1]!r}"
         raise ValueError(f"{name} must be one of {shown} (the panel's choices), got {value!r}")
 
@@ -347,7 +347,8 @@ def dropdown(description: str, options, value=None) -> W.Dropdown:
 
 ENGINES = ("auto", "cpu", "fake", "cuda")   # every engine; a panel offers ``engine_choices()``
 NO_GPU_NOTE = ("The <code>cuda</code> engine is not offered: <code>torch.cuda.is_available()</code> is False on "
-               "this machine (no GPU). <i>auto</i> and <i>fake</i> answer for a GPU instead.")
+               "this machine (no GPU). <i>auto</i> picks <i>cpu</i> or <i>fake</i> instead, and each number's "
+               "label says whose kernels answered.")
 
 
 def engine_choices() -> tuple[str, ...]:
