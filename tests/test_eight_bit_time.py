@@ -80,7 +80,8 @@ def test_the_8bit_step_moves_fewer_bytes_than_fp32_adamw_foreach():
     assert fp32.by_op["_foreach_lerp_"].nbytes == 3 * 4 * sum(p.numel() for p in _model().parameters())
     moved = sum(o.nbytes for o in eight.by_op.values() if o.name.startswith("adamw"))
     moved_fp32 = sum(o.nbytes for o in fp32.by_op.values() if o.name.startswith("_foreach"))
-    # fp32 AdamW's foreach ops move ~15 float32 words an element (p, g, m, v read and written over its
-    # kernels), the 8-bit kernel ~14 bytes: a ratio of about 4
-    assert 3 < moved_fp32 / moved < 6
+    # fp32 AdamW's foreach ops (torch.optim.adam._multi_tensor_adam: lerp_, mul_, addcmul_, sqrt, div_, add_,
+    # addcdiv_ and the weight decay's mul_) move 21 float32 words an element; the 8-bit kernel with float32
+    # weights 16 bytes and its absmax: a ratio of about 5
+    assert 4.5 < moved_fp32 / moved < 5.5
     assert eight.by_phase["optimizer"] < fp32.by_phase["optimizer"]
