@@ -69,8 +69,9 @@ OVERLAP = {
              "is what exceeds the forward, and the backward",
 }
 OVERLAP["zero2"], OVERLAP["fsdp2"] = OVERLAP["zero1"], OVERLAP["zero3"]
-SHARDED_STEP = ("optimizer step on the rank's shard: the timed run's (every parameter's) over the sharding ranks, "
-                "its kernel launches too (each rank launches as many, a few µs left out)")
+SHARDED_STEP = ("optimizer step on the rank's shard: the timed run's (every parameter's) over the sharding ranks n, "
+                "its launch overheads divided too, though each rank launches as many kernels (short by the optimizer "
+                "kernels' launch overhead × (1 - 1/n))")
 _BUCKET = 25 * 2 ** 20   # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb default
 
 
