@@ -196,15 +196,20 @@ class OpTimer(TorchDispatchMode):
                                formula=formula is not None))
 
 
+_WRITES: dict = {}   # op -> its written arguments' (position, name)
+
+
 def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors an op writes in place, from its schema (``Tensor(a!)`` arguments: ``alias_info.is_write``):
     what an op that returns nothing writes (``_foreach_add_``, ``_fused_adamw_``, gpulab's
     ``training.bnb_kernels``). Each is also among its inputs, so it counts once read and once written."""
+    written = _WRITES.get(func)
+    if written is None:
+        written = _WRITES[func] = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                                   if a.alias_info is not None and a.alias_info.is_write]
     out: list[torch.Tensor] = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(a.name)
+    for i, name in written:
+        value = args[i] if i < len(args) else kwargs.get(name)
         out += [value] if isinstance(value, torch.Tensor) else [t for t in (value or ()) if isinstance(t, torch.Tensor)]
     return out
 
