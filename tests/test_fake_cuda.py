@@ -210,6 +210,31 @@ def test_lesson_04_can_show_the_differences():
     assert "cuBLAS / cuDNN workspaces" in d._repr_html_() and "CUDA context" in repr(d)
 
 
+def test_the_context_figure_is_rendered_from_predict_context_not_typed_into_the_list():
+    """Issue 47: STILL_DIFFERS carries no figure; lesson 04's view adds the one fit assumes, from
+    predict.context's measurement (so a new measurement changes the lesson's text with it)."""
+    import dataclasses
+    import re
+    from gpulab.course.anatomy import fake_cuda_differences
+    from gpulab.predict import context as C
+    assert not any(re.search(r"\d[\d,.]*\s*(MiB|GiB|MB|GB)", why) for _, why in STILL_DIFFERS)
+    shown = dict(fake_cuda_differences().shown_rows())["CUDA context"]
+    head = C.CONTEXT_MEASUREMENTS[0]
+    assert f"{head.nbytes / 2**20:,.2f} MiB assumed" in shown and head.gpu in shown
+    moved = dataclasses.replace(head, nbytes=head.nbytes + 2**20)
+    old = C.CONTEXT_MEASUREMENTS
+    try:
+        C.CONTEXT_MEASUREMENTS = (moved,) + old[1:]
+        import gpulab.predict.cards as K
+        keep, K.CUDA_CONTEXT_ASSUMED = K.CUDA_CONTEXT_ASSUMED, moved.nbytes
+        try:
+            assert f"{moved.nbytes / 2**20:,.2f} MiB" in dict(fake_cuda_differences().shown_rows())["CUDA context"]
+        finally:
+            K.CUDA_CONTEXT_ASSUMED = keep
+    finally:
+        C.CONTEXT_MEASUREMENTS = old
+
+
 def _activation_dtypes(result):
     recs = result.measurement.tracking.records.values()
     return sorted({(r.dtype, r.shape) for r in recs if r.category == Category.ACTIVATIONS})

@@ -417,6 +417,7 @@ CLAIMS = [
      ("doc", "torch.Tensor.to", "applies to both pinned and pageable memory")),
     # the review of 2026-12-07: sentences corrected against torch 2.15
     ("01", "would leave 1 MiB or less over", "kSmallSize", ("header", "constexpr size_t kSmallSize = 1048576;")),
+    ("01", "cuts small blocks from segments of", "kSmallBuffer", ("header", "constexpr size_t kSmallBuffer = 2097152;")),
     ("04", "20 MiB for requests of 1 to 10 MiB, a larger request's own size", "get_allocation_size",
      ("header", "constexpr size_t kMinLargeAlloc = 10485760;")),
     ("04", "20 MiB for requests of 1 to 10 MiB, a larger request's own size", "get_allocation_size",
@@ -464,11 +465,11 @@ CLAIMS = [
      ("source", "torch.amp.GradScaler.__init__", "init_scale: float = 2.0**16")),
     ("11", "a frozen linear layer's `addmm` does not save its input", "addmm", ("run", _frozen_linear_saves_no_input)),
     # review-b of 2026-12-07: the core path of lessons 07, 08, 09, 11, 14
-    ("08", "softmax and norms on CUDA but not on the CPU", "ATen/autocast_mode.h",
+    ("08", "softmax and norms on CUDA, by `ATen/autocast_mode.h`, but not on the CPU", "ATen/autocast_mode.h",
      ("header", "_(softmax, int)")),
-    ("08", "softmax and norms on CUDA but not on the CPU", "ATen/autocast_mode.h",
+    ("08", "softmax and norms on CUDA, by `ATen/autocast_mode.h`, but not on the CPU", "ATen/autocast_mode.h",
      ("header", "_(native_layer_norm)")),
-    ("08", "softmax and norms on CUDA but not on the CPU", "ATen/autocast_mode.h",
+    ("08", "softmax and norms on CUDA, by `ATen/autocast_mode.h`, but not on the CPU", "ATen/autocast_mode.h",
      ("run", _cpu_autocast_keeps_softmax_and_norms_low_and_losses_fp32)),
 ]
 

@@ -37,8 +37,10 @@ What is not modelled (NB):
   ``set_per_process_memory_fraction``: omitted; the ``capacity_bytes`` argument plays the role of
   the device's total memory instead;
 * ``roundup_power2_divisions`` (off by default in PyTorch): sizes are rounded to 512 bytes only;
-* memory outside the allocator (the CUDA context, cuBLAS workspaces, other processes), which
-  nvidia-smi counts but the allocator does not: ``capacity_bytes`` is all the allocator may use.
+* memory outside the allocator (the CUDA context, other processes), which nvidia-smi counts but
+  the allocator does not: ``capacity_bytes`` is all the allocator may use;
+* the cuBLAS and cuDNN workspaces, which PyTorch takes from the caching allocator: they are not
+  tensors, so a replay of tracked tensors does not contain them.
 """
 
 from __future__ import annotations

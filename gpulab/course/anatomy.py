@@ -36,11 +36,20 @@ class FakeCudaDifferences:
     rows: tuple[tuple[str, str], ...] = STILL_DIFFERS
     label: str = LABEL_FAKE_CUDA
 
+    def shown_rows(self) -> list[tuple[str, str]]:
+        """The rows, the CUDA context's with the size fit and serve assume and its source (rendered
+        from ``gpulab.predict.context``: the measurement it rests on, never a typed figure)."""
+        from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED
+        from gpulab.predict.context import CONTEXT_MEASUREMENTS
+        m = next(m for m in CONTEXT_MEASUREMENTS if m.nbytes == CUDA_CONTEXT_ASSUMED)
+        said = f": {m.nbytes / 2**20:,.2f} MiB assumed, measured on {m.gpu} ({m.what}; {m.software}; {m.source})"
+        return [(name, why + said if name == "CUDA context" else why) for name, why in self.rows]
+
     def __repr__(self) -> str:
-        return "\n".join([f"not in '{self.label}':"] + [f"- {name}: {why}" for name, why in self.rows])
+        return "\n".join([f"not in '{self.label}':"] + [f"- {name}: {why}" for name, why in self.shown_rows()])
 
     def _repr_html_(self) -> str:
-        return html_table(["not predicted", "why"], self.rows,
+        return html_table(["not predicted", "why"], self.shown_rows(),
                           f"what '{self.label}' still cannot match on a real GPU")
 
 

@@ -29,6 +29,7 @@ from gpulab import formulas as F
 from gpulab.record.runs.checkpoint import Timing, block_stack, cpu_threads, run_checkpoint_sweep, time_fn
 from gpulab.measure.engines import LABEL_FORMULA, choose_engine
 from gpulab.course.inplace import validate_positive
+from gpulab.course.timing_spread import ratio
 from gpulab.units import format_bytes
 from gpulab.views import error_percent, fmt_error, html_table
 
@@ -188,17 +189,18 @@ class CheckpointResult:
             return "Not timed."
         if p.segments == 1:
             return "k = 1 is the step without checkpointing."
+        r = ratio(b, a, "iqr")
         span = (f"k = {p.segments}: {b.low * 1e3:.1f}–{b.high * 1e3:.1f} ms, k = 1: {a.low * 1e3:.1f}–"
                 f"{a.high * 1e3:.1f} ms (interquartile ranges of {len(b.samples)} and {len(a.samples)} timed steps)")
-        if b.low > a.high:
+        if r.low > 1:
             return (f"At k = {p.segments} a step is slower than without checkpointing: ×{b.median / a.median:.2f} "
                     f"comparing medians, and the spreads do not overlap ({span}).")
-        if b.high < a.low:
+        if r.high < 1:
             return (f"At k = {p.segments} a step measured faster than without checkpointing ({span}), which "
                     f"recomputing cannot make it: the machine's load changed between the timings. Time again "
                     f"on a quieter machine, or with more rounds.")
-        return (f"The timings of k = {p.segments} and k = 1 overlap ({span}): this run cannot tell which is "
-                f"faster. More timed rounds, or a quieter machine, narrow the spreads.")
+        return (f"The timings of k = {p.segments} and k = 1 overlap ({span}; {r.text()}): this run cannot tell "
+                f"which is faster. More timed rounds, or a quieter machine, narrow the spreads.")
 
     def as_dict(self) -> dict[str, Any]:
         return {"n_blocks": self.n_blocks, "width": self.width, "batch": self.batch, "map_bytes": self.map_bytes,
@@ -220,7 +222,7 @@ class CheckpointResult:
         rows = []
         for p in self.points:
             t = p.timing
-            slow = (f"×{self.slowdown(p):.2f} (min ×{self.slowdown(p, 'min'):.2f})" if t and base.timing else "—")
+            slow = (ratio(t, base.timing, "iqr").text() if t and base.timing and p is not base else "—")
             pred = f"×{self.recompute_overhead(p):.2f}"
             rows.append([p.segments, _sizes_text(segment_sizes(self.n_blocks, p.segments)),
                          format_bytes(p.peak_bytes), format_bytes(p.activation_side),
@@ -235,7 +237,7 @@ class CheckpointResult:
                 f"√N = {self.sqrt_n:.1f}.<br>Time: {html.escape(self.timing_verdict())}")
         return head + html_table(
             ["k", "segment sizes", "peak", "activations + temporaries at peak", "formula (segments)",
-             "formula error", "formula (Chen N/k + k)", "step ms: median (IQR)", "time vs k=1: median (fastest)",
+             "formula error", "formula (Chen N/k + k)", "step ms: median (IQR)", "time vs k=1: median [span the IQRs allow]",
              "formula: time vs k=1"], rows,
             "k = 1 is no checkpointing; formulas count one map per saved block output; binary units")
 

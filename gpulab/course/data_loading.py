@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from gpulab.course.exercises import ChoiceExercise
+from gpulab.course.timing_spread import Ratio, ratio, spread
 from gpulab.record.runs.checkpoint import Timing
 from gpulab.tables import html_table
 
@@ -78,15 +79,20 @@ class LoaderTimes:
 
     def speedup(self, name: str, base: str = "num_workers=0") -> float:
         """The fastest epoch of ``base`` over the fastest of ``name``."""
-        return self.times[base].min / self.times[name].min
+        return self.speed(name, base).value
+
+    def speed(self, name: str, base: str = "num_workers=0") -> Ratio:
+        """``base``'s epoch over ``name``'s: the fastest epochs' ratio and the span their
+        [fastest, slowest] intervals allow (``timing_spread.ratio``)."""
+        return ratio(self.times[base], self.times[name], "range")
 
     def overlaps(self, name: str, base: str = "num_workers=0") -> bool:
-        a, b = self.times[base], self.times[name]
-        return not (max(a.samples) < b.min or max(b.samples) < a.min)
+        return self.speed(name, base).within_noise
 
     def rows(self) -> list[list[Any]]:
-        return [[name, f"{t.min * 1e3:,.0f} ms [{t.min * 1e3:,.0f}–{max(t.samples) * 1e3:,.0f}]",
-                 f"×{self.speedup(name):.2f}", "overlaps" if self.overlaps(name) and name != "num_workers=0" else "—"]
+        return [[name, spread(t, "range", digits=0),
+                 "—" if name == "num_workers=0" else self.speed(name).text(),
+                 "—" if name == "num_workers=0" else ("overlap" if self.overlaps(name) else "apart")]
                 for name, t in self.times.items()]
 
     def _repr_html_(self) -> str:
@@ -97,8 +103,9 @@ class LoaderTimes:
                 f"persistent loader's after the first, which starts its workers), batches moved to {self.device}. "
                 + ("" if self.accelerator else "No accelerator here: pin_memory=True was ignored (PyTorch warns so) and "
                    "non_blocking had no copy to make asynchronous."))
-        return html_table(["loader", "epoch: fastest [fastest–slowest]", "speed vs num_workers=0 (fastest epochs)",
-                           "intervals"], self.rows(), note)
+        return html_table(["loader", "epoch: fastest [fastest–slowest]",
+                           "speed vs num_workers=0: fastest epochs [span the intervals allow]", "intervals"],
+                          self.rows(), note)
 
     def __repr__(self) -> str:
         return "LoaderTimes(" + "; ".join(f"{n}: {t.min * 1e3:,.0f} ms" for n, t in self.times.items()) + ")"
@@ -156,10 +163,11 @@ def exercise_workers(result: LoaderTimes) -> ChoiceExercise:
         return "b" if result.speedup(name) > 1 else "c"
 
     def explain() -> str:
-        r = result.speedup(name)
         if result.overlaps(name):
-            return "The measured intervals overlap: on this machine, now, the two are not told apart."
-        return (f"Measured: ×{r:.2f} the speed of one process, comparing the fastest epochs; the waits overlap in "
+            return (f"The measured intervals overlap ({result.speed(name).text()}): on this machine, now, the two "
+                    f"are not told apart.")
+        return (f"Measured: {result.speed(name).text()} the speed of one process, comparing the fastest epochs (in "
+                f"brackets, the span the slowest allow); the waits overlap in "
                 f"the workers, and each epoch pays for starting them (persistent_workers keeps them).")
     return ChoiceExercise(f"{result.items} items, each waiting {result.wait_s * 1e3:g} ms: an epoch with "
                           f"num_workers=2, against num_workers=0, takes:", options, expected, explain)

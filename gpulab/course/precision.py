@@ -294,7 +294,7 @@ def exercise_autocast_bytes_per_param(optimizer: str = "adam", low: str = "bfloa
         explain=(f"autocast casts copies for each matmul/conv; the parameters themselves stay float32 (4 B), so their "
                  f"gradients are float32 (4 B) and {optimizer} keeps {states} float32 state tensor(s) per parameter "
                  f"({4 * states} B): {persistent_bytes_per_param(optimizer, mode):g} B, exactly as in float32 "
-                 f"training. Only activations shrink ({LABEL_FORMULA})."),
+                 f"training. Only activations and temporaries shrink ({LABEL_FORMULA})."),
         unit="bytes/param", rel_tol=0.0,
         hint="Which of these does autocast cast to 16 bits: the parameters, or copies of them?")
 

@@ -25,6 +25,7 @@ from gpulab import formulas as F
 from gpulab.record.runs.checkpoint import Timing, cpu_threads
 from gpulab.measure.engines import LABEL_FORMULA, RunContext, choose_engine, run
 from gpulab.course.inplace import validate_positive
+from gpulab.course.timing_spread import ratio
 from gpulab.units import format_bytes
 from gpulab.views import error_percent, fmt_error, html_table
 
@@ -245,12 +246,14 @@ class SelectiveResult:
     def _repr_html_(self) -> str:
         rows = []
         for p in self.points:
-            ratio = self.time_ratio(p.mode)
+            base = self.point("none")
+            span = (None if p.mode == "none" or p.timing is None or base.timing is None
+                    else ratio(p.timing, base.timing, "range").text())
             rows.append([SELECTIVE_TEXT[p.mode], format_bytes(p.predicted_saved), format_bytes(p.saved_bytes),
                          fmt_error(p.error_percent), format_bytes(p.peak_bytes),
                          "—" if p.mode == "none" else f"{p.flops / 1e6:.1f} M",
                          "—" if p.mode == "none" else f"{self.bytes_per_flop(p.mode):.4f}",
-                         "—" if ratio is None else f"×{ratio:.2f}"])
+                         "—" if span is None else span])
         err = error_percent(self.attention_formula, self.attention_measured)
         head = (f"{self.layers} transformer block(s) in a row, batch {self.batch}, seq {self.seq}, width {self.width}, {self.heads} heads, "
                 f"MLP ×{self.mlp_ratio}. Memory: {html.escape(self.label)}. Time: {html.escape(self.timing_label)}."
@@ -261,7 +264,7 @@ class SelectiveResult:
         return head + html_table(
             ["checkpointed", "saved activations (formula)", "saved activations (measured)", "error",
              "step peak (measured)", "recomputed FLOPs (formula)", "bytes saved per recomputed FLOP",
-             "step time vs none (fastest runs)"], rows,
+             "step time vs none: fastest runs [span their ranges allow]"], rows,
             "saved activations: alive at the end of the forward; binary units; FLOPs: formula")
 
     def __repr__(self) -> str:

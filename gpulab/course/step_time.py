@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from gpulab.course.exercises import ChoiceExercise
+from gpulab.course.timing_spread import Ratio, ratio, spread
 from gpulab.measure.cpu_speed import measure_cpu_speed, one_thread
 from gpulab.measure.engines import run
 from gpulab.models.workload import Workload, forward, resolve_workload
@@ -104,7 +105,7 @@ def timed_cpu_steps(w: Workload, batch: int, *, repeats: int = 3, warmup: int = 
 
 
 def _spread(t: Timing) -> str:
-    return f"{t.min * 1e3:,.1f} ms [{t.min * 1e3:,.1f}–{max(t.samples) * 1e3:,.1f}]"
+    return spread(t, "range")
 
 
 # --- lesson 04: does a bigger batch run faster? -------------------------------------------------------
@@ -144,6 +145,12 @@ class BatchThroughput:
             return last.measured_per_s()[0] / first.measured_per_s()[0]
         attr = "on_cpu" if which == "cpu" else "on_card"
         return getattr(last, attr).items_per_s / getattr(first, attr).items_per_s
+
+    def measured_gain(self, i: int = 0, j: int = -1) -> Ratio:
+        """Measured throughput at point ``j`` over point ``i``: the fastest steps' figure and the span the
+        [fastest, slowest] steps allow (``timing_spread.ratio``); within noise when the span holds ×1."""
+        a, b = self.points[i], self.points[j]
+        return ratio(a.measured, b.measured, "range", scale=b.batch / a.batch)
 
     @property
     def batch_ratio(self) -> float:
@@ -191,15 +198,25 @@ class BatchThroughput:
         return "\n".join(self.sentences())
 
     def sentences(self) -> list[str]:
-        """The answers to the three beliefs, each from this run's numbers."""
+        """The answers to the three beliefs, each from this run's numbers; a measured change is stated
+        with the span its steps' spread allows, and a direction only where that span excludes ×1
+        (``timing_spread.NO_CONCLUSION`` otherwise)."""
         b0, b1 = self.points[0].batch, self.points[-1].batch
+        g, last = self.measured_gain(), self.measured_gain(-2, -1)
+        if g.within_noise:
+            whole = f"throughput changed {g.text(1)}"
+        else:
+            pace = ("short of proportional" if g.high < self.batch_ratio else
+                    "proportional within the spread" if g.low <= self.batch_ratio else "more than proportional")
+            whole = f"throughput {'grew' if g.low > 1 else 'fell'} {g.text(1)}, {pace},"
+        step = (f"changed throughput {last.text(2)}" if last.within_noise else
+                f"{'gained' if last.low > 1 else 'lost'} {last.text(2)} in throughput")
         return [
             f"A bigger batch runs proportionally faster? From batch {b0} to {b1} (×{self.batch_ratio:g}), "
-            f"throughput grew ×{self.gain('measured'):.1f} measured on this CPU (predicted ×{self.gain('cpu'):.1f}), "
-            f"and ×{self.gain('card'):.1f} predicted on the {self.card}.",
+            f"{whole} measured on this CPU (fastest steps; in brackets, what the slowest allow; predicted "
+            f"×{self.gain('cpu'):.1f}), and ×{self.gain('card'):.1f} predicted on the {self.card}.",
             f"More memory used means faster? The peak grew ×{self.memory_ratio:.1f} over the same batches, while the "
-            f"last step from batch {self.points[-2].batch} to {b1} gained ×"
-            f"{self.points[-1].measured_per_s()[0] / self.points[-2].measured_per_s()[0]:.2f} in throughput on this CPU.",
+            f"last step from batch {self.points[-2].batch} to {b1} {step} on this CPU.",
             f"Memory used is GPU use? Memory counts the bytes held; speed is set by the ops: with "
             f"{self.intensities()[-1]:.1f} FLOPs per byte moved at batch {b1}, the step sits "
             f"{'below' if self.intensities()[-1] < ridge(self.card_speed) else 'above'} the {self.card}'s ridge point "
@@ -313,26 +330,33 @@ class RecomputeTime:
     def measured_ratio(self, k: int) -> float:
         return self.point(k).measured.min / self.points[0].measured.min
 
+    def measured_span(self, k: int) -> Ratio:
+        """The step at ``k`` over the first k's, measured: fastest over fastest, and the span the
+        [fastest, slowest] intervals allow (``timing_spread.ratio``)."""
+        return ratio(self.point(k).measured, self.points[0].measured, "range")
+
     def separated(self, k: int) -> bool:
         """Whether the measured intervals [fastest, slowest] at ``k`` and at the first k do not overlap."""
-        a, b = self.points[0].measured, self.point(k).measured
-        return max(a.samples) < b.min or max(b.samples) < a.min
+        return not self.measured_span(k).within_noise
 
     def conclusion(self, k: int | None = None) -> str:
         k = self.points[-1].segments if k is None else k
         a, b = self.points[0].measured, self.point(k).measured
         k0 = self.points[0].segments
         if not self.separated(k):
-            return (f"At k = {k} against k = {k0} the measured intervals overlap ({_spread(b)} against {_spread(a)}): "
-                    f"on this machine, now, the measurement cannot tell them apart, so no conclusion.")
+            return (f"At k = {k} against k = {k0} the measured intervals overlap ({_spread(b)} against {_spread(a)}; "
+                    f"{self.measured_span(k).text()}): on this machine, now, the measurement cannot tell them apart.")
         word = "slower" if b.min > a.min else "faster"
         return (f"At k = {k} the intervals do not overlap with k = {k0}'s: the step is {word}, "
-                f"×{self.measured_ratio(k):.2f} as long comparing the fastest steps, against ×"
+                f"×{self.measured_ratio(k):.2f} as long comparing the fastest steps (the intervals allow "
+                f"×{self.measured_span(k).low:.2f}–×{self.measured_span(k).high:.2f}), against ×"
                 f"{self.predicted_ratio(k):.2f} predicted for this CPU.")
 
     def rows(self) -> list[list[Any]]:
         return [[p.segments, format_bytes(p.peak_bytes), f"{p.on_cpu.flops / 1e6:,.0f}",
-                 f"{p.on_cpu.seconds * 1e3:,.2f}", _spread(p.measured), f"{p.on_card.seconds * 1e6:,.0f}"]
+                 f"{p.on_cpu.seconds * 1e3:,.2f}", _spread(p.measured),
+                 "—" if p is self.points[0] else self.measured_span(p.segments).text(),
+                 f"{p.on_card.seconds * 1e6:,.0f}"]
                 for p in self.points]
 
     def _repr_html_(self) -> str:
@@ -343,7 +367,8 @@ class RecomputeTime:
                 f"datasheet, the same ops. Measured: {MEASURED}, {len(p.measured.samples)} steps of each k in turn "
                 f"after a warm-up. {self.conclusion()}")
         return html_table(["k", "peak memory (fake run)", "MFLOPs a step (time model)", "step ms predicted, this CPU",
-                           "step time measured: fastest [fastest–slowest]", f"step µs predicted, {self.card}"],
+                           "step time measured: fastest [fastest–slowest]",
+                           f"measured vs k = {p.segments}: fastest [span]", f"step µs predicted, {self.card}"],
                           self.rows(), note)
 
     def __repr__(self) -> str:

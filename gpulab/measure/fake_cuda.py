@@ -77,9 +77,8 @@ __all__ = [
 ]
 
 STILL_DIFFERS: tuple[tuple[str, str], ...] = (
-    ("CUDA context", "the driver's and PyTorch's own memory on the card (1,383.88 MiB on gpulab's H200 after "
-                     "training steps): not a tensor, so never counted; fit, serve and lesson 04 add the measured "
-                     "figure (predict.context)"),
+    ("CUDA context", "the driver's and PyTorch's own memory on the card: not a tensor, so never counted; fit, "
+                     "serve and lesson 04 add the measured figure (predict.context)"),
     ("cuBLAS / cuDNN workspaces", "matmul and convolution workspaces the libraries allocate through the "
                                   "caching allocator: fit and serve add cuBLAS's by the card's compute capability "
                                   "(measure.cuda_card); cuDNN's depend on the algorithm it picks at run time, and "

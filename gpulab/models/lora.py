@@ -110,11 +110,13 @@ def import_peft():
     bitsandbytes logs at import that an optional kernel package (``kernels``) is missing: a note
     about bitsandbytes' own CPU kernels, not about the model, so its logger is quieted for the
     import (and restored)."""
+    from gpulab.models.lean_imports import lean_peft   # the CLI's process: without bitsandbytes and torchao
     quiet = logging.getLogger("bitsandbytes")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        import peft
+        with lean_peft():
+            import peft
     finally:
         quiet.setLevel(level)
     return peft

@@ -51,7 +51,7 @@ CANDIDATES = (
     Candidate("8-bit AdamW state (bitsandbytes)", "precision of the optimizer state", 3, {"optimizer": "adamw8bit"}),
     Candidate("selective activation checkpointing", "the pointwise ops (norms, activation functions) run again "
               "in backward; the matmuls and attention are kept", 4, {"checkpointing": "selective"}),
-    Candidate("activation checkpointing", "about a third more compute (each block's forward again)", 5,
+    Candidate("activation checkpointing", "up to a third more compute (each block's forward again)", 5,
               {"checkpointing": "full"}),
     Candidate("LoRA rank 16", "only adapters train (peft's default layers)", 6, {"lora": 16}),
     Candidate("QLoRA (NF4 base, LoRA rank 16)", "only adapters train, on a 4-bit base", 7,

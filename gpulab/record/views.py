@@ -9,6 +9,11 @@ simulator's.
 * ``allocator_rows(result)``: the allocator's counters of one recorded run, the rows most panels
   show; ``counter_text(run, key)``: one of those counters as a table cell
   (``max_memory_allocated − baseline`` by default).
+* ``gap_notes(result)``: for every gap above ``GAP`` (10%) between what the tracker counted and what
+  the allocator's counters show in the same recorded run, or between its allocated and reserved
+  peaks, one sentence naming the part the bytes are (the allocations no tensor owns: kernels'
+  workspaces, from the record's own allocator trace; the allocator's segments), with the bytes.
+  ``recorded_html`` shows them under the table, so no gap is shown unexplained.
 * ``reserved_timelines(run, lookup)``: one axis, the simulator's reserved series and (when a
   record matched) the recorded one, each over the fraction of the run it covers.
 """
@@ -25,8 +30,8 @@ from gpulab.tables import html_table
 from gpulab.units import MiB, format_bytes
 
 __all__ = [
-    "ALLOCATOR_ROWS", "NOTE_PREFIX", "RECORDED_COLOR", "TITLE", "allocator_rows", "counter_text",
-    "recorded_html", "recorded_note", "reserved_timelines"
+    "ALLOCATOR_ROWS", "GAP", "NOTE_PREFIX", "RECORDED_COLOR", "TITLE", "allocator_rows", "counter_text",
+    "gap_notes", "recorded_html", "recorded_note", "reserved_timelines"
 ]
 
 TITLE = "The same settings on a real GPU"
@@ -60,6 +65,79 @@ def counter_text(run: dict[str, Any], key: str = "peak_allocated_delta") -> str:
     return format_bytes(a[key]) if a.get(key) is not None else "—"
 
 
+GAP = 0.10   # a difference above this share of the smaller figure is explained where it is shown
+_DETAIL = "lesson 09 shows the allocator's segments and the workspaces in detail"
+
+
+def _over(a: int, b: int) -> bool:
+    return abs(a - b) > GAP * max(min(a, b), 1)
+
+
+def _run_gaps(name: str, run: dict[str, Any], tracked_key: str | None, reserved_shown: bool = True) -> list[str]:
+    """The notes for one recorded run: tracker against allocated, allocated against reserved (when
+    the table shows reserved)."""
+    a = run.get("allocator") or {}
+    alloc, reserved = a.get("peak_allocated_delta"), a.get("peak_reserved_delta")
+    if alloc is None:
+        return []
+    where = f"{name}: " if name else ""
+    out = []
+    tracked = run.get(tracked_key) if tracked_key else None
+    if tracked is not None and _over(alloc, tracked):
+        beyond = (run.get("beyond_tensors") or {}).get("not_tensors") or {}
+        part = (f"the allocator's own trace holds {beyond['count']} allocations no tensor owns (cuDNN's and "
+                f"cuBLAS's workspaces, buffers inside a kernel), {format_bytes(beyond['at_peak'])} of them live at "
+                f"its peak" if beyond.get("count") else
+                "allocations no tensor owns: the workspaces cuDNN's convolutions and cuBLAS take from the same "
+                "caching allocator, and buffers inside a kernel")
+        if alloc > tracked:
+            out.append(f"{where}max_memory_allocated − baseline is {format_bytes(alloc - tracked)} above the "
+                       f"tracker's {format_bytes(tracked)} ({(alloc - tracked) / tracked:+.1%}): {part}.")
+        else:
+            out.append(f"{where}max_memory_allocated − baseline is {format_bytes(tracked - alloc)} under the "
+                       f"tracker's {format_bytes(tracked)}: the tracker counts storages alive together that the "
+                       f"allocator had already reused.")
+    if reserved_shown and reserved is not None and alloc and _over(reserved, alloc):
+        if reserved > alloc:
+            replay = ((run.get("beyond_tensors") or {}).get("not_tensors") or {}).get("replayed_peak_reserved")
+            again = (f"; gpulab's allocator simulator, replaying this run's own trace, reserves "
+                     f"{format_bytes(replay)}" if replay else "")
+            out.append(f"{where}max_memory_reserved − baseline is {format_bytes(reserved - alloc)} above "
+                       f"max_memory_allocated − baseline: the caching allocator reserves whole segments and cuts "
+                       f"blocks from them, and keeps a freed block cached for the next request{again}.")
+        else:
+            out.append(f"{where}max_memory_reserved − baseline is {format_bytes(alloc - reserved)} under "
+                       f"max_memory_allocated − baseline: blocks were cut from segments reserved before the run "
+                       f"({format_bytes(a.get('baseline_reserved', 0))} reserved, "
+                       f"{format_bytes(a.get('baseline_allocated', 0))} of it allocated, at its start), so the "
+                       f"run reserved less than it allocated.")
+    return out
+
+
+def gap_notes(result: dict[str, Any]) -> list[str]:
+    """Each gap above ``GAP`` a recorded run's table shows, with the part it is (module docstring):
+    the run itself (its tracked ``peak_bytes``, or a model build's live parameters and buffers), and
+    each run of a panel that records several (``runs``, ``models``), where the allocator's counter
+    also holds what the columns beside it leave out (the parameters; with backward, their gradients)."""
+    notes = []
+    if "live_by_category" in result:
+        live = dict(result, live_total=sum(result["live_by_category"].values()))
+        notes += _run_gaps("", live, "live_total")
+    else:
+        notes += _run_gaps("", result, "peak_bytes")
+    # a panel recording several runs shows one allocator counter per run (no reserved) beside tracker
+    # columns that leave the parameters out
+    runs = {n: r for n, r in (result.get("runs") or {}).items() if (r.get("allocator") or {}).get("peak_allocated_delta") is not None}
+    for name, run in runs.items():
+        notes.append(f"{name}: max_memory_allocated − baseline counts the parameters too, built in the run: the "
+                     f"tracker's peak with them is {format_bytes(run['peak_bytes'])}.")
+        notes += _run_gaps(name, run, "peak_bytes", reserved_shown=False)
+    if any((r.get("allocator") or {}).get("peak_allocated_delta") is not None for r in (result.get("models") or {}).values()):
+        notes.append("max_memory_allocated − baseline counts each whole run: the parameters built in it and the "
+                     "gradients backward made, which the columns beside it leave out.")
+    return notes
+
+
 def recorded_html(lookup, rows: Callable[[dict[str, Any]], Sequence[Sequence[Any]]],
                   headers: Sequence[str] = ("recorded figure", "bytes"), title: str = TITLE) -> str:
     """The recorded figures (``rows(lookup.result)``) as a table labelled with the record's
@@ -67,8 +145,11 @@ def recorded_html(lookup, rows: Callable[[dict[str, Any]], Sequence[Sequence[Any
     if not lookup:
         return recorded_note(lookup)
     body = [list(r) for r in rows(lookup.result)]
+    notes = gap_notes(lookup.result)
+    why = ("" if not notes else "<div class='gpulab-label gpulab-gaps'>Where the figures differ: "
+           + " ".join(html.escape(n) for n in notes) + f" ({html.escape(_DETAIL)}.)</div>")
     return (f"<div class='gpulab-recorded'><b>{html.escape(title)}</b>"
-            + html_table(list(headers), body, lookup.label) + "</div>")
+            + html_table(list(headers), body, lookup.label) + why + "</div>")
 
 
 def reserved_timelines(run, lookup, title: str | None = None, unit: int = MiB, unit_name: str = "MiB") -> Figure:

@@ -41,8 +41,9 @@ def finetune_panel(preset: str = "llama-3-8b", card: str = "RTX 4090", seq_len: 
     }
     return Panel("Will it fine-tune on my card?", controls, compute_finetune, render_finetune,
                  description="The model is built from its config under fake tensors (no memory at any size); two "
-                             "training steps run following CUDA's kernels; the simulated caching allocator and an "
-                             "assumed CUDA context are added. The custom sliders apply to the <i>custom</i> model.",
+                             "training steps of a few of its layers run following CUDA's kernels and are laid out "
+                             "to the model's depth (where its layers are alike); the simulated caching allocator "
+                             "and an assumed CUDA context are added. The custom sliders apply to the <i>custom</i> model.",
                  real_run="fake-tensor runs (of a few layers, laid out to the model's depth, where its layers are "
                           "alike), then the allocator replayed over the whole step: seconds for a setting not met "
                           "before, at once for one met before")
