@@ -13,15 +13,17 @@ place, allocating nothing (``Optimizer2State.update_step`` in bitsandbytes/optim
 
 Each op's schema marks what the kernel writes as mutated (``mutates_args``) and returns nothing, so the
 timer counts each written tensor once as read and once as written (``OpTimer``: an op without a tensor
-result writes its mutated arguments). The fake implementation returns None: nothing is allocated. The
-real implementation runs gpulab's plain-torch update (``training.eight_bit``'s math), which the CPU path
-calls directly; these ops are what the fake CUDA target issues.
+result writes its mutated arguments). The fake implementation returns None: nothing is allocated. They
+run on fake tensors only: on real tensors ``training.eight_bit`` updates in plain torch and issues none.
 """
 from __future__ import annotations
 
 import torch
 
 __all__ = ["adamw32bit_update", "adamw8bit_blockwise_update"]
+
+_FAKE_ONLY = ("gpulab's mirror of a bitsandbytes kernel runs on fake tensors only (the fake engine's CUDA target): "
+              "on real tensors use training.eight_bit.AdamW8bit, which updates in plain torch")
 
 
 @torch.library.custom_op("gpulab::adamw8bit_blockwise_update",
@@ -32,10 +34,7 @@ def adamw8bit_blockwise_update(p: torch.Tensor, g: torch.Tensor, state1: torch.T
                                weight_decay: float, step: int) -> None:
     """bitsandbytes' ``kOptimizerStatic8bit2StateBlockwise`` (ADAM): one tensor's AdamW step, its
     moments dequantized, updated and quantized again block by block, in place."""
-    from gpulab.training.eight_bit import _update
-    state = {"step": step, "state1": state1, "state2": state2, "qmap1": qmap1, "qmap2": qmap2,
-             "absmax1": absmax1, "absmax2": absmax2}
-    _update(p, g, state, {"betas": (beta1, beta2), "lr": lr, "eps": eps, "weight_decay": weight_decay})
+    raise RuntimeError(_FAKE_ONLY)
 
 
 @adamw8bit_blockwise_update.register_fake
@@ -47,9 +46,7 @@ def _(p, g, state1, state2, qmap1, qmap2, absmax1, absmax2, lr, beta1, beta2, ep
 def adamw32bit_update(p: torch.Tensor, g: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor, lr: float,
                       beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
     """bitsandbytes' ``kOptimizer32bit2State`` (ADAM): a small tensor's AdamW step on float32 moments, in place."""
-    from gpulab.training.eight_bit import _update
-    _update(p, g, {"step": step, "state1": state1, "state2": state2},
-            {"betas": (beta1, beta2), "lr": lr, "eps": eps, "weight_decay": weight_decay})
+    raise RuntimeError(_FAKE_ONLY)
 
 
 @adamw32bit_update.register_fake
