@@ -68,6 +68,10 @@ def test_data_parallel_comm_and_the_pipeline_bubble():
     fsdp = plan_time(w, 2, torch.float32, recipe, Layout(gpus=4, strategy="fsdp2"), H100)
     assert [c.name.split(",")[0] for c in fsdp.comm] == ["parameter all-gather", "parameter all-gather + gradient "
                                                                                   "reduce-scatter"]
+    # each of FSDP's 4 ranks steps its quarter of every tensor; DDP's each the whole model (the timed run's)
+    assert ddp.optimizer_s == ddp.rank.by_phase["optimizer"] > 0
+    assert fsdp.optimizer_s == pytest.approx(ddp.optimizer_s / 4, rel=1e-12)
+    assert fsdp.seconds - fsdp.exposed_comm_s == pytest.approx(ddp.rank.seconds - 3 * ddp.optimizer_s / 4, rel=1e-12)
     lay = Layout(pp=2, microbatches=4)
     pipe = plan_time(w, 1, torch.float32, loop_recipe(Recipe(optimizer="adamw"), lay), lay, H100)
     # GPipe/1F1B: bubble (p - 1)·t, a fraction (p - 1)/m of m·t

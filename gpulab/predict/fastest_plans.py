@@ -163,9 +163,6 @@ def fastest_plans(model: Any, gpu: Any, gpus: int, *, recipe: Any = None, tp: in
                    "max(FLOPs a sample / compute, bytes a sample / bandwidth) (each op affine in the batch: the asked "
                    "recipe's runs at batches 2 and 3), x m/(m + p - 1) for a pipeline; a change's is the asked "
                    "recipe's because of what it does to the ops a sample: " + "; ".join(SAME_OR_MORE.values())}
-    if any(p.changes.get("optimizer") and p.timed and not p.time.optimizer_s for p in plans):
-        assumptions["8-bit state"] = ("its optimizer step is not timed: on the fake engine bitsandbytes' fused update "
-                                      "issues no op (training.eight_bit), so a plan with it is that step too fast")
     return FastestPlans(base.model, base.card, gpus, base.recipe, plans, base.skipped, time.perf_counter() - t0,
                         assumptions=assumptions,
                         label=base.label, recipes=["the asked recipe"] + [c.name for c, _ in changes],

@@ -22,6 +22,15 @@ Its backward is ``_grouped_mm`` again (derivatives.yaml: ``_grouped_mm_mat1_back
 parallelism's sentinel tokens, which the kernel skips) are counted: an upper bound there, exact where
 the groups fill the operand, as transformers' offsets do without expert parallelism.
 
+gpulab's own ops (``training.bnb_kernels``: bitsandbytes' fused AdamW kernels, which no torch registry
+knows) are counted from bitsandbytes' csrc/kernels.cu, per element of the parameter tensor, each float
+add, multiply, divide and square root one FLOP, the per-launch constants (1 − β, ε·correction2, the step
+size, 1 − lr·wd) none, comparisons none (the NaN checks, the block's absmax, the quantization search):
+``kOptimizer32bit2State`` (ADAM) 14 (the gradient scaled 1, m = β1·m + (1−β1)·g 3, v = β2·v + (1−β2)·g·g
+4, p += step·m/(√v + ε·c2) 5, weight decay 1); ``kOptimizerStatic8bit2StateBlockwise`` (ADAM) those 14
+plus the two moments dequantized (map[code]·absmax, 2) and divided by their new absmax to quantize (2):
+18. The kernels compute in float32 whatever the parameter's dtype (``COMPUTE_DTYPES``).
+
 Where the installed torch's registry has a formula, it is used unchanged; ``ADDED_SOURCES`` names the
 source of each one added.
 """
@@ -32,7 +41,7 @@ from typing import Callable
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
-__all__ = ["ADDED_FORMULAS", "ADDED_SOURCES", "flop_formula", "grouped_mm_flops", "sdpa_backward_flops",
+__all__ = ["ADAMW32BIT_FLOPS", "ADAMW8BIT_FLOPS", "ADDED_FORMULAS", "ADDED_SOURCES", "COMPUTE_DTYPES", "flop_formula", "grouped_mm_flops", "sdpa_backward_flops",
            "sdpa_forward_flops"]
 
 _aten = torch.ops.aten
@@ -71,6 +80,27 @@ def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * a_shape[-2] * a_shape[-1] * b_shape[-1]
 
 
+ADAMW32BIT_FLOPS = 14   # FLOPs an element of bitsandbytes' kOptimizer32bit2State (ADAM), as the docstring counts them
+ADAMW8BIT_FLOPS = ADAMW32BIT_FLOPS + 4   # kOptimizerStatic8bit2StateBlockwise: + 2 dequantize, + 2 quantize
+
+
+def _per_element(flops: int) -> Callable:
+    """A formula, called as the registry's are: ``flops`` per element of the op's first argument (the parameter)."""
+    def formula(p, *args, out_val=None, **kwargs) -> int:
+        return flops * p.numel()
+    return formula
+
+
+_BNB_SOURCE = "bitsandbytes' csrc/kernels.cu {}, counted per element (predict.op_flops' docstring)"
+# gpulab's own ops (``training.bnb_kernels``): qualified name -> (formula, source)
+_GPULAB_OPS = {
+    "gpulab::adamw8bit_blockwise_update": (_per_element(ADAMW8BIT_FLOPS),
+                                           _BNB_SOURCE.format("kOptimizerStatic8bit2StateBlockwise (ADAM): 18")),
+    "gpulab::adamw32bit_update": (_per_element(ADAMW32BIT_FLOPS), _BNB_SOURCE.format("kOptimizer32bit2State (ADAM): 14")),
+}
+# the dtype an op's FLOPs run at where it is not its lowest-precision input's: op name -> card table key
+COMPUTE_DTYPES: dict[str, str] = {name.split("::")[1]: "fp32" for name in _GPULAB_OPS}
+
 # the formulas gpulab adds where the installed torch's registry lacks them: op name -> (formula, source)
 _FORMULAS = {
     "_scaled_dot_product_flash_attention_for_cpu": (
@@ -86,6 +116,7 @@ _MISSING = [name for name in _FORMULAS if hasattr(_aten, name) and getattr(_aten
 # the formulas (on shapes, as ``FlopCounterMode(custom_mapping=...)`` takes them) this torch's registry lacks
 ADDED_FORMULAS: dict = {getattr(_aten, name): _FORMULAS[name][0] for name in _MISSING}
 ADDED_SOURCES: dict[str, str] = {name: _FORMULAS[name][1] for name in _MISSING}   # op name -> whose formula
+ADDED_SOURCES.update({name.split("::")[1]: source for name, (_, source) in _GPULAB_OPS.items()})
 _ADDED_RAW = {op: shape_wrapper(f) for op, f in ADDED_FORMULAS.items()}
 
 
@@ -93,4 +124,6 @@ def flop_formula(packet) -> Callable | None:
     """The formula for an op (its ``OpOverloadPacket``), called as the registry's are:
     ``f(*args, **kwargs, out_val=out)``; None where neither the registry nor ``ADDED_FORMULAS`` has one."""
     f = flop_registry.get(packet)
+    if f is None and packet._qualified_op_name.startswith("gpulab::"):
+        return _GPULAB_OPS[packet._qualified_op_name][0]
     return f if f is not None else _ADDED_RAW.get(packet)

@@ -69,6 +69,9 @@ OVERLAP = {
              "is what exceeds the forward, and the backward",
 }
 OVERLAP["zero2"], OVERLAP["fsdp2"] = OVERLAP["zero1"], OVERLAP["zero3"]
+SHARDED_STEP = ("optimizer step on the rank's shard: the timed run's (every parameter's) over the sharding ranks n, "
+                "its launch overheads divided too, though each rank launches as many kernels (short by the optimizer "
+                "kernels' launch overhead × (1 - 1/n))")
 _BUCKET = 25 * 2 ** 20   # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb default
 
 
@@ -269,6 +272,15 @@ def timed_rank(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, spe
                     f"·(t({d2}) - t({d1})))")
 
 
+def _rank_optimizer(seconds: float, strategy: str, n: int, notes: list[str]) -> float:
+    """The optimizer step of one rank: the timed run's (every parameter's) where each rank steps them all
+    (ddp), a ``n``-th of it where each steps its shard of each tensor (ZeRO-1/2/3, FSDP2: ``SHARDED_STEP``)."""
+    if strategy not in ("zero1", "zero2", "zero3", "fsdp2") or n <= 1 or not seconds:
+        return seconds
+    notes.append(SHARDED_STEP)
+    return seconds / n
+
+
 def _dp_comm(strategy: str, n: int, span: int, rank: RankTime, speed: CardSpeed, fwd: float, bwd: float) -> list[CommPart]:
     """The data-parallel collectives of ``strategy`` over ``n`` ranks spanning ``span`` GPUs (module docstring)."""
     if n <= 1:
@@ -321,13 +333,14 @@ def plan_time(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, layo
     rank = rank if rank is not None else timed_rank(w, batch, dt, recipe, speed, runs)
     s = rank.step
     fwd, bwd, opt = s.by_phase.get("forward", 0.0), s.by_phase.get("backward", 0.0), s.by_phase.get("optimizer", 0.0)
+    opt_rank = _rank_optimizer(opt, strategy, dp * cp, notes)
     comm = _dp_comm(strategy, dp * (cp if strategy in ("zero1", "zero2", "zero3", "fsdp2") else 1), dp * tp * cp,
                     rank, speed, fwd, bwd) if dp * cp > 1 and speed.links is not None else []
     if layout.offload_optimizer:
         notes.append("optimizer offloaded: its state's host traffic and a CPU optimizer step are not timed (the "
                      "GPU's optimizer step stands in)")
-    seconds = s.seconds + sum(c.exposed_s for c in comm)
-    return PlanTime(speed.name, speed, s, seconds, fwd + bwd, opt, comm, items=s.items * dp, unit=s.unit, gpus=gpus,
+    seconds = s.seconds - opt + opt_rank + sum(c.exposed_s for c in comm)
+    return PlanTime(speed.name, speed, s, seconds, fwd + bwd, opt_rank, comm, items=s.items * dp, unit=s.unit, gpus=gpus,
                     model_flops=s.model_flops * gpus, depth=rank.depth, notes=notes)
 
 
@@ -348,7 +361,7 @@ def _pipeline_time(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe,
     t = per_mb[slow]
     rank = ranks[slow]
     s = rank.step
-    opt = s.by_phase.get("optimizer", 0.0)
+    opt = _rank_optimizer(s.by_phase.get("optimizer", 0.0), strategy, layout.dp * recipe.cp, notes)
     bubble = bubble_seconds(pp, t, v)
     formula = (f"(p - 1)·t{'/v' if v > 1 else ''} = {pp - 1}·{t * 1e3:,.1f} ms{f'/{v}' if v > 1 else ''}, "
                f"a fraction (p - 1)/{'(v·m)' if v > 1 else 'm'} = {(pp - 1) / (v * m):.3f} of m·t; {recipe.schedule}, "

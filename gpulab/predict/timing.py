@@ -8,7 +8,9 @@ registry lacks counted by torch's own SDPA formula and ``_grouped_mm`` (MoE expe
 without a formula (torch's formulas cover matrix multiplies, convolutions and attention), and the
 answer names those ops (``StepTime.no_formula``),
 bytes = its tensor inputs' and outputs' sizes (a stride-0 dimension read once, as
-``torch.utils._runtime_estimation.get_num_bytes``), and
+``torch.utils._runtime_estimation.get_num_bytes``; an op that returns nothing, as the in-place foreach
+ops, ``_fused_adamw_`` and bitsandbytes' kernels (``training.bnb_kernels``) do, outputs the arguments its
+schema marks written, ``Tensor(a!)``: read and written, each counted twice), and
 time = max(FLOPs / (peak[dtype] × compute_efficiency), bytes / (bandwidth × memory_efficiency))
 + launch_overhead_s, with the ``TimeAssumptions`` named in the answer.
 
@@ -20,6 +22,9 @@ Where this differs from RuntimeEstimator, and why:
   fp32 peak (PyTorch's default ``torch.backends.cuda.matmul.fp32_precision`` is "ieee", not TF32).
 - NB: creation ops that write a tensor (``zeros``, ``rand_like``) are costed as the memory they
   write; RuntimeEstimator ignores them. Views (``func.is_view``) cost nothing, as there.
+- NB: RuntimeEstimator's ``_roofline_estimate`` passes ``get_transfer_time`` an op's flattened arguments
+  and outputs, so an in-place op that returns nothing (``_foreach_mul_``) moves only its reads there;
+  here its written arguments count too.
 - NB: each op is one kernel with one launch, and nothing overlaps: no fusion, no streams.
 - Collectives (``torch.ops._c10d_functional``: what DTensor issues on the fake process group in a
   tensor-parallel run) are not rooflined: each is costed by its bytes over the link its group crosses
@@ -54,7 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from gpulab.predict.card_speeds import CardSpeed, TimeAssumptions
 from gpulab.predict.comm_time import COMM_ASSUMPTION, CollectiveCost, collective_seconds, link_for
-from gpulab.predict.op_flops import ADDED_SOURCES, flop_formula
+from gpulab.predict.op_flops import ADDED_SOURCES, COMPUTE_DTYPES, flop_formula
 from gpulab.tables import html_table
 
 __all__ = ["HOST_OVERLAP", "OpCost", "OpTimer", "StepTime", "TP_OVERLAP", "cost_ops", "dtype_key", "op_bytes",
@@ -159,6 +164,8 @@ class OpTimer(TorchDispatchMode):
         if func is _PRIM_DEVICE or func.is_view:
             return
         outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+        if not outs:   # an in-place op that returns nothing writes its mutated arguments (``_written``)
+            outs = _written(func, args, kwargs)
         if not outs:   # metadata queries, scalars read back
             return
         phase = self._phase_of()
@@ -183,10 +190,28 @@ class OpTimer(TorchDispatchMode):
         if formula is not None:
             flops = int(formula(*args, **kwargs, out_val=out) * _local_share(outs[0]))
             floats = [dtype_key(t.dtype) for t in ins if t.is_floating_point()] or [dtype_key(outs[0].dtype)]
-            key = min(floats, key=lambda k: _RANK.get(k, 9))
+            key = COMPUTE_DTYPES.get(packet.__name__) or min(floats, key=lambda k: _RANK.get(k, 9))
         self.ops.append(OpCost(packet.__name__, phase, self.step, flops,
                                sum(op_bytes(_local(t)) for t in ins) + sum(op_bytes(_local(t)) for t in outs), key,
                                formula=formula is not None))
+
+
+_WRITES: dict = {}   # op -> its written arguments' (position, name)
+
+
+def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op writes in place, from its schema (``Tensor(a!)`` arguments: ``alias_info.is_write``):
+    what an op that returns nothing writes (``_foreach_add_``, ``_fused_adamw_``, gpulab's
+    ``training.bnb_kernels``). Each is also among its inputs, so it counts once read and once written."""
+    written = _WRITES.get(func)
+    if written is None:
+        written = _WRITES[func] = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                                   if a.alias_info is not None and a.alias_info.is_write]
+    out: list[torch.Tensor] = []
+    for i, name in written:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        out += [value] if isinstance(value, torch.Tensor) else [t for t in (value or ()) if isinstance(t, torch.Tensor)]
+    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

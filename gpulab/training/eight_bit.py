@@ -21,7 +21,9 @@ updated as AdamW, and quantized again to the nearest code of the block's new abs
 exact codes differ: the bytes are bitsandbytes', the rounding is close, not the same. The float32
 temporaries the update takes are this CPU implementation's. On the fake engine's
 CUDA target the update allocates nothing, as bitsandbytes' fused blockwise kernel
-(``optimizer_update_8bit_blockwise``) updates parameters, states and absmax in place.
+(``optimizer_update_8bit_blockwise``) updates parameters, states and absmax in place: each tensor's step
+is one op mirroring that kernel (``training.bnb_kernels``; a small tensor's, ``optimizer_update_32bit``'s),
+which writes in place and which the time model costs by the bytes it reads and writes.
 """
 from __future__ import annotations
 
@@ -88,8 +90,10 @@ class AdamW8bit(torch.optim.Optimizer):
                     continue
                 state = self.state[p] if self.state[p] else self._init_state(p)
                 state["step"] += 1
-                if not fused:
-                    _update(p, state, group)
+                if fused:
+                    _fused_update(p, state, group)
+                else:
+                    _update(p, p.grad, state, group)
         return loss
 
 
@@ -100,10 +104,23 @@ class PagedAdamW8bit(AdamW8bit):
     paged = True
 
 
-def _update(p: torch.Tensor, state: dict, group: dict) -> None:
+def _fused_update(p: torch.Tensor, state: dict, group: dict) -> None:
+    """The step as bitsandbytes runs it on a GPU: one in-place kernel per tensor (``training.bnb_kernels``)."""
+    from gpulab.training import bnb_kernels
+    (beta1, beta2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+    if state["state1"].dtype == torch.uint8:
+        bnb_kernels.adamw8bit_blockwise_update(p, p.grad, state["state1"], state["state2"], state["qmap1"],
+                                               state["qmap2"], state["absmax1"], state["absmax2"], lr, beta1, beta2,
+                                               eps, wd, state["step"])
+    else:
+        bnb_kernels.adamw32bit_update(p, p.grad, state["state1"], state["state2"], lr, beta1, beta2, eps, wd,
+                                      state["step"])
+
+
+def _update(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
     beta1, beta2 = group["betas"]
     lr, eps, wd, t = group["lr"], group["eps"], group["weight_decay"], state["step"]
-    grad = p.grad.float()
+    grad = grad.float()
     quantized = state["state1"].dtype == torch.uint8
     if quantized:
         m = _dequantize(state["state1"], state["qmap1"], state["absmax1"])
