@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's gpu_memory_utilization: the share of the card it plans with (default 0.9)")
     v.add_argument("--cuda-context", default=None, metavar="SIZE",
                    help="memory the CUDA context takes outside PyTorch's allocator (default: gpulab's H200 "
-                        "measurement, 1,383.88 MiB with lazy loading)")
+                        f"measurement, {_assumed_context()} with lazy loading)")
     v.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
                    help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
                         "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
@@ -470,6 +470,14 @@ def _ended(code: int) -> int:
     if "logging" in sys.modules:
         sys.modules["logging"].shutdown()
     os._exit(code)
+
+
+def _assumed_context() -> str:
+    """The lazy-loading context size fit and serve assume, as the GPU validation printed it
+    (``gpulab.predict.cards.CUDA_CONTEXT_ASSUMED``; no torch import)."""
+    from gpulab.predict.cards import CUDA_CONTEXT_ASSUMED
+    from gpulab.units import MiB
+    return f"{CUDA_CONTEXT_ASSUMED / MiB:,.2f} MiB"
 
 
 def _json_error(text: str, as_json: bool, code: int = 2) -> int:
