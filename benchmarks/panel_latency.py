@@ -14,7 +14,9 @@ included), which a shared machine's load does not inflate as it does the wait.
   the changes are made in that kernel: the wait is the kernel's, from the change to the rendered answer;
 * ``--browser``: JupyterLab and headless Chromium (Playwright, the system Chromium), as
   tests/test_browser.py drives them: the wait is from the key press or selection to the panel's status
-  saying it is done, as the page shows it (the comm messages both ways included).
+  saying it is done, as the page shows it (the comm messages both ways included). Chromium, the
+  Jupyter server and the kernel share the machine's cores. Each change here moves the panel's first
+  slider (its first dropdown where it has none), so a run-only panel sweeps a new setting every time.
 
 Also prints the what-if formula's own latency over 500 moves (target: under 0.1 s). The machine may
 be shared (2 cores): the load average is printed beside each lesson. Nothing is asserted.
@@ -128,6 +130,7 @@ def browser_latency(paths: list[Path], changes: int) -> dict[str, list[dict]]:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=B.CHROMIUM_ARGS, headless=True)
             for path in paths:
+                load = os.getloadavg()[0]
                 page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
                 B._open_and_run_all(page, lab, path.name)
                 B._wait_run_all(page, lab)
@@ -149,7 +152,7 @@ def browser_latency(paths: list[Path], changes: int) -> dict[str, list[dict]]:
                             btn.click()
                         waits.append(_wait_done(page, panel, before, t0))
                     rows.append({"panel": panel.locator("h4").first.inner_text()[:70], "waits": waits})
-                out[path.stem] = rows
+                out[path.stem] = rows + [{"load": [load, os.getloadavg()[0]]}]
                 page.context.close()
                 lab.shutdown_kernels()
             browser.close()

@@ -149,3 +149,139 @@ def test_a_kept_layout_answers_as_a_learned_one_for_the_recipes(method, policy):
     reused, learned, made_reused, made_learned = _layout_reused_against_learned(recipe_options(method, policy), 12)
     assert [(e.kind, e.nbytes, e.sid) for e in reused.events] == [(e.kind, e.nbytes, e.sid) for e in learned.events]
     assert made_reused < made_learned
+
+
+def _optimizer_runs_alike(a, b):
+    """Two optimizer runs count the same bytes: every tracker event, the moments, optimizer.state."""
+    assert a.optimizer == b.optimizer and a.engine == b.engine == "cpu"
+    ta, tb = a.measurement.tracking, b.measurement.tracking
+    assert [(e.kind, e.nbytes, e.phase, e.module) for e in ta.events] == \
+           [(e.kind, e.nbytes, e.phase, e.module) for e in tb.events]
+    assert ta.series == tb.series and ta.peak_by_category == tb.peak_by_category
+    assert a.moments == b.moments and a.state_names == b.state_names
+    assert a.measurement.peak_bytes == b.measurement.peak_bytes and a.state_after_bytes == b.state_after_bytes
+
+
+def test_optimizer_panels_on_one_thread_count_what_two_threads_count():
+    """Lesson 05's optimizer and implementation panels run on one CPU thread (``cpu_threads(1)``): the
+    same bytes, event for event, as the comparisons on two threads."""
+    from gpulab.course.optimizers import compare_implementations, compare_optimizers
+    from gpulab.record.runs.checkpoint import cpu_threads
+    from gpulab.widgets.optimizer_impl import compute_implementations
+    from gpulab.widgets.optimizers import compute_optimizers
+    with cpu_threads(2):
+        two = compare_optimizers("mlp", batch=2, engine="cpu")
+    one = compute_optimizers("mlp", 2, "cpu")
+    assert [r.optimizer for r in one.runs] == [r.optimizer for r in two.runs] and len(one.runs) >= 6
+    for a, b in zip(one.runs, two.runs):
+        _optimizer_runs_alike(a, b)
+    assert any(r.state_after_bytes > 0 for r in one.runs)   # state was there to count
+    with cpu_threads(2):
+        two_impl = compare_implementations("mlp", "momentum", batch=2, engine="cpu")
+    one_impl = compute_implementations("mlp", "momentum", 2, "cpu")
+    assert [r.implementation for r in one_impl.rows] == [r.implementation for r in two_impl.rows]
+    for a, b in zip(one_impl.rows, two_impl.rows):
+        assert (a.run is None) == (b.run is None) and a.unsupported == b.unsupported
+        if a.run is not None:
+            _optimizer_runs_alike(a.run, b.run)
+            assert a.run.step_peak() == b.run.step_peak()
+
+
+def test_checkpoint_panel_reuses_its_sweep_for_a_subset_of_k_and_measures_again_on_run():
+    """Lesson 07's panel (``reusing_sweeps``, as checkpoint_panel wires it): the divisors of N after a sweep
+    of every k are that sweep's points (memory as a fresh sweep of the divisors measures it, the timings
+    kept), under the note; Run with nothing moved measures afresh; another N is measured."""
+    from gpulab.course.checkpointing import SEGMENT_CHOICES, checkpoint_sweep
+    from gpulab.widgets.checkpoint import REUSED_SWEEP_NOTE, checkpoint_panel, compute_checkpoint, reusing_sweeps
+    assert checkpoint_panel()._compute.__name__ == "compute_or_reuse"
+    compute, render = reusing_sweeps(compute_checkpoint, lambda r: ["shown"])
+    every = compute(6, 8, 4, SEGMENT_CHOICES[0], 1, "cpu")
+    assert render(every) == ["shown"]
+    divisors = compute(6, 8, 4, "divisors of N", 1, "cpu")
+    fresh = checkpoint_sweep(6, 8, 4, "divisors of N", "cpu", repeats=1)
+    assert [p.segments for p in divisors.points] == [p.segments for p in fresh.points] == [1, 2, 3, 6]
+    for p, q in zip(divisors.points, fresh.points):
+        assert (p.peak_bytes, p.activation_side, p.peak_by_category, p.chen_bytes, p.sequential_bytes) == \
+               (q.peak_bytes, q.activation_side, q.peak_by_category, q.chen_bytes, q.sequential_bytes)
+        assert p.timing is every.point(p.segments).timing            # the sweep's own timing, not a new one
+    assert (divisors.label, divisors.timing_label, divisors.map_bytes) == (fresh.label, fresh.timing_label, fresh.map_bytes)
+    assert render(divisors)[0].data == REUSED_SWEEP_NOTE and render(divisors)[1:] == ["shown"]
+    again = compute(6, 8, 4, "divisors of N", 1, "cpu")              # Run, nothing moved: measured again
+    assert again.point(2).timing is not every.point(2).timing and render(again) == ["shown"]
+    other = compute(5, 8, 4, "divisors of N", 1, "cpu")
+    assert [p.segments for p in other.points] == [1, 5] and render(other) == ["shown"]
+    assert compute(6, 8, 4, "divisors of N", 2, "cpu").point(2).timing is not again.point(2).timing   # other rounds
+
+
+def test_activation_panel_measures_only_the_length_a_move_adds():
+    """Lesson 11's activation panel keeps its runs (``activation_vs_seq(kept=)``): a sweep that shares a
+    length with an earlier one reuses that length's runs, and its rows equal a fresh sweep's."""
+    from collections import OrderedDict
+
+    from gpulab.course.transformer_activations import activation_vs_seq
+    kept = OrderedDict()
+    first = activation_vs_seq("tiny-gpt2", (32, 64), kept=kept)
+    second = activation_vs_seq("tiny-gpt2", (16, 32), kept=kept)
+    fresh = activation_vs_seq("tiny-gpt2", (16, 32))
+    assert second.rows == fresh.rows and second.model == fresh.model
+    assert [(r.per_layer_bytes, r.contents) for r in second.runs] == [(r.per_layer_bytes, r.contents) for r in fresh.runs]
+    assert second.runs[2] is first.runs[0] and second.runs[3] is first.runs[1]     # s = 32: kept, not measured again
+    assert second.runs[0] is not fresh.runs[0] and len(kept) == 6
+
+
+def _same_timeline(a, b):
+    assert [(e.kind, e.nbytes, e.phase, e.module) for e in a.events] == [(e.kind, e.nbytes, e.phase, e.module) for e in b.events]
+    assert a.series == b.series and a.peak_bytes == b.peak_bytes and a.peak_by_category == b.peak_by_category
+
+
+@pytest.mark.extended
+def test_step_sweep_and_precision_panels_on_one_thread_count_what_two_threads_count():
+    """Lessons 04's step and sweep panels and 08's precision panel run on one CPU thread: the same
+    timelines, event for event, as the library's calls on two threads."""
+    from gpulab.course.precision import precision_step
+    from gpulab.course.sweeps import batch_sweep
+    from gpulab.predict.step import step as tracked_step
+    from gpulab.record.runs.checkpoint import cpu_threads
+    from gpulab.widgets.precision import compute_precision
+    from gpulab.widgets.step import compute_step
+    from gpulab.widgets.sweep import compute_sweep, sweep_batches
+    size = 32   # the mlp's default image size
+    with cpu_threads(2):
+        step2 = tracked_step("mlp", batch=2, image_size=size, optimizer="adam", dtype="float32", engine="cpu",
+                             steps=1, guard=False)
+        sweep2 = batch_sweep("mlp", sweep_batches(4), optimizer="adam", engine="cpu", steps=2)
+        prec2 = precision_step("mlp", 2, size, "adam", "bfloat16", "cpu")
+    _same_timeline(compute_step("mlp", 2, size, "adam", "float32", "cpu").measurement.tracking, step2.measurement.tracking)
+    sweep1 = compute_sweep("mlp", "adam", 4, "cpu")
+    assert [p.batch for p in sweep1.points] == [p.batch for p in sweep2.points] == [1, 2, 4]
+    for a, b in zip(sweep1.steps_results, sweep2.steps_results):
+        _same_timeline(a.measurement.tracking, b.measurement.tracking)
+    prec1 = compute_precision("mlp", 2, size, "adam", "bfloat16", "cpu")
+    assert list(prec1.runs) == list(prec2.runs) and len(prec1.runs) >= 2
+    for mode in prec1.runs:   # autocast's frees inside forward come in an order that varies run to run on
+        a, b = prec1.runs[mode].measurement.tracking, prec2.runs[mode].measurement.tracking   # any thread count
+        assert sorted((e.kind, e.nbytes, e.phase) for e in a.events) == sorted((e.kind, e.nbytes, e.phase) for e in b.events)
+        assert (a.peak_bytes, a.peak_by_category, a.final_bytes) == (b.peak_bytes, b.peak_by_category, b.final_bytes)
+    assert prec1._repr_html_() == prec2._repr_html_()
+
+
+@pytest.mark.extended
+def test_lesson_03_and_09_panels_on_one_thread_answer_as_on_two():
+    """Lesson 03's modelsize and depthwise panels and 09's allocator panel run on one CPU thread: the
+    same tables (their HTML, every number), and the same replayed allocator, as on two threads."""
+    from gpulab.course.flops import depthwise_vs_standard
+    from gpulab.course.modelsize import modelsize_vs_saved
+    from gpulab.models.registry import MODELS
+    from gpulab.predict.replay import workload
+    from gpulab.record.runs.checkpoint import cpu_threads
+    from gpulab.widgets.activations import compute_modelsize
+    from gpulab.widgets.allocator import compute_allocator
+    from gpulab.widgets.flops import compute_depthwise
+    with cpu_threads(2):
+        size2 = modelsize_vs_saved(tuple(MODELS), 1, "float32", "cpu")
+        depth2 = depthwise_vs_standard(16, 32, 28, 2, True, "float32", "cpu")
+        alloc2 = workload("training step", "cnn", 4, expandable_segments=False, empty_cache=False)
+    assert compute_modelsize(1, "float32", "cpu")._repr_html_() == size2._repr_html_()
+    assert compute_depthwise(16, 32, 28, 2, True, "float32", "cpu")._repr_html_() == depth2._repr_html_()
+    alloc1 = compute_allocator("cnn", 4, "training step", False, False)
+    assert (alloc1.allocated, alloc1.reserved, alloc1.stats) == (alloc2.allocated, alloc2.reserved, alloc2.stats)

@@ -180,7 +180,7 @@ def finetune_check(preset: str = "llama-3-8b", card: str = "H100", seq_len: int 
         if progress:
             progress(0.8, "replaying the timeline through the simulated allocator")
         n_params, trainable = _parameter_counts(preset, size, config, seq_len, method, optimizer, options, run_dtype)
-        reserved = CachingAllocator().replay(tracking.events, strict=False).peak_reserved
+        reserved = CachingAllocator().replay_peak(tracking.events)[0]   # replay(strict=False)'s peak, no series
         fake = label_fake_cuda(followed)
         label = f"{fake} ({depth}) + {LABEL_SIMULATED}" if depth else f"{fake} + {LABEL_SIMULATED}"
         measured = (n_params, trainable, dict(tracking.peak_by_category), tracking.peak_bytes, reserved, label,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -31,8 +32,8 @@ from gpulab.course.transformer_params import _as_config, _family, _model_name
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "ActivationDifference", "ActivationSweep", "BLOCKS", "FormulaTerm",
-    "KORTHIKANTI_SOURCE", "LayerActivations", "SavedEntry", "SeqRow", "activation_vs_seq", "cuda_sdpa",
-    "dropout_probabilities", "korthikanti_bytes", "korthikanti_terms", "measured_layer_activations"
+    "KEPT_RUNS", "KORTHIKANTI_SOURCE", "LayerActivations", "SavedEntry", "SeqRow", "activation_vs_seq", "cuda_sdpa",
+    "dropout_probabilities", "kept_key", "korthikanti_bytes", "korthikanti_terms", "measured_layer_activations"
 ]
 
 # --- activations per layer ----------------------------------------------------------------------
@@ -507,18 +508,46 @@ class ActivationSweep:
 
 
 def activation_vs_seq(name_or_config: Any, seq_lens: Sequence[int] = (128, 256, 512), batch: int = 1,
-                      dtype: str | torch.dtype = torch.bfloat16, engine: str = "fake") -> ActivationSweep:
+                      dtype: str | torch.dtype = torch.bfloat16, engine: str = "fake",
+                      kept: "OrderedDict[tuple, LayerActivations] | None" = None) -> ActivationSweep:
     """Per-layer activation bytes over a sweep of sequence lengths: the formula with the score
     term (34·s·b·h + 5·a·s²·b) and without (34·s·b·h), measured with eager attention and with
     SDPA (``measured_layer_activations`` for each). Eager minus SDPA is what storing the s×s
-    scores costs: it grows with s², as the formula's 5·a·s²·b does."""
+    scores costs: it grows with s², as the formula's 5·a·s²·b does.
+
+    ``kept``: runs measured before (a panel keeps them), by model name, sequence length, batch, attention,
+    dtype and engine, which are all a run's bytes depend on: a run found there is reused, and each run made
+    is added (at most ``KEPT_RUNS``, the least recently used first out). A model given as a config is
+    always measured."""
     if not seq_lens:
         raise ValueError("seq_lens must name at least one sequence length")
     rows, runs = [], []
     for s in seq_lens:
-        eager = measured_layer_activations(name_or_config, s, batch, "eager", dtype, engine)
-        sdpa = measured_layer_activations(name_or_config, s, batch, "sdpa", dtype, engine)
+        eager = _kept_run(kept, name_or_config, s, batch, "eager", dtype, engine)
+        sdpa = _kept_run(kept, name_or_config, s, batch, "sdpa", dtype, engine)
         runs += [eager, sdpa]
         rows.append(SeqRow(s, batch, eager.formula_full_bytes, eager.formula_no_scores_bytes, eager.bytes_per_layer,
                            sdpa.bytes_per_layer, sdpa.attention_kernel, eager.label))
     return ActivationSweep(runs[0].model, rows, runs)
+
+
+KEPT_RUNS = 24   # ``activation_vs_seq``'s kept runs: a panel's last eight sweeps of three lengths
+
+
+def kept_key(model: str, seq_len: int, batch: int, attn_implementation: str, dtype: str | torch.dtype,
+             engine: str) -> tuple:
+    """The key ``activation_vs_seq`` keeps a run under."""
+    return (model, int(seq_len), int(batch), str(attn_implementation).lower(), dtype_name(parse_dtype(dtype)), engine)
+
+
+def _kept_run(kept: "OrderedDict[tuple, LayerActivations] | None", name_or_config: Any, seq_len: int, batch: int,
+              impl: str, dtype: str | torch.dtype, engine: str) -> LayerActivations:
+    if kept is None or not isinstance(name_or_config, str):
+        return measured_layer_activations(name_or_config, seq_len, batch, impl, dtype, engine)
+    key = kept_key(name_or_config, seq_len, batch, impl, dtype, engine)
+    if key not in kept:
+        kept[key] = measured_layer_activations(name_or_config, seq_len, batch, impl, dtype, engine)
+    kept.move_to_end(key)
+    while len(kept) > KEPT_RUNS:
+        kept.popitem(last=False)
+    return kept[key]

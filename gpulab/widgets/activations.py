@@ -14,6 +14,7 @@ from gpulab.course.activations import (ACT_DTYPES, ForwardTable, InferenceVsTrai
 from gpulab.course.modelsize import ModelsizeComparison, modelsize_figure, modelsize_vs_saved
 from gpulab.models.registry import MODELS
 from gpulab.record.lookup import RecordLookup, find_record
+from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import counter_text, allocator_rows, recorded_html
 from gpulab.units import format_bytes
 from gpulab.widgets.base import Panel, dropdown, slider, ENGINES, engine_dropdown, model_controls
@@ -100,7 +101,10 @@ def inference_panel(model: str = "vgg16", batch: int = 1, image_size: int | None
 # --- modelsize() vs saved ----------------------------------------------------------------------------
 
 def compute_modelsize(batch: int, dtype: str, engine: str) -> ModelsizeComparison:
-    return modelsize_vs_saved(tuple(MODELS), batch, dtype, engine)
+    """Every model's forward on one CPU thread (``cpu_threads``, as ``widgets.optimizers.compute_optimizers``
+    runs): the same bytes, and no wait on a descheduled second thread of a shared machine."""
+    with cpu_threads(1):
+        return modelsize_vs_saved(tuple(MODELS), batch, dtype, engine)
 
 
 def _modelsize_rows(r: dict[str, Any]) -> list[list[str]]:

@@ -14,6 +14,7 @@ from IPython.display import HTML
 
 from gpulab.allocator.plots import allocated_vs_reserved, segment_map
 from gpulab.record.lookup import find_allocator_record
+from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import allocator_rows, recorded_html, reserved_timelines
 from gpulab.predict.replay import WORKLOADS, AllocatorRun, workload
 from gpulab.units import format_bytes
@@ -24,8 +25,10 @@ __all__ = ["allocator_panel", "compute_allocator", "render_allocator"]
 
 def compute_allocator(model: str, batch: int, workload_name: str, expandable_segments: bool,
                       empty_cache: bool) -> AllocatorRun:
-    return workload(workload_name, model, batch, expandable_segments=expandable_segments,
-                    empty_cache=empty_cache)
+    """The tracked workload on one CPU thread (``cpu_threads``, as ``widgets.optimizers.compute_optimizers`` runs)."""
+    with cpu_threads(1):
+        return workload(workload_name, model, batch, expandable_segments=expandable_segments,
+                        empty_cache=empty_cache)
 
 
 def _allocator_record_rows(r: dict[str, Any]) -> list[list[str]]:

@@ -12,6 +12,7 @@ from gpulab.course.activations import ACT_DTYPES
 from gpulab.course.flops import (DepthwiseResult, ParamsFlops, depthwise_figure, depthwise_vs_standard,
                                  params_flops_figure, params_vs_flops)
 from gpulab.record.lookup import RecordLookup, find_record
+from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import recorded_html
 from gpulab.units import format_bytes
 from gpulab.widgets.base import Panel, dropdown, slider, ENGINES, engine_dropdown, model_controls
@@ -46,7 +47,9 @@ def flops_panel(model: str = "alexnet", batch: int = 1, image_size: int | None =
 
 def compute_depthwise(in_channels: int, out_channels: int, image_size: int, batch: int, bn_relu: bool,
                       dtype: str, engine: str) -> DepthwiseResult:
-    return depthwise_vs_standard(in_channels, out_channels, image_size, batch, bn_relu, dtype, engine)
+    """Both convolutions on one CPU thread (``cpu_threads``, as ``widgets.optimizers.compute_optimizers`` runs)."""
+    with cpu_threads(1):
+        return depthwise_vs_standard(in_channels, out_channels, image_size, batch, bn_relu, dtype, engine)
 
 
 def recorded_depthwise(result: DepthwiseResult) -> RecordLookup:

@@ -10,6 +10,7 @@ from IPython.display import HTML
 
 from gpulab.course.optimizers import IMPLEMENTATIONS, ImplementationComparison, compare_implementations, optimizer_run
 from gpulab.record.lookup import RecordLookup, find_record
+from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import recorded_html
 from gpulab.units import format_bytes
 from gpulab.widgets.base import Panel, model_controls
@@ -23,7 +24,10 @@ __all__ = [
 
 def compute_implementations(model: str, optimizer: str, batch: int, engine: str,
                             progress=None) -> ImplementationComparison:
-    return compare_implementations(model, optimizer, IMPLEMENTATIONS, int(batch), engine=engine, progress=progress)
+    """``compare_implementations`` on one CPU thread, as ``widgets.optimizers.compute_optimizers`` runs."""
+    with cpu_threads(1):
+        return compare_implementations(model, optimizer, IMPLEMENTATIONS, int(batch), engine=engine,
+                                       progress=progress)
 
 
 def predict_implementations_peak(params: dict[str, Any]) -> int:

@@ -11,6 +11,7 @@ from IPython.display import HTML
 from gpulab.training.optimizers import OPTIMIZERS
 from gpulab.course.optimizers import OptimizerComparison, compare_optimizers, optimizer_run
 from gpulab.record.lookup import RecordLookup, find_record_series
+from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import counter_text, recorded_html
 from gpulab.units import format_bytes
 from gpulab.widgets.base import Panel, model_controls
@@ -23,7 +24,11 @@ __all__ = [
 
 
 def compute_optimizers(model: str, batch: int, engine: str, progress=None) -> OptimizerComparison:
-    return compare_optimizers(model, OPTIMIZERS, int(batch), engine=engine, progress=progress)
+    """``compare_optimizers`` on one CPU thread (``cpu_threads``): the bytes the tracker counts are the
+    same with any number of threads (tests/test_panel_speed.py), and on a shared 2-core machine a second
+    OpenMP thread that gets descheduled makes each small op wait (Adam's step: five times slower)."""
+    with cpu_threads(1):
+        return compare_optimizers(model, OPTIMIZERS, int(batch), engine=engine, progress=progress)
 
 
 def predict_optimizers_peak(params: dict[str, Any]) -> int:

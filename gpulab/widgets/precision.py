@@ -10,6 +10,7 @@ from IPython.display import HTML
 
 from gpulab.course.precision import LOW_DTYPES, PrecisionResult, precision_step, saving_text
 from gpulab.record.lookup import RecordLookup, find_record
+from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import counter_text, recorded_html
 from gpulab.units import format_bytes
 from gpulab.widgets.base import Panel, dropdown, model_controls
@@ -24,7 +25,9 @@ __all__ = [
 
 def compute_precision(model: str, batch: int, image_size: int, optimizer: str, low: str,
                       engine: str) -> PrecisionResult:
-    return precision_step(model, int(batch), int(image_size), optimizer, low, engine)
+    """The runs on one CPU thread (``cpu_threads``, as ``widgets.optimizers.compute_optimizers`` runs)."""
+    with cpu_threads(1):
+        return precision_step(model, int(batch), int(image_size), optimizer, low, engine)
 
 
 def predict_precision_peak(params: dict[str, Any]) -> int:

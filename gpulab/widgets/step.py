@@ -11,6 +11,7 @@ from IPython.display import HTML
 from gpulab.predict.step import StepResult, step as tracked_step
 from gpulab.plots import comparison_bars, timeline
 from gpulab.record.lookup import RecordLookup, find_record
+from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import allocator_rows, recorded_html
 from gpulab.units import format_bytes
 from gpulab.widgets.base import Panel, dropdown, model_controls
@@ -23,7 +24,11 @@ __all__ = [
 
 
 def compute_step(model: str, batch: int, image_size: int, optimizer: str, dtype: str, engine: str) -> StepResult:
-    return tracked_step(model, batch=batch, image_size=image_size, optimizer=optimizer, dtype=dtype, engine=engine, steps=1, guard=False)
+    """One tracked step on one CPU thread (``cpu_threads``, as ``widgets.optimizers.compute_optimizers``
+    runs): the same bytes, and no wait on a descheduled second thread of a shared machine."""
+    with cpu_threads(1):
+        return tracked_step(model, batch=batch, image_size=image_size, optimizer=optimizer, dtype=dtype,
+                            engine=engine, steps=1, guard=False)
 
 
 def predict_step_peak(params: dict[str, Any]) -> int:

@@ -11,6 +11,7 @@ from IPython.display import HTML
 from gpulab.predict.step import step as tracked_step
 from gpulab.course.sweeps import SweepResult, batch_sweep
 from gpulab.record.lookup import RecordLookup, find_record_series
+from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import counter_text, recorded_html
 from gpulab.units import format_bytes
 from gpulab.widgets.base import Panel, model_controls
@@ -28,8 +29,10 @@ def sweep_batches(largest: int) -> tuple[int, ...]:
 
 
 def compute_sweep(model: str, optimizer: str, largest: int, engine: str, progress=None) -> SweepResult:
-    return batch_sweep(model, sweep_batches(int(largest)), optimizer=optimizer, engine=engine, steps=2,
-                       progress=progress)
+    """The sweep on one CPU thread (``cpu_threads``, as ``widgets.optimizers.compute_optimizers`` runs)."""
+    with cpu_threads(1):
+        return batch_sweep(model, sweep_batches(int(largest)), optimizer=optimizer, engine=engine, steps=2,
+                           progress=progress)
 
 
 def predict_sweep_peak(params: dict[str, Any]) -> int:

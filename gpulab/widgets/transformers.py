@@ -3,11 +3,12 @@
 cache, a decode step) for a card, context length and batch."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Iterable
 
 from gpulab.predict.cards import card_names
 from gpulab.course.serving import InferenceFit, inference_fit, max_context
-from gpulab.course.transformer_activations import ActivationSweep, activation_vs_seq
+from gpulab.course.transformer_activations import ActivationSweep, activation_vs_seq, kept_key
 from gpulab.plots import to_png
 from gpulab.widgets.base import Panel, check_control_value, dropdown, reuse_first, slider
 
@@ -27,11 +28,13 @@ def sweep_lengths(seq_len: int) -> tuple[int, ...]:
     return tuple(sorted({max(16, seq_len // 4), max(32, seq_len // 2), seq_len}))
 
 
-def compute_activations(model: str, seq_len: int, progress=None) -> ActivationSweep:
+def compute_activations(model: str, seq_len: int, progress=None, kept: OrderedDict | None = None) -> ActivationSweep:
+    """The sweep of ``sweep_lengths(seq_len)``; ``kept``: the panel's runs (``activation_vs_seq``), so a
+    move of the slider measures only the length it adds (a half of 512 is 256, measured already)."""
     lens = sweep_lengths(seq_len)
     if progress:
         progress(0.1, f"fake runs at {', '.join(map(str, lens))} tokens, eager and SDPA")
-    return activation_vs_seq(model, seq_lens=tuple(lens))
+    return activation_vs_seq(model, seq_lens=tuple(lens), kept=kept)
 
 
 def render_activations(sweep: ActivationSweep) -> list[Any]:
@@ -69,7 +72,17 @@ def activation_seq_panel(model: str = "gpt2", seq_len: int = 512, measured: Iter
     controls["seq_len"].value = seq_len
     # before the panel's own observer: the slider offers only what the newly chosen model takes
     controls["model"].observe(lambda change: fit_lengths(controls["seq_len"], change["new"]), names="value")
-    compute, render = reuse_first(compute_activations, render_activations, measured, _same_sweep)
+    measured = [m for m in measured if m is not None]
+    kept: OrderedDict = OrderedDict()   # the panel's runs, the lesson's sweeps first
+    for sweep in measured:
+        if all(r.measurement.engine == "fake" and r.batch == 1 for r in sweep.runs):
+            for r in sweep.runs:
+                kept[kept_key(r.model, r.seq_len, r.batch, r.attn_implementation, r.dtype, "fake")] = r
+
+    def compute_kept(model: str, seq_len: int, progress=None) -> ActivationSweep:
+        return compute_activations(model, seq_len, progress, kept=kept)
+
+    compute, render = reuse_first(compute_kept, render_activations, measured, _same_sweep)
     return Panel("Activations per layer against the sequence length", controls, compute, render,
                  description="One layer's saved tensors measured on the fake engine (bf16, CUDA's kernels) at a "
                              "quarter, half and all of the chosen length, with eager attention and with SDPA, next "
