@@ -89,8 +89,8 @@ class MachineReport:
         if i["device"]["reason"]:
             rows.append(["why no GPU facts" if not self.gpus else "note", i["device"]["reason"],
                          "gpulab.measure.gpu.device_report()"])
-        rows.append(["engine the lessons use", f"{i['engine']}: {i['engine_reason']}",
-                     "gpulab.measure.engines.choose_engine('auto')"])
+        rows.append(["engine auto picks here (small experiments; big ones go to fake without a GPU)",
+                     f"{i['engine']}: {i['engine_reason']}", "gpulab.measure.engines.choose_engine('auto')"])
         return rows
 
     def __repr__(self) -> str:
