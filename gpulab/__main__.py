@@ -1,5 +1,5 @@
 import sys
 
-from gpulab.cli import main
+from gpulab.cli import run
 
-sys.exit(main())
+sys.exit(run())

@@ -450,7 +450,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = f"internal error: {type(exc).__name__}: {_one_line(exc)} ({REPORT}; add --debug for the traceback)"
         print(f"gpulab: {text}", file=sys.stderr)
         return _json_error(text, as_json)
-    return _ended(code) if own else code
+    return code
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """The ``gpulab`` script and ``python -m gpulab``: ``main`` on this process's command line, then
+    the end without the interpreter's teardown (``_ended``); with ``argv`` given (a caller in Python),
+    ``main(argv)`` and its code, the process left running."""
+    return _ended(main()) if argv is None else main(argv)
 
 
 def _ended(code: int) -> int:
