@@ -471,6 +471,11 @@ CLAIMS = [
      ("header", "_(native_layer_norm)")),
     ("08", "softmax and norms on CUDA, by `ATen/autocast_mode.h`, but not on the CPU", "ATen/autocast_mode.h",
      ("run", _cpu_autocast_keeps_softmax_and_norms_low_and_losses_fp32)),
+    # review-e of 2026-12-07: lessons 07, 08, 09, 11, 14 read again
+    ("14", "through `ModuleTracker`", "ModuleTracker",
+     ("source", "torch.utils.flop_counter.FlopCounterMode.__init__", "ModuleTracker()")),
+    ("14", "through `ModuleTracker`", "register_multi_grad_hook",
+     ("source", "torch.utils.module_tracker.ModuleTracker._fw_pre_hook", "register_multi_grad_hook")),
 ]
 
 _CITES_SOURCE = re.compile(r"(?:torch|c10|aten)/[\w/.*]+\.(?:py|cpp|h|yaml)|\b[A-Z]\w+\.(?:cpp|h)\b")

@@ -446,7 +446,7 @@ def exercise_recompute(result: RecomputeTime) -> ChoiceExercise:
         return "a" if r < 1.05 else ("b" if r < 1.5 else "c")
 
     def explain() -> str:
-        return (f"The time model counts the ops the run made: in the backward each segment's forward ran again, "
+        return (f"The time model counts the ops the run made: in the backward each checkpointed segment's forward ran again (all but the last), "
                 f"{result.recomputed_flops(k) / result.points[0].on_cpu.flops:.0%} more FLOPs, and the step is "
                 f"×{result.predicted_ratio(k, 'card'):.2f} as long on the {result.card} (predicted).")
     return ChoiceExercise(f"The stack with k = {k} segments against no checkpointing: the step on the {result.card} "
