@@ -49,6 +49,7 @@ class Exercise:
     unit: str = ""
     rel_tol: float = 0.0
     hint: str = ""
+    ratio_hint: str = ""   # said instead of "check the bytes per element" for an answer 2, 4 or 8x off
 
     def check(self, answer: Any) -> CheckResult:
         exp = self.expected()
@@ -71,9 +72,9 @@ class Exercise:
         ratio = value / exp if exp else float("inf")
         why = ""
         if exp and abs(ratio - round(ratio)) < 1e-9 and round(ratio) in (2, 4, 8):
-            why = f" Your answer is exactly {round(ratio)}x too big: check the bytes per element."
+            why = f" Your answer is exactly {round(ratio)}x too big: {self.ratio_hint or 'check the bytes per element.'}"
         elif exp and abs(1 / ratio - round(1 / ratio)) < 1e-9 and round(1 / ratio) in (2, 4, 8) if ratio else False:
-            why = f" Your answer is exactly {round(1 / ratio)}x too small: check the bytes per element."
+            why = f" Your answer is exactly {round(1 / ratio)}x too small: {self.ratio_hint or 'check the bytes per element.'}"
         elif exp and 0.5 < ratio < 2:
             why = " Close, but not within tolerance." + (f" {self.hint}" if self.hint else "")
         elif self.hint:

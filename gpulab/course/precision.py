@@ -296,7 +296,10 @@ def exercise_autocast_bytes_per_param(optimizer: str = "adam", low: str = "bfloa
                  f"({4 * states} B): {persistent_bytes_per_param(optimizer, mode):g} B, exactly as in float32 "
                  f"training. Only activations and temporaries shrink ({LABEL_FORMULA})."),
         unit="bytes/param", rel_tol=0.0,
-        hint="Which of these does autocast cast to 16 bits: the parameters, or copies of them?")
+        hint="Which does autocast cast to 16 bits, the parameters or copies of them, and is any copy still alive "
+             "after step()?",
+        ratio_hint="that would be 16-bit parameters. Which does autocast cast to 16 bits: the parameters, or copies "
+                   "of them?")
 
 
 def precision_claims(results: list[PrecisionResult], claimed_saving: float = 20.0):
