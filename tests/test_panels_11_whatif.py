@@ -161,3 +161,21 @@ def test_timings_say_only_what_their_spread_supports():
     assert "cannot tell" in verdict(overlap) and "slower" not in verdict(overlap)
     faster = with_times(timed(20, 21, 22, 23, 24), timed(10, 10, 11, 11, 12))
     assert "load" in verdict(faster) and "faster than without" in verdict(faster)
+
+
+def test_the_scores_sentence_names_a_fused_kernel_only_where_the_run_chose_one():
+    """The explanation says the run's attention kernel never stores the s×s scores only when the
+    measured label names a fused kernel (flash, memory-efficient, cuDNN); a T4's bf16 run follows the
+    math kernel, which saves them, and gets no such sentence. Planted measurements: no run."""
+    f = WI.whatif_formula()
+    assert f.scores_bytes > 0
+    cats = {"activations": f.activations // 2}
+
+    def measured(kernels: str) -> WI.WhatIfMeasured:
+        return WI.WhatIfMeasured({}, cats, 1, 1, f"fake tensors (H100; CUDA kernels of an H100 (sm90): {kernels})", 0.0)
+
+    fused = WI.explain(f, measured("flash attention (saves the output and a float32 softmax statistic per row)"))
+    math = WI.explain(f, measured("math attention (q, k, v upcast to float32 and the s×s attention weights saved)"))
+    assert any("never stores" in line for line in fused)
+    assert not any("never stores" in line for line in math)
+    assert any("logits" in line for line in math)

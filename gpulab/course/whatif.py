@@ -33,6 +33,7 @@ answers at once (the replay aside).
 from __future__ import annotations
 
 import functools
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -185,6 +186,9 @@ class WhatIfMeasured:
         return asdict(self)
 
 
+_KERNELS: dict[tuple, str] = {}   # the attention kernels each setting's fake run chose, for its cached reruns
+
+
 @functools.lru_cache(maxsize=8)
 def _layers(model: str, dtype: str):
     import torch
@@ -214,10 +218,13 @@ def whatif_measured(model: str = "hf:gpt2", seq_len: int = 1024, batch: int = 1,
     t0 = time.perf_counter()
     hits = run_cache.info()["hits"]
     dtype, amp = WHATIF_PRECISIONS[precision]
-    with kernel_target(card_target(card)):   # the card's kernels (its attention kernel, by compute capability)
+    with kernel_target(card_target(card)) as target:   # the card's kernels (its attention kernel, by capability)
         t, depth = fake_step_timeline(model, batch, seq_len=seq_len, optimizer=optimizer, dtype=dtype, amp=amp,
                                       checkpointing=False if recompute == "none" else recompute, tp=tp)
-    label = f"{LABEL_FAKE_CUDA} ({card}{'; ' + depth if depth else ''})"
+    key = (model, seq_len, batch, recompute, precision, optimizer, tp, card)
+    if target.seen:   # a run made here: its attention kernels; a cached run's are those its first run saw
+        _KERNELS[key] = target.note()
+    label = f"{LABEL_FAKE_CUDA} ({card}{'; ' + depth if depth else ''}; {_KERNELS.get(key, target.note())})"
     notes = []
     if zero and dp > 1:
         sh = S.check_sharding(dp, f"zero{zero}", False, optimizer, getattr(torch, dtype))
@@ -240,6 +247,9 @@ def _error(formula: int, measured: int) -> str:
     return f"{100 * (formula - measured) / measured:+.0f}%"
 
 
+_FUSED = re.compile(r"(flash|memory-efficient|cuDNN) attention")   # measure.cuda_card.BACKEND_TEXT's fused kernels
+
+
 def explain(formula: WhatIfFormula, measured: WhatIfMeasured | None) -> list[str]:
     """Sentences for the gaps over 10% between the two sides, computed from both."""
     if measured is None:
@@ -247,11 +257,10 @@ def explain(formula: WhatIfFormula, measured: WhatIfMeasured | None) -> list[str
     out = []
     acts = measured.by_category.get("activations", 0)
     if acts and abs(formula.activations - acts) > 0.1 * acts:
-        if formula.scores_bytes and formula.activations > acts:
+        if formula.scores_bytes and formula.activations > acts and _FUSED.search(measured.label):
             out.append(f"Activations: {format_bytes(formula.scores_bytes)} of the formula's are Korthikanti's "
-                       "s×s attention scores, which a fused attention kernel (SDPA's flash or memory-efficient, "
-                       "the kernels this card's run follows) never stores: recompute <i>selective</i> shows the "
-                       "formula without them.")
+                       "s×s attention scores, which the fused attention kernel this card's run follows (named in "
+                       "its label) never stores: recompute <i>selective</i> shows the formula without them.")
         out.append(f"Activations: the formula holds the logits and their fp32 copy for the loss "
                    f"({format_bytes(formula.logits_bytes)}) with Korthikanti's tensors of a GPT-3 layer; what this "
                    "model's own layers save beyond or short of those is listed tensor by tensor by "
