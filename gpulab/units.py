@@ -21,7 +21,7 @@ if TYPE_CHECKING:   # torch is imported where it is used: ``import gpulab.units`
 
 __all__ = [
     "DTYPES", "DtypeInfo", "GB", "GiB", "KB", "KiB", "MB", "MiB", "dtype_bytes", "dtype_name",
-    "MODEL_DTYPES", "check_model_dtype_name", "format_bytes", "format_delta", "mib", "parse_dtype", "round_up"
+    "MODEL_DTYPES", "check_model_dtype_name", "format_bytes", "format_delta", "mib", "model_dtype", "parse_dtype", "round_up"
 ]
 
 KiB = 1024
@@ -137,6 +137,12 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
         return dtypes[key].dtype
     valid = ", ".join(sorted(set(dtypes) | set(_ALIASES)))
     raise ValueError(f"unknown dtype {value!r}; valid dtypes: {valid}")
+
+
+def model_dtype(name: str | None) -> torch.dtype:
+    """A recipe's model dtype (``gpulab.Recipe.dtype``) as a ``torch.dtype``: ``parse_dtype(name)``, and
+    float32 where it is None (the model's own, as ``gpulab.step`` and ``gpulab.fit`` build it)."""
+    return parse_dtype("float32" if name is None else name)
 
 
 # the dtypes a model is built in (torch.set_default_dtype takes only these: models.registry)

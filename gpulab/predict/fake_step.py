@@ -10,15 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from gpulab.measure.cuda_card import current_target
 from gpulab.measure.tracking import TrackingResult
 from gpulab.options import Layout, Recipe, settings_from
 from gpulab.predict import run_cache
 from gpulab.predict.fit import tracked_at_depth
 from gpulab.training.loop import check_recipe_for, loop_recipe
-from gpulab.units import parse_dtype
+from gpulab.units import model_dtype
 from gpulab.models.workload import resolve_workload
 
 __all__ = ["fake_step_timeline"]
@@ -34,7 +32,7 @@ def fake_step_timeline(model: Any, batch: int, *, seq_len: int | None = None, re
     recipe, layout = settings_from(recipe, layout, flat)
     if layout.gpus is not None or layout.strategy is not None:
         raise ValueError("fake_step_timeline is one GPU's step (one rank of tp): spread it with gpulab.fit")
-    dt = parse_dtype(recipe.dtype) if recipe.dtype is not None else torch.float32
+    dt = model_dtype(recipe.dtype)
     loop = loop_recipe(recipe, layout)
     w = resolve_workload(model, None, seq_len=seq_len)
     check_recipe_for(loop, w, dt)

@@ -168,12 +168,10 @@ def setup(model: Any, gpu: Any, gpus: int, recipe: Any, seq_len: int | None, ima
                          f"(N >= 2), or leave --gpus out for the fastest recipe on one GPU")
     if not isinstance(recipe, Recipe):
         raise ValueError(f"recipe must be a gpulab.Recipe, got {type(recipe).__name__}")
-    import torch
-
     from gpulab.models.workload import resolve_workload
     from gpulab.predict.fit import _place, usable_bytes
     from gpulab.predict.plan_time import speed_or_why
-    from gpulab.units import parse_dtype
+    from gpulab.units import model_dtype
     place = _place(gpu, context_bytes, module_loading, True)
     speed, why = speed_or_why(place.card)
     if speed is None:
@@ -182,7 +180,7 @@ def setup(model: Any, gpu: Any, gpus: int, recipe: Any, seq_len: int | None, ima
         raise ValueError(f"{speed.name} has no link figures in gpulab's card table: its layouts' communication "
                          f"cannot be timed")
     w = resolve_workload(model, seq_len=seq_len, image_size=image_size)
-    dt = parse_dtype(recipe.dtype) if recipe.dtype is not None else torch.float32
+    dt = model_dtype(recipe.dtype)
     n_params, layers, experts = _params_and_shape(w, dt)
     return Setup(model, place, speed, usable_bytes(place), w, seq_len, image_size, module_loading, n_params, layers,
                  experts, gpus)
@@ -192,14 +190,12 @@ def choices(s: Setup, recipe: Any, pinned: dict[str, Any], microbatches_per_stag
             max_shapes: int | None) -> LayoutChoices:
     """The layouts ``s``'s GPUs can take for ``recipe`` (``predict.layout_choices``): each checked against
     the model and the recipe, those whose memory floor passes the card left out."""
-    import torch
-
     from gpulab import formulas as F
     from gpulab.options import settings_from
     from gpulab.predict.sharding import check_sharding
     from gpulab.training.loop import check_recipe_for, loop_recipe
-    from gpulab.units import parse_dtype
-    dt = parse_dtype(recipe.dtype) if recipe.dtype is not None else torch.float32
+    from gpulab.units import model_dtype
+    dt = model_dtype(recipe.dtype)
     full = not (recipe.lora or recipe.quantize or recipe.param_dtype)
     # an optimizer without a whole multiple of the weights (8-bit state): none counted, still a floor
     k = F.optimizer_state_multiplier(recipe.optimizer) if recipe.optimizer in F.OPTIMIZER_STATES else 0

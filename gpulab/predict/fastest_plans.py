@@ -174,15 +174,13 @@ def _pairs(s: Any, recipe: Any, changes: list, pinned: dict, microbatches_per_st
     """Each change's layouts as (its time bound or None, layout, candidate, recipe), highest bound first
     (unbounded ones first of all); those its memory floor or checks leave out go to ``pruned``. Every
     bound is read before any change runs: the asked recipe's kept runs are still in ``run_cache``."""
-    import torch
-
     from gpulab.predict import run_cache
     from gpulab.predict.fit import _target
     from gpulab.predict.plan_bounds import rate_bound
     from gpulab.training.loop import loop_recipe
-    from gpulab.units import parse_dtype
+    from gpulab.units import model_dtype
     key, target = run_cache.workload_key(s.model, s.w, own_parts=False), _target(s.place.card)
-    dt = parse_dtype(recipe.dtype) if recipe.dtype is not None else torch.float32
+    dt = model_dtype(recipe.dtype)
     asked_left = {(k.what, k.why) for k in base.skipped}
     shapes = {(p.layout.tp, p.layout.pp, p.layout.ep) for p in base.plans}
     bounds: dict[tuple, float | None] = {}

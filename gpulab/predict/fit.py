@@ -53,7 +53,7 @@ from gpulab.training.context_parallel import layout_notes
 from gpulab.training.tensor_parallel import tp_notes
 from gpulab.training.routing import is_moe, stated_routing
 from gpulab.measure.tracking import TrackingResult
-from gpulab.units import dtype_name, format_bytes, parse_dtype
+from gpulab.units import dtype_name, format_bytes, model_dtype, parse_dtype
 from gpulab.models.workload import Workload, resolve_workload
 
 
@@ -204,7 +204,7 @@ def fit(model: Any, gpu: str | Card | int, *, recipe: Recipe | None = None, layo
     recipe, layout = settings_from(recipe, layout, locals())   # each checked once, then passed whole
     if layout.pp_stage:
         raise ValueError("pp_stage picks the stage gpulab.step measures; gpulab.fit answers every stage: leave it out")
-    dt = parse_dtype(recipe.dtype) if recipe.dtype is not None else torch.float32
+    dt = model_dtype(recipe.dtype)
     loop = loop_recipe(recipe, layout)
     w = resolve_workload(model, inputs, input_shape=input_shape, seq_len=seq_len, image_size=image_size, loss=loss)
     check_recipe_for(loop, w, dt)

@@ -27,7 +27,7 @@ from gpulab.training.loop import (changed_options, check_recipe_for, inductor_st
 from gpulab.training.context_parallel import layout_notes
 from gpulab.training.tensor_parallel import tp_notes
 from gpulab.training.routing import Routing, is_moe, ran_routed, stated_routing
-from gpulab.units import dtype_name, parse_dtype
+from gpulab.units import dtype_name, model_dtype
 from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
 from gpulab.predict.cards import follows_card
 from gpulab.predict.card_speeds import CardSpeed, speed_of
@@ -93,7 +93,7 @@ def step(model: Any, inputs: Any = None, *, recipe: Recipe | None = None, layout
     opt, amp_key = asked.optimizer, asked.amp
     if fake_target not in FAKE_TARGETS:
         validate_fake_target(fake_target)
-    dt = parse_dtype(asked.dtype) if asked.dtype is not None else torch.float32
+    dt = model_dtype(asked.dtype)
     recipe = loop_recipe(asked, layout)
     check_recipe_for(recipe, w, dt)
     w = _stage_share(w, recipe)
