@@ -38,12 +38,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpulab.options import SHARDED_STRATEGIES
+
 __all__ = ["LayoutChoices", "MAX_SHAPES", "Skipped", "TP_DEGREES", "layout_choices", "memory_floor"]
 
 TP_DEGREES = (1, 2, 4, 8)
 MAX_SHAPES = 4   # rank shapes (tp, pp, ep) tried by default: each costs its own fake runs
 STRATEGIES_TRIED = ("ddp", "zero2", "zero3", "fsdp2")
-_SHARDED = ("zero1", "zero2", "zero3", "fsdp2")
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,10 @@ def memory_floor(n_params: int, itemsize: int, state_multiplier: int, layout: An
     w = n_params * itemsize / (layout.tp * layout.pp * layout.ep)
     if not full_training:
         return int(w)
-    s = layout.sharded_over if layout.strategy in _SHARDED else 1
+    s = layout.sharded_over if layout.strategy in SHARDED_STRATEGIES else 1
     st = layout.strategy or "ddp"
     grads = 0 if no_gradients else w / s if st in ("zero2", "zero3", "fsdp2") else w
-    state = state_multiplier * w / s if st in _SHARDED else state_multiplier * w
+    state = state_multiplier * w / s if st in SHARDED_STRATEGIES else state_multiplier * w
     weights = w / s if st in ("zero3", "fsdp2") else w
     return int(weights + grads + state)
 
@@ -140,7 +141,7 @@ def layout_choices(gpus: int, gpus_per_node: int, layers: int | None, experts: i
                 [e for e in _divisors(experts) if e & (e - 1) == 0 and gpus % e == 0] if experts else [1])
             for e in eps:
                 for s in (strategies if dp > 1 else [None]):
-                    if e > 1 and s not in _SHARDED:
+                    if e > 1 and s not in SHARDED_STRATEGIES:
                         continue   # EP borrows dp_shard: only a sharding strategy has it (options._mesh_dp)
                     pipe = {"microbatches": microbatches_per_stage * p} if p > 1 else {}
                     what = f"{s or 'one replica'} over dp {dp}, tp {t}, pp {p}" + (f", ep {e}" if e > 1 else "")

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from gpulab.models.workload import Workload
+from gpulab.options import SHARDED_STRATEGIES
 from gpulab.predict import layer_repeat
 from gpulab.predict.card_speeds import CardSpeed
 from gpulab.predict.comm_time import COMM_ASSUMPTION, collective_seconds, link_for
@@ -275,7 +276,7 @@ def timed_rank(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, spe
 def _rank_optimizer(seconds: float, strategy: str, n: int, notes: list[str]) -> float:
     """The optimizer step of one rank: the timed run's (every parameter's) where each rank steps them all
     (ddp), a ``n``-th of it where each steps its shard of each tensor (ZeRO-1/2/3, FSDP2: ``SHARDED_STEP``)."""
-    if strategy not in ("zero1", "zero2", "zero3", "fsdp2") or n <= 1 or not seconds:
+    if strategy not in SHARDED_STRATEGIES or n <= 1 or not seconds:
         return seconds
     notes.append(SHARDED_STEP)
     return seconds / n
@@ -334,7 +335,7 @@ def plan_time(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, layo
     s = rank.step
     fwd, bwd, opt = s.by_phase.get("forward", 0.0), s.by_phase.get("backward", 0.0), s.by_phase.get("optimizer", 0.0)
     opt_rank = _rank_optimizer(opt, strategy, dp * cp, notes)
-    comm = _dp_comm(strategy, dp * (cp if strategy in ("zero1", "zero2", "zero3", "fsdp2") else 1), dp * tp * cp,
+    comm = _dp_comm(strategy, dp * (cp if strategy in SHARDED_STRATEGIES else 1), dp * tp * cp,
                     rank, speed, fwd, bwd) if dp * cp > 1 and speed.links is not None else []
     if layout.offload_optimizer:
         notes.append("optimizer offloaded: its state's host traffic and a CPU optimizer step are not timed (the "
@@ -380,7 +381,7 @@ def _pipeline_time(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe,
                              2 * (m + pp - 1) * act, 2, link, p2p, p2p,
                              "on the critical path: 2·(m + p - 1) transfers of one micro-batch's hidden state"))
         fwd, bwd = (s.by_phase.get("forward", 0.0) / share * m, s.by_phase.get("backward", 0.0) / share * m)
-        sharded = strategy in ("zero1", "zero2", "zero3", "fsdp2")
+        sharded = strategy in SHARDED_STRATEGIES
         comm += _dp_comm(strategy, dp * (cp if sharded else 1), dp * tp * cp, rank, speed, fwd, bwd) \
             if dp * cp > 1 else []
         if layout.strategy is None and dp > 1:
