@@ -244,9 +244,8 @@ class SelectiveResult:
         return fig
 
     def _repr_html_(self) -> str:
-        rows = []
+        rows, base = [], self.point("none")
         for p in self.points:
-            base = self.point("none")
             span = (None if p.mode == "none" or p.timing is None or base.timing is None
                     else ratio(p.timing, base.timing, "range").text())
             rows.append([SELECTIVE_TEXT[p.mode], format_bytes(p.predicted_saved), format_bytes(p.saved_bytes),

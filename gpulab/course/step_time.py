@@ -328,7 +328,7 @@ class RecomputeTime:
         return self.point(k).on_cpu.flops - self.points[0].on_cpu.flops
 
     def measured_ratio(self, k: int) -> float:
-        return self.point(k).measured.min / self.points[0].measured.min
+        return self.measured_span(k).value
 
     def measured_span(self, k: int) -> Ratio:
         """The step at ``k`` over the first k's, measured: fastest over fastest, and the span the
