@@ -1,0 +1,95 @@
+"""Lesson 11's panels made faster give the answers they gave (#47 item 9): the activation panel measures
+forwards alone (what a layer saves is the forward's), and every panel's measurement runs with the objects
+that existed before it out of the cycle collector's walks (``widgets.gc_scope``). Latencies are the
+benchmark's (``benchmarks/panel_latency.py``), never asserted here."""
+import gc
+from collections import OrderedDict
+
+import pytest
+
+from gpulab.course import transformer_activations as ta
+from gpulab.widgets.gc_scope import old_objects_frozen
+
+
+def _facts(run):
+    """Everything a run's answer reads (the sweep's rows and the run's own table)."""
+    return (run.per_layer_bytes, run.outside_layers_bytes, run.host_bytes_per_layer, run.by_block, run.contents,
+            run.attention_kernel, run.formula_bytes, run.differences, run.label, run.n_layers)
+
+
+@pytest.mark.parametrize("model", ["tiny-gpt2", "tiny-llama"])
+def test_a_forward_alone_saves_what_forward_and_backward_save(model):
+    """GPT-2's layout (dropout masks, eager scores, CUDA's flash kernel) and Llama's (no dropout, RoPE,
+    SwiGLU): the rows and every run's bytes, contents and differences are the full runs', while the
+    forward-only run's timeline has no backward (so it did measure less)."""
+    full = ta.activation_vs_seq(model, (16, 32))
+    alone = ta.activation_vs_seq(model, (16, 32), kept=OrderedDict(), backward=False)
+    assert alone.rows == full.rows and alone.model == full.model
+    assert [_facts(r) for r in alone.runs] == [_facts(r) for r in full.runs]
+    phases = lambda run: {e.phase for e in run.measurement.tracking.events}
+    assert all("backward" in phases(r) for r in full.runs)
+    assert not any("backward" in phases(r) for r in alone.runs)
+
+
+def test_the_panel_keeps_forward_runs_apart_and_reuses_full_ones():
+    """A full run the lesson made serves the panel's forward-only sweep; a forward-only run is kept
+    under its own key, so a caller asking for full runs never gets one."""
+    kept = OrderedDict()
+    first = ta.activation_vs_seq("tiny-gpt2", (16,), kept=kept)                       # full runs, kept
+    assert set(kept) == {ta.kept_key("tiny-gpt2", 16, 1, i, "bfloat16", "fake") for i in ("eager", "sdpa")}
+    forward = ta.activation_vs_seq("tiny-gpt2", (16, 32), kept=kept, backward=False)
+    assert forward.runs[0] is first.runs[0] and forward.runs[1] is first.runs[1]       # s = 16: the full runs
+    assert ta.kept_key("tiny-gpt2", 32, 1, "eager", "bfloat16", "fake", backward=False) in kept
+    again = ta.activation_vs_seq("tiny-gpt2", (32,), kept=kept)                       # full asked: measured
+    assert again.runs[0] is not forward.runs[2]
+    assert "backward" in {e.phase for e in again.runs[0].measurement.tracking.events}
+    assert _facts(again.runs[0]) == _facts(forward.runs[2])
+
+
+def test_old_objects_frozen_leaves_a_freeze_alone_and_collects_new_cycles():
+    assert gc.get_freeze_count() == 0
+    with old_objects_frozen():
+        frozen = gc.get_freeze_count()
+        a, b = [], []
+        a.append(b)
+        b.append(a)
+        del a, b
+        assert gc.collect() >= 2                    # a cycle made inside is found inside
+    assert frozen > 0 and gc.get_freeze_count() == 0   # every object handed back
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        with old_objects_frozen():
+            pass
+        assert gc.get_freeze_count() == before      # someone else's freeze: theirs to undo
+    finally:
+        gc.unfreeze()
+
+
+def test_a_run_with_old_objects_frozen_records_what_its_cycles_held():
+    """The fake engine collects after a run that left a tracked storage alive (``engines._run_host``): with
+    the old objects frozen, a tensor that only a reference cycle made in the run holds is still freed there
+    and its free recorded, as without; and a real run gives the same timeline both ways."""
+    import torch
+
+    from gpulab.measure.engines import run
+
+    def cycle(ctx):
+        with ctx.phase("forward"):
+            holder = [torch.empty(4096, device=ctx.device)]
+            holder.append(holder)   # only the collector frees it
+        return {}
+
+    def freed():
+        t = run(cycle, "fake", fake_target="cuda").tracking
+        return [(e.kind, e.nbytes) for e in t.events], [r.freed is not None for r in t.records.values()]
+
+    def timeline():
+        t = ta.measured_layer_activations("tiny-gpt2", 16, 1, "eager").measurement.tracking
+        return ([(e.kind, e.sid, e.nbytes, e.phase, e.module) for e in t.events], t.peak_bytes,
+                dict(t.peak_by_category), [(r.category, r.op, r.shape, r.freed) for r in t.records.values()])
+    plain = freed(), timeline()
+    with old_objects_frozen():
+        frozen = freed(), timeline()
+    assert frozen == plain
+    assert plain[0][1] == [True] and [k for k, _ in plain[0][0]] == ["alloc", "free"]
