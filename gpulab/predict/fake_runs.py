@@ -44,22 +44,24 @@ def deep_runs(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecip
         at = timed and getattr(wk.config, wk.facts.depth_field) in deep[0].depths[:2]
         return tracked(wk, wkey, b, dt, recipe, target, fresh, at)
     deep.append(layer_repeat.Deep(w, small))
-    lkey = _layouts_key(key, recipe, dt, target)
-    if lkey is not None:   # the layouts learned for this model and recipe at any sequence length or batch
+    lkey = _layouts_key(key, w, recipe, dt, target)
+    if lkey is not None:   # the layouts learned for this kind of model and recipe at any size, sequence length or batch
         deep[0].layouts = run_cache.layouts(lkey)
     return deep[0]
 
 
-def _layouts_key(key: tuple | None, recipe: LoopRecipe, dt: torch.dtype, target: tuple) -> tuple | None:
-    """``run_cache.run_key`` without the sequence length, the inputs' text and the batch (None: not kept):
-    where ``run_cache.layouts`` keeps the layouts learned for a model and recipe. ``Deep.at`` takes a kept
-    layout only where it rebuilds the asked setting's (k+1)-layer run exactly, as it does for another
-    batch, and learns one (its third, deepest small run) where none does: a panel's sequence-length move
-    costs two small runs, not three and a learn."""
+def _layouts_key(key: tuple | None, w: Workload, recipe: LoopRecipe, dt: torch.dtype, target: tuple) -> tuple | None:
+    """``run_cache.run_key`` with the model's type (its config's ``model_type``) for the model, and without
+    the sequence length or the batch (None: not kept): where ``run_cache.layouts`` keeps the layouts learned
+    for a kind of model and a recipe. ``Deep.at`` takes a kept layout only where it rebuilds the asked
+    setting's (k+1)-layer run exactly, as it does for another batch, and learns one (its third, deepest
+    small run) where none does: a panel's sequence-length move costs two small runs, not three and a learn,
+    and so does a move to another size of the same kind of model (lesson 11's custom Llama after
+    Llama-3-8B, whose layouts learned apart are equal: a test shows it)."""
     if key is None:
         return None
-    name, kind, _inputs, image_size, _seq_len, source, config = key
-    return run_cache.run_key((name, kind, image_size, source, config), recipe, dt, 0, target)
+    _name, kind, _inputs, image_size, _seq_len, _source, _config = key
+    return run_cache.run_key((getattr(w.config, "model_type", None), kind, image_size), recipe, dt, 0, target)
 
 
 def tracked_at_depth(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe: LoopRecipe,
