@@ -95,30 +95,30 @@ def test_a_run_with_old_objects_frozen_records_what_its_cycles_held():
     assert plain[0][1] == [True] and [k for k, _ in plain[0][0]] == ["alloc", "free"]
 
 
-def _lora_step(hidden, layers):
+def _step(method, hidden, layers):
     import torch
 
     from gpulab.course.finetune import custom_config, recipe_options
     from gpulab.predict.fake_step import fake_step_timeline
     return fake_step_timeline(custom_config(hidden=hidden, layers=layers), 1, seq_len=32, optimizer="adamw",
-                              dtype=torch.bfloat16, **recipe_options("lora", "none"))
+                              dtype=torch.bfloat16, **recipe_options(method, "none"))
 
 
-@pytest.mark.extended   # three small LoRA runs twice and a learn: some 10 s on 2 cores
-def test_a_layout_learned_for_one_size_serves_another_size_of_the_model_exactly():
+@pytest.mark.parametrize("method", ["full", pytest.param("lora", marks=pytest.mark.extended)])
+def test_a_layout_learned_for_one_size_serves_another_size_of_the_model_exactly(method):
     """Lesson 11's fine-tune panel moving from one Llama size to another (its presets and custom model are
     Llama-type): the layout kept from the first size (``run_cache.layouts``, per model type and recipe) lays
     the second out event for event as a layout learned for it alone, which is the same layout, and spares
     the third small run and the learn."""
     from gpulab.predict import run_cache
     run_cache.clear()
-    _lora_step(512, 12)
+    _step(method, 512, 12)
     first = [lay for kept in run_cache._layouts.values() for lay in kept]
     before = run_cache.info()["runs"]
-    reused, how = _lora_step(256, 14)
+    reused, how = _step(method, 256, 14)
     made_reused = run_cache.info()["runs"] - before
     run_cache.clear()   # forgets the layouts too: learned from three small runs
-    learned, _ = _lora_step(256, 14)
+    learned, _ = _step(method, 256, 14)
     alone = [lay for kept in run_cache._layouts.values() for lay in kept]
     made_learned = run_cache.info()["runs"]
     assert "laid out" in how and len(first) == 1 and alone == first      # learned apart: the same layout
