@@ -107,7 +107,8 @@ def layouts(key: tuple) -> list:
     """The list of layouts (``predict.layer_repeat.DepthLayout``) learned in this process for the kind of
     model and recipe ``key`` names (``run_key`` with the model's type for the model and the sequence length and
     batch left out: ``predict.fake_runs``), shared by every run of them: a layout learned at one setting is kept
-    for the next, which takes it only where it rebuilds that setting's runs exactly. At most ``MAX_ENTRIES`` keys (the least recently used goes first)."""
+    for the next, which takes it only where it rebuilds that setting's runs exactly. At most ``MAX_ENTRIES``
+    keys (the least recently used goes first)."""
     kept = _layouts.setdefault(key, [])
     _layouts.move_to_end(key)
     while len(_layouts) > MAX_ENTRIES:
