@@ -376,12 +376,9 @@ def measured_layer_activations(name_or_config: Any, seq_len: int = 128, batch: i
     GPU, whose ``layer_norm`` kernel keeps them in the accumulate type). With the one-kernel
     tanh GELU (``activation_function="gelu_pytorch_tanh"``, the same function) only (2) remains:
     at most 2·2·4 = 16 bytes per s·b against 34·h of the formula, 16 / (34 · 768) = 0.061 % for
-    GPT-2, so such a layer is within 0.1 % of the formula. The tests check both.
-
-    ``backward=False`` runs the forward alone (lesson 11's panel): everything reported here is read off
-    the forward's saved tensors and ops, which the backward only frees, so the bytes, contents, kernel
-    and differences are the same (a test compares them); the measurement's timeline then ends with the
-    forward."""
+    GPT-2, so such a layer is within 0.1 % of the formula. The tests check both. ``backward=False``: the
+    forward alone (lesson 11's panel); all reported is read off the forward's saved tensors and ops, which
+    the backward only frees: the same bytes, contents, kernel and differences (tested)."""
     impl = str(attn_implementation).lower()
     if impl not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {attn_implementation!r}; valid: "
