@@ -17,13 +17,13 @@ def _facts(run):
             run.attention_kernel, run.formula_bytes, run.differences, run.label, run.n_layers)
 
 
-@pytest.mark.parametrize("model", ["tiny-gpt2", "tiny-llama"])
-def test_a_forward_alone_saves_what_forward_and_backward_save(model):
+@pytest.mark.parametrize("model,lengths", [("tiny-gpt2", (16, 32)), ("tiny-llama", (32,))])
+def test_a_forward_alone_saves_what_forward_and_backward_save(model, lengths):
     """GPT-2's layout (dropout masks, eager scores, CUDA's flash kernel) and Llama's (no dropout, RoPE,
     SwiGLU): the rows and every run's bytes, contents and differences are the full runs', while the
     forward-only run's timeline has no backward (so it did measure less)."""
-    full = ta.activation_vs_seq(model, (16, 32))
-    alone = ta.activation_vs_seq(model, (16, 32), kept=OrderedDict(), backward=False)
+    full = ta.activation_vs_seq(model, lengths)
+    alone = ta.activation_vs_seq(model, lengths, kept=OrderedDict(), backward=False)
     assert alone.rows == full.rows and alone.model == full.model
     assert [_facts(r) for r in alone.runs] == [_facts(r) for r in full.runs]
     phases = lambda run: {e.phase for e in run.measurement.tracking.events}
@@ -46,7 +46,9 @@ def test_the_panel_keeps_forward_runs_apart_and_reuses_full_ones():
     assert _facts(again.runs[0]) == _facts(forward.runs[2])
 
 
-def test_old_objects_frozen_leaves_a_freeze_alone_and_collects_new_cycles():
+def test_old_objects_frozen_leaves_a_freeze_alone_and_collects_new_cycles(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # a CPU student's machine
     assert gc.get_freeze_count() == 0
     with old_objects_frozen():
         frozen = gc.get_freeze_count()
@@ -66,7 +68,15 @@ def test_old_objects_frozen_leaves_a_freeze_alone_and_collects_new_cycles():
         gc.unfreeze()
 
 
-def test_a_run_with_old_objects_frozen_records_what_its_cycles_held():
+def test_old_objects_stay_collectable_where_a_gpu_is(monkeypatch):
+    """The cuda engine collects what earlier code left before it measures: with a GPU nothing is frozen."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with old_objects_frozen():
+        assert gc.get_freeze_count() == 0
+
+
+def test_a_run_with_old_objects_frozen_records_what_its_cycles_held(monkeypatch):
     """The fake engine collects after a run that left a tracked storage alive (``engines._run_host``): with
     the old objects frozen, a tensor that only a reference cycle made in the run holds is still freed there
     and its free recorded, as without; and a real run gives the same timeline both ways."""
@@ -89,7 +99,9 @@ def test_a_run_with_old_objects_frozen_records_what_its_cycles_held():
         return ([(e.kind, e.sid, e.nbytes, e.phase, e.module) for e in t.events], t.peak_bytes,
                 dict(t.peak_by_category), [(r.category, r.op, r.shape, r.freed) for r in t.records.values()])
     plain = freed(), timeline()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # frozen, as on a CPU student's machine
     with old_objects_frozen():
+        assert gc.get_freeze_count() > 0
         frozen = freed(), timeline()
     assert frozen == plain
     assert plain[0][1] == [True] and [k for k, _ in plain[0][0]] == ["alloc", "free"]

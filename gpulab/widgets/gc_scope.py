@@ -11,12 +11,15 @@ reference cycles are. The ``gpulab`` command does the same for a whole answer (`
 
 Nothing is lost: a frozen object that became garbage is collected by the first full collection after the
 measurement. Where something froze objects already (the ``gpulab`` command, a user's own ``gc.freeze``),
-nothing is changed. The panels call it holding ``base.MEASURE_LOCK``, so two measurements never overlap.
+nothing is changed; nor where a GPU is present: the cuda engine collects before it measures what earlier
+code left (``measure.engines.release_cuda_memory``: reference cycles holding GPU tensors, old objects
+among them). The panels call it holding ``base.MEASURE_LOCK``, so two measurements never overlap.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 from collections.abc import Iterator
 
 __all__ = ["old_objects_frozen"]
@@ -25,7 +28,8 @@ __all__ = ["old_objects_frozen"]
 @contextlib.contextmanager
 def old_objects_frozen() -> Iterator[None]:
     """While inside, the cycle collector walks only the objects made since entering (module docstring)."""
-    if gc.get_freeze_count():   # frozen by someone else: theirs to unfreeze
+    torch = sys.modules.get("torch")
+    if gc.get_freeze_count() or (torch is not None and torch.cuda.is_available()):   # someone's freeze; a GPU
         yield
         return
     gc.freeze()
