@@ -600,7 +600,8 @@ def exercise_sgd_state(model: str = "mlp", batch: int = 8):
         r = result()
         return (f"Measured: {format_bytes(r.state_after_bytes)} of optimizer state after the first step(), for "
                 f"{format_bytes(r.param_bytes)} of parameters ({r.label}). torch.optim.SGD with momentum=0 keeps "
-                f"no buffer (its momentum_buffer stays None): the update p -= lr × grad needs only the gradient. "
+                f"no buffer (its step() stores a momentum_buffer only when momentum ≠ 0): the update p -= lr × grad "
+                f"needs only the gradient. "
                 f"Momentum adds one copy of the parameters, Adam two.")
 
     return ChoiceExercise(

@@ -339,9 +339,9 @@ def _notes(r: TensorBytesResult) -> list[str]:
     if c["simulated_allocated"] is not None and c["simulated_allocated"] != c["formula_allocated"]:
         notes.append(f"The simulated allocator counts {c['simulated_allocated']:,} B for x, not the "
                      f"{c['formula_allocated']:,} B of the 512-byte rule: the block it carved x from "
-                     f"would leave only {c['simulated_allocated'] - c['formula_allocated']:,} B, under the "
-                     f"1 MiB a large-pool block must keep to be split (should_split), so x gets the whole "
-                     f"block and memory_allocated counts all of it.")
+                     f"would leave only {c['simulated_allocated'] - c['formula_allocated']:,} B over, and a "
+                     f"large-pool block is split only when more than 1 MiB would be left (should_split, "
+                     f"kSmallSize), so x gets the whole block and memory_allocated counts all of it.")
     if c["simulated_reserved"] is not None:
         notes.append(f"A fresh caching allocator would reserve {format_bytes(c['simulated_reserved'])} "
                      f"for x (simulated allocator): what nvidia-smi would count, before the CUDA context.")
