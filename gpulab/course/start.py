@@ -434,4 +434,5 @@ def exercise_where_memory_went(story: OomStory | None = None) -> ChoiceExercise:
                   "memory?"),
         options={"a": "the parameters", "b": "Adam's optimizer state", "c": "the activations saved for backward",
                  "d": "the gradients"},
-        expected=expected, explain=explain)
+        expected=expected, explain=explain,
+        hint="Look again at what is alive at the peak, and which of it grows with the batch")
