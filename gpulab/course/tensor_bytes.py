@@ -552,7 +552,8 @@ def exercise_cuda_rounding(n: int = 1000, dtype: str = "float32") -> Exercise:
         expected=lambda: F.cuda_rounded_bytes(F.tensor_bytes((n,), dt)),
         explain=(f"{n:,} × {dt.itemsize} B = {F.tensor_bytes((n,), dt):,} B, rounded up to a multiple "
                  f"of 512 B by the caching allocator (kMinBlockSize)."),
-        unit="bytes", hint="The caching allocator hands out blocks in multiples of 512 bytes.")
+        unit="bytes", hint="The caching allocator hands out blocks in multiples of 512 bytes.",
+        ratio_hint="round the tensor's bytes up to the next multiple of 512 B; one block of 512 B is too small here.")
 
 
 _WHICH_COPIES = {"a": "slice", "b": "strided slice", "c": "transpose", "d": "slice + clone"}
