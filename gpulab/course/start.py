@@ -162,8 +162,8 @@ def label_guide() -> LabelGuide:
                         "nothing ran", True),
         (LABEL_CPU, "the code ran on the CPU with real data; a tracker counted every tensor storage "
                     "it created and freed", status["cpu"][0]),
-        (LABEL_FAKE_CPU, "the code ran on fake tensors (shapes and dtypes, no data, no compute) with this "
-                         "CPU's kernels; the same tracker counted the storages they would need", status["fake"][0]),
+        (LABEL_FAKE_CPU, "the code ran on fake tensors (shapes and dtypes, no data, no compute), following "
+                         "the CPU kernels' choices; the same tracker counted the storages they would allocate", status["fake"][0]),
         (LABEL_FAKE_CUDA, "fake tensors again, answering for a GPU: CUDA's kernel choices (foreach optimizers, "
                           "bool dropout masks, step counters in host memory), storages in 512-byte blocks; "
                           "no CUDA context or workspaces (see gpulab.measure.fake_cuda.STILL_DIFFERS)", status["fake"][0]),
