@@ -119,7 +119,7 @@ def _step(method, hidden, layers):
 @pytest.mark.parametrize("method", ["full", pytest.param("lora", marks=pytest.mark.extended)])
 def test_a_layout_learned_for_one_size_serves_another_size_of_the_model_exactly(method):
     """Lesson 11's fine-tune panel moving from one Llama size to another (its presets and custom model are
-    Llama-type): the layout kept from the first size (``run_cache.layouts``, per model type and recipe) lays
+    Llama-type): the layout kept from the first size (``run_cache.layouts``, per config less its sizes, and recipe) lays
     the second out event for event as a layout learned for it alone, which is the same layout, and spares
     the third small run and the learn."""
     from gpulab.predict import run_cache
@@ -138,3 +138,27 @@ def test_a_layout_learned_for_one_size_serves_another_size_of_the_model_exactly(
            [(e.kind, e.nbytes, e.sid, e.phase, e.module) for e in learned.events]
     assert reused.peak_bytes == learned.peak_bytes and reused.peak_by_category == learned.peak_by_category
     assert made_reused == made_learned - 1     # the deepest small run, which only teaches the layout, not made
+
+
+def test_layouts_are_shared_between_sizes_of_a_model_and_kept_apart_by_any_other_field():
+    """The layouts' key (``fake_runs._layouts_key``) is the config less its sizes: lesson 11's custom Llama
+    shares Llama-3-8B's (they differ in sizes, token ids, norm epsilon and rope theta only), Mistral-7B
+    (a sliding window, another model type) and a Llama with a different layer pattern do not."""
+    import torch
+
+    from gpulab.course.finetune import preset_config
+    from gpulab.models.workload import resolve_workload
+    from gpulab.predict import run_cache
+    from gpulab.predict.fake_runs import _layouts_key
+    from gpulab.training.loop import LoopRecipe
+
+    def key(config):
+        w = resolve_workload(config, seq_len=32)
+        return _layouts_key(run_cache.workload_key(config, w, own_parts=False), w, LoopRecipe(),
+                            torch.bfloat16, ("cuda", "H100"))
+    llama, custom = key(preset_config("llama-3-8b")), key(preset_config("custom", 1024, 20))
+    assert llama is not None and llama == custom
+    assert key(preset_config("mistral-7b")) != llama
+    windowed = preset_config("llama-3-8b")
+    windowed.attention_dropout = 0.1      # dropout masks in every layer: other events
+    assert key(windowed) != llama

@@ -13,8 +13,8 @@ A run made with a timer (``predict.run_ops``) keeps its step's ops beside its ti
 watched its run, so a timed question reuses a timeline only where its ops were kept too.
 
 The layouts ``predict.layer_repeat`` learns (where a model's layers repeat) are kept too, per kind of model
-(its config's ``model_type``) and recipe, without the sizes, sequence length or batch (``layouts``): a run of
-another size or sequence length takes one only where it rebuilds that run's (k+1)-layer timeline exactly, as
+(its config less its sizes: ``predict.fake_runs._SIZES``) and recipe, without the sequence length or batch
+(``layouts``): a run of another size or sequence length takes one only where it rebuilds that run's (k+1)-layer timeline exactly, as
 a run at another batch does.
 
 The cache holds at most ``MAX_ENTRIES`` timelines and ``MAX_EVENTS`` events in all (about 470 bytes
