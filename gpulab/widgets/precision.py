@@ -10,7 +10,6 @@ from IPython.display import HTML
 
 from gpulab.course.precision import LOW_DTYPES, PrecisionResult, precision_step, saving_text
 from gpulab.record.lookup import RecordLookup, find_record
-from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import counter_text, recorded_html
 from gpulab.units import format_bytes
 from gpulab.widgets.base import Panel, dropdown, model_controls
@@ -25,9 +24,8 @@ __all__ = [
 
 def compute_precision(model: str, batch: int, image_size: int, optimizer: str, low: str,
                       engine: str) -> PrecisionResult:
-    """The runs on one CPU thread (``cpu_threads``, as ``widgets.optimizers.compute_optimizers`` runs)."""
-    with cpu_threads(1):
-        return precision_step(model, int(batch), int(image_size), optimizer, low, engine)
+    """The runs (the panel runs them on one CPU thread: ``Panel(threads=1)``)."""
+    return precision_step(model, int(batch), int(image_size), optimizer, low, engine)
 
 
 def predict_precision_peak(params: dict[str, Any]) -> int:
@@ -65,7 +63,7 @@ def precision_panel(model: str = "cnn", batch: int = 32, image_size: int | None 
     controls = model_controls(model, batch=batch, image_size=image_size, optimizer=optimizer, engine=engine,
                               extra={"low": dropdown("16-bit dtype", LOW_DTYPES, low)})
     return Panel("Mixed precision: which tensors shrink", controls, compute_precision, render_precision,
-                 guard=memory_guard(predict_precision_peak),
+                 guard=memory_guard(predict_precision_peak), threads=1,
                  description="Two training steps each in float32, under <code>torch.autocast</code> (fp16 adds "
                              "<code>GradScaler</code>), and with the whole model in 16 bits; the peak of each by "
                              "category.",
