@@ -225,6 +225,53 @@ def test_memory_panels_run_their_guard_and_measurement_on_one_thread():
     assert seen == [("guard", before), ("compute", before)]
 
 
+def test_checkpoint_panel_shows_the_memory_then_the_sweep_timed_as_checkpoint_sweep_times_it():
+    """Lesson 07's panel shows the memory of every k first, then times the steps on a worker thread
+    (``time_sweep``): the answer equals ``checkpoint_sweep``'s in one go (every byte, the labels, one timing
+    of ``repeats`` samples per k). While it times, ``timing`` is True and the status says so; a change
+    stops the timing (the stale memory stays without timings)."""
+    import threading
+
+    from gpulab.course.checkpointing import checkpoint_sweep, time_sweep
+    from gpulab.record.runs.checkpoint import TimingStopped
+    from gpulab.widgets.checkpoint import checkpoint_panel
+    whole = checkpoint_sweep(6, 16, 8, "every k from 1 to N", "cpu", repeats=2)
+    memory = checkpoint_sweep(6, 16, 8, "every k from 1 to N", "cpu", repeats=2, time_steps=False)
+    assert all(p.timing is None for p in memory.points) and memory.timing_label == "not timed"
+    timed = time_sweep(memory, repeats=2)
+
+    def fields(r):
+        return (r.n_blocks, r.width, r.batch, r.map_bytes, r.label, r.engine, r.timing_label,
+                [(p.segments, p.peak_bytes, p.activation_side, p.peak_by_category, p.chen_bytes, p.sequential_bytes)
+                 for p in r.points])
+    assert fields(timed) == fields(whole) and "1 thread" in timed.timing_label
+    assert all(len(p.timing.samples) == 2 and p.timing.warmup == q.timing.warmup
+               for p, q in zip(timed.points, whole.points))
+    with pytest.raises(TimingStopped):
+        time_sweep(memory, repeats=2, stop=lambda: True)
+    fake = checkpoint_sweep(6, 16, 8, "divisors of N", "fake")
+    assert time_sweep(fake) is fake
+
+    panel = checkpoint_panel(n_blocks=6, width=16, batch=8, repeats=2, engine="cpu")
+    gate = threading.Event()
+    panel.progress.observe(lambda c: threading.current_thread().name == "gpulab-checkpoint-timing" and gate.wait(10),
+                           names="value")   # holds the worker at its first round until the gate opens
+    panel.run()
+    assert panel.timing and "timing the steps" in panel.status.value and all(p.timing is None for p in panel.result.points)
+    assert fields(panel.result)[:6] == fields(whole)[:6] and fields(panel.result)[7] == fields(whole)[7]
+    gate.set()
+    assert panel.wait() and not panel.timing and panel.error is None
+    assert fields(panel.result) == fields(whole) and all(len(p.timing.samples) == 2 for p in panel.result.points)
+    assert panel.status.value.startswith("done: memory in")
+    gate.clear()
+    panel.set(n_blocks=4)                       # memory of N = 4 shown, its timing held at the gate
+    assert panel.timing
+    threading.Timer(0.2, gate.set).start()
+    panel.controls["batch"].value = 16          # a change: the timing of N = 4 is stopped (it waits for it)
+    assert panel.wait() and not panel.timing and panel.stale
+    assert [p.segments for p in panel.result.points] == [1, 2, 3, 4] and all(p.timing is None for p in panel.result.points)
+
+
 def test_checkpoint_panel_reuses_its_sweep_for_a_subset_of_k_and_measures_again_on_run():
     """Lesson 07's panel (``reusing_sweeps``, as checkpoint_panel wires it): the divisors of N after a sweep
     of every k are that sweep's points (memory as a fresh sweep of the divisors measures it, the timings

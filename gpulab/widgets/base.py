@@ -190,7 +190,7 @@ class Panel:
         self.error, self.blocked = None, None
         self._fresh()   # what is shown next is for these settings (a result, a refusal or an error)
         try:
-            with _cpu_threads(self.threads):
+            with MEASURE_LOCK, _cpu_threads(self.threads):   # a guard may measure (the fake engine)
                 verdict = self._guard(params) if self._guard else GuardVerdict(True)
             if not verdict.ok:
                 self.blocked = verdict
