@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 import weakref
 from dataclasses import dataclass, replace
@@ -35,7 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gpulab.categories import CATEGORIES, Category
 from gpulab.measure.records import HOST_DEVICE, PHASES, UNIFIED_DEVICE, Event, StorageRecord, TrackingResult
 
-__all__ = ["Event", "HOST_DEVICE", "MemoryTracker", "PHASES", "StorageRecord", "TrackingResult", "UNIFIED_DEVICE"]
+__all__ = ["Event", "HOST_DEVICE", "MemoryTracker", "PHASES", "StorageRecord", "TRACKER_LOCK", "TrackingResult", "UNIFIED_DEVICE"]
 
 
 _RANK = {c: i for i, c in enumerate(CATEGORIES)}
@@ -44,6 +45,13 @@ _RANK = {c: i for i, c in enumerate(CATEGORIES)}
 
 def _device_str(device: torch.device) -> str:
     return str(device)
+
+
+# A tracker's module and optimizer hooks are global (``register_module_forward_pre_hook``): they see the
+# modules that every thread runs. A tracker holds this lock from ``__enter__`` to ``__exit__``, and code
+# that runs modules on another thread while a tracker may be measuring (a panel's timing worker,
+# ``widgets.checkpoint``) holds it too, so the two take turns.
+TRACKER_LOCK = threading.RLock()
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -108,17 +116,22 @@ class MemoryTracker(TorchDispatchMode):
         from torch.nn.modules import module as nn_module
         from torch.optim import optimizer as optim_module
 
-        self._handles = [
-            nn_module.register_module_forward_pre_hook(self._on_forward_pre),
-            nn_module.register_module_forward_hook(self._on_forward_post, always_call=True),
-            optim_module.register_optimizer_step_pre_hook(self._on_step_pre),
-            optim_module.register_optimizer_step_post_hook(self._on_step_post),
-        ]
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
-        stack.enter_context(_storage_resizes_seen_by(self))
-        self._exit_stack = stack
-        super().__enter__()
+        TRACKER_LOCK.acquire()   # released in __exit__
+        try:
+            self._handles = [
+                nn_module.register_module_forward_pre_hook(self._on_forward_pre),
+                nn_module.register_module_forward_hook(self._on_forward_post, always_call=True),
+                optim_module.register_optimizer_step_pre_hook(self._on_step_pre),
+                optim_module.register_optimizer_step_post_hook(self._on_step_post),
+            ]
+            stack = contextlib.ExitStack()
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+            stack.enter_context(_storage_resizes_seen_by(self))
+            self._exit_stack = stack
+            super().__enter__()
+        except BaseException:
+            TRACKER_LOCK.release()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -138,6 +151,7 @@ class MemoryTracker(TorchDispatchMode):
                 self._exit_stack.close()
                 self._exit_stack = None
             self._closed = True
+            TRACKER_LOCK.release()
 
     # ---- the dispatch hook ------------------------------------------------------------
     # Every ATen op of the run passes through here (tens of thousands for a large model's

@@ -24,6 +24,7 @@ from typing import Any, Callable
 from IPython.display import HTML
 
 from gpulab.course.checkpointing import SEGMENT_CHOICES, CheckpointResult, checkpoint_sweep, segment_counts, time_sweep
+from gpulab.measure.tracking import TRACKER_LOCK
 from gpulab.record.lookup import RecordLookup, find_record
 from gpulab.record.runs.checkpoint import TimingStopped
 from gpulab.record.views import counter_text, recorded_html
@@ -137,7 +138,8 @@ def reusing_sweeps(compute: Callable[..., CheckpointResult], render: Callable[[C
 
 class CheckpointPanel(Panel):
     """A ``Panel`` whose answer comes in two updates: the memory of every k (the compute), then the same
-    sweep with its steps timed (``time_sweep``) on a worker thread that holds ``MEASURE_LOCK``. While it
+    sweep with its steps timed (``time_sweep``) on a worker thread that holds ``MEASURE_LOCK`` and
+    ``measure.tracking.TRACKER_LOCK`` (a tracker's hooks see every thread's modules). While it
     times, the progress bar shows and the status says so; ``timing`` is True. A run, or a change of a
     control, stops the timing in flight (``TimingStopped`` before its next step) and waits for it."""
 
@@ -198,7 +200,7 @@ class CheckpointPanel(Panel):
         repeats = int(params["repeats"])
         t0 = time.perf_counter()
         try:
-            with MEASURE_LOCK:
+            with MEASURE_LOCK, TRACKER_LOCK:   # no tracker, here or in a notebook cell, sees these modules
                 if stop():
                     return
                 timed = time_sweep(memory, repeats, progress=progress, stop=stop)
