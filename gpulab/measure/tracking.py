@@ -573,6 +573,23 @@ class MemoryTracker(TorchDispatchMode):
                 self._auto_phase = name
 
     # ---- results ----------------------------------------------------------------------------
+    def live_by_category(self, device: str) -> dict[str, int]:
+        """``result(device=device).final_by_category`` without building the result: the bytes alive now on
+        ``device`` per category (512-byte blocks on a CUDA device), in one pass over the events and no copy
+        of the records. A forward's per-layer hooks ask it after every layer (``record.runs.activations``)."""
+        from gpulab.formulas import cuda_rounded_bytes
+        size = cuda_rounded_bytes if device.startswith("cuda") else (lambda n: n)
+        host = {sid: r.apart for sid, r in self._records.items() if r.apart}
+        sizes: dict[int, int] = {}
+        for e in self._events:
+            if host.get(e.sid, e.device) == device:
+                sizes[e.sid] = 0 if e.kind == "free" else e.nbytes
+        current = {c.value: 0 for c in CATEGORIES}
+        for sid, n in sizes.items():
+            if n:
+                current[self._records[sid].category.value] += size(n)
+        return current
+
     def result(self, device: str | None = None, round_to_cuda_blocks: bool | None = None,
                on_host=None) -> "TrackingResult":
         """A snapshot of what has been recorded so far (the tracker may still be running).

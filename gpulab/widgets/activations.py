@@ -4,6 +4,7 @@ engine is not cuda, each panel shows the recorded GPU run with the same settings
 one, or a one-line note says that none matches."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 from IPython.display import HTML
@@ -99,9 +100,10 @@ def inference_panel(model: str = "vgg16", batch: int = 1, image_size: int | None
 
 # --- modelsize() vs saved ----------------------------------------------------------------------------
 
-def compute_modelsize(batch: int, dtype: str, engine: str) -> ModelsizeComparison:
-    """Every model's forward (the panel runs it on one CPU thread: ``Panel(threads=1)``)."""
-    return modelsize_vs_saved(tuple(MODELS), batch, dtype, engine)
+def compute_modelsize(batch: int, dtype: str, engine: str, kept: OrderedDict | None = None) -> ModelsizeComparison:
+    """Every model's forward (the panel runs it on one CPU thread: ``Panel(threads=1)``); ``kept``: the
+    panel's rows measured before (``modelsize_vs_saved``), a setting met again is not measured again."""
+    return modelsize_vs_saved(tuple(MODELS), batch, dtype, engine, kept=kept)
 
 
 def _modelsize_rows(r: dict[str, Any]) -> list[list[str]]:
@@ -132,7 +134,11 @@ def modelsize_panel(batch: int = 1, dtype: str = "float32", engine: str = "auto"
         "dtype": dropdown("dtype", ACT_DTYPES, dtype),
         "engine": engine_dropdown(engine),
     }
-    return Panel("The articles' modelsize() vs what autograd saves", controls, compute_modelsize,
+    kept: OrderedDict = OrderedDict()
+
+    def compute(batch: int, dtype: str, engine: str) -> ModelsizeComparison:
+        return compute_modelsize(batch, dtype, engine, kept=kept)
+    return Panel("The articles' modelsize() vs what autograd saves", controls, compute,
                  render_modelsize, auto_run=True, guard=memory_guard(_modelsize_guard_bytes), threads=1,
                  description="Every lesson model at its default image size: the estimate (every layer's "
                              "output, in-place ReLUs skipped, ×2) next to a tracked forward with grad.",
