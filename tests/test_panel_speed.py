@@ -263,6 +263,8 @@ def test_checkpoint_panel_shows_the_memory_then_the_sweep_timed_as_checkpoint_sw
     assert panel.wait() and not panel.timing and panel.error is None
     assert fields(panel.result) == fields(whole) and all(len(p.timing.samples) == 2 for p in panel.result.points)
     assert panel.status.value.startswith("done: memory in")
+    shown = [o["data"].get("text/html", "") for o in panel.output.outputs]   # set from the worker thread
+    assert any("timed on this CPU, 1 thread" in h for h in shown) and any("image/png" in o["data"] for o in panel.output.outputs)
     gate.clear()
     panel.set(n_blocks=4)                       # memory of N = 4 shown, its timing held at the gate
     assert panel.timing

@@ -219,10 +219,28 @@ class CheckpointPanel(Panel):
         if keep is not None:
             keep(timed, params["repeats"], params["engine"])
         self.result = timed
-        self._show(self._render(timed))
+        self._show_from_worker(self._render(timed))
         self.timing = False
         self.progress.layout.visibility = "hidden"
         self.status.value = f"done: memory in {memory_s:.2f} s, then timings in {self.timing_seconds:.2f} s"
+
+    def _show_from_worker(self, items: list[Any]) -> None:
+        """``Panel._show`` for the worker thread: the Output's ``outputs`` set to the items' display data
+        (ipywidgets' way from another thread), not ``with output: display(...)``, which takes the kernel's
+        current parent message and would send the items to whatever cell is running now."""
+        from IPython.core.formatters import format_display_data
+        from matplotlib.figure import Figure
+
+        from gpulab.plots import as_image
+        shown = []
+        for item in items:
+            if isinstance(item, Figure):
+                image = as_image(item)
+                item.clf()
+                item = image
+            data, metadata = format_display_data(item)
+            shown.append({"output_type": "display_data", "data": data, "metadata": metadata})
+        self.output.outputs = tuple(shown)
 
     def wait(self, timeout: float = 300.0) -> bool:
         """Block until the timings in flight are shown (or stopped); False on timeout."""
