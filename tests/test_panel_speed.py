@@ -163,7 +163,7 @@ def _optimizer_runs_alike(a, b):
 
 
 def test_optimizer_panels_on_one_thread_count_what_two_threads_count():
-    """Lesson 05's optimizer and implementation panels run on one CPU thread (``cpu_threads(1)``): the
+    """Lesson 05's optimizer and implementation panels run on one CPU thread (``Panel(threads=1)``): the
     same bytes, event for event, as the comparisons on two threads."""
     from gpulab.course.optimizers import compare_implementations, compare_optimizers
     from gpulab.record.runs.checkpoint import cpu_threads
@@ -171,20 +171,107 @@ def test_optimizer_panels_on_one_thread_count_what_two_threads_count():
     from gpulab.widgets.optimizers import compute_optimizers
     with cpu_threads(2):
         two = compare_optimizers("mlp", batch=2, engine="cpu")
-    one = compute_optimizers("mlp", 2, "cpu")
+    with cpu_threads(1):   # as the panels run them (``Panel(threads=1)``)
+        one = compute_optimizers("mlp", 2, "cpu")
     assert [r.optimizer for r in one.runs] == [r.optimizer for r in two.runs] and len(one.runs) >= 6
     for a, b in zip(one.runs, two.runs):
         _optimizer_runs_alike(a, b)
     assert any(r.state_after_bytes > 0 for r in one.runs)   # state was there to count
     with cpu_threads(2):
         two_impl = compare_implementations("mlp", "momentum", batch=2, engine="cpu")
-    one_impl = compute_implementations("mlp", "momentum", 2, "cpu")
+    with cpu_threads(1):
+        one_impl = compute_implementations("mlp", "momentum", 2, "cpu")
     assert [r.implementation for r in one_impl.rows] == [r.implementation for r in two_impl.rows]
     for a, b in zip(one_impl.rows, two_impl.rows):
         assert (a.run is None) == (b.run is None) and a.unsupported == b.unsupported
         if a.run is not None:
             _optimizer_runs_alike(a.run, b.run)
             assert a.run.step_peak() == b.run.step_peak()
+
+
+def test_memory_panels_run_their_guard_and_measurement_on_one_thread():
+    """The eight memory-only panels ask for one CPU thread (``Panel(threads=1)``), and a Panel runs its
+    guard and its compute under the thread count it was given, then restores torch's."""
+    from gpulab.widgets import base
+    from gpulab.widgets.activations import modelsize_panel
+    from gpulab.widgets.allocator import allocator_panel
+    from gpulab.widgets.flops import depthwise_panel, flops_panel
+    from gpulab.widgets.optimizer_impl import implementation_panel
+    from gpulab.widgets.optimizers import optimizer_panel
+    from gpulab.widgets.precision import precision_panel
+    from gpulab.widgets.step import step_panel
+    from gpulab.widgets.sweep import sweep_panel
+    for make in (modelsize_panel, allocator_panel, depthwise_panel, implementation_panel, optimizer_panel,
+                 precision_panel, step_panel, sweep_panel):
+        assert make().threads == 1, make.__name__
+    assert flops_panel().threads is None   # a formula panel: torch's threads left alone
+    seen = []
+    before = torch.get_num_threads()
+    target = 1 if before > 1 else 2
+
+    def guard(params):
+        seen.append(("guard", torch.get_num_threads()))
+        return base.GuardVerdict(True)
+
+    def compute(x):
+        seen.append(("compute", torch.get_num_threads()))
+        return x
+
+    panel = base.Panel("t", {"x": base.slider("x", 1, 1, 4)}, compute, lambda r: [], guard=guard, threads=target)
+    assert panel.run() == 1 and panel.error is None
+    assert seen == [("guard", target), ("compute", target)] and torch.get_num_threads() == before
+    seen.clear()
+    base.Panel("t", {"x": base.slider("x", 1, 1, 4)}, compute, lambda r: [], guard=guard).run()
+    assert seen == [("guard", before), ("compute", before)]
+
+
+def test_checkpoint_panel_shows_the_memory_then_the_sweep_timed_as_checkpoint_sweep_times_it():
+    """Lesson 07's panel shows the memory of every k first, then times the steps on a worker thread
+    (``time_sweep``): the answer equals ``checkpoint_sweep``'s in one go (every byte, the labels, one timing
+    of ``repeats`` samples per k). While it times, ``timing`` is True and the status says so; a change
+    stops the timing (the stale memory stays without timings)."""
+    import threading
+
+    from gpulab.course.checkpointing import checkpoint_sweep, time_sweep
+    from gpulab.record.runs.checkpoint import TimingStopped
+    from gpulab.widgets.checkpoint import checkpoint_panel
+    whole = checkpoint_sweep(6, 16, 8, "every k from 1 to N", "cpu", repeats=2)
+    memory = checkpoint_sweep(6, 16, 8, "every k from 1 to N", "cpu", repeats=2, time_steps=False)
+    assert all(p.timing is None for p in memory.points) and memory.timing_label == "not timed"
+    timed = time_sweep(memory, repeats=2)
+
+    def fields(r):
+        return (r.n_blocks, r.width, r.batch, r.map_bytes, r.label, r.engine, r.timing_label,
+                [(p.segments, p.peak_bytes, p.activation_side, p.peak_by_category, p.chen_bytes, p.sequential_bytes)
+                 for p in r.points])
+    assert fields(timed) == fields(whole) and "1 thread" in timed.timing_label
+    assert all(len(p.timing.samples) == 2 and p.timing.warmup == q.timing.warmup
+               for p, q in zip(timed.points, whole.points))
+    with pytest.raises(TimingStopped):
+        time_sweep(memory, repeats=2, stop=lambda: True)
+    fake = checkpoint_sweep(6, 16, 8, "divisors of N", "fake")
+    assert time_sweep(fake) is fake
+
+    panel = checkpoint_panel(n_blocks=6, width=16, batch=8, repeats=2, engine="cpu")
+    gate = threading.Event()
+    panel.progress.observe(lambda c: threading.current_thread().name == "gpulab-checkpoint-timing" and gate.wait(10),
+                           names="value")   # holds the worker at its first round until the gate opens
+    panel.run()
+    assert panel.timing and "timing the steps" in panel.status.value and all(p.timing is None for p in panel.result.points)
+    assert fields(panel.result)[:6] == fields(whole)[:6] and fields(panel.result)[7] == fields(whole)[7]
+    gate.set()
+    assert panel.wait() and not panel.timing and panel.error is None
+    assert fields(panel.result) == fields(whole) and all(len(p.timing.samples) == 2 for p in panel.result.points)
+    assert panel.status.value.startswith("done: memory in")
+    shown = [o["data"].get("text/html", "") for o in panel.output.outputs]   # set from the worker thread
+    assert any("timed on this CPU, 1 thread" in h for h in shown) and any("image/png" in o["data"] for o in panel.output.outputs)
+    gate.clear()
+    panel.set(n_blocks=4)                       # memory of N = 4 shown, its timing held at the gate
+    assert panel.timing
+    threading.Timer(0.2, gate.set).start()
+    panel.controls["batch"].value = 16          # a change: the timing of N = 4 is stopped (it waits for it)
+    assert panel.wait() and not panel.timing and panel.stale
+    assert [p.segments for p in panel.result.points] == [1, 2, 3, 4] and all(p.timing is None for p in panel.result.points)
 
 
 def test_checkpoint_panel_reuses_its_sweep_for_a_subset_of_k_and_measures_again_on_run():
@@ -251,12 +338,14 @@ def test_step_sweep_and_precision_panels_on_one_thread_count_what_two_threads_co
                              steps=1, guard=False)
         sweep2 = batch_sweep("mlp", sweep_batches(4), optimizer="adam", engine="cpu", steps=2)
         prec2 = precision_step("mlp", 2, size, "adam", "bfloat16", "cpu")
-    _same_timeline(compute_step("mlp", 2, size, "adam", "float32", "cpu").measurement.tracking, step2.measurement.tracking)
-    sweep1 = compute_sweep("mlp", "adam", 4, "cpu")
+    with cpu_threads(1):   # as the panels run them (``Panel(threads=1)``)
+        step1 = compute_step("mlp", 2, size, "adam", "float32", "cpu")
+        sweep1 = compute_sweep("mlp", "adam", 4, "cpu")
+        prec1 = compute_precision("mlp", 2, size, "adam", "bfloat16", "cpu")
+    _same_timeline(step1.measurement.tracking, step2.measurement.tracking)
     assert [p.batch for p in sweep1.points] == [p.batch for p in sweep2.points] == [1, 2, 4]
     for a, b in zip(sweep1.steps_results, sweep2.steps_results):
         _same_timeline(a.measurement.tracking, b.measurement.tracking)
-    prec1 = compute_precision("mlp", 2, size, "adam", "bfloat16", "cpu")
     assert list(prec1.runs) == list(prec2.runs) and len(prec1.runs) >= 2
     for mode in prec1.runs:   # autocast's frees inside forward come in an order that varies run to run on
         a, b = prec1.runs[mode].measurement.tracking, prec2.runs[mode].measurement.tracking   # any thread count
@@ -281,7 +370,10 @@ def test_lesson_03_and_09_panels_on_one_thread_answer_as_on_two():
         size2 = modelsize_vs_saved(tuple(MODELS), 1, "float32", "cpu")
         depth2 = depthwise_vs_standard(16, 32, 28, 2, True, "float32", "cpu")
         alloc2 = workload("training step", "cnn", 4, expandable_segments=False, empty_cache=False)
-    assert compute_modelsize(1, "float32", "cpu")._repr_html_() == size2._repr_html_()
-    assert compute_depthwise(16, 32, 28, 2, True, "float32", "cpu")._repr_html_() == depth2._repr_html_()
-    alloc1 = compute_allocator("cnn", 4, "training step", False, False)
+    with cpu_threads(1):   # as the panels run them (``Panel(threads=1)``)
+        size1 = compute_modelsize(1, "float32", "cpu")
+        depth1 = compute_depthwise(16, 32, 28, 2, True, "float32", "cpu")
+        alloc1 = compute_allocator("cnn", 4, "training step", False, False)
+    assert size1._repr_html_() == size2._repr_html_()
+    assert depth1._repr_html_() == depth2._repr_html_()
     assert (alloc1.allocated, alloc1.reserved, alloc1.stats) == (alloc2.allocated, alloc2.reserved, alloc2.stats)

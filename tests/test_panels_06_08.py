@@ -269,6 +269,7 @@ def test_checkpoint_sequential_gradients_equal_plain():
 def ckpt():
     panel = checkpoint_panel(n_blocks=8, width=32, batch=64, repeats=2, engine="cpu")
     panel.run()
+    assert panel.wait()   # the timings follow the memory on a worker thread
     return panel
 
 

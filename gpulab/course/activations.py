@@ -15,6 +15,8 @@ Every result is a dataclass with ``_repr_html_``; figures are built without pypl
 """
 from __future__ import annotations
 
+import functools
+
 import html
 from dataclasses import dataclass
 from typing import Sequence
@@ -68,9 +70,15 @@ def _setup(model: str | ModelSpec, batch: int, image_size: int | None, dtype) ->
 
 
 def _predicted(spec: ModelSpec, batch: int, size: int, dt: torch.dtype) -> dict[str, int]:
-    """What ``run`` needs to choose an engine: bytes of weights + every output, forward FLOPs."""
+    """What ``run`` needs to choose an engine: bytes of weights + every output, forward FLOPs (a formula
+    on the meta device: worked out once per model, batch, size and dtype in a process)."""
+    return dict(_predicted_once(spec, batch, size, dt))
+
+
+@functools.lru_cache(maxsize=128)
+def _predicted_once(spec: ModelSpec, batch: int, size: int, dt: torch.dtype) -> tuple[tuple[str, int], ...]:
     bd = breakdown(spec, batch, size, dt)
-    return {"predicted_bytes": bd.param_bytes + bd.total_output_bytes, "predicted_flops": bd.forward_flops}
+    return (("predicted_bytes", bd.param_bytes + bd.total_output_bytes), ("predicted_flops", bd.forward_flops))
 
 
 def predicted_forward_bytes(model: str, batch: int, image_size: int | None, dtype) -> int:

@@ -15,6 +15,7 @@ Megatron-LM's selective recomputation of a transformer block: ``gpulab.course.se
 """
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 from dataclasses import dataclass
@@ -26,7 +27,8 @@ from torch.utils.checkpoint import checkpoint
 
 from gpulab import formulas as F
 # The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
-from gpulab.record.runs.checkpoint import Timing, block_stack, cpu_threads, run_checkpoint_sweep, time_fn
+from gpulab.record.runs.checkpoint import (Timing, block_stack, cpu_threads, run_checkpoint_sweep, time_fn,
+                                           time_round_robin, timing_label)
 from gpulab.measure.engines import LABEL_FORMULA, choose_engine
 from gpulab.course.inplace import validate_positive
 from gpulab.course.timing_spread import ratio
@@ -37,7 +39,7 @@ __all__ = [
     "CheckpointResult", "LABEL_CHEN", "LABEL_SEQUENTIAL", "SEGMENT_CHOICES", "SegmentFormulas",
     "SegmentPoint", "best_segments", "checkpoint_claims", "checkpoint_halves", "checkpoint_sequential_maps",
     "checkpoint_sweep", "chen_maps", "exercise_checkpoint_maps", "exercise_many_segments", "segment_counts",
-    "segment_sizes"
+    "segment_sizes", "time_sweep"
 ]
 
 SEGMENT_CHOICES = ("every k from 1 to N", "divisors of N")
@@ -284,6 +286,27 @@ def _sweep(n_blocks, width, batch, ks, map_bytes, choice, repeats, warmup, time_
                                    chen_maps(n_blocks, k) * map_bytes,
                                    checkpoint_sequential_maps(n_blocks, k) * map_bytes, runs.timings[k]))
     return CheckpointResult(n_blocks, width, batch, map_bytes, points, runs.label, choice.name, runs.timing_label)
+
+
+def time_sweep(result: CheckpointResult, repeats: int = 7, warmup: int = 1, threads: int | None = 1,
+               progress: Callable[[int], None] | None = None,
+               stop: Callable[[], bool] | None = None) -> CheckpointResult:
+    """A sweep measured with ``time_steps=False``, its steps now timed: what ``checkpoint_sweep`` with
+    ``time_steps=True`` gives, the memory measured first (a panel shows it, then the timings). The
+    same round robin (``time_round_robin``: ``progress(round)``; ``stop()`` True raises
+    ``TimingStopped``) and the same label; a fake sweep is returned as it is (nothing to time)."""
+    if result.engine == "fake":
+        return result
+    validate_positive(repeats=repeats)
+    device = torch.device("cuda") if result.engine == "cuda" else torch.device("cpu")
+    threads = threads if result.engine == "cpu" else None
+    ks = [p.segments for p in result.points]
+    with cpu_threads(threads):
+        timings = time_round_robin(result.n_blocks, result.width, result.batch, ks, device, warmup, repeats,
+                                   progress, stop)
+        label = timing_label(result.engine, True, device, warmup, repeats, threads)
+    return dataclasses.replace(result, points=[dataclasses.replace(p, timing=timings[p.segments])
+                                               for p in result.points], timing_label=label)
 
 
 # --- checkpoint by hand (the articles' two halves) ----------------------------------------------------

@@ -8,6 +8,8 @@ Every result is a dataclass with ``_repr_html_``; figures are built without pypl
 """
 from __future__ import annotations
 
+import functools
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,18 +28,25 @@ from gpulab.views import error_percent, fmt_error, html_table
 from gpulab.course.activations import _check_dtype, _forward_run, _predicted, _setup, _verdict
 
 __all__ = [
-    "ModelsizeComparison", "ModelsizeRow", "modelsize_claims", "modelsize_figure", "modelsize_output_shapes",
-    "modelsize_vs_saved"
+    "KEPT_ROWS", "ModelsizeComparison", "ModelsizeRow", "modelsize_claims", "modelsize_figure",
+    "modelsize_output_shapes", "modelsize_vs_saved"
 ]
+
+KEPT_ROWS = 40   # ``modelsize_vs_saved``'s kept rows: a panel's last eight settings of the five lesson models
 
 
 # --- the articles' modelsize() vs what autograd saves ------------------------------------------
 
 def modelsize_output_shapes(model: str | ModelSpec, batch: int = 1, image_size: int | None = None) -> list[list[int]]:
     """The output shape of every leaf module in execution order, skipping ``ReLU(inplace=True)``:
-    what the articles' ``modelsize()`` collects (meta device, shapes only)."""
+    what the articles' ``modelsize()`` collects (meta device, shapes only; each model, batch and size
+    traced once per process: shapes do not change)."""
     spec = resolve_model(model)
-    size = image_size or spec.default_image_size
+    return [list(s) for s in _output_shapes(spec, batch, image_size or spec.default_image_size)]
+
+
+@functools.lru_cache(maxsize=64)
+def _output_shapes(spec: ModelSpec, batch: int, size: int) -> tuple[tuple[int, ...], ...]:
     net = build_model(spec, size, device="meta")
     x = torch.empty(batch, 3, size, size, device="meta")
     rows: list[LayerOut] = []
@@ -47,7 +56,7 @@ def modelsize_output_shapes(model: str | ModelSpec, batch: int = 1, image_size: 
             net(x)
     finally:
         _remove(handles)
-    return [r.output_shape for r in rows if not (r.type == "ReLU" and r.inplace)]
+    return tuple(tuple(r.output_shape) for r in rows if not (r.type == "ReLU" and r.inplace))
 
 
 @dataclass
@@ -100,13 +109,23 @@ class ModelsizeComparison:
 
 
 def modelsize_vs_saved(models: Sequence[str] = tuple(MODELS), batch: int = 1,
-                       dtype: str | torch.dtype = "float32", engine: str = "auto") -> ModelsizeComparison:
-    """Each model at its default image size: the articles' estimate against a tracked forward."""
+                       dtype: str | torch.dtype = "float32", engine: str = "auto",
+                       kept: "OrderedDict[tuple, ModelsizeRow] | None" = None) -> ModelsizeComparison:
+    """Each model at its default image size: the articles' estimate against a tracked forward.
+
+    ``kept``: rows measured before (a panel keeps them), by model, batch, image size, dtype and engine
+    asked for; a row found there is not measured again (its bytes are the same on every run: the fake
+    engine computes nothing, the cpu engine's tracker counts storages). At most ``KEPT_ROWS``."""
     dt = _check_dtype(dtype)
     validate_batch(batch)
     rows = []
     for model in models:
         spec, _, size, _ = _setup(model, batch, None, dt)
+        key = (spec, batch, size, dtype_name(dt), str(engine))
+        if kept is not None and key in kept:
+            kept.move_to_end(key)
+            rows.append(kept[key])
+            continue
         shapes = modelsize_output_shapes(spec, batch, size)
         est = F.modelsize_activation_bytes(shapes, dt)
         predicted = _predicted(spec, batch, size, dt)
@@ -116,6 +135,10 @@ def modelsize_vs_saved(models: Sequence[str] = tuple(MODELS), batch: int = 1,
         rows.append(ModelsizeRow(spec.name, size, tr.measurement.engine, tr.measurement.label, est, tr.saved_bytes,
                                  tr.saved_bytes + input_bytes, tr.saved_by_dtype, inf.peak_non_param,
                                  tr.peak_non_param, tr.backward_peak, est // 2))
+        if kept is not None:
+            kept[key] = rows[-1]
+            while len(kept) > KEPT_ROWS:
+                kept.popitem(last=False)
     return ModelsizeComparison(batch, dtype_name(dt), rows)
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from gpulab import formulas as F
-from gpulab.measure.engines import LABEL_FORMULA, choose_engine
+from gpulab.measure.engines import LABEL_FORMULA, EngineChoice, choose_engine
 # The measuring core lives in the library (gpulab record runs it too); these names stay importable here.
 from gpulab.record.runs.precision import LOW_DTYPES, PrecisionRun, modes, run_precision_modes
 from gpulab.training.optimizers import check_optimizer
@@ -37,7 +37,7 @@ __all__ = [
     "AutocastSupport", "CPU_FP16_SLOWDOWN", "KEPT_BY_AUTOCAST", "PrecisionResult",
     "apex_bytes_per_param", "autocast_grad_dtypes", "autocast_saved", "autocast_support",
     "autocast_support_report", "exercise_autocast_bytes_per_param", "exercise_autocast_grad_dtypes",
-    "expected_ratio", "persistent_bytes_per_param", "precision_claims", "precision_step",
+    "expected_ratio", "persistent_bytes_per_param", "precision_claims", "precision_engine", "precision_step",
     "saving_text"
 ]
 
@@ -228,6 +228,22 @@ def saving_text(pct: float) -> str:
     return f"saves {pct:.1f}%" if pct > 0 else f"costs {-pct:.1f}% more"
 
 
+def precision_engine(model: str | ModelSpec, batch: int, image_size: int | None, low: str,
+                     engine: str = "auto") -> EngineChoice:
+    """The engine ``precision_step`` runs on (``choose_engine`` with the formula's bytes and FLOPs: weights
+    four times, every output twice, a step's three forwards' FLOPs, fp16 counted ``CPU_FP16_SLOWDOWN``
+    times on the CPU). A panel's memory guard asks it: a run on the fake engine needs no guard."""
+    from gpulab.predict.breakdown import breakdown
+    spec = resolve_model(model)
+    validate_batch(batch)
+    size = image_size or spec.default_image_size
+    check_image_size(spec, size, batch)   # the messages precision_step gives, before the formula
+    bd = breakdown(spec, batch, size)
+    slow = CPU_FP16_SLOWDOWN if dtype_name(parse_dtype(low)) == "float16" else 1
+    known = 4 * bd.param_bytes + 2 * bd.total_output_bytes
+    return choose_engine(engine, predicted_bytes=known, predicted_flops=3 * bd.forward_flops * slow)
+
+
 def precision_step(model: str | ModelSpec = "cnn", batch: int = 32, image_size: int | None = None, optimizer: str = "adam",
                    low: str = "bfloat16", engine: str = "auto",
                    include: tuple[str, ...] | None = None, steps: int = 2) -> PrecisionResult:
@@ -245,12 +261,8 @@ def precision_step(model: str | ModelSpec = "cnn", batch: int = 32, image_size: 
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     all_modes = modes(low)
     chosen = all_modes if include is None else tuple(m for m in all_modes if m in include or m == "fp32")
-    from gpulab.predict.breakdown import breakdown
-    bd = breakdown(spec, batch, size)
     low = dtype_name(parse_dtype(low))
-    slow = CPU_FP16_SLOWDOWN if low == "float16" else 1
-    known = 4 * bd.param_bytes + 2 * bd.total_output_bytes
-    choice = choose_engine(engine, predicted_bytes=known, predicted_flops=3 * bd.forward_flops * slow)
+    choice = precision_engine(spec, batch, size, low, engine)
     device_type = "cuda" if choice.name == "cuda" else "cpu"
     support = autocast_support(device_type)
     if not support.get(low, False):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 import weakref
 from dataclasses import dataclass, replace
@@ -35,7 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gpulab.categories import CATEGORIES, Category
 from gpulab.measure.records import HOST_DEVICE, PHASES, UNIFIED_DEVICE, Event, StorageRecord, TrackingResult
 
-__all__ = ["Event", "HOST_DEVICE", "MemoryTracker", "PHASES", "StorageRecord", "TrackingResult", "UNIFIED_DEVICE"]
+__all__ = ["Event", "HOST_DEVICE", "MemoryTracker", "PHASES", "StorageRecord", "TRACKER_LOCK", "TrackingResult", "UNIFIED_DEVICE"]
 
 
 _RANK = {c: i for i, c in enumerate(CATEGORIES)}
@@ -44,6 +45,13 @@ _RANK = {c: i for i, c in enumerate(CATEGORIES)}
 
 def _device_str(device: torch.device) -> str:
     return str(device)
+
+
+# A tracker's module and optimizer hooks are global (``register_module_forward_pre_hook``): they see the
+# modules that every thread runs. A tracker holds this lock from ``__enter__`` to ``__exit__``, and code
+# that runs modules on another thread while a tracker may be measuring (a panel's timing worker,
+# ``widgets.checkpoint``) holds it too, so the two take turns.
+TRACKER_LOCK = threading.RLock()
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -108,17 +116,22 @@ class MemoryTracker(TorchDispatchMode):
         from torch.nn.modules import module as nn_module
         from torch.optim import optimizer as optim_module
 
-        self._handles = [
-            nn_module.register_module_forward_pre_hook(self._on_forward_pre),
-            nn_module.register_module_forward_hook(self._on_forward_post, always_call=True),
-            optim_module.register_optimizer_step_pre_hook(self._on_step_pre),
-            optim_module.register_optimizer_step_post_hook(self._on_step_post),
-        ]
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
-        stack.enter_context(_storage_resizes_seen_by(self))
-        self._exit_stack = stack
-        super().__enter__()
+        TRACKER_LOCK.acquire()   # released in __exit__
+        try:
+            self._handles = [
+                nn_module.register_module_forward_pre_hook(self._on_forward_pre),
+                nn_module.register_module_forward_hook(self._on_forward_post, always_call=True),
+                optim_module.register_optimizer_step_pre_hook(self._on_step_pre),
+                optim_module.register_optimizer_step_post_hook(self._on_step_post),
+            ]
+            stack = contextlib.ExitStack()
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+            stack.enter_context(_storage_resizes_seen_by(self))
+            self._exit_stack = stack
+            super().__enter__()
+        except BaseException:
+            TRACKER_LOCK.release()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -138,6 +151,7 @@ class MemoryTracker(TorchDispatchMode):
                 self._exit_stack.close()
                 self._exit_stack = None
             self._closed = True
+            TRACKER_LOCK.release()
 
     # ---- the dispatch hook ------------------------------------------------------------
     # Every ATen op of the run passes through here (tens of thousands for a large model's
@@ -559,6 +573,23 @@ class MemoryTracker(TorchDispatchMode):
                 self._auto_phase = name
 
     # ---- results ----------------------------------------------------------------------------
+    def live_by_category(self, device: str) -> dict[str, int]:
+        """``result(device=device).final_by_category`` without building the result: the bytes alive now on
+        ``device`` per category (512-byte blocks on a CUDA device), in one pass over the events and no copy
+        of the records. A forward's per-layer hooks ask it after every layer (``record.runs.activations``)."""
+        from gpulab.formulas import cuda_rounded_bytes
+        size = cuda_rounded_bytes if device.startswith("cuda") else (lambda n: n)
+        host = {sid: r.apart for sid, r in self._records.items() if r.apart}
+        sizes: dict[int, int] = {}
+        for e in self._events:
+            if host.get(e.sid, e.device) == device:
+                sizes[e.sid] = 0 if e.kind == "free" else e.nbytes
+        current = {c.value: 0 for c in CATEGORIES}
+        for sid, n in sizes.items():
+            if n:
+                current[self._records[sid].category.value] += size(n)
+        return current
+
     def result(self, device: str | None = None, round_to_cuda_blocks: bool | None = None,
                on_host=None) -> "TrackingResult":
         """A snapshot of what has been recorded so far (the tracker may still be running).

@@ -4,6 +4,7 @@ engine is not cuda, each panel shows the recorded GPU run with the same settings
 one, or a one-line note says that none matches."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 from IPython.display import HTML
@@ -14,7 +15,6 @@ from gpulab.course.activations import (ACT_DTYPES, ForwardTable, InferenceVsTrai
 from gpulab.course.modelsize import ModelsizeComparison, modelsize_figure, modelsize_vs_saved
 from gpulab.models.registry import MODELS
 from gpulab.record.lookup import RecordLookup, find_record
-from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import counter_text, allocator_rows, recorded_html
 from gpulab.units import format_bytes
 from gpulab.widgets.base import Panel, dropdown, slider, ENGINES, engine_dropdown, model_controls
@@ -100,11 +100,10 @@ def inference_panel(model: str = "vgg16", batch: int = 1, image_size: int | None
 
 # --- modelsize() vs saved ----------------------------------------------------------------------------
 
-def compute_modelsize(batch: int, dtype: str, engine: str) -> ModelsizeComparison:
-    """Every model's forward on one CPU thread (``cpu_threads``, as ``widgets.optimizers.compute_optimizers``
-    runs): the same bytes, and no wait on a descheduled second thread of a shared machine."""
-    with cpu_threads(1):
-        return modelsize_vs_saved(tuple(MODELS), batch, dtype, engine)
+def compute_modelsize(batch: int, dtype: str, engine: str, kept: OrderedDict | None = None) -> ModelsizeComparison:
+    """Every model's forward (the panel runs it on one CPU thread: ``Panel(threads=1)``); ``kept``: the
+    panel's rows measured before (``modelsize_vs_saved``), a setting met again is not measured again."""
+    return modelsize_vs_saved(tuple(MODELS), batch, dtype, engine, kept=kept)
 
 
 def _modelsize_rows(r: dict[str, Any]) -> list[list[str]]:
@@ -135,8 +134,12 @@ def modelsize_panel(batch: int = 1, dtype: str = "float32", engine: str = "auto"
         "dtype": dropdown("dtype", ACT_DTYPES, dtype),
         "engine": engine_dropdown(engine),
     }
-    return Panel("The articles' modelsize() vs what autograd saves", controls, compute_modelsize,
-                 render_modelsize, auto_run=True, guard=memory_guard(_modelsize_guard_bytes),
+    kept: OrderedDict = OrderedDict()
+
+    def compute(batch: int, dtype: str, engine: str) -> ModelsizeComparison:
+        return compute_modelsize(batch, dtype, engine, kept=kept)
+    return Panel("The articles' modelsize() vs what autograd saves", controls, compute,
+                 render_modelsize, auto_run=True, guard=memory_guard(_modelsize_guard_bytes), threads=1,
                  description="Every lesson model at its default image size: the estimate (every layer's "
                              "output, in-place ReLUs skipped, ×2) next to a tracked forward with grad.",
                  real_run="a forward and backward, and a forward under no_grad, of every lesson model, real where "

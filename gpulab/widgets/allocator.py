@@ -14,7 +14,6 @@ from IPython.display import HTML
 
 from gpulab.allocator.plots import allocated_vs_reserved, segment_map
 from gpulab.record.lookup import find_allocator_record
-from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import allocator_rows, recorded_html, reserved_timelines
 from gpulab.predict.replay import WORKLOADS, AllocatorRun, workload
 from gpulab.units import format_bytes
@@ -25,10 +24,9 @@ __all__ = ["allocator_panel", "compute_allocator", "render_allocator"]
 
 def compute_allocator(model: str, batch: int, workload_name: str, expandable_segments: bool,
                       empty_cache: bool) -> AllocatorRun:
-    """The tracked workload on one CPU thread (``cpu_threads``, as ``widgets.optimizers.compute_optimizers`` runs)."""
-    with cpu_threads(1):
-        return workload(workload_name, model, batch, expandable_segments=expandable_segments,
-                        empty_cache=empty_cache)
+    """The tracked workload (the panel runs it on one CPU thread: ``Panel(threads=1)``)."""
+    return workload(workload_name, model, batch, expandable_segments=expandable_segments,
+                    empty_cache=empty_cache)
 
 
 def _allocator_record_rows(r: dict[str, Any]) -> list[list[str]]:
@@ -61,6 +59,6 @@ def allocator_panel(model: str = "cnn", batch: int = 32, workload_name: str = "t
         "expandable_segments": W.Checkbox(value=expandable_segments, description="expandable segments"),
         "empty_cache": W.Checkbox(value=empty_cache, description="empty_cache() after each step"),
     }
-    return Panel("The caching allocator", controls, compute_allocator, render_allocator,
+    return Panel("The caching allocator", controls, compute_allocator, render_allocator, threads=1,
                  description="A tracked timeline replayed through the <b>simulated allocator</b>: "
                              "allocated (tensors, 512-byte rounded) vs reserved (segments).")

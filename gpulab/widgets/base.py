@@ -14,6 +14,10 @@ set a control's value, call ``run()`` (or let it run on change), assert on ``pan
   sees an exception from a callback.
 * A guard may veto a run before it starts (e.g. the fake engine predicts more memory than
   is free) and say why; the panel then shows that message instead of running.
+* ``threads=1`` runs the guard and the experiment on one CPU thread (``cpu_threads``): the
+  memory panels count the same bytes on any number of threads (tests/test_panel_speed.py), and
+  on a shared 2-core machine a second OpenMP thread that gets descheduled makes each small op
+  wait (lesson 05's Adam step: five times slower). None leaves torch's thread count alone.
 """
 from __future__ import annotations
 
@@ -55,8 +59,10 @@ class Panel:
     def __init__(self, title: str, controls: dict[str, W.ValueWidget],
                  compute: Callable[..., Any], render: Callable[[Any], list[Any]], *,
                  auto_run: bool = False, guard: Callable[[dict[str, Any]], GuardVerdict] | None = None,
-                 description: str = "", run_on_show: bool = True, real_run: str = ""):
+                 description: str = "", run_on_show: bool = True, real_run: str = "",
+                 threads: int | None = None):
         self.title = title
+        self.threads = threads
         self.controls = controls
         self._compute = compute
         self._wants_progress = "progress" in inspect.signature(compute).parameters
@@ -186,7 +192,8 @@ class Panel:
         self.error, self.blocked = None, None
         self._fresh()   # what is shown next is for these settings (a result, a refusal or an error)
         try:
-            verdict = self._guard(params) if self._guard else GuardVerdict(True)
+            with MEASURE_LOCK, _cpu_threads(self.threads):   # a guard may measure (the fake engine)
+                verdict = self._guard(params) if self._guard else GuardVerdict(True)
             if not verdict.ok:
                 self.blocked = verdict
                 self._show([HTML(f"<div class='gpulab-blocked'>{verdict.message}</div>")])
@@ -194,7 +201,7 @@ class Panel:
                     self.safe_button.layout.display = ""
                 self.status.value = "not run (see below)"
                 return
-            with MEASURE_LOCK, old_objects_frozen():   # the collector walks only what the run makes
+            with MEASURE_LOCK, _cpu_threads(self.threads), old_objects_frozen():   # gc walks only the run's objects
                 if self._wants_progress:
                     result = self._compute(progress=self._report_progress, **params)
                 else:
@@ -281,6 +288,12 @@ def reuse_first(compute: Callable[..., Any], render: Callable[[Any], list[Any]],
         return out
 
     return first_or_compute, render_noted
+
+
+def _cpu_threads(n: int | None):
+    """``record.runs.checkpoint.cpu_threads(n)`` (imported here: it imports torch)."""
+    from gpulab.record.runs.checkpoint import cpu_threads
+    return cpu_threads(n)
 
 
 def _escape(text: str) -> str:

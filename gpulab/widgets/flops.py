@@ -12,7 +12,6 @@ from gpulab.course.activations import ACT_DTYPES
 from gpulab.course.flops import (DepthwiseResult, ParamsFlops, depthwise_figure, depthwise_vs_standard,
                                  params_flops_figure, params_vs_flops)
 from gpulab.record.lookup import RecordLookup, find_record
-from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import recorded_html
 from gpulab.units import format_bytes
 from gpulab.widgets.base import Panel, dropdown, slider, ENGINES, engine_dropdown, model_controls
@@ -47,9 +46,8 @@ def flops_panel(model: str = "alexnet", batch: int = 1, image_size: int | None =
 
 def compute_depthwise(in_channels: int, out_channels: int, image_size: int, batch: int, bn_relu: bool,
                       dtype: str, engine: str) -> DepthwiseResult:
-    """Both convolutions on one CPU thread (``cpu_threads``, as ``widgets.optimizers.compute_optimizers`` runs)."""
-    with cpu_threads(1):
-        return depthwise_vs_standard(in_channels, out_channels, image_size, batch, bn_relu, dtype, engine)
+    """Both convolutions (the panel runs them on one CPU thread: ``Panel(threads=1)``)."""
+    return depthwise_vs_standard(in_channels, out_channels, image_size, batch, bn_relu, dtype, engine)
 
 
 def recorded_depthwise(result: DepthwiseResult) -> RecordLookup:
@@ -89,7 +87,7 @@ def depthwise_panel(in_channels: int = 64, out_channels: int = 128, image_size: 
         "engine": engine_dropdown(engine),
     }
     return Panel("Depthwise-separable vs standard convolution", controls, compute_depthwise, render_depthwise,
-                 auto_run=True, guard=memory_guard(_depthwise_bytes),
+                 auto_run=True, guard=memory_guard(_depthwise_bytes), threads=1,
                  description="A standard 3×3 conv and a MobileNet block (3×3 depthwise, then 1×1 pointwise) "
                              "with the same channels, on the same input: parameters, FLOPs, and the "
                              "bytes autograd saves for backward.")

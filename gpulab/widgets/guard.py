@@ -13,11 +13,15 @@ from gpulab.widgets.base import GuardVerdict
 __all__ = ["memory_guard"]
 
 
-def memory_guard(predict_peak: Callable[[dict[str, Any]], int], engine_key: str = "engine") -> Callable:
+def memory_guard(predict_peak: Callable[[dict[str, Any]], int], engine_key: str = "engine",
+                 resolve: Callable[[dict[str, Any]], str] | None = None) -> Callable:
     """A guard for ``Panel``: ``predict_peak(params)`` should run the experiment on the fake
-    engine and return its peak in bytes. Runs on the fake engine are always allowed."""
+    engine and return its peak in bytes. Runs on the fake engine are always allowed.
+    ``resolve(params)``: the engine the panel's experiment will run on, where it chooses from its own
+    prediction (``auto`` picks the fake engine for a large run); by default ``choose_engine`` of the
+    engine control alone."""
     def guard(params: dict[str, Any]) -> GuardVerdict:
-        engine = choose_engine(params.get(engine_key, "auto")).name
+        engine = resolve(params) if resolve is not None else choose_engine(params.get(engine_key, "auto")).name
         if engine == "fake":
             return GuardVerdict(True)
         peak = predict_peak(params)

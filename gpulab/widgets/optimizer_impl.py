@@ -10,7 +10,6 @@ from IPython.display import HTML
 
 from gpulab.course.optimizers import IMPLEMENTATIONS, ImplementationComparison, compare_implementations, optimizer_run
 from gpulab.record.lookup import RecordLookup, find_record
-from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import recorded_html
 from gpulab.units import format_bytes
 from gpulab.widgets.base import Panel, model_controls
@@ -24,10 +23,9 @@ __all__ = [
 
 def compute_implementations(model: str, optimizer: str, batch: int, engine: str,
                             progress=None) -> ImplementationComparison:
-    """``compare_implementations`` on one CPU thread, as ``widgets.optimizers.compute_optimizers`` runs."""
-    with cpu_threads(1):
-        return compare_implementations(model, optimizer, IMPLEMENTATIONS, int(batch), engine=engine,
-                                       progress=progress)
+    """``compare_implementations`` (the panel runs it on one CPU thread: ``Panel(threads=1)``)."""
+    return compare_implementations(model, optimizer, IMPLEMENTATIONS, int(batch), engine=engine,
+                                   progress=progress)
 
 
 def predict_implementations_peak(params: dict[str, Any]) -> int:
@@ -65,7 +63,7 @@ def render_implementations(result: ImplementationComparison) -> list[Any]:
 def implementation_panel(model: str = "mlp", optimizer: str = "adam", batch: int = 8, engine: str = "auto") -> Panel:
     controls = model_controls(model, batch=batch, optimizer=optimizer, engine=engine)
     return Panel("for-loop vs foreach vs fused", controls, compute_implementations, render_implementations,
-                 guard=memory_guard(predict_implementations_peak),
+                 guard=memory_guard(predict_implementations_peak), threads=1,
                  description="Two steps with each implementation of the optimizer; how many bytes of "
                              "temporaries are alive at the peak of the second <code>step()</code>.",
                  real_run="two training steps per implementation, real where the engine is cpu or cuda")

@@ -11,7 +11,6 @@ from IPython.display import HTML
 from gpulab.training.optimizers import OPTIMIZERS
 from gpulab.course.optimizers import OptimizerComparison, compare_optimizers, optimizer_run
 from gpulab.record.lookup import RecordLookup, find_record_series
-from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import counter_text, recorded_html
 from gpulab.units import format_bytes
 from gpulab.widgets.base import Panel, model_controls
@@ -24,11 +23,8 @@ __all__ = [
 
 
 def compute_optimizers(model: str, batch: int, engine: str, progress=None) -> OptimizerComparison:
-    """``compare_optimizers`` on one CPU thread (``cpu_threads``): the bytes the tracker counts are the
-    same with any number of threads (tests/test_panel_speed.py), and on a shared 2-core machine a second
-    OpenMP thread that gets descheduled makes each small op wait (Adam's step: five times slower)."""
-    with cpu_threads(1):
-        return compare_optimizers(model, OPTIMIZERS, int(batch), engine=engine, progress=progress)
+    """``compare_optimizers`` (the panel runs it on one CPU thread: ``Panel(threads=1)``)."""
+    return compare_optimizers(model, OPTIMIZERS, int(batch), engine=engine, progress=progress)
 
 
 def predict_optimizers_peak(params: dict[str, Any]) -> int:
@@ -65,7 +61,7 @@ def render_optimizers(result: OptimizerComparison) -> list[Any]:
 def optimizer_panel(model: str = "mlp", batch: int = 8, engine: str = "auto") -> Panel:
     controls = model_controls(model, batch=batch, engine=engine)
     return Panel("Optimizer state, measured", controls, compute_optimizers, render_optimizers,
-                 guard=memory_guard(predict_optimizers_peak),
+                 guard=memory_guard(predict_optimizers_peak), threads=1,
                  description="One training step per optimizer on a fresh model; the tracker's optimizer-state "
                              "bytes just before and just after <code>step()</code>, next to the formula.",
                  real_run="one training step per optimizer, real where the engine is cpu or cuda (after the fake "

@@ -8,16 +8,15 @@ from typing import Any
 
 from IPython.display import HTML
 
-from gpulab.course.precision import LOW_DTYPES, PrecisionResult, precision_step, saving_text
+from gpulab.course.precision import LOW_DTYPES, PrecisionResult, precision_engine, precision_step, saving_text
 from gpulab.record.lookup import RecordLookup, find_record
-from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import counter_text, recorded_html
 from gpulab.units import format_bytes
 from gpulab.widgets.base import Panel, dropdown, model_controls
 from gpulab.widgets.guard import memory_guard
 
 __all__ = [
-    "compute_precision", "precision_panel", "predict_precision_peak", "recorded_precision",
+    "compute_precision", "precision_engine_name", "precision_panel", "predict_precision_peak", "recorded_precision",
     "render_precision"
 ]
 
@@ -25,14 +24,20 @@ __all__ = [
 
 def compute_precision(model: str, batch: int, image_size: int, optimizer: str, low: str,
                       engine: str) -> PrecisionResult:
-    """The runs on one CPU thread (``cpu_threads``, as ``widgets.optimizers.compute_optimizers`` runs)."""
-    with cpu_threads(1):
-        return precision_step(model, int(batch), int(image_size), optimizer, low, engine)
+    """The runs (the panel runs them on one CPU thread: ``Panel(threads=1)``)."""
+    return precision_step(model, int(batch), int(image_size), optimizer, low, engine)
 
 
 def predict_precision_peak(params: dict[str, Any]) -> int:
     r = compute_precision(**dict(params, engine="fake"))
     return max(run.peak_bytes for run in r.runs.values())
+
+
+def precision_engine_name(params: dict[str, Any]) -> str:
+    """The engine ``compute_precision`` will run on (``precision_engine``): the guard predicts nothing for
+    a run that ``auto`` sends to the fake engine."""
+    return precision_engine(params["model"], int(params["batch"]), int(params["image_size"]), params["low"],
+                            params["engine"]).name
 
 
 def recorded_precision(result: PrecisionResult) -> RecordLookup:
@@ -65,7 +70,7 @@ def precision_panel(model: str = "cnn", batch: int = 32, image_size: int | None 
     controls = model_controls(model, batch=batch, image_size=image_size, optimizer=optimizer, engine=engine,
                               extra={"low": dropdown("16-bit dtype", LOW_DTYPES, low)})
     return Panel("Mixed precision: which tensors shrink", controls, compute_precision, render_precision,
-                 guard=memory_guard(predict_precision_peak),
+                 guard=memory_guard(predict_precision_peak, resolve=precision_engine_name), threads=1,
                  description="Two training steps each in float32, under <code>torch.autocast</code> (fp16 adds "
                              "<code>GradScaler</code>), and with the whole model in 16 bits; the peak of each by "
                              "category.",

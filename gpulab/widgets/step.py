@@ -11,7 +11,6 @@ from IPython.display import HTML
 from gpulab.predict.step import StepResult, step as tracked_step
 from gpulab.plots import comparison_bars, timeline
 from gpulab.record.lookup import RecordLookup, find_record
-from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import allocator_rows, recorded_html
 from gpulab.units import format_bytes
 from gpulab.widgets.base import Panel, dropdown, model_controls
@@ -24,11 +23,9 @@ __all__ = [
 
 
 def compute_step(model: str, batch: int, image_size: int, optimizer: str, dtype: str, engine: str) -> StepResult:
-    """One tracked step on one CPU thread (``cpu_threads``, as ``widgets.optimizers.compute_optimizers``
-    runs): the same bytes, and no wait on a descheduled second thread of a shared machine."""
-    with cpu_threads(1):
-        return tracked_step(model, batch=batch, image_size=image_size, optimizer=optimizer, dtype=dtype,
-                            engine=engine, steps=1, guard=False)
+    """One tracked step (the panel runs it on one CPU thread: ``Panel(threads=1)``)."""
+    return tracked_step(model, batch=batch, image_size=image_size, optimizer=optimizer, dtype=dtype,
+                        engine=engine, steps=1, guard=False)
 
 
 def predict_step_peak(params: dict[str, Any]) -> int:
@@ -71,6 +68,6 @@ def step_panel(model: str = "cnn", batch: int = 32, image_size: int | None = Non
     controls = model_controls(model, batch=batch, image_size=image_size, optimizer=optimizer, engine=engine,
                               extra={"dtype": dropdown("dtype", ["float32", "bfloat16", "float16"], dtype)})
     return Panel("One training step", controls, compute_step, render_step,
-                 guard=memory_guard(predict_step_peak),
+                 guard=memory_guard(predict_step_peak), threads=1,
                  description="Forward, backward and <code>optimizer.step()</code> on a fresh model; "
                              "peak live memory by category next to the formulas.")

@@ -11,7 +11,6 @@ from IPython.display import HTML
 from gpulab.predict.step import step as tracked_step
 from gpulab.course.sweeps import SweepResult, batch_sweep
 from gpulab.record.lookup import RecordLookup, find_record_series
-from gpulab.record.runs.checkpoint import cpu_threads
 from gpulab.record.views import counter_text, recorded_html
 from gpulab.units import format_bytes
 from gpulab.widgets.base import Panel, model_controls
@@ -29,10 +28,9 @@ def sweep_batches(largest: int) -> tuple[int, ...]:
 
 
 def compute_sweep(model: str, optimizer: str, largest: int, engine: str, progress=None) -> SweepResult:
-    """The sweep on one CPU thread (``cpu_threads``, as ``widgets.optimizers.compute_optimizers`` runs)."""
-    with cpu_threads(1):
-        return batch_sweep(model, sweep_batches(int(largest)), optimizer=optimizer, engine=engine, steps=2,
-                           progress=progress)
+    """The sweep (the panel runs it on one CPU thread: ``Panel(threads=1)``)."""
+    return batch_sweep(model, sweep_batches(int(largest)), optimizer=optimizer, engine=engine, steps=2,
+                       progress=progress)
 
 
 def predict_sweep_peak(params: dict[str, Any]) -> int:
@@ -68,7 +66,7 @@ def sweep_panel(model: str = "cnn", optimizer: str = "sgd", largest: int = 32, e
     controls = model_controls(model, batch=largest, batch_min=4, batch_key="largest", batch_label="largest batch",
                               optimizer=optimizer, engine=engine)
     return Panel("Batch-size sweep: memory = fixed + batch × per-sample", controls, compute_sweep, render_sweep,
-                 guard=memory_guard(predict_sweep_peak),
+                 guard=memory_guard(predict_sweep_peak), threads=1,
                  description="Two training steps at each of four batch sizes (the second step is the steady "
                              "state, with the optimizer state alive); the peak of each, a least-squares line "
                              "through them, and the formulas' line.",

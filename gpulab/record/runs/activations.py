@@ -37,7 +37,8 @@ ACTIVATION_SIDE = (Category.ACTIVATIONS.value, Category.TEMPORARIES.value, Categ
 
 
 def live(ctx: RunContext) -> dict[str, int]:
-    return dict(ctx.tracker.result(device=str(ctx.device)).final_by_category)
+    """Bytes alive now per category (``MemoryTracker.live_by_category``: the result's final split, unbuilt)."""
+    return ctx.tracker.live_by_category(str(ctx.device))
 
 
 def saved_by_dtype(ctx: RunContext) -> dict[str, int]:

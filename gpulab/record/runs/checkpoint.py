@@ -25,8 +25,8 @@ from gpulab.record.kinds import record_kind
 
 __all__ = [
     "CHECKPOINT_SEGMENTS", "CheckpointRuns", "Timing", "block_stack", "checkpoint_step",
-    "cpu_threads", "memory_experiment", "record_checkpoint", "run_checkpoint_sweep", "time_fn",
-    "time_round_robin"
+    "TimingStopped", "cpu_threads", "memory_experiment", "record_checkpoint", "run_checkpoint_sweep", "time_fn",
+    "time_round_robin", "timing_label"
 ]
 
 # --- timing -----------------------------------------------------------------------------------------
@@ -150,10 +150,16 @@ def memory_experiment(n_blocks: int, width: int, batch: int, segments: int):
     return experiment
 
 
+class TimingStopped(Exception):
+    """``time_round_robin``'s ``stop()`` said to stop (a panel whose student moved on)."""
+
+
 def time_round_robin(n_blocks: int, width: int, batch: int, ks: list[int], device: torch.device,
-                     warmup: int, repeats: int, progress: Callable[[int], None] | None) -> dict[int, Timing]:
+                     warmup: int, repeats: int, progress: Callable[[int], None] | None,
+                     stop: Callable[[], bool] | None = None) -> dict[int, Timing]:
     """One model, one batch; ``warmup`` untimed steps per k, then ``repeats`` rounds that time
-    one step of every k in turn, so slow spells of a shared machine fall on all k alike."""
+    one step of every k in turn, so slow spells of a shared machine fall on all k alike.
+    ``stop``: asked before every step; True raises ``TimingStopped``."""
     torch.manual_seed(0)
     with torch.device(device):
         net = block_stack(n_blocks, width)
@@ -161,6 +167,8 @@ def time_round_robin(n_blocks: int, width: int, batch: int, ks: list[int], devic
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def step(k: int) -> float:
+        if stop is not None and stop():
+            raise TimingStopped(f"timing stopped before a step of k = {k}")
         net.zero_grad(set_to_none=True)
         sync()
         t0 = time.perf_counter()
@@ -236,22 +244,28 @@ def run_checkpoint_sweep(n_blocks: int, width: int, batch: int, ks: list[int], e
             timings = time_round_robin(n_blocks, width, batch, ks, device, warmup, repeats,
                                        lambda j: progress((len(ks) + j) / n_tasks, f"timing, round {j}/{repeats}")
                                        if progress else None)
-        if engine == "fake":
-            timing_label = "not timed: fake tensors do no compute"
-        elif not time_steps:
-            timing_label = "not timed"
-        elif engine == "cuda":
-            timing_label = (f"timed on {torch.cuda.get_device_name(device)} (untracked; {warmup} warm-up step "
-                            f"per k, then {repeats} rounds over every k in turn, synchronized)")
-        else:
-            nt = f"{threads} thread{'s' if threads != 1 else ''}" if threads else f"{torch.get_num_threads()} threads"
-            timing_label = (f"timed on this CPU, {nt} (untracked; {warmup} warm-up step per k, then {repeats} "
-                            f"rounds over every k in turn; shared CPUs are noisy, and a GPU's balance of compute "
-                            f"and overhead differs)")
+        label = timing_label(engine, time_steps, device, warmup, repeats, threads)
     if progress:
         progress(1.0, "done")
     return CheckpointRuns(n_blocks, width, batch, engine, measurements, timings, measurements[ks[0]].label,
-                          timing_label)
+                          label)
+
+
+def timing_label(engine: str, time_steps: bool, device: torch.device, warmup: int, repeats: int,
+                 threads: int | None) -> str:
+    """What a sweep's timings are (``run_checkpoint_sweep``'s, and a panel's timing after the memory):
+    ``threads`` as ``run_checkpoint_sweep`` passes it (None: torch's count now, in the calling thread)."""
+    if engine == "fake":
+        return "not timed: fake tensors do no compute"
+    if not time_steps:
+        return "not timed"
+    if engine == "cuda":
+        return (f"timed on {torch.cuda.get_device_name(device)} (untracked; {warmup} warm-up step "
+                f"per k, then {repeats} rounds over every k in turn, synchronized)")
+    nt = f"{threads} thread{'s' if threads != 1 else ''}" if threads else f"{torch.get_num_threads()} threads"
+    return (f"timed on this CPU, {nt} (untracked; {warmup} warm-up step per k, then {repeats} "
+            f"rounds over every k in turn; shared CPUs are noisy, and a GPU's balance of compute "
+            f"and overhead differs)")
 
 
 CHECKPOINT_SEGMENTS = "every k from 1 to N"   # the checkpoint panel's default choice of k
