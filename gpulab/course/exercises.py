@@ -99,11 +99,13 @@ class ChoiceExercise:
 
     ``options`` maps a short key ("a", "b", ...) to the text of each choice; ``expected`` is a
     callable that works out the right key when the checker runs (from a formula or a
-    measurement), never a key typed into the lesson. ``ex.check("b")``."""
+    measurement), never a key typed into the lesson. ``ex.check("b")``. ``hint`` is what a wrong
+    answer is told to look at again; the default fits a question about memory at one moment."""
     question: str
     options: dict[str, str]
     expected: Callable[[], str]
     explain: str | Callable[[], str]
+    hint: str = "Look again at what is alive at that moment"
 
     def _explain(self) -> str:
         return self.explain() if callable(self.explain) else self.explain
@@ -119,7 +121,7 @@ class ChoiceExercise:
         if key == exp:
             return CheckResult(True, answer, exp, f"({exp}) {self.options[exp]}. {self._explain()}")
         return CheckResult(False, answer, exp, f"Not ({key}): {self.options[key]} is not what happens. "
-                                               f"Look again at what is alive at that moment, then try again.")
+                                               f"{self.hint}, then try again.")
 
     def reveal(self) -> CheckResult:
         exp = self.expected()
