@@ -99,13 +99,13 @@ class ChoiceExercise:
 
     ``options`` maps a short key ("a", "b", ...) to the text of each choice; ``expected`` is a
     callable that works out the right key when the checker runs (from a formula or a
-    measurement), never a key typed into the lesson. ``ex.check("b")``. ``hint`` is what a wrong
-    answer is told to look at again; the default fits a question about memory at one moment."""
+    measurement), never a key typed into the lesson. ``ex.check("b")``."""
     question: str
     options: dict[str, str]
     expected: Callable[[], str]
     explain: str | Callable[[], str]
-    hint: str = "Look again at what is alive at that moment"
+    # what a wrong answer is told to look at again; the default fits any question
+    hint: str = "Read the question again beside what the lesson has shown so far"
 
     def _explain(self) -> str:
         return self.explain() if callable(self.explain) else self.explain
@@ -120,8 +120,7 @@ class ChoiceExercise:
         exp = self.expected()
         if key == exp:
             return CheckResult(True, answer, exp, f"({exp}) {self.options[exp]}. {self._explain()}")
-        return CheckResult(False, answer, exp, f"Not ({key}): {self.options[key]} is not what happens. "
-                                               f"{self.hint}, then try again.")
+        return CheckResult(False, answer, exp, f"Not ({key}): {self.options[key]}. {self.hint}, then try again.")
 
     def reveal(self) -> CheckResult:
         exp = self.expected()
