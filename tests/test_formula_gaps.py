@@ -133,3 +133,15 @@ def test_a_planted_gap_gets_a_note_and_a_closed_one_none():
     assert gap_notes({"peak_bytes": 29 * MiB, "allocator": alloc}) == []
     (res,) = gap_notes({"peak_bytes": 30 * MiB, "allocator": dict(alloc, peak_reserved_delta=40 * MiB)})
     assert "10.0 MiB above max_memory_allocated" in res and "segments" in res
+
+
+def test_the_parameters_note_comes_only_where_a_column_leaves_them_out():
+    """Lesson 08's recorded precision table shows each run's whole tracker peak, parameters in it: the
+    note that the allocator's counter 'counts the parameters too' would be false there (review-g,
+    2026-12-07); lesson 03's pair shows the peak beyond the parameters, and keeps the note."""
+    from gpulab.record.views import gap_notes
+    from gpulab.units import MiB
+    run = {"peak_bytes": 22 * MiB, "allocator": {"peak_allocated_delta": 23 * MiB}}
+    assert gap_notes({"runs": {"fp32": run}}) == []
+    (note,) = gap_notes({"runs": {"train": dict(run, peak_non_param=2 * MiB)}})
+    assert "counts the parameters too" in note and "22.0 MiB" in note

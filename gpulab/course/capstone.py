@@ -576,7 +576,8 @@ def exercise_batch_gain(table: DecisionTable, name: str) -> ChoiceExercise:
                 f"state) only leaves more room once." + _kernel_change(row, base))
     q = (f"With {row.name}, the largest batch of {table.you.name} on {table.you.card.name} "
          f"(the baseline's is {base.largest_batch}) is:")
-    return ChoiceExercise(q, dict(_GAIN_OPTIONS), expected, explain)
+    return ChoiceExercise(q, dict(_GAIN_OPTIONS), expected, explain,
+                          hint="Look at which categories grow with the batch, and which of them the technique shrinks or adds to")
 
 
 def exercise_flops_ratio(table: DecisionTable, name: str) -> Exercise:

@@ -106,4 +106,5 @@ def exercise_fastest(plan: FastestPlan) -> ChoiceExercise:
         return " ".join(plan.sentences())
     return ChoiceExercise(f"Each recipe at its own largest batch on {plan.table.you.card.name}: which trains the most "
                           f"{'tokens' if plan.table.you.workload.kind == 'tokens' else 'samples'} a second?",
-                          options, expected, explain)
+                          options, expected, explain,
+                          hint="Weigh each recipe's largest batch against the compute it adds per sample")

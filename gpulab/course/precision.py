@@ -424,4 +424,5 @@ def exercise_autocast_grad_dtypes(low: str = "bfloat16"):
                   f"layers and (2) the parameters' .grad?"),
         options={"a": f"both {name}", "b": "both float32",
                  "c": f"(1) {name}, (2) float32", "d": f"(1) float32, (2) {name}"},
-        expected=expected, explain=explain)
+        expected=expected, explain=explain,
+        hint="Ask in which dtype a matmul's backward runs, and whose dtype a parameter's .grad takes")

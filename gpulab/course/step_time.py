@@ -450,4 +450,5 @@ def exercise_recompute(result: RecomputeTime) -> ChoiceExercise:
                 f"{result.recomputed_flops(k) / result.points[0].on_cpu.flops:.0%} more FLOPs, and the step is "
                 f"×{result.predicted_ratio(k, 'card'):.2f} as long on the {result.card} (predicted).")
     return ChoiceExercise(f"The stack with k = {k} segments against no checkpointing: the step on the {result.card} "
-                          f"(predicted) takes:", options, expected, explain)
+                          f"(predicted) takes:", options, expected, explain,
+                          hint="Count which forwards run again in the backward, and what share of a step a forward is")

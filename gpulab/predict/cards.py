@@ -103,7 +103,7 @@ class Card:
         """Where the total a plan uses comes from, in words."""
         if self.cuda_total_bytes:
             return (f"{format_bytes(self.cuda_total_bytes)}, the total CUDA reports ({self.cuda_total_note}); "
-                    f"not the advertised {format_bytes(self.memory_bytes)}")
+                    f"not the advertised {self.memory_bytes / GiB:g} GB")
         return f"{format_bytes(self.memory_bytes)}" + (f": {self.note}" if self.note else "")
 
 

@@ -118,19 +118,23 @@ def gap_notes(result: dict[str, Any]) -> list[str]:
     """Each gap above ``GAP`` a recorded run's table shows, with the part it is (module docstring):
     the run itself (its tracked ``peak_bytes``, or a model build's live parameters and buffers), and
     each run of a panel that records several (``runs``, ``models``), where the allocator's counter
-    also holds what the columns beside it leave out (the parameters; with backward, their gradients)."""
+    also holds what the columns beside it leave out, where they do (the parameters, when a run's column
+    is its ``peak_non_param``; a model build's, and with backward their gradients)."""
     notes = []
     if "live_by_category" in result:
         live = dict(result, live_total=sum(result["live_by_category"].values()))
         notes += _run_gaps("", live, "live_total")
     else:
         notes += _run_gaps("", result, "peak_bytes")
-    # a panel recording several runs shows one allocator counter per run (no reserved) beside tracker
-    # columns that leave the parameters out
+    # a panel recording several runs shows one allocator counter per run (no reserved) beside its tracker
+    # columns; where they leave the parameters out (the run's ``peak_non_param``: lesson 03's pair), the
+    # note says the counter holds them; where the tracker's peak is shown whole (``peak_bytes``, the
+    # parameters in it), there is nothing to add but a gap above GAP
     runs = {n: r for n, r in (result.get("runs") or {}).items() if (r.get("allocator") or {}).get("peak_allocated_delta") is not None}
     for name, run in runs.items():
-        notes.append(f"{name}: max_memory_allocated − baseline counts the parameters too, built in the run: the "
-                     f"tracker's peak with them is {format_bytes(run['peak_bytes'])}.")
+        if run.get("peak_non_param") is not None:
+            notes.append(f"{name}: max_memory_allocated − baseline counts the parameters too, built in the run: the "
+                         f"tracker's peak with them is {format_bytes(run['peak_bytes'])}.")
         notes += _run_gaps(name, run, "peak_bytes", reserved_shown=False)
     if any((r.get("allocator") or {}).get("peak_allocated_delta") is not None for r in (result.get("models") or {}).values()):
         notes.append("max_memory_allocated − baseline counts each whole run: the parameters built in it and the "
