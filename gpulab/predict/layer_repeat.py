@@ -31,6 +31,11 @@ splits the model module by module in the model's order: split projection by proj
 layers (the plan's order), each layer's setup events would sit in as many places as the plan has
 entries, and no placement found explained them all.
 
+A pipeline's stages hold the same layers with other ends (the first the embedding, the last the norm,
+head and loss, the others a received activation): a layout learned on one stage is moved onto another
+stage's runs of k and k+1 blocks (``transfer``) and taken, as a layout learned at another batch is,
+where it rebuilds that stage's (k+1)-block run exactly; that stage then makes no (k+2)-block run.
+
 Dense layers before the experts (DeepSeek's ``first_k_dense_replace``, Qwen-MoE's ``mlp_only_layers``
 when they are the first ones) are a prefix that every small run holds. Layers that repeat every few
 (Gemma-2's sliding and global layers, period 2; Gemma-3's five local to one global, period 6; a
