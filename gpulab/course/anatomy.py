@@ -91,7 +91,8 @@ def exercise_peak_category(model: str = "cnn", batch: int = 32, optimizer: str =
                   f"training step (the steady state), which category holds the most memory?"),
         options={"a": "the parameters", "b": "the gradients", "c": "the optimizer state",
                  "d": "the activations autograd saved for backward"},
-        expected=expected, explain=explain)
+        expected=expected, explain=explain,
+        hint="Look again at what is alive at the peak, and which of it grows with the batch")
 
 
 @dataclass

@@ -104,6 +104,8 @@ class ChoiceExercise:
     options: dict[str, str]
     expected: Callable[[], str]
     explain: str | Callable[[], str]
+    # what a wrong answer is told to look at again; the default fits any question
+    hint: str = "Read the question again beside what the lesson has shown so far"
 
     def _explain(self) -> str:
         return self.explain() if callable(self.explain) else self.explain
@@ -118,8 +120,7 @@ class ChoiceExercise:
         exp = self.expected()
         if key == exp:
             return CheckResult(True, answer, exp, f"({exp}) {self.options[exp]}. {self._explain()}")
-        return CheckResult(False, answer, exp, f"Not ({key}): {self.options[key]} is not what happens. "
-                                               f"Look again at what is alive at that moment, then try again.")
+        return CheckResult(False, answer, exp, f"Not ({key}): {self.options[key]}. {self.hint}, then try again.")
 
     def reveal(self) -> CheckResult:
         exp = self.expected()

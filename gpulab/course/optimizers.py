@@ -540,7 +540,8 @@ def exercise_state_after_first_step(model: str = "mlp", optimizer: str = "adam")
         explain=f"{F.optimizer_state_multiplier(key)} × the parameter bytes ({format_bytes(bd.param_bytes)}), plus a "
                 f"4-byte step counter per parameter tensor for the optimizers that keep one ({LABEL_FORMULA}).",
         unit="bytes", rel_tol=0.001,
-        hint="Each state tensor has the shape and dtype of its parameter; count how many per parameter.")
+        hint="Each state tensor has the shape and dtype of its parameter; count how many per parameter.",
+        ratio_hint=f"count the state tensors {key} keeps per parameter, each the size of its parameter.")
     plain_check = ex.check
     no_counters = F.optimizer_state_multiplier(key) * bd.param_bytes
 
@@ -577,7 +578,8 @@ def exercise_state_before_first_step(model: str = "mlp", optimizer: str = "adam"
         explain=f"None: {key} creates its state lazily, inside the first step() (its _init_group; Adagrad is the "
                 "exception, filling its state in the constructor), so a model that fits before the first step can "
                 "still run out of memory in it.",
-        unit="bytes", rel_tol=0.0)
+        unit="bytes", rel_tol=0.0,
+        hint=f"Does the constructor create {key}'s state tensors, or does the first step()?")
 
 
 def exercise_sgd_state(model: str = "mlp", batch: int = 8):
@@ -600,7 +602,8 @@ def exercise_sgd_state(model: str = "mlp", batch: int = 8):
         r = result()
         return (f"Measured: {format_bytes(r.state_after_bytes)} of optimizer state after the first step(), for "
                 f"{format_bytes(r.param_bytes)} of parameters ({r.label}). torch.optim.SGD with momentum=0 keeps "
-                f"no buffer (its momentum_buffer stays None): the update p -= lr × grad needs only the gradient. "
+                f"no buffer (its step() stores a momentum_buffer only when momentum ≠ 0): the update p -= lr × grad "
+                f"needs only the gradient. "
                 f"Momentum adds one copy of the parameters, Adam two.")
 
     return ChoiceExercise(

@@ -501,7 +501,8 @@ def exercise(name: str):
             expected=lambda: layer_param_count("vgg16", "features.10"),
             explain=f"out × in × kh × kw weights plus one bias per output channel: {formula_text(layer)}.",
             unit="parameters",
-            hint="Each output channel has one kh×kw filter per input channel, and one bias.")
+            hint="Each output channel has one kh×kw filter per input channel, and one bias.",
+            ratio_hint="each output channel has one kh×kw filter per input channel, and one bias.")
     if name == "batchnorm_bytes":
         bn = make_layer("BatchNorm2d", out_size=256, device="meta")
         return Exercise(

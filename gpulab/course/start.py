@@ -162,8 +162,8 @@ def label_guide() -> LabelGuide:
                         "nothing ran", True),
         (LABEL_CPU, "the code ran on the CPU with real data; a tracker counted every tensor storage "
                     "it created and freed", status["cpu"][0]),
-        (LABEL_FAKE_CPU, "the code ran on fake tensors (shapes and dtypes, no data, no compute) with this "
-                         "CPU's kernels; the same tracker counted the storages they would need", status["fake"][0]),
+        (LABEL_FAKE_CPU, "the code ran on fake tensors (shapes and dtypes, no data, no compute), following "
+                         "the CPU kernels' choices; the same tracker counted the storages they would allocate", status["fake"][0]),
         (LABEL_FAKE_CUDA, "fake tensors again, answering for a GPU: CUDA's kernel choices (foreach optimizers, "
                           "bool dropout masks, step counters in host memory), storages in 512-byte blocks; "
                           "no CUDA context or workspaces (see gpulab.measure.fake_cuda.STILL_DIFFERS)", status["fake"][0]),
@@ -434,4 +434,5 @@ def exercise_where_memory_went(story: OomStory | None = None) -> ChoiceExercise:
                   "memory?"),
         options={"a": "the parameters", "b": "Adam's optimizer state", "c": "the activations saved for backward",
                  "d": "the gradients"},
-        expected=expected, explain=explain)
+        expected=expected, explain=explain,
+        hint="Look again at what is alive at the peak, and which of it grows with the batch")

@@ -616,7 +616,8 @@ def exercise_steady_state_extra(model: str = "cnn", optimizer: str = "adam"):
                 "backward; everything else is the same. For Adam: 2 × the parameter bytes (exp_avg, exp_avg_sq) "
                 f"plus a 4-byte step counter per parameter tensor ({LABEL_FORMULA}).",
         unit="bytes", rel_tol=0.01,
-        hint="Which tensors exist in step 2 that did not exist in step 1?")
+        hint="Which tensors exist in step 2 that did not exist in step 1?",
+        ratio_hint="count the state tensors the first step() created per parameter, each its parameter's size.")
 
 
 def _pct(fraction: float) -> str:

@@ -339,9 +339,9 @@ def _notes(r: TensorBytesResult) -> list[str]:
     if c["simulated_allocated"] is not None and c["simulated_allocated"] != c["formula_allocated"]:
         notes.append(f"The simulated allocator counts {c['simulated_allocated']:,} B for x, not the "
                      f"{c['formula_allocated']:,} B of the 512-byte rule: the block it carved x from "
-                     f"would leave only {c['simulated_allocated'] - c['formula_allocated']:,} B, under the "
-                     f"1 MiB a large-pool block must keep to be split (should_split), so x gets the whole "
-                     f"block and memory_allocated counts all of it.")
+                     f"would leave only {c['simulated_allocated'] - c['formula_allocated']:,} B over, and a "
+                     f"large-pool block is split only when more than 1 MiB would be left (should_split, "
+                     f"kSmallSize), so x gets the whole block and memory_allocated counts all of it.")
     if c["simulated_reserved"] is not None:
         notes.append(f"A fresh caching allocator would reserve {format_bytes(c['simulated_reserved'])} "
                      f"for x (simulated allocator): what nvidia-smi would count, before the CUDA context.")
@@ -552,7 +552,8 @@ def exercise_cuda_rounding(n: int = 1000, dtype: str = "float32") -> Exercise:
         expected=lambda: F.cuda_rounded_bytes(F.tensor_bytes((n,), dt)),
         explain=(f"{n:,} × {dt.itemsize} B = {F.tensor_bytes((n,), dt):,} B, rounded up to a multiple "
                  f"of 512 B by the caching allocator (kMinBlockSize)."),
-        unit="bytes", hint="The caching allocator hands out blocks in multiples of 512 bytes.")
+        unit="bytes", hint="The caching allocator hands out blocks in multiples of 512 bytes.",
+        ratio_hint="round the tensor's bytes up to the next multiple of 512 B; one block of 512 B is too small here.")
 
 
 _WHICH_COPIES = {"a": "slice", "b": "strided slice", "c": "transpose", "d": "slice + clone"}
