@@ -704,12 +704,16 @@ def transfer(layout: DepthLayout, base: TrackingResult, more: TrackingResult) ->
 
     A stage's runs are another stage's with its own ends (the first stage's embedding, the last's norm,
     head and loss, a received activation in place of the embedding's): the k-block runs are aligned
-    (``difflib.SequenceMatcher`` on the events as ``learn`` compares them), each repeated group goes
-    before the first event of the other run past its insertion point that this run shares, and must
-    hold the same events there; each event keeps its rule, a k-block event it refers to moved with the
-    alignment. An event of this stage's alone refers, in ``more``, to a k-block event (else None: its
-    rule would need the (k+2)-block run). Checked as a layout learned at another batch is taken
-    (``Deep.at``): it must rebuild ``more`` exactly, event for event and storage for storage."""
+    (``difflib.SequenceMatcher`` on the events as ``learn`` compares them, modules named from inside the
+    stage: ``_stage_sig``); each repeated group goes between the shared events either side of its
+    insertion point, where this run's (k+1)-block run holds the group's events. Each event keeps the other
+    stage's rule where that rule names the storage the event has in ``more``, a k-block event it refers to
+    moved with the alignment; an event of this stage's own (or whose rule names another storage here)
+    takes the storage it has in ``more``: a k-block one for good, or a repeated one's last or first copy,
+    whichever alone frees every storage at most once with two copies (``_frees_alike``; neither or both:
+    None, and the caller learns this stage's layout from its own (k+2)-block run). Taken as a layout
+    learned at another batch is (``Deep.at``): only where it rebuilds ``more`` exactly, event for event
+    and storage for storage."""
     if not layout.sigs:
         return None
     then, group_sigs = layout.sigs
@@ -776,12 +780,12 @@ def _at_one(rule: tuple, c: int) -> Pos:
     """The position ``rule`` names for copy ``c`` (0: a k-block event) with one copy (``DepthLayout._target``)."""
     g, o, a, b, gamma, past = rule
     f = a * c + b + gamma
-    return ("G", g, f, o) if g is not None and 1 <= f <= 1 else past
+    return ("G", g, f, o) if g is not None and f == 1 else past
 
 
 def _frees_alike(t: TrackingResult | None, more: TrackingResult) -> bool:
-    """``t`` (a layout with two copies) frees every storage at most once, and as many of its storages as
-    ``more`` (the same layout's one-copy run) has storages freed, per storage made with one more copy."""
+    """Whether ``t``, a layout's timeline with two copies, frees no storage twice and frees no more
+    storages beyond those ``more`` (its one-copy timeline) frees than the copy added makes."""
     if t is None:
         return False
     freed: dict[int, int] = {}
