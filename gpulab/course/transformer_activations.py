@@ -247,9 +247,10 @@ class LayerActivations(Measured):
         return head + diffs
 
 
-def _layer_experiment(cfg, seq_len: int, batch: int, dtype: torch.dtype):
-    """One forward and backward of a fresh model (dropout on: training mode), with CUDA's
-    attention kernels when the run follows CUDA's (the fake engine's CUDA target)."""
+def _layer_experiment(cfg, seq_len: int, batch: int, dtype: torch.dtype, backward: bool = True):
+    """One forward and backward (``backward=False``: the forward alone) of a fresh model (dropout on:
+    training mode), with CUDA's attention kernels when the run follows CUDA's (the fake engine's CUDA
+    target)."""
     from gpulab.models.workload import forward, resolve_workload
     w = resolve_workload(cfg, seq_len=seq_len)
 
@@ -266,8 +267,9 @@ def _layer_experiment(cfg, seq_len: int, batch: int, dtype: torch.dtype):
                     ctx.label(t)
         with ctx.phase("forward"), sdpa, unpacked:
             loss = w.loss(forward(net, data), data)
-        with ctx.phase("backward"):
-            loss.backward()
+        if backward:
+            with ctx.phase("backward"):
+                loss.backward()
         return {"n_layers": hf_configs.config_summary(cfg)["num_layers"]}
     return experiment
 
@@ -339,7 +341,7 @@ def _saved_by_layer(m: Measurement, n_layers: int) -> tuple[list[int], int, int,
 
 def measured_layer_activations(name_or_config: Any, seq_len: int = 128, batch: int = 1,
                                attn_implementation: str = "eager", dtype: str | torch.dtype = torch.bfloat16,
-                               engine: str = "fake") -> LayerActivations:
+                               engine: str = "fake", backward: bool = True) -> LayerActivations:
     """Build the whole model (``attn_implementation`` "eager" or "sdpa", written into a copy of
     the config as ``_attn_implementation``), run one forward and backward of token ids (s =
     ``seq_len``, b = ``batch``) in training mode under gpulab's tracker, and report the bytes
@@ -374,7 +376,9 @@ def measured_layer_activations(name_or_config: Any, seq_len: int = 128, batch: i
     GPU, whose ``layer_norm`` kernel keeps them in the accumulate type). With the one-kernel
     tanh GELU (``activation_function="gelu_pytorch_tanh"``, the same function) only (2) remains:
     at most 2·2·4 = 16 bytes per s·b against 34·h of the formula, 16 / (34 · 768) = 0.061 % for
-    GPT-2, so such a layer is within 0.1 % of the formula. The tests check both."""
+    GPT-2, so such a layer is within 0.1 % of the formula. The tests check both. ``backward=False``: the
+    forward alone (lesson 11's panel); all reported is read off the forward's saved tensors and ops, which
+    the backward only frees: the same bytes, contents, kernel and differences (tested)."""
     impl = str(attn_implementation).lower()
     if impl not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {attn_implementation!r}; valid: "
@@ -387,7 +391,7 @@ def measured_layer_activations(name_or_config: Any, seq_len: int = 128, batch: i
     s = hf_configs.config_summary(cfg)
     if s["max_positions"] and seq_len > s["max_positions"]:
         raise ValueError(f"seq_len {seq_len} is longer than the model takes ({s['max_positions']} positions)")
-    m = run(_layer_experiment(cfg, seq_len, batch, dt), engine, fake_target="cuda")
+    m = run(_layer_experiment(cfg, seq_len, batch, dt, backward), engine, fake_target="cuda")
     if m.oom:
         raise MemoryError(f"the forward/backward ran out of memory on the {m.engine} engine: {m.error}")
     n_layers = s["num_layers"]
@@ -509,7 +513,8 @@ class ActivationSweep:
 
 def activation_vs_seq(name_or_config: Any, seq_lens: Sequence[int] = (128, 256, 512), batch: int = 1,
                       dtype: str | torch.dtype = torch.bfloat16, engine: str = "fake",
-                      kept: "OrderedDict[tuple, LayerActivations] | None" = None) -> ActivationSweep:
+                      kept: "OrderedDict[tuple, LayerActivations] | None" = None,
+                      backward: bool = True) -> ActivationSweep:
     """Per-layer activation bytes over a sweep of sequence lengths: the formula with the score
     term (34·s·b·h + 5·a·s²·b) and without (34·s·b·h), measured with eager attention and with
     SDPA (``measured_layer_activations`` for each). Eager minus SDPA is what storing the s×s
@@ -518,13 +523,14 @@ def activation_vs_seq(name_or_config: Any, seq_lens: Sequence[int] = (128, 256, 
     ``kept``: runs measured before (a panel keeps them), by model name, sequence length, batch, attention,
     dtype and engine, which are all a run's bytes depend on: a run found there is reused, and each run made
     is added (at most ``KEPT_RUNS``, the least recently used first out). A model given as a config is
-    always measured."""
+    always measured. ``backward=False``: the runs made are forwards alone (``measured_layer_activations``:
+    the same rows), kept apart from full runs, and a full run kept serves too."""
     if not seq_lens:
         raise ValueError("seq_lens must name at least one sequence length")
     rows, runs = [], []
     for s in seq_lens:
-        eager = _kept_run(kept, name_or_config, s, batch, "eager", dtype, engine)
-        sdpa = _kept_run(kept, name_or_config, s, batch, "sdpa", dtype, engine)
+        eager = _kept_run(kept, name_or_config, s, batch, "eager", dtype, engine, backward)
+        sdpa = _kept_run(kept, name_or_config, s, batch, "sdpa", dtype, engine, backward)
         runs += [eager, sdpa]
         rows.append(SeqRow(s, batch, eager.formula_full_bytes, eager.formula_no_scores_bytes, eager.bytes_per_layer,
                            sdpa.bytes_per_layer, sdpa.attention_kernel, eager.label))
@@ -535,18 +541,20 @@ KEPT_RUNS = 24   # ``activation_vs_seq``'s kept runs: a panel's last eight sweep
 
 
 def kept_key(model: str, seq_len: int, batch: int, attn_implementation: str, dtype: str | torch.dtype,
-             engine: str) -> tuple:
-    """The key ``activation_vs_seq`` keeps a run under."""
-    return (model, int(seq_len), int(batch), str(attn_implementation).lower(), dtype_name(parse_dtype(dtype)), engine)
+             engine: str, backward: bool = True) -> tuple:
+    """The key ``activation_vs_seq`` keeps a run under (a forward alone: ``backward=False``, apart)."""
+    return (model, int(seq_len), int(batch), str(attn_implementation).lower(), dtype_name(parse_dtype(dtype)), engine,
+            *(() if backward else ("forward only",)))
 
 
 def _kept_run(kept: "OrderedDict[tuple, LayerActivations] | None", name_or_config: Any, seq_len: int, batch: int,
-              impl: str, dtype: str | torch.dtype, engine: str) -> LayerActivations:
+              impl: str, dtype: str | torch.dtype, engine: str, backward: bool = True) -> LayerActivations:
     if kept is None or not isinstance(name_or_config, str):
-        return measured_layer_activations(name_or_config, seq_len, batch, impl, dtype, engine)
-    key = kept_key(name_or_config, seq_len, batch, impl, dtype, engine)
+        return measured_layer_activations(name_or_config, seq_len, batch, impl, dtype, engine, backward)
+    full = kept_key(name_or_config, seq_len, batch, impl, dtype, engine)
+    key = full if backward or full in kept else kept_key(name_or_config, seq_len, batch, impl, dtype, engine, False)
     if key not in kept:
-        kept[key] = measured_layer_activations(name_or_config, seq_len, batch, impl, dtype, engine)
+        kept[key] = measured_layer_activations(name_or_config, seq_len, batch, impl, dtype, engine, backward)
     kept.move_to_end(key)
     while len(kept) > KEPT_RUNS:
         kept.popitem(last=False)

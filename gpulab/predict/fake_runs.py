@@ -6,6 +6,7 @@ alike (``predict.layer_repeat``), timed where the step's time is asked (``predic
 """
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,8 +45,8 @@ def deep_runs(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecip
         at = timed and getattr(wk.config, wk.facts.depth_field) in deep[0].depths[:2]
         return tracked(wk, wkey, b, dt, recipe, target, fresh, at)
     deep.append(layer_repeat.Deep(w, small))
-    lkey = _layouts_key(key, recipe, dt, target)
-    if lkey is not None:   # the layouts learned for this model and recipe at any sequence length or batch
+    lkey = _layouts_key(key, w, recipe, dt, target)
+    if lkey is not None:   # the layouts learned for this kind of model and recipe at any size, sequence length or batch
         deep[0].layouts = run_cache.layouts(lkey)
         if recipe.pp > 1:   # and for its other pipeline stages, each tried on this stage's runs (layer_repeat.transfer)
             deep[0].peers = run_cache.layouts(_stages_key(lkey))
@@ -59,16 +60,33 @@ def _stages_key(lkey: tuple) -> tuple:
     return (workload, kind, tuple(f for f in fields if f[0] != "pp_stage"), *rest, "every pipeline stage")
 
 
-def _layouts_key(key: tuple | None, recipe: LoopRecipe, dt: torch.dtype, target: tuple) -> tuple | None:
-    """``run_cache.run_key`` without the sequence length, the inputs' text and the batch (None: not kept):
-    where ``run_cache.layouts`` keeps the layouts learned for a model and recipe. ``Deep.at`` takes a kept
-    layout only where it rebuilds the asked setting's (k+1)-layer run exactly, as it does for another
-    batch, and learns one (its third, deepest small run) where none does: a panel's sequence-length move
-    costs two small runs, not three and a learn."""
+# a config's sizes: the fields a kept layout may differ in. Every other field (the model's type, its
+# layer pattern: sliding windows, layer types, dense/MoE layers, dropout, biases...) is part of the key
+_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+          "num_hidden_layers", "vocab_size", "max_position_embeddings", "bos_token_id", "eos_token_id",
+          "pad_token_id", "rms_norm_eps", "layer_norm_eps", "rope_theta")
+
+
+def _layouts_key(key: tuple | None, w: Workload, recipe: LoopRecipe, dt: torch.dtype, target: tuple) -> tuple | None:
+    """``run_cache.run_key`` with the model's config less its sizes (``_SIZES``, and the rope's theta), and
+    without the sequence length or the batch (None: not kept): where ``run_cache.layouts`` keeps the layouts
+    learned for a kind of model and a recipe. ``Deep.at`` takes a kept layout only where it rebuilds the
+    asked setting's (k+1)-layer run exactly, as it does for another batch, and learns one (its third,
+    deepest small run) where none does: a panel's sequence-length move costs two small runs, not three and a
+    learn, and so does a move to another size of the same model (lesson 11's custom Llama after
+    Llama-3-8B, whose layouts learned apart are equal: a test shows it). Any other field differing (Mistral's
+    sliding window beside Llama's, a layer pattern) keeps the layouts apart: a 2-layer run cannot tell a
+    pattern that shows only deeper."""
     if key is None:
         return None
-    name, kind, _inputs, image_size, _seq_len, source, config = key
-    return run_cache.run_key((name, kind, image_size, source, config), recipe, dt, 0, target)
+    _name, kind, _inputs, image_size, _seq_len, _source, config = key
+    if config is not None:
+        fields = json.loads(config)
+        rope = fields.get("rope_parameters")
+        if isinstance(rope, dict):
+            fields["rope_parameters"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        config = json.dumps({k: v for k, v in fields.items() if k not in _SIZES}, sort_keys=True)
+    return run_cache.run_key((kind, image_size, config), recipe, dt, 0, target)
 
 
 def tracked_at_depth(w: Workload, key: tuple | None, batch: int, dt: torch.dtype, recipe: LoopRecipe,

@@ -12,9 +12,10 @@ A run made with a timer (``predict.run_ops``) keeps its step's ops beside its ti
 ``kept_ops``), under the same key and forgotten with it: a timeline is the same whether or not a timer
 watched its run, so a timed question reuses a timeline only where its ops were kept too.
 
-The layouts ``predict.layer_repeat`` learns (where a model's layers repeat) are kept too, per model and
-recipe without the sequence length or batch (``layouts``): a run at another sequence length takes one
-only where it rebuilds that run's (k+1)-layer timeline exactly, as a run at another batch does.
+The layouts ``predict.layer_repeat`` learns (where a model's layers repeat) are kept too, per kind of model
+(its config less its sizes: ``predict.fake_runs._SIZES``) and recipe, without the sequence length or batch
+(``layouts``): a run of another size or sequence length takes one only where it rebuilds that run's (k+1)-layer timeline exactly, as
+a run at another batch does.
 
 The cache holds at most ``MAX_ENTRIES`` timelines and ``MAX_EVENTS`` events in all (about 470 bytes
 each with their records and series: some 100 MB; the least recently used goes first, the newest
@@ -103,10 +104,11 @@ def kept_ops_by_batch(key: tuple | None) -> dict[int, Any]:
 
 
 def layouts(key: tuple) -> list:
-    """The list of layouts (``predict.layer_repeat.DepthLayout``) learned in this process for the model and
-    recipe ``key`` names (``run_key`` with the sequence length and batch left out), shared by every run of
-    them: a layout learned at one setting is kept for the next, which takes it only where it rebuilds that
-    setting's runs exactly. At most ``MAX_ENTRIES`` keys (the least recently used goes first)."""
+    """The list of layouts (``predict.layer_repeat.DepthLayout``) learned in this process for the kind of
+    model and recipe ``key`` names (``run_key`` with the model's type for the model and the sequence length and
+    batch left out: ``predict.fake_runs``), shared by every run of them: a layout learned at one setting is kept
+    for the next, which takes it only where it rebuilds that setting's runs exactly. At most ``MAX_ENTRIES``
+    keys (the least recently used goes first)."""
     kept = _layouts.setdefault(key, [])
     _layouts.move_to_end(key)
     while len(_layouts) > MAX_ENTRIES:

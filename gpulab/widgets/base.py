@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterable
 import ipywidgets as W
 from IPython.display import HTML, display
 
+from gpulab.widgets.gc_scope import old_objects_frozen
+
 __all__ = [
     "ENGINES", "GuardVerdict", "MEASURE_LOCK", "NO_GPU_NOTE", "Panel", "REUSED_NOTE", "check_control_value", "dropdown",
     "engine_choices", "engine_dropdown", "model_controls", "slider_layout",
@@ -192,7 +194,7 @@ class Panel:
                     self.safe_button.layout.display = ""
                 self.status.value = "not run (see below)"
                 return
-            with MEASURE_LOCK:
+            with MEASURE_LOCK, old_objects_frozen():   # the collector walks only what the run makes
                 if self._wants_progress:
                     result = self._compute(progress=self._report_progress, **params)
                 else:

@@ -30,11 +30,13 @@ def sweep_lengths(seq_len: int) -> tuple[int, ...]:
 
 def compute_activations(model: str, seq_len: int, progress=None, kept: OrderedDict | None = None) -> ActivationSweep:
     """The sweep of ``sweep_lengths(seq_len)``; ``kept``: the panel's runs (``activation_vs_seq``), so a
-    move of the slider measures only the length it adds (a half of 512 is 256, measured already)."""
+    move of the slider measures only the length it adds (a half of 512 is 256, measured already). Each
+    run made is a forward alone: what a layer saves is the forward's, and the rows are those of a run
+    with its backward (``measured_layer_activations(backward=False)``)."""
     lens = sweep_lengths(seq_len)
     if progress:
-        progress(0.1, f"fake runs at {', '.join(map(str, lens))} tokens, eager and SDPA")
-    return activation_vs_seq(model, seq_lens=tuple(lens), kept=kept)
+        progress(0.1, f"fake forwards at {', '.join(map(str, lens))} tokens, eager and SDPA")
+    return activation_vs_seq(model, seq_lens=tuple(lens), kept=kept, backward=False)
 
 
 def render_activations(sweep: ActivationSweep) -> list[Any]:

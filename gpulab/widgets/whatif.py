@@ -27,6 +27,7 @@ from gpulab.course.whatif import (RECOMPUTE, WHATIF_MODELS, WHATIF_OPTIMIZERS, W
                                   WhatIfMeasured, compare_html, explain, whatif_formula, whatif_measured, model_shape)
 from gpulab.predict.cards import card_names
 from gpulab.widgets.base import MEASURE_LOCK, check_control_value, dropdown
+from gpulab.widgets.gc_scope import old_objects_frozen
 
 __all__ = ["DEBOUNCE_S", "WhatIfPanel", "whatif_panel"]
 
@@ -203,7 +204,7 @@ class WhatIfPanel:
 
     def _measure(self, args: dict[str, Any]) -> tuple[WhatIfMeasured | None, str | None]:
         try:
-            with MEASURE_LOCK:
+            with MEASURE_LOCK, old_objects_frozen():   # the collector walks only what the run makes
                 return whatif_measured(**args), None
         except Exception as exc:   # shown in one line under the table, never raised into the kernel
             return None, f"{type(exc).__name__}: {exc}"
