@@ -84,3 +84,34 @@ def test_what_fits_for_8b_on_24gib_answers_as_with_runs_of_two_to_four_layers(mo
     a, b = (dict(w.as_dict()) for w in (fast[1], slow[1]))
     a.pop("seconds"), b.pop("seconds")
     assert a == b and a["tried"]
+
+
+@pytest.mark.extended   # four tiny pp 3 × tp 2 stage searches: ~35 s of CPU on the shared 2-core machine
+def test_a_layout_learned_on_one_stage_serves_the_others_as_each_stage_learning_its_own(monkeypatch):
+    """pp 3 × tp 2 with sequence parallelism over 36 layers: the first stage learns its layout (runs of 1, 2 and
+    3 layers), the middle and last stages take it moved onto their own runs (``layer_repeat.transfer``: their
+    runs of 1 and 2 layers rebuilt exactly) instead of a 3-layer run each; every stage's row and every figure
+    as when each stage learns its own."""
+    cfg = hf_configs.make_config("tiny-llama")
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size = 4, 2, 96
+    cfg.num_hidden_layers, cfg.vocab_size = 36, 256
+    kw = dict(optimizer="adamw", dtype="bf16", seq_len=16, context_bytes=0, pp=3, tp=2, sequence_parallel=True,
+              gpus=6, predict_time=False)
+    moved = []
+    transfer = L.transfer
+
+    def counted(*args):
+        out = transfer(*args)
+        moved.append(out is not None)
+        return out
+    monkeypatch.setattr(L, "transfer", counted)
+    run_cache.clear()
+    shared = gpulab.fit(cfg, "24MiB", **kw)
+    assert moved.count(True) == 2 and "12 layers laid out from fake runs of 1 and 2 layers" in shared.layers
+    run_cache.clear()
+    monkeypatch.setattr(L, "transfer", lambda *args: None)
+    own = gpulab.fit(cfg, "24MiB", **kw)
+    run_cache.clear()
+    assert shared.runs == own.runs - 2 and shared.largest_batch > 3
+    assert [r.stages for r in shared.ranks if r.peak_bytes is not None] == [(0,), (1,), (2,)]
+    assert _memory(shared) == _memory(own)

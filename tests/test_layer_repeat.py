@@ -317,3 +317,26 @@ def test_periodic_recipes_equal_full_depth(spec, name):
     """Checkpointing (full, selective), LoRA, offload, accumulation and (Gemma-2) tensor parallelism laid out
     by periods equal the full-depth run."""
     _periodic(PERIODIC[spec], user_recipe("adamw", None, **PERIODIC_RECIPES[name]))
+
+
+def test_a_layout_learned_on_one_pipeline_stage_lays_out_the_others():
+    """The first stage's layout (learned from its runs of 1, 2 and 3 layers), moved onto the middle and last
+    stages' own runs of 1 and 2 layers (``layer_repeat.transfer``: they hold the same layers with other ends,
+    a received activation for the embedding, the norm, head and loss after), lays each of them out as its
+    full-depth run: no 3-layer run there. tp=2 with sequence parallelism, as the 70B TP 8 × PP 4 layout."""
+    w = _tp_workload(4)
+
+    def deep_of(stage: int):
+        recipe = user_recipe("adamw", None, tp=2, sequence_parallel=True, pp=4, pp_stage=stage, microbatches=1)
+
+        def run(wk, b, fresh=False):
+            return _run(wk, b, torch.bfloat16, recipe).tracking
+        return L.Deep(w, run), run
+    first, _ = deep_of(0)
+    assert first.at(2) is not None and first.runs == 3 and not first.transferred
+    for stage in (1, 3):
+        deep, run = deep_of(stage)
+        deep.peers = list(first.layouts)
+        laid = deep.at(2)
+        assert deep.transferred and deep.runs == 2, stage
+        _assert_same(laid, run(w, 2))

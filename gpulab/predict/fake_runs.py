@@ -48,7 +48,16 @@ def deep_runs(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecip
     lkey = _layouts_key(key, w, recipe, dt, target)
     if lkey is not None:   # the layouts learned for this kind of model and recipe at any size, sequence length or batch
         deep[0].layouts = run_cache.layouts(lkey)
+        if recipe.pp > 1:   # and for its other pipeline stages, each tried on this stage's runs (layer_repeat.transfer)
+            deep[0].peers = run_cache.layouts(_stages_key(lkey))
     return deep[0]
+
+
+def _stages_key(lkey: tuple) -> tuple:
+    """``_layouts_key`` without the pipeline stage: where the layouts learned for every stage of a pipeline
+    are kept (``layer_repeat.transfer`` moves one onto another stage's runs where it rebuilds them)."""
+    workload, kind, fields, *rest = lkey
+    return (workload, kind, tuple(f for f in fields if f[0] != "pp_stage"), *rest, "every pipeline stage")
 
 
 # a config's sizes: the fields a kept layout may differ in. Every other field (the model's type, its

@@ -31,6 +31,11 @@ splits the model module by module in the model's order: split projection by proj
 layers (the plan's order), each layer's setup events would sit in as many places as the plan has
 entries, and no placement found explained them all.
 
+A pipeline's stages hold the same layers with other ends (the first the embedding, the last the norm,
+head and loss, the others a received activation): a layout learned on one stage is moved onto another
+stage's runs of k and k+1 blocks (``transfer``) and taken, as a layout learned at another batch is,
+where it rebuilds that stage's (k+1)-block run exactly; that stage then makes no (k+2)-block run.
+
 Dense layers before the experts (DeepSeek's ``first_k_dense_replace``, Qwen-MoE's ``mlp_only_layers``
 when they are the first ones) are a prefix that every small run holds. Layers that repeat every few
 (Gemma-2's sliding and global layers, period 2; Gemma-3's five local to one global, period 6; a
@@ -47,6 +52,7 @@ full depth, and ``not_repeatable`` says why, in the answer's ``layers``.
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import difflib
@@ -64,7 +70,7 @@ from gpulab.models.registry import build_in_place
 from gpulab.models.workload import Workload
 
 __all__ = ["BASE_BLOCKS", "Deep", "DepthLayout", "MAX_EVENTS", "MIN_REPEAT_DEPTH", "Pattern", "block_pattern", "learn",
-           "not_repeatable", "same_timeline",
+           "not_repeatable", "same_timeline", "transfer",
            "with_depth", "workload_with_depth"]
 
 # k: one block. A fake run's cost is its ops, so the small runs cost about their layers: runs of 1, 2 and 3 layers
@@ -216,6 +222,10 @@ class Deep:
         self._run = run
         self._small = {n: workload_with_depth(w, n) for n in self.depths}
         self.layouts: list[DepthLayout] = []   # learned, each serving the batches whose runs it rebuilds
+        # learned on the other stages of a pipeline (the same layers, other ends): each tried (``transfer``)
+        # before a layout is learned here
+        self.peers: list[DepthLayout] = []
+        self.transferred = False   # a layout here came from another stage's (``transfer``)
         self.why = pattern if isinstance(pattern, str) else ""
         self.runs = 0
 
@@ -232,6 +242,11 @@ class Deep:
             return None
         base, more = self._small_run(0, batch, fresh), self._small_run(1, batch, fresh)
         layout = next((lay for lay in self.layouts if same_timeline(lay.expand(base, more, 1), more)), None)
+        if layout is None:   # another pipeline stage's, moved onto these runs where it rebuilds them
+            layout = next((moved for lay in self.peers for moved in [transfer(lay, base, more)] if moved), None)
+            if layout is not None:
+                self.layouts.append(layout)
+                self.transferred = True
         if layout is None:
             layout, base = self._learn(base, more, batch, fresh)
             if layout is None:
@@ -251,6 +266,7 @@ class Deep:
             self.why = learned if not self.layouts else f"at batch {batch}: {learned}"
             return None, base
         self.layouts.append(learned)
+        self.peers.append(learned)
         return learned, base
 
     def _check_size(self, layout: DepthLayout) -> None:
@@ -281,12 +297,30 @@ class Deep:
             past = (f" past the first {prefix} layers" if prefix > 1 else " past the first layer") if prefix else ""
             text = (f"{self.depth} layers laid out from fake runs of {a} and {b} layers (the events of {block}"
                     f"{past} repeated, learned with {c} layers; {self.pattern.why}; exact where the layers repeat so)")
+        if self.transferred:   # (``transfer``) no run of c layers of this stage's own
+            text += (f"; the layout learned on another pipeline stage's runs of the same layers, moved onto this "
+                     f"stage's and rebuilding its {b}-layer run exactly")
         return text + (f"; all {self.depth} layers run {self.why}" if self.why else "")
 
 
 def _sig(t: TrackingResult, e: Event) -> tuple:
     r = t.records[e.sid]
     return (e.kind, e.nbytes, r.category.value, e.phase, e.device, _DIGITS.sub("#", e.module))
+
+
+def _stage_sig(t: TrackingResult, e: Event) -> tuple:
+    """``_sig`` with the module named from inside the stage's model: its root class left out, and the
+    decoder's attribute (``model.``) that the last stage keeps around its layers and the others do not
+    (``training.pipeline.pipeline_stage``), so the same layer's events compare alike on every stage."""
+    kind, nbytes, category, phase, device, module = _sig(t, e)
+    inner = module.partition(".")[2]
+    return kind, nbytes, category, phase, device, "" if inner == "model" else inner[6:] if inner.startswith("model.") else inner
+
+
+def _stage_sigs(k_run: TrackingResult, k1_run: TrackingResult, groups) -> tuple:
+    """(the k-block run's events, each group's in the (k+1)-block run), as ``_stage_sig`` names them."""
+    return (tuple(_stage_sig(k_run, e) for e in k_run.events),
+            tuple(tuple(_stage_sig(k1_run, e) for e in k1_run.events[s:e]) for _, s, e in groups))
 
 
 def _allocs(t: TrackingResult) -> dict[int, int] | None:
@@ -369,6 +403,9 @@ class DepthLayout:
     groups: tuple[tuple[int, int, int], ...]     # (insertion point, start, end in the (k+1)-block run)
     matched: tuple[int, ...] = field(repr=False)  # k-block event i -> its index in the (k+1)-block run
     rules: dict = field(repr=False)               # position (copy 1 for groups) -> rule
+    # the k-block run's events and each group's, as ``_sig`` names them: what ``transfer`` aligns another
+    # pipeline stage's runs with (empty: not kept)
+    sigs: tuple = field(default=(), repr=False, compare=False)
 
     def positions(self, m: int):
         """Every position of the timeline with ``m`` repeated blocks, in order."""
@@ -591,7 +628,7 @@ def _learn_at(points, k_run, k1_run, k2_run, sa, s1, s2, k) -> "DepthLayout | st
         rules[pos] = rule
     if failing:
         return failing
-    layout = DepthLayout(k, len(k_run.events), tuple(g1), tuple(m1), rules)
+    layout = DepthLayout(k, len(k_run.events), tuple(g1), tuple(m1), rules, _stage_sigs(k_run, k1_run, g1))
     for m, run in ((1, k1_run), (2, k2_run)):
         if not same_timeline(layout.expand(k_run, k1_run, m), run):
             return f"the learned layout does not rebuild the {k + m}-block run"
@@ -659,3 +696,104 @@ def _linked(sa: list, sb: list, points: list[tuple[int, int]], run: TrackingResu
         todo.discard(g)
         inside[own[g][0] + d:own[g][1] + d] = True
     return [(p + shift[g], n) for g, (p, n) in enumerate(points)]
+
+
+def transfer(layout: DepthLayout, base: TrackingResult, more: TrackingResult) -> DepthLayout | None:
+    """``layout``, learned on another pipeline stage's runs of the same layers, moved onto this stage's
+    k-block run ``base`` and (k+1)-block run ``more`` (at the same batch); None where it does not fit them.
+
+    A stage's runs are another stage's with its own ends (the first stage's embedding, the last's norm,
+    head and loss, a received activation in place of the embedding's): the k-block runs are aligned
+    (``difflib.SequenceMatcher`` on the events as ``learn`` compares them, modules named from inside the
+    stage: ``_stage_sig``); each repeated group goes between the shared events either side of its
+    insertion point, where this run's (k+1)-block run holds the group's events. Each event keeps the other
+    stage's rule where that rule names the storage the event has in ``more``, a k-block event it refers to
+    moved with the alignment; an event of this stage's own (or whose rule names another storage here)
+    takes the storage it has in ``more``: a k-block one for good, or a repeated one's last or first copy,
+    whichever alone frees every storage at most once with two copies (``_frees_alike``; neither or both:
+    None, and the caller learns this stage's layout from its own (k+2)-block run). Taken as a layout
+    learned at another batch is (``Deep.at``): only where it rebuilds ``more`` exactly, event for event
+    and storage for storage."""
+    if not layout.sigs:
+        return None
+    then, group_sigs = layout.sigs
+    sa = [_stage_sig(base, e) for e in base.events]
+    s1 = [_stage_sig(more, e) for e in more.events]
+    here: dict[int, int] = {}   # the other run's k-block event -> this one's
+    for tag, i1, i2, j1, _ in difflib.SequenceMatcher(None, then, sa, autojunk=False).get_opcodes():
+        if tag == "equal":
+            here.update((i1 + d, j1 + d) for d in range(i2 - i1))
+    shared = sorted(here)
+    points, offset = [], 0
+    for (point, start, end), sigs in zip(layout.groups, group_sigs):
+        cut = bisect.bisect_left(shared, point)   # between the shared events either side of its point
+        lo = here[shared[cut - 1]] + 1 if cut else 0
+        hi = here[shared[cut]] if cut < len(shared) else len(sa)
+        at = next((c for c in range(lo, hi + 1) if tuple(s1[offset + c:offset + c + end - start]) == sigs), hi)
+        points.append((at, end - start))
+        offset += end - start
+    placed = _place(sa, s1, points)
+    if placed is None:
+        return None
+    matched, groups = placed
+    if tuple(tuple(s1[s:e]) for _, s, e in groups) != tuple(group_sigs):
+        return None
+    r1 = _refs(more, matched, groups, [n for _, n in points])
+    if r1 is None:
+        return None
+    back = {j: i for i, j in here.items()}
+
+    def moved(rule: tuple | None) -> tuple | None:
+        if rule is None or rule[5] is None:
+            return rule
+        past = here.get(rule[5][1])
+        return None if past is None else (*rule[:5], ("M", past))
+    rules: dict = {}
+    own: dict = {}   # this stage's own events: on a repeated storage, its (group, offset); else None
+    for pos, target in r1.items():
+        if pos[0] == "G":   # a layer's event: the other stage's rule, which must name this run's storage
+            rule = moved(layout.rules.get(pos))
+            if rule is None or _at_one(rule, pos[2]) != target:
+                return None
+            rules[pos] = rule
+            continue
+        rule = moved(layout.rules.get(("M", back[pos[1]]))) if pos[1] in back else None
+        if rule is not None and _at_one(rule, 0) == target:
+            rules[pos] = rule
+        elif target[0] == "M":   # this stage's own event, on a k-block storage
+            rules[pos], own[pos] = (None, None, 0, 0, 0, target), None
+        else:
+            own[pos] = (target[1], target[3])
+    # which copy an own event takes, the last or the first (one in ``more``): the one under which, with two
+    # copies, every storage is freed at most once and every copy of a storage as ``more`` frees its one
+    fits = []
+    for b, gamma in ((1, 0), (0, 1)) if any(own.values()) else ((1, 0),):
+        trial = DepthLayout(layout.k, len(sa), tuple(groups), tuple(matched),
+                            {**rules, **{pos: (*at, 0, b, gamma, None) for pos, at in own.items() if at}},
+                            (tuple(sa), group_sigs))
+        if same_timeline(trial.expand(base, more, 1), more) and (not own or _frees_alike(trial.expand(base, more, 2), more)):
+            fits.append(trial)
+    return fits[0] if len(fits) == 1 or fits and not any(own.values()) else None
+
+
+def _at_one(rule: tuple, c: int) -> Pos:
+    """The position ``rule`` names for copy ``c`` (0: a k-block event) with one copy (``DepthLayout._target``)."""
+    g, o, a, b, gamma, past = rule
+    f = a * c + b + gamma
+    return ("G", g, f, o) if g is not None and f == 1 else past
+
+
+def _frees_alike(t: TrackingResult | None, more: TrackingResult) -> bool:
+    """Whether ``t``, a layout's timeline with two copies, frees no storage twice and frees no more
+    storages beyond those ``more`` (its one-copy timeline) frees than the copy added makes."""
+    if t is None:
+        return False
+    freed: dict[int, int] = {}
+    for e in t.events:
+        if e.kind == "free":
+            freed[e.sid] = freed.get(e.sid, 0) + 1
+    if any(n > 1 for n in freed.values()):
+        return False
+    made = sum(1 for e in t.events if e.kind == "alloc") - sum(1 for e in more.events if e.kind == "alloc")
+    gone = len(freed) - sum(1 for e in more.events if e.kind == "free")
+    return 0 <= gone <= made

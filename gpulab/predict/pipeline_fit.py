@@ -8,6 +8,9 @@ blocks by ``predict.layer_repeat``; the data-parallel strategy applied per rank 
 then reads every stage at the smallest answer, the micro-batch the whole pipeline runs (off the stage
 search's own extrapolation where a fake run confirmed it: no new run). Ranks of the
 same shape run once: 64 GPUs of ``tp 8 × pp 4 × dp 2`` are at most four stage searches, not 64 runs.
+The stages hold the same layers with other ends, so only the first stage's search learns how a layer
+repeats (a run of 3 layers); the others take that layout moved onto their own runs of 1 and 2 layers
+where it rebuilds them exactly (``layer_repeat.transfer``; ``fake_runs.deep_runs`` hands them it).
 
 The micro-batches in flight: each search's fake runs push one micro-batch through the stage (so
 layer repeat lays a deep stage out from a few blocks, as for any step), and ``hold_in_flight`` adds
