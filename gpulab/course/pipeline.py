@@ -143,7 +143,7 @@ def layout_states(model: str = "hf:llama-3.1-70b", layouts: tuple[tuple[int, int
     from gpulab.models import hf_configs
     from gpulab.models.workload import resolve_workload
     from gpulab.predict.cards import parse_gpu
-    from gpulab.predict.layer_repeat import with_depth
+    from gpulab.predict.layer_pattern import with_depth
     config = resolve_workload(model).config
     with torch.device("meta"):
         one = hf_configs.build_model(with_depth(config, 1), torch.bfloat16)

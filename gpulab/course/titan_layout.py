@@ -94,7 +94,7 @@ def titan_layout(model: str = "hf:llama-3.1-70b", *, dp_shard: int = 32, tp: int
 
     from gpulab.models import hf_configs
     from gpulab.models.workload import resolve_workload
-    from gpulab.predict.layer_repeat import with_depth
+    from gpulab.predict.layer_pattern import with_depth
     for name, v in (("dp_shard", dp_shard), ("tp", tp), ("pp", pp), ("gpus_per_host", gpus_per_host)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a whole number of 1 or more, got {v!r}")

@@ -71,11 +71,11 @@ def slope_floor(lo: Any, hi: Any, speed: Any, phase: str | None = None) -> float
 
 
 def _kept(w: Any, key: tuple | None, depth: int | None, batch: int, dt: Any, recipe: Any, target: tuple):
-    from gpulab.predict import layer_repeat, run_cache
+    from gpulab.predict import layer_pattern, run_cache
     if key is None:
         return None
     if depth is not None:
-        w = layer_repeat.workload_with_depth(w, depth)
+        w = layer_pattern.workload_with_depth(w, depth)
         key = run_cache.workload_key(w.config, w, own_parts=False)
     return run_cache.kept_ops(run_cache.run_key(key, recipe, dt, batch, target))
 
@@ -87,9 +87,9 @@ def _rank_floor(w: Any, key: tuple | None, dt: Any, recipe: Any, speed: Any, tar
     ``recompute``: plus every repeated layer's forward once more (full activation checkpointing reruns
     each decoder layer's forward in the backward: ``RECOMPUTE``), that layer's forward floor being the
     two depths' difference (none where the full depth was run: still a floor)."""
-    from gpulab.predict import layer_repeat
+    from gpulab.predict import layer_pattern
     from gpulab.predict.fake_runs import not_laid_out
-    pattern = None if not_laid_out(w, recipe) is not None else layer_repeat.block_pattern(w.config, min_depth=0,
+    pattern = None if not_laid_out(w, recipe) is not None else layer_pattern.block_pattern(w.config, min_depth=0,
                                                                                           facts=w.facts)
     if isinstance(pattern, str):
         pattern = None
@@ -125,8 +125,8 @@ def rate_bound(w: Any, key: tuple | None, dt: Any, recipe: Any, layout: Any, spe
     if recipe.pp == 1:
         floor = _rank_floor(w, key, dt, recipe, speed, target, recompute)
         return None if floor is None else (float("inf") if floor <= 0 else items / floor)
-    from gpulab.predict import layer_repeat
-    stage_w = layer_repeat.workload_with_depth(w, w.config.num_hidden_layers // recipe.pp)
+    from gpulab.predict import layer_pattern
+    stage_w = layer_pattern.workload_with_depth(w, w.config.num_hidden_layers // recipe.pp)
     floors = [_rank_floor(stage_w, key, dt, replace(recipe, pp_stage=s, microbatches=1), speed, target, recompute)
               for s in (0, recipe.pp - 1)]
     floors = [f for f in floors if f is not None]

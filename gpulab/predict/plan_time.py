@@ -7,7 +7,7 @@ memory answer, timed as they ran and kept with their ops (``predict.fake_runs.ti
 ``predict.run_ops``), so the time adds no fake run of its own; a run none kept is made here. A
 tensor-parallel rank's run issues its own collectives on the fake process group, costed where they sit
 (``timing.TP_OVERLAP``). Where the search lays a deep stack out from a few layers, the time reads the
-same two small depths ``d1 < d2`` that differ by one period of alike layers (``layer_repeat.Pattern``),
+same two small depths ``d1 < d2`` that differ by one period of alike layers (``layer_pattern.Pattern``),
 and every figure is laid out linearly to the full depth: t(L) = t(d1) + (L − d1)/(d2 − d1) ·
 (t(d2) − t(d1)), exact for a sum of per-op costs when the layers repeat op for op (the premise
 ``layer_repeat`` checks for memory). Where the search runs the full depth, so does the time.
@@ -50,7 +50,7 @@ import torch
 
 from gpulab.models.workload import Workload
 from gpulab.options import SHARDED_STRATEGIES
-from gpulab.predict import layer_repeat
+from gpulab.predict import layer_pattern
 from gpulab.predict.card_speeds import CardSpeed
 from gpulab.predict.comm_time import COMM_ASSUMPTION, collective_seconds, link_for
 from gpulab.predict.timing import StepTime, cost_ops, with_host_copies
@@ -257,7 +257,7 @@ def timed_rank(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe, spe
     per = w.seq_len if w.kind == "tokens" and w.seq_len else 1
     items, unit = batch * per * recipe.accumulate, ("tokens" if per > 1 else "samples")
     why = not_laid_out(w, recipe)
-    pattern = None if why is not None else layer_repeat.block_pattern(w.config, min_depth=0, facts=w.facts)
+    pattern = None if why is not None else layer_pattern.block_pattern(w.config, min_depth=0, facts=w.facts)
     if isinstance(pattern, str):
         why, pattern = pattern, None
     if pattern is None:
@@ -350,7 +350,7 @@ def _pipeline_time(w: Workload, batch: int, dt: torch.dtype, recipe: LoopRecipe,
     """GPipe, 1F1B or interleaved 1F1B over ``recipe.pp`` stages (module docstring)."""
     pp, m, v, tp = recipe.pp, recipe.microbatches, recipe.virtual_stages, recipe.tp
     layers = w.config.num_hidden_layers
-    stage_w = layer_repeat.workload_with_depth(w, layers // pp)
+    stage_w = layer_pattern.workload_with_depth(w, layers // pp)
     ranks = {}
     for stage in (0, pp - 1):
         r = replace(recipe, pp_stage=stage) if v > 1 else replace(recipe, pp_stage=stage, microbatches=1)

@@ -89,7 +89,7 @@ def rank_state(model: Any, layout: Layout | None = None, *, stage: int = 0, opti
     from gpulab.measure.engines import run
     from gpulab.models.workload import resolve_workload
     from gpulab.predict import sharding as S
-    from gpulab.predict.layer_repeat import workload_with_depth
+    from gpulab.predict.layer_pattern import workload_with_depth
     from gpulab.training.loop import check_recipe_for, loop_recipe, train_experiment
     from gpulab.training.routing import experts_modules
     from gpulab.units import parse_dtype

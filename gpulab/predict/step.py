@@ -32,7 +32,7 @@ from gpulab.predict.breakdown import breakdown, predict_step, validate_batch
 from gpulab.predict.cards import follows_card
 from gpulab.predict.card_speeds import CardSpeed, speed_of
 from gpulab.predict.timing import StepTime, step_time_of, timed_experiment, with_host_copies
-from gpulab.predict.layer_repeat import workload_with_depth
+from gpulab.predict.layer_pattern import workload_with_depth
 from gpulab.predict.guard import check_fits
 from gpulab.predict.workspaces import NOT_PREDICTED, recorded_cudnn_workspace
 from gpulab.options import MAX_STEPS, Layout, Recipe, settings_from   # torch-free: the CLI checks them first
