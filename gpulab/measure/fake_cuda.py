@@ -208,10 +208,8 @@ def _cuda_sdpa(original):
     """``F.scaled_dot_product_attention`` as CUDA runs it on the target card (``cuda_sdpa_backend``):
     the CUDA cuDNN / flash / memory-efficient ATen ops, whose fake kernels give the outputs (and so
     the saved tensors) the CUDA kernels allocate, or the math composite (``_scaled_dot_product_attention_math``,
-    the s×s weights saved). Grouped-query k/v with ``enable_gqa`` go to CUDA's flash op as they are, as
-    CUDA does (``sdp_utils.cpp`` ``can_use_flash_attention``: ``backend_supports_grouped_query_attention``;
-    the kernel's backward adds a q-heads-wide dk/dv temporary no fake kernel shows); on cuDNN's and the
-    memory-efficient op they pass through (CPU's choice, the same output and saved shapes). Each choice is counted on the target (``KernelTarget.seen``) for the answer's label."""
+    the s×s weights saved). Grouped-query k/v with ``enable_gqa`` on a fused kernel pass through
+    (CPU's choice). Each choice is counted on the target (``KernelTarget.seen``) for the answer's label."""
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         backend = cuda_sdpa_backend(query, key, value, attn_mask, bool(is_causal), dropout_p)
         if torch.compiler.is_compiling():   # counted as dynamo traces it, no guard on the count
@@ -223,7 +221,7 @@ def _cuda_sdpa(original):
             return torch.ops.aten._scaled_dot_product_attention_math(
                 query, key, value, attn_mask, float(dropout_p), bool(is_causal), None, scale=scale,
                 enable_gqa=bool(enable_gqa))[0]
-        if backend == "flash":
+        if backend == "flash" and same_heads:
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, float(dropout_p), bool(is_causal), False, scale=scale)[0]
         mask = attn_mask
