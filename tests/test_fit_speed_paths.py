@@ -1,5 +1,5 @@
 """Issues 45 (item 6) and 46 (item 7): what makes a layout's ``fit`` and ``--what-fits`` answer sooner leaves
-the answer as it was. Layer repeat's small runs (``predict.layer_repeat.BASE_BLOCKS``: runs of 1, 2 and 3
+the answer as it was. Layer repeat's small runs (``predict.layer_pattern.BASE_BLOCKS``: runs of 1, 2 and 3
 layers) against the full depth (``not_repeatable`` switched off) on a small pipeline whose stages are laid
 out (the default suite's check of the same is ``tests/test_layer_repeat.py``: plain, recipe, tensor-parallel
 and pipeline-stage steps laid out from those runs equal the full-depth run, and a 12-layer fit both ways);
@@ -12,6 +12,7 @@ import pytest
 
 import gpulab
 from gpulab.models import hf_configs
+from gpulab.predict import layer_pattern
 from gpulab.predict import layer_repeat as L
 from gpulab.predict import run_cache
 
@@ -55,7 +56,7 @@ def _both_ways(monkeypatch, call):
     run_cache.clear()
     fast = call()
     run_cache.clear()
-    monkeypatch.setattr(L, "BASE_BLOCKS", 2)
+    monkeypatch.setattr(layer_pattern, "BASE_BLOCKS", 2)   # where Pattern.blocks reads it
     slow = call()
     run_cache.clear()
     return fast, slow
