@@ -35,7 +35,7 @@ from IPython.display import HTML, display
 from gpulab.widgets.gc_scope import old_objects_frozen
 
 __all__ = [
-    "ENGINES", "GuardVerdict", "MEASURE_LOCK", "NO_GPU_NOTE", "Panel", "REUSED_NOTE", "check_control_value", "dropdown",
+    "ENGINES", "GuardVerdict", "MEASURE_LOCK", "NO_GPU_NOTE", "Panel", "REUSED_NOTE", "check_control_value", "displayable", "dropdown",
     "engine_choices", "engine_dropdown", "model_controls", "slider_layout",
     "reuse_first", "slider", "with_value"
 ]
@@ -237,18 +237,10 @@ class Panel:
         self.run_button.button_style = "primary"
 
     def _show(self, items: list[Any]) -> None:
-        from matplotlib.figure import Figure
-
-        from gpulab.plots import as_image
         with self.output:
             self.output.clear_output(wait=True)
-            for item in items:
-                if isinstance(item, Figure):
-                    # a bare Figure shows as text unless pyplot registered a formatter: send a PNG
-                    display(as_image(item))
-                    item.clf()  # release the figure's memory; the PNG is already sent
-                else:
-                    display(item)
+            for item in displayable(items):
+                display(item)
 
     # ---- display -----------------------------------------------------------------------------------
     def _ipython_display_(self) -> None:
@@ -288,6 +280,22 @@ def reuse_first(compute: Callable[..., Any], render: Callable[[Any], list[Any]],
         return out
 
     return first_or_compute, render_noted
+
+
+def displayable(items: list[Any]) -> list[Any]:
+    """``items`` as a panel displays them: each matplotlib Figure as a PNG image (a bare Figure shows as
+    text unless pyplot registered a formatter), its memory released once the image is made."""
+    from matplotlib.figure import Figure
+
+    from gpulab.plots import as_image
+    shown = []
+    for item in items:
+        if isinstance(item, Figure):
+            image = as_image(item)
+            item.clf()
+            item = image
+        shown.append(item)
+    return shown
 
 
 def _cpu_threads(n: int | None):

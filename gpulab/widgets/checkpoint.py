@@ -29,7 +29,7 @@ from gpulab.record.lookup import RecordLookup, find_record
 from gpulab.record.runs.checkpoint import TimingStopped
 from gpulab.record.views import counter_text, recorded_html
 from gpulab.units import format_bytes
-from gpulab.widgets.base import MEASURE_LOCK, Panel, dropdown, slider, ENGINES, engine_dropdown
+from gpulab.widgets.base import ENGINES, MEASURE_LOCK, Panel, displayable, dropdown, engine_dropdown, slider
 from gpulab.widgets.guard import memory_guard
 
 __all__ = [
@@ -229,15 +229,8 @@ class CheckpointPanel(Panel):
         (ipywidgets' way from another thread), not ``with output: display(...)``, which takes the kernel's
         current parent message and would send the items to whatever cell is running now."""
         from IPython.core.formatters import format_display_data
-        from matplotlib.figure import Figure
-
-        from gpulab.plots import as_image
         shown = []
-        for item in items:
-            if isinstance(item, Figure):
-                image = as_image(item)
-                item.clf()
-                item = image
+        for item in displayable(items):
             data, metadata = format_display_data(item)
             shown.append({"output_type": "display_data", "data": data, "metadata": metadata})
         self.output.outputs = tuple(shown)
