@@ -79,13 +79,14 @@ def _layouts_key(key: tuple | None, w: Workload, recipe: LoopRecipe, dt: torch.d
     pattern that shows only deeper."""
     if key is None:
         return None
-    _name, kind, _inputs, image_size, _seq_len, _source, config = key
-    if config is not None:
-        fields = json.loads(config)
-        rope = fields.get("rope_parameters")
-        if isinstance(rope, dict):
-            fields["rope_parameters"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-        config = json.dumps({k: v for k, v in fields.items() if k not in _SIZES}, sort_keys=True)
+    name, kind, _inputs, image_size, _seq_len, source, config = key
+    if config is None:   # no config to read sizes from: the model itself, as run_cache.workload_key names it
+        return run_cache.run_key((name, kind, image_size, source), recipe, dt, 0, target)
+    fields = json.loads(config)
+    rope = fields.get("rope_parameters")
+    if isinstance(rope, dict):
+        fields["rope_parameters"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    config = json.dumps({k: v for k, v in fields.items() if k not in _SIZES}, sort_keys=True)
     return run_cache.run_key((kind, image_size, config), recipe, dt, 0, target)
 
 
