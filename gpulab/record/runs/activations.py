@@ -115,7 +115,7 @@ def remove(handles) -> None:
 def forward_table_experiment(spec: ModelSpec, batch: int, size: int, dt: torch.dtype):
     """One eval-mode forward under ``no_grad``, traced (an experiment for ``engines.run``)."""
     def experiment(ctx: RunContext) -> dict[str, Any]:
-        net = build_model(spec, size, device=ctx.device, dtype=dt).eval()
+        net = _fresh_model(spec, size, dt, ctx).eval()
         x = ctx.label(torch.randn(batch, 3, size, size, device=ctx.device, dtype=dt))
         rows: list[LayerOut] = []
         handles = trace(net, x, rows)
@@ -145,7 +145,9 @@ _templates: OrderedDict[tuple, nn.Module] = OrderedDict()
 def cpu_model(spec: ModelSpec, size: int, dt: torch.dtype, ctx: RunContext | None = None) -> nn.Module:
     """A fresh ``build_model(spec, size, "cpu", dt)``, built the same way (the same storages in the same
     order, which a tracker sees), its values copied from a template drawn once (``build_model_from``).
-    ``ctx``: the run it is for; its tracker is paused while a template is drawn (no run holds it)."""
+    ``ctx``: the run it is for; its tracker is paused while a template is drawn (no run holds it). The
+    initialisers are skipped by a patch of torch.Tensor's methods while the model is built, inside the
+    run's tracker: under ``TRACKER_LOCK``, which every thread that measures or times takes too."""
     key = (spec, size, dt)
     template = _templates.get(key)
     if template is None:
@@ -163,6 +165,13 @@ def cpu_model(spec: ModelSpec, size: int, dt: torch.dtype, ctx: RunContext | Non
     return build_model_from(template, spec, size, device="cpu", dtype=dt)
 
 
+def _fresh_model(spec: ModelSpec, size: int, dt: torch.dtype, ctx: RunContext) -> nn.Module:
+    """The run's model: on the cpu engine (a real run) its weights' values copied (``cpu_model``)."""
+    if ctx.engine == "cpu":
+        return cpu_model(spec, size, dt, ctx)
+    return build_model(spec, size, device=ctx.device, dtype=dt)
+
+
 def _bytes_of(net: nn.Module) -> int:
     return sum(t.untyped_storage().nbytes() for t in (*net.parameters(), *net.buffers()))
 
@@ -173,10 +182,7 @@ def forward_experiment(spec: ModelSpec, batch: int, size: int, dt: torch.dtype, 
     def experiment(ctx: RunContext) -> dict[str, Any]:
         dev = str(ctx.device)
         with ctx.phase("setup"):
-            if ctx.engine == "cpu":   # a real run: the weights' values copied, not drawn again
-                net = cpu_model(spec, size, dt, ctx)
-            else:
-                net = build_model(spec, size, device=ctx.device, dtype=dt)
+            net = _fresh_model(spec, size, dt, ctx)
             net.train(grad)
             x = ctx.label(torch.randn(batch, 3, size, size, device=ctx.device, dtype=dt))
             ctx.tracker.register(model=net)
