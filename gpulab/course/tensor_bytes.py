@@ -479,7 +479,7 @@ class RoundingResult:
         e, q, r = self.max_waste
         cap = (f"{self.dtype}: worst case {e} element(s) = {q:,} B counted as {r:,} B ({r / max(1, q):,.0f}×)"
                + ("" if self.simulated_reserved is None else
-                  f"; a fresh allocator reserves {format_bytes(self.simulated_reserved[-1])} for any of them "
+                  f"; a fresh allocator reserves {format_bytes(self.simulated_reserved[-1])} for any non-empty one "
                   f"(simulated)"))
         return html_table(["elements", "numel × itemsize (formula)", "rounded to 512 B (formula)",
                            f"storage bytes ({self.live_label})", f"memory_allocated ({self.simulated_label})",
