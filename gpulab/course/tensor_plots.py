@@ -96,7 +96,7 @@ def dtype_figure(t) -> Figure:
     ax.set_xlabel("bytes per element (B)")
     ax.set_xlim(0, max(r.itemsize for r in rows) * 1.25)
     ax.legend(fontsize=7, loc="lower right")
-    ax.set_title(f"bytes per element, every dtype in torch: formula vs {t.label}", fontsize=9)
+    ax.set_title(f"bytes per element, dtype by dtype: formula vs {t.label}", fontsize=9)
     return fig
 
 
