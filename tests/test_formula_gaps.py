@@ -135,6 +135,21 @@ def test_a_planted_gap_gets_a_note_and_a_closed_one_none():
     assert "10.0 MiB above max_memory_allocated" in res and "segments" in res
 
 
+def test_a_gap_smaller_than_the_unowned_allocations_says_the_two_peaks_differ():
+    """Lesson 04's recorded step (cnn, Adam, batch 32, H100): max_memory_allocated − baseline is 2.1 MiB
+    above the tracker's peak while 7.0 MiB no tensor owns are live at the allocator's peak; the tensors
+    hold less there, because the two peaks fall at different moments (review-i, 2026-12-07)."""
+    from gpulab.record.views import gap_notes
+    from gpulab.units import MiB
+    alloc = {"peak_allocated_delta": 23 * MiB}
+    beyond = {"not_tensors": {"count": 3, "at_peak": 7 * MiB, "tensors_at_peak": 16 * MiB}}
+    (note,) = gap_notes({"peak_bytes": 20 * MiB, "allocator": alloc, "beyond_tensors": beyond})
+    assert "7.0 MiB of them live at its peak, where the tensors hold 16.0 MiB" in note and "different moments" in note
+    same = {"not_tensors": dict(beyond["not_tensors"], tensors_at_peak=20 * MiB)}
+    (note,) = gap_notes({"peak_bytes": 20 * MiB, "allocator": alloc, "beyond_tensors": same})
+    assert "different moments" not in note
+
+
 def test_the_parameters_note_comes_only_where_a_column_leaves_them_out():
     """Lesson 08's recorded precision table shows each run's whole tracker peak, parameters in it: the
     note that the allocator's counter 'counts the parameters too' would be false there (review-g,
