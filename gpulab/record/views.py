@@ -90,6 +90,10 @@ def _run_gaps(name: str, run: dict[str, Any], tracked_key: str | None, reserved_
                 f"its peak" if beyond.get("count") else
                 "allocations no tensor owns: the workspaces cuDNN's convolutions and cuBLAS take from the same "
                 "caching allocator, and buffers inside a kernel")
+        kept = a.get("allocated_delta") or 0
+        if not beyond.get("count") and kept > 0:
+            part += (f"; {format_bytes(kept)} of it is still allocated after the run, when none of the run's "
+                     f"tensors is")
         held = beyond.get("tensors_at_peak") if beyond.get("count") else None
         if held is not None and _over(tracked, held):
             # the two peaks fall at different moments: what the tensors hold at the allocator's peak is why the
@@ -142,6 +146,10 @@ def gap_notes(result: dict[str, Any]) -> list[str]:
             notes.append(f"{name}: max_memory_allocated − baseline counts the parameters too, built in the run: the "
                          f"tracker's peak with them is {format_bytes(run['peak_bytes'])}.")
         notes += _run_gaps(name, run, "peak_bytes", reserved_shown=False)
+    # a sweep recording one run per point (lesson 07's checkpoint sweep: one per segment count k), shown a row each
+    for p in result.get("points") or []:
+        if (p.get("allocator") or {}).get("peak_allocated_delta") is not None:
+            notes += _run_gaps(f"k = {p['segments']}" if "segments" in p else "", p, "peak_bytes", reserved_shown=False)
     if any((r.get("allocator") or {}).get("peak_allocated_delta") is not None for r in (result.get("models") or {}).values()):
         notes.append("max_memory_allocated − baseline counts each whole run: the parameters built in it and the "
                      "gradients backward made, which the columns beside it leave out.")
