@@ -173,6 +173,25 @@ def test_lesson_07s_recorded_sweep_explains_its_k_2_gap():
     assert text.count("max_memory_allocated − baseline is") == len(gaps)
 
 
+def test_lesson_04s_recorded_sweep_names_each_batch_it_explains():
+    """The batch sweep's recorded table (cnn, Adam, H100) shows a step per batch with its allocated and
+    reserved peaks: every gap above 10% in it is explained under the batch it belongs to."""
+    import html
+
+    from gpulab.record.lookup import find_record_series
+    from gpulab.record.views import recorded_html
+    from gpulab.widgets.sweep import _sweep_rows
+    hit = find_record_series("step", "batch", [4, 8, 16, 32], model="cnn", image_size=32, optimizer="adam",
+                             dtype="float32", steps=2)
+    assert hit, hit
+    text = html.unescape(recorded_html(hit, _sweep_rows, ["batch", "peak (tracker)", "max_memory_allocated − baseline",
+                                                           "max_memory_reserved − baseline"]))
+    for p in hit.result["points"]:
+        a = p["allocator"]
+        for what, diff in _gaps(p["peak_bytes"], a["peak_allocated_delta"], a["peak_reserved_delta"]):
+            assert f"batch {p['batch']}: max_memory_{what}" in text and format_bytes(diff) in text, (p["batch"], what)
+
+
 def test_the_parameters_note_comes_only_where_a_column_leaves_them_out():
     """Lesson 08's recorded precision table shows each run's whole tracker peak, parameters in it: the
     note that the allocator's counter 'counts the parameters too' would be false there (review-g,
