@@ -202,3 +202,7 @@ def test_the_parameters_note_comes_only_where_a_column_leaves_them_out():
     assert gap_notes({"runs": {"fp32": run}}) == []
     (note,) = gap_notes({"runs": {"train": dict(run, peak_non_param=2 * MiB)}})
     assert "counts the parameters too" in note and "22.0 MiB" in note
+    # the rest of the counter, above the tracker's peak with the parameters, is named (review-h, 2026-12-07)
+    assert "the other 1.0 MiB" in note and "workspaces" in note
+    (even,) = gap_notes({"runs": {"train": dict(run, peak_non_param=2 * MiB, peak_bytes=23 * MiB)}})
+    assert "the other" not in even

@@ -145,8 +145,11 @@ def gap_notes(result: dict[str, Any], points_reserved_shown: bool = False) -> li
     runs = {n: r for n, r in (result.get("runs") or {}).items() if (r.get("allocator") or {}).get("peak_allocated_delta") is not None}
     for name, run in runs.items():
         if run.get("peak_non_param") is not None:
+            over = run["allocator"]["peak_allocated_delta"] - run["peak_bytes"]
+            rest = (f"; the other {format_bytes(over)} is allocations no tensor owns (cuDNN's and cuBLAS's "
+                    f"workspaces, buffers inside a kernel) and blocks rounded up" if over > 0 else "")
             notes.append(f"{name}: max_memory_allocated − baseline counts the parameters too, built in the run: the "
-                         f"tracker's peak with them is {format_bytes(run['peak_bytes'])}.")
+                         f"tracker's peak with them is {format_bytes(run['peak_bytes'])}{rest}.")
         notes += _run_gaps(name, run, "peak_bytes", reserved_shown=False)
     # a sweep recording one run per point, shown a row each (lesson 07's checkpoint sweep: one per segment count
     # k; lesson 04's batch sweep: one step per batch, with its reserved peak when the table shows it)
