@@ -21,7 +21,7 @@ import torch
 from gpulab.measure.cuda_card import current_target
 from gpulab.measure.engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
 from gpulab.models.workload import resolve_workload
-from gpulab.predict import run_cache
+from gpulab.predict import eight_bit_timeline, run_cache
 from gpulab.predict.cards import follows_card
 from gpulab.predict.fit import _place, _target, tracked_at_depth, verdict
 from gpulab.predict.progress import Progress, report
@@ -125,6 +125,10 @@ class WhatFits:
         return html_table(["recipe", "reserved (simulated)", "saved", "", "what it costs"], rows, repr(self))
 
 
+def _frozen(changes: dict[str, Any]) -> tuple:
+    return tuple(sorted((k, repr(v)) for k, v in changes.items()))
+
+
 def _applies(c: Candidate, asked: dict[str, Any], kind: str, causal: bool) -> bool:
     if c.changes.get("chunked_loss") and not causal:
         return False
@@ -167,13 +171,22 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
         opts = {**defaults, **{k: v for k, v in changes.items() if k not in ("optimizer", "dtype")}}
         return user_recipe(changes.get("optimizer", optimizer), amp, **opts)
 
+    bases: dict[tuple, Any] = {}   # the AdamW runs an 8-bit AdamW candidate's timeline is derived from
+
     def attempt(changes: dict[str, Any], name: str = "the asked recipe") -> tuple[int, bool]:
         recipe = recipe_of(changes)
         check_recipe_for(recipe, w)
         dt = parse_dtype(changes["dtype"]) if "dtype" in changes else base_dt
-        report(progress, len(tried) / (len(CANDIDATES) + 2), f"what fits at batch {batch}: {name}, a fake run "
-               f"replayed through the simulated caching allocator")
-        t, _ = tracked_at_depth(w, key, batch, dt, recipe, target, place.timed)   # timed: read by the time below
+        base = {k: v for k, v in changes.items() if k != "optimizer"}
+        t = eight_bit_timeline.derive(bases[_frozen(base)]) if changes.get("optimizer") == "adamw8bit" \
+            and _frozen(base) in bases else None
+        report(progress, len(tried) / (len(CANDIDATES) + 2), f"what fits at batch {batch}: {name}, "
+               + ("derived from its AdamW run's timeline (predict.eight_bit_timeline)" if t is not None else
+                  "a fake run") + " replayed through the simulated caching allocator")
+        if t is None:
+            t, _ = tracked_at_depth(w, key, batch, dt, recipe, target, place.timed)   # timed: read by the time below
+            if eight_bit_timeline.derivable(recipe):
+                bases[_frozen(changes)] = t
         return verdict(t, usable)   # what it needs on a card without a limit, when it fails
 
     tried: list[Tried] = []

@@ -1,0 +1,186 @@
+"""An 8-bit AdamW run's timeline derived from the AdamW run's, with no fake run of its own.
+
+``what_fits`` tries "8-bit AdamW state" on the recipe it asked with AdamW: the same model, inputs,
+forward and backward, only the optimizer changed. The optimizer's part of the timeline is the only part
+that changes, and it changes in a way written in the two optimizers' source:
+
+* ``torch.optim.AdamW`` (foreach, the default on CUDA tensors: ``torch/optim/adamw.py`` and
+  ``torch/optim/adam.py``, ``Adam._init_group`` and ``_multi_tensor_adam``) makes, at its first step,
+  each parameter's ``exp_avg`` then ``exp_avg_sq`` (``torch.zeros_like(p, memory_format=
+  torch.preserve_format)``: the parameter's shape and dtype), its ``step`` a CPU scalar that is not on
+  the device's timeline; in every step it makes temporaries (``_foreach_sqrt``...), all freed in the step.
+* ``gpulab.training.eight_bit.AdamW8bit`` (bitsandbytes' layout) makes, at its first step, for each
+  parameter in the same order (``_init_state``): where it has at least ``MIN_8BIT_SIZE`` elements, a
+  ``uint8`` ``state1`` and ``state2`` of its shape, then a ``float32`` ``absmax1`` and ``absmax2`` of
+  ``ceil(n / BLOCK_SIZE)`` values; else a ``float32`` ``state1`` and ``state2`` of its shape; before its
+  first large parameter, the two quantization maps (``quantization_map``: the signed one from a
+  128-value ``logspace``, its ``flip`` and ``neg`` and a zero; the unsigned one from a zero and a
+  255-value ``logspace``). On the fake CUDA target its update is one in-place op per tensor
+  (``_fused_update``): nothing else is allocated, in any step.
+
+``derive`` rewrites the AdamW timeline so: the AdamW step's temporaries dropped, each ``exp_avg`` /
+``exp_avg_sq`` pair's allocations replaced by the 8-bit state's (the maps' events before the first large
+one), their frees by the 8-bit state's frees, and the maps freed after the last parameter is (where the
+run's end drops the optimizer). It answers only a timeline it can read that way (one optimizer stepped
+in the optimizer phase, nothing but the optimizer's temporaries and state made there, the state freed
+only once nothing more is allocated), else None: then the candidate has a fake run of its own. A test
+(tests/test_eight_bit_timeline.py) checks the derived timeline against the fake run's, event for event.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from gpulab.categories import Category
+from gpulab.measure.records import Event, StorageRecord, TrackingResult
+from gpulab.training.eight_bit import BLOCK_SIZE, MIN_8BIT_SIZE
+from gpulab.training.loop import LoopRecipe
+
+__all__ = ["derive", "derivable"]
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+# quantization_map's allocations and frees, in the order the fake run makes them: (kind, name, dtype, values)
+# (signed: logspace(-7, 0, 128), mags[1:].flip(0), its neg, a zero, their cat; then the unsigned map from
+# a zero and logspace(-7, 0, 255); each map a cat of 256 float32 values, kept by the optimizer)
+_MAPS = (("alloc", "mags", "logspace", 128), ("alloc", "flipped", "flip", 127), ("alloc", "negated", "neg", 127),
+         ("free", "flipped"), ("alloc", "zero", "zeros", 1), ("alloc", "qmap1", "cat", 256), ("free", "zero"),
+         ("free", "negated"), ("free", "mags"),
+         ("alloc", "zero2", "zeros", 1), ("alloc", "mags2", "logspace", 255), ("alloc", "qmap2", "cat", 256),
+         ("free", "mags2"), ("free", "zero2"))
+
+
+# the recipe fields ``derive`` has been checked under (tests/test_eight_bit_timeline.py): every other
+# field keeps its default (one rank holding its parameters whole, no adapters, no scaler or clipping)
+_CHECKED = frozenset({"optimizer", "chunked_loss", "checkpointing", "use_cache", "seed", "register_model",
+                      "teardown", "fresh_batch"})
+
+
+def derivable(recipe: LoopRecipe) -> bool:
+    """Whether ``recipe``'s run is one ``derive`` reads: AdamW (PyTorch's default implementation) stepped
+    once per step in the optimizer phase, every field but ``_CHECKED``'s at its default."""
+    plain = LoopRecipe()
+    return recipe.optimizer == "adamw" and all(
+        getattr(recipe, f.name) == getattr(plain, f.name) for f in dataclasses.fields(recipe) if f.name not in _CHECKED)
+
+
+def derive(t: TrackingResult) -> TrackingResult | None:
+    """The AdamW8bit run's timeline from the AdamW run's ``t`` (module docstring), or None where ``t`` is
+    not a timeline this reads."""
+    recs = t.records
+    dropped: set[int] = set()
+    pairs: dict[int, tuple[int, int]] = {}    # exp_avg's sid -> (exp_avg_sq's sid, elements)
+    second: set[int] = set()
+    pending: int | None = None
+    last_alloc = max((i for i, e in enumerate(t.events) if e.kind != "free"), default=-1)
+    first_state_free = None
+    for i, e in enumerate(t.events):
+        r = recs[e.sid]
+        if r.phase != "optimizer" or e.kind == "free" and r.category is not Category.OPTIMIZER_STATE:
+            if r.category is Category.OPTIMIZER_STATE:
+                return None   # state made outside the optimizer phase
+            continue
+        if r.category is Category.TEMPORARIES:
+            dropped.add(e.sid)
+            continue
+        if r.category is not Category.OPTIMIZER_STATE:
+            if e.kind != "free":
+                return None   # something else made in the optimizer phase
+            continue
+        if e.kind == "resize" or r.op != "zeros_like" or r.dtype not in _ITEMSIZE:
+            return None
+        if e.kind == "free":
+            first_state_free = i if first_state_free is None else first_state_free
+            continue
+        if r.state_key == "exp_avg" and pending is None:
+            pending = e.sid
+        elif r.state_key == "exp_avg_sq" and pending is not None and recs[pending].shape == r.shape \
+                and recs[pending].nbytes == r.nbytes and recs[pending].dtype == r.dtype:
+            pairs[pending] = (e.sid, r.nbytes // _ITEMSIZE[r.dtype])
+            second.add(e.sid)
+            pending = None
+        else:
+            return None
+    if pending is not None or not pairs or first_state_free is not None and first_state_free < last_alloc:
+        return None
+    return _rewritten(t, dropped, pairs, second)
+
+
+def _rewritten(t: TrackingResult, dropped: set[int], pairs: dict[int, tuple[int, int]],
+               second: set[int]) -> TrackingResult:
+    recs = {sid: r.copied() for sid, r in t.records.items() if sid not in dropped and sid not in second
+            and sid not in pairs}
+    events: list[Event] = []
+    next_sid = max(t.records, default=-1) + 1
+    made: dict[int, list[int]] = {}     # exp_avg's sid -> the 8-bit state's sids
+    maps: dict[str, int] = {}
+    maps_freed = False
+    last_param_free = max((i for i, e in enumerate(t.events) if e.kind == "free"
+                           and t.records[e.sid].category is Category.PARAMETERS), default=len(t.events) - 1)
+
+    def emit(kind: str, sid: int, like: Event) -> None:
+        r = recs[sid]
+        if kind == "alloc":
+            r.created = len(events)
+        else:
+            r.freed = len(events)
+        events.append(Event(like.index, kind, sid, r.nbytes, r.nbytes if kind == "alloc" else -r.nbytes,
+                            like.device, like.phase, like.module, like.time))
+
+    def new(like: StorageRecord, nbytes: int, dtype: str, shape: tuple, category: Category, op: str,
+            key: str = "") -> int:
+        nonlocal next_sid
+        sid, next_sid = next_sid, next_sid + 1
+        recs[sid] = StorageRecord(sid=sid, nbytes=nbytes, device=like.device, dtype=dtype, shape=shape,
+                                  category=category, module=like.module, phase=like.phase, op=op, created=-1,
+                                  state_key=key)
+        return sid
+
+    for i, e in enumerate(t.events):
+        if e.sid in dropped or e.sid in second:
+            continue
+        if e.sid not in pairs:
+            events.append(e)
+            if e.sid in recs:
+                recs[e.sid].created = len(events) - 1 if e.kind == "alloc" else recs[e.sid].created
+                if e.kind == "free":
+                    recs[e.sid].freed = len(events) - 1
+            if i == last_param_free and maps and not maps_freed:
+                for name in ("qmap1", "qmap2"):
+                    emit("free", maps[name], e)
+                maps_freed = True
+            continue
+        like = t.records[e.sid]
+        n = pairs[e.sid][1]
+        if e.kind == "free":
+            for sid in made[e.sid]:
+                emit("free", sid, e)
+            continue
+        if n >= MIN_8BIT_SIZE:
+            if not maps:
+                names: dict[str, int] = {}
+                for step in _MAPS:
+                    if step[0] == "alloc":
+                        _, name, op, values = step
+                        keep = name.startswith("qmap")
+                        names[name] = new(like, 4 * values, "float32", (values,),
+                                          Category.OPTIMIZER_STATE if keep else Category.TEMPORARIES, op,
+                                          name if keep else "")
+                        emit("alloc", names[name], e)
+                    else:
+                        emit("free", names[step[1]], e)
+                maps = {k: names[k] for k in ("qmap1", "qmap2")}
+            blocks = math.ceil(n / BLOCK_SIZE)
+            sids = [new(like, n, "uint8", like.shape, Category.OPTIMIZER_STATE, "zeros_like", "state1"),
+                    new(like, n, "uint8", like.shape, Category.OPTIMIZER_STATE, "zeros_like", "state2"),
+                    new(like, 4 * blocks, "float32", (blocks,), Category.OPTIMIZER_STATE, "zeros", "absmax1"),
+                    new(like, 4 * blocks, "float32", (blocks,), Category.OPTIMIZER_STATE, "zeros", "absmax2")]
+        else:
+            sids = [new(like, 4 * n, "float32", like.shape, Category.OPTIMIZER_STATE, "zeros_like", k)
+                    for k in ("state1", "state2")]
+        made[e.sid] = sids
+        for sid in sids:
+            emit("alloc", sid, e)
+    if maps and not maps_freed:
+        for name in ("qmap1", "qmap2"):
+            emit("free", maps[name], events[-1])
+    return TrackingResult.build(recs, events, device=t.device, rounded=t.rounded)
