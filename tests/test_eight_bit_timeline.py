@@ -30,12 +30,15 @@ def _same_events(a, b) -> None:
     ("hf:tiny-llama", torch.bfloat16, 2, {}),                          # norms under MIN_8BIT_SIZE: float32 state
     pytest.param("hf:tiny-llama", torch.float32, 1, {"checkpointing": "full"}, marks=pytest.mark.extended),
     ("hf:tiny-gpt2", torch.bfloat16, 3, {"chunked_loss": 8}),
+    ("hf:tiny-llama", torch.bfloat16, 2, {"optimizer_in_backward": True, "chunked_loss": 4}),   # maps per parameter
+    pytest.param("hf:tiny-llama", torch.float32, 1, {"optimizer_in_backward": True, "checkpointing": "full"},
+                 marks=pytest.mark.extended),
 ])
 def test_the_derived_timeline_is_the_eight_bit_runs_event_for_event(model, dt, batch, options):
-    w = resolve_workload(model, seq_len=64)
+    w = resolve_workload(model, seq_len=32)
     adamw, eight = _run(w, batch, dt, "adamw", **options), _run(w, batch, dt, "adamw8bit", **options)
     assert eight_bit_timeline.derivable(user_recipe("adamw", None, **{**RECIPE_DEFAULTS, **options}))
-    derived = eight_bit_timeline.derive(adamw)
+    derived = eight_bit_timeline.derive(adamw, in_backward=options.get("optimizer_in_backward", False))
     assert derived is not None and derived.peak_bytes < adamw.peak_bytes   # it changed something
     _same_events(derived, eight)
     assert (derived.peak_bytes, derived.peak_index, derived.peak_by_category) == \
@@ -46,11 +49,12 @@ def test_the_derived_timeline_is_the_eight_bit_runs_event_for_event(model, dt, b
 
 def test_runs_it_cannot_read_are_left_to_a_fake_run():
     w = resolve_workload("hf:tiny-llama", seq_len=32)
-    assert not eight_bit_timeline.derivable(user_recipe("adamw", None, **{**RECIPE_DEFAULTS,
-                                                                          "optimizer_in_backward": True}))
+    assert not eight_bit_timeline.derivable(user_recipe("adamw", None, **{**RECIPE_DEFAULTS, "lora": 16}))
     assert not eight_bit_timeline.derivable(user_recipe("adamw", None, **{**RECIPE_DEFAULTS, "clip_grad_norm": 1.0}))
     assert not eight_bit_timeline.derivable(user_recipe("sgd", None, **RECIPE_DEFAULTS))
-    assert eight_bit_timeline.derive(_run(w, 1, torch.bfloat16, "sgd", optimizer_in_backward=False)) is None
+    assert eight_bit_timeline.derive(_run(w, 1, torch.bfloat16, "sgd")) is None   # no Adam state to read
+    stepped_in_backward = _run(w, 1, torch.bfloat16, "adamw", optimizer_in_backward=True)
+    assert eight_bit_timeline.derive(stepped_in_backward) is None   # its state is not where a plain step makes it
 
 
 @pytest.mark.extended

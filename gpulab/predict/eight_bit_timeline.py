@@ -7,8 +7,8 @@ that changes, and it changes in a way written in the two optimizers' source:
 * ``torch.optim.AdamW`` (foreach, the default on CUDA tensors: ``torch/optim/adamw.py`` and
   ``torch/optim/adam.py``, ``Adam._init_group`` and ``_multi_tensor_adam``) makes, at its first step,
   each parameter's ``exp_avg`` then ``exp_avg_sq`` (``torch.zeros_like(p, memory_format=
-  torch.preserve_format)``: the parameter's shape and dtype), its ``step`` a CPU scalar that is not on
-  the device's timeline; in every step it makes temporaries (``_foreach_sqrt``...), all freed in the step.
+  torch.preserve_format)``: the parameter's shape and dtype), its ``step`` a CPU scalar
+  (``torch.tensor(0.0, ..., device="cpu")`` where neither ``capturable`` nor ``fused``) off the device's timeline; in every step it makes temporaries (``_foreach_sqrt``...), all freed in the step.
 * ``gpulab.training.eight_bit.AdamW8bit`` (bitsandbytes' layout) makes, at its first step, for each
   parameter in the same order (``_init_state``): where it has at least ``MIN_8BIT_SIZE`` elements, a
   ``uint8`` ``state1`` and ``state2`` of its shape, then a ``float32`` ``absmax1`` and ``absmax2`` of
@@ -21,9 +21,12 @@ that changes, and it changes in a way written in the two optimizers' source:
 ``derive`` rewrites the AdamW timeline so: the AdamW step's temporaries dropped, each ``exp_avg`` /
 ``exp_avg_sq`` pair's allocations replaced by the 8-bit state's (the maps' events before the first large
 one), their frees by the 8-bit state's frees, and the maps freed after the last parameter is (where the
-run's end drops the optimizer). It answers only a timeline it can read that way (one optimizer stepped
-in the optimizer phase, nothing but the optimizer's temporaries and state made there, the state freed
-only once nothing more is allocated), else None: then the candidate has a fake run of its own. A test
+run's end drops the optimizer). Stepped in backward (``LoopRecipe.optimizer_in_backward``: the loop's
+``_InBackward``, one optimizer per parameter, each stepped by the parameter's post-accumulate-grad hook),
+each large parameter's optimizer makes its own maps before its state and drops them after its
+parameter is freed. It answers only a timeline it can read that way (the state made only where the
+optimizer steps, nothing but the step's temporaries made in the optimizer phase, the state freed only
+once nothing more is allocated), else None: then the candidate has a fake run of its own. A test
 (tests/test_eight_bit_timeline.py) checks the derived timeline against the fake run's, event for event.
 """
 from __future__ import annotations
@@ -51,22 +54,25 @@ _MAPS = (("alloc", "mags", "logspace", 128), ("alloc", "flipped", "flip", 127), 
 
 # the recipe fields ``derive`` has been checked under (tests/test_eight_bit_timeline.py): every other
 # field keeps its default (one rank holding its parameters whole, no adapters, no scaler or clipping)
-_CHECKED = frozenset({"optimizer", "chunked_loss", "checkpointing", "use_cache", "seed", "register_model",
+_CHECKED = frozenset({"optimizer", "optimizer_in_backward", "chunked_loss", "checkpointing", "use_cache", "seed", "register_model",
                       "teardown", "fresh_batch"})
 
 
 def derivable(recipe: LoopRecipe) -> bool:
-    """Whether ``recipe``'s run is one ``derive`` reads: AdamW (PyTorch's default implementation) stepped
-    once per step in the optimizer phase, every field but ``_CHECKED``'s at its default."""
+    """Whether ``recipe``'s run is one ``derive`` reads: AdamW (PyTorch's default implementation), stepped
+    once per step in the optimizer phase or parameter by parameter in backward, every field but
+    ``_CHECKED``'s at its default."""
     plain = LoopRecipe()
     return recipe.optimizer == "adamw" and all(
         getattr(recipe, f.name) == getattr(plain, f.name) for f in dataclasses.fields(recipe) if f.name not in _CHECKED)
 
 
-def derive(t: TrackingResult) -> TrackingResult | None:
+def derive(t: TrackingResult, in_backward: bool = False) -> TrackingResult | None:
     """The AdamW8bit run's timeline from the AdamW run's ``t`` (module docstring), or None where ``t`` is
-    not a timeline this reads."""
+    not a timeline this reads. ``in_backward``: the run steps one optimizer per parameter in backward
+    (``LoopRecipe.optimizer_in_backward``)."""
     recs = t.records
+    stepping = "backward" if in_backward else "optimizer"   # the phase the optimizer's tensors are made in
     dropped: set[int] = set()
     pairs: dict[int, tuple[int, int]] = {}    # exp_avg's sid -> (exp_avg_sq's sid, elements)
     second: set[int] = set()
@@ -75,45 +81,53 @@ def derive(t: TrackingResult) -> TrackingResult | None:
     first_state_free = None
     for i, e in enumerate(t.events):
         r = recs[e.sid]
-        if r.phase != "optimizer" or e.kind == "free" and r.category is not Category.OPTIMIZER_STATE:
-            if r.category is Category.OPTIMIZER_STATE:
-                return None   # state made outside the optimizer phase
+        if r.category is Category.OPTIMIZER_STATE:
+            if r.phase != stepping or e.kind == "resize" or r.op != "zeros_like" or r.dtype not in _ITEMSIZE:
+                return None
+            if e.kind == "free":
+                first_state_free = i if first_state_free is None else first_state_free
+            elif r.state_key == "exp_avg" and pending is None:
+                pending = e.sid
+            elif r.state_key == "exp_avg_sq" and pending is not None and recs[pending].shape == r.shape \
+                    and recs[pending].nbytes == r.nbytes and recs[pending].dtype == r.dtype:
+                pairs[pending] = (e.sid, r.nbytes // _ITEMSIZE[r.dtype])
+                second.add(e.sid)
+                pending = None
+            else:
+                return None
+        elif e.kind == "free" or r.phase not in ("backward", "optimizer"):
             continue
-        if r.category is Category.TEMPORARIES:
+        elif _steps_temporary(r, in_backward):
             dropped.add(e.sid)
-            continue
-        if r.category is not Category.OPTIMIZER_STATE:
-            if e.kind != "free":
-                return None   # something else made in the optimizer phase
-            continue
-        if e.kind == "resize" or r.op != "zeros_like" or r.dtype not in _ITEMSIZE:
-            return None
-        if e.kind == "free":
-            first_state_free = i if first_state_free is None else first_state_free
-            continue
-        if r.state_key == "exp_avg" and pending is None:
-            pending = e.sid
-        elif r.state_key == "exp_avg_sq" and pending is not None and recs[pending].shape == r.shape \
-                and recs[pending].nbytes == r.nbytes and recs[pending].dtype == r.dtype:
-            pairs[pending] = (e.sid, r.nbytes // _ITEMSIZE[r.dtype])
-            second.add(e.sid)
-            pending = None
-        else:
-            return None
+        elif r.phase == "optimizer":
+            return None   # something else made in the optimizer phase
     if pending is not None or not pairs or first_state_free is not None and first_state_free < last_alloc:
         return None
-    return _rewritten(t, dropped, pairs, second)
+    return _rewritten(t, dropped, pairs, second, in_backward)
 
 
-def _rewritten(t: TrackingResult, dropped: set[int], pairs: dict[int, tuple[int, int]],
-               second: set[int]) -> TrackingResult:
+def _steps_temporary(r: StorageRecord, in_backward: bool) -> bool:
+    """Whether AdamW's step made ``r``, a tensor it frees within the step: in the optimizer phase, any
+    temporary; stepped in backward, from a parameter's post-accumulate-grad hook (no module's: the
+    tracker names none for an ``AccumulateGrad`` node), its ``_foreach_*`` results and the 0-d tensors
+    ``torch.tensor`` lifts (``lift_fresh``: the step's scalars)."""
+    if r.category is not Category.TEMPORARIES:
+        return False
+    if not in_backward:
+        return r.phase == "optimizer"
+    return r.phase == "backward" and r.module == "" and (r.op.startswith("_foreach_") or r.op == "lift_fresh"
+                                                         and r.shape == ())
+
+
+def _rewritten(t: TrackingResult, dropped: set[int], pairs: dict[int, tuple[int, int]], second: set[int],
+               in_backward: bool) -> TrackingResult:
     recs = {sid: r.copied() for sid, r in t.records.items() if sid not in dropped and sid not in second
             and sid not in pairs}
     events: list[Event] = []
     next_sid = max(t.records, default=-1) + 1
     made: dict[int, list[int]] = {}     # exp_avg's sid -> the 8-bit state's sids
-    maps: dict[str, int] = {}
-    maps_freed = False
+    maps: dict[int, list[int]] = {}     # exp_avg's sid -> the maps its optimizer made for it (its first large tensor)
+    unfreed: list[int] = []             # maps whose optimizer is dropped once a parameter is freed
     last_param_free = max((i for i, e in enumerate(t.events) if e.kind == "free"
                            and t.records[e.sid].category is Category.PARAMETERS), default=len(t.events) - 1)
 
@@ -135,40 +149,50 @@ def _rewritten(t: TrackingResult, dropped: set[int], pairs: dict[int, tuple[int,
                                   state_key=key)
         return sid
 
+    def made_maps(like: StorageRecord, e: Event) -> list[int]:
+        names: dict[str, int] = {}
+        for step in _MAPS:
+            if step[0] == "alloc":
+                _, name, op, values = step
+                keep = name.startswith("qmap")
+                names[name] = new(like, 4 * values, "float32", (values,),
+                                  Category.OPTIMIZER_STATE if keep else Category.TEMPORARIES, op, name if keep else "")
+                emit("alloc", names[name], e)
+            else:
+                emit("free", names[step[1]], e)
+        return [names["qmap1"], names["qmap2"]]
+
     for i, e in enumerate(t.events):
         if e.sid in dropped or e.sid in second:
             continue
         if e.sid not in pairs:
             events.append(e)
-            if e.sid in recs:
-                recs[e.sid].created = len(events) - 1 if e.kind == "alloc" else recs[e.sid].created
-                if e.kind == "free":
-                    recs[e.sid].freed = len(events) - 1
-            if i == last_param_free and maps and not maps_freed:
-                for name in ("qmap1", "qmap2"):
-                    emit("free", maps[name], e)
-                maps_freed = True
+            r = recs.get(e.sid)
+            if r is not None and e.kind == "alloc":
+                r.created = len(events) - 1
+            elif r is not None and e.kind == "free":
+                r.freed = len(events) - 1
+            # the maps go with their optimizer: one per parameter, dropped once its parameter is (in backward);
+            # else the run's one, dropped after the model
+            if unfreed and e.kind == "free" and r is not None and r.category is Category.PARAMETERS \
+                    and (in_backward or i == last_param_free):
+                for sid in unfreed:
+                    emit("free", sid, e)
+                unfreed.clear()
             continue
         like = t.records[e.sid]
         n = pairs[e.sid][1]
         if e.kind == "free":
             for sid in made[e.sid]:
                 emit("free", sid, e)
+            if in_backward:
+                unfreed.extend(maps.get(e.sid, ()))
             continue
         if n >= MIN_8BIT_SIZE:
-            if not maps:
-                names: dict[str, int] = {}
-                for step in _MAPS:
-                    if step[0] == "alloc":
-                        _, name, op, values = step
-                        keep = name.startswith("qmap")
-                        names[name] = new(like, 4 * values, "float32", (values,),
-                                          Category.OPTIMIZER_STATE if keep else Category.TEMPORARIES, op,
-                                          name if keep else "")
-                        emit("alloc", names[name], e)
-                    else:
-                        emit("free", names[step[1]], e)
-                maps = {k: names[k] for k in ("qmap1", "qmap2")}
+            if in_backward or not maps:
+                maps[e.sid] = made_maps(like, e)
+                if not in_backward:
+                    unfreed.extend(maps[e.sid])
             blocks = math.ceil(n / BLOCK_SIZE)
             sids = [new(like, n, "uint8", like.shape, Category.OPTIMIZER_STATE, "zeros_like", "state1"),
                     new(like, n, "uint8", like.shape, Category.OPTIMIZER_STATE, "zeros_like", "state2"),
@@ -180,7 +204,6 @@ def _rewritten(t: TrackingResult, dropped: set[int], pairs: dict[int, tuple[int,
         made[e.sid] = sids
         for sid in sids:
             emit("alloc", sid, e)
-    if maps and not maps_freed:
-        for name in ("qmap1", "qmap2"):
-            emit("free", maps[name], events[-1])
+    for sid in unfreed:   # no parameter freed after them: at the end
+        emit("free", sid, events[-1])
     return TrackingResult.build(recs, events, device=t.device, rounded=t.rounded)

@@ -178,8 +178,8 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
         check_recipe_for(recipe, w)
         dt = parse_dtype(changes["dtype"]) if "dtype" in changes else base_dt
         base = {k: v for k, v in changes.items() if k != "optimizer"}
-        t = eight_bit_timeline.derive(bases[_frozen(base)]) if changes.get("optimizer") == "adamw8bit" \
-            and _frozen(base) in bases else None
+        t = eight_bit_timeline.derive(bases[_frozen(base)], recipe.optimizer_in_backward) \
+            if changes.get("optimizer") == "adamw8bit" and _frozen(base) in bases else None
         report(progress, len(tried) / (len(CANDIDATES) + 2), f"what fits at batch {batch}: {name}, "
                + ("derived from its AdamW run's timeline (predict.eight_bit_timeline)" if t is not None else
                   "a fake run") + " replayed through the simulated caching allocator")
