@@ -8,7 +8,8 @@ that changes, and it changes in a way written in the two optimizers' source:
   ``torch/optim/adam.py``, ``Adam._init_group`` and ``_multi_tensor_adam``) makes, at its first step,
   each parameter's ``exp_avg`` then ``exp_avg_sq`` (``torch.zeros_like(p, memory_format=
   torch.preserve_format)``: the parameter's shape and dtype), its ``step`` a CPU scalar
-  (``torch.tensor(0.0, ..., device="cpu")`` where neither ``capturable`` nor ``fused``) off the device's timeline; in every step it makes temporaries (``_foreach_sqrt``...), all freed in the step.
+  (``torch.tensor(0.0, ..., device="cpu")`` where neither ``capturable`` nor ``fused``) off the device's
+  timeline; in every step it makes temporaries (``_foreach_sqrt``...), all freed in the step.
 * ``gpulab.training.eight_bit.AdamW8bit`` (bitsandbytes' layout) makes, at its first step, for each
   parameter in the same order (``_init_state``): where it has at least ``MIN_8BIT_SIZE`` elements, a
   ``uint8`` ``state1`` and ``state2`` of its shape, then a ``float32`` ``absmax1`` and ``absmax2`` of
@@ -39,10 +40,11 @@ from gpulab.measure.records import Event, StorageRecord, TrackingResult
 from gpulab.training.eight_bit import BLOCK_SIZE, MIN_8BIT_SIZE
 from gpulab.training.loop import LoopRecipe
 
-__all__ = ["derive", "derivable"]
+__all__ = ["derivable", "derive"]
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-# quantization_map's allocations and frees, in the order the fake run makes them: (kind, name, dtype, values)
+# quantization_map's allocations and frees, in the order the fake run makes them: ("alloc", name, op, float32
+# values) or ("free", name)
 # (signed: logspace(-7, 0, 128), mags[1:].flip(0), its neg, a zero, their cat; then the unsigned map from
 # a zero and logspace(-7, 0, 255); each map a cat of 256 float32 values, kept by the optimizer)
 _MAPS = (("alloc", "mags", "logspace", 128), ("alloc", "flipped", "flip", 127), ("alloc", "negated", "neg", 127),
@@ -54,8 +56,7 @@ _MAPS = (("alloc", "mags", "logspace", 128), ("alloc", "flipped", "flip", 127), 
 
 # the recipe fields ``derive`` has been checked under (tests/test_eight_bit_timeline.py): every other
 # field keeps its default (one rank holding its parameters whole, no adapters, no scaler or clipping)
-_CHECKED = frozenset({"optimizer", "optimizer_in_backward", "chunked_loss", "checkpointing", "use_cache", "seed", "register_model",
-                      "teardown", "fresh_batch"})
+_CHECKED = frozenset({"optimizer", "optimizer_in_backward", "chunked_loss", "checkpointing"})
 
 
 def derivable(recipe: LoopRecipe) -> bool:
@@ -63,8 +64,8 @@ def derivable(recipe: LoopRecipe) -> bool:
     once per step in the optimizer phase or parameter by parameter in backward, every field but
     ``_CHECKED``'s at its default."""
     plain = LoopRecipe()
-    return recipe.optimizer == "adamw" and all(
-        getattr(recipe, f.name) == getattr(plain, f.name) for f in dataclasses.fields(recipe) if f.name not in _CHECKED)
+    return recipe.optimizer == "adamw" and all(getattr(recipe, f.name) == getattr(plain, f.name)
+                                               for f in dataclasses.fields(recipe) if f.name not in _CHECKED)
 
 
 def derive(t: TrackingResult, in_backward: bool = False) -> TrackingResult | None:

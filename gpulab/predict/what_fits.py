@@ -1,12 +1,14 @@
 """``what_fits``: when a training recipe does not fit a card, the recipes that do, each confirmed
-by a fake run.
+by a fake run (or derived, event for event, from one).
 
 Each candidate changes the asked recipe in one way people reach for (a smaller loss working set,
 the optimizer stepped in backward, bf16, 8-bit optimizer state, selective then full activation
 checkpointing, LoRA, QLoRA), and is run at the asked batch on the fake engine (CUDA's kernels) and
-replayed through the simulated caching allocator against the card less the CUDA context, as ``gpulab fit`` checks a
-batch. If no single change fits, the changes are stacked in order of what they cost until the stack
-fits. Candidates are ranked by that cost: first what changes nothing of the result (the loss in
+replayed through the simulated caching allocator against the card less the CUDA context, as ``gpulab fit``
+checks a batch. 8-bit AdamW state changes only the optimizer's tensors: where the same recipe with AdamW
+was run here, its timeline is derived from that run's (``predict.eight_bit_timeline``: the 8-bit run's,
+event for event) and replayed, with no fake run of its own. If no single change fits, the changes are
+stacked in order of what they cost until the stack fits. Candidates are ranked by that cost: first what changes nothing of the result (the loss in
 chunks, the step in backward), then precision (bf16, 8-bit state), then compute (recomputing
 activations), then what is trained (LoRA, then QLoRA's 4-bit base).
 """
