@@ -33,9 +33,11 @@ def _same_events(a, b) -> None:
     ("hf:tiny-llama", torch.bfloat16, 2, {"optimizer_in_backward": True, "chunked_loss": 4}),   # maps per parameter
     pytest.param("hf:tiny-llama", torch.float32, 1, {"optimizer_in_backward": True, "checkpointing": "full"},
                  marks=pytest.mark.extended),
+    ("mlp", torch.float32, 2, {"optimizer_in_backward": True}),   # an image model: what_fits tries it too
+    pytest.param("resnet18", torch.float32, 2, {}, marks=pytest.mark.extended),   # batch norm's buffers
 ])
 def test_the_derived_timeline_is_the_eight_bit_runs_event_for_event(model, dt, batch, options):
-    w = resolve_workload(model, seq_len=32)
+    w = resolve_workload(model, seq_len=32) if model.startswith("hf:") else resolve_workload(model)
     adamw, eight = _run(w, batch, dt, "adamw", **options), _run(w, batch, dt, "adamw8bit", **options)
     assert eight_bit_timeline.derivable(user_recipe("adamw", None, **{**RECIPE_DEFAULTS, **options}))
     derived = eight_bit_timeline.derive(adamw, in_backward=options.get("optimizer_in_backward", False))
