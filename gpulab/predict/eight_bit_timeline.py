@@ -120,6 +120,19 @@ def _steps_temporary(r: StorageRecord, in_backward: bool) -> bool:
                                                          and r.shape == ())
 
 
+def _state_of(new, like: StorageRecord, n: int) -> list[int]:
+    """The 8-bit state ``AdamW8bit._init_state`` makes for a parameter of ``n`` elements (``like``: its
+    ``exp_avg``), each made by ``new(like, nbytes, dtype, shape, category, op, key)``."""
+    if n >= MIN_8BIT_SIZE:
+        blocks = math.ceil(n / BLOCK_SIZE)
+        return [new(like, n, "uint8", like.shape, Category.OPTIMIZER_STATE, "zeros_like", "state1"),
+                new(like, n, "uint8", like.shape, Category.OPTIMIZER_STATE, "zeros_like", "state2"),
+                new(like, 4 * blocks, "float32", (blocks,), Category.OPTIMIZER_STATE, "zeros", "absmax1"),
+                new(like, 4 * blocks, "float32", (blocks,), Category.OPTIMIZER_STATE, "zeros", "absmax2")]
+    return [new(like, 4 * n, "float32", like.shape, Category.OPTIMIZER_STATE, "zeros_like", k)
+            for k in ("state1", "state2")]
+
+
 def _rewritten(t: TrackingResult, dropped: set[int], pairs: dict[int, tuple[int, int]], second: set[int],
                in_backward: bool) -> TrackingResult:
     recs = {sid: r.copied() for sid, r in t.records.items() if sid not in dropped and sid not in second
@@ -194,15 +207,7 @@ def _rewritten(t: TrackingResult, dropped: set[int], pairs: dict[int, tuple[int,
                 maps[e.sid] = made_maps(like, e)
                 if not in_backward:
                     unfreed.extend(maps[e.sid])
-            blocks = math.ceil(n / BLOCK_SIZE)
-            sids = [new(like, n, "uint8", like.shape, Category.OPTIMIZER_STATE, "zeros_like", "state1"),
-                    new(like, n, "uint8", like.shape, Category.OPTIMIZER_STATE, "zeros_like", "state2"),
-                    new(like, 4 * blocks, "float32", (blocks,), Category.OPTIMIZER_STATE, "zeros", "absmax1"),
-                    new(like, 4 * blocks, "float32", (blocks,), Category.OPTIMIZER_STATE, "zeros", "absmax2")]
-        else:
-            sids = [new(like, 4 * n, "float32", like.shape, Category.OPTIMIZER_STATE, "zeros_like", k)
-                    for k in ("state1", "state2")]
-        made[e.sid] = sids
+        made[e.sid] = sids = _state_of(new, like, n)
         for sid in sids:
             emit("alloc", sid, e)
     for sid in unfreed:   # no parameter freed after them: at the end

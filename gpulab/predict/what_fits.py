@@ -147,6 +147,25 @@ def _applies(c: Candidate, asked: dict[str, Any], kind: str, causal: bool) -> bo
     return all(asked.get(k) != v for k, v in c.changes.items())
 
 
+def _stacks(candidates: list[Candidate], attempt, asked_reserved: int) -> list[Tried]:
+    """The candidates stacked, cheapest first, each stack tried (``attempt(changes, name)``) until one fits;
+    a candidate that sets what an earlier one set replaces it (full checkpointing the selective kind,
+    QLoRA plain LoRA)."""
+    chosen: list[Candidate] = []
+    tried: list[Tried] = []
+    for c in candidates:
+        chosen = [c2 for c2 in chosen if not set(c2.changes) <= set(c.changes)] + [c]
+        if len(chosen) < 2:
+            continue
+        stacked = {k: v for c2 in chosen for k, v in c2.changes.items()}
+        reserved, fits = attempt(stacked, " + ".join(c2.name for c2 in chosen))
+        tried.append(Tried(" + ".join(c2.name for c2 in chosen), "all of: " + "; ".join(c2.cost for c2 in chosen),
+                           stacked, reserved, fits, asked_reserved - reserved))
+        if fits:
+            break
+    return tried
+
+
 @follows_card   # the candidates' fake runs follow the card's kernels, as fit's do
 def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw", dtype: Any = None,
               amp: str | None = None, seq_len: int | None = None, image_size: int | None = None,
@@ -207,19 +226,7 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
         reserved, fits = attempt(c.changes, c.name)
         tried.append(Tried(c.name, c.cost, c.changes, reserved, fits, asked_reserved - reserved))
     if not any(t.fits for t in tried):   # stack them, cheapest first, until the stack fits
-        chosen: list[Candidate] = []
-        for c in usable_candidates:
-            # a candidate that sets what an earlier one set replaces it (full checkpointing the
-            # selective kind, QLoRA plain LoRA)
-            chosen = [c2 for c2 in chosen if not set(c2.changes) <= set(c.changes)] + [c]
-            if len(chosen) < 2:
-                continue
-            stacked = {k: v for c2 in chosen for k, v in c2.changes.items()}
-            reserved, fits = attempt(stacked, " + ".join(c2.name for c2 in chosen))
-            tried.append(Tried(" + ".join(c2.name for c2 in chosen), "all of: " + "; ".join(c2.cost for c2 in chosen),
-                               stacked, reserved, fits, asked_reserved - reserved))
-            if fits:
-                break
+        tried += _stacks(usable_candidates, attempt, asked_reserved)
     asked_time, time_note = None, ""
     if predict_time:
         from gpulab.predict.plan_time import Runs, time_candidates
