@@ -73,7 +73,7 @@ def test_precision_guard_predicts_nothing_for_a_run_auto_sends_to_the_fake_engin
 
 def test_the_engine_prediction_worked_out_once_equals_the_breakdown():
     """``course.activations._predicted`` keeps its formula per model, batch, size and dtype: the numbers of
-    ``breakdown`` itself, in a dict the caller may change."""
+    ``breakdown`` itself and the dtype they are computed in, in a dict the caller may change."""
     import torch
 
     from gpulab.course.activations import _predicted
@@ -82,7 +82,8 @@ def test_the_engine_prediction_worked_out_once_equals_the_breakdown():
     spec = resolve_model("cnn")
     bd = breakdown(spec, 3, 32, torch.bfloat16)
     first = _predicted(spec, 3, 32, torch.bfloat16)
-    assert first == {"predicted_bytes": bd.param_bytes + bd.total_output_bytes, "predicted_flops": bd.forward_flops}
+    assert first == {"predicted_bytes": bd.param_bytes + bd.total_output_bytes, "predicted_flops": bd.forward_flops,
+                     "dtype": torch.bfloat16}
     first["predicted_flops"] = 0
     assert _predicted(spec, 3, 32, torch.bfloat16)["predicted_flops"] == bd.forward_flops > 0
 
