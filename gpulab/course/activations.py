@@ -435,8 +435,11 @@ def inference_training_figure(r: InferenceVsTraining) -> Figure:
         xs = [row.index for row in run_.rows]
         ax.plot(xs, [row.live_after / MiB for row in run_.rows], "-o", ms=2.5, color=color, label=run_.mode)
         ax.axhline(run_.peak_non_param / MiB, color=color, ls="--", lw=0.8)
-        ax.text(0, run_.peak_non_param / MiB, f"peak {run_.peak_non_param / MiB:,.1f} MiB", color=color,
-                fontsize=8, va="bottom")
+        # the no_grad peak is labelled at the right, under its line (its curve has fallen away, the legend is
+        # above); the training peak at the left, before its curve has risen: neither label sits on a curve
+        right = run_ is r.inference and bool(xs)
+        ax.text(xs[-1] if right else 0, run_.peak_non_param / MiB, f"peak {run_.peak_non_param / MiB:,.1f} MiB",
+                color=color, fontsize=8, va="top" if right else "bottom", ha="right" if right else "left")
     ax.plot([row.index for row in r.training.rows], [row.saved_after / MiB for row in r.training.rows], ":",
             color=CATEGORY_COLORS["activations"], label="of which saved for backward")
     rows = r.training.rows
