@@ -343,44 +343,6 @@ def _stacked(*modes):
         yield
 
 
-_frozen_depth = 0   # how many ``older_objects_frozen`` scopes are open (the outermost froze first)
-
-
-@contextlib.contextmanager
-def older_objects_frozen():
-    """Python's automatic collections inside look only at the objects made inside: every older object is set
-    apart (``gc.freeze``), and given back (``gc.unfreeze``) when the outermost such scope ends; a scope inside
-    another sets apart what was made between them. With torch and transformers loaded a full collection walks
-    about half a million objects (about 0.25 s), and a fit's fake runs and the timelines laid out from them
-    trigger several. A cycle among the objects made inside is collected as before, and ``collect_all`` sees
-    every object. Nothing is set apart where the process froze objects of its own (``gc.get_freeze_count``)
-    or switched collection off. Usable as a decorator."""
-    global _frozen_depth
-    if not _frozen_depth and (not gc.isenabled() or gc.get_freeze_count()):
-        yield
-        return
-    gc.freeze()
-    _frozen_depth += 1
-    try:
-        yield
-    finally:
-        _frozen_depth -= 1
-        if not _frozen_depth:
-            gc.unfreeze()
-
-
-def collect_all() -> None:
-    """A full ``gc.collect`` over every object, those set apart by ``older_objects_frozen`` too (set apart
-    again after)."""
-    if _frozen_depth:
-        gc.unfreeze()
-    try:
-        gc.collect()
-    finally:
-        if _frozen_depth:
-            gc.freeze()
-
-
 def _run_host(experiment, choice: EngineChoice, label: str, mode, tracker: MemoryTracker | None = None,
               kernels: str = "cpu") -> Measurement:
     device = torch.device("cpu")
@@ -393,7 +355,7 @@ def _run_host(experiment, choice: EngineChoice, label: str, mode, tracker: Memor
     with mode:
         ctx = RunContext(choice.name, device, tracker, kernels=kernels, on_host=on_host)
         try:
-            with tracker, older_objects_frozen():
+            with tracker:
                 value = experiment(ctx)
         except Exception as exc:
             if not _is_oom(exc):
@@ -404,7 +366,7 @@ def _run_host(experiment, choice: EngineChoice, label: str, mode, tracker: Memor
     # collection costs 0.2-0.3 s with torch loaded (more than a small step itself), so
     # only pay it when a tracked storage is still alive: otherwise it changes nothing.
     if any(r.alive for r in tracker._records.values()):
-        collect_all()
+        gc.collect()
     if kernels == "cuda":
         dev_name = f"{FAKE_CUDA_DEVICE} (fake tensors, CUDA kernels emulated on the CPU)"
         tracking = tracker.result(device=FAKE_CUDA_DEVICE, round_to_cuda_blocks=True, on_host=on_host)

@@ -31,7 +31,6 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from gpulab.measure.engines import older_objects_frozen
 from gpulab.measure.records import Event, TrackingResult
 from gpulab.predict import layer_repeat
 from gpulab.predict.progress import Progress, report
@@ -72,7 +71,6 @@ class StageFit:
     note: str = ""
 
 
-@older_objects_frozen()   # Python's collections during the searches look only at what they make
 def fit_stages(w: Workload, key: tuple | None, dt: torch.dtype, recipe: LoopRecipe, place, layout: Any,
                progress: Progress, t0: float, fit_parts: StageSearch, master: torch.dtype | None = None):
     """``fit``'s answer (a ``FitResult``) for ``recipe.pp`` stages (module docstring); ``layout``: the
