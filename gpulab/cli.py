@@ -171,8 +171,8 @@ def _context_options(f: argparse.ArgumentParser) -> None:
                    help="memory the CUDA context takes outside PyTorch's allocator (default: assumed from "
                         "--cuda-module-loading, with the published measurements it rests on)")
     f.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
-                   help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
-                        "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
+                   help="CUDA's module loading, which sets the assumed context size (lazy: CUDA's own default from "
+                        "CUDA 12.2 on Linux and 12.3 on Windows; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
 
 
 def _mesh_options(f: argparse.ArgumentParser) -> None:
@@ -254,8 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory the CUDA context takes outside PyTorch's allocator (default: gpulab's H200 "
                         f"measurement, {_assumed_context()} with lazy loading)")
     v.add_argument("--cuda-module-loading", default="lazy", choices=("lazy", "eager"),
-                   help="CUDA's module loading, which sets the assumed context size (lazy: PyTorch's default with "
-                        "CUDA 11.7 or later; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
+                   help="CUDA's module loading, which sets the assumed context size (lazy: CUDA's own default from "
+                        "CUDA 12.2 on Linux and 12.3 on Windows; eager: older CUDA, or CUDA_MODULE_LOADING=EAGER)")
     v.add_argument("--no-time", action="store_true",
                    help="leave out the predicted prefill and decode times (a roofline per op on the card's speeds)")
     v.add_argument("--json", action="store_true", help=_JSON_HELP)

@@ -115,3 +115,17 @@ def test_numeric_checkers_say_not_a_size_for_nan_inf_and_huge_numbers():
             r = ex.check(bad)
             assert not r.ok and "not a size" in r.message, (name, bad, r.message)
     assert len(seen) >= 5, seen
+
+
+def test_a_ratio_checker_calls_close_only_what_is_close():
+    """Lesson 14's FLOPs ratio (about 1.2) called 1.0 and 2.0 "close" under the size checkers' factor
+    of 2; its checker now says close only within 10%, and a size checker keeps its factor of 2."""
+    from gpulab.course.exercises import Exercise
+    ratio = Exercise("a FLOPs ratio", expected=lambda: 1.216, explain="", rel_tol=0.03, close=1.1, hint="Count.")
+    assert ratio.check(1.216).ok and ratio.check(1.24).ok
+    assert "Close" in ratio.check(1.33).message
+    for far in (1.0, 2.0, 0.5):
+        r = ratio.check(far)
+        assert not r.ok and "Close" not in r.message and "Count." in r.message, (far, r.message)
+    size = Exercise("bytes", expected=lambda: 1000, explain="", rel_tol=0.0)
+    assert "Close" in size.check(1500).message and "Close" not in size.check(2500).message

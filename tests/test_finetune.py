@@ -99,6 +99,21 @@ def test_panel_runs_and_shows_the_verdict():
     assert p.result.method == "full" and p.result.trainable_params == p.result.n_params
 
 
+def test_the_sequence_slider_offers_only_what_the_preset_takes():
+    """GPT-2 has 1,024 positions (its config's ``n_positions``): picking it moves a 2,048-token slider to
+    1,024 instead of leaving a length the model refuses; a preset with more positions offers them again."""
+    from gpulab.widgets import finetune_panel
+    p = finetune_panel(preset="llama-3-8b", seq_len=2048)
+    seq = p.controls["seq_len"]
+    assert max(seq.options) == 8192 and seq.value == 2048
+    p.controls["preset"].value = "gpt2"
+    assert max(seq.options) == make_config("gpt2").n_positions == 1024 and seq.value == 1024
+    p.controls["preset"].value = "mistral-7b"
+    assert max(seq.options) == 8192 and seq.value == 1024
+    with pytest.raises(ValueError, match="sequence length must be one of 128, 256, 512, 1024"):
+        finetune_panel(preset="gpt2", seq_len=2048)
+
+
 def test_preset_configs_are_the_built_in_ones():
     assert make_config("llama-3-8b").num_key_value_heads == 8
 

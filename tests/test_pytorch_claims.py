@@ -452,6 +452,9 @@ CLAIMS = [
      ("source", "torch.utils.checkpoint", "with .grad() or passing an `inputs` parameter to .backward()")),
     ("07", "keyword arguments, `torch.autograd.grad`, `backward(inputs=...)`", "use_reentrant=True",
      ("source", "torch.utils.checkpoint", "if kwargs and use_reentrant:")),
+    # review-h of 2026-12-07: the core path of lessons 00-03
+    ("03", "plus cuDNN/cuBLAS workspaces and block rounding", "torch.cuda.max_memory_allocated()",
+     ("source", "torch.cuda.max_memory_allocated", "allocated_bytes.all.peak")),
     # review3 of 2026-12-07: the core path of lessons 05, 07, 08, 11
     ("05", "(the default since torch 2.0)", "zero_grad(set_to_none=True)",
      ("source", "torch.optim.Optimizer.zero_grad", "def zero_grad(self, set_to_none: bool = True)")),

@@ -19,7 +19,7 @@ import functools
 
 import html
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from matplotlib.figure import Figure
@@ -69,8 +69,8 @@ def _setup(model: str | ModelSpec, batch: int, image_size: int | None, dtype) ->
     return spec, batch, size, _check_dtype(dtype)
 
 
-def _predicted(spec: ModelSpec, batch: int, size: int, dt: torch.dtype) -> dict[str, int]:
-    """What ``run`` needs to choose an engine: bytes of weights + every output, forward FLOPs (a formula
+def _predicted(spec: ModelSpec, batch: int, size: int, dt: torch.dtype) -> dict[str, Any]:
+    """What ``run`` needs to choose an engine: bytes of weights + every output, forward FLOPs and their dtype (a formula
     on the meta device: worked out once per model, batch, size and dtype in a process)."""
     return dict(_predicted_once(spec, batch, size, dt))
 
@@ -78,7 +78,8 @@ def _predicted(spec: ModelSpec, batch: int, size: int, dt: torch.dtype) -> dict[
 @functools.lru_cache(maxsize=128)
 def _predicted_once(spec: ModelSpec, batch: int, size: int, dt: torch.dtype) -> tuple[tuple[str, int], ...]:
     bd = breakdown(spec, batch, size, dt)
-    return (("predicted_bytes", bd.param_bytes + bd.total_output_bytes), ("predicted_flops", bd.forward_flops))
+    return (("predicted_bytes", bd.param_bytes + bd.total_output_bytes), ("predicted_flops", bd.forward_flops),
+            ("dtype", dt))
 
 
 def predicted_forward_bytes(model: str, batch: int, image_size: int | None, dtype) -> int:
@@ -435,8 +436,11 @@ def inference_training_figure(r: InferenceVsTraining) -> Figure:
         xs = [row.index for row in run_.rows]
         ax.plot(xs, [row.live_after / MiB for row in run_.rows], "-o", ms=2.5, color=color, label=run_.mode)
         ax.axhline(run_.peak_non_param / MiB, color=color, ls="--", lw=0.8)
-        ax.text(0, run_.peak_non_param / MiB, f"peak {run_.peak_non_param / MiB:,.1f} MiB", color=color,
-                fontsize=8, va="bottom")
+        # the no_grad peak is labelled at the right, under its line (its curve has fallen away, the legend is
+        # above); the training peak at the left, before its curve has risen: neither label sits on a curve
+        right = run_ is r.inference and bool(xs)
+        ax.text(xs[-1] if right else 0, run_.peak_non_param / MiB, f"peak {run_.peak_non_param / MiB:,.1f} MiB",
+                color=color, fontsize=8, va="top" if right else "bottom", ha="right" if right else "left")
     ax.plot([row.index for row in r.training.rows], [row.saved_after / MiB for row in r.training.rows], ":",
             color=CATEGORY_COLORS["activations"], label="of which saved for backward")
     rows = r.training.rows

@@ -592,4 +592,4 @@ def exercise_flops_ratio(table: DecisionTable, name: str) -> Exercise:
     return Exercise(f"At batch {table.batch}, the FLOPs of one training step of {table.you.name} with {row.name}, "
                     f"divided by the FLOPs without it, are: (a ratio, e.g. 1.5)",
                     expected=lambda: round(table.flops_ratio(name), 3), explain=explain, unit="", rel_tol=0.03,
-                    hint="Count what runs again in backward, and what no longer runs at all.")
+                    close=1.1, hint="Count what runs again in backward, and what no longer runs at all.")

@@ -42,7 +42,9 @@ class Exercise:
 
     ``rel_tol`` is the relative tolerance (0 means exact); ``explain`` says how the
     expected value comes about and is shown with every verdict; ``hint`` for wrong
-    answers of the right order of magnitude, ``unit`` names what to type (e.g. "bytes")."""
+    answers of the right order of magnitude, ``unit`` names what to type (e.g. "bytes"); a wrong
+    answer within a factor ``close`` of the expected value is called close (2 suits a size; a
+    ratio near 1, such as a FLOPs ratio, needs a tighter one)."""
     question: str
     expected: Callable[[], float]
     explain: str
@@ -50,6 +52,7 @@ class Exercise:
     rel_tol: float = 0.0
     hint: str = ""
     ratio_hint: str = ""   # said instead of "check the bytes per element" for an answer 2, 4 or 8x off
+    close: float = 2.0
 
     def check(self, answer: Any) -> CheckResult:
         exp = self.expected()
@@ -75,7 +78,7 @@ class Exercise:
             why = f" Your answer is exactly {round(ratio)}x too big: {self.ratio_hint or 'check the bytes per element.'}"
         elif exp and abs(1 / ratio - round(1 / ratio)) < 1e-9 and round(1 / ratio) in (2, 4, 8) if ratio else False:
             why = f" Your answer is exactly {round(1 / ratio)}x too small: {self.ratio_hint or 'check the bytes per element.'}"
-        elif exp and 0.5 < ratio < 2:
+        elif exp and 1 / self.close < ratio < self.close:
             why = " Close, but not within tolerance." + (f" {self.hint}" if self.hint else "")
         elif self.hint:
             why = f" {self.hint}"

@@ -35,7 +35,7 @@ from gpulab.units import format_bytes
 
 __all__ = [
     "CHECKPOINTING_CHOICES", "FinetuneAnswer", "LORA_RANK", "METHODS", "PRECISIONS", "PRESETS",
-    "Progress", "custom_config", "finetune_check", "preset_config", "recipe_options"
+    "Progress", "custom_config", "finetune_check", "preset_config", "preset_positions", "recipe_options"
 ]
 
 PRESETS = ("gpt2", "llama-3-8b", "mistral-7b", "custom")
@@ -78,6 +78,13 @@ def custom_config(hidden: int = 2048, layers: int = 16):
                                     num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
                                     intermediate_size=-(-int(3.5 * hidden) // 256) * 256,
                                     max_position_embeddings=8192, use_cache=False)
+
+
+def preset_positions(preset: str) -> int | None:
+    """The positions ``preset``'s config takes (``max_position_embeddings`` or ``n_positions``; the custom
+    model's are its config's), for a control that offers only lengths the model takes."""
+    from gpulab.models.hf_configs import config_summary
+    return config_summary(preset_config(preset))["max_positions"]
 
 
 def preset_config(preset: str, hidden: int = 2048, layers: int = 16):

@@ -65,6 +65,12 @@ def ridge(speed: CardSpeed, dtype: str = "fp32") -> float:
     return speed.peak_flops(dtype) * a.compute_efficiency / (speed.bandwidth_bytes_s * a.memory_efficiency)
 
 
+def _efficiencies(speed: CardSpeed) -> str:
+    """"75% and 100%": the compute and memory efficiencies the time model assumes for ``speed``."""
+    a = speed.assumptions
+    return f"{a.compute_efficiency:.0%} and {a.memory_efficiency:.0%}"
+
+
 def intensity(t: StepTime) -> float:
     """A step's arithmetic intensity: its FLOPs over the bytes its ops read and write."""
     moved = sum(o.nbytes for o in t.by_op.values())
@@ -190,8 +196,10 @@ class BatchThroughput:
                 f"throughput predicted, {self.card}", "FLOPs per byte", f"compute-bound share on {self.card}"]
         note = (f"{self.model}, Adam (foreach). Measured: {MEASURED}, {len(self.points[0].measured.samples)} steps "
                 f"after a warm-up. Predicted: {self.points[0].on_cpu.label} from this CPU's rates ({self.cpu.source}); "
-                f"{self.points[0].on_card.label} from its datasheet, the same ops. Ridge point: this CPU "
-                f"{ridge(self.cpu):.1f}, {self.card} {ridge(self.card_speed):.1f} FLOPs per byte.")
+                f"{self.points[0].on_card.label} from its datasheet, the same ops. Ridge point (peak FLOP/s × "
+                f"compute efficiency ÷ (bandwidth × memory efficiency), the efficiencies the time model assumes: "
+                f"{_efficiencies(self.cpu)} for this CPU, {_efficiencies(self.card_speed)} for the {self.card}): "
+                f"this CPU {ridge(self.cpu):.1f}, {self.card} {ridge(self.card_speed):.1f} FLOPs per byte.")
         return html_table(head, self.rows(), note)
 
     def __repr__(self) -> str:

@@ -325,7 +325,7 @@ def _notes(r: TensorBytesResult) -> list[str]:
             notes.append(f"y's shape alone suggests {format_bytes(r.y_shape_bytes)} ({r.y_shape_bytes:,} B), "
                          f"but after del x it still keeps all {format_bytes(r.kept_bytes)} of x's storage "
                          f"alive ({r.kept_bytes / max(1, r.y_shape_bytes):,.0f}×). "
-                         f"y = x[:1].clone() would keep only its own bytes.")
+                         f"{r.code}.clone() would keep only its own bytes.")
     else:
         notes.append(f"y has its own storage: the operation copied {format_bytes(r.new_bytes)}, "
                      f"so the peak was {format_bytes(r.peak_bytes)} while x and y both lived.")
@@ -344,7 +344,7 @@ def _notes(r: TensorBytesResult) -> list[str]:
                      f"kSmallSize), so x gets the whole block and memory_allocated counts all of it.")
     if c["simulated_reserved"] is not None:
         notes.append(f"A fresh caching allocator would reserve {format_bytes(c['simulated_reserved'])} "
-                     f"for x (simulated allocator): what nvidia-smi would count, before the CUDA context.")
+                     f"for x (simulated allocator): what nvidia-smi would count for it, on top of the CUDA context.")
     if r.engine == "fake":
         notes.append("Fake tensors have shapes, dtypes and storages but no data: these bytes were "
                      "counted, not allocated.")
@@ -479,7 +479,7 @@ class RoundingResult:
         e, q, r = self.max_waste
         cap = (f"{self.dtype}: worst case {e} element(s) = {q:,} B counted as {r:,} B ({r / max(1, q):,.0f}×)"
                + ("" if self.simulated_reserved is None else
-                  f"; a fresh allocator reserves {format_bytes(self.simulated_reserved[-1])} for any of them "
+                  f"; a fresh allocator reserves {format_bytes(self.simulated_reserved[-1])} for any non-empty one "
                   f"(simulated)"))
         return html_table(["elements", "numel × itemsize (formula)", "rounded to 512 B (formula)",
                            f"storage bytes ({self.live_label})", f"memory_allocated ({self.simulated_label})",

@@ -56,15 +56,16 @@ def tensor_bytes_figure(r) -> Figure:
     ax.bar([n - 1 + 0.52], [naive], 0.14, label="y's shape × itemsize (what y looks like)",
            color=NAIVE_COLOR, hatch="//", edgecolor="white")
     top = max(fv + mv + [naive]) or 1
-    ax.annotate(f"y's shape:\n{_fmt(naive)} {uname}", (n - 1 + 0.52, naive), xytext=(0, 4),
-                textcoords="offset points", ha="center", va="bottom", fontsize=7, color=NAIVE_COLOR)
+    # left-aligned from the thin bar's left edge, so the label clears the measured bar beside it
+    ax.annotate(f"y's shape:\n{_fmt(naive)} {uname}", (n - 1 + 0.45, naive), xytext=(0, 4),
+                textcoords="offset points", ha="left", va="bottom", fontsize=7, color=NAIVE_COLOR)
     for x, row in zip(xs, r.rows):
         err = row.error
         txt = "0 B both" if row.formula == 0 and row.measured == 0 else (
             "—" if err is None else f"error {err:+.1f}%")
         ax.text(x, max(fv[x], mv[x]) + 0.02 * top, txt, ha="center", va="bottom", fontsize=8)
     ax.set_ylim(0, top * 1.15)
-    ax.set_xlim(-0.6, n - 1 + 0.95)
+    ax.set_xlim(-0.6, n - 1 + 1.0)
     labels = [x.quantity.replace(" made by the operation", "\nmade by the op").replace(" after del x", "\nafter del x")
               .replace("peak live (x and y)", "peak live\n(x and y)") for x in r.rows]
     ax.set_xticks(xs, labels, fontsize=8)
@@ -95,7 +96,7 @@ def dtype_figure(t) -> Figure:
     ax.set_xlabel("bytes per element (B)")
     ax.set_xlim(0, max(r.itemsize for r in rows) * 1.25)
     ax.legend(fontsize=7, loc="lower right")
-    ax.set_title(f"bytes per element, every dtype in torch: formula vs {t.label}", fontsize=9)
+    ax.set_title(f"bytes per element, dtype by dtype: formula vs {t.label}", fontsize=9)
     return fig
 
 

@@ -259,8 +259,8 @@ def explain(formula: WhatIfFormula, measured: WhatIfMeasured | None) -> list[str
     if acts and abs(formula.activations - acts) > 0.1 * acts:
         if formula.scores_bytes and formula.activations > acts and _FUSED.search(measured.label):
             out.append(f"Activations: {format_bytes(formula.scores_bytes)} of the formula's are Korthikanti's "
-                       "s×s attention scores, which the fused attention kernel this card's run follows (named in "
-                       "its label) never stores: recompute <i>selective</i> shows the formula without them.")
+                       "s×s attention tensors (the softmax's output, its dropout mask and the dropped probabilities), "
+                       "which the fused attention kernel this card's run follows (named in its label) never stores: recompute <i>selective</i> shows the formula without them.")
         out.append(f"Activations: the formula holds the logits and their fp32 copy for the loss "
                    f"({format_bytes(formula.logits_bytes)}) with Korthikanti's tensors of a GPT-3 layer; what this "
                    "model's own layers save beyond or short of those is listed tensor by tensor by "

@@ -91,9 +91,8 @@ class TrackingResult:
         if device is None:
             device = _busiest_device(events)
         events = [e for e in events if e.device == device]
-        if rounded is None:
-            rounded = device.startswith("cuda")
-        size = cuda_rounded_bytes if rounded else (lambda n: n)
+        rounded = rounds_to_cuda_blocks(device, rounded)
+        size = cuda_rounded_bytes if rounded else _own_bytes
         current = {c.value: 0 for c in CATEGORIES}
         sizes: dict[int, int] = {}
         series: list[dict[str, int]] = []
@@ -218,3 +217,35 @@ def _busiest_device(events: list[Event]) -> str:
     if not peaks:
         return "cpu"
     return max(peaks, key=peaks.get)
+
+
+def rounds_to_cuda_blocks(device: str, rounded: bool | None = None) -> bool:
+    """Whether live bytes on ``device`` count each storage as the 512-byte multiple the CUDA caching
+    allocator gives it: ``rounded`` when given, else yes on a CUDA device."""
+    return device.startswith("cuda") if rounded is None else rounded
+
+
+def _own_bytes(n: int) -> int:
+    return n
+
+
+def apart_devices(records: dict[int, StorageRecord]) -> dict[int, str]:
+    """The storages counted on a device of their own, apart from the one they were made on
+    (offloaded activations, paged optimizer state): storage id -> that device."""
+    return {sid: r.apart for sid, r in records.items() if r.apart}
+
+
+def live_by_category(records: dict[int, StorageRecord], events: list[Event], device: str) -> dict[str, int]:
+    """The bytes alive after ``events`` on ``device`` per category, with each storage on the device
+    ``apart_devices`` gives it and sized as ``TrackingResult.build`` sizes it: one pass, no copies."""
+    apart = apart_devices(records)
+    size = cuda_rounded_bytes if rounds_to_cuda_blocks(device) else _own_bytes
+    sizes: dict[int, int] = {}
+    for e in events:
+        if apart.get(e.sid, e.device) == device:
+            sizes[e.sid] = 0 if e.kind == "free" else e.nbytes
+    current = {c.value: 0 for c in CATEGORIES}
+    for sid, n in sizes.items():
+        if n:
+            current[records[sid].category.value] += size(n)
+    return current

@@ -34,7 +34,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gpulab.categories import CATEGORIES, Category
-from gpulab.measure.records import HOST_DEVICE, PHASES, UNIFIED_DEVICE, Event, StorageRecord, TrackingResult
+from gpulab.measure.records import (HOST_DEVICE, PHASES, UNIFIED_DEVICE, Event, StorageRecord, TrackingResult,
+                                    apart_devices, live_by_category)
 
 __all__ = ["Event", "HOST_DEVICE", "MemoryTracker", "PHASES", "StorageRecord", "TRACKER_LOCK", "TrackingResult", "UNIFIED_DEVICE"]
 
@@ -577,18 +578,7 @@ class MemoryTracker(TorchDispatchMode):
         """``result(device=device).final_by_category`` without building the result: the bytes alive now on
         ``device`` per category (512-byte blocks on a CUDA device), in one pass over the events and no copy
         of the records. A forward's per-layer hooks ask it after every layer (``record.runs.activations``)."""
-        from gpulab.formulas import cuda_rounded_bytes
-        size = cuda_rounded_bytes if device.startswith("cuda") else (lambda n: n)
-        host = {sid: r.apart for sid, r in self._records.items() if r.apart}
-        sizes: dict[int, int] = {}
-        for e in self._events:
-            if host.get(e.sid, e.device) == device:
-                sizes[e.sid] = 0 if e.kind == "free" else e.nbytes
-        current = {c.value: 0 for c in CATEGORIES}
-        for sid, n in sizes.items():
-            if n:
-                current[self._records[sid].category.value] += size(n)
-        return current
+        return live_by_category(self._records, self._events, device)
 
     def result(self, device: str | None = None, round_to_cuda_blocks: bool | None = None,
                on_host=None) -> "TrackingResult":
@@ -602,7 +592,7 @@ class MemoryTracker(TorchDispatchMode):
         run keeps in host memory, when CPU fake tensors stand in for the GPU's)."""
         records = {sid: _copy_record(r) for sid, r in self._records.items()}
         events = list(self._events)
-        host = {sid: r.apart for sid, r in records.items() if r.apart}
+        host = apart_devices(records)
         if on_host is not None:  # ``on_host(record)``: count this storage on the "cpu" instead
             host.update({sid: "cpu" for sid, r in records.items() if on_host(r) and sid not in host})
         if host:   # offloaded activations, paged state: on devices of their own, apart from the GPU's

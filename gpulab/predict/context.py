@@ -3,8 +3,9 @@ size ``gpulab fit`` and ``gpulab serve`` assume for it, with where that comes fr
 
 The context holds the driver's state and the kernels loaded into it. Before CUDA 11.7 every
 kernel of every loaded library (PyTorch's own, cuBLAS, cuDNN ...) was loaded when the context was
-made; CUDA 11.7 added lazy module loading, each kernel loaded when first used, and PyTorch turns
-it on (``CUDA_MODULE_LOADING=LAZY`` unless the user set it: pytorch#86509, in PyTorch 1.13). So
+made; CUDA 11.7 added lazy module loading, each kernel loaded when first used, and CUDA makes it
+its own default from 12.2 on Linux and 12.3 on Windows. PyTorch set ``CUDA_MODULE_LOADING=LAZY``
+itself from 1.13 (pytorch#86509) until pytorch#158712 (July 2025) removed that. So
 the size depends mostly on the module loading, then on the GPU, the driver and the libraries. The
 measurements below are what the assumptions rest on, each with its GPU, software and setting;
 gpulab's own come first: on an NVIDIA H200 (torch 2.11.0+cu130, CUDA runtime 13.0, driver
@@ -79,11 +80,11 @@ def _range(loading: str) -> str:
 
 
 def context_assumption(module_loading: str = "lazy") -> ContextAssumption:
-    """The context size assumed for ``module_loading`` ("lazy": PyTorch's default on CUDA 11.7 and
-    later; "eager": older CUDA, or ``CUDA_MODULE_LOADING=EAGER``), its label and any warning."""
+    """The context size assumed for ``module_loading`` ("lazy": CUDA's own default from 12.2 on
+    Linux and 12.3 on Windows; "eager": older CUDA, or ``CUDA_MODULE_LOADING=EAGER``), its label and any warning."""
     if module_loading not in MODULE_LOADING:
-        raise ValueError(f"module_loading must be one of {', '.join(MODULE_LOADING)} (lazy: PyTorch's default "
-                         f"with CUDA 11.7 or later), got {module_loading!r}")
+        raise ValueError(f"module_loading must be one of {', '.join(MODULE_LOADING)} (lazy: CUDA's own default "
+                         f"from CUDA 12.2 on Linux), got {module_loading!r}")
     if module_loading == "lazy":
         ours = [m for m in CONTEXT_MEASUREMENTS if m.source.startswith("gpulab's")]
         after, start = ours[0], ours[1]

@@ -90,6 +90,16 @@ def _run_gaps(name: str, run: dict[str, Any], tracked_key: str | None, reserved_
                 f"its peak" if beyond.get("count") else
                 "allocations no tensor owns: the workspaces cuDNN's convolutions and cuBLAS take from the same "
                 "caching allocator, and buffers inside a kernel")
+        kept = a.get("allocated_delta") or 0
+        if not beyond.get("count") and kept > 0:
+            part += (f"; {format_bytes(kept)} of it is still allocated after the run, when none of the run's "
+                     f"tensors is")
+        held = beyond.get("tensors_at_peak") if beyond.get("count") else None
+        if held is not None and _over(tracked, held):
+            # the two peaks fall at different moments: what the tensors hold at the allocator's peak is why the
+            # gap is smaller (or larger) than the allocations no tensor owns
+            part += (f", where the tensors hold {format_bytes(held)}, not the tracker's peak: the allocator's "
+                     f"peak and the tracker's fall at different moments")
         if alloc > tracked:
             out.append(f"{where}max_memory_allocated − baseline is {format_bytes(alloc - tracked)} above the "
                        f"tracker's {format_bytes(tracked)} ({(alloc - tracked) / tracked:+.1%}): {part}.")
@@ -114,12 +124,14 @@ def _run_gaps(name: str, run: dict[str, Any], tracked_key: str | None, reserved_
     return out
 
 
-def gap_notes(result: dict[str, Any]) -> list[str]:
+def gap_notes(result: dict[str, Any], points_reserved_shown: bool = False) -> list[str]:
     """Each gap above ``GAP`` a recorded run's table shows, with the part it is (module docstring):
     the run itself (its tracked ``peak_bytes``, or a model build's live parameters and buffers), and
     each run of a panel that records several (``runs``, ``models``), where the allocator's counter
     also holds what the columns beside it leave out, where they do (the parameters, when a run's column
-    is its ``peak_non_param``; a model build's, and with backward their gradients)."""
+    is its ``peak_non_param``; a model build's, and with backward their gradients), and each point of a
+    recorded sweep (``points``: named by its k or its batch; its reserved peak only when
+    ``points_reserved_shown``, the table showing it)."""
     notes = []
     if "live_by_category" in result:
         live = dict(result, live_total=sum(result["live_by_category"].values()))
@@ -133,9 +145,18 @@ def gap_notes(result: dict[str, Any]) -> list[str]:
     runs = {n: r for n, r in (result.get("runs") or {}).items() if (r.get("allocator") or {}).get("peak_allocated_delta") is not None}
     for name, run in runs.items():
         if run.get("peak_non_param") is not None:
+            over = run["allocator"]["peak_allocated_delta"] - run["peak_bytes"]
+            rest = (f"; the other {format_bytes(over)} is allocations no tensor owns (cuDNN's and cuBLAS's "
+                    f"workspaces, buffers inside a kernel) and blocks rounded up" if over > 0 else "")
             notes.append(f"{name}: max_memory_allocated − baseline counts the parameters too, built in the run: the "
-                         f"tracker's peak with them is {format_bytes(run['peak_bytes'])}.")
+                         f"tracker's peak with them is {format_bytes(run['peak_bytes'])}{rest}.")
         notes += _run_gaps(name, run, "peak_bytes", reserved_shown=False)
+    # a sweep recording one run per point, shown a row each (lesson 07's checkpoint sweep: one per segment count
+    # k; lesson 04's batch sweep: one step per batch, with its reserved peak when the table shows it)
+    for p in result.get("points") or []:
+        if (p.get("allocator") or {}).get("peak_allocated_delta") is not None:
+            name = (f"k = {p['segments']}" if "segments" in p else f"batch {p['batch']}" if "batch" in p else "")
+            notes += _run_gaps(name, p, "peak_bytes", reserved_shown=points_reserved_shown)
     if any((r.get("allocator") or {}).get("peak_allocated_delta") is not None for r in (result.get("models") or {}).values()):
         notes.append("max_memory_allocated − baseline counts each whole run: the parameters built in it and the "
                      "gradients backward made, which the columns beside it leave out.")
@@ -149,7 +170,7 @@ def recorded_html(lookup, rows: Callable[[dict[str, Any]], Sequence[Sequence[Any
     if not lookup:
         return recorded_note(lookup)
     body = [list(r) for r in rows(lookup.result)]
-    notes = gap_notes(lookup.result)
+    notes = gap_notes(lookup.result, points_reserved_shown=any("reserved" in h for h in headers))
     why = ("" if not notes else "<div class='gpulab-label gpulab-gaps'>Where the figures differ: "
            + " ".join(html.escape(n) for n in notes) + f" ({html.escape(_DETAIL)}.)</div>")
     return (f"<div class='gpulab-recorded'><b>{html.escape(title)}</b>"

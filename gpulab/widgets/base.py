@@ -357,6 +357,18 @@ def slider(description: str, value: int, min: int, max: int, step: int = 1, log:
     return with_value(description, control, value)
 
 
+def fit_lengths(control, most: int | None, shortest: int = 64, longest: int = 2048) -> None:
+    """Offer on ``control`` (a selection slider of powers of two) only the lengths from ``shortest`` that a
+    model with ``most`` positions takes (its config's: tiny-llama and tiny-gpt2 take 256; ``None``: no limit
+    but ``longest``), keeping the chosen length when it still fits and the longest that fits otherwise, so
+    that the slider never reads a length the model refuses."""
+    choices = [v for v in (2 ** i for i in range(16)) if shortest <= v <= min(most or longest, longest)]
+    keep = control.value if control.value in choices else choices[-1]
+    if list(control.options) != choices:
+        control.options = choices
+        control.value = keep
+
+
 def dropdown(description: str, options, value=None) -> W.Dropdown:
     """A dropdown; a ``value`` not among ``options`` is refused in one line (``check_control_value``)."""
     options = list(options)

@@ -6,11 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from gpulab.predict.cards import card_names
-from gpulab.course.finetune import CHECKPOINTING_CHOICES, METHODS, PRECISIONS, PRESETS, FinetuneAnswer, finetune_check
+from gpulab.course.finetune import (CHECKPOINTING_CHOICES, METHODS, PRECISIONS, PRESETS, FinetuneAnswer, finetune_check,
+                                    preset_positions)
 from gpulab.training.optimizers import OPTIMIZERS
-from gpulab.widgets.base import Panel, dropdown, slider
+from gpulab.widgets.base import Panel, dropdown, fit_lengths, slider, with_value
 
 __all__ = ["compute_finetune", "finetune_panel", "render_finetune"]
+
+SEQ_SHORTEST, SEQ_LONGEST = 128, 8192   # the sequence slider's range, where the preset's positions allow
 
 
 def compute_finetune(preset: str, card: str, seq_len: int, batch: int, method: str, optimizer: str,
@@ -30,7 +33,7 @@ def finetune_panel(preset: str = "llama-3-8b", card: str = "RTX 4090", seq_len: 
     controls = {
         "preset": dropdown("model", PRESETS, preset),
         "card": dropdown("card", card_names(), card),
-        "seq_len": slider("sequence length", seq_len, 128, 8192, log=True),
+        "seq_len": slider("sequence length", SEQ_SHORTEST, SEQ_SHORTEST, SEQ_LONGEST, log=True),
         "batch": slider("batch", batch, 1, 64, log=True),
         "method": dropdown("method", METHODS, method),
         "optimizer": dropdown("optimizer", OPTIMIZERS, optimizer),
@@ -39,6 +42,12 @@ def finetune_panel(preset: str = "llama-3-8b", card: str = "RTX 4090", seq_len: 
         "hidden": slider("custom: hidden size", hidden, 256, 8192, step=256),
         "layers": slider("custom: layers", layers, 1, 80),
     }
+    # the sequence slider offers only what the preset's positions take (GPT-2: 1,024), before the panel's
+    # own observer, so that a preset change never asks for a length the model refuses
+    fit_lengths(controls["seq_len"], preset_positions(preset), shortest=SEQ_SHORTEST, longest=SEQ_LONGEST)
+    with_value("sequence length", controls["seq_len"], seq_len)
+    controls["preset"].observe(lambda change: fit_lengths(controls["seq_len"], preset_positions(change["new"]),
+                                                          shortest=SEQ_SHORTEST, longest=SEQ_LONGEST), names="value")
     return Panel("Will it fine-tune on my card?", controls, compute_finetune, render_finetune,
                  description="The model is built from its config under fake tensors (no memory at any size); two "
                              "training steps of a few of its layers run following CUDA's kernels and are laid out "

@@ -10,11 +10,11 @@ from gpulab.predict.cards import card_names
 from gpulab.course.serving import InferenceFit, inference_fit, max_context
 from gpulab.course.transformer_activations import ActivationSweep, activation_vs_seq, kept_key
 from gpulab.plots import to_png
-from gpulab.widgets.base import Panel, check_control_value, dropdown, reuse_first, slider
+from gpulab.widgets.base import Panel, check_control_value, dropdown, fit_lengths, reuse_first, slider
 
 __all__ = [
     "ACTIVATION_MODELS", "SERVING_DTYPES", "SERVING_MODELS", "activation_seq_panel",
-    "compute_activations", "compute_serving", "fit_lengths", "render_activations", "render_serving",
+    "compute_activations", "compute_serving", "fit_lengths", "model_positions", "render_activations", "render_serving",
     "serving_panel", "sweep_lengths"
 ]
 
@@ -50,18 +50,10 @@ def _same_sweep(sweep: ActivationSweep, p: dict[str, Any]) -> bool:
             and all(run.dtype == "bfloat16" and run.measurement.engine == "fake" for run in sweep.runs))
 
 
-def fit_lengths(control, model: str, longest: int = 2048) -> None:
-    """Offer on ``control`` (a selection slider of powers of two from 64) only the lengths ``model``
-    takes (its config's positions: tiny-llama and tiny-gpt2 take 256), keeping the chosen length when
-    it still fits and the longest that fits otherwise, so that the slider never reads a length the
-    model refuses."""
+def model_positions(model: str) -> int | None:
+    """The positions a transformers model's config takes (``max_position_embeddings`` or ``n_positions``)."""
     from gpulab.models import hf_configs
-    most = hf_configs.config_summary(hf_configs.make_config(model, use_cache=False))["max_positions"] or longest
-    choices = [v for v in (2 ** i for i in range(6, 16)) if v <= min(most, longest)]
-    keep = control.value if control.value in choices else choices[-1]
-    if list(control.options) != choices:
-        control.options = choices
-        control.value = keep
+    return hf_configs.config_summary(hf_configs.make_config(model, use_cache=False))["max_positions"]
 
 
 def activation_seq_panel(model: str = "gpt2", seq_len: int = 512, measured: Iterable[ActivationSweep] = ()) -> Panel:
@@ -69,11 +61,12 @@ def activation_seq_panel(model: str = "gpt2", seq_len: int = 512, measured: Iter
     first showing uses one made with the panel's settings instead of measuring it again."""
     controls = {"model": dropdown("model", ACTIVATION_MODELS, model),
                 "seq_len": slider("sequence length", 64, 64, 2048, log=True)}
-    fit_lengths(controls["seq_len"], model)
+    fit_lengths(controls["seq_len"], model_positions(model))
     check_control_value("seq_len", controls["seq_len"], seq_len)   # a length the model refuses: one line
     controls["seq_len"].value = seq_len
     # before the panel's own observer: the slider offers only what the newly chosen model takes
-    controls["model"].observe(lambda change: fit_lengths(controls["seq_len"], change["new"]), names="value")
+    controls["model"].observe(lambda change: fit_lengths(controls["seq_len"], model_positions(change["new"])),
+                              names="value")
     measured = [m for m in measured if m is not None]
     kept: OrderedDict = OrderedDict()   # the panel's runs, the lesson's sweeps first
     for sweep in measured:
