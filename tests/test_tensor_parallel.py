@@ -201,3 +201,89 @@ def test_setup_holds_only_the_ranks_shard(tied):
     assert r.tensor_bytes_by_category["parameters"] == pytest.approx(local, abs=512 * 40)   # 512-byte blocks
     assert local + inputs <= setup <= local + inputs + 512 * 40
     assert setup < whole
+
+
+def test_the_vocabulary_parallel_embedding_makes_no_reference_cycle():
+    """The split embedding's forward lives in the module's __dict__ and holds the module weakly: the module
+    dies with its last reference, no gc.collect needed (a cycle kept a fake run's storages alive after its
+    step, so ``measure.engines`` paid a full collection after every first-stage run). Its lookup is still the
+    rank's: rank 0 holds rows 0..V/2-1, the other tokens are zero before the (fake) all-reduce."""
+    import gc
+    import weakref
+
+    from torch.distributed.tensor import Replicate
+
+    from gpulab.training.tensor_parallel import fake_world, vocab_parallel_embedding
+    torch.manual_seed(0)
+    whole = torch.randn(16, 4)
+    ids = torch.tensor([[0, 3, 7, 8, 15]])
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with fake_world(2) as mesh:
+            module = torch.nn.Embedding(16, 4)
+            module.weight.data.copy_(whole)
+            out = vocab_parallel_embedding(module, mesh, Replicate())(ids)
+            dead = weakref.ref(module)
+            del module
+            assert dead() is None, "the split embedding is kept alive by a reference cycle"
+    finally:
+        if enabled:
+            gc.enable()
+    expected = torch.where((ids < 8).unsqueeze(-1), whole[ids.clamp(max=7)], torch.zeros(()))
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.extended   # two fake pipeline-stage runs: some 10 s on 2 cores
+def test_a_pipeline_tp_rank_needs_no_collection_and_answers_as_one_with_the_cycle():
+    """Stage 0 of a pp 2 × tp 2 step (sequence parallel: the embedding reduce-scattered) leaves no tracked
+    storage for ``gc.collect`` to free, and its timeline is event for event, byte for byte, the one made with
+    the old reference cycle put back (the module holding itself: its storages then freed by the collection
+    after the run) up to its last allocation; after it the same storages are freed, the embedding's sooner.
+    So the same peaks and the same reserved peak."""
+    from gpulab.allocator.simulator import CachingAllocator
+    from gpulab.measure import engines
+    from gpulab.training import tensor_parallel
+
+    def run():
+        r = gpulab.step(_config(), batch=BATCH, seq_len=SEQ, optimizer="adamw", dtype="bf16", engine="fake",
+                        tp=2, sequence_parallel=True, pp=2, pp_stage=0)
+        return r.measurement.tracking
+
+    collected = []
+    real_gc = engines.gc
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real_gc, name)
+
+        def collect(self, *args):
+            collected.append(args)
+            return real_gc.collect(*args)
+    split = tensor_parallel.vocab_parallel_embedding
+
+    def with_cycle(module, mesh, layout):   # the old forward's hold on its module, as a cycle
+        out = split(module, mesh, layout)
+        module.__dict__["_held"] = module
+        return out
+    engines.gc = Counting()
+    try:
+        fast = run()
+        assert collected == [], "a stage-0 TP run left a tracked storage for gc.collect"
+        tensor_parallel.vocab_parallel_embedding = with_cycle
+        try:
+            slow = run()
+        finally:
+            tensor_parallel.vocab_parallel_embedding = split
+        assert collected, "the cycle put back should have needed a collection"
+    finally:
+        engines.gc = real_gc
+
+    def events(t):
+        return [(e.kind, e.nbytes, e.phase, t.records[e.sid].category) for e in t.events]
+    a, b = events(fast), events(slow)
+    last = max(i for i, e in enumerate(a) if e[0] != "free")   # after it: only the run's end, freeing
+    assert a[:last + 1] == b[:last + 1] and sorted(a[last + 1:]) == sorted(b[last + 1:])
+    assert (fast.peak_bytes, fast.peak_by_category) == (slow.peak_bytes, slow.peak_by_category)
+    assert CachingAllocator().replay_peak(fast.events) == CachingAllocator().replay_peak(slow.events)
+    assert fast.final_by_category == slow.final_by_category
