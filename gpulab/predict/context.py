@@ -40,7 +40,7 @@ class ContextMeasurement:
 
 _OURS = "gpulab's GPU validation (docs/gpu-validation-h200.md, CUDA context), 2026-11-26"
 _OURS_H100 = ("gpulab's GPU validation (docs/gpu-validation.md, CUDA context, and its practitioner section's "
-              "last case), 2026-11-27")
+              "gpt2-compile case), 2026-11-27")
 _SOFTWARE = "torch 2.11.0+cu130, CUDA runtime 13.0, driver 580.159.04"   # both GPU runs
 _AFTER, _START = ("NVML used - memory_reserved after the validation's training steps",
                   "NVML used - memory_reserved right after start, before any kernel ran")
