@@ -75,7 +75,8 @@ LAYOUTS = [
      ["fit", "hf:mixtral-8x7b", "--gpu", "H100", "--gpus", "8", "--ep", "8", "--strategy", "fsdp2", *_BF16_4096]),
     ("8B, 24 GiB, --what-fits, 4096",
      ["fit", "hf:llama-3-8b", "--gpu", "24GiB", "--what-fits", *_BF16_4096]),
-    # the fit answer that --what-fits gives first (its own search: 6 of the 43 fake runs), timed alone: a bound
+    # the fit answer that --what-fits gives first (its own search: 6 of the 37 fake runs; the two 8-bit AdamW
+    # candidates are derived from AdamW runs, predict.eight_bit_timeline), timed alone: a bound
     # under --what-fits' ratio however cheap its candidates become
     ("8B, 24 GiB, fit alone (the part of --what-fits before its candidates), 4096",
      ["fit", "hf:llama-3-8b", "--gpu", "24GiB", *_BF16_4096]),

@@ -1,6 +1,6 @@
 """Benchmark: how long a student waits after moving a panel's control, per core-day panel (#47 item 9).
 
-    .venv/bin/python benchmarks/panel_latency.py [--only 04 11 12] [--changes 4] [--browser] [--json FILE]
+    .venv/bin/python benchmarks/panel_latency.py [--only 04 11 12] [--changes 4] [--every-control] [--browser] [--json FILE]
 
 Each lesson is opened and run top to bottom, then every gpulab panel on it gets ``--changes``
 changes the way tests/test_browser.py makes them: the first slider one step left (right at its
@@ -8,7 +8,10 @@ lower end), and again, then the first dropdown to its next option, and again; a 
 then run (its Run button). Prints, per panel: the median and the largest wait over those changes,
 and for the what-if panel its formula side (every move) and its measured side apart. The kernel-side
 mode also prints the kernel process's CPU time per change (all its threads: the what-if's worker
-included), which a shared machine's load does not inflate as it does the wait.
+included), which a shared machine's load does not inflate as it does the wait. ``--every-control``
+(kernel mode): each panel's every control moved once instead (a slider one step, a dropdown to its next
+option, the engine's included), each move's wait printed with the control's name: a dtype or model
+dropdown can cost more than the first slider.
 
 * default: the lesson runs in a fresh kernel through nbclient (as tests/test_lessons.py runs it) and
   the changes are made in that kernel: the wait is the kernel's, from the change to the rendered answer;
@@ -45,7 +48,22 @@ try:
 except ImportError:   # a tree without the what-if panel (a baseline)
     class _WhatIf: pass
 
+def _one_step(c):
+    """``c``'s value one step on: a slider one step left (right at its lower end), a dropdown its next option."""
+    if isinstance(c, _W.IntSlider):
+        return c.value - c.step if c.value - c.step >= c.min else c.value + c.step
+    opts = list(c._options_values)
+    if len(opts) < 2:
+        return None
+    k = opts.index(c.value)
+    if isinstance(c, _W.Dropdown):
+        return opts[(k + 1) % len(opts)]
+    return opts[k - 1] if k > 0 else opts[k + 1]
+
 def _gpulab_moves(panel, n):
+    if __EVERY__:   # every control once, in the panel's order (then again, while n asks for more)
+        order = [c for c in panel.controls.values() if isinstance(c, (_W.IntSlider, _W.SelectionSlider, _W.Dropdown))]
+        return [(c, None) for c in (order * n)[:max(n, len(order))]]
     sliders = [c for c in panel.controls.values() if isinstance(c, (_W.IntSlider, _W.SelectionSlider))]
     drops = [c for c in panel.controls.values() if isinstance(c, _W.Dropdown)]
     moves = []
@@ -68,14 +86,20 @@ _rows = []
 _found = [o for o in _gc.get_objects() if issubclass(type(o), (_Panel, _WhatIf))]   # no weak proxies
 for _p in _found:
     _title = getattr(_p, "title", "What if? (lesson 11)")
-    _waits, _measured, _cpu = [], [], []
+    _waits, _measured, _cpu, _moved = [], [], [], []
     if not hasattr(_p, "controls") or not _p.controls:
         continue
-    for _i in range(__CHANGES__):
+    _n = len(_gpulab_moves(_p, __CHANGES__))
+    for _i in range(_n):
         _mv = _gpulab_moves(_p, __CHANGES__)
         if _i >= len(_mv):
             break
         _c, _v = _mv[_i]
+        if _v is None:
+            _v = _one_step(_c)
+            if _v is None or _v == _c.value:
+                continue
+        _name = next(k for k, c in _p.controls.items() if c is _c)
         _t0, _c0 = _time.perf_counter(), _time.process_time()
         _c.value = _v
         if isinstance(_p, _Panel) and not _p.auto_run:
@@ -85,13 +109,15 @@ for _p in _found:
             _p.wait(300)
             _measured.append(_time.perf_counter() - _t0)
         _cpu.append(_time.process_time() - _c0)
+        _moved.append([_name, str(_v), _waits[-1], _cpu[-1], getattr(_p, "error", None)])
     _rows.append({"panel": _title, "kind": "live" if getattr(_p, "auto_run", True) else "run-only",
-                  "waits": _waits, "measured": _measured, "cpu": _cpu, "error": getattr(_p, "error", None)})
+                  "waits": _waits, "measured": _measured, "cpu": _cpu, "error": getattr(_p, "error", None),
+                  "moves": _moved})
 print("GPULAB-LATENCY " + _json.dumps(_rows))
 '''
 
 
-def kernel_latency(path: Path, changes: int, timeout: int = 900) -> list[dict]:
+def kernel_latency(path: Path, changes: int, timeout: int = 900, every: bool = False) -> list[dict]:
     import nbformat
     from nbformat.v4 import new_code_cell
 
@@ -103,7 +129,7 @@ def kernel_latency(path: Path, changes: int, timeout: int = 900) -> list[dict]:
         for i, cell in enumerate(nb.cells):
             if cell.cell_type == "code":
                 client.execute_cell(cell, i)
-        probe = new_code_cell(DRIVER.replace("__CHANGES__", str(changes)))
+        probe = new_code_cell(DRIVER.replace("__CHANGES__", str(changes)).replace("__EVERY__", str(every)))
         nb.cells.append(probe)
         client.execute_cell(probe, len(nb.cells) - 1)
     text = "".join(o.get("text", "") for o in probe.outputs if o.get("output_type") == "stream")
@@ -201,6 +227,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="lesson numbers (default: the core day's lessons with panels)")
     ap.add_argument("--changes", type=int, default=4)
     ap.add_argument("--browser", action="store_true", help="JupyterLab + headless Chromium, as the browser test")
+    ap.add_argument("--every-control", action="store_true",
+                    help="kernel mode: move every control of each panel once (a slider one step, a dropdown to its "
+                         "next option; --changes more moves go round again) and print each move's wait")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     wanted = args.only or PANEL_LESSONS
@@ -216,7 +245,7 @@ def main() -> None:
     else:
         for path in paths:
             load = os.getloadavg()[0]
-            everything[path.stem] = kernel_latency(path, args.changes)
+            everything[path.stem] = kernel_latency(path, args.changes, every=args.every_control)
             everything[path.stem].append({"load": [load, os.getloadavg()[0]]})
     for lesson, rows in everything.items():
         load = next((r["load"] for r in rows if "load" in r), None)
@@ -232,6 +261,9 @@ def main() -> None:
             if r.get("error"):
                 line += f"; error {r['error'][:80]}"
             print(line)
+            if args.every_control:
+                for name, value, wait, cpu, error in r.get("moves", []):
+                    print(f"      {name} -> {value[:24]:24s} {wait:6.2f} s (CPU {cpu:.2f} s)" + (f"; {error[:60]}" if error else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(everything, indent=1))
 

@@ -96,6 +96,18 @@ def test_auto_without_gpu_follows_limits(no_gpu):
     assert choose_engine("AUTO").name == "cpu"
 
 
+def test_a_float16_flop_counts_cpu_fp16_slowdown_times(no_gpu):
+    """Most CPUs have no float16 units: ``auto`` counts a float16 FLOP ``CPU_FP16_SLOWDOWN`` times against the
+    FLOP limit, and says so; float32 and bfloat16 FLOPs count once."""
+    limit, weight = 1000 * engines.CPU_FP16_SLOWDOWN, engines.CPU_FP16_SLOWDOWN
+    for dt in (None, torch.float32, torch.bfloat16):
+        assert choose_engine("auto", predicted_flops=limit, max_cpu_flops=limit, dtype=dt).name == "cpu"
+    assert choose_engine("auto", predicted_flops=1000, max_cpu_flops=limit, dtype=torch.float16).name == "cpu"
+    slow = choose_engine("auto", predicted_flops=1001, max_cpu_flops=limit, dtype=torch.float16)
+    assert slow.name == "fake" and f"in float16, counted {weight}x" in slow.reason
+    assert choose_engine("cpu", predicted_flops=10**15, dtype=torch.float16).name == "cpu"   # asked: as asked
+
+
 def test_explicit_engines(no_gpu):
     for name in ("cpu", "fake", "CPU", "Fake"):
         choice = choose_engine(name, predicted_bytes=10**15)

@@ -172,6 +172,27 @@ def test_math_attentions_dropout_saves_cudas_bool_mask():
     assert type(real.grad_fn).__name__ == type(after.grad_fn).__name__ == "MulBackward0"
 
 
+@pytest.mark.parametrize("card, cc, dtype, backend, node", [
+    ("A100", (8, 0), torch.bfloat16, "flash", "ScaledDotProductFlashAttentionBackward0"),
+    ("H100", (9, 0), torch.bfloat16, "cudnn", "ScaledDotProductCudnnAttentionBackward0"),
+    ("A100", (8, 0), torch.float32, "efficient", "ScaledDotProductEfficientAttentionBackward0"),
+])
+def test_grouped_query_attention_runs_the_cuda_kernel_chosen(card, cc, dtype, backend, node):
+    """Grouped-query k/v (fewer heads than q, ``enable_gqa``) on the CUDA target: ``can_use_flash_attention``,
+    ``can_use_cudnn_attention`` and ``can_use_mem_efficient_attention`` (sdp_utils.cpp) each take them, and
+    attention.cpp gives each op key and value unrepeated. So the op autograd records is the chosen CUDA
+    kernel's, never the CPU's flash (``_scaled_dot_product_flash_attention_for_cpu``), and the gradients of
+    k and v keep their heads."""
+    with FakeTensorMode(), kernel_target(KernelTarget(card, cc)) as target, cuda_kernels():
+        q = torch.empty(1, 4, 64, 16, dtype=dtype, requires_grad=True)
+        k, v = (torch.empty(1, 2, 64, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out.sum().backward()
+    assert dict(target.seen) == {backend: 1}
+    assert type(out.grad_fn).__name__ == node and "Cpu" not in type(out.grad_fn).__name__
+    assert out.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
 def test_inplace_and_eval_dropout_are_left_alone():
     def experiment(ctx):
         x = ctx.label(torch.randn(8, 16, requires_grad=True))

@@ -45,7 +45,8 @@ def test_cpu_flash_attention_is_counted_as_torch_s_sdpa_formula_from_its_shapes(
     release = tuple(int(p) for p in torch.__version__.split(".")[:2])
     if release == (2, 11) or release >= (2, 15):   # the releases read: 2.11 lacks both formulas, 2.15 has both
         sdpa = {n for n in ADDED_SOURCES if "attention" in n}
-        assert len(sdpa) == (2 if release == (2, 11) else 0)
+        # 2.11: the CPU pair, and the CUDA ops' six, whose registry formulas refuse grouped-query k/v
+        assert len(sdpa) == (2 + 6 if release == (2, 11) else 0)
     if release in ((2, 11), (2, 15)):                # neither has one for _grouped_mm
         assert "_grouped_mm" in ADDED_SOURCES and "gpulab's own formula" in ADDED_SOURCES["_grouped_mm"]
     t = gpulab.step(_Attention(), input_shape=(S, H * D), batch=B, fake_target="cpu", gpu="H100", time=True, steps=1).time
@@ -56,6 +57,15 @@ def test_cpu_flash_attention_is_counted_as_torch_s_sdpa_formula_from_its_shapes(
     assert not t.uncounted_compute and not any("attention" in n for n in t.no_formula)
     # the whole forward: the three linears' 2·tokens·in·out beside attention's
     assert t.forward_flops == FORWARD + 2 * B * S * H * D * (H * D + 2 * KV * D + H * D)
+
+
+def test_grouped_query_attention_on_the_cuda_target_is_counted_at_the_query_s_heads():
+    """The fake CUDA target gives grouped-query k/v to CUDA's flash op as they are (``fake_cuda._cuda_sdpa``):
+    counted as the CPU's op is, on every torch (2.11's registry formula asserts equal heads; gpulab's replaces it)."""
+    t = gpulab.step(_Attention(), input_shape=(S, H * D), batch=B, dtype="bf16", gpu="A100-80GB", time=True, steps=1).time
+    fwd, bwd = t.by_op["_scaled_dot_product_flash_attention"], t.by_op["_scaled_dot_product_flash_attention_backward"]
+    assert (fwd.count, bwd.count) == (1, 1)
+    assert (fwd.flops, bwd.flops) == (FORWARD, BACKWARD)
 
 
 def test_flop_counter_mode_given_the_added_formulas_counts_cpu_flash_attention():

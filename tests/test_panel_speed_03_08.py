@@ -2,6 +2,7 @@
 modelsize panel keeps its rows and its forward hooks read the live bytes without building a result,
 lesson 08's memory guard predicts nothing for a run that ``auto`` sends to the fake engine. Latencies
 are the benchmark's (``benchmarks/panel_latency.py``), never asserted here."""
+import dataclasses
 from collections import OrderedDict
 
 import pytest
@@ -72,7 +73,7 @@ def test_precision_guard_predicts_nothing_for_a_run_auto_sends_to_the_fake_engin
 
 def test_the_engine_prediction_worked_out_once_equals_the_breakdown():
     """``course.activations._predicted`` keeps its formula per model, batch, size and dtype: the numbers of
-    ``breakdown`` itself, in a dict the caller may change."""
+    ``breakdown`` itself and the dtype they are computed in, in a dict the caller may change."""
     import torch
 
     from gpulab.course.activations import _predicted
@@ -81,6 +82,51 @@ def test_the_engine_prediction_worked_out_once_equals_the_breakdown():
     spec = resolve_model("cnn")
     bd = breakdown(spec, 3, 32, torch.bfloat16)
     first = _predicted(spec, 3, 32, torch.bfloat16)
-    assert first == {"predicted_bytes": bd.param_bytes + bd.total_output_bytes, "predicted_flops": bd.forward_flops}
+    assert first == {"predicted_bytes": bd.param_bytes + bd.total_output_bytes, "predicted_flops": bd.forward_flops,
+                     "dtype": torch.bfloat16}
     first["predicted_flops"] = 0
     assert _predicted(spec, 3, 32, torch.bfloat16)["predicted_flops"] == bd.forward_flops > 0
+
+
+def _everything(m):
+    """A cpu-engine forward's whole answer: the tracker's events, records and series, and the traced rows."""
+    t, v = m.tracking, m.value
+    if "end" not in v:   # forward_table_experiment's
+        v = dict(v, end=None, saved=None, backward_peak=None)
+    return ([(e.index, e.kind, e.sid, e.nbytes, e.delta, e.phase, e.module) for e in t.events],
+            sorted((r.nbytes, r.dtype, r.shape, str(r.category), r.module, r.phase, r.op) for r in t.records.values()),
+            t.series, t.peak_bytes, t.peak_by_category, v["end"], v["saved"], v["backward_peak"],
+            [dataclasses.astuple(r) for r in v["rows"]])
+
+
+def test_a_cpu_run_on_copied_weights_answers_as_on_freshly_drawn_ones(monkeypatch):
+    """``cpu_model`` (a real run's model, its values copied from a template drawn once): the tracker sees
+    what it saw with ``build_model`` drawing them (every event, record and layer row), with grad and
+    backward, under no_grad, and the layer table's forward, a first run (the template drawn, the tracker paused) and a later one;
+    the copy holds the template's values in storages of its own; a template of other settings is refused."""
+    import torch
+
+    from gpulab.measure.engines import run
+    from gpulab.models.registry import build_model, build_model_from, resolve_model
+    spec = resolve_model("cnn")   # BatchNorm: buffers copied too
+    monkeypatch.setattr(A, "_templates", OrderedDict())
+    templated = A.cpu_model
+    experiments = [lambda: A.forward_experiment(spec, 2, 32, torch.bfloat16, True, True),
+                   lambda: A.forward_experiment(spec, 2, 32, torch.bfloat16, False),
+                   lambda: A.forward_table_experiment(spec, 2, 32, torch.bfloat16)]
+    for experiment in experiments:
+        answers = []
+        for way in ("drawn", "template drawn now", "template kept"):
+            monkeypatch.setattr(A, "cpu_model", (lambda s, z, d, ctx=None: build_model(s, z, "cpu", d))
+                                if way == "drawn" else templated)
+            if way == "template drawn now":
+                A._templates.clear()
+            answers.append(_everything(run(experiment(), "cpu")))
+        assert answers[0] == answers[1] == answers[2] and len(answers[0][0]) > 20
+    template = A._templates[(spec, 32, torch.bfloat16)]
+    copy = build_model_from(template, spec, 32, "cpu", torch.bfloat16)
+    pairs = list(zip([*copy.parameters(), *copy.buffers()], [*template.parameters(), *template.buffers()]))
+    assert len(pairs) == 18 and all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in pairs)
+    assert any(b.float().std() > 0 for _, b in pairs)   # drawn values, not zeros
+    with pytest.raises(ValueError, match="not a cnn built with these settings"):
+        build_model_from(template, spec, 32, "cpu", torch.float32)

@@ -13,7 +13,7 @@ from gpulab.widgets.gc_scope import old_objects_frozen
 
 def _facts(run):
     """Everything a run's answer reads (the sweep's rows and the run's own table)."""
-    return (run.per_layer_bytes, run.outside_layers_bytes, run.host_bytes_per_layer, run.by_block, run.contents,
+    return (run.per_layer_bytes, run.outside_layers_bytes, run.rng_bytes_per_layer, run.by_block, run.contents,
             run.attention_kernel, run.formula_bytes, run.differences, run.label, run.n_layers)
 
 

@@ -60,10 +60,16 @@ def test_what_fits_reuses_the_runs_fit_made_at_its_batch(fake_runs):
     before = list(fake_runs)
     r = what_fits("mlp", "T4", batch=2, optimizer="adamw")
     assert r.asked_fits
-    assert len(fake_runs) - len(before) == len(r.tried)    # each candidate run; the asked recipe: fit's run
+    # each candidate run, but 8-bit AdamW's, derived from the asked recipe's timeline (predict.eight_bit_timeline);
+    # the asked recipe: fit's run
+    derived = [t for t in r.tried if t.changes == {"optimizer": "adamw8bit"}]
+    assert len(derived) == 1 and len(fake_runs) - len(before) == len(r.tried) - 1
     again = list(fake_runs)
     what_fits("mlp", "T4", batch=2, optimizer="adamw")
     assert fake_runs == again                    # every candidate kept from the first call
+    from gpulab.predict.replay import replay_events, tracked_events
+    eight = gpulab.step("mlp", batch=2, engine="fake", optimizer="adamw8bit")   # the derived one, as its own run
+    assert derived[0].reserved_bytes == max(replay_events(tracked_events(eight.measurement)).reserved)
 
 
 def _tracked(w, batch=2, dtype=torch.float32, recipe=None, card="T4", key=None):

@@ -209,7 +209,7 @@ def test_gpt2_sdpa_runs_flash_and_keeps_no_scores(gpt2_sweep):
         logsumexp = 4 * 1 * 12 * s                                       # float32 per query row
         assert run.bytes_per_layer == (run.formula_bytes + _gelu_new_extra(s, 1, 4 * 768) + _layernorm_stats(s, 1)
                                        + logsumexp)
-        assert run.host_bytes_per_layer > 0                              # the RNG seed/offset, host memory on a GPU
+        assert run.rng_bytes_per_layer == 2 * 8 + 8   # flash_api.cpp mha_fwd: uint64 rng_state[2] and unused[], on the GPU
 
 
 def test_the_quadratic_term_shows_eager_minus_sdpa_grows_with_s_squared(gpt2_sweep):

@@ -19,7 +19,7 @@ import functools
 
 import html
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from matplotlib.figure import Figure
@@ -69,8 +69,8 @@ def _setup(model: str | ModelSpec, batch: int, image_size: int | None, dtype) ->
     return spec, batch, size, _check_dtype(dtype)
 
 
-def _predicted(spec: ModelSpec, batch: int, size: int, dt: torch.dtype) -> dict[str, int]:
-    """What ``run`` needs to choose an engine: bytes of weights + every output, forward FLOPs (a formula
+def _predicted(spec: ModelSpec, batch: int, size: int, dt: torch.dtype) -> dict[str, Any]:
+    """What ``run`` needs to choose an engine: bytes of weights + every output, forward FLOPs and their dtype (a formula
     on the meta device: worked out once per model, batch, size and dtype in a process)."""
     return dict(_predicted_once(spec, batch, size, dt))
 
@@ -78,7 +78,8 @@ def _predicted(spec: ModelSpec, batch: int, size: int, dt: torch.dtype) -> dict[
 @functools.lru_cache(maxsize=128)
 def _predicted_once(spec: ModelSpec, batch: int, size: int, dt: torch.dtype) -> tuple[tuple[str, int], ...]:
     bd = breakdown(spec, batch, size, dt)
-    return (("predicted_bytes", bd.param_bytes + bd.total_output_bytes), ("predicted_flops", bd.forward_flops))
+    return (("predicted_bytes", bd.param_bytes + bd.total_output_bytes), ("predicted_flops", bd.forward_flops),
+            ("dtype", dt))
 
 
 def predicted_forward_bytes(model: str, batch: int, image_size: int | None, dtype) -> int:

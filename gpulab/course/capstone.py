@@ -245,8 +245,8 @@ class _Run:
 def step_flops(you: YourModel, batch: int, options: dict[str, Any] | None = None) -> int:
     """The FLOPs of one training step of your model at ``batch`` with the base recipe and ``options``:
     ``FlopCounterMode`` around the loop ``gpulab.step`` runs (``training.loop.train_experiment``), on
-    the fake engine following CUDA's kernels (CUDA's attention kernels, counted by their shapes; grouped-query
-    attention passes through to the CPU flash kernel, counted as ``predict.op_flops`` says).
+    the fake engine following CUDA's kernels (CUDA's attention kernels, grouped-query k/v included, counted by
+    their shapes as ``predict.op_flops`` says).
 
     A run of its own: FlopCounterMode's module hooks keep tensors that checkpointing recomputes
     alive longer (measured: a GPT-2-style model's checkpointed peak rose by half under it), so the
@@ -259,8 +259,8 @@ def step_flops(you: YourModel, batch: int, options: dict[str, Any] | None = None
     experiment = train_experiment(you.workload, [batch], dt, recipe)
 
     def counted(ctx):
-        # grouped-query attention runs the CPU flash kernel here too (``fake_cuda._cuda_sdpa``), which
-        # torch 2.11's registry has no formula for (``predict.op_flops``)
+        # grouped-query attention runs CUDA's kernel with k/v as they are (``fake_cuda._cuda_sdpa``), which
+        # torch 2.11's registry formulas refuse; ``ADDED_FORMULAS`` counts them (``predict.op_flops``)
         with FlopCounterMode(display=False, custom_mapping=ADDED_FORMULAS) as counter:
             experiment(ctx)
         return counter.get_total_flops()

@@ -193,8 +193,9 @@ def exercise_cp_activations(table: CPTable) -> Exercise:
         question=(f"At {s:,} tokens one GPU holds {whole.activations:,} bytes of activations (flash attention). "
                   f"With the sequence split over cp = {cp} ranks, how many bytes of activations does one rank hold?"),
         expected=lambda: table.row(s, cp).activations,
-        explain=(f"Every saved tensor is per token: q, k, v, the attention output and its logsumexp, the MLP's "
-                 f"insides, the logits. A rank holds {s // cp:,} tokens' worth: 1/{cp}. What attention needs beyond "
+        explain=(f"Every saved tensor but a few bytes is per token: q, k, v, the attention output and its logsumexp, "
+                 f"the MLP's insides, the logits (flash attention's seed and offset, per layer, are not). A rank "
+                 f"holds {s // cp:,} tokens' worth: 1/{cp}. What attention needs beyond "
                  f"the shard, the whole sequence's K and V ({table.row(s, cp).gathered_kv:,} bytes per layer), is "
                  f"transient, one layer at a time, and does not fall with cp."),
         unit="bytes", rel_tol=0.01, hint="which saved tensors are per token?")

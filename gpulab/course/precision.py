@@ -34,7 +34,7 @@ from gpulab.units import dtype_bytes, dtype_name, format_bytes, parse_dtype
 from gpulab.views import error_percent, fmt_error, html_table
 
 __all__ = [
-    "AutocastSupport", "CPU_FP16_SLOWDOWN", "KEPT_BY_AUTOCAST", "PrecisionResult",
+    "AutocastSupport", "KEPT_BY_AUTOCAST", "PrecisionResult",
     "apex_bytes_per_param", "autocast_grad_dtypes", "autocast_saved", "autocast_support",
     "autocast_support_report", "exercise_autocast_bytes_per_param", "exercise_autocast_grad_dtypes",
     "expected_ratio", "persistent_bytes_per_param", "precision_claims", "precision_engine", "precision_step",
@@ -42,10 +42,6 @@ __all__ = [
 ]
 
 
-# CPU matmul/conv speed in fp16 is far below fp32 on most CPUs (no fp16 units: this
-# machine's measured ~1 GFLOP/s against ~65 for fp32); the automatic engine choice counts an
-# fp16 FLOP on the CPU this many times, so big fp16 runs go to the fake engine.
-CPU_FP16_SLOWDOWN = 50
 
 # Categories whose dtype autocast leaves alone: the model's parameters stay fp32 (autocast
 # casts a *copy* for each matmul/conv), their gradients take the parameters' dtype, and the
@@ -231,17 +227,16 @@ def saving_text(pct: float) -> str:
 def precision_engine(model: str | ModelSpec, batch: int, image_size: int | None, low: str,
                      engine: str = "auto") -> EngineChoice:
     """The engine ``precision_step`` runs on (``choose_engine`` with the formula's bytes and FLOPs: weights
-    four times, every output twice, a step's three forwards' FLOPs, fp16 counted ``CPU_FP16_SLOWDOWN``
-    times on the CPU). A panel's memory guard asks it: a run on the fake engine needs no guard."""
+    four times, every output twice, a step's three forwards' FLOPs in ``low``, where a float16 FLOP counts
+    ``CPU_FP16_SLOWDOWN`` times on the CPU). A panel's memory guard asks it: a run on the fake engine needs no guard."""
     from gpulab.predict.breakdown import breakdown
     spec = resolve_model(model)
     validate_batch(batch)
     size = image_size or spec.default_image_size
     check_image_size(spec, size, batch)   # the messages precision_step gives, before the formula
     bd = breakdown(spec, batch, size)
-    slow = CPU_FP16_SLOWDOWN if dtype_name(parse_dtype(low)) == "float16" else 1
     known = 4 * bd.param_bytes + 2 * bd.total_output_bytes
-    return choose_engine(engine, predicted_bytes=known, predicted_flops=3 * bd.forward_flops * slow)
+    return choose_engine(engine, predicted_bytes=known, predicted_flops=3 * bd.forward_flops, dtype=parse_dtype(low))
 
 
 def precision_step(model: str | ModelSpec = "cnn", batch: int = 32, image_size: int | None = None, optimizer: str = "adam",

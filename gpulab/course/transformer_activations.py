@@ -196,7 +196,7 @@ class LayerActivations(Measured):
     measurement: Measurement
     per_layer_bytes: list[int]      # each layer's saved bytes (measured)
     outside_layers_bytes: int       # saved tensors created outside the layers (embeddings, final norm, LM head)
-    host_bytes_per_layer: float     # what a GPU keeps in host memory (flash/efficient RNG seed and offset)
+    rng_bytes_per_layer: float      # the fused kernel's random-number state (seed, offset): not per token
     by_block: dict[str, float]      # measured bytes per layer by the part that created them
     contents: list[SavedEntry]
     formula_bytes: int              # the formula compared: with the score term for eager, without for fused
@@ -225,7 +225,7 @@ class LayerActivations(Measured):
                 "attn_implementation": self.attn_implementation, "attention_kernel": self.attention_kernel,
                 "engine": self.engine, "label": self.label, "bytes_per_layer": self.bytes_per_layer,
                 "per_layer_bytes": list(self.per_layer_bytes), "outside_layers_bytes": self.outside_layers_bytes,
-                "host_bytes_per_layer": self.host_bytes_per_layer, "by_block": dict(self.by_block),
+                "rng_bytes_per_layer": self.rng_bytes_per_layer, "by_block": dict(self.by_block),
                 "formula_bytes": self.formula_bytes, "formula_full_bytes": self.formula_full_bytes,
                 "formula_no_scores_bytes": self.formula_no_scores_bytes, "formula_label": self.formula_label,
                 "error_percent": self.error_percent, "difference_bytes": self.difference_bytes,
@@ -311,11 +311,11 @@ def _differences(terms: list[FormulaTerm], absent: list[tuple[FormulaTerm, str]]
 
 
 def _saved_by_layer(m: Measurement, n_layers: int) -> tuple[list[int], int, int, dict[tuple, int], str]:
-    """What the forward saved, read off the tracker's records: bytes per layer, host bytes (the
-    fused kernels' random-number state), bytes outside the layers, bytes per (block, module,
+    """What the forward saved, read off the tracker's records: bytes per layer, the fused kernels'
+    random-number state (bytes), bytes outside the layers, bytes per (block, module,
     op, dtype, shape), and the attention kernel that ran."""
     per_layer = [0] * n_layers
-    host, outside = 0, 0
+    rng, outside = 0, 0
     groups: dict[tuple, int] = {}
     kernel = "eager"
     for r in m.tracking.records.values():
@@ -331,12 +331,12 @@ def _saved_by_layer(m: Measurement, n_layers: int) -> tuple[list[int], int, int,
             continue
         layer, inner = place
         if m.kernels == "cuda" and r.op in _FUSED_OPS and not r.dtype.startswith(("float", "bfloat")):
-            host += r.nbytes   # philox seed / offset: CPU tensors on a GPU (not under CUDA graphs)
+            rng += r.nbytes   # the kernel's philox seed / offset: a few bytes, not per token
             continue
         per_layer[layer] += r.nbytes
         key = (_block_of(inner), inner, r.op, r.dtype, tuple(r.shape))
         groups[key] = groups.get(key, 0) + r.nbytes
-    return per_layer, host, outside, groups, kernel
+    return per_layer, rng, outside, groups, kernel
 
 
 def measured_layer_activations(name_or_config: Any, seq_len: int = 128, batch: int = 1,
@@ -357,7 +357,8 @@ def measured_layer_activations(name_or_config: Any, seq_len: int = 128, batch: i
     SDPA took the CPU's math fallback and saved 2.75x what flash saves at s = 512); "cpu" computes for
     real on this CPU (small configs), with its kernels (float dropout masks; SDPA with dropout
     falls back to the math composite). The random-number state of the fused kernels (a seed and
-    an offset, host tensors on a GPU) is reported apart (``host_bytes_per_layer``).
+    an offset, which do not grow with s·b; flash's ``rng_state`` and ``unused`` are GPU tensors:
+    ``flash_api.cpp`` ``mha_fwd``) is reported apart (``rng_bytes_per_layer``).
 
     Compared with ``korthikanti_bytes`` (with the score term for eager attention, without it
     when a fused kernel ran), term by term (``korthikanti_terms``), in ``differences``:
@@ -395,7 +396,7 @@ def measured_layer_activations(name_or_config: Any, seq_len: int = 128, batch: i
     if m.oom:
         raise MemoryError(f"the forward/backward ran out of memory on the {m.engine} engine: {m.error}")
     n_layers = s["num_layers"]
-    per_layer, host, outside, groups, kernel = _saved_by_layer(m, n_layers)
+    per_layer, rng, outside, groups, kernel = _saved_by_layer(m, n_layers)
     if impl == "eager":
         kernel = "eager"
     contents = [SavedEntry(b, mod, op, d, shape, n / n_layers) for (b, mod, op, d, shape), n in groups.items()]
@@ -415,7 +416,7 @@ def measured_layer_activations(name_or_config: Any, seq_len: int = 128, batch: i
     return LayerActivations(
         model=_model_name(name_or_config, cfg), family=family, seq_len=seq_len, batch=batch, hidden=h, heads=a,
         n_layers=n_layers, dtype=dtype_name(dt), attn_implementation=impl, attention_kernel=kernel, measurement=m,
-        per_layer_bytes=per_layer, outside_layers_bytes=outside, host_bytes_per_layer=host / n_layers,
+        per_layer_bytes=per_layer, outside_layers_bytes=outside, rng_bytes_per_layer=rng / n_layers,
         by_block=by_block, contents=contents, formula_bytes=formula, formula_full_bytes=full,
         formula_no_scores_bytes=no_scores, terms=terms, differences=differences)
 

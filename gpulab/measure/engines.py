@@ -39,6 +39,12 @@ ENGINES = ("cuda", "cpu", "fake")
 # Where the automatic choice stops running real CPU compute and switches to fake tensors.
 DEFAULT_MAX_CPU_BYTES = 2 * 1024**3        # predicted peak of live tensors
 DEFAULT_MAX_CPU_FLOPS = 40 * 10**9         # ~ a second or two of fp32 work on a 2-core CPU
+# Most CPUs have no float16 arithmetic units: torch computes float16 matmuls and convolutions on them far
+# slower than float32 (on the 2-core EPYC this was written on, torch 2.15: a 256x256 matmul about 29x and a
+# 3x3 convolution about 12x slower; an earlier measurement of a whole step there, about 65x). ``auto`` counts
+# each float16 FLOP this many times against the cpu engine's FLOP limit, so a big float16 run goes to the
+# fake engine (bfloat16 is counted once: CPUs with bfloat16 units run it at float32's speed or faster).
+CPU_FP16_SLOWDOWN = 50
 
 LABEL_FORMULA = "formula"
 LABEL_CPU = "measured on CPU (live tensors)"
@@ -100,9 +106,10 @@ def engine_status() -> dict[str, tuple[bool, str]]:
 def choose_engine(requested: str = "auto", predicted_bytes: int | None = None,
                   predicted_flops: int | None = None,
                   max_cpu_bytes: int = DEFAULT_MAX_CPU_BYTES,
-                  max_cpu_flops: int = DEFAULT_MAX_CPU_FLOPS) -> EngineChoice:
+                  max_cpu_flops: int = DEFAULT_MAX_CPU_FLOPS, dtype: torch.dtype | None = None) -> EngineChoice:
     """``auto``: cuda when a GPU is visible; else cpu, unless the predicted size or work is
-    over the caller's limits, then fake. An explicit engine is used as asked, or refused
+    over the caller's limits, then fake (``dtype``: the experiment's compute dtype; a float16 FLOP
+    counts ``CPU_FP16_SLOWDOWN`` times). An explicit engine is used as asked, or refused
     with an ``EngineUnavailable`` that names the engines this machine has."""
     status = engine_status()
     req = str(requested).lower()
@@ -119,9 +126,12 @@ def choose_engine(requested: str = "auto", predicted_bytes: int | None = None,
     if predicted_bytes is not None and predicted_bytes > max_cpu_bytes:
         return EngineChoice("fake", f"no GPU, and the predicted {predicted_bytes / 2**20:,.0f} MiB is over "
                                     f"the cpu engine's limit of {max_cpu_bytes / 2**20:,.0f} MiB")
-    if predicted_flops is not None and predicted_flops > max_cpu_flops:
-        return EngineChoice("fake", f"no GPU, and {predicted_flops / 1e9:,.1f} GFLOP is too slow to compute on "
-                                    f"this CPU (limit {max_cpu_flops / 1e9:,.0f} GFLOP)")
+    weight = CPU_FP16_SLOWDOWN if dtype == torch.float16 else 1
+    if predicted_flops is not None and predicted_flops * weight > max_cpu_flops:
+        counted = (f" in float16, counted {weight}x (CPU_FP16_SLOWDOWN: most CPUs have no float16 units),"
+                   if weight > 1 else "")
+        return EngineChoice("fake", f"no GPU, and {predicted_flops / 1e9:,.1f} GFLOP{counted} is too slow to "
+                                    f"compute on this CPU (limit {max_cpu_flops / 1e9:,.0f} GFLOP)")
     return EngineChoice("cpu", "no GPU; small enough to compute for real on the CPU")
 
 
@@ -293,9 +303,9 @@ def _is_oom(exc: BaseException) -> bool:
 def run(experiment: Callable[[RunContext], Any], engine: str | EngineChoice = "auto", *,
         predicted_bytes: int | None = None, predicted_flops: int | None = None,
         max_cpu_bytes: int = DEFAULT_MAX_CPU_BYTES, max_cpu_flops: int = DEFAULT_MAX_CPU_FLOPS,
-        cuda_device: int = 0, fake_target: str = "cpu") -> Measurement:
+        cuda_device: int = 0, fake_target: str = "cpu", dtype: torch.dtype | None = None) -> Measurement:
     """Run ``experiment`` on the chosen engine under a tracker. ``engine``: a name ("auto" chooses
-    with ``choose_engine`` from the predicted bytes and FLOPs and the limits), or the
+    with ``choose_engine`` from the predicted bytes and FLOPs, their ``dtype`` and the limits), or the
     ``EngineChoice`` a caller has already made, used as it is.
 
     ``fake_target`` (fake engine only): "cpu" follows this CPU's kernels, so a fake run equals
@@ -306,7 +316,7 @@ def run(experiment: Callable[[RunContext], Any], engine: str | EngineChoice = "a
     after freeing what the experiment allocated (gc, and ``empty_cache`` on CUDA)."""
     target = validate_fake_target(fake_target)
     choice = engine if isinstance(engine, EngineChoice) else choose_engine(
-        engine, predicted_bytes, predicted_flops, max_cpu_bytes, max_cpu_flops)
+        engine, predicted_bytes, predicted_flops, max_cpu_bytes, max_cpu_flops, dtype)
     if choice.name == "cuda":
         return _run_cuda(experiment, choice, torch.device("cuda", cuda_device))
     if choice.name == "fake":

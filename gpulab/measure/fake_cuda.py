@@ -208,34 +208,36 @@ def _cuda_sdpa(original):
     """``F.scaled_dot_product_attention`` as CUDA runs it on the target card (``cuda_sdpa_backend``):
     the CUDA cuDNN / flash / memory-efficient ATen ops, whose fake kernels give the outputs (and so
     the saved tensors) the CUDA kernels allocate, or the math composite (``_scaled_dot_product_attention_math``,
-    the s×s weights saved). Grouped-query k/v with ``enable_gqa`` on a fused kernel pass through
-    (CPU's choice). Each choice is counted on the target (``KernelTarget.seen``) for the answer's label."""
+    the s×s weights saved). Grouped-query k/v (``enable_gqa``, fewer k/v heads than q heads) go to the
+    chosen CUDA op as they are, as CUDA does: ``sdp_utils.cpp`` lets all three fused kernels take them
+    (``check_batch_size_and_num_heads_dense`` with GQA supported in ``can_use_flash_attention``,
+    ``can_use_mem_efficient_attention`` and ``can_use_cudnn_attention``), and ``attention.cpp``'s
+    ``scaled_dot_product_attention`` passes key and value unrepeated to each op. Flash's backward
+    (``flash_api.cpp`` ``mha_bwd``) adds q-heads-wide ``dk_expanded`` / ``dv_expanded`` temporaries for
+    GQA that no fake kernel shows. Each choice is counted on the target (``KernelTarget.seen``) for the
+    answer's label."""
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         backend = cuda_sdpa_backend(query, key, value, attn_mask, bool(is_causal), dropout_p)
         if torch.compiler.is_compiling():   # counted as dynamo traces it, no guard on the count
             _count_traced(backend)
         else:
             current_target().seen[backend] += 1
-        same_heads = not enable_gqa or key.shape[-3] == query.shape[-3]
         if backend == "math":
             return torch.ops.aten._scaled_dot_product_attention_math(
                 query, key, value, attn_mask, float(dropout_p), bool(is_causal), None, scale=scale,
                 enable_gqa=bool(enable_gqa))[0]
-        if backend == "flash" and same_heads:
+        if backend == "flash":
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, float(dropout_p), bool(is_causal), False, scale=scale)[0]
         mask = attn_mask
         if mask is not None and mask.dtype == torch.bool:   # convert_boolean_attn_mask (attention.cpp)
             mask = torch.zeros((), dtype=query.dtype).masked_fill(~mask, float("-inf"))
         lse = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-        if backend == "cudnn" and same_heads:
+        if backend == "cudnn":
             return torch.ops.aten._scaled_dot_product_cudnn_attention(
                 query, key, value, mask, lse, float(dropout_p), bool(is_causal), False, scale=scale)[0]
-        if backend == "efficient" and same_heads:
-            return torch.ops.aten._scaled_dot_product_efficient_attention(
-                query, key, value, mask, lse, float(dropout_p), bool(is_causal), scale=scale)[0]
-        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, enable_gqa=enable_gqa)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(   # "efficient"
+            query, key, value, mask, lse, float(dropout_p), bool(is_causal), scale=scale)[0]
     sdpa.__wrapped__ = original
     return sdpa
 

@@ -3,14 +3,16 @@ scaled-dot-product-attention variants an older torch's registry lacks, torch's o
 (``sdpa_flop_count``, ``sdpa_backward_flop_count``) applied to the op's shapes.
 
 NB: torch 2.15's registry has ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (the
-kernels ``F.scaled_dot_product_attention`` runs on a CPU, so on the fake engine following this CPU, and
-for grouped-query attention on the fake CUDA target too: ``fake_cuda._cuda_sdpa``); torch 2.11's
-(Colab's, gpulab's floor) has no entry for them, so a count there scores that attention 0. Where the
-installed registry lacks them, they are counted as 2.15's registry counts them (``sdpa_flop`` and
-``sdpa_backward_flop`` in torch/utils/flop_counter.py): grouped-query k/v (``enable_gqa``: fewer k/v
+kernels ``F.scaled_dot_product_attention`` runs on a CPU, so on the fake engine following this CPU);
+torch 2.11's (Colab's, gpulab's floor) has no entry for them, so a count there scores that attention 0.
+Where the installed registry lacks them, they are counted as 2.15's registry counts them (``sdpa_flop``
+and ``sdpa_backward_flop`` in torch/utils/flop_counter.py): grouped-query k/v (``enable_gqa``: fewer k/v
 heads than the query's) counted at the query's heads, as 2.15's ``sdpa_flop_count`` does and the kernel
 broadcasts them; 2.11's ``sdpa_flop_count`` asserts equal heads, so the k/v shapes it is given carry the
-query's heads. Causal masking is not modelled, as in torch's formulas (an upper bound).
+query's heads. The CUDA ops (flash, memory-efficient, cuDNN and their backwards), which the fake CUDA
+target gives grouped-query k/v as they are (``fake_cuda._cuda_sdpa``), are in both registries; where the
+installed ``sdpa_flop_count`` refuses fewer k/v heads (``_counts_grouped_query``), they are counted the
+same way instead. Causal masking is not modelled, as in torch's formulas (an upper bound).
 
 NB: no torch release read (2.11, 2.15) has a formula for ``aten._grouped_mm`` (the grouped GEMM that
 transformers' default MoE experts implementation runs, ``grouped_mm_experts_forward`` in
@@ -113,6 +115,26 @@ _FORMULAS = {
                           "from the shapes; torch 2.11 and 2.15 have none)"),
 }
 _MISSING = [name for name in _FORMULAS if hasattr(_aten, name) and getattr(_aten, name) not in flop_registry]
+
+
+def _counts_grouped_query() -> bool:
+    """Whether this torch's ``sdpa_flop_count`` takes k/v with fewer heads than q (2.15's does; 2.11's
+    asserts equal heads)."""
+    try:
+        sdpa_flop_count((1, 2, 1, 8), (1, 1, 1, 8), (1, 1, 1, 8))
+    except AssertionError:
+        return False
+    return True
+
+
+if not _counts_grouped_query():   # the CUDA ops' registry formulas would refuse grouped-query shapes
+    for _op in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                "_scaled_dot_product_cudnn_attention"):
+        _FORMULAS[_op] = (sdpa_forward_flops, "torch 2.15's sdpa_flop, grouped-query k/v at the query's heads "
+                                              "(this torch's asserts equal heads)")
+        _FORMULAS[_op + "_backward"] = (sdpa_backward_flops, "torch 2.15's sdpa_backward_flop, grouped-query k/v at "
+                                                             "the query's heads (this torch's asserts equal heads)")
+        _MISSING += [_op, _op + "_backward"]
 # the formulas (on shapes, as ``FlopCounterMode(custom_mapping=...)`` takes them) this torch's registry lacks
 ADDED_FORMULAS: dict = {getattr(_aten, name): _FORMULAS[name][0] for name in _MISSING}
 ADDED_SOURCES: dict[str, str] = {name: _FORMULAS[name][1] for name in _MISSING}   # op name -> whose formula
@@ -123,7 +145,9 @@ _ADDED_RAW = {op: shape_wrapper(f) for op, f in ADDED_FORMULAS.items()}
 def flop_formula(packet) -> Callable | None:
     """The formula for an op (its ``OpOverloadPacket``), called as the registry's are:
     ``f(*args, **kwargs, out_val=out)``; None where neither the registry nor ``ADDED_FORMULAS`` has one."""
+    if packet in _ADDED_RAW:   # gpulab's formula where the registry's lacks the op or its grouped-query shapes
+        return _ADDED_RAW[packet]
     f = flop_registry.get(packet)
     if f is None and packet._qualified_op_name.startswith("gpulab::"):
         return _GPULAB_OPS[packet._qualified_op_name][0]
-    return f if f is not None else _ADDED_RAW.get(packet)
+    return f

@@ -356,7 +356,7 @@ class StepTime:
         """The ops counted by a formula gpulab adds, each with its source, and the ops the step met
         without a FLOP formula, named with their calls (the uncounted compute kinds first, on a line of
         their own)."""
-        out = [f"  FLOPs of {n} ({c} calls) by {ADDED_SOURCES[n]}, not in {_WHERE}"
+        out = [f"  FLOPs of {n} ({c} calls) by {ADDED_SOURCES[n]}, where {_WHERE} has none that fits"
                for n, c in self.added_formulas.items()]
         if not self.no_formula:
             return out

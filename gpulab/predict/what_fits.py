@@ -1,12 +1,14 @@
 """``what_fits``: when a training recipe does not fit a card, the recipes that do, each confirmed
-by a fake run.
+by a fake run (or derived, event for event, from one).
 
 Each candidate changes the asked recipe in one way people reach for (a smaller loss working set,
 the optimizer stepped in backward, bf16, 8-bit optimizer state, selective then full activation
 checkpointing, LoRA, QLoRA), and is run at the asked batch on the fake engine (CUDA's kernels) and
-replayed through the simulated caching allocator against the card less the CUDA context, as ``gpulab fit`` checks a
-batch. If no single change fits, the changes are stacked in order of what they cost until the stack
-fits. Candidates are ranked by that cost: first what changes nothing of the result (the loss in
+replayed through the simulated caching allocator against the card less the CUDA context, as ``gpulab fit``
+checks a batch. 8-bit AdamW state changes only the optimizer's tensors: where the same recipe with AdamW
+was run here, its timeline is derived from that run's (``predict.eight_bit_timeline``: the 8-bit run's,
+event for event) and replayed, with no fake run of its own. If no single change fits, the changes are
+stacked in order of what they cost until the stack fits. Candidates are ranked by that cost: first what changes nothing of the result (the loss in
 chunks, the step in backward), then precision (bf16, 8-bit state), then compute (recomputing
 activations), then what is trained (LoRA, then QLoRA's 4-bit base).
 """
@@ -21,7 +23,7 @@ import torch
 from gpulab.measure.cuda_card import current_target
 from gpulab.measure.engines import LABEL_FAKE_CUDA, LABEL_SIMULATED
 from gpulab.models.workload import resolve_workload
-from gpulab.predict import run_cache
+from gpulab.predict import eight_bit_timeline, run_cache
 from gpulab.predict.cards import follows_card
 from gpulab.predict.fit import _place, _target, tracked_at_depth, verdict
 from gpulab.predict.progress import Progress, report
@@ -125,6 +127,10 @@ class WhatFits:
         return html_table(["recipe", "reserved (simulated)", "saved", "", "what it costs"], rows, repr(self))
 
 
+def _frozen(changes: dict[str, Any]) -> tuple:
+    return tuple(sorted((k, repr(v)) for k, v in changes.items()))
+
+
 def _applies(c: Candidate, asked: dict[str, Any], kind: str, causal: bool) -> bool:
     if c.changes.get("chunked_loss") and not causal:
         return False
@@ -139,6 +145,25 @@ def _applies(c: Candidate, asked: dict[str, Any], kind: str, causal: bool) -> bo
     if c.changes.get("optimizer_in_backward") and (asked["accumulate"] > 1 or asked["clip_grad_norm"]):
         return False
     return all(asked.get(k) != v for k, v in c.changes.items())
+
+
+def _stacks(candidates: list[Candidate], attempt, asked_reserved: int) -> list[Tried]:
+    """The candidates stacked, cheapest first, each stack tried (``attempt(changes, name)``) until one fits;
+    a candidate that sets what an earlier one set replaces it (full checkpointing the selective kind,
+    QLoRA plain LoRA)."""
+    chosen: list[Candidate] = []
+    tried: list[Tried] = []
+    for c in candidates:
+        chosen = [c2 for c2 in chosen if not set(c2.changes) <= set(c.changes)] + [c]
+        if len(chosen) < 2:
+            continue
+        stacked = {k: v for c2 in chosen for k, v in c2.changes.items()}
+        reserved, fits = attempt(stacked, " + ".join(c2.name for c2 in chosen))
+        tried.append(Tried(" + ".join(c2.name for c2 in chosen), "all of: " + "; ".join(c2.cost for c2 in chosen),
+                           stacked, reserved, fits, asked_reserved - reserved))
+        if fits:
+            break
+    return tried
 
 
 @follows_card   # the candidates' fake runs follow the card's kernels, as fit's do
@@ -167,13 +192,22 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
         opts = {**defaults, **{k: v for k, v in changes.items() if k not in ("optimizer", "dtype")}}
         return user_recipe(changes.get("optimizer", optimizer), amp, **opts)
 
+    bases: dict[tuple, Any] = {}   # the AdamW runs an 8-bit AdamW candidate's timeline is derived from
+
     def attempt(changes: dict[str, Any], name: str = "the asked recipe") -> tuple[int, bool]:
         recipe = recipe_of(changes)
         check_recipe_for(recipe, w)
         dt = parse_dtype(changes["dtype"]) if "dtype" in changes else base_dt
-        report(progress, len(tried) / (len(CANDIDATES) + 2), f"what fits at batch {batch}: {name}, a fake run "
-               f"replayed through the simulated caching allocator")
-        t, _ = tracked_at_depth(w, key, batch, dt, recipe, target, place.timed)   # timed: read by the time below
+        base = {k: v for k, v in changes.items() if k != "optimizer"}
+        t = eight_bit_timeline.derive(bases[_frozen(base)], recipe.optimizer_in_backward) \
+            if changes.get("optimizer") == "adamw8bit" and _frozen(base) in bases else None
+        report(progress, len(tried) / (len(CANDIDATES) + 2), f"what fits at batch {batch}: {name}, "
+               + ("derived from its AdamW run's timeline (predict.eight_bit_timeline)" if t is not None else
+                  "a fake run") + " replayed through the simulated caching allocator")
+        if t is None:
+            t, _ = tracked_at_depth(w, key, batch, dt, recipe, target, place.timed)   # timed: read by the time below
+            if eight_bit_timeline.derivable(recipe):
+                bases[_frozen(changes)] = t
         return verdict(t, usable)   # what it needs on a card without a limit, when it fails
 
     tried: list[Tried] = []
@@ -192,19 +226,7 @@ def what_fits(model: Any, gpu: Any, *, batch: int = 1, optimizer: str = "adamw",
         reserved, fits = attempt(c.changes, c.name)
         tried.append(Tried(c.name, c.cost, c.changes, reserved, fits, asked_reserved - reserved))
     if not any(t.fits for t in tried):   # stack them, cheapest first, until the stack fits
-        chosen: list[Candidate] = []
-        for c in usable_candidates:
-            # a candidate that sets what an earlier one set replaces it (full checkpointing the
-            # selective kind, QLoRA plain LoRA)
-            chosen = [c2 for c2 in chosen if not set(c2.changes) <= set(c.changes)] + [c]
-            if len(chosen) < 2:
-                continue
-            stacked = {k: v for c2 in chosen for k, v in c2.changes.items()}
-            reserved, fits = attempt(stacked, " + ".join(c2.name for c2 in chosen))
-            tried.append(Tried(" + ".join(c2.name for c2 in chosen), "all of: " + "; ".join(c2.cost for c2 in chosen),
-                               stacked, reserved, fits, asked_reserved - reserved))
-            if fits:
-                break
+        tried += _stacks(usable_candidates, attempt, asked_reserved)
     asked_time, time_note = None, ""
     if predict_time:
         from gpulab.predict.plan_time import Runs, time_candidates

@@ -16,6 +16,7 @@ A change of a control or another run stops timings in flight (they are for setti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections import OrderedDict
@@ -60,9 +61,15 @@ def compute_checkpoint_memory(n_blocks: int, width: int, batch: int, segments: s
 
 
 def predict_checkpoint_peak(params: dict[str, Any]) -> int:
-    """The fake engine's peak without checkpointing (k = 1), the largest of the sweep."""
-    r = checkpoint_sweep(int(params["n_blocks"]), int(params["width"]), int(params["batch"]), [1], "fake")
-    return r.baseline.peak_bytes
+    """The fake engine's peak without checkpointing (k = 1), the largest of the sweep: the guard's
+    prediction before every run, worked out once per N, width and batch (a fake run's bytes depend on
+    nothing else; the segments, timed rounds and engine controls move without it)."""
+    return _fake_baseline_peak(int(params["n_blocks"]), int(params["width"]), int(params["batch"]))
+
+
+@functools.lru_cache(maxsize=64)
+def _fake_baseline_peak(n_blocks: int, width: int, batch: int) -> int:
+    return checkpoint_sweep(n_blocks, width, batch, [1], "fake").baseline.peak_bytes
 
 
 def recorded_checkpoint(result: CheckpointResult) -> RecordLookup:

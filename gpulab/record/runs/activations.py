@@ -7,6 +7,8 @@ claims and the views, and ``gpulab record`` stores ``forward_table_as_dict`` /
 """
 from __future__ import annotations
 
+import contextlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -15,14 +17,14 @@ from torch import nn
 
 from gpulab.measure.engines import Measurement, RunContext, run
 from gpulab.predict.breakdown import flops_by_formula
-from gpulab.models.registry import ModelSpec, build_model
+from gpulab.models.registry import ModelSpec, build_model, build_model_from
 from gpulab.categories import CATEGORIES, Category
 from gpulab.record.kinds import record_kind
 from gpulab.units import parse_dtype
 from gpulab.models.registry import resolve_model
 
 __all__ = [
-    "ACTIVATION_SIDE", "DEPTHWISE_BLOCKS", "LayerOut", "NON_PARAM", "build_in", "depthwise_as_dict",
+    "ACTIVATION_SIDE", "DEPTHWISE_BLOCKS", "LayerOut", "NON_PARAM", "TEMPLATE_BYTES", "build_in", "cpu_model", "depthwise_as_dict",
     "depthwise_experiment", "forward_allocated", "forward_experiment", "forward_pair_as_dict",
     "forward_table_as_dict", "forward_table_experiment", "live", "modelsize_as_dict",
     "peak_non_param", "peak_since", "record_depthwise", "record_forward_pair",
@@ -113,7 +115,7 @@ def remove(handles) -> None:
 def forward_table_experiment(spec: ModelSpec, batch: int, size: int, dt: torch.dtype):
     """One eval-mode forward under ``no_grad``, traced (an experiment for ``engines.run``)."""
     def experiment(ctx: RunContext) -> dict[str, Any]:
-        net = build_model(spec, size, device=ctx.device, dtype=dt).eval()
+        net = _fresh_model(spec, size, dt, ctx).eval()
         x = ctx.label(torch.randn(batch, 3, size, size, device=ctx.device, dtype=dt))
         rows: list[LayerOut] = []
         handles = trace(net, x, rows)
@@ -132,13 +134,55 @@ def forward_allocated(m: Measurement) -> int:
     return sum(e.nbytes for e in m.tracking.events if e.kind == "alloc" and e.phase == "forward")
 
 
+# A real CPU run draws its model's random weights afresh: AlexNet's 61 M in fp16 take about as long
+# as its forward (lesson 03's model-size panel builds each model twice per setting). ``cpu_model``
+# draws them once per model, image size and dtype and copies them into each fresh build instead; the
+# templates kept take at most TEMPLATE_BYTES (the two half-precision AlexNets fit), oldest dropped first.
+TEMPLATE_BYTES = 256 * 2**20
+_templates: OrderedDict[tuple, nn.Module] = OrderedDict()
+
+
+def cpu_model(spec: ModelSpec, size: int, dt: torch.dtype, ctx: RunContext | None = None) -> nn.Module:
+    """A fresh ``build_model(spec, size, "cpu", dt)``, built the same way (the same storages in the same
+    order, which a tracker sees), its values copied from a template drawn once (``build_model_from``).
+    ``ctx``: the run it is for; its tracker is paused while a template is drawn (no run holds it). The
+    initialisers are skipped by a patch of torch.Tensor's methods while the model is built, inside the
+    run's tracker: under ``TRACKER_LOCK``, which every thread that measures or times takes too."""
+    key = (spec, size, dt)
+    template = _templates.get(key)
+    if template is None:
+        with ctx.tracker.paused() if ctx is not None else contextlib.nullcontext():
+            if _bytes_of(build_model(spec, size, device="meta", dtype=dt)) > TEMPLATE_BYTES:
+                template = None
+            else:
+                template = build_model(spec, size, device="cpu", dtype=dt)
+        if template is None:   # too large to keep: drawn afresh each time, as before
+            return build_model(spec, size, device="cpu", dtype=dt)
+        _templates[key] = template
+        while sum(_bytes_of(m) for m in _templates.values()) > TEMPLATE_BYTES:
+            _templates.popitem(last=False)
+    _templates.move_to_end(key)
+    return build_model_from(template, spec, size, device="cpu", dtype=dt)
+
+
+def _fresh_model(spec: ModelSpec, size: int, dt: torch.dtype, ctx: RunContext) -> nn.Module:
+    """The run's model: on the cpu engine (a real run) its weights' values copied (``cpu_model``)."""
+    if ctx.engine == "cpu":
+        return cpu_model(spec, size, dt, ctx)
+    return build_model(spec, size, device=ctx.device, dtype=dt)
+
+
+def _bytes_of(net: nn.Module) -> int:
+    return sum(t.untyped_storage().nbytes() for t in (*net.parameters(), *net.buffers()))
+
+
 def forward_experiment(spec: ModelSpec, batch: int, size: int, dt: torch.dtype, grad: bool, backward: bool = False):
     """A traced forward (train mode with grad, or eval mode under no_grad); with ``backward``
     also ``out.sum().backward()``, recording the peak of the non-weight memory during it."""
     def experiment(ctx: RunContext) -> dict[str, Any]:
         dev = str(ctx.device)
         with ctx.phase("setup"):
-            net = build_model(spec, size, device=ctx.device, dtype=dt)
+            net = _fresh_model(spec, size, dt, ctx)
             net.train(grad)
             x = ctx.label(torch.randn(batch, 3, size, size, device=ctx.device, dtype=dt))
             ctx.tracker.register(model=net)
