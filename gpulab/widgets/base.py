@@ -361,8 +361,9 @@ def fit_lengths(control, most: int | None, shortest: int = 64, longest: int = 20
     """Offer on ``control`` (a selection slider of powers of two) only the lengths from ``shortest`` that a
     model with ``most`` positions takes (its config's: tiny-llama and tiny-gpt2 take 256; ``None``: no limit
     but ``longest``), keeping the chosen length when it still fits and the longest that fits otherwise, so
-    that the slider never reads a length the model refuses."""
-    choices = [v for v in (2 ** i for i in range(16)) if shortest <= v <= min(most or longest, longest)]
+    that the slider never reads a length the model refuses (a model with fewer positions than ``shortest``
+    is offered ``shortest`` alone, which its panel then refuses in one line)."""
+    choices = [v for v in (2 ** i for i in range(16)) if shortest <= v <= min(most or longest, longest)] or [shortest]
     keep = control.value if control.value in choices else choices[-1]
     if list(control.options) != choices:
         control.options = choices

@@ -14,7 +14,7 @@ from gpulab.widgets.base import Panel, check_control_value, dropdown, fit_length
 
 __all__ = [
     "ACTIVATION_MODELS", "SERVING_DTYPES", "SERVING_MODELS", "activation_seq_panel",
-    "compute_activations", "compute_serving", "fit_lengths", "model_positions", "render_activations", "render_serving",
+    "compute_activations", "compute_serving", "model_positions", "render_activations", "render_serving",
     "serving_panel", "sweep_lengths"
 ]
 

@@ -26,7 +26,7 @@ import ipywidgets as W
 from gpulab.course.whatif import (RECOMPUTE, WHATIF_MODELS, WHATIF_OPTIMIZERS, WHATIF_PRECISIONS, WhatIfFormula,
                                   WhatIfMeasured, compare_html, explain, whatif_formula, whatif_measured, model_shape)
 from gpulab.predict.cards import card_names
-from gpulab.widgets.base import MEASURE_LOCK, check_control_value, dropdown
+from gpulab.widgets.base import MEASURE_LOCK, check_control_value, dropdown, fit_lengths
 from gpulab.widgets.gc_scope import old_objects_frozen
 
 __all__ = ["DEBOUNCE_S", "WhatIfPanel", "whatif_panel"]
@@ -115,16 +115,8 @@ class WhatIfPanel:
         return self
 
     def _fit_sequence(self, model: str) -> None:
-        """The sequence slider offers what the model takes (tiny-llama: 256 positions), keeping the
-        chosen length when it still fits and the longest that fits otherwise: the slider never shows a
-        length the model refuses."""
-        most = model_shape(model)["max_positions"] or SEQ_CHOICES[-1]
-        seq = self.controls["seq_len"]
-        choices = [s for s in SEQ_CHOICES if s <= most] or [SEQ_CHOICES[0]]
-        keep = seq.value if seq.value in choices else choices[-1]
-        if list(seq.options) != choices:
-            seq.options = choices
-            seq.value = keep
+        """The sequence slider offers what the model takes (tiny-llama: 256 positions): ``fit_lengths``."""
+        fit_lengths(self.controls["seq_len"], model_shape(model)["max_positions"], SEQ_CHOICES[0], SEQ_CHOICES[-1])
 
     # ---- the formula side ---------------------------------------------------------------------------
     def update_formula(self) -> WhatIfFormula | None:
